@@ -1,0 +1,113 @@
+// residency: the Backend interface, everything a platform must do, in one list.
+//
+// The manager (src/core) decides *what* should be resident and *when*: set layout, budget,
+// keep-alive. A backend only does it: it groups regions into sets and requests or ends the
+// residency of a set as a unit, because that is how every platform we serve works
+// (MTL::ResidencySet; a set of mlock'd ranges; a group of CUDA VMM mappings). The core never
+// asks which backend it has; it asks capabilities().
+//
+// Calling rules: the manager calls every method with its own mutex held, from one thread at a
+// time, so a backend needs no locking of its own for these calls. add_region / remove_region
+// are staged and take effect at commit(); the manager commits each touched set once per batch.
+// Methods never throw and never abort: failures come back as Status, with a message that says
+// what failed and what to do.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "residency/clock.hpp"
+#include "residency/status.hpp"
+
+namespace residency {
+
+// What the memory holds, which decides what release may do with it.
+enum class RegionClass : std::uint8_t {
+  weights = 0,   // must be preserved across a release
+  kv_cache = 1,  // may be discarded on release where the backend supports it
+  scratch = 2,   // may be discarded on release where the backend supports it
+};
+const char* to_string(RegionClass c) noexcept;
+
+using RegionId = std::uint64_t;  // 0 is never a valid id
+using SetId = std::uint32_t;     // chosen by the manager, dense from 0
+
+// A region as the backend sees it.
+struct RegionDesc {
+  RegionId id = 0;
+  void* base = nullptr;  // host address, or the device address of a backend allocation
+  std::size_t size = 0;  // bytes
+  RegionClass cls = RegionClass::weights;
+  bool backend_allocated = false;  // made by Backend::allocate (device memory), not by the caller
+  void* backend_object = nullptr;  // optional handle the engine passed (e.g. an MTL::Buffer*)
+};
+
+struct Capabilities {
+  std::string name;              // "posix", "sim", "metal", "cuda", ...
+  bool needs_refresh = false;    // residency requests decay and must be repeated while in use
+  Nanos refresh_period{0};       // how often, when needs_refresh
+  std::uint32_t max_sets = 0;    // most sets the backend accepts at once; 0 = no limit
+  bool supports_discard = false; // kv_cache / scratch can be dropped on release (no copy)
+  bool can_allocate = false;     // allocate() / deallocate() are implemented
+};
+
+// Sizes in bytes. 0 means "unknown" for every field but hard_limit, where 0 means "none".
+struct MemoryInfo {
+  std::uint64_t physical = 0;             // RAM, or device memory for a discrete GPU
+  std::uint64_t recommended_working_set = 0;  // what one process should keep resident at most
+  std::uint64_t available = 0;            // what could be made resident now without pressure
+  std::uint64_t allocated = 0;            // currently allocated by this process on the backend
+  std::uint64_t wired = 0;                // currently wired/locked/mapped for this process
+  std::uint64_t hard_limit = 0;           // most that may be wired (RLIMIT_MEMLOCK); 0 = none
+  std::string hard_limit_name;            // e.g. "RLIMIT_MEMLOCK", for messages
+  std::string hard_limit_fix;             // how to raise it, for messages
+};
+
+// The result of an operation over a set: regions that could not be made resident stay
+// tracked-but-unwired, the rest of the set is resident. `status` explains the first failure.
+struct SetOutcome {
+  Status status;
+  std::vector<RegionId> failed;
+  bool ok() const { return status.is_ok() && failed.empty(); }
+};
+
+class Backend {
+ public:
+  virtual ~Backend() = default;
+
+  // What this backend is and can do. Constant for the backend's life.
+  virtual Capabilities capabilities() const = 0;
+  // Current memory figures; called at start-up and for limits, warnings and stats.
+  virtual MemoryInfo memory_info() = 0;
+
+  // (optional) Allocates `size` bytes of backend memory (device memory) that the backend can
+  // release and restore at the same address. Default: unsupported.
+  virtual Result<void*> allocate(std::size_t size, RegionClass cls);
+  // (optional) Frees what allocate() returned, resident or not.
+  virtual void deallocate(void* base);
+
+  // Creates an empty set that will hold up to about `capacity_bytes` (a hint).
+  virtual Status create_set(SetId set, std::uint64_t capacity_bytes) = 0;
+  // Ends the set's residency if requested, empties and destroys it.
+  virtual void destroy_set(SetId set) = 0;
+  // Stages a region's entry into / exit from a set; effective at commit().
+  virtual void add_region(SetId set, const RegionDesc& region) = 0;
+  virtual void remove_region(SetId set, RegionId region) = 0;
+  // Applies the staged changes. If the set's residency is requested, added regions become
+  // resident now and removed ones stop being resident (unless another set holds them).
+  virtual SetOutcome commit(SetId set) = 0;
+  // Makes every region of the set resident (re-wiring what was released: the re-wire cost).
+  virtual SetOutcome request_residency(SetId set) = 0;
+  // Gives the set's memory back. Weights are preserved; kv_cache / scratch may be discarded
+  // when supports_discard.
+  virtual void end_residency(SetId set) = 0;
+  // (optional) Repeats a residency request that decays (needs_refresh). Default: request.
+  virtual SetOutcome refresh(SetId set);
+  // (optional) Called once after a release of one or more sets, e.g. the tiny GPU operation
+  // without which Metal keeps ended sets wired. Default: nothing.
+  virtual void after_release();
+};
+
+}  // namespace residency

@@ -1,0 +1,96 @@
+// residency: configuration, and the strict parsers behind RESIDENCY_* variables.
+//
+// One KeepAlive value covers every peer's policy: a duration (llama.cpp's 180 s), 0 (mlx-lm's
+// wired-only-while-generating), forever (mlx_lm.server) and off (GGML_METAL_NO_RESIDENCY).
+// Parsing is strict on purpose: llama.cpp reads its keep-alive with atoi, so "0", "-1" and
+// "abc" all silently become 180 s. Here every bad value is one error that names the variable,
+// the value and the forms that are accepted, and nothing falls back silently.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "residency/clock.hpp"
+#include "residency/status.hpp"
+
+namespace residency {
+
+enum class LogLevel : std::uint8_t { error = 0, warn = 1, info = 2, debug = 3 };
+const char* to_string(LogLevel l) noexcept;
+
+enum class Layout : std::uint8_t {
+  per_buffer,  // one set per registered region (llama.cpp)
+  sharded,     // sets capped at set_max_pct % of the working set, at most 32 (MLX)
+};
+const char* to_string(Layout l) noexcept;
+
+struct KeepAlive {
+  enum class Kind : std::uint8_t {
+    duration,  // resident from use until `duration` after the last touch()
+    zero,      // resident only inside Manager::use() scopes
+    forever,   // resident until the manager is destroyed
+    off,       // no residency management at all (the baseline)
+  };
+  Kind kind = Kind::duration;
+  Nanos duration = std::chrono::seconds(180);
+
+  static KeepAlive after(Nanos d) { return {d.count() == 0 ? Kind::zero : Kind::duration, d}; }
+  static KeepAlive zero() { return {Kind::zero, Nanos(0)}; }
+  static KeepAlive forever() { return {Kind::forever, Nanos(0)}; }
+  static KeepAlive off() { return {Kind::off, Nanos(0)}; }
+  // "180 s", "500 ms", "0", "forever", "off": the form used in logs.
+  std::string to_string() const;
+  bool operator==(const KeepAlive&) const = default;
+};
+
+// Accepted: a number with unit ns, us, ms, s, m, h (e.g. "500ms", "180s", "3m", "1.5h"); a
+// bare number = seconds; "0"; "forever" or any negative number; "off". Durations up to 100
+// years; no overflow.
+Result<KeepAlive> parse_keep_alive(std::string_view text);
+
+// Accepted: an integer or decimal number of bytes with an optional unit B, KiB, MiB, GiB, TiB
+// (powers of 1024), KB, MB, GB, TB (powers of 1000), K, M, G, T (= KiB...). Up to 2^63 bytes.
+Result<std::uint64_t> parse_size(std::string_view text);
+// "1.5 GiB", "512 MiB", "4 KiB", "100 B": the form used in logs and messages.
+std::string format_size(std::uint64_t bytes);
+
+struct WiredLimit {
+  bool is_percent = false;
+  std::uint64_t bytes = 0;   // when !is_percent
+  double percent = 0;        // of the recommended working set, when is_percent (0 < p <= 100)
+  // The limit in bytes for a backend whose recommended working set is `recommended`.
+  std::uint64_t resolve(std::uint64_t recommended) const;
+  std::string to_string() const;
+};
+// Accepted: a size (see parse_size) or a percent of the recommended working set ("75%").
+Result<WiredLimit> parse_wired_limit(std::string_view text);
+
+Result<Layout> parse_layout(std::string_view text);       // "per_buffer" | "sharded"
+Result<LogLevel> parse_log_level(std::string_view text);  // "error" | "warn" | "info" | "debug"
+
+struct Config {
+  KeepAlive keep_alive;                    // default 180 s
+  std::optional<WiredLimit> wired_limit;   // default: the recommended working set
+  double set_max_pct = 5.0;                // sharded set cap; <= 0 or >= 100: one set
+  Layout layout = Layout::sharded;
+  bool release_on_pressure = false;        // release early under memory pressure
+  LogLevel log_level = LogLevel::info;
+  std::optional<std::uint64_t> memory_limit;  // cap on tracked bytes; default see DESIGN.md
+  // Notes made while reading the environment (a peer alias used, a variable overriding
+  // another); the manager logs them at start-up.
+  std::vector<std::string> notes;
+
+  using EnvLookup = std::function<const char*(const char* name)>;
+  // Reads RESIDENCY_KEEP_ALIVE, RESIDENCY_WIRED_LIMIT, RESIDENCY_SET_MAX_PCT,
+  // RESIDENCY_LAYOUT, RESIDENCY_RELEASE_ON_PRESSURE, RESIDENCY_LOG and the peer aliases
+  // GGML_METAL_RESIDENCY_KEEP_ALIVE_S, GGML_METAL_NO_RESIDENCY, MLX_RESIDENCY_SET_MAX_PCT,
+  // MLX_RESIDENCY_DEBUG. On error the message has one line per bad variable.
+  static Result<Config> from_env();
+  static Result<Config> from_env(const EnvLookup& getenv);
+};
+
+}  // namespace residency

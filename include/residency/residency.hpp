@@ -1,0 +1,167 @@
+// residency: keep an inference engine's model memory resident while requests flow, give it
+// back after an idle keep-alive or under memory pressure, never exceed a budget.
+//
+// The Manager tracks regions (weights, KV cache, scratch), groups them into sets that a
+// Backend makes resident as a unit, admits into those sets only what fits the wired budget,
+// and drives residency by a keep-alive policy. The one design decision that shapes it: the
+// engine's hot path is touch(), one atomic store and one atomic load, and all the timing work
+// is done by a scheduler thread that sleeps until its next deadline, so an idle process is
+// woken zero times (llama.cpp's heartbeat wakes 200 times a second, forever).
+//
+// Thread safety: every method may be called from any thread. Backend calls are serialised
+// under one mutex; touch() takes it only when memory must be re-wired.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string_view>
+
+#include "residency/backend.hpp"
+#include "residency/clock.hpp"
+#include "residency/config.hpp"
+#include "residency/status.hpp"
+
+namespace residency {
+
+using LogCallback = std::function<void(LogLevel level, std::string_view message)>;
+// Writes "residency: <level>: <message>" lines to stderr.
+void log_to_stderr(LogLevel level, std::string_view message);
+
+struct ManagerOptions {
+  Config config;
+  std::shared_ptr<Backend> backend;  // required; shared so it outlives every manager using it
+  Clock* clock = nullptr;            // default: SteadyClock::instance(); must outlive the manager
+  LogCallback log;                   // default: log_to_stderr, filtered by config.log_level
+  bool start_scheduler = true;       // false: nothing runs on its own; call run_due() (tests)
+};
+
+struct Stats {
+  std::uint64_t tracked_bytes = 0;   // every registered region
+  std::uint64_t admitted_bytes = 0;  // regions inside a set (within the wired budget)
+  std::uint64_t wired_bytes = 0;     // admitted bytes whose residency is requested now
+  std::uint64_t pending_bytes = 0;   // tracked but left out of every set (over the budget)
+  std::uint64_t wired_limit = 0;     // the budget in bytes
+  std::uint32_t regions = 0;
+  std::uint32_t sets = 0;
+  bool resident = false;             // residency currently requested
+  std::uint64_t commits = 0;         // Backend::commit calls
+  std::uint64_t residency_requests = 0;  // Backend::request_residency + refresh calls
+  std::uint64_t releases = 0;        // times residency was given back (keep-alive, pressure, scope)
+  std::uint64_t rewires = 0;         // times released memory was made resident again
+  Nanos rewire_time{0};              // total time spent in those re-wires
+  std::uint64_t scheduler_wakeups = 0;  // times the scheduler thread returned from a wait
+  std::uint64_t wire_failures = 0;   // regions the backend could not make resident
+};
+
+class Manager;
+
+// RAII use of the memory: resident from construction to destruction. At destruction the
+// caller's synchronize function runs first (wait for the GPU), then, under keep-alive 0, the
+// memory is released when the last scope ends. Under other policies a scope counts as a use
+// that lasts as long as the scope. The manager must outlive its scopes.
+class UseScope {
+ public:
+  UseScope() = default;
+  UseScope(UseScope&& o) noexcept;
+  UseScope& operator=(UseScope&& o) noexcept;
+  UseScope(const UseScope&) = delete;
+  UseScope& operator=(const UseScope&) = delete;
+  ~UseScope();
+  // Status of the wiring done when the scope began (ok when the memory is resident).
+  const Status& status() const { return status_; }
+
+ private:
+  friend class Manager;
+  UseScope(Manager* m, std::function<void()> sync, Status st);
+  void end();
+  Manager* manager_ = nullptr;
+  std::function<void()> synchronize_;
+  Status status_;
+};
+
+// RAII batch: membership changes made while a batch is open are committed once per touched
+// set when the (outermost) batch ends, instead of once per call.
+class Batch {
+ public:
+  Batch(Batch&& o) noexcept : manager_(o.manager_) { o.manager_ = nullptr; }
+  Batch(const Batch&) = delete;
+  Batch& operator=(const Batch&) = delete;
+  Batch& operator=(Batch&&) = delete;
+  ~Batch();
+
+ private:
+  friend class Manager;
+  explicit Batch(Manager* m) : manager_(m) {}
+  Manager* manager_ = nullptr;
+};
+
+struct Allocation {
+  RegionId id = 0;
+  void* ptr = nullptr;
+};
+
+class Manager {
+ public:
+  // Validates the configuration against the backend (a wired limit above the recommended
+  // working set is an error), logs the start-up lines and starts the scheduler.
+  static Result<std::unique_ptr<Manager>> create(ManagerOptions options);
+  // Stops the scheduler at once, releases every set and reports regions still registered
+  // as a warning. Never aborts.
+  ~Manager();
+  Manager(const Manager&) = delete;
+  Manager& operator=(const Manager&) = delete;
+
+  // Tracks [base, base+size). Admitted into a set if it fits the wired budget, else pending.
+  // Registration counts as a use (the engine is loading the model). Errors: size 0, overlap
+  // with a tracked region, tracked bytes over the memory limit.
+  Result<RegionId> register_region(void* base, std::size_t size,
+                                   RegionClass cls = RegionClass::weights, int priority = 0,
+                                   void* backend_object = nullptr);
+  // Allocates backend memory (e.g. CUDA device memory at a stable address) and registers it.
+  Result<Allocation> allocate(std::size_t size, RegionClass cls = RegionClass::weights,
+                              int priority = 0);
+  // Stops tracking (and frees, for allocate()d regions). Pending regions that now fit are
+  // promoted into sets.
+  Status unregister_region(RegionId id);
+  // Marks a region as just used (recency for the budget). Takes the lock; not for hot paths.
+  Status mark_used(RegionId id);
+
+  // Changes the budget: adds what now fits (highest priority, then most recently used) or
+  // removes until under it (lowest priority, least recently used first); one commit per
+  // touched set. Above the recommended working set is an error.
+  Status set_wired_limit(std::uint64_t bytes);
+  std::uint64_t wired_limit() const;
+
+  // The hot path, once per graph compute: lock-free, no system call while the memory is
+  // resident; re-wires synchronously when it was released.
+  void touch() noexcept;
+  // Resident for the scope's life; see UseScope.
+  UseScope use(std::function<void()> synchronize = {});
+  // The system reports memory pressure: with release_on_pressure, release now (except while
+  // a use scope is open) and re-wire on the next use.
+  void notify_memory_pressure();
+  // Gives residency back now, whatever the policy (an engine going to sleep).
+  void release_now();
+
+  Batch batch();
+
+  // For start_scheduler == false: does what is due at clock->now() (expiry, refresh) and
+  // returns the next deadline, or nullopt when nothing is scheduled.
+  std::optional<Nanos> run_due();
+
+  Stats stats() const;
+  const Config& config() const;
+  Capabilities backend_capabilities() const;
+  Backend& backend();
+
+  struct Impl;
+
+ private:
+  friend class UseScope;
+  friend class Batch;
+  explicit Manager(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace residency

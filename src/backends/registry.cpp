@@ -1,0 +1,71 @@
+// The composition root: the one file that knows every backend compiled into this build.
+// Each backend's CMakeLists defines RESIDENCY_HAVE_<NAME> and provides
+// make_<name>_backend() in include/residency/backends/<name>.hpp.
+#include "residency/backends.hpp"
+
+#if RESIDENCY_HAVE_POSIX
+#include "residency/backends/posix.hpp"
+#endif
+#if RESIDENCY_HAVE_SIM
+#include "residency/backends/sim.hpp"
+#endif
+#if RESIDENCY_HAVE_METAL
+#include "residency/backends/metal.hpp"
+#endif
+#if RESIDENCY_HAVE_CUDA
+#include "residency/backends/cuda.hpp"
+#endif
+
+namespace residency {
+
+std::vector<std::string> available_backends() {
+  std::vector<std::string> names;
+#if RESIDENCY_HAVE_CUDA
+  names.emplace_back("cuda");
+#endif
+#if RESIDENCY_HAVE_METAL
+  names.emplace_back("metal");
+#endif
+#if RESIDENCY_HAVE_POSIX
+  names.emplace_back("posix");
+#endif
+#if RESIDENCY_HAVE_SIM
+  names.emplace_back("sim");
+#endif
+  return names;
+}
+
+namespace {
+Result<std::shared_ptr<Backend>> make_named(std::string_view name) {
+#if RESIDENCY_HAVE_CUDA
+  if (name == "cuda") return make_cuda_backend();
+#endif
+#if RESIDENCY_HAVE_METAL
+  if (name == "metal") return make_metal_backend();
+#endif
+#if RESIDENCY_HAVE_POSIX
+  if (name == "posix") return make_posix_backend();
+#endif
+#if RESIDENCY_HAVE_SIM
+  if (name == "sim") return make_sim_backend();
+#endif
+  std::string accepted;
+  for (const auto& n : available_backends()) accepted += (accepted.empty() ? "" : ", ") + n;
+  return Status(ErrorCode::invalid_argument,
+                "unknown backend '" + std::string(name) + "'; this build has: auto, " + accepted);
+}
+}  // namespace
+
+Result<std::shared_ptr<Backend>> make_backend(std::string_view name) {
+  if (name != "auto") return make_named(name);
+  std::string reasons;
+  for (const auto& n : available_backends()) {
+    if (n == "sim") continue;  // never chosen automatically: it is a simulation
+    auto b = make_named(n);
+    if (b) return b;
+    reasons += "\n  " + n + ": " + b.message();
+  }
+  return Status(ErrorCode::unsupported, "no backend works on this machine:" + reasons);
+}
+
+}  // namespace residency

@@ -1,0 +1,61 @@
+// residency: the command-line tool. Subcommands register themselves (command.hpp).
+#include <cstdio>
+#include <map>
+#include <memory>
+#include <vector>
+
+#include "command.hpp"
+
+namespace residency::tool {
+namespace {
+struct Entry {
+  std::string name, help;
+  Command::Setup setup;
+};
+std::vector<Entry>& registry() {
+  static std::vector<Entry> r;
+  return r;
+}
+}  // namespace
+
+Command::Command(std::string name, std::string help, Setup setup) {
+  registry().push_back({std::move(name), std::move(help), std::move(setup)});
+}
+}  // namespace residency::tool
+
+int main(int argc, char** argv) {
+  using namespace residency::tool;
+  CLI::App app{"residency: keep model memory resident while requests flow, and measure what idle costs"};
+  app.require_subcommand(1);
+  std::map<CLI::App*, std::function<int()>> runners;
+  auto& entries = registry();
+  std::sort(entries.begin(), entries.end(), [](const Entry& a, const Entry& b) { return a.name < b.name; });
+  for (auto& e : entries) {
+    CLI::App* sub = app.add_subcommand(e.name, e.help);
+    runners[sub] = e.setup(*sub);
+  }
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::CallForHelp& e) {
+    return app.exit(e);
+  } catch (const CLI::CallForAllHelp& e) {
+    return app.exit(e);
+  } catch (const CLI::ParseError& e) {
+    std::fprintf(stderr, "residency: %s\n", e.what());
+    std::fprintf(stderr, "Run 'residency --help' for the subcommands and 'residency <subcommand> --help' for their options.\n");
+    return kExitBadInput;
+  }
+  for (auto& [sub, run] : runners) {
+    if (!sub->parsed()) continue;
+    try {
+      return run();
+    } catch (const BadInput& e) {
+      std::fprintf(stderr, "residency %s: %s\n", sub->get_name().c_str(), e.what());
+      return kExitBadInput;
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "residency %s: error: %s\n", sub->get_name().c_str(), e.what());
+      return kExitFailure;
+    }
+  }
+  return kExitBadInput;
+}
