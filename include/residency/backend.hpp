@@ -15,6 +15,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -108,6 +109,13 @@ class Backend {
   // (optional) Called once after a release of one or more sets, e.g. the tiny GPU operation
   // without which Metal keeps ended sets wired. Default: nothing.
   virtual void after_release();
+
+  // (optional) Starts watching for system memory pressure (Linux PSI, a Mach memory-pressure
+  // source, ...) and calls `on_pressure` from a backend thread when it is reported. The
+  // manager starts it only with release_on_pressure. Default: unsupported.
+  virtual Status watch_pressure(std::function<void()> on_pressure);
+  // (optional) Stops the watch; on_pressure is not called after this returns.
+  virtual void stop_pressure_watch();
 };
 
 }  // namespace residency
