@@ -7,7 +7,9 @@
 // waiter only when its deadline has been passed, exactly as a timed wait would.
 #pragma once
 
+#include <atomic>
 #include <chrono>
+#include <memory>
 #include <condition_variable>
 #include <cstdint>
 #include <mutex>
@@ -58,14 +60,15 @@ class ManualClock final : public Clock {
 
  private:
   struct Waiter {
+    std::mutex* mutex;  // the waiter's own mutex, held while notifying so no wake-up is lost
     std::condition_variable* cv;
     std::optional<Nanos> deadline;
-    bool woken;
+    bool woken = false;
   };
   void wake_due();
   std::atomic<std::int64_t> now_ns_;
-  mutable std::mutex m_;
-  std::vector<Waiter*> waiters_;
+  mutable std::mutex m_;  // guards waiters_; never held while taking a waiter's mutex
+  std::vector<std::shared_ptr<Waiter>> waiters_;
 };
 
 }  // namespace residency

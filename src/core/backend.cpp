@@ -1,0 +1,20 @@
+// Defaults of the Backend interface's optional methods.
+#include "residency/backend.hpp"
+
+namespace residency {
+
+Result<void*> Backend::allocate(std::size_t, RegionClass) {
+  return Status(ErrorCode::unsupported,
+                capabilities().name + " backend does not allocate memory; register memory you "
+                                      "allocated with register_region() instead");
+}
+void Backend::deallocate(void*) {}
+SetOutcome Backend::refresh(SetId set) { return request_residency(set); }
+void Backend::after_release() {}
+Status Backend::watch_pressure(std::function<void()>) {
+  return Status(ErrorCode::unsupported,
+                capabilities().name + " backend cannot watch memory pressure");
+}
+void Backend::stop_pressure_watch() {}
+
+}  // namespace residency

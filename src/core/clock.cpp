@@ -1,0 +1,82 @@
+#include "residency/clock.hpp"
+
+#include <algorithm>
+
+namespace residency {
+
+Nanos SteadyClock::now() const noexcept {
+  return std::chrono::duration_cast<Nanos>(std::chrono::steady_clock::now().time_since_epoch());
+}
+
+void SteadyClock::wait_until(std::unique_lock<std::mutex>& lock, std::condition_variable& cv,
+                             std::optional<Nanos> deadline) {
+  if (!deadline) {
+    cv.wait(lock);
+    return;
+  }
+  cv.wait_until(lock, std::chrono::steady_clock::time_point(
+                          std::chrono::duration_cast<std::chrono::steady_clock::duration>(*deadline)));
+}
+
+SteadyClock& SteadyClock::instance() {
+  static SteadyClock clock;
+  return clock;
+}
+
+Nanos ManualClock::now() const noexcept { return Nanos(now_ns_.load(std::memory_order_acquire)); }
+
+void ManualClock::wait_until(std::unique_lock<std::mutex>& lock, std::condition_variable& cv,
+                             std::optional<Nanos> deadline) {
+  if (deadline && now() >= *deadline) return;
+  auto w = std::make_shared<Waiter>(Waiter{lock.mutex(), &cv, deadline});
+  {
+    std::lock_guard<std::mutex> g(m_);
+    waiters_.push_back(w);
+  }
+  // A deadline passed between the check above and the registration: advance() may have
+  // looked before we registered, so look again.
+  if (!(deadline && now() >= *deadline)) cv.wait(lock);
+  std::lock_guard<std::mutex> g(m_);
+  waiters_.erase(std::remove(waiters_.begin(), waiters_.end(), w), waiters_.end());
+}
+
+void ManualClock::advance(Nanos d) {
+  now_ns_.fetch_add(d.count(), std::memory_order_acq_rel);
+  wake_due();
+}
+
+void ManualClock::set(Nanos t) {
+  std::int64_t cur = now_ns_.load(std::memory_order_acquire);
+  while (cur < t.count() &&
+         !now_ns_.compare_exchange_weak(cur, t.count(), std::memory_order_acq_rel)) {
+  }
+  wake_due();
+}
+
+int ManualClock::waiters() const {
+  std::lock_guard<std::mutex> g(m_);
+  return static_cast<int>(std::count_if(waiters_.begin(), waiters_.end(),
+                                        [](const auto& w) { return !w->woken; }));
+}
+
+void ManualClock::wake_due() {
+  std::vector<std::shared_ptr<Waiter>> due;
+  {
+    std::lock_guard<std::mutex> g(m_);
+    const Nanos t = now();
+    for (auto& w : waiters_) {
+      if (!w->woken && w->deadline && *w->deadline <= t) {
+        w->woken = true;
+        due.push_back(w);
+      }
+    }
+  }
+  // Taking the waiter's mutex orders this notify after its cv.wait began (it registered with
+  // that mutex held and releases it only inside wait), so the wake-up cannot be lost.
+  for (auto& w : due) {
+    std::lock_guard<std::mutex> g(*w->mutex);
+    w->cv->notify_all();
+  }
+}
+
+}  // namespace residency
