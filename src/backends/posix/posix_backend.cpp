@@ -1,0 +1,376 @@
+// residency posix backend: sets of host ranges made resident with mlock (see
+// include/residency/backends/posix.hpp for why, and lock_table.hpp for the per-page counts).
+#include <sys/mman.h>
+#include <sys/resource.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cinttypes>
+#include <cstdio>
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "backends/posix/lock_table.hpp"
+#include "backends/posix/pressure_watch.hpp"
+#include "backends/posix/proc_info.hpp"
+#include "backends/posix/system_info.hpp"
+#include "residency/backends/posix.hpp"
+#include "residency/config.hpp"
+
+namespace residency {
+namespace {
+
+using posix::AddrRange;
+
+// CAP_SYS_RESOURCE (linux/capability.h): lets a process register PSI triggers with any window.
+constexpr unsigned kCapSysResource = 24;
+
+const char* errno_name(int err) {
+  switch (err) {
+    case ENOMEM: return "ENOMEM";
+    case EPERM: return "EPERM";
+    case EAGAIN: return "EAGAIN";
+    case EINVAL: return "EINVAL";
+    default: return "errno";
+  }
+}
+
+std::string hex_addr(const void* p) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "0x%" PRIxPTR, reinterpret_cast<std::uintptr_t>(p));
+  return buf;
+}
+
+std::string describe_region(const RegionDesc& r) {
+  return "region " + std::to_string(r.id) + " (" + format_size(r.size) + " at " + hex_addr(r.base) + ")";
+}
+
+class PosixBackend final : public Backend {
+ public:
+  explicit PosixBackend(PosixOptions options) : options_(std::move(options)) {
+    const long ps = ::sysconf(_SC_PAGESIZE);
+    page_ = ps > 0 ? static_cast<std::uintptr_t>(ps) : 4096;  // 4 KiB: the POSIX minimum
+  }
+
+  ~PosixBackend() override {
+    watch_.stop();
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto& [id, set] : sets_) end_locked(set);
+  }
+
+  Capabilities capabilities() const override {
+    Capabilities c;
+    c.name = "posix";
+    c.needs_refresh = false;  // mlock holds until munlock: nothing decays
+    c.max_sets = 0;           // a set is our own bookkeeping: no system limit on their number
+    // munlock only makes pages evictable again; it cannot drop a caller's data. Discarding a
+    // KV cache would mean MADV_DONTNEED / MADV_FREE on memory the engine owns and may still
+    // read (zeroed anonymous pages, or nothing at all for a shared file mapping), which is the
+    // engine's decision to make, not the residency layer's. So every class is kept as weights.
+    c.supports_discard = false;
+    c.can_allocate = false;  // host memory is the engine's (malloc, mmap of the model file)
+    return c;
+  }
+
+  MemoryInfo memory_info() override {
+    MemoryInfo mi;
+    const auto sys = posix::read_memory_figures();
+    mi.physical = sys.physical;
+    mi.recommended_working_set = posix_recommended_working_set(sys.limit_base, options_.recommended_pct);
+    mi.available = sys.available;
+    mi.wired = sys.vm_lck;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      mi.allocated = registered_bytes_;
+    }
+    const auto lim = posix::read_memlock_limit();
+    mi.hard_limit = lim.enforced() ? lim.soft : 0;
+    mi.hard_limit_name = "RLIMIT_MEMLOCK";
+    mi.hard_limit_fix = posix::kMemlockFix;
+    return mi;
+  }
+
+  Status create_set(SetId set, std::uint64_t /*capacity_bytes*/) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (sets_.count(set) != 0) {
+      return Status(ErrorCode::invalid_argument, "posix: set " + std::to_string(set) + " already exists");
+    }
+    sets_.emplace(set, Set{});
+    return Status::ok();
+  }
+
+  void destroy_set(SetId set) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = sets_.find(set);
+    if (it == sets_.end()) return;
+    end_locked(it->second);
+    for (auto& [id, m] : it->second.members) unregister(id);
+    sets_.erase(it);
+    staged_.erase(set);
+  }
+
+  // Staged; a set that does not exist makes commit() report it.
+  void add_region(SetId set, const RegionDesc& region) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    staged_[set].push_back({true, region});
+  }
+  void remove_region(SetId set, RegionId region) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    RegionDesc d;
+    d.id = region;
+    staged_[set].push_back({false, d});
+  }
+
+  SetOutcome commit(SetId set) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto staged_it = staged_.find(set);
+    std::vector<Change> changes;
+    if (staged_it != staged_.end()) {
+      changes = std::move(staged_it->second);
+      staged_.erase(staged_it);
+    }
+    auto it = sets_.find(set);
+    if (it == sets_.end()) {
+      return {Status(ErrorCode::not_found, "posix: commit of set " + std::to_string(set) +
+                                               ", which does not exist (create_set first)"),
+              {}};
+    }
+    Set& s = it->second;
+    // Final membership after the staged changes, in order (an add then a remove of the same
+    // region cancel out).
+    std::map<RegionId, std::optional<RegionDesc>> final_state;
+    for (auto& c : changes) final_state[c.region.id] = c.add ? std::optional<RegionDesc>(c.region) : std::nullopt;
+
+    // Removals first: their pages may make room under RLIMIT_MEMLOCK for the additions.
+    std::vector<RegionDesc> added;
+    for (auto& [id, desc] : final_state) {
+      auto m = s.members.find(id);
+      const bool replace = m != s.members.end() && desc &&
+                           (m->second.desc.base != desc->base || m->second.desc.size != desc->size);
+      if (m != s.members.end() && (!desc || replace)) {
+        if (m->second.locked) unlock_member(m->second);
+        unregister(id);
+        s.members.erase(m);
+      }
+      if (desc && s.members.count(id) == 0) added.push_back(*desc);
+    }
+    Failures failures;
+    for (auto& d : added) {
+      Member mem{d, false};
+      register_bytes(d);
+      if (s.requested) {
+        Status st = lock_member(mem);
+        if (!st) failures.add(d.id, std::move(st));
+      }
+      s.members.emplace(d.id, std::move(mem));
+    }
+    return failures.outcome();
+  }
+
+  SetOutcome request_residency(SetId set) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = sets_.find(set);
+    if (it == sets_.end()) {
+      return {Status(ErrorCode::not_found, "posix: residency requested for set " + std::to_string(set) +
+                                               ", which does not exist"),
+              {}};
+    }
+    Set& s = it->second;
+    s.requested = true;
+    Failures failures;
+    for (auto& [id, m] : s.members) {
+      if (m.locked) continue;  // locked pages cannot have been evicted: nothing to re-wire
+      Status st = lock_member(m);
+      if (!st) failures.add(id, std::move(st));
+    }
+    return failures.outcome();
+  }
+
+  void end_residency(SetId set) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = sets_.find(set);
+    if (it != sets_.end()) end_locked(it->second);
+  }
+
+  Status watch_pressure(std::function<void()> on_pressure) override {
+    std::lock_guard<std::mutex> lock(watch_mu_);
+    std::string path = options_.pressure_file;
+    if (path.empty()) path = posix::default_pressure_file();
+    const auto info = posix::read_pressure(path);
+    if (!info.available) {
+      return Status(ErrorCode::unsupported, "memory pressure cannot be watched: " + info.reason);
+    }
+    bool privileged = false;
+    if (auto st = posix::read_proc_status(); st && st->cap_eff) {
+      privileged = ((*st->cap_eff >> kCapSysResource) & 1U) != 0;
+    }
+    auto trigger = posix::make_psi_trigger(options_.pressure_stall, options_.pressure_window, privileged);
+    if (!trigger) return trigger.status();
+    auto st = watch_.start(path, *trigger, std::move(on_pressure));
+    if (!st) return Status(st.code(), "memory pressure cannot be watched: " + st.message());
+    return Status::ok();
+  }
+
+  void stop_pressure_watch() override {
+    std::lock_guard<std::mutex> lock(watch_mu_);
+    watch_.stop();
+  }
+
+ private:
+  struct Change {
+    bool add;
+    RegionDesc region;
+  };
+  struct Member {
+    RegionDesc desc;
+    bool locked = false;  // this member holds its pages in the lock table
+  };
+  struct Set {
+    std::map<RegionId, Member> members;  // committed membership
+    bool requested = false;             // residency requested and not ended
+  };
+
+  // The first failure's Status names the cause; the rest are counted.
+  struct Failures {
+    Status first;
+    std::vector<RegionId> ids;
+    void add(RegionId id, Status st) {
+      if (ids.empty()) first = std::move(st);
+      ids.push_back(id);
+    }
+    SetOutcome outcome() {
+      SetOutcome o;
+      if (ids.size() > 1) {
+        first = Status(first.code(), first.message() + " (" + std::to_string(ids.size() - 1) +
+                                         " more region(s) of this set were not made resident either)");
+      }
+      o.status = std::move(first);
+      o.failed = std::move(ids);
+      return o;
+    }
+  };
+
+  AddrRange page_range(const RegionDesc& r) const {
+    const auto b = reinterpret_cast<std::uintptr_t>(r.base);
+    return {b & ~(page_ - 1), (b + r.size + page_ - 1) & ~(page_ - 1)};
+  }
+
+  // mlock-s the pages of `m` that no other member holds. On failure nothing of `m` stays
+  // locked or counted and the Status says why and what to do. Called with mu_ held.
+  Status lock_member(Member& m) {
+    const auto& d = m.desc;
+    const auto b = reinterpret_cast<std::uintptr_t>(d.base);
+    if (d.base == nullptr || d.size == 0 || b + d.size < b || b + d.size > UINTPTR_MAX - page_) {
+      return Status(ErrorCode::invalid_argument,
+                    "posix: " + describe_region(d) + " is not a valid host range (null, empty or wrapping around)");
+    }
+    const AddrRange range = page_range(d);
+    const auto fresh = table_.acquire(range);
+    std::uint64_t fresh_bytes = 0;
+    for (const auto& f : fresh) fresh_bytes += f.size();
+    for (const auto& f : fresh) {
+      if (::mlock(reinterpret_cast<void*>(f.begin), f.size()) != 0) {
+        const int err = errno;
+        for (const auto& u : table_.release(range)) ::munlock(reinterpret_cast<void*>(u.begin), u.size());
+        return mlock_failure(err, d, fresh_bytes);
+      }
+    }
+    m.locked = true;
+    return Status::ok();
+  }
+
+  void unlock_member(Member& m) {
+    for (const auto& u : table_.release(page_range(m.desc))) {
+      ::munlock(reinterpret_cast<void*>(u.begin), u.size());
+    }
+    m.locked = false;
+  }
+
+  void end_locked(Set& s) {
+    for (auto& [id, m] : s.members) {
+      if (m.locked) unlock_member(m);
+    }
+    s.requested = false;
+  }
+
+  // `allocated` counts each region once, however many sets hold it.
+  void register_bytes(const RegionDesc& d) {
+    auto& e = registered_[d.id];
+    if (e.first++ == 0) {
+      e.second = d.size;
+      registered_bytes_ += d.size;
+    }
+  }
+  void unregister(RegionId id) {
+    auto it = registered_.find(id);
+    if (it == registered_.end()) return;
+    if (--it->second.first == 0) {
+      registered_bytes_ -= it->second.second;
+      registered_.erase(it);
+    }
+  }
+
+  Status mlock_failure(int err, const RegionDesc& d, std::uint64_t bytes) const {
+    const auto lim = posix::read_memlock_limit();
+    const auto status = posix::read_proc_status();
+    const std::uint64_t locked = status && status->vm_lck ? *status->vm_lck : 0;
+    std::string head = "posix: mlock of " + describe_region(d) + " failed with " + errno_name(err) + " (" +
+                       std::strerror(err) + "): ";
+    const std::string tail = "; it stays tracked but not resident (its pages may be evicted under pressure).";
+    if ((err == ENOMEM || err == EPERM) && lim.enforced() &&
+        (err == EPERM || locked + bytes > lim.soft)) {
+      return Status(err == EPERM ? ErrorCode::permission_denied : ErrorCode::limit_exceeded,
+                    head + "RLIMIT_MEMLOCK = " + std::to_string(lim.soft) + " bytes (" + format_size(lim.soft) +
+                        ", hard " + posix::format_limit(lim.hard) + ") and this process already locks " +
+                        format_size(locked) + ", without CAP_IPC_LOCK" + tail + " Fix: " + posix::kMemlockFix);
+    }
+    if (err == ENOMEM) {
+      return Status(ErrorCode::invalid_argument,
+                    head + "part of the range is not mapped in this process, or the number of memory "
+                           "mappings reached vm.max_map_count (mlock splits mappings)" + tail);
+    }
+    if (err == EAGAIN) {
+      return Status(ErrorCode::out_of_memory,
+                    head + "some pages could not be locked now (the kernel is short of memory or the "
+                           "pages are being migrated); the next use retries" + tail);
+    }
+    return Status(ErrorCode::backend_error, head + "unexpected error" + tail);
+  }
+
+  PosixOptions options_;
+  std::uintptr_t page_ = 4096;
+
+  mutable std::mutex mu_;  // guards everything below; held across mlock/munlock calls
+  std::map<SetId, Set> sets_;
+  std::unordered_map<SetId, std::vector<Change>> staged_;  // add/remove since the last commit
+  posix::LockTable table_;                                  // per-page holds of locked members
+  std::unordered_map<RegionId, std::pair<std::uint32_t, std::uint64_t>> registered_;  // sets, size
+  std::uint64_t registered_bytes_ = 0;
+
+  std::mutex watch_mu_;  // serialises watch_pressure / stop_pressure_watch
+  posix::PressureWatch watch_;
+};
+
+}  // namespace
+
+Result<std::shared_ptr<Backend>> make_posix_backend(const PosixOptions& options) {
+  if (!(options.recommended_pct > 0 && options.recommended_pct <= 100)) {
+    return Status(ErrorCode::invalid_argument,
+                  "posix: recommended_pct = " + std::to_string(options.recommended_pct) +
+                      "; accepted: a percent of physical memory in (0, 100], e.g. 75");
+  }
+  // The PSI range rules are checked now, so that a bad option fails early; the 2 s rule
+  // depends on the privileges the process has when it starts watching, so it is checked then.
+  if (auto trig = posix::make_psi_trigger(options.pressure_stall, options.pressure_window, /*privileged=*/true);
+      !trig) {
+    return Status(trig.status().code(), "posix: " + trig.message());
+  }
+  if (options.raise_memlock_soft_limit) posix::raise_memlock_soft_limit();
+  return std::shared_ptr<Backend>(std::make_shared<PosixBackend>(options));
+}
+
+}  // namespace residency
