@@ -1,0 +1,208 @@
+// FakeBackend: a Backend that keeps books instead of wiring memory, for the core's tests.
+//
+// It records what the manager asked for (sets, members, commits, requests, releases) and
+// models the one thing a test must observe: which bytes are resident. A region is resident
+// when it is a committed member of a set whose residency is requested. It can be told to
+// refuse regions (as mlock refuses past RLIMIT_MEMLOCK) and to ask for periodic refreshes.
+#pragma once
+
+#include <map>
+#include <mutex>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "residency/backend.hpp"
+#include "residency/config.hpp"
+
+namespace residency::testing {
+
+class FakeBackend : public Backend {
+ public:
+  struct SetRec {
+    bool exists = false;
+    bool requested = false;
+    std::map<RegionId, RegionDesc> members;  // committed
+    std::map<RegionId, RegionDesc> staged_add;
+    std::set<RegionId> staged_remove;
+    int commits = 0;
+    int requests = 0;
+    int refreshes = 0;
+    int ends = 0;
+  };
+
+  // Knobs (set before creating the manager).
+  std::uint64_t recommended = 1ull << 30;  // 1 GiB
+  std::uint64_t physical = 4ull << 30;
+  std::uint64_t hard_limit = 0;
+  std::uint32_t max_sets = 0;
+  bool needs_refresh = false;
+  Nanos refresh_period{std::chrono::milliseconds(500)};
+  std::uint64_t refuse_above_bytes = UINT64_MAX;  // resident bytes the "OS" allows
+
+  Capabilities capabilities() const override {
+    Capabilities c;
+    c.name = "fake";
+    c.needs_refresh = needs_refresh;
+    c.refresh_period = needs_refresh ? refresh_period : Nanos(0);
+    c.max_sets = max_sets;
+    c.supports_discard = true;
+    c.can_allocate = true;
+    return c;
+  }
+  MemoryInfo memory_info() override {
+    MemoryInfo m;
+    m.physical = physical;
+    m.recommended_working_set = recommended;
+    m.available = physical;
+    m.wired = resident_bytes();
+    m.hard_limit = hard_limit;
+    m.hard_limit_name = "FAKE_LIMIT";
+    m.hard_limit_fix = "raise the fake limit";
+    return m;
+  }
+  Result<void*> allocate(std::size_t size, RegionClass) override {
+    auto* p = new char[size];
+    allocated.insert(p);
+    return static_cast<void*>(p);
+  }
+  void deallocate(void* base) override {
+    auto* p = static_cast<char*>(base);
+    if (allocated.erase(p)) delete[] p;
+  }
+  ~FakeBackend() override {
+    for (char* p : allocated) delete[] p;
+  }
+
+  Status create_set(SetId set, std::uint64_t) override {
+    auto& s = sets[set];
+    if (s.exists) return Status(ErrorCode::invalid_argument, "set exists");
+    s = SetRec{};
+    s.exists = true;
+    ++sets_created;
+    return {};
+  }
+  void destroy_set(SetId set) override {
+    auto& s = sets[set];
+    if (s.requested) ++s.ends;
+    s = SetRec{};
+    ++sets_destroyed;
+  }
+  void add_region(SetId set, const RegionDesc& r) override {
+    auto& s = sets[set];
+    s.staged_remove.erase(r.id);
+    s.staged_add[r.id] = r;
+  }
+  void remove_region(SetId set, RegionId id) override {
+    auto& s = sets[set];
+    if (s.staged_add.erase(id) == 0) s.staged_remove.insert(id);
+  }
+  SetOutcome commit(SetId set) override {
+    auto& s = sets[set];
+    ++s.commits;
+    ++total_commits;
+    for (RegionId id : s.staged_remove) s.members.erase(id);
+    s.staged_remove.clear();
+    SetOutcome out;
+    for (auto& [id, r] : s.staged_add) {
+      if (s.requested && resident_bytes() + r.size > refuse_above_bytes) {
+        out.failed.push_back(id);
+        out.status = Status(ErrorCode::out_of_memory, "FAKE_LIMIT reached");
+        continue;
+      }
+      s.members[id] = r;
+    }
+    s.staged_add.clear();
+    return out;
+  }
+  SetOutcome request_residency(SetId set) override {
+    auto& s = sets[set];
+    ++s.requests;
+    ++total_requests;
+    SetOutcome out;
+    if (!s.requested) {
+      // Refuse members that do not fit, as mlock does past its limit.
+      std::uint64_t have = resident_bytes();
+      for (auto it = s.members.begin(); it != s.members.end();) {
+        if (have + it->second.size > refuse_above_bytes) {
+          out.failed.push_back(it->first);
+          out.status = Status(ErrorCode::out_of_memory, "FAKE_LIMIT reached");
+          ++it;
+        } else {
+          have += it->second.size;
+          ++it;
+        }
+      }
+      for (RegionId id : out.failed) s.members.erase(id);
+      rewired_bytes += members_bytes(s);
+    }
+    s.requested = true;
+    return out;
+  }
+  void end_residency(SetId set) override {
+    auto& s = sets[set];
+    s.requested = false;
+    ++s.ends;
+    ++total_ends;
+  }
+  SetOutcome refresh(SetId set) override {
+    ++sets[set].refreshes;
+    ++total_refreshes;
+    return {};
+  }
+  void after_release() override { ++after_release_calls; }
+
+  // Observations.
+  static std::uint64_t members_bytes(const SetRec& s) {
+    std::uint64_t b = 0;
+    for (auto& [id, r] : s.members) b += r.size;
+    return b;
+  }
+  std::uint64_t resident_bytes() const {
+    std::uint64_t b = 0;
+    for (auto& [id, s] : sets)
+      if (s.exists && s.requested) b += members_bytes(s);
+    return b;
+  }
+  bool is_resident(RegionId id) const {
+    for (auto& [sid, s] : sets)
+      if (s.exists && s.requested && s.members.count(id)) return true;
+    return false;
+  }
+  int live_sets() const {
+    int n = 0;
+    for (auto& [id, s] : sets) n += s.exists;
+    return n;
+  }
+  std::map<SetId, SetRec> sets;
+  std::set<char*> allocated;
+  int sets_created = 0, sets_destroyed = 0, total_commits = 0, total_requests = 0, total_ends = 0,
+      total_refreshes = 0, after_release_calls = 0;
+  std::uint64_t rewired_bytes = 0;
+};
+
+// Collects log lines for assertions.
+struct LogCapture {
+  std::mutex m;
+  std::vector<std::pair<LogLevel, std::string>> lines;
+  auto callback() {
+    return [this](LogLevel l, std::string_view s) {
+      std::lock_guard<std::mutex> g(m);
+      lines.emplace_back(l, std::string(s));
+    };
+  }
+  bool contains(LogLevel l, const std::string& needle) {
+    std::lock_guard<std::mutex> g(m);
+    for (auto& [lv, s] : lines)
+      if (lv == l && s.find(needle) != std::string::npos) return true;
+    return false;
+  }
+  bool contains(const std::string& needle) {
+    std::lock_guard<std::mutex> g(m);
+    for (auto& [lv, s] : lines)
+      if (s.find(needle) != std::string::npos) return true;
+    return false;
+  }
+};
+
+}  // namespace residency::testing

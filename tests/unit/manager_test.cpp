@@ -1,0 +1,530 @@
+// Every rule of DESIGN.md section 2 on the fake backend with a ManualClock: layouts, budget,
+// commit batching, policies, touch, scheduler deadlines, limits, logs and teardown.
+#include <gtest/gtest.h>
+
+#include "support/manager_fixture.hpp"
+
+using namespace residency;
+using namespace residency::testing;
+using namespace std::chrono_literals;
+
+// --- regions ------------------------------------------------------------------------------
+
+TEST_F(ManagerTest, RegisteredWeightsAreWiredAtOnceAndUnregisterGivesThemBack) {
+  auto m = make();
+  RegionId id = reg(*m, 100 * MiB);
+  EXPECT_TRUE(fake->is_resident(id));
+  Stats s = m->stats();
+  EXPECT_EQ(s.tracked_bytes, 100 * MiB);
+  EXPECT_EQ(s.wired_bytes, 100 * MiB);
+  EXPECT_EQ(s.pending_bytes, 0u);
+  ASSERT_TRUE(m->unregister_region(id).is_ok());
+  EXPECT_FALSE(fake->is_resident(id));
+  EXPECT_EQ(m->stats().tracked_bytes, 0u);
+  EXPECT_EQ(fake->resident_bytes(), 0u);
+}
+
+TEST_F(ManagerTest, ClassAndPriorityReachTheBackend) {
+  auto m = make();
+  RegionId kv = reg(*m, 10 * MiB, 3, RegionClass::kv_cache);
+  bool seen = false;
+  for (auto& [sid, s] : fake->sets)
+    if (s.members.count(kv)) seen = s.members.at(kv).cls == RegionClass::kv_cache;
+  EXPECT_TRUE(seen);
+}
+
+TEST_F(ManagerTest, BadRegionsAreRefusedWithAReason) {
+  auto m = make();
+  void* p = addr(64 * MiB);
+  ASSERT_TRUE(m->register_region(p, 64 * MiB).is_ok());
+  auto overlap = m->register_region(static_cast<char*>(p) + 4096, 4096);
+  ASSERT_FALSE(overlap.is_ok());
+  EXPECT_NE(overlap.message().find("overlaps"), std::string::npos);
+  auto zero = m->register_region(addr(1), 0);
+  ASSERT_FALSE(zero.is_ok());
+  EXPECT_EQ(zero.status().code(), ErrorCode::invalid_argument);
+  auto null = m->register_region(nullptr, 10);
+  EXPECT_FALSE(null.is_ok());
+  auto missing = m->unregister_region(12345);
+  EXPECT_EQ(missing.code(), ErrorCode::not_found);
+}
+
+// --- layouts ------------------------------------------------------------------------------
+
+TEST_F(ManagerTest, PerBufferLayoutMakesOneSetPerRegionAndDestroysItWithTheRegion) {
+  Config c;
+  c.layout = Layout::per_buffer;
+  auto m = make(c);
+  RegionId a = reg(*m, 10 * MiB);
+  reg(*m, 10 * MiB);
+  reg(*m, 10 * MiB);
+  EXPECT_EQ(fake->live_sets(), 3);
+  EXPECT_EQ(m->stats().sets, 3u);
+  ASSERT_TRUE(m->unregister_region(a).is_ok());
+  EXPECT_EQ(fake->live_sets(), 2);
+  EXPECT_EQ(fake->sets_destroyed, 1);
+}
+
+TEST_F(ManagerTest, ShardedLayoutFillsSetsFirstFitUpToTheCap) {
+  fake->recommended = 10 * GiB;  // 5% = 512 MiB per set
+  auto m = make();
+  reg(*m, 300 * MiB);
+  reg(*m, 300 * MiB);  // does not fit set 0 (600 > 512): new set
+  reg(*m, 200 * MiB);  // fits set 0 (500)
+  EXPECT_EQ(fake->live_sets(), 2);
+  EXPECT_EQ(FakeBackend::members_bytes(fake->sets[0]), 500 * MiB);
+  EXPECT_EQ(FakeBackend::members_bytes(fake->sets[1]), 300 * MiB);
+}
+
+TEST_F(ManagerTest, ShardedCapHasA64MiBFloor) {
+  fake->recommended = 256 * MiB;  // 5% = 12.8 MiB, floored to 64 MiB
+  auto m = make();
+  for (int i = 0; i < 6; ++i) reg(*m, 10 * MiB);
+  EXPECT_EQ(fake->live_sets(), 1);
+  reg(*m, 10 * MiB);  // 70 MiB > 64 MiB
+  EXPECT_EQ(fake->live_sets(), 2);
+}
+
+TEST_F(ManagerTest, OversizeRegionReusesAnEmptiedSet) {
+  fake->recommended = 10 * GiB;
+  auto m = make();
+  RegionId a = reg(*m, 100 * MiB);  // set 0
+  reg(*m, 500 * MiB);               // set 1 (600 > 512)
+  ASSERT_TRUE(m->unregister_region(a).is_ok());  // set 0 is now empty, kept
+  EXPECT_EQ(fake->live_sets(), 2);
+  RegionId big = reg(*m, 1 * GiB);  // above the cap: goes to the emptied set 0
+  EXPECT_EQ(fake->live_sets(), 2);
+  EXPECT_TRUE(fake->sets[0].members.count(big));
+}
+
+TEST_F(ManagerTest, AtTheSetLimitTheEmptiestSetTakesTheRegion) {
+  fake->recommended = 10 * GiB;  // cap 512 MiB
+  fake->max_sets = 3;            // the backend's own limit, below 32
+  auto m = make();
+  reg(*m, 500 * MiB);
+  reg(*m, 400 * MiB);
+  reg(*m, 450 * MiB);
+  EXPECT_EQ(fake->live_sets(), 3);
+  RegionId extra = reg(*m, 300 * MiB);  // fits nowhere; set 1 (400) is the emptiest
+  EXPECT_EQ(fake->live_sets(), 3);
+  EXPECT_TRUE(fake->sets[1].members.count(extra));
+  EXPECT_EQ(FakeBackend::members_bytes(fake->sets[1]), 700 * MiB);  // grown past the cap
+}
+
+TEST_F(ManagerTest, SetMaxPctOutOfRangeMeansOneSet) {
+  for (double pct : {0.0, -3.0, 100.0, 250.0}) {
+    fake = std::make_shared<FakeBackend>();
+    fake->recommended = 10 * GiB;
+    fake->physical = 100 * GiB;
+    Config c;
+    c.set_max_pct = pct;
+    auto m = make(c);
+    for (int i = 0; i < 5; ++i) reg(*m, 1 * GiB);
+    EXPECT_EQ(fake->live_sets(), 1) << "set_max_pct = " << pct;
+  }
+}
+
+// --- budget -------------------------------------------------------------------------------
+
+TEST_F(ManagerTest, RegionsBeyondTheBudgetAreTrackedButUnwired) {
+  Config c;
+  c.wired_limit = *parse_wired_limit("150MiB");
+  auto m = make(c);
+  RegionId a = reg(*m, 100 * MiB);
+  RegionId b = reg(*m, 100 * MiB);
+  EXPECT_TRUE(fake->is_resident(a));
+  EXPECT_FALSE(fake->is_resident(b));
+  Stats s = m->stats();
+  EXPECT_EQ(s.tracked_bytes, 200 * MiB);
+  EXPECT_EQ(s.wired_bytes, 100 * MiB);
+  EXPECT_EQ(s.pending_bytes, 100 * MiB);
+  EXPECT_LE(fake->resident_bytes(), 150 * MiB);
+}
+
+TEST_F(ManagerTest, RaisingTheLimitAddsByPriorityThenRecency) {
+  Config c;
+  c.wired_limit = WiredLimit{false, 0, 0};
+  auto m = make(c);
+  RegionId low_old = reg(*m, 100 * MiB, 0);
+  RegionId high = reg(*m, 100 * MiB, 5);
+  RegionId low_new = reg(*m, 100 * MiB, 0);
+  EXPECT_EQ(fake->resident_bytes(), 0u);
+  ASSERT_TRUE(m->set_wired_limit(100 * MiB).is_ok());
+  EXPECT_TRUE(fake->is_resident(high));
+  ASSERT_TRUE(m->set_wired_limit(200 * MiB).is_ok());
+  EXPECT_TRUE(fake->is_resident(low_new));  // more recent of the two equal priorities
+  EXPECT_FALSE(fake->is_resident(low_old));
+  ASSERT_TRUE(m->mark_used(low_old).is_ok());  // now the most recent
+  ASSERT_TRUE(m->set_wired_limit(100 * MiB).is_ok());
+  ASSERT_TRUE(m->set_wired_limit(200 * MiB).is_ok());
+  EXPECT_TRUE(fake->is_resident(high));
+  EXPECT_TRUE(fake->is_resident(low_old));
+  EXPECT_FALSE(fake->is_resident(low_new));
+}
+
+TEST_F(ManagerTest, LoweringTheLimitRemovesLowestPriorityThenLeastRecentlyUsed) {
+  auto m = make();
+  RegionId p2 = reg(*m, 100 * MiB, 2);
+  RegionId p0_old = reg(*m, 100 * MiB, 0);
+  RegionId p0_new = reg(*m, 100 * MiB, 0);
+  RegionId p1 = reg(*m, 100 * MiB, 1);
+  ASSERT_TRUE(m->set_wired_limit(300 * MiB).is_ok());
+  EXPECT_FALSE(fake->is_resident(p0_old));
+  EXPECT_TRUE(fake->is_resident(p0_new));
+  ASSERT_TRUE(m->set_wired_limit(200 * MiB).is_ok());
+  EXPECT_FALSE(fake->is_resident(p0_new));
+  EXPECT_TRUE(fake->is_resident(p1));
+  EXPECT_TRUE(fake->is_resident(p2));
+  EXPECT_EQ(m->stats().pending_bytes, 200 * MiB);
+}
+
+TEST_F(ManagerTest, FreeingAWiredRegionPromotesPendingOnes) {
+  Config c;
+  c.wired_limit = *parse_wired_limit("200MiB");
+  auto m = make(c);
+  RegionId a = reg(*m, 100 * MiB);
+  reg(*m, 100 * MiB);
+  RegionId waiting = reg(*m, 100 * MiB);
+  EXPECT_FALSE(fake->is_resident(waiting));
+  ASSERT_TRUE(m->unregister_region(a).is_ok());
+  EXPECT_TRUE(fake->is_resident(waiting));
+  EXPECT_EQ(m->stats().pending_bytes, 0u);
+}
+
+TEST_F(ManagerTest, ABatchCommitsEachTouchedSetExactlyOnce) {
+  fake->recommended = 10 * GiB;  // cap 512 MiB
+  auto m = make();
+  {
+    Batch b = m->batch();
+    for (int i = 0; i < 10; ++i) reg(*m, 100 * MiB);  // 1000 MiB: two sets (500 + 500)
+    EXPECT_EQ(fake->total_commits, 0);                // nothing committed inside the batch
+  }
+  EXPECT_EQ(fake->live_sets(), 2);
+  EXPECT_EQ(fake->total_commits, 2);
+  for (auto& [sid, s] : fake->sets) EXPECT_EQ(s.commits, 1);
+  EXPECT_EQ(m->stats().commits, 2u);
+  // A limit change touching both sets also commits each once.
+  const int before = fake->total_commits;
+  ASSERT_TRUE(m->set_wired_limit(50 * MiB).is_ok());
+  EXPECT_EQ(fake->total_commits - before, 2);
+}
+
+TEST_F(ManagerTest, WithoutABatchEachCallCommitsItsOwnSet) {
+  auto m = make();
+  for (int i = 0; i < 4; ++i) reg(*m, 1 * MiB);
+  EXPECT_EQ(fake->total_commits, 4);
+}
+
+// --- policies -----------------------------------------------------------------------------
+
+TEST_F(ManagerTest, DurationPolicyReleasesAfterTheKeepAliveAndTouchRewires) {
+  auto m = make();  // 180 s default
+  RegionId id = reg(*m, 64 * MiB);
+  advance(179s);
+  m->run_due();
+  EXPECT_TRUE(fake->is_resident(id));
+  m->touch();
+  advance(179s);  // 179 s after the touch: still within the keep-alive
+  m->run_due();
+  EXPECT_TRUE(fake->is_resident(id));
+  advance(2s);
+  EXPECT_EQ(m->run_due(), std::nullopt);  // released; nothing more scheduled
+  EXPECT_FALSE(fake->is_resident(id));
+  EXPECT_EQ(fake->after_release_calls, 1);
+  EXPECT_EQ(m->stats().releases, 1u);
+  m->touch();  // slow path: wired again before returning
+  EXPECT_TRUE(fake->is_resident(id));
+  EXPECT_EQ(m->stats().rewires, 1u);
+}
+
+TEST_F(ManagerTest, RunDueReturnsTheExpiryDeadline) {
+  auto m = make(with_keep_alive("10s"));
+  reg(*m, 1 * MiB);
+  const Nanos t0 = clock.now();
+  auto next = m->run_due();
+  ASSERT_TRUE(next.has_value());
+  EXPECT_EQ(*next, t0 + 10s);
+  advance(4s);
+  m->touch();
+  EXPECT_EQ(*m->run_due(), t0 + 14s);
+}
+
+TEST_F(ManagerTest, TouchOnTheFastPathMakesNoBackendCall) {
+  auto m = make();
+  reg(*m, 1 * MiB);
+  const int req = fake->total_requests, com = fake->total_commits;
+  for (int i = 0; i < 1000; ++i) m->touch();
+  EXPECT_EQ(fake->total_requests, req);
+  EXPECT_EQ(fake->total_commits, com);
+}
+
+TEST_F(ManagerTest, KeepAliveZeroWiresOnlyInsideAUseScopeAndSynchronizesBeforeRelease) {
+  auto m = make(with_keep_alive("0"));
+  RegionId id = reg(*m, 64 * MiB);
+  EXPECT_FALSE(fake->is_resident(id));
+  m->touch();  // touch does not wire under 0
+  EXPECT_FALSE(fake->is_resident(id));
+  bool was_resident_at_sync = false;
+  {
+    UseScope s = m->use([&] { was_resident_at_sync = fake->is_resident(id); });
+    EXPECT_TRUE(s.status().is_ok());
+    EXPECT_TRUE(fake->is_resident(id));
+    advance(1h);
+    m->run_due();
+    EXPECT_TRUE(fake->is_resident(id));  // never expires inside a scope
+  }
+  EXPECT_TRUE(was_resident_at_sync);  // synchronize ran before the release
+  EXPECT_FALSE(fake->is_resident(id));
+  EXPECT_EQ(m->stats().releases, 1u);
+}
+
+TEST_F(ManagerTest, NestedScopesReleaseWhenTheLastEnds) {
+  auto m = make(with_keep_alive("0"));
+  RegionId id = reg(*m, 1 * MiB);
+  UseScope outer = m->use();
+  {
+    UseScope inner = m->use();
+  }
+  EXPECT_TRUE(fake->is_resident(id));
+  outer = UseScope();
+  EXPECT_FALSE(fake->is_resident(id));
+}
+
+TEST_F(ManagerTest, ForeverKeepsMemoryUntilTheManagerIsDestroyed) {
+  auto m = make(with_keep_alive("forever"));
+  RegionId id = reg(*m, 64 * MiB);
+  advance(std::chrono::hours(24 * 365));
+  EXPECT_EQ(m->run_due(), std::nullopt);
+  EXPECT_TRUE(fake->is_resident(id));
+  m.reset();
+  EXPECT_EQ(fake->resident_bytes(), 0u);
+}
+
+TEST_F(ManagerTest, OffMakesNoBackendCallsAtAll) {
+  auto m = make(with_keep_alive("off"));
+  RegionId id = reg(*m, 64 * MiB);
+  m->touch();
+  { UseScope s = m->use(); }
+  m.reset();
+  EXPECT_NE(id, 0u);
+  EXPECT_EQ(fake->sets_created, 0);
+  EXPECT_EQ(fake->total_requests, 0);
+  EXPECT_TRUE(logs.contains("use residency sets = false (keep_alive = off"));
+}
+
+TEST_F(ManagerTest, UseScopeUnderDurationHoldsThroughExpiryAndRestartsTheKeepAlive) {
+  auto m = make(with_keep_alive("10s"));
+  RegionId id = reg(*m, 1 * MiB);
+  {
+    UseScope s = m->use();
+    advance(60s);
+    m->run_due();
+    EXPECT_TRUE(fake->is_resident(id));
+  }
+  advance(9s);
+  m->run_due();
+  EXPECT_TRUE(fake->is_resident(id));
+  advance(2s);
+  m->run_due();
+  EXPECT_FALSE(fake->is_resident(id));
+}
+
+TEST_F(ManagerTest, RefreshHappensOnlyForBackendsThatAskAndOnlyWhileResident) {
+  fake->needs_refresh = true;  // every 500 ms
+  auto m = make(with_keep_alive("2s"));
+  reg(*m, 1 * MiB);
+  for (int i = 0; i < 4; ++i) {  // 0.5, 1.0, 1.5, 2.0 s: the expiry at 2.0 s comes first
+    advance(500ms);
+    m->run_due();
+  }
+  EXPECT_EQ(fake->total_refreshes, 3);
+  EXPECT_EQ(m->stats().releases, 1u);
+  for (int i = 0; i < 10; ++i) {
+    advance(500ms);
+    EXPECT_EQ(m->run_due(), std::nullopt);
+  }
+  EXPECT_EQ(fake->total_refreshes, 3);
+
+  auto plain = std::make_shared<FakeBackend>();
+  fake = plain;  // no refresh asked
+  auto m2 = make(with_keep_alive("2s"));
+  reg(*m2, 1 * MiB);
+  auto next = m2->run_due();
+  ASSERT_TRUE(next.has_value());
+  EXPECT_EQ(*next, clock.now() + 2s);  // the only deadline is the expiry
+  EXPECT_EQ(plain->total_refreshes, 0);
+}
+
+TEST_F(ManagerTest, MemoryPressureReleasesEarlyOnlyWhenAskedAndTheNextUseRewires) {
+  auto m = make();
+  RegionId id = reg(*m, 64 * MiB);
+  m->notify_memory_pressure();
+  EXPECT_TRUE(fake->is_resident(id));  // release_on_pressure is off by default
+
+  Config c;
+  c.release_on_pressure = true;
+  auto fake2 = std::make_shared<FakeBackend>();
+  fake = fake2;
+  auto m2 = make(c);
+  RegionId id2 = reg(*m2, 64 * MiB);
+  {
+    UseScope s = m2->use();
+    m2->notify_memory_pressure();
+    EXPECT_TRUE(fake2->is_resident(id2));  // never under an open scope
+  }
+  m2->notify_memory_pressure();
+  EXPECT_FALSE(fake2->is_resident(id2));
+  EXPECT_TRUE(logs.contains(LogLevel::info, "(memory pressure)"));
+  m2->touch();
+  EXPECT_TRUE(fake2->is_resident(id2));
+}
+
+// --- limits and warnings ------------------------------------------------------------------
+
+TEST_F(ManagerTest, AWiredLimitAboveTheRecommendedWorkingSetIsAnError) {
+  fake->recommended = 1 * GiB;
+  Config c;
+  c.wired_limit = *parse_wired_limit("2GiB");
+  ManagerOptions o;
+  o.config = c;
+  o.backend = fake;
+  o.clock = &clock;
+  o.log = logs.callback();
+  o.start_scheduler = false;
+  auto m = Manager::create(o);
+  ASSERT_FALSE(m.is_ok());
+  EXPECT_EQ(m.status().code(), ErrorCode::limit_exceeded);
+  EXPECT_NE(m.message().find("recommended working set"), std::string::npos);
+
+  auto ok = make();
+  EXPECT_EQ(ok->set_wired_limit(2 * GiB).code(), ErrorCode::limit_exceeded);
+  EXPECT_TRUE(ok->set_wired_limit(512 * MiB).is_ok());
+}
+
+TEST_F(ManagerTest, PercentLimitsResolveAgainstTheRecommendedWorkingSet) {
+  fake->recommended = 1 * GiB;
+  Config c;
+  c.wired_limit = *parse_wired_limit("25%");
+  auto m = make(c);
+  EXPECT_EQ(m->wired_limit(), 256 * MiB);
+}
+
+TEST_F(ManagerTest, TheBudgetIsClampedToTheBackendsHardLimitWithAWarning) {
+  fake->hard_limit = 8 * MiB;
+  auto m = make();
+  EXPECT_EQ(m->wired_limit(), 8 * MiB);
+  EXPECT_TRUE(logs.contains(LogLevel::warn, "clamped to FAKE_LIMIT = 8 MiB"));
+  EXPECT_TRUE(logs.contains(LogLevel::warn, "raise the fake limit"));
+  RegionId id = reg(*m, 64 * MiB);
+  EXPECT_FALSE(fake->is_resident(id));
+  EXPECT_EQ(m->stats().pending_bytes, 64 * MiB);
+}
+
+TEST_F(ManagerTest, ABackendThatRefusesLeavesTheRegionTrackedUnwiredWithAWarning) {
+  fake->refuse_above_bytes = 100 * MiB;
+  Config c;
+  c.layout = Layout::per_buffer;
+  auto m = make(c);
+  RegionId a = reg(*m, 80 * MiB);
+  RegionId b = reg(*m, 80 * MiB);  // the "OS" refuses: 160 > 100
+  EXPECT_TRUE(fake->is_resident(a));
+  EXPECT_FALSE(fake->is_resident(b));
+  Stats s = m->stats();
+  EXPECT_EQ(s.tracked_bytes, 160 * MiB);
+  EXPECT_EQ(s.pending_bytes, 80 * MiB);
+  EXPECT_EQ(s.wire_failures, 1u);
+  EXPECT_TRUE(logs.contains(LogLevel::warn, "FAKE_LIMIT reached"));
+  EXPECT_TRUE(logs.contains(LogLevel::warn, "stay tracked but unwired"));
+}
+
+TEST_F(ManagerTest, WarnsWhenTrackedBytesExceedTheRecommendedWorkingSet) {
+  fake->recommended = 256 * MiB;
+  Config c;
+  c.wired_limit = *parse_wired_limit("100%");
+  auto m = make(c);
+  reg(*m, 200 * MiB);
+  EXPECT_FALSE(logs.contains("greater than the recommended max working set size"));
+  reg(*m, 100 * MiB);
+  EXPECT_TRUE(logs.contains(LogLevel::warn, "greater than the recommended max working set size"));
+}
+
+TEST_F(ManagerTest, TheMemoryLimitRefusesRegistrationClearly) {
+  fake->recommended = 1 * GiB;
+  fake->physical = 1 * GiB;  // limit = min(1.5 GiB, 0.95 GiB)
+  auto m = make();
+  reg(*m, 900 * MiB);
+  auto r = m->register_region(addr(100 * MiB), 100 * MiB);
+  ASSERT_FALSE(r.is_ok());
+  EXPECT_EQ(r.status().code(), ErrorCode::limit_exceeded);
+  EXPECT_NE(r.message().find("memory limit"), std::string::npos);
+}
+
+TEST_F(ManagerTest, AScopeOverNinetyPercentOfTheWorkingSetWarns) {
+  fake->recommended = 1 * GiB;
+  Config c = with_keep_alive("0");
+  auto m = make(c);
+  reg(*m, 950 * MiB);
+  { UseScope s = m->use(); }
+  EXPECT_TRUE(logs.contains(LogLevel::warn, "close to the maximum recommended size"));
+}
+
+// --- logs ---------------------------------------------------------------------------------
+
+TEST_F(ManagerTest, LogsTheStartupLinesAndEachReleaseAndRewire) {
+  Config c;
+  c.log_level = LogLevel::debug;
+  auto m = make(c);
+  EXPECT_TRUE(logs.contains(LogLevel::info, "creating a residency set collection (keep_alive = 180 s, layout = sharded"));
+  EXPECT_TRUE(logs.contains(LogLevel::info, "use residency sets = true"));
+  reg(*m, 64 * MiB);
+  EXPECT_TRUE(logs.contains(LogLevel::debug, "allocated buffer, size =    64.00 MiB, (   64.00 /  1024.00)"));
+  EXPECT_TRUE(logs.contains(LogLevel::debug, "created residency set 0 (max_bytes_per_set = 64.00 MiB)"));
+  advance(181s);
+  m->run_due();
+  EXPECT_TRUE(logs.contains(LogLevel::info, "released 64.00 MiB in 1 set(s)"));
+  m->touch();
+  EXPECT_TRUE(logs.contains(LogLevel::info, "re-wired 64.00 MiB in 1 set(s)"));
+}
+
+TEST_F(ManagerTest, DebugLinesAreFilteredAtTheDefaultLevel) {
+  auto m = make();
+  reg(*m, 64 * MiB);
+  EXPECT_FALSE(logs.contains("allocated buffer"));
+}
+
+// --- teardown -----------------------------------------------------------------------------
+
+TEST_F(ManagerTest, TeardownWithLiveRegionsReleasesAndWarnsInsteadOfAborting) {
+  auto m = make();
+  reg(*m, 64 * MiB);
+  reg(*m, 32 * MiB);
+  std::weak_ptr<FakeBackend> weak = fake;
+  auto keep = fake;
+  fake.reset();  // the manager's reference keeps the backend alive: ownership, not assertions
+  m.reset();
+  EXPECT_EQ(keep->resident_bytes(), 0u);
+  EXPECT_EQ(keep->live_sets(), 0);
+  EXPECT_EQ(keep->after_release_calls, 1);
+  EXPECT_TRUE(logs.contains(LogLevel::warn, "2 region(s), 96.00 MiB, still registered at teardown"));
+  fake = keep;
+}
+
+TEST_F(ManagerTest, BackendAllocationsAreFreedAtUnregisterAndAtTeardown) {
+  auto m = make();
+  auto a = m->allocate(4096, RegionClass::kv_cache);
+  ASSERT_TRUE(a.is_ok());
+  auto b = m->allocate(8192);
+  ASSERT_TRUE(b.is_ok());
+  EXPECT_EQ(fake->allocated.size(), 2u);
+  ASSERT_TRUE(m->unregister_region(a->id).is_ok());
+  EXPECT_EQ(fake->allocated.size(), 1u);
+  m.reset();
+  EXPECT_EQ(fake->allocated.size(), 0u);
+}
+
+TEST_F(ManagerTest, ANullBackendIsAnErrorNotACrash) {
+  ManagerOptions o;
+  auto m = Manager::create(o);
+  ASSERT_FALSE(m.is_ok());
+  EXPECT_EQ(m.status().code(), ErrorCode::invalid_argument);
+}
