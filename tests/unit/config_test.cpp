@@ -1,0 +1,224 @@
+// The strict parsers and Config::from_env over tables of good and bad values, aliases included.
+#include <gtest/gtest.h>
+
+#include <map>
+
+#include "residency/config.hpp"
+
+using namespace residency;
+using namespace std::chrono_literals;
+
+namespace {
+Config::EnvLookup env(std::map<std::string, std::string> vars) {
+  auto shared = std::make_shared<std::map<std::string, std::string>>(std::move(vars));
+  return [shared](const char* name) -> const char* {
+    auto it = shared->find(name);
+    return it == shared->end() ? nullptr : it->second.c_str();
+  };
+}
+}  // namespace
+
+TEST(KeepAliveParse, GoodValues) {
+  struct Case {
+    const char* text;
+    KeepAlive expect;
+  } cases[] = {
+      {"180s", KeepAlive::after(180s)},
+      {"180", KeepAlive::after(180s)},
+      {"500ms", KeepAlive::after(500ms)},
+      {"3m", KeepAlive::after(3min)},
+      {"1h", KeepAlive::after(1h)},
+      {"1h30m", KeepAlive::after(90min)},
+      {"1.5s", KeepAlive::after(1500ms)},
+      {" 2s ", KeepAlive::after(2s)},
+      {"250us", KeepAlive::after(250us)},
+      {"0", KeepAlive::zero()},
+      {"0s", KeepAlive::zero()},
+      {"0ms", KeepAlive::zero()},
+      {"forever", KeepAlive::forever()},
+      {"FOREVER", KeepAlive::forever()},
+      {"-1", KeepAlive::forever()},
+      {"-5m", KeepAlive::forever()},
+      {"off", KeepAlive::off()},
+      {"8760h", KeepAlive::after(std::chrono::hours(8760))},  // a year: no overflow
+  };
+  for (const auto& c : cases) {
+    auto r = parse_keep_alive(c.text);
+    ASSERT_TRUE(r.is_ok()) << c.text << ": " << r.message();
+    EXPECT_EQ(*r, c.expect) << c.text;
+  }
+}
+
+TEST(KeepAliveParse, BadValuesNameTheValueAndTheAcceptedForms) {
+  for (const char* text : {"", "abc", "10x", "s", "1h-5m", "5 minutes", "1e3", "0x10", "nan", "inf s",
+                           "200y", "999999999h", "1.", "--1"}) {
+    auto r = parse_keep_alive(text);
+    if (std::string(text) == "1.") {
+      EXPECT_TRUE(r.is_ok());  // "1." is one second, as strtod reads it
+      continue;
+    }
+    ASSERT_FALSE(r.is_ok()) << "accepted: '" << text << "'";
+    EXPECT_NE(r.message().find(std::string("\"") + text + "\""), std::string::npos) << r.message();
+    EXPECT_NE(r.message().find("accepted:"), std::string::npos) << r.message();
+  }
+}
+
+TEST(KeepAliveParse, PrintsAsTheLogsShowIt) {
+  EXPECT_EQ(KeepAlive::after(180s).to_string(), "180 s");
+  EXPECT_EQ(KeepAlive::after(500ms).to_string(), "500 ms");
+  EXPECT_EQ(KeepAlive::zero().to_string(), "0");
+  EXPECT_EQ(KeepAlive::forever().to_string(), "forever");
+  EXPECT_EQ(KeepAlive::off().to_string(), "off");
+}
+
+TEST(SizeParse, GoodAndBadValues) {
+  struct Case {
+    const char* text;
+    std::uint64_t bytes;
+  } good[] = {{"0", 0},
+              {"4096", 4096},
+              {"8GiB", 8ull << 30},
+              {"8gib", 8ull << 30},
+              {"512MB", 512'000'000},
+              {"1.5G", 3ull << 29},
+              {"64 MiB", 64ull << 20},
+              {"1KB", 1000},
+              {"1k", 1024},
+              {"2T", 2ull << 40},
+              {"7B", 7}};
+  for (const auto& c : good) {
+    auto r = parse_size(c.text);
+    ASSERT_TRUE(r.is_ok()) << c.text << ": " << r.message();
+    EXPECT_EQ(*r, c.bytes) << c.text;
+  }
+  for (const char* text : {"", "-1", "GiB", "8XB", "8 GiB extra", "1e9", "99999999999T", "1.2.3"}) {
+    auto r = parse_size(text);
+    EXPECT_FALSE(r.is_ok()) << "accepted: '" << text << "'";
+  }
+}
+
+TEST(SizeFormat, IsReadable) {
+  EXPECT_EQ(format_size(100), "100 B");
+  EXPECT_EQ(format_size(64ull << 20), "64 MiB");
+  EXPECT_EQ(format_size(3ull << 29), "1.5 GiB");
+  EXPECT_EQ(format_size(8ull << 20), "8 MiB");
+}
+
+TEST(WiredLimitParse, BytesAndPercents) {
+  auto a = parse_wired_limit("75%");
+  ASSERT_TRUE(a.is_ok());
+  EXPECT_TRUE(a->is_percent);
+  EXPECT_EQ(a->resolve(1000), 750u);
+  auto b = parse_wired_limit("8GiB");
+  ASSERT_TRUE(b.is_ok());
+  EXPECT_EQ(b->resolve(1), 8ull << 30);
+  for (const char* bad : {"0%", "101%", "-5%", "%", "abc%", "lots"}) {
+    EXPECT_FALSE(parse_wired_limit(bad).is_ok()) << bad;
+  }
+}
+
+TEST(ConfigFromEnv, DefaultsWhenNothingIsSet) {
+  auto c = Config::from_env(env({}));
+  ASSERT_TRUE(c.is_ok());
+  EXPECT_EQ(c->keep_alive, KeepAlive::after(180s));
+  EXPECT_FALSE(c->wired_limit.has_value());
+  EXPECT_EQ(c->set_max_pct, 5.0);
+  EXPECT_EQ(c->layout, Layout::sharded);
+  EXPECT_FALSE(c->release_on_pressure);
+  EXPECT_EQ(c->log_level, LogLevel::info);
+  EXPECT_TRUE(c->notes.empty());
+}
+
+TEST(ConfigFromEnv, ReadsEveryVariable) {
+  auto c = Config::from_env(env({{"RESIDENCY_KEEP_ALIVE", "5m"},
+                                 {"RESIDENCY_WIRED_LIMIT", "75%"},
+                                 {"RESIDENCY_SET_MAX_PCT", "10"},
+                                 {"RESIDENCY_LAYOUT", "per_buffer"},
+                                 {"RESIDENCY_RELEASE_ON_PRESSURE", "1"},
+                                 {"RESIDENCY_LOG", "debug"}}));
+  ASSERT_TRUE(c.is_ok()) << c.message();
+  EXPECT_EQ(c->keep_alive, KeepAlive::after(5min));
+  ASSERT_TRUE(c->wired_limit.has_value());
+  EXPECT_TRUE(c->wired_limit->is_percent);
+  EXPECT_EQ(c->set_max_pct, 10.0);
+  EXPECT_EQ(c->layout, Layout::per_buffer);
+  EXPECT_TRUE(c->release_on_pressure);
+  EXPECT_EQ(c->log_level, LogLevel::debug);
+}
+
+TEST(ConfigFromEnv, EachBadValueIsOneLineNamingTheVariable) {
+  auto c = Config::from_env(env({{"RESIDENCY_KEEP_ALIVE", "soon"},
+                                 {"RESIDENCY_WIRED_LIMIT", "lots"},
+                                 {"RESIDENCY_LAYOUT", "striped"},
+                                 {"RESIDENCY_RELEASE_ON_PRESSURE", "maybe"},
+                                 {"RESIDENCY_LOG", "loud"},
+                                 {"RESIDENCY_SET_MAX_PCT", "five"}}));
+  ASSERT_FALSE(c.is_ok());
+  const std::string& msg = c.message();
+  for (const char* var : {"RESIDENCY_KEEP_ALIVE=\"soon\"", "RESIDENCY_WIRED_LIMIT=\"lots\"",
+                          "RESIDENCY_LAYOUT=\"striped\"", "RESIDENCY_RELEASE_ON_PRESSURE=\"maybe\"",
+                          "RESIDENCY_LOG=\"loud\"", "RESIDENCY_SET_MAX_PCT=\"five\""}) {
+    EXPECT_NE(msg.find(var), std::string::npos) << var << " missing in:\n" << msg;
+  }
+  EXPECT_EQ(std::count(msg.begin(), msg.end(), '\n'), 5);  // six lines
+}
+
+TEST(ConfigFromEnv, LlamaCppAliasesAreHonouredStrictly) {
+  struct Case {
+    const char* value;
+    bool ok;
+    KeepAlive expect;
+  } cases[] = {
+      {"180", true, KeepAlive::after(180s)},
+      {"0", true, KeepAlive::zero()},  // llama.cpp: falls back to 180
+      {"-1", true, KeepAlive::forever()},
+      {"2.5", true, KeepAlive::after(2500ms)},
+      {"abc", false, {}},  // llama.cpp: atoi -> 0 -> 180 s, silently
+      {"10s", false, {}},  // seconds only, as the name says
+      {"", false, {}},
+  };
+  for (const auto& c : cases) {
+    auto r = Config::from_env(env({{"GGML_METAL_RESIDENCY_KEEP_ALIVE_S", c.value}}));
+    ASSERT_EQ(r.is_ok(), c.ok) << c.value << ": " << r.message();
+    if (!c.ok) {
+      EXPECT_NE(r.message().find("GGML_METAL_RESIDENCY_KEEP_ALIVE_S"), std::string::npos);
+      continue;
+    }
+    EXPECT_EQ(r->keep_alive, c.expect) << c.value;
+    ASSERT_EQ(r->notes.size(), 1u);
+    EXPECT_NE(r->notes[0].find("GGML_METAL_RESIDENCY_KEEP_ALIVE_S"), std::string::npos);
+  }
+  auto off = Config::from_env(env({{"GGML_METAL_NO_RESIDENCY", "1"}}));
+  ASSERT_TRUE(off.is_ok());
+  EXPECT_EQ(off->keep_alive, KeepAlive::off());
+  auto empty = Config::from_env(env({{"GGML_METAL_NO_RESIDENCY", ""}}));  // set but empty: llama.cpp checks presence
+  ASSERT_TRUE(empty.is_ok());
+  EXPECT_EQ(empty->keep_alive, KeepAlive::off());
+  auto zero = Config::from_env(env({{"GGML_METAL_NO_RESIDENCY", "0"}}));
+  ASSERT_TRUE(zero.is_ok());
+  EXPECT_EQ(zero->keep_alive, KeepAlive::after(180s));
+  EXPECT_FALSE(Config::from_env(env({{"GGML_METAL_NO_RESIDENCY", "please"}})).is_ok());
+}
+
+TEST(ConfigFromEnv, OurVariablesWinOverAliasesWithANote) {
+  auto c = Config::from_env(env({{"RESIDENCY_KEEP_ALIVE", "10s"},
+                                 {"GGML_METAL_RESIDENCY_KEEP_ALIVE_S", "99"},
+                                 {"RESIDENCY_SET_MAX_PCT", "7"},
+                                 {"MLX_RESIDENCY_SET_MAX_PCT", "20"},
+                                 {"RESIDENCY_LOG", "warn"},
+                                 {"MLX_RESIDENCY_DEBUG", "1"}}));
+  ASSERT_TRUE(c.is_ok()) << c.message();
+  EXPECT_EQ(c->keep_alive, KeepAlive::after(10s));
+  EXPECT_EQ(c->set_max_pct, 7.0);
+  EXPECT_EQ(c->log_level, LogLevel::warn);
+  EXPECT_EQ(c->notes.size(), 3u);
+}
+
+TEST(ConfigFromEnv, MlxAliases) {
+  auto c = Config::from_env(env({{"MLX_RESIDENCY_SET_MAX_PCT", "0"}, {"MLX_RESIDENCY_DEBUG", "1"}}));
+  ASSERT_TRUE(c.is_ok()) << c.message();
+  EXPECT_EQ(c->set_max_pct, 0.0);
+  EXPECT_EQ(c->log_level, LogLevel::debug);
+  EXPECT_FALSE(Config::from_env(env({{"MLX_RESIDENCY_DEBUG", "verbose"}})).is_ok());
+  EXPECT_FALSE(Config::from_env(env({{"MLX_RESIDENCY_SET_MAX_PCT", "5%"}})).is_ok());
+}
