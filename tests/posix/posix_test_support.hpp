@@ -1,0 +1,244 @@
+// Helpers for the posix backend's tests: a real file mapping (what an engine's mmap'd model
+// is), what the kernel says about it (VmLck, mincore), the kernel's reclaim made repeatable
+// (MADV_PAGEOUT + POSIX_FADV_DONTNEED), RLIMIT_MEMLOCK checks, and running a body in a forked
+// child whose capabilities and limits can be lowered without touching the test process.
+#pragma once
+
+#include <fcntl.h>
+#include <linux/capability.h>
+#include <sys/mman.h>
+#include <sys/resource.h>
+#include <sys/syscall.h>
+#include <sys/vfs.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <chrono>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "backends/posix/proc_info.hpp"
+
+namespace residency::posix_test {
+
+constexpr std::uint64_t KiB = 1024;
+constexpr std::uint64_t MiB = 1024 * KiB;
+
+inline std::uint64_t page_size() { return static_cast<std::uint64_t>(::sysconf(_SC_PAGESIZE)); }
+
+// This process's VmLck, bytes (0 when unreadable).
+inline std::uint64_t vm_lck() {
+  auto st = posix::read_proc_status();
+  return st && st->vm_lck ? *st->vm_lck : 0;
+}
+
+// A temporary file of `size` bytes, written (not sparse), synced so its pages are clean and
+// reclaimable, and mapped MAP_SHARED, PROT_READ as an engine maps its model.
+class TempMappedFile {
+ public:
+  explicit TempMappedFile(std::size_t size) : size_(size) {
+    dir_ = choose_dir();
+    std::string tmpl = dir_ + "/residency-posix-test-XXXXXX";
+    fd_ = ::mkstemp(tmpl.data());
+    if (fd_ < 0) {
+      error_ = "mkstemp in " + dir_ + ": " + std::strerror(errno);
+      return;
+    }
+    ::unlink(tmpl.c_str());
+    std::vector<char> chunk(MiB);
+    for (std::size_t off = 0; off < size; off += chunk.size()) {
+      for (std::size_t i = 0; i < chunk.size(); i += 4096) chunk[i] = static_cast<char>((off + i) >> 12);
+      const std::size_t n = std::min(chunk.size(), size - off);
+      if (::pwrite(fd_, chunk.data(), n, static_cast<off_t>(off)) != static_cast<ssize_t>(n)) {
+        error_ = "writing the test file: " + std::string(std::strerror(errno));
+        return;
+      }
+    }
+    ::fdatasync(fd_);
+    void* p = ::mmap(nullptr, size, PROT_READ, MAP_SHARED, fd_, 0);
+    if (p == MAP_FAILED) {
+      error_ = "mmap: " + std::string(std::strerror(errno));
+      return;
+    }
+    data_ = static_cast<char*>(p);
+    struct statfs sfs {};
+    // TMPFS_MAGIC: shmem pages without swap cannot be paged out, so eviction tests skip there.
+    constexpr long kTmpfsMagic = 0x01021994;
+    if (::fstatfs(fd_, &sfs) == 0 && static_cast<long>(sfs.f_type) == kTmpfsMagic) on_tmpfs_ = true;
+  }
+  ~TempMappedFile() {
+    if (data_ != nullptr) ::munmap(data_, size_);
+    if (fd_ >= 0) ::close(fd_);
+  }
+  TempMappedFile(const TempMappedFile&) = delete;
+  TempMappedFile& operator=(const TempMappedFile&) = delete;
+
+  bool ok() const { return data_ != nullptr; }
+  const std::string& error() const { return error_; }
+  char* data() const { return data_; }
+  std::size_t size() const { return size_; }
+  bool on_tmpfs() const { return on_tmpfs_; }
+  const std::string& dir() const { return dir_; }
+
+  // Reads one byte per page: makes every page resident (page cache + page tables).
+  std::uint64_t touch_all() const {
+    std::uint64_t sum = 0;
+    for (std::size_t i = 0; i < size_; i += page_size()) sum += static_cast<unsigned char>(data_[i]);
+    return sum;
+  }
+  // Fraction of the mapping's pages that mincore reports resident.
+  double resident_fraction() const {
+    const std::size_t pages = (size_ + page_size() - 1) / page_size();
+    std::vector<unsigned char> vec(pages);
+    if (::mincore(data_, size_, vec.data()) != 0) return -1;
+    std::size_t n = 0;
+    for (unsigned char v : vec) n += v & 1U;
+    return static_cast<double>(n) / static_cast<double>(pages);
+  }
+  // What memory pressure does to unlocked pages, made repeatable: reclaim this mapping's
+  // pages (MADV_PAGEOUT, Linux >= 5.4) and drop them from the page cache. Returns madvise's
+  // errno (0 on success): EINVAL when the kernel lacks MADV_PAGEOUT, and also when the range
+  // is mlock-ed (the kernel refuses to page out locked memory).
+  int page_out() const {
+    int err = 0;
+    if (::madvise(data_, size_, MADV_PAGEOUT) != 0) err = errno;
+    ::posix_fadvise(fd_, 0, static_cast<off_t>(size_), POSIX_FADV_DONTNEED);
+    return err;
+  }
+
+ private:
+  static std::string choose_dir() {
+    // Prefer a disk-backed directory: pages of a tmpfs file cannot be evicted without swap.
+    if (const char* t = std::getenv("TMPDIR"); t != nullptr && *t != '\0') return t;
+    for (const char* d : {"/var/tmp", "/tmp"}) {
+      if (::access(d, W_OK) == 0) return d;
+    }
+    return ".";
+  }
+  std::size_t size_;
+  std::string dir_;
+  int fd_ = -1;
+  char* data_ = nullptr;
+  bool on_tmpfs_ = false;
+  std::string error_;
+};
+
+// Whether MADV_PAGEOUT works here: probe it on a small unlocked mapping.
+inline std::optional<std::string> pageout_unsupported_reason() {
+  TempMappedFile probe(64 * KiB);
+  if (!probe.ok()) return "cannot make a probe file: " + probe.error();
+  if (probe.on_tmpfs()) return probe.dir() + " is tmpfs: its pages cannot be paged out without swap";
+  probe.touch_all();
+  if (const int err = probe.page_out(); err != 0) {
+    return std::string("madvise(MADV_PAGEOUT) failed: ") + std::strerror(err) + " (needs Linux >= 5.4)";
+  }
+  return std::nullopt;
+}
+
+inline bool has_cap_ipc_lock() {
+  auto st = posix::read_proc_status();
+  return st && st->cap_eff && posix::has_cap_ipc_lock(*st->cap_eff);
+}
+
+// Makes sure `bytes` more can be mlock-ed: CAP_IPC_LOCK, or a soft RLIMIT_MEMLOCK that fits
+// (raised to the hard limit if needed). Returns why not, for GTEST_SKIP.
+inline std::optional<std::string> ensure_memlock(std::uint64_t bytes) {
+  if (has_cap_ipc_lock()) return std::nullopt;
+  rlimit rl{};
+  if (::getrlimit(RLIMIT_MEMLOCK, &rl) != 0) return std::string("getrlimit failed");
+  auto fits = [&] { return rl.rlim_cur == RLIM_INFINITY || rl.rlim_cur >= vm_lck() + bytes; };
+  if (fits()) return std::nullopt;
+  rl.rlim_cur = rl.rlim_max;
+  ::setrlimit(RLIMIT_MEMLOCK, &rl);
+  ::getrlimit(RLIMIT_MEMLOCK, &rl);
+  if (fits()) return std::nullopt;
+  return "RLIMIT_MEMLOCK (soft " + std::to_string(rl.rlim_cur) + ", hard " + std::to_string(rl.rlim_max) +
+         " bytes) is below the " + std::to_string(bytes) +
+         " bytes this test locks and the process lacks CAP_IPC_LOCK; run with `ulimit -l unlimited`";
+}
+
+// Removes CAP_IPC_LOCK from the calling thread's effective and permitted sets (irreversible
+// for the process: use only in a forked child). Returns an error text, or empty on success.
+inline std::string drop_cap_ipc_lock() {
+  __user_cap_header_struct hdr{};
+  hdr.version = _LINUX_CAPABILITY_VERSION_3;
+  hdr.pid = 0;
+  __user_cap_data_struct data[_LINUX_CAPABILITY_U32S_3] = {};
+  if (::syscall(SYS_capget, &hdr, data) != 0) return std::string("capget: ") + std::strerror(errno);
+  data[0].effective &= ~(1U << CAP_IPC_LOCK);
+  data[0].permitted &= ~(1U << CAP_IPC_LOCK);
+  if (::syscall(SYS_capset, &hdr, data) != 0) return std::string("capset: ") + std::strerror(errno);
+  return {};
+}
+
+// Sets RLIMIT_MEMLOCK soft = hard = bytes (lowering needs no privilege).
+inline std::string set_memlock_limit(std::uint64_t bytes) {
+  rlimit rl{static_cast<rlim_t>(bytes), static_cast<rlim_t>(bytes)};
+  if (::setrlimit(RLIMIT_MEMLOCK, &rl) != 0) return std::string("setrlimit: ") + std::strerror(errno);
+  return {};
+}
+
+// The outcome of a body run in a forked child: its exit code and what it wrote.
+struct ChildResult {
+  int exit_code = -1;  // -1: killed by a signal (see `signal`)
+  int signal = 0;
+  std::string report;
+};
+// Exit code a child uses to say "skip" (the report says why).
+inline constexpr int kChildSkip = 77;
+
+// Forks; the child runs body(report) and exits with its return value. The child must not
+// start threads (sanitizers and fork) and reports through `report`, never through gtest.
+inline ChildResult run_in_child(const std::function<int(std::string& report)>& body) {
+  ChildResult r;
+  int p[2];
+  if (::pipe(p) != 0) {
+    r.report = "pipe failed";
+    return r;
+  }
+  const pid_t pid = ::fork();
+  if (pid < 0) {
+    r.report = "fork failed";
+    return r;
+  }
+  if (pid == 0) {
+    ::close(p[0]);
+    std::string report;
+    const int code = body(report);
+    std::size_t off = 0;
+    while (off < report.size()) {
+      const ssize_t n = ::write(p[1], report.data() + off, report.size() - off);
+      if (n <= 0) break;
+      off += static_cast<std::size_t>(n);
+    }
+    ::close(p[1]);
+    ::_exit(code);
+  }
+  ::close(p[1]);
+  char buf[4096];
+  for (;;) {
+    const ssize_t n = ::read(p[0], buf, sizeof buf);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) break;
+    r.report.append(buf, static_cast<std::size_t>(n));
+  }
+  ::close(p[0]);
+  int status = 0;
+  while (::waitpid(pid, &status, 0) < 0 && errno == EINTR) {
+  }
+  if (WIFEXITED(status)) r.exit_code = WEXITSTATUS(status);
+  if (WIFSIGNALED(status)) r.signal = WTERMSIG(status);
+  return r;
+}
+
+inline double ms_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+}
+
+}  // namespace residency::posix_test
