@@ -12,7 +12,9 @@ namespace {
 
 constexpr Nanos kForever = Nanos::max();
 
-double seconds(Nanos d) { return static_cast<double>(d.count()) * 1e-9; }
+// Bytes moved at `rate` bytes per second over `d`; rate x ns first, so that round rates over
+// whole milliseconds are exact and a replay does not depend on how it was cut into steps.
+double bytes_over(double rate, Nanos d) { return rate * static_cast<double>(d.count()) / 1e9; }
 
 Nanos add_saturating(Nanos a, Nanos b) {
   if (b.count() > 0 && a > kForever - b) return kForever;
@@ -113,7 +115,7 @@ void SimBackend::advance_locked(Nanos to) {
       collector_credit_ = 0;
     } else {
       std::sort(exposed.begin(), exposed.end());
-      double budget = collector_credit_ + options_.profile.collector_rate * seconds(next - t);
+      double budget = collector_credit_ + bytes_over(options_.profile.collector_rate, next - t);
       bool all_taken = true;
       for (const auto& [last_use, base] : exposed) {
         Buffer& b = buffers_.at(base);
