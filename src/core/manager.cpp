@@ -88,7 +88,10 @@ struct Manager::Impl {
   std::map<std::uintptr_t, RegionId> by_address;
   std::unique_ptr<SetLayout> layout;
   std::vector<SetState> set_state;
-  std::set<SetId> dirty;  // staged changes to commit at the end of the batch
+  // Sets with staged changes, to commit at the end of the batch, with their net change in
+  // bytes. Committed in order of net change, most shrinking first: resident bytes then only
+  // fall, then only rise, so no moment exceeds the larger of the old and the new budget.
+  std::map<SetId, std::int64_t> dirty;
   std::uint64_t wired_limit = 0;
   std::uint64_t tracked = 0;
   std::uint64_t admitted = 0;
@@ -139,7 +142,7 @@ struct Manager::Impl {
     r.admitted = true;
     r.set = p.set;
     admitted += r.desc.size;
-    dirty.insert(p.set);
+    dirty[p.set] += static_cast<std::int64_t>(r.desc.size);
     return true;
   }
 
@@ -152,7 +155,7 @@ struct Manager::Impl {
       dirty.erase(r.set);
     } else {
       backend->remove_region(r.set, r.desc.id);
-      dirty.insert(r.set);
+      dirty[r.set] -= static_cast<std::int64_t>(r.desc.size);
     }
     admitted -= r.desc.size;
     r.admitted = false;
@@ -205,9 +208,11 @@ struct Manager::Impl {
   void flush() {
     if (batch_depth > 0) return;
     for (int round = 0; round < 3 && !dirty.empty(); ++round) {
-      std::set<SetId> todo;
-      todo.swap(dirty);
-      for (SetId s : todo) {
+      std::vector<std::pair<std::int64_t, SetId>> order;
+      for (auto [s, delta] : dirty) order.emplace_back(delta, s);
+      dirty.clear();
+      std::sort(order.begin(), order.end());
+      for (auto [delta, s] : order) {
         if (!layout->exists(s) || !state(s).created) continue;
         SetOutcome out = backend->commit(s);
         ++counters.commits;
