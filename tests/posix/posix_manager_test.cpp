@@ -1,0 +1,191 @@
+// The posix backend under the Manager, as an engine uses it: a mapped model stays resident
+// through reclaim while the keep-alive runs, is given back when it expires (virtual time, no
+// sleeping), comes back on the next touch(); and with RLIMIT_MEMLOCK low and no
+// CAP_IPC_LOCK the budget is clamped to the limit and every refusal is a warning that names
+// the limit and the fix, never a crash.
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <cstdio>
+
+#include "posix_test_support.hpp"
+#include "residency/backends/posix.hpp"
+#include "residency/residency.hpp"
+#include "support/fake_backend.hpp"  // LogCapture
+
+namespace residency {
+namespace {
+
+using namespace posix_test;
+using namespace std::chrono_literals;
+using residency::testing::LogCapture;
+
+struct Fixture {
+  ManualClock clock{Nanos(std::chrono::hours(1))};
+  LogCapture logs;
+
+  Result<std::unique_ptr<Manager>> make(const char* keep_alive, std::shared_ptr<Backend> backend = nullptr,
+                                        bool release_on_pressure = false) {
+    if (!backend) {
+      auto b = make_posix_backend();
+      if (!b) return b.status();
+      backend = *b;
+    }
+    ManagerOptions o;
+    o.config.keep_alive = *parse_keep_alive(keep_alive);
+    o.config.release_on_pressure = release_on_pressure;
+    o.backend = std::move(backend);
+    o.clock = &clock;
+    o.log = logs.callback();
+    o.start_scheduler = false;
+    return Manager::create(std::move(o));
+  }
+  std::string all_logs() {
+    std::lock_guard<std::mutex> g(logs.m);
+    std::string s;
+    for (auto& [l, line] : logs.lines) s += std::string(to_string(l)) + ": " + line + "\n";
+    return s;
+  }
+};
+
+TEST(PosixManager, KeepAliveHoldsTheModelThroughPageoutAndExpiryGivesItBack) {
+  if (auto why = pageout_unsupported_reason()) GTEST_SKIP() << *why;
+  constexpr std::size_t kSize = 128 * MiB;
+  if (auto why = ensure_memlock(kSize)) GTEST_SKIP() << *why;
+  TempMappedFile model(kSize);
+  ASSERT_TRUE(model.ok()) << model.error();
+  model.touch_all();
+
+  Fixture f;
+  auto m = f.make("10s");
+  ASSERT_TRUE(m) << m.message();
+  Manager& mgr = **m;
+  const std::uint64_t before = vm_lck();
+  auto id = mgr.register_region(model.data(), kSize);
+  ASSERT_TRUE(id) << id.message();
+  Stats s = mgr.stats();
+  EXPECT_TRUE(s.resident);
+  EXPECT_EQ(s.wired_bytes, kSize);
+  EXPECT_EQ(s.wire_failures, 0u) << f.all_logs();
+  EXPECT_GE(vm_lck(), before + kSize);
+
+  // Pressure while the keep-alive runs: nothing is evicted.
+  model.page_out();
+  EXPECT_EQ(model.resident_fraction(), 1.0);
+
+  // 11 s of idle in virtual time: the keep-alive expires and the memory is given back.
+  f.clock.advance(11s);
+  mgr.run_due();
+  s = mgr.stats();
+  EXPECT_FALSE(s.resident);
+  EXPECT_EQ(s.releases, 1u);
+  EXPECT_LE(vm_lck(), before + 2 * page_size());
+  ASSERT_EQ(model.page_out(), 0);
+  const double evicted_left = model.resident_fraction();
+  EXPECT_LT(evicted_left, 0.10);
+
+  // The next use re-wires: every page is read back and locked again.
+  const auto t0 = std::chrono::steady_clock::now();
+  mgr.touch();
+  const double rewire_ms = ms_since(t0);
+  s = mgr.stats();
+  EXPECT_TRUE(s.resident);
+  EXPECT_EQ(s.rewires, 1u);
+  EXPECT_EQ(model.resident_fraction(), 1.0);
+  EXPECT_GE(vm_lck(), before + kSize);
+  std::printf("[ measured ] through the Manager: %.1f %% resident after expiry + pageout; touch() re-wire of "
+              "128 MiB: %.2f ms\n",
+              evicted_left * 100, rewire_ms);
+
+  ASSERT_TRUE(mgr.unregister_region(*id));
+  EXPECT_LE(vm_lck(), before + 2 * page_size());
+}
+
+TEST(PosixManager, ReleaseOnPressureStartsThePsiWatchOrWarnsWhy) {
+  Fixture f;
+  PosixOptions o;
+  o.pressure_file = "/proc/pressure/no-such-resource";
+  auto b = make_posix_backend(o);
+  ASSERT_TRUE(b) << b.message();
+  auto m = f.make("180s", *b, /*release_on_pressure=*/true);
+  ASSERT_TRUE(m) << m.message();
+  EXPECT_TRUE(f.logs.contains(LogLevel::warn, "/proc/pressure/no-such-resource")) << f.all_logs();
+
+  const PressureInfo psi = posix::read_pressure("/proc/pressure/memory");
+  if (!psi.available || ::geteuid() != 0) GTEST_SKIP() << "PSI watch needs a writable /proc/pressure/memory";
+  Fixture g;
+  auto m2 = g.make("180s", nullptr, /*release_on_pressure=*/true);
+  ASSERT_TRUE(m2) << m2.message();
+  EXPECT_FALSE(g.logs.contains("release_on_pressure is set but")) << g.all_logs();
+  m2->reset();  // stops the watch thread at once
+}
+
+// A child without CAP_IPC_LOCK and RLIMIT_MEMLOCK = 1 MiB: what users hit in Docker.
+TEST(PosixManager, LowRlimitMemlockClampsTheBudgetAndWarnsInsteadOfFailing) {
+  TempMappedFile model(64 * MiB);
+  ASSERT_TRUE(model.ok()) << model.error();
+  const auto r = run_in_child([&](std::string& report) {
+    if (auto e = drop_cap_ipc_lock(); !e.empty()) {
+      report = "cannot drop CAP_IPC_LOCK: " + e;
+      return kChildSkip;
+    }
+    if (auto e = set_memlock_limit(1 * MiB); !e.empty()) {
+      report = e;
+      return 1;
+    }
+    Fixture f;
+    auto m = f.make("180s");
+    if (!m) {
+      report = "Manager::create: " + m.message();
+      return 1;
+    }
+    Manager& mgr = **m;
+    auto fail = [&](int code, const std::string& what) {
+      report = what + "\n--- log ---\n" + f.all_logs();
+      return code;
+    };
+    // The budget is clamped to the limit, with a warning that says how to raise it.
+    if (mgr.stats().wired_limit != 1 * MiB) return fail(2, "wired_limit = " + std::to_string(mgr.stats().wired_limit));
+    if (!f.logs.contains(LogLevel::warn, "RLIMIT_MEMLOCK") || !f.logs.contains(LogLevel::warn, "ulimit -l") ||
+        !f.logs.contains(LogLevel::warn, "--cap-add IPC_LOCK")) {
+      return fail(3, "no warning naming RLIMIT_MEMLOCK and the fix");
+    }
+    // 64 MiB does not fit: tracked, not admitted, nothing locked, no crash.
+    auto big = mgr.register_region(model.data(), 64 * MiB);
+    if (!big) return fail(4, "register_region: " + big.message());
+    Stats s = mgr.stats();
+    if (s.tracked_bytes != 64 * MiB || s.pending_bytes != 64 * MiB || s.admitted_bytes != 0 || s.wired_bytes != 0) {
+      return fail(5, "64 MiB over a 1 MiB budget: tracked " + std::to_string(s.tracked_bytes) + " pending " +
+                         std::to_string(s.pending_bytes) + " admitted " + std::to_string(s.admitted_bytes));
+    }
+    if (vm_lck() != 0) return fail(6, "VmLck = " + std::to_string(vm_lck()));
+    if (!mgr.unregister_region(*big)) return fail(7, "unregister_region");
+
+    // Something else in the process already locks 768 KiB: a 512 KiB region fits the budget
+    // but the kernel refuses it. The manager warns with the backend's message and keeps it
+    // tracked but unwired.
+    if (::mlock(model.data() + 32 * MiB, 768 * KiB) != 0) return fail(8, "mlock of 768 KiB failed");
+    auto small = mgr.register_region(model.data(), 512 * KiB);
+    if (!small) return fail(9, "register_region: " + small.message());
+    s = mgr.stats();
+    if (s.wire_failures != 1 || s.wired_bytes != 0 || s.pending_bytes != 512 * KiB) {
+      return fail(10, "after a refused mlock: wire_failures " + std::to_string(s.wire_failures) + " wired " +
+                          std::to_string(s.wired_bytes) + " pending " + std::to_string(s.pending_bytes));
+    }
+    if (!f.logs.contains(LogLevel::warn, "RLIMIT_MEMLOCK = 1048576") ||
+        !f.logs.contains(LogLevel::warn, "stays tracked but not resident")) {
+      return fail(11, "no warning with the backend's RLIMIT_MEMLOCK message");
+    }
+    // The process goes on: the region is still there and can be unregistered.
+    if (!mgr.unregister_region(*small)) return fail(12, "unregister_region");
+    report = f.all_logs();
+    return 0;
+  });
+  if (r.exit_code == kChildSkip) GTEST_SKIP() << r.report;
+  EXPECT_EQ(r.signal, 0) << "child crashed\n" << r.report;
+  EXPECT_EQ(r.exit_code, 0) << r.report;
+  std::printf("%s", r.report.c_str());
+}
+
+}  // namespace
+}  // namespace residency

@@ -1,0 +1,158 @@
+// residency stat: what this machine and this process hold resident, and what limits apply.
+//
+// The first thing to run when memory does not stay resident: how much RAM there is and is
+// available, how much is locked system-wide and by this process, the RLIMIT_MEMLOCK that
+// caps mlock (and whether CAP_IPC_LOCK lifts it), the PSI memory pressure lines, and the
+// backends this build has. Human text by default; --json gives the raw byte values.
+#include <nlohmann/json.hpp>
+
+#include <cstdio>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "command.hpp"
+#include "residency/backends.hpp"
+#include "residency/config.hpp"
+
+#if defined(__unix__) || defined(__APPLE__)
+#define RESIDENCY_STAT_POSIX 1
+#include "residency/backends/posix.hpp"
+#endif
+
+namespace residency::tool {
+namespace {
+
+#if RESIDENCY_STAT_POSIX
+using Row = std::pair<std::string, std::string>;
+
+std::string size_or_unknown(const std::optional<std::uint64_t>& v) {
+  return v ? format_size(*v) : std::string("unknown");
+}
+
+std::string limit_text(std::uint64_t v) {
+  return v == PosixSystemInfo::kUnlimited ? std::string("unlimited") : format_size(v);
+}
+
+nlohmann::json bytes_or_null(const std::optional<std::uint64_t>& v) {
+  return v ? nlohmann::json(*v) : nlohmann::json(nullptr);
+}
+
+nlohmann::json limit_json(std::uint64_t v) {
+  return v == PosixSystemInfo::kUnlimited ? nlohmann::json(nullptr) : nlohmann::json(v);
+}
+
+nlohmann::json reading_json(const std::optional<PressureReading>& r) {
+  if (!r) return nullptr;
+  return {{"avg10", r->avg10}, {"avg60", r->avg60}, {"avg300", r->avg300}, {"total_us", r->total_us}};
+}
+
+nlohmann::json pressure_json(const PressureInfo& p) {
+  nlohmann::json j = {{"path", p.path}, {"available", p.available}};
+  if (p.available) {
+    j["some"] = reading_json(p.some);
+    j["full"] = reading_json(p.full);
+  } else {
+    j["reason"] = p.reason;
+  }
+  return j;
+}
+
+void pressure_rows(std::vector<Row>& rows, const std::string& label, const PressureInfo& p) {
+  if (!p.available) {
+    rows.emplace_back(label, "unavailable: " + p.reason);
+    return;
+  }
+  rows.emplace_back(label, p.some_line + "  (" + p.path + ")");
+  if (!p.full_line.empty()) rows.emplace_back("", p.full_line);
+}
+
+int run_stat(bool json) {
+  const PosixSystemInfo info = read_posix_system_info();
+  const auto backends = available_backends();
+  const std::uint64_t base = info.mem_total ? *info.mem_total : 0;
+  const std::uint64_t limit_base =
+      info.cgroup_memory_max && *info.cgroup_memory_max < base ? *info.cgroup_memory_max : base;
+  const std::uint64_t recommended = posix_recommended_working_set(limit_base);
+
+  if (json) {
+    nlohmann::json j;
+    j["page_size"] = info.page_size;
+    j["mem_total"] = bytes_or_null(info.mem_total);
+    j["mem_available"] = bytes_or_null(info.mem_available);
+    j["mlocked"] = bytes_or_null(info.mlocked);
+    j["vm_lck"] = bytes_or_null(info.vm_lck);
+    j["rlimit_memlock"] = {{"soft", limit_json(info.memlock_soft)},
+                           {"hard", limit_json(info.memlock_hard)},
+                           {"soft_unlimited", info.memlock_soft == PosixSystemInfo::kUnlimited},
+                           {"hard_unlimited", info.memlock_hard == PosixSystemInfo::kUnlimited}};
+    j["cap_ipc_lock"] = info.cap_ipc_lock;
+    j["recommended_working_set"] = recommended;
+    j["cgroup"] = {{"path", info.cgroup_path.empty() ? nlohmann::json(nullptr) : nlohmann::json(info.cgroup_path)},
+                   {"memory_max", bytes_or_null(info.cgroup_memory_max)}};
+    j["psi_memory"] = pressure_json(info.system_pressure);
+    j["psi_memory_cgroup"] = info.cgroup_pressure ? pressure_json(*info.cgroup_pressure) : nlohmann::json(nullptr);
+    j["backends"] = backends;
+    j["problems"] = info.problems;
+    std::printf("%s\n", j.dump(2).c_str());
+    return kExitOk;
+  }
+
+  std::vector<Row> rows;
+  rows.emplace_back("MemTotal", size_or_unknown(info.mem_total));
+  rows.emplace_back("MemAvailable", size_or_unknown(info.mem_available));
+  rows.emplace_back("Mlocked (system)", size_or_unknown(info.mlocked));
+  rows.emplace_back("VmLck (this process)", size_or_unknown(info.vm_lck));
+  rows.emplace_back("RLIMIT_MEMLOCK",
+                    "soft " + limit_text(info.memlock_soft) + ", hard " + limit_text(info.memlock_hard));
+  if (info.cap_ipc_lock) {
+    rows.emplace_back("CAP_IPC_LOCK", "yes (mlock is not held to RLIMIT_MEMLOCK)");
+  } else if (info.memlock_soft == PosixSystemInfo::kUnlimited) {
+    rows.emplace_back("CAP_IPC_LOCK", "no (RLIMIT_MEMLOCK is unlimited: not needed)");
+  } else {
+    rows.emplace_back("CAP_IPC_LOCK", "no (mlock is held to " + limit_text(info.memlock_soft) + "; raise it with `ulimit -l`)");
+  }
+  rows.emplace_back("recommended working set",
+                    base ? format_size(recommended) + " (posix: 75 % of " +
+                               (limit_base < base ? std::string("cgroup memory.max") : std::string("MemTotal")) + ")"
+                         : std::string("unknown"));
+  if (!info.cgroup_path.empty()) {
+    rows.emplace_back("cgroup (v2)", info.cgroup_path + ", memory.max " +
+                                         (info.cgroup_memory_max ? format_size(*info.cgroup_memory_max) : std::string("none")));
+  }
+  pressure_rows(rows, "PSI memory", info.system_pressure);
+  if (info.cgroup_pressure) pressure_rows(rows, "PSI memory (cgroup)", *info.cgroup_pressure);
+  std::string names;
+  for (const auto& n : backends) names += (names.empty() ? "" : ", ") + n;
+  rows.emplace_back("backends", names.empty() ? std::string("none") : names);
+  for (const auto& p : info.problems) rows.emplace_back("note", p);
+
+  std::size_t width = 0;
+  for (const auto& [k, v] : rows) width = std::max(width, k.size());
+  for (const auto& [k, v] : rows) std::printf("%-*s  %s\n", static_cast<int>(width), k.c_str(), v.c_str());
+  return kExitOk;
+}
+#else
+int run_stat(bool json) {
+  const auto backends = available_backends();
+  if (json) {
+    std::printf("%s\n", nlohmann::json({{"backends", backends}}).dump(2).c_str());
+  } else {
+    std::string names;
+    for (const auto& n : backends) names += (names.empty() ? "" : ", ") + n;
+    std::printf("backends  %s\n", names.c_str());
+  }
+  return kExitOk;
+}
+#endif
+
+const Command stat_command{
+    "stat", "what this machine and process hold resident (memory, locks, limits, pressure)",
+    [](CLI::App& app) {
+      auto json = std::make_shared<bool>(false);
+      app.add_flag("--json", *json, "print JSON with raw byte values");
+      return [json] { return run_stat(*json); };
+    }};
+
+}  // namespace
+}  // namespace residency::tool
