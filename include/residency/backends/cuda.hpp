@@ -1,0 +1,49 @@
+// residency: the cuda backend, device memory that sleeps and wakes at the link's bandwidth.
+//
+// Serving several models on one GPU needs "sleep" (give the device memory back) and a fast
+// "wake", and the model's pointers (and CUDA graphs captured with them) must survive both.
+// So device memory is allocated through the manager with the driver's virtual memory
+// management API: the address range is reserved once and never moves; ending a set's
+// residency synchronizes the device, copies `weights` into a pinned host backup that is
+// allocated once and kept between cycles (re-pinning costs more than the copy), then unmaps
+// and releases the physical memory; `kv_cache` and `scratch` are dropped without a copy.
+// Requesting residency creates and maps physical memory again and restores the contents.
+// Both directions are chunked over several streams, and wake overlaps the mapping of later
+// chunks with the copies of earlier ones, which is what takes them from the 2-5 GiB/s of the
+// peers (vLLM sleep mode, torch_memory_saver) to the link's rate. A wake that runs out of
+// device memory rolls back what it mapped, keeps the backup and returns an error.
+//
+// Host memory registered with the manager (e.g. mmap'd weights the GPU reads) is wired
+// with cuMemHostRegister and released with cuMemHostUnregister.
+//
+// The driver is loaded at run time (dlopen of libcuda.so.1), so binaries built with this
+// backend start on machines without an NVIDIA driver; there make_cuda_backend() returns an
+// error saying so and make_backend("auto") falls through to the next backend.
+#pragma once
+
+#include <cstddef>
+#include <memory>
+
+#include "residency/backend.hpp"
+#include "residency/status.hpp"
+
+namespace residency {
+
+struct CudaBackendOptions {
+  // Which device (ordinal, as nvidia-smi numbers them unless CUDA_VISIBLE_DEVICES says
+  // otherwise). Its primary context is used, the one the CUDA runtime uses, so the engine's
+  // kernels and this backend's copies see the same memory.
+  int device = 0;
+  // Unit of physical memory and of one copy, rounded up to the allocation granularity
+  // (2 MiB on current GPUs). 256 MiB: long enough that a copy's launch costs < 0.1% of it at
+  // 55 GB/s, short enough that the first chunk's mapping, which nothing overlaps, is short.
+  std::size_t chunk_bytes = std::size_t{256} << 20;
+  // Streams the chunks are spread over, round robin (1 to 16).
+  int streams = 4;
+};
+
+// Errors: no driver (libcuda.so.1 missing), driver older than CUDA 12.0, no such device,
+// a device without virtual memory management support, bad options.
+Result<std::shared_ptr<Backend>> make_cuda_backend(const CudaBackendOptions& options = {});
+
+}  // namespace residency

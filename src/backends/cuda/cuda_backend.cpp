@@ -1,0 +1,564 @@
+// The cuda backend; see cuda_backend.hpp for the design and the residency rule.
+#include "backends/cuda/cuda_backend.hpp"
+
+#include <algorithm>
+#include <cinttypes>
+#include <cstdio>
+#include <limits>
+#include <string>
+
+#include "residency/config.hpp"
+
+namespace residency::cuda {
+namespace {
+
+// More streams than copy engines buy nothing; 16 is far above any current GPU's count.
+constexpr int kMaxStreams = 16;
+
+std::string hex(std::uintptr_t p) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "0x%" PRIxPTR, p);
+  return buf;
+}
+
+CUmemAllocationProp device_prop(CUdevice dev) {
+  CUmemAllocationProp prop{};
+  prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+  prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  prop.location.id = static_cast<int>(dev);
+  return prop;
+}
+
+std::size_t round_up(std::size_t v, std::size_t unit) { return (v + unit - 1) / unit * unit; }
+
+}  // namespace
+
+Result<std::shared_ptr<CudaBackend>> CudaBackend::create(const CudaBackendOptions& o) {
+  auto drv = Driver::get();
+  if (!drv) return drv.status();
+  const Driver& d = **drv;
+
+  if (o.streams < 1 || o.streams > kMaxStreams) {
+    return Status(ErrorCode::invalid_argument, "cuda: streams = " + std::to_string(o.streams) +
+                                                   "; accepted: 1 to " + std::to_string(kMaxStreams));
+  }
+  if (o.chunk_bytes == 0) {
+    return Status(ErrorCode::invalid_argument,
+                  "cuda: chunk_bytes = 0; accepted: any positive size (rounded up to the "
+                  "allocation granularity, 2 MiB on current GPUs)");
+  }
+  int count = 0;
+  CUresult r = d.cuDeviceGetCount(&count);
+  if (r != CUDA_SUCCESS) return d.error(r, "counting devices", "cuDeviceGetCount");
+  if (count == 0) {
+    return Status(ErrorCode::unsupported, "cuda: no CUDA device on this machine (the driver is " +
+                                              d.library + "); choose another backend (posix)");
+  }
+  if (o.device < 0 || o.device >= count) {
+    return Status(ErrorCode::invalid_argument,
+                  "cuda: device " + std::to_string(o.device) + " does not exist; this machine has " +
+                      std::to_string(count) + " (0 to " + std::to_string(count - 1) + ")");
+  }
+  CUdevice dev = 0;
+  r = d.cuDeviceGet(&dev, o.device);
+  if (r != CUDA_SUCCESS) return d.error(r, "opening device " + std::to_string(o.device), "cuDeviceGet");
+  int vmm = 0;
+  r = d.cuDeviceGetAttribute(&vmm, CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, dev);
+  if (r != CUDA_SUCCESS || vmm == 0) {
+    return Status(ErrorCode::unsupported,
+                  "cuda: device " + std::to_string(o.device) +
+                      " does not support virtual memory management (cuMemCreate/cuMemMap), which "
+                      "this backend needs for stable addresses; choose another backend (posix)");
+  }
+  const CUmemAllocationProp prop = device_prop(dev);
+  std::size_t granularity = 0;
+  r = d.cuMemGetAllocationGranularity(&granularity, &prop, CU_MEM_ALLOC_GRANULARITY_RECOMMENDED);
+  if (r != CUDA_SUCCESS || granularity == 0) {
+    return d.error(r, "reading the allocation granularity", "cuMemGetAllocationGranularity");
+  }
+  CUcontext ctx = nullptr;
+  r = d.cuDevicePrimaryCtxRetain(&ctx, dev);
+  if (r != CUDA_SUCCESS) return d.error(r, "retaining the primary context", "cuDevicePrimaryCtxRetain");
+
+  std::shared_ptr<CudaBackend> b(new CudaBackend(&d, dev, ctx, o, granularity));
+  Status st = b->init_streams();
+  if (!st) return st;  // the destructor releases the context and any stream made
+  return b;
+}
+
+CudaBackend::CudaBackend(const Driver* d, CUdevice dev, CUcontext ctx, const CudaBackendOptions& o,
+                         std::size_t granularity)
+    : d_(d),
+      dev_(dev),
+      ctx_(ctx),
+      granularity_(granularity),
+      chunk_(round_up(o.chunk_bytes, granularity)),
+      stream_count_(o.streams) {}
+
+Status CudaBackend::init_streams() {
+  ContextScope scope(*d_, ctx_);
+  if (!scope.ok()) return Status(ErrorCode::backend_error, "cuda: cannot make the primary context current");
+  for (int i = 0; i < stream_count_; ++i) {
+    CUstream s = nullptr;
+    const CUresult r = d_->cuStreamCreate(&s, CU_STREAM_NON_BLOCKING);
+    if (r != CUDA_SUCCESS) return d_->error(r, "creating copy streams", "cuStreamCreate");
+    streams_.push_back(s);
+  }
+  return {};
+}
+
+CudaBackend::~CudaBackend() {
+  std::lock_guard<std::mutex> lock(mu_);
+  {
+    ContextScope scope(*d_, ctx_);
+    (void)d_->cuCtxSynchronize();
+    for (auto& [va, a] : allocations_) {
+      if (a.resident) unmap_chunks(a, a.chunks.size());
+      (void)d_->cuMemAddressFree(a.va, a.reserved);
+      if (a.backup != nullptr) (void)d_->cuMemFreeHost(a.backup);
+    }
+    allocations_.clear();
+    for (auto& [id, h] : host_ranges_) {
+      if (h.registered && h.owned) (void)d_->cuMemHostUnregister(h.base);
+    }
+    host_ranges_.clear();
+    for (CUstream s : streams_) (void)d_->cuStreamDestroy(s);
+    streams_.clear();
+  }
+  (void)d_->cuDevicePrimaryCtxRelease(dev_);
+}
+
+Capabilities CudaBackend::capabilities() const {
+  Capabilities c;
+  c.name = "cuda";
+  c.needs_refresh = false;    // device mappings do not decay
+  c.max_sets = 0;             // no limit: a set is only a list here
+  c.supports_discard = true;  // kv_cache / scratch are released without a copy
+  c.can_allocate = true;
+  return c;
+}
+
+MemoryInfo CudaBackend::memory_info() {
+  std::lock_guard<std::mutex> lock(mu_);
+  MemoryInfo m;
+  ContextScope scope(*d_, ctx_);
+  std::size_t free_b = 0;
+  std::size_t total_b = 0;
+  if (scope.ok() && d_->cuMemGetInfo(&free_b, &total_b) == CUDA_SUCCESS) {
+    m.physical = total_b;
+    // The whole device: what other processes hold shows up in `available`, not here.
+    m.recommended_working_set = total_b;
+    m.available = free_b;
+  }
+  m.allocated = allocated_bytes_;
+  m.wired = mapped_bytes_ + host_wired_bytes_;
+  return m;
+}
+
+Result<void*> CudaBackend::allocate(std::size_t size, RegionClass cls) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (size == 0) {
+    return Status(ErrorCode::invalid_argument, "cuda: allocation of 0 bytes; accepted: 1 byte or more");
+  }
+  if (size > std::numeric_limits<std::size_t>::max() - granularity_) {
+    return Status(ErrorCode::invalid_argument, "cuda: allocation of " + std::to_string(size) +
+                                                   " bytes is larger than any address range");
+  }
+  ContextScope scope(*d_, ctx_);
+  if (!scope.ok()) return Status(ErrorCode::backend_error, "cuda: cannot make the primary context current");
+  DeviceAllocation a;
+  a.size = size;
+  a.reserved = round_up(size, granularity_);
+  a.cls = cls;
+  CUresult r = d_->cuMemAddressReserve(&a.va, a.reserved, granularity_, 0, 0);
+  if (r != CUDA_SUCCESS) {
+    return d_->error(r, "reserving " + format_size(a.reserved) + " of device addresses",
+                     "cuMemAddressReserve");
+  }
+  Status st = wake(a);
+  if (!st) {
+    (void)d_->cuMemAddressFree(a.va, a.reserved);
+    return Status(st.code(), "cuda: allocating " + format_size(size) + " (" + to_string(cls) +
+                                 "): " + st.message());
+  }
+  const CUdeviceptr va = a.va;
+  allocated_bytes_ += a.reserved;
+  allocations_.emplace(va, std::move(a));
+  return reinterpret_cast<void*>(static_cast<std::uintptr_t>(va));
+}
+
+void CudaBackend::deallocate(void* base) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = allocations_.find(static_cast<CUdeviceptr>(reinterpret_cast<std::uintptr_t>(base)));
+  if (it == allocations_.end()) return;  // not ours (or freed already): nothing to do
+  // A region still listed in a set would point at a freed range; drop it from every set.
+  for (auto& [sid, s] : sets_) {
+    auto ours = [base](const RegionDesc& r) { return r.backend_allocated && r.base == base; };
+    s.members.erase(std::remove_if(s.members.begin(), s.members.end(), ours), s.members.end());
+    s.staged_add.erase(std::remove_if(s.staged_add.begin(), s.staged_add.end(), ours), s.staged_add.end());
+  }
+  DeviceAllocation& a = it->second;
+  ContextScope scope(*d_, ctx_);
+  // Like cudaFree: kernels still using the memory finish before it is unmapped.
+  (void)d_->cuCtxSynchronize();
+  if (a.resident) {
+    unmap_chunks(a, a.chunks.size());
+    mapped_bytes_ -= a.reserved;
+  }
+  (void)d_->cuMemAddressFree(a.va, a.reserved);
+  if (a.backup != nullptr) (void)d_->cuMemFreeHost(a.backup);
+  allocated_bytes_ -= a.reserved;
+  allocations_.erase(it);
+}
+
+Status CudaBackend::sync_streams() {
+  Status first;
+  for (CUstream s : streams_) {
+    const CUresult r = d_->cuStreamSynchronize(s);
+    if (r != CUDA_SUCCESS && first) first = d_->error(r, "waiting for copies", "cuStreamSynchronize");
+  }
+  return first;
+}
+
+void CudaBackend::unmap_chunks(DeviceAllocation& a, std::size_t count) {
+  (void)sync_streams();  // no copy may still target a chunk that goes away
+  for (std::size_t i = 0; i < count && i < a.chunks.size(); ++i) {
+    const std::size_t off = i * chunk_;
+    const std::size_t len = std::min(chunk_, a.reserved - off);
+    (void)d_->cuMemUnmap(a.va + off, len);
+    (void)d_->cuMemRelease(a.chunks[i]);
+  }
+  a.chunks.clear();
+}
+
+// Maps physical memory chunk by chunk and, for weights with a backup, starts each chunk's
+// copy as soon as it is mapped, so the copies of early chunks overlap the mapping of later
+// ones. On any failure everything mapped so far is unmapped again and the backup is left as
+// it was: a failed wake loses nothing.
+Status CudaBackend::wake(DeviceAllocation& a) {
+  if (a.resident) return {};
+  const bool restore = a.cls == RegionClass::weights && a.backup_valid;
+  const CUmemAllocationProp prop = device_prop(dev_);
+  CUmemAccessDesc access{};
+  access.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  access.location.id = static_cast<int>(dev_);
+  access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+
+  const std::size_t n = (a.reserved + chunk_ - 1) / chunk_;
+  a.chunks.clear();
+  a.chunks.reserve(n);
+  auto fail = [&](CUresult r, const char* call, std::size_t off) {
+    unmap_chunks(a, a.chunks.size());
+    const bool oom = r == CUDA_ERROR_OUT_OF_MEMORY;
+    std::string what = std::string(oom ? "out of device memory" : "mapping failed") +
+                       " waking a " + format_size(a.size) + " " + to_string(a.cls) +
+                       " allocation at " + hex(a.va) + " after " + format_size(off) + "; " +
+                       "the partial mapping was rolled back" +
+                       (restore ? " and the host backup is kept" : "");
+    Status s = d_->error(r, what, call);
+    return Status(s.code(), s.message() + (oom ? "; free device memory (other allocations or "
+                                                 "processes) and request residency again"
+                                               : ""));
+  };
+  for (std::size_t i = 0; i < n; ++i) {
+    const std::size_t off = i * chunk_;
+    const std::size_t len = std::min(chunk_, a.reserved - off);
+    CUmemGenericAllocationHandle h = 0;
+    CUresult r = d_->cuMemCreate(&h, len, &prop, 0);
+    if (r != CUDA_SUCCESS) return fail(r, "cuMemCreate", off);
+    r = d_->cuMemMap(a.va + off, len, 0, h, 0);
+    if (r != CUDA_SUCCESS) {
+      (void)d_->cuMemRelease(h);
+      return fail(r, "cuMemMap", off);
+    }
+    a.chunks.push_back(h);
+    r = d_->cuMemSetAccess(a.va + off, len, &access, 1);
+    if (r != CUDA_SUCCESS) return fail(r, "cuMemSetAccess", off);
+    if (restore && off < a.size) {
+      const std::size_t bytes = std::min(len, a.size - off);
+      r = d_->cuMemcpyHtoDAsync(a.va + off, static_cast<const char*>(a.backup) + off, bytes,
+                                streams_[i % streams_.size()]);
+      if (r != CUDA_SUCCESS) return fail(r, "cuMemcpyHtoDAsync", off);
+    }
+  }
+  if (restore) {
+    Status st = sync_streams();
+    if (!st) {
+      unmap_chunks(a, a.chunks.size());
+      return st;
+    }
+  }
+  a.resident = true;
+  a.backup_valid = false;  // the engine may write from now on; the next sleep copies again
+  mapped_bytes_ += a.reserved;
+  return {};
+}
+
+// Copies weights out (chunked over the streams), then unmaps and releases. The caller has
+// synchronized the context, so kernels that were using the memory have finished. On a
+// failure the allocation stays resident: nothing is released before the backup is whole.
+Status CudaBackend::sleep(DeviceAllocation& a) {
+  if (!a.resident) return {};
+  if (a.cls == RegionClass::weights) {
+    if (a.backup == nullptr) {
+      void* p = nullptr;
+      const CUresult r = d_->cuMemHostAlloc(&p, a.size, CU_MEMHOSTALLOC_PORTABLE);
+      if (r != CUDA_SUCCESS) {
+        Status s = d_->error(r, "pinning a " + format_size(a.size) + " host backup for the weights at " + hex(a.va), "cuMemHostAlloc");
+        return Status(s.code(), s.message() + "; the allocation stays resident (nothing is lost); "
+                                              "free host memory or raise the pinned-memory limit");
+      }
+      a.backup = p;
+    }
+    a.backup_valid = false;
+    const std::size_t n = (a.size + chunk_ - 1) / chunk_;
+    for (std::size_t i = 0; i < n; ++i) {
+      const std::size_t off = i * chunk_;
+      const std::size_t bytes = std::min(chunk_, a.size - off);
+      const CUresult r = d_->cuMemcpyDtoHAsync(static_cast<char*>(a.backup) + off, a.va + off, bytes,
+                                               streams_[i % streams_.size()]);
+      if (r != CUDA_SUCCESS) {
+        (void)sync_streams();
+        return d_->error(r, "copying weights at " + hex(a.va) + " to the host backup; the allocation stays resident", "cuMemcpyDtoHAsync");
+      }
+    }
+    Status st = sync_streams();
+    if (!st) return Status(st.code(), st.message() + "; the allocation stays resident");
+    a.backup_valid = true;
+  }
+  unmap_chunks(a, a.chunks.size());
+  a.resident = false;
+  mapped_bytes_ -= a.reserved;
+  return {};
+}
+
+Status CudaBackend::wire_region(const RegionDesc& r) {
+  if (r.backend_allocated) {
+    auto it = allocations_.find(static_cast<CUdeviceptr>(reinterpret_cast<std::uintptr_t>(r.base)));
+    if (it == allocations_.end()) {
+      return Status(ErrorCode::not_found, "cuda: region " + std::to_string(r.id) + " at " +
+                                              hex(reinterpret_cast<std::uintptr_t>(r.base)) +
+                                              " was not allocated by this cuda backend (or was freed)");
+    }
+    return wake(it->second);
+  }
+  HostRange& h = host_ranges_[r.id];
+  if (h.registered) return {};
+  h.base = r.base;
+  h.size = r.size;
+  CUresult res = d_->cuMemHostRegister(r.base, r.size, CU_MEMHOSTREGISTER_PORTABLE);
+  if (res != CUDA_SUCCESS && res != CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED && res != CUDA_ERROR_OUT_OF_MEMORY) {
+    // A read-only mapping (PROT_READ mmap of a model file) can be registered only as such.
+    const CUresult ro = d_->cuMemHostRegister(r.base, r.size, CU_MEMHOSTREGISTER_PORTABLE | CU_MEMHOSTREGISTER_READ_ONLY);
+    if (ro == CUDA_SUCCESS) res = ro;
+  }
+  if (res == CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED) {
+    h.registered = true;  // the engine registered it itself; it stays the engine's to undo
+    h.owned = false;
+    return {};
+  }
+  if (res != CUDA_SUCCESS) {
+    Status s = d_->error(res, "wiring host region " + std::to_string(r.id) + " (" + format_size(r.size) + " at " +
+                                  hex(reinterpret_cast<std::uintptr_t>(r.base)) + ")", "cuMemHostRegister");
+    return Status(s.code(), s.message() + "; the region stays tracked but unwired");
+  }
+  h.registered = true;
+  h.owned = true;
+  host_wired_bytes_ += r.size;
+  return {};
+}
+
+Status CudaBackend::unwire_region(const RegionDesc& r) {
+  if (r.backend_allocated) {
+    auto it = allocations_.find(static_cast<CUdeviceptr>(reinterpret_cast<std::uintptr_t>(r.base)));
+    if (it == allocations_.end()) return {};
+    return sleep(it->second);
+  }
+  auto it = host_ranges_.find(r.id);
+  if (it == host_ranges_.end()) return {};
+  HostRange& h = it->second;
+  Status st;
+  if (h.registered && h.owned) {
+    const CUresult res = d_->cuMemHostUnregister(h.base);
+    if (res != CUDA_SUCCESS) st = d_->error(res, "unwiring host region " + std::to_string(r.id), "cuMemHostUnregister");
+    host_wired_bytes_ -= h.size;
+  }
+  host_ranges_.erase(it);
+  return st;
+}
+
+bool CudaBackend::wanted(RegionId id) const {
+  for (const auto& [sid, s] : sets_) {
+    if (!s.requested) continue;
+    for (const auto& m : s.members)
+      if (m.id == id) return true;
+  }
+  return false;
+}
+
+SetOutcome CudaBackend::wake_members(const std::vector<RegionDesc>& members) {
+  SetOutcome out;
+  if (members.empty()) return out;
+  ContextScope scope(*d_, ctx_);
+  if (!scope.ok()) {
+    out.status = Status(ErrorCode::backend_error, "cuda: cannot make the primary context current");
+    for (const auto& m : members) out.failed.push_back(m.id);
+    return out;
+  }
+  for (const auto& m : members) {
+    Status st = wire_region(m);
+    if (!st) {
+      out.failed.push_back(m.id);
+      if (out.status) out.status = st;
+    }
+  }
+  return out;
+}
+
+Status CudaBackend::sleep_members(const std::vector<RegionDesc>& members) {
+  if (members.empty()) return {};
+  ContextScope scope(*d_, ctx_);
+  if (!scope.ok()) return Status(ErrorCode::backend_error, "cuda: cannot make the primary context current");
+  Status first;
+  bool device = false;
+  for (const auto& m : members) device = device || m.backend_allocated;
+  if (device) {
+    // Kernels in flight may still read or write the memory: let them finish first.
+    const CUresult r = d_->cuCtxSynchronize();
+    if (r != CUDA_SUCCESS) {
+      return d_->error(r, "waiting for the device before a release (nothing was released)", "cuCtxSynchronize");
+    }
+  }
+  for (const auto& m : members) {
+    Status st = unwire_region(m);
+    if (!st && first) first = st;
+  }
+  return first;
+}
+
+Status CudaBackend::create_set(SetId set, std::uint64_t /*capacity_bytes*/) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (sets_.count(set) != 0) {
+    return Status(ErrorCode::invalid_argument, "cuda: set " + std::to_string(set) + " exists already");
+  }
+  sets_.emplace(set, Set{});
+  return {};
+}
+
+void CudaBackend::destroy_set(SetId set) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = sets_.find(set);
+  if (it == sets_.end()) return;
+  const bool was_requested = it->second.requested;
+  std::vector<RegionDesc> members = std::move(it->second.members);
+  sets_.erase(it);
+  if (!was_requested) return;
+  std::vector<RegionDesc> release;
+  for (const auto& m : members)
+    if (!wanted(m.id)) release.push_back(m);
+  last_release_ = sleep_members(release);
+}
+
+void CudaBackend::add_region(SetId set, const RegionDesc& region) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = sets_.find(set);
+  if (it == sets_.end()) return;  // commit() reports nothing for an unknown set either
+  it->second.staged_add.push_back(region);
+}
+
+void CudaBackend::remove_region(SetId set, RegionId region) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = sets_.find(set);
+  if (it == sets_.end()) return;
+  it->second.staged_remove.push_back(region);
+}
+
+SetOutcome CudaBackend::commit(SetId set) {
+  std::lock_guard<std::mutex> lock(mu_);
+  SetOutcome out;
+  auto it = sets_.find(set);
+  if (it == sets_.end()) {
+    out.status = Status(ErrorCode::not_found, "cuda: commit of unknown set " + std::to_string(set));
+    return out;
+  }
+  Set& s = it->second;
+  std::vector<RegionDesc> removed;
+  for (RegionId id : s.staged_remove) {
+    auto m = std::find_if(s.members.begin(), s.members.end(), [id](const RegionDesc& r) { return r.id == id; });
+    if (m == s.members.end()) continue;
+    removed.push_back(*m);
+    s.members.erase(m);
+  }
+  std::vector<RegionDesc> added;
+  for (const RegionDesc& r : s.staged_add) {
+    const bool present = std::any_of(s.members.begin(), s.members.end(),
+                                     [&r](const RegionDesc& m) { return m.id == r.id; });
+    if (present) continue;
+    s.members.push_back(r);
+    added.push_back(r);
+  }
+  s.staged_add.clear();
+  s.staged_remove.clear();
+  if (!s.requested) return out;
+
+  std::vector<RegionDesc> release;
+  for (const auto& r : removed)
+    if (!wanted(r.id)) release.push_back(r);
+  Status released = sleep_members(release);  // first, so that the memory is free for the adds
+  last_release_ = released;
+  out = wake_members(added);
+  if (out.status && !released) out.status = released;
+  return out;
+}
+
+SetOutcome CudaBackend::request_residency(SetId set) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = sets_.find(set);
+  if (it == sets_.end()) {
+    SetOutcome out;
+    out.status = Status(ErrorCode::not_found, "cuda: residency requested for unknown set " + std::to_string(set));
+    return out;
+  }
+  it->second.requested = true;
+  return wake_members(it->second.members);
+}
+
+void CudaBackend::end_residency(SetId set) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = sets_.find(set);
+  if (it == sets_.end()) return;
+  it->second.requested = false;
+  std::vector<RegionDesc> release;
+  for (const auto& m : it->second.members)
+    if (!wanted(m.id)) release.push_back(m);
+  last_release_ = sleep_members(release);
+}
+
+bool CudaBackend::is_resident(const void* base) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = allocations_.find(static_cast<CUdeviceptr>(reinterpret_cast<std::uintptr_t>(base)));
+  return it != allocations_.end() && it->second.resident;
+}
+
+void* CudaBackend::host_backup(const void* base) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = allocations_.find(static_cast<CUdeviceptr>(reinterpret_cast<std::uintptr_t>(base)));
+  return it == allocations_.end() ? nullptr : it->second.backup;
+}
+
+Status CudaBackend::last_release_status() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return last_release_;
+}
+
+}  // namespace residency::cuda
+
+namespace residency {
+
+Result<std::shared_ptr<Backend>> make_cuda_backend(const CudaBackendOptions& options) {
+  auto b = cuda::CudaBackend::create(options);
+  if (!b) return b.status();
+  return std::shared_ptr<Backend>(std::move(b.value()));
+}
+
+}  // namespace residency

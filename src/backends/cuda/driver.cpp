@@ -1,0 +1,119 @@
+// Loading libcuda at run time; see driver.hpp.
+#include "backends/cuda/driver.hpp"
+
+#include <dlfcn.h>
+
+#include <algorithm>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+namespace residency::cuda {
+namespace {
+
+// cuGetProcAddress_v2 appeared with CUDA 12.0; older drivers lack it and are refused with a
+// message that says so rather than resolved through older, differently versioned names.
+constexpr int kMinimumDriverVersion = 12000;
+
+using GetProcAddressFn = CUresult (*)(const char*, void**, int, cuuint64_t,
+                                      CUdriverProcAddressQueryResult*);
+using DriverGetVersionFn = CUresult (*)(int*);
+
+Result<const Driver*> load_impl(const char* library_name, std::unique_ptr<Driver>& storage) {
+  const std::string name = library_name;
+  void* handle = dlopen(library_name, RTLD_NOW | RTLD_LOCAL);
+  if (handle == nullptr) {
+    const char* why = dlerror();
+    return Status(ErrorCode::unsupported,
+                  "cuda: " + name + " not found (no NVIDIA driver on this machine): " +
+                      (why != nullptr ? why : "dlopen failed") +
+                      "; install the NVIDIA driver or choose another backend (posix)");
+  }
+  auto get_version = reinterpret_cast<DriverGetVersionFn>(dlsym(handle, "cuDriverGetVersion"));
+  auto get_proc = reinterpret_cast<GetProcAddressFn>(dlsym(handle, "cuGetProcAddress_v2"));
+  int version = 0;
+  if (get_version == nullptr || get_version(&version) != CUDA_SUCCESS || get_proc == nullptr ||
+      version < kMinimumDriverVersion) {
+    dlclose(handle);
+    return Status(ErrorCode::unsupported,
+                  "cuda: the driver in " + name + " reports CUDA " + std::to_string(version / 1000) +
+                      "." + std::to_string((version % 1000) / 10) +
+                      "; this build needs a driver for CUDA 12.0 or newer (update the NVIDIA driver)");
+  }
+  auto d = std::make_unique<Driver>();
+  d->driver_version = version;
+  d->library = name;
+  // Ask for each function's ABI as of the header we compiled against, or as of the driver if
+  // that is older (the prototypes we use are unchanged from 12.0 to 13.x).
+  const int want = std::min(CUDA_VERSION, version);
+  std::string missing;
+#define RESIDENCY_CUDA_RESOLVE(fn)                                                             \
+  {                                                                                            \
+    void* p = nullptr;                                                                         \
+    CUdriverProcAddressQueryResult q = CU_GET_PROC_ADDRESS_SUCCESS;                            \
+    if (get_proc(#fn, &p, want, CU_GET_PROC_ADDRESS_DEFAULT, &q) == CUDA_SUCCESS && p != nullptr) \
+      d->fn = reinterpret_cast<decltype(d->fn)>(p);                                            \
+    else                                                                                       \
+      missing += (missing.empty() ? "" : ", ") + std::string(#fn);                             \
+  }
+  RESIDENCY_CUDA_DRIVER_FUNCTIONS(RESIDENCY_CUDA_RESOLVE)
+#undef RESIDENCY_CUDA_RESOLVE
+  if (!missing.empty()) {
+    dlclose(handle);
+    return Status(ErrorCode::unsupported, "cuda: the driver in " + name +
+                                              " lacks entry points this build needs: " + missing +
+                                              "; update the NVIDIA driver");
+  }
+  const CUresult r = d->cuInit(0);
+  if (r != CUDA_SUCCESS) {
+    Status s = d->error(r, "initialising the driver", "cuInit");
+    return Status(ErrorCode::unsupported,
+                  s.message() + (r == CUDA_ERROR_NO_DEVICE ? " (no CUDA device on this machine)" : ""));
+  }
+  storage = std::move(d);
+  return static_cast<const Driver*>(storage.get());
+}
+
+}  // namespace
+
+Result<const Driver*> Driver::get() {
+  static std::once_flag once;
+  static std::unique_ptr<Driver> driver;
+  static Status failure;
+  std::call_once(once, [] {
+    auto r = load_impl("libcuda.so.1", driver);
+    if (!r) failure = r.status();
+  });
+  if (driver) return static_cast<const Driver*>(driver.get());
+  return failure;
+}
+
+Result<const Driver*> Driver::load(const char* library_name) {
+  // Deliberately leaked on success: a loaded driver stays for the life of the process.
+  static std::mutex m;
+  static std::vector<std::unique_ptr<Driver>> loaded;
+  std::unique_ptr<Driver> d;
+  auto r = load_impl(library_name, d);
+  if (r) {
+    std::lock_guard<std::mutex> lock(m);
+    loaded.push_back(std::move(d));
+  }
+  return r;
+}
+
+std::string Driver::describe(CUresult r) const {
+  const char* name = nullptr;
+  const char* text = nullptr;
+  if (cuGetErrorName != nullptr) (void)cuGetErrorName(r, &name);
+  if (cuGetErrorString != nullptr) (void)cuGetErrorString(r, &text);
+  std::string out = name != nullptr ? name : "CUDA error " + std::to_string(static_cast<int>(r));
+  if (text != nullptr) out += std::string(" (") + text + ")";
+  return out;
+}
+
+Status Driver::error(CUresult r, const std::string& what, const char* call) const {
+  const ErrorCode code = r == CUDA_ERROR_OUT_OF_MEMORY ? ErrorCode::out_of_memory : ErrorCode::backend_error;
+  return Status(code, "cuda: " + what + ": " + call + " failed: " + describe(r));
+}
+
+}  // namespace residency::cuda

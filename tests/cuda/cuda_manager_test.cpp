@@ -1,0 +1,129 @@
+// The Manager over the cuda backend: device memory allocated through the manager sleeps
+// when the keep-alive expires (ManualClock + run_due, no sleeping in tests), touch() wakes
+// it at the same address with its contents, a use scope under keep-alive 0 releases after
+// the caller's synchronize, and destroying the manager while asleep frees everything.
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "cuda_test_support.hpp"
+#include "residency/residency.hpp"
+
+namespace residency::cuda::testing {
+namespace {
+
+class CudaManagerTest : public CudaTest {
+ protected:
+  std::unique_ptr<Manager> make_manager(std::shared_ptr<CudaBackend> b, KeepAlive ka) {
+    ManagerOptions o;
+    o.config.keep_alive = ka;
+    o.config.log_level = LogLevel::info;
+    o.backend = std::move(b);
+    o.clock = &clock_;
+    o.start_scheduler = false;
+    o.log = [this](LogLevel, std::string_view msg) {
+      std::lock_guard<std::mutex> g(log_mu_);
+      log_.emplace_back(msg);
+    };
+    auto m = Manager::create(std::move(o));
+    EXPECT_TRUE(m) << m.message();
+    return m ? std::move(m.value()) : nullptr;
+  }
+  bool logged(const std::string& needle) {
+    std::lock_guard<std::mutex> g(log_mu_);
+    for (const auto& l : log_)
+      if (l.find(needle) != std::string::npos) return true;
+    return false;
+  }
+
+  ManualClock clock_;
+  std::mutex log_mu_;
+  std::vector<std::string> log_;
+};
+
+TEST_F(CudaManagerTest, KeepAliveExpiryReleasesAndTouchRewiresAtTheSameAddress) {
+  auto m = make_manager(backend_, KeepAlive::after(std::chrono::seconds(10)));
+  ASSERT_TRUE(m);
+  constexpr std::size_t kSize = 2 * kGiB + 3;
+  auto a = m->allocate(kSize, RegionClass::weights);
+  ASSERT_TRUE(a) << a.message();
+  ASSERT_TRUE(kernels_->fill(dptr(a->ptr), kSize, 51));
+  sync();
+  m->touch();
+  EXPECT_TRUE(m->stats().resident);
+  EXPECT_TRUE(backend_->is_resident(a->ptr));
+
+  clock_.advance(std::chrono::seconds(9));
+  m->run_due();
+  EXPECT_TRUE(backend_->is_resident(a->ptr)) << "released before the keep-alive expired";
+
+  clock_.advance(std::chrono::seconds(2));
+  const auto next = m->run_due();
+  EXPECT_FALSE(next.has_value()) << "nothing should be scheduled while idle";
+  EXPECT_FALSE(backend_->is_resident(a->ptr));
+  EXPECT_EQ(m->stats().releases, 1u);
+  EXPECT_EQ(backend_->memory_info().wired, 0u);
+  EXPECT_TRUE(logged("keep-alive 10 s expired")) << "the release should be logged with its reason";
+
+  m->touch();  // the engine computes again
+  EXPECT_TRUE(backend_->is_resident(a->ptr));
+  EXPECT_EQ(m->stats().rewires, 1u);
+  EXPECT_EQ(mismatches(a->ptr, kSize, 51), 0u) << "contents lost across the keep-alive release";
+  EXPECT_TRUE(m->unregister_region(a->id));
+  EXPECT_EQ(backend_->memory_info().allocated, 0u);
+}
+
+TEST_F(CudaManagerTest, KeepAliveZeroReleasesAfterTheScopesSynchronize) {
+  auto m = make_manager(backend_, KeepAlive::zero());
+  ASSERT_TRUE(m);
+  constexpr std::size_t kSize = kGiB;
+  auto w = m->allocate(kSize, RegionClass::weights);
+  auto kv = m->allocate(kSize, RegionClass::kv_cache);
+  ASSERT_TRUE(w && kv);
+  bool synchronized = false;
+  {
+    auto scope = m->use([&] {
+      sync();
+      synchronized = true;
+    });
+    ASSERT_TRUE(scope.status()) << scope.status().message();
+    EXPECT_TRUE(backend_->is_resident(w->ptr));
+    // A long kernel still running when the scope ends: the scope's synchronize waits for it.
+    ASSERT_TRUE(kernels_->wait_then_fill(dptr(w->ptr), kSize, 61, 200'000'000));
+  }
+  EXPECT_TRUE(synchronized);
+  EXPECT_FALSE(backend_->is_resident(w->ptr));
+  EXPECT_FALSE(backend_->is_resident(kv->ptr));
+  EXPECT_EQ(backend_->host_backup(kv->ptr), nullptr) << "kv_cache must be discarded, not copied";
+  {
+    auto scope = m->use([&] { sync(); });
+    EXPECT_TRUE(backend_->is_resident(w->ptr));
+    EXPECT_EQ(mismatches(w->ptr, kSize, 61), 0u);
+  }
+}
+
+TEST_F(CudaManagerTest, DestroyingTheManagerWhileAsleepFreesEverything) {
+  const std::uint64_t free_before = device_free();
+  {
+    auto made = CudaBackend::create({});
+    ASSERT_TRUE(made) << made.message();
+    std::shared_ptr<CudaBackend> b = std::move(made.value());
+    auto m = make_manager(b, KeepAlive::after(std::chrono::seconds(180)));
+    ASSERT_TRUE(m);
+    auto w = m->allocate(3 * kGiB, RegionClass::weights);
+    auto s = m->allocate(kGiB, RegionClass::scratch);
+    ASSERT_TRUE(w && s);
+    m->release_now();
+    EXPECT_FALSE(b->is_resident(w->ptr));
+    EXPECT_NE(b->host_backup(w->ptr), nullptr);
+    EXPECT_GE(device_free() + 64 * kMiB, free_before) << "asleep: the device memory is given back";
+    m.reset();  // leftover regions are reported, released and freed; no abort
+    EXPECT_TRUE(logged("still registered at teardown"));
+    EXPECT_EQ(b->memory_info().allocated, 0u) << "the manager should free what it allocated";
+  }
+  EXPECT_GE(device_free() + 64 * kMiB, free_before) << "device memory leaked";
+}
+
+}  // namespace
+}  // namespace residency::cuda::testing
