@@ -38,7 +38,8 @@ typedef enum residency_status {
 typedef enum residency_class {
   RESIDENCY_WEIGHTS = 0,
   RESIDENCY_KV_CACHE = 1,
-  RESIDENCY_SCRATCH = 2
+  RESIDENCY_SCRATCH = 2,
+  RESIDENCY_CLASS_FORCE_INT = 0x7fffffff /* the enum is an int: any value a caller passes is checked */
 } residency_class;
 
 typedef enum residency_log_level {
