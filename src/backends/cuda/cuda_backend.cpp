@@ -346,10 +346,12 @@ Status CudaBackend::wire_region(const RegionDesc& r) {
   if (h.registered) return {};
   h.base = r.base;
   h.size = r.size;
-  CUresult res = d_->cuMemHostRegister(r.base, r.size, CU_MEMHOSTREGISTER_PORTABLE);
+  // PORTABLE: usable from every context; DEVICEMAP: kernels read it through its address.
+  constexpr unsigned kFlags = CU_MEMHOSTREGISTER_PORTABLE | CU_MEMHOSTREGISTER_DEVICEMAP;
+  CUresult res = d_->cuMemHostRegister(r.base, r.size, kFlags);
   if (res != CUDA_SUCCESS && res != CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED && res != CUDA_ERROR_OUT_OF_MEMORY) {
     // A read-only mapping (PROT_READ mmap of a model file) can be registered only as such.
-    const CUresult ro = d_->cuMemHostRegister(r.base, r.size, CU_MEMHOSTREGISTER_PORTABLE | CU_MEMHOSTREGISTER_READ_ONLY);
+    const CUresult ro = d_->cuMemHostRegister(r.base, r.size, kFlags | CU_MEMHOSTREGISTER_READ_ONLY);
     if (ro == CUDA_SUCCESS) res = ro;
   }
   if (res == CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED) {
