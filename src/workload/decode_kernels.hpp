@@ -1,0 +1,52 @@
+// Matrix-vector kernels of the decode-equivalent pass, and the plain sum it is measured against.
+//
+// A decode step of a language model is memory-bound: every weight is read once and used for one
+// multiply-add. For the idle benchmark to measure what a pause costs, the pass must read the model
+// about as fast as the memory system delivers it; otherwise the re-read after a pause would hide
+// behind arithmetic. So each kernel is written to be limited by loads, not by conversions: a
+// portable version with independent accumulators that compilers vectorise (no -ffast-math
+// needed), and on x86-64 an AVX2/FMA/F16C version chosen at run time where the CPU has it (no
+// -march flag, so one binary runs on any x86-64 machine). bench_decode reports the pass's
+// bandwidth as a ratio of plain_sum's over the same bytes, measured in the same run.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string_view>
+#include <vector>
+
+#include "workload/gguf.hpp"
+
+namespace residency::workload {
+
+enum class DecodeIsa : std::uint8_t {
+  generic,  // portable C++ (vectorised by the compiler for the build's baseline ISA)
+  avx2,     // x86-64 with AVX2, FMA and F16C, chosen at run time
+};
+std::string_view to_string(DecodeIsa isa) noexcept;
+
+// y[r] = dot(row r, x) for `rows` rows of `n` elements starting at `w`, rows `row_bytes` apart.
+// `w` may have any alignment; x has n floats.
+using MatvecFn = void (*)(const std::uint8_t* w, std::size_t row_bytes, std::size_t n,
+                          std::size_t rows, const float* x, float* y);
+// Sum of the n bytes at p read as little-endian 64-bit words (the tail as bytes): the fastest
+// plain read of the same memory, the bandwidth baseline.
+using SumFn = std::uint64_t (*)(const std::uint8_t* p, std::size_t n);
+
+struct DecodeKernels {
+  DecodeIsa isa;
+  MatvecFn f32, f16, bf16, q8_0;
+  SumFn sum;
+  // The kernel for `t`, or nullptr for a type the pass does not compute.
+  MatvecFn for_type(GgmlType t) const;
+};
+
+// The ISAs this CPU can run (generic always, first the best).
+std::vector<DecodeIsa> available_isas();
+// Kernels for `isa`; the caller checks that the CPU supports it (available_isas()).
+const DecodeKernels& decode_kernels(DecodeIsa isa);
+
+// A straightforward scalar reference in double precision, for tests.
+double reference_dot(GgmlType t, const std::uint8_t* row, std::size_t n, const float* x);
+
+}  // namespace residency::workload

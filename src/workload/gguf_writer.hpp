@@ -1,0 +1,113 @@
+// GGUF writer, and the synthetic llama-shaped model that `residency make-model` and the idle
+// benchmark run on.
+//
+// Why synthetic: the benchmark has to run anywhere (CI included) without downloading weights, and
+// what it measures, re-reading or re-wiring a model after a pause, depends on the model's bytes
+// and layout, not on what the numbers mean. So the writer produces a file a real loader would
+// accept: a llama architecture whose tensor shapes all follow one configuration (embedding
+// width, heads, grouped KV heads, feed-forward width, layers, vocabulary) chosen to fill the
+// requested size, with the metadata llama.cpp reads, filled with deterministic pseudo-random
+// values (the same seed gives the same bytes on every machine and with any thread count).
+//
+// GgufBuilder is the general part (any metadata, any tensors); it is also how the tests build
+// malformed files, by editing the bytes it lays out.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "residency/status.hpp"
+#include "workload/gguf.hpp"
+
+namespace residency::workload {
+
+struct GgufTensorSpec {
+  std::string name;
+  GgmlType type = GgmlType::f32;
+  std::vector<std::uint64_t> ne;  // ne[0] is the row length; 1 to 4 dims
+};
+
+// The bytes before the data section and where every tensor's data goes.
+struct GgufLayout {
+  std::vector<std::uint8_t> header;     // magic .. padding; header.size() == data_offset
+  std::uint64_t alignment = kGgufDefaultAlignment;
+  std::uint64_t data_offset = 0;
+  std::uint64_t file_size = 0;
+  std::vector<GgufTensorSpec> tensors;
+  std::vector<std::uint64_t> offsets;   // relative to data_offset, aligned
+  std::vector<std::uint64_t> n_bytes;
+  std::vector<std::uint64_t> row_bytes;  // bytes of one row (ne[0] elements)
+  std::vector<std::uint64_t> rows;       // ne[1] * ne[2] * ne[3]
+};
+
+class GgufBuilder {
+ public:
+  // Sets a metadata value; a key set twice keeps its first position and its last value.
+  void set(const std::string& key, GgufValue value);
+  void add_tensor(GgufTensorSpec tensor);
+  // Lays the file out (GGUF v3). `general.alignment`, when set, must be a power of two.
+  // Errors: bad alignment, a tensor with 0 or more than 4 dims, or a row length that is not a
+  // multiple of its type's block.
+  Result<GgufLayout> layout() const;
+
+ private:
+  std::vector<GgufKeyValue> metadata_;
+  std::vector<GgufTensorSpec> tensors_;
+};
+
+// Appends one metadata value in GGUF encoding (used by the builder and by tests).
+void encode_gguf_value(const GgufValue& value, std::vector<std::uint8_t>& out);
+
+// Fills `out` with rows [first_row, first_row + rows) of tensor `tensor` (row_bytes each).
+using TensorFill = std::function<void(std::size_t tensor, std::uint64_t first_row,
+                                      std::uint64_t rows, std::span<std::uint8_t> out)>;
+
+// Writes the file: header, then every tensor (filled in parallel by `threads` threads, 0 = one
+// per core), zero padding between tensors, then fdatasync so that the page cache holds clean
+// pages that memory pressure can drop. With `overwrite` false an existing file is an error.
+// On any failure the partial file is removed.
+Status write_gguf_file(const std::string& path, const GgufLayout& layout, const TensorFill& fill,
+                       unsigned threads = 0, bool overwrite = false);
+
+// A llama configuration: every tensor shape follows from these numbers.
+struct LlamaShape {
+  GgmlType type = GgmlType::f16;  // of every 2-D weight; norms are F32 as in llama.cpp's files
+  std::uint64_t n_vocab = 0;
+  std::uint64_t n_embd = 0;
+  std::uint64_t n_layer = 0;
+  std::uint64_t n_head = 0;
+  std::uint64_t n_head_kv = 0;  // grouped-query attention: n_head / 4 where it divides
+  std::uint64_t n_ff = 0;
+  std::uint64_t n_ctx = 4096;
+  std::uint64_t head_dim() const { return n_embd / n_head; }
+  std::uint64_t n_embd_kv() const { return head_dim() * n_head_kv; }
+  std::string to_string() const;  // "n_embd 1600, n_layer 14, ..."
+};
+
+// The vocabulary never exceeds llama 2's; smaller models get a smaller one so that the embedding
+// and output matrices stay about a quarter of the file, as in real small models.
+inline constexpr std::uint64_t kMaxSyntheticVocab = 32000;
+// The seed `make-model` uses unless told otherwise; the bytes are a function of (shape, seed).
+inline constexpr std::uint64_t kSyntheticSeed = 0x5265736964656e63ull;  // "Residenc"
+
+// Chooses the widest llama shape whose file fits in `target_bytes` with at least n_embd / 128
+// layers (the depth-to-width ratio of the llama family), then widens the feed-forward layers to
+// fill the remainder. The file is within a few percent below the target. Error (with the
+// smallest size that works) when the target is too small for even one layer.
+Result<LlamaShape> plan_llama_shape(std::uint64_t target_bytes, GgmlType type);
+
+// The metadata and tensor list of a model of this shape.
+GgufBuilder llama_builder(const LlamaShape& shape, std::uint64_t seed);
+
+// The deterministic content of the synthetic model (exposed for tests and the fuzz corpus).
+TensorFill synthetic_fill(const GgufLayout& layout, std::uint64_t seed);
+
+// plan + build + write. `overwrite` as in write_gguf_file.
+Status write_synthetic_model(const std::string& path, const LlamaShape& shape,
+                             std::uint64_t seed = kSyntheticSeed, unsigned threads = 0,
+                             bool overwrite = false);
+
+}  // namespace residency::workload
