@@ -23,5 +23,7 @@ get_target_property(_residency_extra_libs residency RESIDENCY_PKGCONFIG_LIBS)
 if(NOT _residency_extra_libs)
   set(_residency_extra_libs "")
 endif()
+# Relocatable: the prefix is found from the .pc file's own location.
+file(RELATIVE_PATH RESIDENCY_PC_TO_PREFIX "/prefix/${CMAKE_INSTALL_LIBDIR}/pkgconfig" "/prefix")
 configure_file(cmake/residency.pc.in ${CMAKE_CURRENT_BINARY_DIR}/residency.pc @ONLY)
 install(FILES ${CMAKE_CURRENT_BINARY_DIR}/residency.pc DESTINATION ${CMAKE_INSTALL_LIBDIR}/pkgconfig)
