@@ -319,7 +319,7 @@ GgufBuilder llama_builder(const LlamaShape& s, std::uint64_t seed) {
   tokens.reserve(s.n_vocab);
   for (std::uint64_t k = 0; k < s.n_vocab; ++k) {
     tokens.push_back(k == 0 ? "<unk>" : k == 1 ? "<s>" : k == 2 ? "</s>" : "tok" + std::to_string(k));
-    scores.push_back(-static_cast<double>(k));
+    scores.push_back(k == 0 ? 0.0 : -static_cast<double>(k));
     types.push_back(k == 0 ? 2 : k < 3 ? 3 : 1);  // unknown, control, normal
   }
   b.set("tokenizer.ggml.model", GgufValue::of_string("llama"));
