@@ -136,6 +136,11 @@ class Manager {
   // The hot path, once per graph compute: lock-free, no system call while the memory is
   // resident; re-wires synchronously when it was released.
   void touch() noexcept;
+  // Asks for the memory to be wired again in the background (on the scheduler thread) and
+  // returns at once: call it when a request arrives, before tokenizing, so that the re-wire
+  // overlaps work the engine does anyway; the touch() before the first compute then finds it
+  // done (or finishes it). No-op when resident or when the policy wires only in scopes.
+  void prefetch() noexcept;
   // Resident for the scope's life; see UseScope.
   UseScope use(std::function<void()> synchronize = {});
   // The system reports memory pressure: with release_on_pressure, release now (except while

@@ -107,6 +107,7 @@ struct Manager::Impl {
   Stats counters;
   std::unique_ptr<KeepAliveScheduler> scheduler;
   bool pressure_watch = false;
+  bool prefetch_requested = false;  // prefetch(): wire on the scheduler thread
 
   void log(LogLevel level, const std::string& msg) const {
     if (static_cast<int>(level) > static_cast<int>(config.log_level)) return;
@@ -291,6 +292,10 @@ struct Manager::Impl {
 
   // The scheduler's work: expiry and refresh. Returns the next deadline.
   std::optional<Nanos> due() {
+    if (prefetch_requested) {
+      prefetch_requested = false;
+      if (managing && !resident) wire("prefetch");
+    }
     if (!managing || !resident) return std::nullopt;
     const Nanos now = clock->now();
     std::optional<Nanos> next;
@@ -612,6 +617,16 @@ void Manager::touch() noexcept {
   if (m.resident) return;
   if (m.policy != KeepAlive::Kind::duration && m.policy != KeepAlive::Kind::forever) return;
   m.wire("touch after release");
+}
+
+void Manager::prefetch() noexcept {
+  Impl& m = *impl_;
+  m.note_use();
+  if (m.fast.load()) return;
+  std::lock_guard<std::mutex> g(m.mu);
+  if (m.resident || (m.policy != KeepAlive::Kind::duration && m.policy != KeepAlive::Kind::forever)) return;
+  m.prefetch_requested = true;
+  if (m.scheduler) m.scheduler->wake_locked();
 }
 
 UseScope Manager::use(std::function<void()> synchronize) {

@@ -528,3 +528,16 @@ TEST_F(ManagerTest, ANullBackendIsAnErrorNotACrash) {
   ASSERT_FALSE(m.is_ok());
   EXPECT_EQ(m.status().code(), ErrorCode::invalid_argument);
 }
+
+TEST_F(ManagerTest, PrefetchIsDoneByTheNextSchedulerRunNotByTheCaller) {
+  auto m = make(with_keep_alive("10s"));
+  RegionId id = reg(*m, 64 * MiB);
+  advance(11s);
+  m->run_due();
+  ASSERT_FALSE(fake->is_resident(id));
+  m->prefetch();
+  EXPECT_FALSE(fake->is_resident(id));  // not on the caller's thread
+  m->run_due();
+  EXPECT_TRUE(fake->is_resident(id));
+  EXPECT_EQ(m->stats().rewires, 1u);
+}

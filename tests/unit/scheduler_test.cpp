@@ -96,3 +96,15 @@ TEST_F(SchedulerTest, WithTheSteadyClockShutdownIsImmediateToo) {
   m->reset();
   EXPECT_LT(std::chrono::steady_clock::now() - t0, 5s);
 }
+
+TEST_F(SchedulerTest, PrefetchWiresOnTheSchedulerThreadAndReturnsAtOnce) {
+  auto m = make(with_keep_alive("10s"), true);
+  reg(*m, 64 * MiB);
+  advance(11s);
+  ASSERT_TRUE(eventually([&] { return m->stats().releases == 1 && clock.waiters() == 1; }));
+  m->prefetch();
+  ASSERT_TRUE(eventually([&] { return m->stats().rewires == 1; }));  // done by the scheduler
+  EXPECT_TRUE(m->stats().resident);
+  m->touch();  // finds it resident: no second re-wire
+  EXPECT_EQ(m->stats().rewires, 1u);
+}
