@@ -476,7 +476,9 @@ Result<std::unique_ptr<Manager>> Manager::create(ManagerOptions o) {
   m.log(LogLevel::info, "creating a residency set collection (keep_alive = " + m.config.keep_alive.to_string() +
                             ", layout = " + to_string(m.config.layout) + ", wired limit = " +
                             (limit == UINT64_MAX ? std::string("unlimited") : mib(limit)) + ", backend = " + m.caps.name + ")");
-  if (m.managing) {
+  if (m.managing && limit == 0) {
+    m.log(LogLevel::info, "use residency sets = false (wired limit = 0: nothing is wired until set_wired_limit() raises it)");
+  } else if (m.managing) {
     m.log(LogLevel::info, "use residency sets = true");
   } else {
     m.log(LogLevel::info, "use residency sets = false (keep_alive = off: residency is not managed)");
