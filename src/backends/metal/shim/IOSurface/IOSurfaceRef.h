@@ -1,0 +1,4 @@
+// Shim (compile checks on Linux only; see ../README.md).
+#pragma once
+
+typedef struct __IOSurface* IOSurfaceRef;
