@@ -164,7 +164,7 @@ TEST(PosixManager, LowRlimitMemlockClampsTheBudgetAndWarnsInsteadOfFailing) {
     // Something else in the process already locks 768 KiB: a 512 KiB region fits the budget
     // but the kernel refuses it. The manager warns with the backend's message and keeps it
     // tracked but unwired.
-    if (::mlock(model.data() + 32 * MiB, 768 * KiB) != 0) return fail(8, "mlock of 768 KiB failed");
+    if (raw_mlock(model.data() + 32 * MiB, 768 * KiB) != 0) return fail(8, "mlock of 768 KiB failed");
     auto small = mgr.register_region(model.data(), 512 * KiB);
     if (!small) return fail(9, "register_region: " + small.message());
     s = mgr.stats();

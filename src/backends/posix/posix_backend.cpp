@@ -3,6 +3,9 @@
 #include <sys/mman.h>
 #include <sys/resource.h>
 #include <unistd.h>
+#if defined(__linux__)
+#include <sys/syscall.h>
+#endif
 
 #include <cerrno>
 #include <cinttypes>
@@ -37,6 +40,25 @@ const char* errno_name(int err) {
     case EINVAL: return "EINVAL";
     default: return "errno";
   }
+}
+
+// mlock / munlock as system calls. AddressSanitizer (and the other sanitizers sharing its
+// interceptors) replaces the libc functions with ones that do nothing and return 0, because
+// mlockall would lock its terabytes of shadow memory; calling the kernel directly keeps the
+// backend doing what it says under every sanitizer the tests run with.
+int sys_mlock(std::uintptr_t addr, std::size_t len) {
+#if defined(__linux__) && defined(SYS_mlock)
+  return static_cast<int>(::syscall(SYS_mlock, addr, len));
+#else
+  return ::mlock(reinterpret_cast<void*>(addr), len);
+#endif
+}
+int sys_munlock(std::uintptr_t addr, std::size_t len) {
+#if defined(__linux__) && defined(SYS_munlock)
+  return static_cast<int>(::syscall(SYS_munlock, addr, len));
+#else
+  return ::munlock(reinterpret_cast<void*>(addr), len);
+#endif
 }
 
 std::string hex_addr(const void* p) {
@@ -273,9 +295,9 @@ class PosixBackend final : public Backend {
     std::uint64_t fresh_bytes = 0;
     for (const auto& f : fresh) fresh_bytes += f.size();
     for (const auto& f : fresh) {
-      if (::mlock(reinterpret_cast<void*>(f.begin), f.size()) != 0) {
+      if (sys_mlock(f.begin, f.size()) != 0) {
         const int err = errno;
-        for (const auto& u : table_.release(range)) ::munlock(reinterpret_cast<void*>(u.begin), u.size());
+        for (const auto& u : table_.release(range)) sys_munlock(u.begin, u.size());
         return mlock_failure(err, d, fresh_bytes);
       }
     }
@@ -284,9 +306,7 @@ class PosixBackend final : public Backend {
   }
 
   void unlock_member(Member& m) {
-    for (const auto& u : table_.release(page_range(m.desc))) {
-      ::munlock(reinterpret_cast<void*>(u.begin), u.size());
-    }
+    for (const auto& u : table_.release(page_range(m.desc))) sys_munlock(u.begin, u.size());
     m.locked = false;
   }
 
