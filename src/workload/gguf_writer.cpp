@@ -1,6 +1,7 @@
 // GGUF writer and the synthetic llama model (see gguf_writer.hpp).
 #include <fcntl.h>
 #include <sys/stat.h>
+#include <sys/statvfs.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -279,6 +280,22 @@ Status write_gguf_file(const std::string& path, const GgufLayout& layout, const 
   if (::close(fd) != 0) {
     ::unlink(path.c_str());
     return Status(ErrorCode::io_error, path + ": close failed: " + std::strerror(errno));
+  }
+  return {};
+}
+
+Status check_free_space(const std::string& dir, std::uint64_t bytes) {
+  struct statvfs s {};
+  if (statvfs(dir.c_str(), &s) != 0) {
+    const int err = errno;
+    return Status(err == ENOENT ? ErrorCode::not_found : ErrorCode::io_error,
+                  dir + ": " + std::strerror(err));
+  }
+  const std::uint64_t free_bytes = static_cast<std::uint64_t>(s.f_bavail) * s.f_frsize;
+  if (free_bytes < bytes) {
+    return Status(ErrorCode::limit_exceeded,
+                  dir + " has " + std::to_string(free_bytes >> 20) + " MiB free; the model needs " +
+                      std::to_string((bytes + (1u << 20) - 1) >> 20) + " MiB (choose a smaller size or another directory)");
   }
   return {};
 }

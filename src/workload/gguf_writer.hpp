@@ -72,6 +72,10 @@ using TensorFill = std::function<void(std::size_t tensor, std::uint64_t first_ro
 Status write_gguf_file(const std::string& path, const GgufLayout& layout, const TensorFill& fill,
                        unsigned threads = 0, bool overwrite = false);
 
+// Whether the filesystem holding `dir` has `bytes` free for an unprivileged writer; the error
+// names the directory, what is needed and what is free.
+Status check_free_space(const std::string& dir, std::uint64_t bytes);
+
 // A llama configuration: every tensor shape follows from these numbers.
 struct LlamaShape {
   GgmlType type = GgmlType::f16;  // of every 2-D weight; norms are F32 as in llama.cpp's files

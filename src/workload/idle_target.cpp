@@ -1,0 +1,60 @@
+// The idle targets this build has, and policy names (see idle_target.hpp).
+#include "workload/idle_target.hpp"
+
+namespace residency::workload {
+
+// Other targets declare their factories here, each under its RESIDENCY_IDLE_HAVE_<NAME>.
+
+std::vector<std::string> idle_backends() {
+  std::vector<std::string> names{"posix"};
+  return names;
+}
+
+Result<std::unique_ptr<IdleTarget>> make_idle_target(std::string_view backend, const IdleTargetOptions& options) {
+  if (backend == "posix") return make_posix_idle_target(options);
+  std::string accepted;
+  for (const auto& n : idle_backends()) accepted += (accepted.empty() ? "" : ", ") + n;
+  return Status(ErrorCode::invalid_argument,
+                "unknown backend '" + std::string(backend) + "'; this build accepts: " + accepted);
+}
+
+Result<std::vector<IdlePolicy>> parse_policies(std::string_view list, Nanos keep_alive) {
+  if (keep_alive.count() <= 0) {
+    return Status(ErrorCode::invalid_argument,
+                  "the keep-alive policy needs a duration above 0 (e.g. 2s, 180s); policies 0, forever "
+                  "and off are named in --policies");
+  }
+  std::vector<IdlePolicy> out;
+  std::size_t start = 0;
+  while (start <= list.size()) {
+    const std::size_t comma = list.find(',', start);
+    const std::string_view item =
+        list.substr(start, comma == std::string_view::npos ? std::string_view::npos : comma - start);
+    IdlePolicy p;
+    if (item == "off") {
+      p = {IdlePolicy::Kind::off, KeepAlive::off(), "off", "off"};
+    } else if (item == "keep-alive") {
+      const KeepAlive ka = KeepAlive::after(keep_alive);
+      p = {IdlePolicy::Kind::keep_alive, ka, "keep-alive", "keep-alive " + ka.to_string()};
+    } else if (item == "0") {
+      p = {IdlePolicy::Kind::zero, KeepAlive::zero(), "0", "0"};
+    } else if (item == "forever") {
+      p = {IdlePolicy::Kind::forever, KeepAlive::forever(), "forever", "forever"};
+    } else {
+      return Status(ErrorCode::invalid_argument,
+                    "unknown policy '" + std::string(item) + "' in '" + std::string(list) +
+                        "'; accepted: a comma-separated list of off, keep-alive, 0, forever");
+    }
+    for (const auto& q : out) {
+      if (q.id == p.id) {
+        return Status(ErrorCode::invalid_argument, "policy '" + p.id + "' is listed twice in '" + std::string(list) + "'");
+      }
+    }
+    out.push_back(std::move(p));
+    if (comma == std::string_view::npos) break;
+    start = comma + 1;
+  }
+  return out;
+}
+
+}  // namespace residency::workload

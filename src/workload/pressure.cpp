@@ -1,0 +1,198 @@
+// Memory pressure (see pressure.hpp).
+#include "workload/pressure.hpp"
+
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/mman.h>
+#include <sys/statfs.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <fstream>
+#include <sstream>
+#include <vector>
+
+#include "residency/config.hpp"
+#include "workload/cleanup.hpp"
+
+#ifndef MADV_PAGEOUT
+#define MADV_PAGEOUT 21  // Linux 5.4 uapi value, for older C library headers
+#endif
+
+namespace residency::workload {
+namespace {
+
+// MADV_PAGEOUT is asked in pieces of this size: the kernel refuses the whole call (EINVAL) when
+// the range touches a locked mapping, so pieces let the unlocked parts of a partly wired model
+// still be reclaimed, and count what was skipped.
+constexpr std::size_t kPageoutPiece = 2u << 20;
+// Exit codes of the hog child, read by the parent.
+constexpr int kHogNoMemory = 3;
+constexpr unsigned long kTmpfsMagic = 0x01021994;  // TMPFS_MAGIC (linux/magic.h)
+constexpr unsigned long kRamfsMagic = 0x858458f6;  // RAMFS_MAGIC
+
+std::size_t page_size() { return static_cast<std::size_t>(sysconf(_SC_PAGESIZE)); }
+
+}  // namespace
+
+std::string Pressure::to_string() const {
+  switch (kind) {
+    case Kind::none: return "none";
+    case Kind::pageout: return "pageout";
+    case Kind::hog: return "hog:" + format_size(hog_bytes);
+  }
+  return "?";
+}
+
+Result<Pressure> parse_pressure(std::string_view text) {
+  Pressure p;
+  if (text == "none") return p;
+  if (text == "pageout") {
+    p.kind = Pressure::Kind::pageout;
+    return p;
+  }
+  if (text.substr(0, 4) == "hog:") {
+    auto size = parse_size(text.substr(4));
+    if (!size) {
+      return Status(ErrorCode::invalid_argument,
+                    "pressure '" + std::string(text) + "': " + size.message() + " (example: hog:4GiB)");
+    }
+    if (*size == 0) return Status(ErrorCode::invalid_argument, "pressure 'hog:0': the hog needs a size above 0");
+    p.kind = Pressure::Kind::hog;
+    p.hog_bytes = *size;
+    return p;
+  }
+  return Status(ErrorCode::invalid_argument,
+                "unknown pressure '" + std::string(text) + "'; accepted: none, pageout, hog:SIZE (e.g. hog:4GiB)");
+}
+
+Result<std::uint64_t> mem_available() {
+  std::ifstream f("/proc/meminfo");
+  if (!f) return Status(ErrorCode::io_error, "cannot read /proc/meminfo (is /proc mounted?)");
+  std::string line;
+  while (std::getline(f, line)) {
+    if (line.rfind("MemAvailable:", 0) != 0) continue;
+    std::istringstream in(line.substr(13));
+    std::uint64_t kib = 0;
+    if (in >> kib) return kib * 1024;
+  }
+  return Status(ErrorCode::io_error, "/proc/meminfo has no MemAvailable line (Linux 3.14+ is needed)");
+}
+
+Status check_hog_fits(std::uint64_t bytes) {
+  auto avail = mem_available();
+  if (!avail) return avail.status();
+  if (bytes > *avail) {
+    return Status(ErrorCode::invalid_argument,
+                  "hog:" + format_size(bytes) + " is more than the " + format_size(*avail) +
+                      " of memory available now (MemAvailable in /proc/meminfo); choose a smaller size");
+  }
+  return {};
+}
+
+Status pageout_supported() {
+  const std::size_t page = page_size();
+  void* p = mmap(nullptr, page, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (p == MAP_FAILED) return Status(ErrorCode::out_of_memory, "cannot map one page to probe MADV_PAGEOUT");
+  static_cast<volatile char*>(p)[0] = 1;
+  const int rc = madvise(p, page, MADV_PAGEOUT);
+  const int err = errno;
+  munmap(p, page);
+  if (rc != 0) {
+    return Status(ErrorCode::unsupported,
+                  std::string("this kernel refuses MADV_PAGEOUT (") + std::strerror(err) +
+                      "; it needs Linux 5.4 or later): use --pressure hog:SIZE or --pressure none");
+  }
+  return {};
+}
+
+Result<PageoutResult> page_out(const void* base, std::size_t len, int fd) {
+  PageoutResult r;
+  const std::size_t page = page_size();
+  auto* start = reinterpret_cast<std::uint8_t*>(reinterpret_cast<std::uintptr_t>(base) / page * page);
+  const std::size_t total = static_cast<std::size_t>(static_cast<const std::uint8_t*>(base) + len - start);
+  for (std::size_t off = 0; off < total; off += kPageoutPiece) {
+    const std::size_t n = std::min(kPageoutPiece, total - off);
+    if (madvise(start + off, n, MADV_PAGEOUT) == 0) {
+      r.advised_bytes += n;
+    } else if (errno == EINVAL) {
+      r.locked_bytes += n;
+    } else {
+      return Status(ErrorCode::backend_error,
+                    std::string("madvise(MADV_PAGEOUT) failed: ") + std::strerror(errno));
+    }
+  }
+  if (fd >= 0) {
+    const int rc = posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED);
+    if (rc != 0) {
+      return Status(ErrorCode::backend_error,
+                    std::string("posix_fadvise(POSIX_FADV_DONTNEED) failed: ") + std::strerror(rc));
+    }
+  }
+  return r;
+}
+
+Result<double> resident_fraction(const void* base, std::size_t len) {
+  if (len == 0) return 1.0;
+  const std::size_t page = page_size();
+  auto* start = reinterpret_cast<std::uint8_t*>(reinterpret_cast<std::uintptr_t>(base) / page * page);
+  const std::size_t total = static_cast<std::size_t>(static_cast<const std::uint8_t*>(base) + len - start);
+  std::vector<unsigned char> vec((total + page - 1) / page);
+  if (mincore(start, total, vec.data()) != 0) {
+    return Status(ErrorCode::backend_error, std::string("mincore failed: ") + std::strerror(errno));
+  }
+  std::size_t in = 0;
+  for (unsigned char v : vec) in += v & 1u;
+  return static_cast<double>(in) / static_cast<double>(vec.size());
+}
+
+Status run_hog(std::uint64_t bytes) {
+  const std::size_t page = page_size();
+  const pid_t pid = fork();
+  if (pid < 0) return Status(ErrorCode::backend_error, std::string("cannot start the hog: fork: ") + std::strerror(errno));
+  if (pid == 0) {
+    // The child: system calls and plain stores only (the parent has threads; nothing else is
+    // safe after fork). Default signal actions, so an interrupt ends it and runs no cleanup.
+    signal(SIGINT, SIG_DFL);
+    signal(SIGTERM, SIG_DFL);
+    signal(SIGHUP, SIG_DFL);
+    void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED) _exit(kHogNoMemory);
+    auto* bytes_p = static_cast<volatile unsigned char*>(p);
+    for (std::uint64_t off = 0; off < bytes; off += page) bytes_p[off] = 1;
+    munmap(p, bytes);
+    _exit(0);
+  }
+  CleanupRegistry::set_child(pid);
+  int status = 0;
+  pid_t w;
+  do {
+    w = waitpid(pid, &status, 0);
+  } while (w < 0 && errno == EINTR);
+  CleanupRegistry::set_child(0);
+  if (w < 0) return Status(ErrorCode::backend_error, std::string("waiting for the hog failed: ") + std::strerror(errno));
+  if (WIFEXITED(status) && WEXITSTATUS(status) == 0) return {};
+  if (WIFEXITED(status) && WEXITSTATUS(status) == kHogNoMemory) {
+    return Status(ErrorCode::out_of_memory,
+                  "the hog could not map " + format_size(bytes) + "; choose a smaller hog:SIZE");
+  }
+  if (WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL) {
+    return Status(ErrorCode::out_of_memory,
+                  "the hog (" + format_size(bytes) +
+                      ") was killed by SIGKILL, most likely by the OOM killer: that is more memory than this "
+                      "machine can spare; choose a smaller hog:SIZE");
+  }
+  return Status(ErrorCode::backend_error, "the hog ended abnormally (wait status " + std::to_string(status) + ")");
+}
+
+bool on_memory_filesystem(const std::string& path) {
+  struct statfs s {};
+  if (statfs(path.c_str(), &s) != 0) return false;
+  const auto magic = static_cast<unsigned long>(s.f_type);
+  return magic == kTmpfsMagic || magic == kRamfsMagic;
+}
+
+}  // namespace residency::workload

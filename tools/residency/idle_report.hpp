@@ -1,0 +1,27 @@
+// residency idle's result files: JSON (everything, for scripts), CSV (one row per sample, for
+// spreadsheets) and a PNG plot of decode time against pause with one line per policy (gnuplot).
+#pragma once
+
+#include <string>
+
+#include "workload/idle_benchmark.hpp"
+
+namespace residency::tool {
+
+// What the run was about, for the JSON and the plot's title.
+struct IdleRunInfo {
+  std::string model_path;
+  bool synthetic_model = false;
+  std::uint64_t model_bytes = 0;
+  std::string model_summary;  // "llama, F16, n_vocab 32000, ..." or "123 weight matrices, F16"
+  std::string backend;        // IdleTarget::describe()
+};
+
+// Each throws std::runtime_error naming the file when it cannot be written.
+void write_idle_json(const std::string& path, const workload::IdleResults& r, const IdleRunInfo& info);
+void write_idle_csv(const std::string& path, const workload::IdleResults& r);
+// Runs gnuplot. Returns an empty string on success, else why there is no plot (gnuplot missing
+// or failing): a plot is a convenience, its absence is a warning, not a failure.
+std::string write_idle_plot(const std::string& path, const workload::IdleResults& r, const IdleRunInfo& info);
+
+}  // namespace residency::tool
