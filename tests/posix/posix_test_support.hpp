@@ -8,17 +8,21 @@
 #include <linux/capability.h>
 #include <sys/mman.h>
 #include <sys/resource.h>
+#include <sys/stat.h>
 #include <sys/syscall.h>
 #include <sys/vfs.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <chrono>
+#include <csignal>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -89,6 +93,7 @@ class TempMappedFile {
   char* data() const { return data_; }
   std::size_t size() const { return size_; }
   bool on_tmpfs() const { return on_tmpfs_; }
+  int fd() const { return fd_; }
   const std::string& dir() const { return dir_; }
 
   // Reads one byte per page: makes every page resident (page cache + page tables).
@@ -241,6 +246,136 @@ inline ChildResult run_in_child(const std::function<int(std::string& report)>& b
   if (WIFSIGNALED(status)) r.signal = WTERMSIG(status);
   return r;
 }
+
+// Real memory pressure, made on demand: a child process in a memory cgroup limited to
+// `limit` bytes reads a file four times that size over and over, so that every read has to
+// reclaim the page cache it charged a moment ago. Its stalls show in /proc/pressure/memory
+// (and in the memory.pressure of every ancestor cgroup). Uses the cgroup v1 memory controller,
+// or cgroup v2 where this process's cgroup already delegates "memory" to its children;
+// skipped elsewhere (needs root). Measured on the 2-core CI VM: a 10 ms-in-2 s trigger fires
+// 0.4 to 1.9 s after the start.
+class MemoryThrasher {
+ public:
+  // Returns why it cannot run here, or nullopt when it can.
+  std::optional<std::string> start(std::uint64_t limit = 16 * MiB) {
+    auto dir = make_cgroup(limit);
+    if (!dir) return dir_error_;
+    cgroup_dir_ = *dir;
+    file_ = std::make_unique<TempMappedFile>(4 * limit);
+    if (!file_->ok()) return "cannot make the file to read: " + file_->error();
+    file_->page_out();  // out of our page cache, so that the child's reads charge its cgroup
+    const int fd = file_->fd();
+    const std::size_t size = file_->size();
+    const std::string procs = cgroup_dir_ + "/cgroup.procs";
+    pid_ = ::fork();
+    if (pid_ < 0) return std::string("fork: ") + std::strerror(errno);
+    if (pid_ == 0) {
+      const int pfd = ::open(procs.c_str(), O_WRONLY);
+      const std::string me = std::to_string(::getpid());
+      if (pfd < 0 || ::write(pfd, me.c_str(), me.size()) < 0) ::_exit(3);
+      ::close(pfd);
+      std::vector<char> buf(MiB);
+      const auto t0 = std::chrono::steady_clock::now();
+      while (std::chrono::steady_clock::now() - t0 < std::chrono::seconds(30)) {  // killed long before
+        for (std::size_t off = 0; off < size; off += buf.size()) {
+          if (::pread(fd, buf.data(), buf.size(), static_cast<off_t>(off)) < 0) ::_exit(4);
+        }
+      }
+      ::_exit(0);
+    }
+    return std::nullopt;
+  }
+  void stop() {
+    if (pid_ > 0) {
+      ::kill(pid_, SIGKILL);
+      while (::waitpid(pid_, nullptr, 0) < 0 && errno == EINTR) {
+      }
+      pid_ = -1;
+    }
+    if (!cgroup_dir_.empty()) {
+      ::rmdir(cgroup_dir_.c_str());
+      cgroup_dir_.clear();
+    }
+  }
+  ~MemoryThrasher() { stop(); }
+
+ private:
+  static std::string read_all(const std::string& path) {
+    auto t = posix::read_text_file(path);
+    return t ? *t : std::string();
+  }
+  static bool write_all(const std::string& path, const std::string& text) {
+    const int fd = ::open(path.c_str(), O_WRONLY);
+    if (fd < 0) return false;
+    const bool ok = ::write(fd, text.c_str(), text.size()) == static_cast<ssize_t>(text.size());
+    ::close(fd);
+    return ok;
+  }
+  std::optional<std::string> make_cgroup(std::uint64_t limit) {
+    const std::string name = "/residency-thrash-" + std::to_string(::getpid());
+    // cgroup v1: the "memory" hierarchy's mount point + this process's path in it.
+    std::string v1_mount, v1_path;
+    for (const auto& line : split(read_all("/proc/self/mountinfo"), '\n')) {
+      const auto f = split(line, ' ');
+      const auto dash = std::find(f.begin(), f.end(), "-");
+      if (dash == f.end() || dash + 3 > f.end() || f.size() < 5) continue;
+      if (*(dash + 1) == "cgroup" && (dash + 3)->find("memory") != std::string::npos) v1_mount = f[4];
+    }
+    for (const auto& line : split(read_all("/proc/self/cgroup"), '\n')) {
+      const auto c1 = line.find(':');
+      const auto c2 = line.find(':', c1 + 1);
+      if (c2 == std::string::npos) continue;
+      for (const auto& ctl : split(line.substr(c1 + 1, c2 - c1 - 1), ','))
+        if (ctl == "memory") v1_path = line.substr(c2 + 1);
+    }
+    if (!v1_mount.empty() && !v1_path.empty()) {
+      std::string dir = v1_mount + (v1_path == "/" ? "" : v1_path) + name;
+      if (::mkdir(dir.c_str(), 0755) != 0 && errno != EEXIST) {
+        dir_error_ = "cannot create memory cgroup " + dir + ": " + std::strerror(errno);
+        return std::nullopt;
+      }
+      if (!write_all(dir + "/memory.limit_in_bytes", std::to_string(limit))) {
+        ::rmdir(dir.c_str());
+        dir_error_ = "cannot limit memory cgroup " + dir;
+        return std::nullopt;
+      }
+      return dir;
+    }
+    auto v2 = posix::find_cgroup_v2();
+    if (!v2) {
+      dir_error_ = "no memory cgroup: " + v2.message();
+      return std::nullopt;
+    }
+    if (read_all(v2->dir + "/cgroup.subtree_control").find("memory") == std::string::npos) {
+      dir_error_ = "cgroup v2 " + v2->dir + " does not delegate the memory controller to children";
+      return std::nullopt;
+    }
+    std::string dir = v2->dir + name;
+    if ((::mkdir(dir.c_str(), 0755) != 0 && errno != EEXIST) || !write_all(dir + "/memory.max", std::to_string(limit))) {
+      ::rmdir(dir.c_str());
+      dir_error_ = "cannot create a limited cgroup v2 " + dir;
+      return std::nullopt;
+    }
+    return dir;
+  }
+  static std::vector<std::string> split(const std::string& s, char sep) {
+    std::vector<std::string> out;
+    std::size_t b = 0;
+    while (b <= s.size()) {
+      const auto e = s.find(sep, b);
+      const auto piece = s.substr(b, e == std::string::npos ? std::string::npos : e - b);
+      if (!piece.empty()) out.push_back(piece);
+      if (e == std::string::npos) break;
+      b = e + 1;
+    }
+    return out;
+  }
+
+  std::string dir_error_;
+  std::string cgroup_dir_;
+  std::unique_ptr<TempMappedFile> file_;
+  pid_t pid_ = -1;
+};
 
 inline double ms_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
