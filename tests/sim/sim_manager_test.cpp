@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "sim/sim_test_support.hpp"
@@ -92,6 +93,43 @@ TEST(SimManager, RefreshKeepsDecayingRequestsWiredThroughLongGapsUntilTheKeepAli
   EXPECT_EQ(rig.sim->stats().refreshes, refreshes_at_expiry);  // zero refreshes while idle
   EXPECT_EQ(rig.sim->wired_bytes(), 0u);
   EXPECT_EQ(rig.decode(1, 4 * kGB), 10ms + 4s);
+}
+
+TEST(SimManager, TheSchedulerThreadRefreshesOnVirtualTime) {
+  // The same rule with the manager's own thread: it sleeps on the ManualClock and wakes when
+  // advance() passes its deadline, concurrently with the test's GPU work (TSan checks the sim's
+  // locking here).
+  ManualClock clock;
+  std::vector<std::string> logs;
+  SimOptions o;
+  o.decaying_requests = true;
+  auto sim = make_sim(clock, o);
+  auto q = sim->add_queue();
+  ManagerOptions mo;
+  mo.config = keep_alive(5s);
+  mo.backend = sim;
+  mo.clock = &clock;
+  mo.log = [&logs](LogLevel, std::string_view m) { logs.emplace_back(m); };
+  auto m = Manager::create(std::move(mo));
+  ASSERT_TRUE(m) << m.message();
+  ASSERT_TRUE((*m)->register_region(fake_base(1), 4 * kGB));
+  // Waits (in real time, bounded) until the scheduler is asleep on the clock again.
+  auto settle = [&clock] {
+    for (int i = 0; i < 20000 && clock.waiters() != 1; ++i) std::this_thread::sleep_for(100us);
+    ASSERT_EQ(clock.waiters(), 1);
+  };
+  settle();
+  (*m)->touch();
+  ASSERT_TRUE(sim->run_command_buffer(*q, {{fake_base(1), 4 * kGB}}, 10ms));
+  for (int i = 0; i < 40; ++i) {  // a 4 s gap with no GPU use, in 100 ms steps
+    clock.advance(100ms);
+    settle();
+  }
+  EXPECT_EQ(sim->wired_bytes(), 4 * kGB);
+  EXPECT_GE(sim->stats().refreshes, 7u);
+  auto pass = sim->run_command_buffer(*q, {{fake_base(1), 4 * kGB}}, 10ms);
+  ASSERT_TRUE(pass);
+  EXPECT_EQ(*pass, 10ms);
 }
 
 TEST(SimManager, WithoutTheRefreshADecayingRequestWouldLapse) {
