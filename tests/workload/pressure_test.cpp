@@ -1,0 +1,144 @@
+// Memory pressure does what the benchmark says it does: pageout evicts unlocked model pages and
+// leaves locked ones, the hog runs in another process, and files the benchmark creates disappear
+// on every exit path, a signal included.
+#include <fcntl.h>
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/mman.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <filesystem>
+
+#include "workload/cleanup.hpp"
+#include "workload/pressure.hpp"
+#include "workload_test_util.hpp"
+
+namespace residency::workload {
+namespace {
+
+constexpr std::size_t kMiB = 1u << 20;
+
+TEST(Pressure, Parses) {
+  EXPECT_EQ(parse_pressure("none")->kind, Pressure::Kind::none);
+  EXPECT_EQ(parse_pressure("pageout")->kind, Pressure::Kind::pageout);
+  auto hog = parse_pressure("hog:64MiB");
+  ASSERT_TRUE(hog.is_ok());
+  EXPECT_EQ(hog->kind, Pressure::Kind::hog);
+  EXPECT_EQ(hog->hog_bytes, 64u * kMiB);
+  EXPECT_EQ(hog->to_string(), "hog:64 MiB");
+  EXPECT_EQ(parse_pressure("squeeze").message(),
+            "unknown pressure 'squeeze'; accepted: none, pageout, hog:SIZE (e.g. hog:4GiB)");
+  EXPECT_NE(parse_pressure("hog:lots").message().find("pressure 'hog:lots': "), std::string::npos);
+  EXPECT_NE(parse_pressure("hog:0").message().find("needs a size above 0"), std::string::npos);
+}
+
+TEST(Pressure, HogLargerThanAvailableMemoryIsRefused) {
+  auto avail = mem_available();
+  ASSERT_TRUE(avail.is_ok()) << avail.message();
+  EXPECT_GT(*avail, 0u);
+  const Status st = check_hog_fits(*avail * 2);
+  ASSERT_FALSE(st.is_ok());
+  EXPECT_NE(st.message().find("of memory available now (MemAvailable in /proc/meminfo); choose a smaller size"),
+            std::string::npos)
+      << st.message();
+  EXPECT_TRUE(check_hog_fits(kMiB).is_ok());
+}
+
+TEST(Pressure, PageoutEvictsUnlockedPagesAndSkipsLockedOnes) {
+  if (Status st = pageout_supported(); !st) GTEST_SKIP() << st.message();
+  testing::ScratchDir dir;
+  const std::size_t size = 8 * kMiB;
+  std::vector<std::uint8_t> bytes(size);
+  for (std::size_t k = 0; k < size; ++k) bytes[k] = static_cast<std::uint8_t>(k * 7);
+  testing::write_bytes(dir.file("data"), bytes);
+  if (on_memory_filesystem(dir.path())) GTEST_SKIP() << dir.path() << " is tmpfs: its pages cannot be evicted";
+  const int fd = ::open(dir.file("data").c_str(), O_RDONLY);
+  ASSERT_GE(fd, 0);
+  ::fdatasync(fd);
+  void* p = mmap(nullptr, size, PROT_READ, MAP_SHARED, fd, 0);
+  ASSERT_NE(p, MAP_FAILED);
+  const auto* data = static_cast<const std::uint8_t*>(p);
+  std::uint64_t sum = 0;
+  for (std::size_t k = 1; k < size; k += 4096) sum += data[k];  // touch every page
+  EXPECT_GT(sum, 0u);
+  EXPECT_EQ(*resident_fraction(data, size), 1.0);
+  const std::size_t locked = 2 * kMiB;
+  if (mlock(data, locked) != 0) {
+    munmap(p, size);
+    ::close(fd);
+    GTEST_SKIP() << "mlock of 2 MiB refused (RLIMIT_MEMLOCK)";
+  }
+  auto r = page_out(data, size, fd);
+  ASSERT_TRUE(r.is_ok()) << r.message();
+  EXPECT_EQ(r->locked_bytes, locked);
+  EXPECT_EQ(r->advised_bytes, size - locked);
+  EXPECT_EQ(*resident_fraction(data, locked), 1.0) << "a locked page was evicted";
+  EXPECT_LT(*resident_fraction(data + locked, size - locked), 0.05) << "unlocked pages stayed resident";
+  munlock(data, locked);
+  munmap(p, size);
+  ::close(fd);
+}
+
+TEST(Pressure, HogRunsInAnotherProcess) {
+  EXPECT_TRUE(run_hog(32 * kMiB).is_ok());
+  const Status st = run_hog(1ull << 52);  // 4 PiB: no machine maps that
+  ASSERT_FALSE(st.is_ok());
+  EXPECT_NE(st.message().find("choose a smaller hog:SIZE"), std::string::npos) << st.message();
+}
+
+TEST(Pressure, MemoryFilesystemsAreRecognised) {
+  EXPECT_FALSE(on_memory_filesystem("/proc"));
+  std::error_code ec;
+  if (std::filesystem::is_directory("/dev/shm", ec)) {
+    EXPECT_TRUE(on_memory_filesystem("/dev/shm"));
+  }
+}
+
+TEST(Cleanup, TempDirRemovesWhatItHolds) {
+  testing::ScratchDir scratch;
+  std::string path;
+  {
+    auto d = TempDir::create(scratch.path(), "t-");
+    ASSERT_TRUE(d.is_ok()) << d.message();
+    path = d->path();
+    testing::write_bytes(d->track("a"), {1, 2, 3});
+    testing::write_bytes(d->path() + "/b", {4});
+    EXPECT_TRUE(std::filesystem::exists(path + "/a"));
+  }
+  EXPECT_FALSE(std::filesystem::exists(path));
+  {
+    auto d = TempDir::create(scratch.path(), "t-");
+    ASSERT_TRUE(d.is_ok());
+    path = d->path();
+    testing::write_bytes(d->track("model"), {1});
+    testing::write_bytes(d->track("result"), {2});
+    d->remove("model");
+    d->keep();
+  }
+  EXPECT_FALSE(std::filesystem::exists(path + "/model"));
+  EXPECT_TRUE(std::filesystem::exists(path + "/result"));
+  EXPECT_FALSE(TempDir::create(scratch.path() + "/missing", "t-").is_ok());
+}
+
+TEST(Cleanup, ASignalRemovesTrackedFilesAndStillKills) {
+  testing::ScratchDir scratch;
+  const pid_t pid = fork();
+  ASSERT_GE(pid, 0);
+  if (pid == 0) {
+    auto d = TempDir::create(scratch.path(), "sig-");
+    if (!d.is_ok()) _exit(10);
+    testing::write_bytes(d->track("model.gguf"), std::vector<std::uint8_t>(4096, 1));
+    CleanupRegistry::install_signal_handlers();
+    kill(getpid(), SIGINT);
+    _exit(11);  // not reached: the handler re-raises SIGINT with its default action
+  }
+  int status = 0;
+  ASSERT_EQ(waitpid(pid, &status, 0), pid);
+  ASSERT_TRUE(WIFSIGNALED(status)) << "exit status " << WEXITSTATUS(status);
+  EXPECT_EQ(WTERMSIG(status), SIGINT);
+  EXPECT_TRUE(std::filesystem::is_empty(scratch.path())) << "the interrupted process left files behind";
+}
+
+}  // namespace
+}  // namespace residency::workload
