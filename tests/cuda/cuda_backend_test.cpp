@@ -101,7 +101,8 @@ TEST_F(CudaTest, WeightsSurvive200SleepWakeCyclesAtTheSameAddress) {
     ASSERT_TRUE(backend_->last_release_status()) << backend_->last_release_status().message();
     ASSERT_FALSE(backend_->is_resident(p));
     if (cycle == 0 || cycle == 199) {
-      EXPECT_GE(device_free() - free_awake, 4 * kGiB) << "sleep must release the physical memory";
+      // The driver's own bookkeeping moves free memory by a few MiB either way.
+      EXPECT_GE(device_free() - free_awake, 4 * kGiB - 64 * kMiB) << "sleep must release the physical memory";
     }
     auto out = backend_->request_residency(0);
     ASSERT_TRUE(out.ok()) << "cycle " << cycle << ": " << out.status.message();

@@ -43,15 +43,13 @@ Result<const Driver*> load_impl(const char* library_name, std::unique_ptr<Driver
   auto d = std::make_unique<Driver>();
   d->driver_version = version;
   d->library = name;
-  // Ask for each function's ABI as of the header we compiled against, or as of the driver if
-  // that is older (the prototypes we use are unchanged from 12.0 to 13.x).
-  const int want = std::min(CUDA_VERSION, version);
+  // Each function at the ABI version its member's type names (see driver.hpp).
   std::string missing;
-#define RESIDENCY_CUDA_RESOLVE(fn)                                                             \
+#define RESIDENCY_CUDA_RESOLVE(fn, version)                                                    \
   {                                                                                            \
     void* p = nullptr;                                                                         \
     CUdriverProcAddressQueryResult q = CU_GET_PROC_ADDRESS_SUCCESS;                            \
-    if (get_proc(#fn, &p, want, CU_GET_PROC_ADDRESS_DEFAULT, &q) == CUDA_SUCCESS && p != nullptr) \
+    if (get_proc(#fn, &p, version, CU_GET_PROC_ADDRESS_DEFAULT, &q) == CUDA_SUCCESS && p != nullptr) \
       d->fn = reinterpret_cast<decltype(d->fn)>(p);                                            \
     else                                                                                       \
       missing += (missing.empty() ? "" : ", ") + std::string(#fn);                             \

@@ -14,6 +14,7 @@
 #pragma once
 
 #include <cuda.h>
+#include <cudaTypedefs.h>
 
 #include <string>
 
@@ -22,59 +23,64 @@
 namespace residency::cuda {
 
 // Every driver function the backend, its tests and its benchmarks call. One line each:
-// X(name) declares a member `name` with the prototype <cuda.h> gives that name.
+// X(name, version) declares a member `name` of type PFN_<name>_v<version> (cudaTypedefs.h)
+// and asks the driver for exactly that ABI version. The version is explicit on purpose: the
+// driver hands out the newest variant at or below the version asked for, and some names
+// changed their prototype without <cuda.h> renaming them (cuCtxSynchronize takes a context
+// from CUDA 13.0 on), so asking for "the header's version" would return a function whose
+// arguments do not match the prototype we call it with.
 #define RESIDENCY_CUDA_DRIVER_FUNCTIONS(X) \
-  X(cuInit)                                \
-  X(cuDriverGetVersion)                    \
-  X(cuGetErrorName)                        \
-  X(cuGetErrorString)                      \
-  X(cuDeviceGetCount)                      \
-  X(cuDeviceGet)                           \
-  X(cuDeviceGetName)                       \
-  X(cuDeviceGetAttribute)                  \
-  X(cuDeviceTotalMem)                      \
-  X(cuDevicePrimaryCtxRetain)              \
-  X(cuDevicePrimaryCtxRelease)             \
-  X(cuCtxPushCurrent)                      \
-  X(cuCtxPopCurrent)                       \
-  X(cuCtxSynchronize)                      \
-  X(cuMemGetInfo)                          \
-  X(cuMemAddressReserve)                   \
-  X(cuMemAddressFree)                      \
-  X(cuMemCreate)                           \
-  X(cuMemRelease)                          \
-  X(cuMemMap)                              \
-  X(cuMemUnmap)                            \
-  X(cuMemSetAccess)                        \
-  X(cuMemGetAllocationGranularity)         \
-  X(cuMemHostAlloc)                        \
-  X(cuMemFreeHost)                         \
-  X(cuMemHostRegister)                     \
-  X(cuMemHostUnregister)                   \
-  X(cuMemAlloc)                            \
-  X(cuMemFree)                             \
-  X(cuMemcpyHtoD)                          \
-  X(cuMemcpyDtoH)                          \
-  X(cuMemcpyHtoDAsync)                     \
-  X(cuMemcpyDtoHAsync)                     \
-  X(cuMemsetD8)                            \
-  X(cuStreamCreate)                        \
-  X(cuStreamDestroy)                       \
-  X(cuStreamSynchronize)                   \
-  X(cuEventCreate)                         \
-  X(cuEventDestroy)                        \
-  X(cuEventRecord)                         \
-  X(cuEventSynchronize)                    \
-  X(cuEventElapsedTime)                    \
-  X(cuModuleLoadData)                      \
-  X(cuModuleUnload)                        \
-  X(cuModuleGetFunction)                   \
-  X(cuLaunchKernel)
+  X(cuInit, 2000)                                \
+  X(cuDriverGetVersion, 2020)                    \
+  X(cuGetErrorName, 6000)                        \
+  X(cuGetErrorString, 6000)                      \
+  X(cuDeviceGetCount, 2000)                      \
+  X(cuDeviceGet, 2000)                           \
+  X(cuDeviceGetName, 2000)                       \
+  X(cuDeviceGetAttribute, 2000)                  \
+  X(cuDeviceTotalMem, 3020)                      \
+  X(cuDevicePrimaryCtxRetain, 7000)              \
+  X(cuDevicePrimaryCtxRelease, 11000)             \
+  X(cuCtxPushCurrent, 4000)                      \
+  X(cuCtxPopCurrent, 4000)                       \
+  X(cuCtxSynchronize, 2000)                      \
+  X(cuMemGetInfo, 3020)                          \
+  X(cuMemAddressReserve, 10020)                   \
+  X(cuMemAddressFree, 10020)                      \
+  X(cuMemCreate, 10020)                           \
+  X(cuMemRelease, 10020)                          \
+  X(cuMemMap, 10020)                              \
+  X(cuMemUnmap, 10020)                            \
+  X(cuMemSetAccess, 10020)                        \
+  X(cuMemGetAllocationGranularity, 10020)         \
+  X(cuMemHostAlloc, 2020)                        \
+  X(cuMemFreeHost, 2000)                         \
+  X(cuMemHostRegister, 6050)                     \
+  X(cuMemHostUnregister, 4000)                   \
+  X(cuMemAlloc, 3020)                            \
+  X(cuMemFree, 3020)                             \
+  X(cuMemcpyHtoD, 3020)                          \
+  X(cuMemcpyDtoH, 3020)                          \
+  X(cuMemcpyHtoDAsync, 3020)                     \
+  X(cuMemcpyDtoHAsync, 3020)                     \
+  X(cuMemsetD8, 3020)                            \
+  X(cuStreamCreate, 2000)                        \
+  X(cuStreamDestroy, 4000)                       \
+  X(cuStreamSynchronize, 2000)                   \
+  X(cuEventCreate, 2000)                         \
+  X(cuEventDestroy, 4000)                        \
+  X(cuEventRecord, 2000)                         \
+  X(cuEventSynchronize, 2000)                    \
+  X(cuEventElapsedTime, 2000)                    \
+  X(cuModuleLoadData, 2000)                      \
+  X(cuModuleUnload, 2000)                        \
+  X(cuModuleGetFunction, 2000)                   \
+  X(cuLaunchKernel, 4000)
 
 // The resolved entry points. Obtained with Driver::get(); lives for the whole process (the
 // library is never dlclose'd: other code in the process may hold the same handle).
 struct Driver {
-#define RESIDENCY_CUDA_DECLARE(name) decltype(&::name) name = nullptr;
+#define RESIDENCY_CUDA_DECLARE(name, version) PFN_##name##_v##version name = nullptr;
   RESIDENCY_CUDA_DRIVER_FUNCTIONS(RESIDENCY_CUDA_DECLARE)
 #undef RESIDENCY_CUDA_DECLARE
   int driver_version = 0;  // e.g. 13000 for CUDA 13.0
