@@ -32,13 +32,13 @@ using posix::AddrRange;
 // CAP_SYS_RESOURCE (linux/capability.h): lets a process register PSI triggers with any window.
 constexpr unsigned kCapSysResource = 24;
 
-const char* errno_name(int err) {
+std::string errno_name(int err) {
   switch (err) {
     case ENOMEM: return "ENOMEM";
     case EPERM: return "EPERM";
     case EAGAIN: return "EAGAIN";
     case EINVAL: return "EINVAL";
-    default: return "errno";
+    default: return "errno " + std::to_string(err);
   }
 }
 
@@ -231,7 +231,7 @@ class PosixBackend final : public Backend {
       privileged = ((*st->cap_eff >> kCapSysResource) & 1U) != 0;
     }
     auto trigger = posix::make_psi_trigger(options_.pressure_stall, options_.pressure_window, privileged);
-    if (!trigger) return trigger.status();
+    if (!trigger) return Status(trigger.status().code(), "memory pressure cannot be watched: " + trigger.message());
     auto st = watch_.start(path, *trigger, std::move(on_pressure));
     if (!st) return Status(st.code(), "memory pressure cannot be watched: " + st.message());
     return Status::ok();
@@ -356,7 +356,7 @@ class PosixBackend final : public Backend {
     if (err == EAGAIN) {
       return Status(ErrorCode::out_of_memory,
                     head + "some pages could not be locked now (the kernel is short of memory or the "
-                           "pages are being migrated); the next use retries" + tail);
+                           "pages are being migrated)" + tail);
     }
     return Status(ErrorCode::backend_error, head + "unexpected error" + tail);
   }
