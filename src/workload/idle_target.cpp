@@ -1,17 +1,27 @@
 // The idle targets this build has, and policy names (see idle_target.hpp).
 #include "workload/idle_target.hpp"
 
+#if RESIDENCY_IDLE_HAVE_SIM
+#include "workload/sim/idle_sim.hpp"
+#endif
+
 namespace residency::workload {
 
 // Other targets declare their factories here, each under its RESIDENCY_IDLE_HAVE_<NAME>.
 
 std::vector<std::string> idle_backends() {
   std::vector<std::string> names{"posix"};
+#if RESIDENCY_IDLE_HAVE_SIM
+  names.emplace_back("sim");
+#endif
   return names;
 }
 
 Result<std::unique_ptr<IdleTarget>> make_idle_target(std::string_view backend, const IdleTargetOptions& options) {
   if (backend == "posix") return make_posix_idle_target(options);
+#if RESIDENCY_IDLE_HAVE_SIM
+  if (backend == "sim") return make_sim_idle_target(options);
+#endif
   std::string accepted;
   for (const auto& n : idle_backends()) accepted += (accepted.empty() ? "" : ", ") + n;
   return Status(ErrorCode::invalid_argument,
