@@ -35,9 +35,10 @@ namespace residency {
 
 struct PosixOptions {
   // Recommended working set as a percent of MemTotal (or of the cgroup v2 memory.max of this
-  // process when that is lower). 75 % is the share Apple's recommendedMaxWorkingSetSize gives
-  // the GPU on most Apple Silicon machines; on Linux it leaves a quarter of RAM for the
-  // kernel, the page cache of everything else and other processes. Accepted: (0, 100].
+  // process when that is lower). 75 % is about the share of RAM that Apple's
+  // recommendedMaxWorkingSetSize gives the GPU (2/3 to 3/4, by machine), the figure the peers
+  // budget against; on Linux it leaves a quarter of RAM for the kernel, the page cache of
+  // everything else and other processes. Accepted: (0, 100].
   double recommended_pct = 75.0;
   // At creation, raise the soft RLIMIT_MEMLOCK to the hard limit (what `ulimit -l $(ulimit -Hl)`
   // does in a shell; no privilege needed). false leaves the process's limits alone.
@@ -45,8 +46,9 @@ struct PosixOptions {
   // PSI trigger: report pressure when tasks stalled on memory ("some") for at least
   // `pressure_stall` within any `pressure_window`. The window must be a multiple of 2 s for a
   // process without CAP_SYS_RESOURCE (the kernel refuses other windows with EINVAL), and
-  // between 500 ms and 10 s; the stall must be > 0 and <= the window. 150 ms in 2 s is the
-  // stall at which an interactive user notices lag (the kernel's PSI documentation example).
+  // between 500 ms and 10 s; the stall must be > 0 and <= the window. 150 ms is the threshold
+  // of the kernel's PSI documentation example (there in a 1 s window; 2 s here so that any
+  // process may register it).
   Nanos pressure_stall = std::chrono::milliseconds(150);
   Nanos pressure_window = std::chrono::seconds(2);
   // The PSI file to watch; empty = this process's cgroup v2 memory.pressure when the process
