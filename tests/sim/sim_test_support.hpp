@@ -33,6 +33,8 @@ inline SimProfile round_profile() {
 // Buffer addresses the sim only compares (it never touches the memory).
 inline void* fake_base(std::uintptr_t n) { return reinterpret_cast<void*>(n << 32); }
 
+// A sim on `clock`. Options left at the default profile get round_profile() instead, so that
+// tests state only the switches they are about.
 inline std::shared_ptr<SimBackend> make_sim(ManualClock& clock, SimOptions o = {}) {
   o.clock = &clock;
   if (o.profile.name == default_sim_profile().name) o.profile = round_profile();
