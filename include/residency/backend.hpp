@@ -86,7 +86,9 @@ class Backend {
   // (optional) Allocates `size` bytes of backend memory (device memory) that the backend can
   // release and restore at the same address. Default: unsupported.
   virtual Result<void*> allocate(std::size_t size, RegionClass cls);
-  // (optional) Frees what allocate() returned, resident or not.
+  // (optional) Frees what allocate() returned, resident or not, without preserving its
+  // contents, and takes it out of every set: the manager calls it *before* removing the region
+  // from its set, so a later remove_region / destroy_set for it must be a no-op for it.
   virtual void deallocate(void* base);
 
   // Creates an empty set that will hold up to about `capacity_bytes` (a hint).

@@ -511,6 +511,9 @@ Manager::~Manager() {
     m.log(LogLevel::warn, std::to_string(m.regions.size()) + " region(s), " + mib(m.tracked) +
                               ", still registered at teardown; releasing them (not an error)");
   }
+  // Backend memory first (no pointless copy-out of device weights), then the sets.
+  for (auto& [id, r] : m.regions)
+    if (r.desc.backend_allocated) m.backend->deallocate(r.desc.base);
   bool any_requested = false;
   for (SetId s : m.layout->live_set_ids()) {
     if (!m.state(s).created) continue;
@@ -518,8 +521,6 @@ Manager::~Manager() {
     m.backend->destroy_set(s);
   }
   if (any_requested) m.backend->after_release();
-  for (auto& [id, r] : m.regions)
-    if (r.desc.backend_allocated) m.backend->deallocate(r.desc.base);
   m.regions.clear();
 }
 
@@ -562,16 +563,14 @@ Status Manager::unregister_region(RegionId id) {
   auto it = m.regions.find(id);
   if (it == m.regions.end())
     return Status(ErrorCode::not_found, "unregister_region: no region with id " + std::to_string(id) + " is tracked");
-  void* to_free = nullptr;
-  {
-    Impl::Guard batch(m);
-    Impl::Region& r = it->second;
-    if (r.desc.backend_allocated) to_free = r.desc.base;
-    m.remove_locked(r);
-    m.regions.erase(it);
-    m.promote();  // unlike MLX, freeing wired memory makes room for what waits
-  }
-  if (to_free) m.backend->deallocate(to_free);
+  Impl::Guard batch(m);
+  Impl::Region& r = it->second;
+  // Free backend memory first: leaving the set first would make the backend end its
+  // residency, i.e. copy device weights to host just before they are thrown away.
+  if (r.desc.backend_allocated) m.backend->deallocate(r.desc.base);
+  m.remove_locked(r);
+  m.regions.erase(it);
+  m.promote();  // unlike MLX, freeing wired memory makes room for what waits
   return {};
 }
 
