@@ -18,7 +18,7 @@ constexpr std::uint64_t kPieceBytes = 256 * 1024;
 Status DecodePass::check(const GgufModel& model) {
   std::size_t matrices = 0;
   for (const auto& t : model.tensors) {
-    if (t.n_dims < 2) continue;
+    if (t.n_dims < 2 || t.n_elements == 0) continue;
     if (!decode_supported(t.type)) {
       return Status(ErrorCode::invalid_argument,
                     "tensor '" + t.name + "' is " + std::string(ggml_type_name(t.type)) +
@@ -47,7 +47,7 @@ Result<std::unique_ptr<DecodePass>> DecodePass::create(const GgufModel& model, c
   std::map<std::uint64_t, std::size_t> input_of_length;
   std::uint64_t outputs = 0;
   for (const auto& t : model.tensors) {
-    if (t.n_dims < 2) continue;
+    if (t.n_dims < 2 || t.n_elements == 0) continue;  // an empty tensor has nothing to read
     DecodeMatrix m;
     m.tensor = &t;
     m.data = file_base + t.file_offset;

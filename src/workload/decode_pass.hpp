@@ -41,8 +41,8 @@ class DecodePass {
     std::optional<DecodeIsa> isa;   // default: the best this CPU has
   };
 
-  // Every tensor of 2 or more dims is a weight matrix (ne[0] = row length, the rest rows); 1-D
-  // tensors (norms, biases) are skipped. Errors (invalid_argument): a weight matrix of a type the
+  // Every non-empty tensor of 2 or more dims is a weight matrix (ne[0] = row length, the rest
+  // rows); 1-D tensors (norms, biases) are skipped. Errors (invalid_argument): a weight matrix of a type the
   // pass does not compute (names the tensor, its type and the accepted types), a model without
   // any weight matrix, an ISA this CPU lacks.
   static Status check(const GgufModel& model);

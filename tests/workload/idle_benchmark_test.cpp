@@ -43,7 +43,10 @@ TEST(IdleParsing, Policies) {
             "unknown policy 'sometimes' in 'off,sometimes'; accepted: a comma-separated list of off, keep-alive, 0, forever");
   EXPECT_NE(parse_policies("off,off", std::chrono::seconds(2)).message().find("listed twice"), std::string::npos);
   EXPECT_FALSE(parse_policies("off", Nanos(0)).is_ok());
-  EXPECT_EQ(make_idle_target("metal2", {}).message(), "unknown backend 'metal2'; this build accepts: posix");
+  std::string accepted;
+  for (const auto& b : idle_backends()) accepted += (accepted.empty() ? "" : ", ") + b;
+  EXPECT_EQ(accepted.rfind("posix", 0), 0u) << "posix is the default and comes first";
+  EXPECT_EQ(make_idle_target("metal2", {}).message(), "unknown backend 'metal2'; this build accepts: " + accepted);
 }
 
 TEST(IdleOutput, LlamaIdleLinesAndTable) {

@@ -109,6 +109,7 @@ TEST_F(ToolCli, IdleBadInputIsOneLineAndExitTwo) {
   expect_bad_input({"idle", model, "--pressure", "hog:100TiB", "--out", out_}, "of memory available now");
   expect_bad_input({"idle", model, "--pressure", "squeeze", "--out", out_}, "unknown pressure 'squeeze'");
   expect_bad_input({"idle", model, "--policies", "off,sometimes", "--out", out_}, "unknown policy 'sometimes'");
+  // posix first, then whichever other targets this build has.
   expect_bad_input({"idle", model, "--backend", "metal2", "--out", out_}, "unknown backend 'metal2'; this build accepts: posix");
   expect_bad_input({"idle", model, "--keep-alive", "0", "--out", out_}, "needs a duration above 0");
   expect_bad_input({"idle", model, "--keep-alive", "soon", "--out", out_}, "--keep-alive: ");
