@@ -7,6 +7,7 @@
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #define RESIDENCY_DECODE_X86 1
+#include <cpuid.h>
 #include <immintrin.h>
 #else
 #define RESIDENCY_DECODE_X86 0
@@ -223,9 +224,18 @@ RESIDENCY_AVX2 std::uint64_t sum_avx2(const std::uint8_t* p, std::size_t n) {
   return s + sum_generic(p + i, n - i);
 }
 
+// CPUID directly: not every compiler's __builtin_cpu_supports knows "f16c" (clang 14 does not).
 bool cpu_has_avx2() {
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  if (!__get_cpuid(1, &a, &b, &c, &d)) return false;
+  const bool fma = c & (1u << 12), osxsave = c & (1u << 27), avx = c & (1u << 28), f16c = c & (1u << 29);
+  if (!(fma && osxsave && avx && f16c)) return false;
+  unsigned xcr0_lo = 0, xcr0_hi = 0;
+  __asm__("xgetbv" : "=a"(xcr0_lo), "=d"(xcr0_hi) : "c"(0));
+  if ((xcr0_lo & 6u) != 6u) return false;  // the OS saves the SSE and AVX register state
+  if (__get_cpuid_max(0, nullptr) < 7) return false;
+  __cpuid_count(7, 0, a, b, c, d);
+  return (b & (1u << 5)) != 0;  // AVX2
 }
 #endif
 
