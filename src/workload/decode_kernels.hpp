@@ -25,10 +25,24 @@ enum class DecodeIsa : std::uint8_t {
 };
 std::string_view to_string(DecodeIsa isa) noexcept;
 
+// An activation vector of n elements. Q8_0 weights are multiplied with its Q8_0 quantisation in
+// integer arithmetic, as ggml does (a decode reads each weight once; converting 32 int8 weights to
+// floats per block would make the pass slower than memory); `x` then holds exactly the values the
+// quantisation represents, so every kernel, and the tests' reference, compute with the same vector.
+struct MatvecInput {
+  const float* x = nullptr;            // n floats
+  const std::int8_t* q8 = nullptr;     // n int8 in blocks of 32 (only for Q8_0 weights)
+  const float* q8_scale = nullptr;     // n / 32 block scales: x[i] == q8_scale[i / 32] * q8[i]
+};
+
+// Quantises x (n a multiple of 32) to Q8_0 blocks: scale = max|x| / 127, q = round(x / scale), and
+// replaces x by the values the blocks represent.
+void quantize_input_q8_0(float* x, std::size_t n, std::int8_t* q8, float* q8_scale);
+
 // y[r] = dot(row r, x) for `rows` rows of `n` elements starting at `w`, rows `row_bytes` apart.
-// `w` may have any alignment; x has n floats.
+// `w` may have any alignment.
 using MatvecFn = void (*)(const std::uint8_t* w, std::size_t row_bytes, std::size_t n,
-                          std::size_t rows, const float* x, float* y);
+                          std::size_t rows, const MatvecInput& in, float* y);
 // Sum of the n bytes at p read as little-endian 64-bit words (the tail as bytes): the fastest
 // plain read of the same memory, the bandwidth baseline.
 using SumFn = std::uint64_t (*)(const std::uint8_t* p, std::size_t n);
@@ -46,7 +60,7 @@ std::vector<DecodeIsa> available_isas();
 // Kernels for `isa`; the caller checks that the CPU supports it (available_isas()).
 const DecodeKernels& decode_kernels(DecodeIsa isa);
 
-// A straightforward scalar reference in double precision, for tests.
+// A straightforward scalar reference in double precision, for tests (x: the MatvecInput's floats).
 double reference_dot(GgmlType t, const std::uint8_t* row, std::size_t n, const float* x);
 
 }  // namespace residency::workload

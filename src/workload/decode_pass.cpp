@@ -57,13 +57,20 @@ Result<std::unique_ptr<DecodePass>> DecodePass::create(const GgufModel& model, c
     auto [it, inserted] = input_of_length.try_emplace(m.row_length, p->inputs_.size());
     if (inserted) {
       // A fixed activation vector: values in [-1, 1], different per position.
-      std::vector<float> x(static_cast<std::size_t>(m.row_length));
-      for (std::size_t k = 0; k < x.size(); ++k) {
-        x[k] = static_cast<float>(static_cast<int>((k * 2654435761u) % 2001u) - 1000) / 1000.0f;
+      Input in;
+      in.x.resize(static_cast<std::size_t>(m.row_length));
+      for (std::size_t k = 0; k < in.x.size(); ++k) {
+        in.x[k] = static_cast<float>(static_cast<int>((k * 2654435761u) % 2001u) - 1000) / 1000.0f;
       }
-      p->inputs_.push_back(std::move(x));
+      p->inputs_.push_back(std::move(in));
     }
     m.input = it->second;
+    Input& in = p->inputs_[m.input];
+    if (t.type == GgmlType::q8_0 && in.q8.empty()) {
+      in.q8.resize(in.x.size());
+      in.q8_scale.resize(in.x.size() / 32);
+      quantize_input_q8_0(in.x.data(), in.x.size(), in.q8.data(), in.q8_scale.data());
+    }
     m.output_first = static_cast<std::size_t>(outputs);
     outputs += m.rows;
     p->bytes_ += t.n_bytes;
@@ -74,6 +81,7 @@ Result<std::unique_ptr<DecodePass>> DecodePass::create(const GgufModel& model, c
     p->fns_.push_back(p->kernels_->for_type(t.type));
     p->matrices_.push_back(m);
   }
+  for (Input& in : p->inputs_) in.view = {in.x.data(), in.q8.data(), in.q8_scale.data()};
   p->outputs_.assign(static_cast<std::size_t>(outputs), 0.0f);
   p->pool_ = std::make_unique<WorkerPool>(options.threads);
   return p;
@@ -89,7 +97,7 @@ double DecodePass::run() {
       const DecodeMatrix& m = matrices_[piece.matrix];
       fns_[piece.matrix](m.data + piece.first_row * m.row_bytes, static_cast<std::size_t>(m.row_bytes),
                          static_cast<std::size_t>(m.row_length), static_cast<std::size_t>(piece.rows),
-                         inputs_[m.input].data(), outputs_.data() + m.output_first + piece.first_row);
+                         inputs_[m.input].view, outputs_.data() + m.output_first + piece.first_row);
     }
   });
   double s = 0;

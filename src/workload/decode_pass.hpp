@@ -64,7 +64,9 @@ class DecodePass {
   std::span<const float> output(std::size_t i) const {
     return {outputs_.data() + matrices_[i].output_first, static_cast<std::size_t>(matrices_[i].rows)};
   }
-  std::span<const float> input(std::size_t i) const { return inputs_[matrices_[i].input]; }
+  // The activation vector matrix i is multiplied with (for Q8_0 weights: the values its Q8_0
+  // quantisation represents, see MatvecInput).
+  std::span<const float> input(std::size_t i) const { return inputs_[matrices_[i].input].x; }
   unsigned threads() const { return pool_->size(); }
   DecodeIsa isa() const { return kernels_->isa; }
 
@@ -78,7 +80,13 @@ class DecodePass {
   const DecodeKernels* kernels_ = nullptr;
   std::vector<DecodeMatrix> matrices_;
   std::vector<MatvecFn> fns_;  // per matrix
-  std::vector<std::vector<float>> inputs_;
+  struct Input {
+    std::vector<float> x;
+    std::vector<std::int8_t> q8;    // for Q8_0 weights of this row length
+    std::vector<float> q8_scale;
+    MatvecInput view;               // pointers into the vectors above
+  };
+  std::vector<Input> inputs_;
   std::vector<float> outputs_;
   std::vector<Piece> pieces_;
   std::uint64_t bytes_ = 0;
