@@ -28,8 +28,9 @@ Slot g_slots[kSlots];
 std::atomic<pid_t> g_child{0};
 std::once_flag g_install_once;
 
-// Async-signal-safe only: kill, unlink, rmdir, signal, raise.
+// Async-signal-safe only: kill, unlink, rmdir, signal, raise; errno as it was found.
 extern "C" void remove_on_signal(int sig) {
+  const int saved_errno = errno;  // the interrupted code may be about to read it
   const pid_t child = g_child.load();
   if (child > 0) kill(child, SIGKILL);
   for (int i = kSlots - 1; i >= 0; --i) {
@@ -42,7 +43,8 @@ extern "C" void remove_on_signal(int sig) {
     }
   }
   signal(sig, SIG_DFL);
-  raise(sig);
+  errno = saved_errno;
+  raise(sig);  // delivered when the handler returns: the process ends as killed by `sig`
 }
 
 }  // namespace
