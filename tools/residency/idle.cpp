@@ -388,7 +388,9 @@ const Command idle_command{
           "Policies: off (no residency management), keep-alive (resident until --keep-alive after the last\n"
           "decode), 0 (wired only during each decode), forever. Pressure is applied at the end of each\n"
           "pause longer than 0: pageout (the kernel reclaims every unlocked page of the model), hog:SIZE\n"
-          "(a second process allocates and touches SIZE), none.");
+          "(a second process allocates and touches SIZE; the kernel reclaims only what it needs, and the\n"
+          "model's cached pages count as available memory, so SIZE must come close to MemAvailable to\n"
+          "evict them), none.");
       app.add_option("MODEL", a->model, "GGUF model (F32, F16, BF16 or Q8_0 weights); default: a synthetic one");
       app.add_option("--backend", a->backend, "where to decode: " + [] {
         std::string s;

@@ -5,6 +5,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
@@ -60,7 +61,21 @@ std::string plot_script(const std::string& terminal, const std::string& path, co
                                " model, pressure " + r.pressure.to_string() + ")") +
        ".\"\\n\"." + gp_quote(info.backend) + "\n";
   s += "set xlabel 'pause before the decode (ms)'\nset ylabel 'decode time (ms), mean +/- sd'\n";
-  s += "set grid\nset key top left box opaque\nset yrange [0:*]\nset offsets graph 0.03, graph 0.03, 0, 0\n";
+  s += "set grid\nset key top left box opaque\nset yrange [0:*]\n";
+  double max_pause = 0;
+  for (Nanos p : r.schedule.pauses) max_pause = std::max(max_pause, ms_of(p));
+  const double margin = std::max(100.0, max_pause * 0.05);
+  s += "set xrange [" + std::to_string(-margin) + ":" + std::to_string(max_pause + margin) + "]\n";
+  // Where each keep-alive expires, when the pauses reach it: the step the table shows.
+  for (const auto& p : r.policies) {
+    if (p.kind != workload::IdlePolicy::Kind::keep_alive) continue;
+    const double at = ms_of(p.keep_alive.duration);
+    if (at > max_pause) continue;
+    s += "set arrow from " + std::to_string(at) + ", graph 0 to " + std::to_string(at) +
+         ", graph 1 nohead dashtype 2 linecolor rgb 'gray40'\n";
+    s += "set label " + gp_quote(p.name + " expires") + " at " + std::to_string(at) +
+         ", graph 0.95 offset 0.5, 0 left textcolor rgb 'gray40'\n";
+  }
   for (std::size_t k = 0; k < r.policies.size(); ++k) {
     s += "$p" + std::to_string(k) + " << EOD\n";
     for (std::size_t p = 0; p < r.schedule.pauses.size(); ++p) {
