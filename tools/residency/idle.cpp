@@ -49,7 +49,7 @@ struct IdleArgs {
   std::string backend = "posix";
   std::string policies = "off,keep-alive,0,forever";
   std::string keep_alive = "180s";
-  std::string pressure = "pageout";
+  std::string pressure;  // empty: pageout on posix, none elsewhere (pressure is a posix notion)
   std::string pauses;  // empty: llama-idle's
   int iters = 3;
   std::string out;
@@ -247,6 +247,7 @@ int run_idle(IdleArgs a, bool no_arguments) {
   if (a.iters < 1 || a.iters > kMaxIters) throw BadInput("--iters " + std::to_string(a.iters) + ": accepted 1 to 1000");
   schedule.iters = a.iters;
   if (a.threads > kMaxThreads) throw BadInput("--threads " + std::to_string(a.threads) + ": accepted 0 (one per core) to 1024");
+  if (a.pressure.empty()) a.pressure = a.backend == "posix" ? "pageout" : "none";
   auto pressure = parse_pressure(a.pressure);
   if (!pressure) throw BadInput("--pressure: " + pressure.message());
 
@@ -400,7 +401,8 @@ const Command idle_command{
       app.add_option("--policies", a->policies, "comma-separated: off, keep-alive, 0, forever")->capture_default_str();
       app.add_option("--keep-alive", a->keep_alive, "duration of the keep-alive policy (500ms, 2s, 3m ...)")
           ->capture_default_str();
-      app.add_option("--pressure", a->pressure, "none, pageout or hog:SIZE (e.g. hog:8GiB)")->capture_default_str();
+      app.add_option("--pressure", a->pressure,
+                     "none, pageout or hog:SIZE (e.g. hog:8GiB); default pageout with --backend posix, else none");
       app.add_option("--pauses", a->pauses, "comma-separated pauses in ms (default 0,800,1600,2400,3200,4000)");
       app.add_option("--iters", a->iters, "iterations per pause and policy")->capture_default_str();
       app.add_option("--out", a->out, "directory for idle.json, idle.csv, idle.png (default: a new temporary directory)");
