@@ -4,6 +4,9 @@
 #if RESIDENCY_IDLE_HAVE_SIM
 #include "workload/sim/idle_sim.hpp"
 #endif
+#if RESIDENCY_IDLE_HAVE_CUDA
+#include "workload/cuda/idle_cuda.hpp"
+#endif
 
 namespace residency::workload {
 
@@ -11,6 +14,9 @@ namespace residency::workload {
 
 std::vector<std::string> idle_backends() {
   std::vector<std::string> names{"posix"};
+#if RESIDENCY_IDLE_HAVE_CUDA
+  names.emplace_back("cuda");
+#endif
 #if RESIDENCY_IDLE_HAVE_SIM
   names.emplace_back("sim");
 #endif
@@ -20,7 +26,10 @@ std::vector<std::string> idle_backends() {
 Result<std::unique_ptr<IdleTarget>> make_idle_target(std::string_view backend, const IdleTargetOptions& options) {
   if (backend == "posix") return make_posix_idle_target(options);
 #if RESIDENCY_IDLE_HAVE_SIM
-  if (backend == "sim") return make_sim_idle_target(options);
+  if (backend == "sim") return make_sim_idle_target(options, {options.sim_profile, options.sim_decaying_requests});
+#endif
+#if RESIDENCY_IDLE_HAVE_CUDA
+  if (backend == "cuda") return make_cuda_idle_target(options);
 #endif
   std::string accepted;
   for (const auto& n : idle_backends()) accepted += (accepted.empty() ? "" : ", ") + n;

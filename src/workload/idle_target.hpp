@@ -90,6 +90,10 @@ struct IdleTargetOptions {
   // Receives the managers' log lines (filtered by log_level) and the target's warnings.
   LogCallback log;
   LogLevel log_level = LogLevel::warn;
+  // sim only: the machine-and-model profile ("" = the default) and the macOS 26 mode in which
+  // residency requests decay unless refreshed.
+  std::string sim_profile;
+  bool sim_decaying_requests = false;
 };
 
 // The names --backend accepts in this build, default first.

@@ -29,6 +29,7 @@
 #include "workload/gguf_writer.hpp"
 #include "workload/idle_benchmark.hpp"
 #include "workload/idle_target.hpp"
+#include "residency/backends/sim.hpp"
 #include "workload/pressure.hpp"
 
 namespace residency::tool {
@@ -53,7 +54,9 @@ struct IdleArgs {
   std::string pauses;  // empty: llama-idle's
   int iters = 3;
   std::string out;
-  std::string model_size = "1GiB";
+  std::string model_size;  // empty: 1 GiB, or 16 MiB for --backend sim (which models its own size)
+  std::string profile;     // --backend sim only
+  bool decaying_requests = false;  // --backend sim only
   std::string type = "f16";
   unsigned threads = 0;
   bool no_plot = false;
@@ -247,6 +250,9 @@ int run_idle(IdleArgs a, bool no_arguments) {
   if (a.iters < 1 || a.iters > kMaxIters) throw BadInput("--iters " + std::to_string(a.iters) + ": accepted 1 to 1000");
   schedule.iters = a.iters;
   if (a.threads > kMaxThreads) throw BadInput("--threads " + std::to_string(a.threads) + ": accepted 0 (one per core) to 1024");
+  if (a.backend != "sim" && (!a.profile.empty() || a.decaying_requests)) {
+    throw BadInput("--profile and --decaying-requests apply to --backend sim only");
+  }
   if (a.pressure.empty()) a.pressure = a.backend == "posix" ? "pageout" : "none";
   auto pressure = parse_pressure(a.pressure);
   if (!pressure) throw BadInput("--pressure: " + pressure.message());
@@ -263,7 +269,7 @@ int run_idle(IdleArgs a, bool no_arguments) {
     }
     user_model = std::move(f).value();
   } else {
-    auto size = parse_size(a.model_size);
+    auto size = parse_size(!a.model_size.empty() ? a.model_size : (a.backend == "sim" ? "16MiB" : "1GiB"));
     if (!size) throw BadInput("--model-size: " + size.message());
     auto type = parse_model_type(a.type);
     if (!type) throw BadInput("--type: " + type.message());
@@ -282,6 +288,8 @@ int run_idle(IdleArgs a, bool no_arguments) {
   topts.threads = a.threads;
   topts.log_level = a.verbose ? LogLevel::info : LogLevel::warn;
   topts.log = [&console](LogLevel level, std::string_view msg) { console.log(level, msg); };
+  topts.sim_profile = a.profile;
+  topts.sim_decaying_requests = a.decaying_requests;
   auto target = make_idle_target(a.backend, topts);
   if (!target) throw BadInput(target.message());
   if (Status st = (*target)->check_pressure(*pressure); !st) throw BadInput("--pressure " + a.pressure + ": " + st.message());
@@ -406,7 +414,14 @@ const Command idle_command{
       app.add_option("--pauses", a->pauses, "comma-separated pauses in ms (default 0,800,1600,2400,3200,4000)");
       app.add_option("--iters", a->iters, "iterations per pause and policy")->capture_default_str();
       app.add_option("--out", a->out, "directory for idle.json, idle.csv, idle.png (default: a new temporary directory)");
-      app.add_option("--model-size", a->model_size, "size of the synthetic model")->capture_default_str();
+      app.add_option("--model-size", a->model_size, "size of the synthetic model (default 1GiB; 16MiB for --backend sim)");
+      app.add_option("--profile", a->profile, "--backend sim: machine and model, one of " + [] {
+        std::string names;
+        for (const auto& n : residency::sim_profile_names()) names += (names.empty() ? "" : ", ") + n;
+        return names;
+      }() + " (default: the first)");
+      app.add_flag("--decaying-requests", a->decaying_requests,
+                   "--backend sim: residency requests decay ~1 s after use unless refreshed (macOS 26)");
       app.add_option("--type", a->type, "weight type of the synthetic model: f32, f16, bf16, q8_0")->capture_default_str();
       app.add_option("--threads", a->threads, "decode threads (0 = one per core)");
       app.add_flag("--no-plot", a->no_plot, "do not draw idle.png");
