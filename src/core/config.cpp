@@ -97,7 +97,6 @@ Result<KeepAlive> parse_keep_alive(std::string_view text) {
   double total_s = 0;
   bool negative = false;
   bool first = true;
-  bool any_unit = false;
   while (!s.empty()) {
     double v = 0;
     if (!take_number(s, v)) return bad(text, "not a duration", kKeepAliveForms);
@@ -123,7 +122,6 @@ Result<KeepAlive> parse_keep_alive(std::string_view text) {
     } else {
       return bad(text, "unknown unit '" + unit + "'", kKeepAliveForms);
     }
-    any_unit = any_unit || !unit.empty();
     total_s += std::fabs(v) * scale;
     first = false;
     if (total_s > kMaxKeepAliveSeconds) {
@@ -137,7 +135,6 @@ Result<KeepAlive> parse_keep_alive(std::string_view text) {
     if (total_s != 0) return bad(text, "shorter than 1 ns", kKeepAliveForms);
     return KeepAlive::zero();
   }
-  (void)any_unit;
   return KeepAlive{KeepAlive::Kind::duration, Nanos(ns)};
 }
 

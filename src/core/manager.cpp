@@ -7,7 +7,6 @@
 // consistent order: either touch() sees that the memory is being released and re-wires, or
 // the releasing thread sees the new use and keeps the memory. No use is ever lost.
 #include <algorithm>
-#include <cinttypes>
 #include <cstdio>
 #include <map>
 #include <set>
