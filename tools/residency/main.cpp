@@ -1,4 +1,5 @@
 // residency: the command-line tool. Subcommands register themselves (command.hpp).
+#include <algorithm>
 #include <cstdio>
 #include <map>
 #include <memory>
@@ -26,6 +27,7 @@ Command::Command(std::string name, std::string help, Setup setup) {
 int main(int argc, char** argv) {
   using namespace residency::tool;
   CLI::App app{"residency: keep model memory resident while requests flow, and measure what idle costs"};
+  app.name("residency");
   app.require_subcommand(1);
   std::map<CLI::App*, std::function<int()>> runners;
   auto& entries = registry();
@@ -33,6 +35,16 @@ int main(int argc, char** argv) {
   for (auto& e : entries) {
     CLI::App* sub = app.add_subcommand(e.name, e.help);
     runners[sub] = e.setup(*sub);
+  }
+  if (argc < 2) {  // no subcommand: say what there is
+    std::fputs(app.help().c_str(), stderr);
+    return kExitBadInput;
+  }
+  if (argv[1][0] != '-' && std::none_of(entries.begin(), entries.end(), [&](const Entry& e) { return e.name == argv[1]; })) {
+    std::string names;
+    for (const auto& e : entries) names += (names.empty() ? "" : ", ") + e.name;
+    std::fprintf(stderr, "residency: unknown subcommand '%s'; accepted: %s (residency --help says more)\n", argv[1], names.c_str());
+    return kExitBadInput;
   }
   try {
     app.parse(argc, argv);
