@@ -341,9 +341,15 @@ int run_idle(IdleArgs a, bool no_arguments) {
   for (const auto& p : *policies) policy_names += (policy_names.empty() ? "" : ", ") + p.name;
   console.out("model: " + model_path + " (" + format_size(model.size()) + ", " + info.model_summary + ")");
   console.out("backend: " + info.backend);
+  // sim runs on virtual time and models its own model: say so instead of file sizes and minutes.
+  const bool simulated = a.backend == "sim";
+  const std::string model_text =
+      simulated ? "profile " + (a.profile.empty() ? residency::sim_profile_names().front() : a.profile) + ", modelled"
+                : format_size(model.size()) + " model";
   console.out("policies: " + policy_names + "; pressure: " + pressure->to_string() + "; pauses: " + join_pauses(schedule) +
-              ", " + std::to_string(schedule.iters) + " iterations each (at least " +
-              minutes_seconds(estimate_seconds(schedule, policies->size(), 0)) + " of pauses)");
+              ", " + std::to_string(schedule.iters) + " iterations each (" +
+              (simulated ? std::string("virtual time") :
+                           "at least " + minutes_seconds(estimate_seconds(schedule, policies->size(), 0)) + " of pauses") + ")");
 
   console.start(schedule, policies->size());
   auto results = run_idle_benchmark(**target, schedule, *policies, *pressure, &console);
@@ -351,7 +357,7 @@ int run_idle(IdleArgs a, bool no_arguments) {
   if (!results) throw std::runtime_error(results.message());
 
   std::printf("\ndecode time after a pause, ms (mean +/- sd of %d; pressure %s; %s)\n%s", schedule.iters,
-              pressure->to_string().c_str(), format_size(model.size()).c_str(), format_idle_table(*results).c_str());
+              pressure->to_string().c_str(), model_text.c_str(), format_idle_table(*results).c_str());
 
   // Results go to --out, or next to the model in the temporary directory (kept, model removed).
   auto result_path = [&](const std::string& name) { return outputs ? outputs->file(name) : work->track(name); };
