@@ -72,10 +72,18 @@ void ManualClock::wake_due() {
     }
   }
   // Taking the waiter's mutex orders this notify after its cv.wait began (it registered with
-  // that mutex held and releases it only inside wait), so the wake-up cannot be lost.
+  // that mutex held and releases it only inside wait), so the wake-up cannot be lost. And a
+  // waiter that has already returned (woken by its owner meanwhile) is not notified: its owner
+  // may be waiting again, on a later deadline or none, and would see a wake-up that time did
+  // not cause. Lock order, as in wait_until: the waiter's mutex, then m_.
   for (auto& w : due) {
     std::lock_guard<std::mutex> g(*w->mutex);
-    w->cv->notify_all();
+    bool still_waiting = false;
+    {
+      std::lock_guard<std::mutex> gm(m_);
+      still_waiting = std::find(waiters_.begin(), waiters_.end(), w) != waiters_.end();
+    }
+    if (still_waiting) w->cv->notify_all();
   }
 }
 
