@@ -108,9 +108,11 @@ struct Manager::Impl {
   bool pressure_watch = false;
   bool prefetch_requested = false;  // prefetch(): wire on the scheduler thread
 
+  bool logs(LogLevel level) const {
+    return log_cb && static_cast<int>(level) <= static_cast<int>(config.log_level);
+  }
   void log(LogLevel level, const std::string& msg) const {
-    if (static_cast<int>(level) > static_cast<int>(config.log_level)) return;
-    if (log_cb) log_cb(level, msg);
+    if (logs(level)) log_cb(level, msg);
   }
 
   SetState& state(SetId s) {
@@ -183,23 +185,21 @@ struct Manager::Impl {
   // Regions the backend could not wire leave their set and wait, out of the budget's way.
   void handle_outcome(const SetOutcome& out, const char* what) {
     if (out.ok()) return;
-    if (!out.status.is_ok() || !out.failed.empty()) {
-      std::uint64_t bytes = 0;
-      for (RegionId id : out.failed) {
-        auto it = regions.find(id);
-        if (it == regions.end()) continue;
-        bytes += it->second.desc.size;
-        evict(it->second);
-        it->second.eligible = false;
-      }
-      counters.wire_failures += out.failed.size();
-      std::string msg = std::string(what) + " failed";
-      if (!out.failed.empty())
-        msg += " for " + std::to_string(out.failed.size()) + " region(s), " + mib(bytes) +
-               "; they stay tracked but unwired and the process goes on";
-      if (!out.status.is_ok()) msg += ": " + out.status.message();
-      log(LogLevel::warn, msg);
+    std::uint64_t bytes = 0;
+    for (RegionId id : out.failed) {
+      auto it = regions.find(id);
+      if (it == regions.end()) continue;
+      bytes += it->second.desc.size;
+      evict(it->second);
+      it->second.eligible = false;
     }
+    counters.wire_failures += out.failed.size();
+    std::string msg = std::string(what) + " failed";
+    if (!out.failed.empty())
+      msg += " for " + std::to_string(out.failed.size()) + " region(s), " + mib(bytes) +
+             "; they stay tracked but unwired and the process goes on";
+    if (!out.status.is_ok()) msg += ": " + out.status.message();
+    log(LogLevel::warn, msg);
   }
 
   // Commits every set touched since the last flush, once each; requests residency of sets
@@ -381,13 +381,13 @@ struct Manager::Impl {
     by_address[b] = d.id;
     Region& rr = regions.emplace(d.id, r).first->second;
 
-    log(LogLevel::debug, [&] {
+    if (logs(LogLevel::debug)) {
       char buf[160];
       std::snprintf(buf, sizeof buf, "allocated buffer, size = %8.2f MiB, (%8.2f / %8.2f)",
                     static_cast<double>(d.size) / kMiB, static_cast<double>(tracked) / kMiB,
                     static_cast<double>(recommended) / kMiB);
-      return std::string(buf);
-    }());
+      log(LogLevel::debug, buf);
+    }
     if (recommended != 0 && tracked > recommended && !warned_over_recommended) {
       warned_over_recommended = true;
       log(LogLevel::warn, "current allocated size " + mib(tracked) + " is greater than the recommended max working set size " +

@@ -49,13 +49,9 @@ class PosixIdleTarget final : public IdleTarget {
   Status activate(const IdlePolicy& policy) override {
     deactivate();
     policy_ = policy;
-    ManagerOptions mo;
-    mo.config.keep_alive = policy.keep_alive;
+    ManagerOptions mo = policy_manager_options(policy, options_, backend_);
     mo.config.layout = Layout::per_buffer;  // one region, one set
-    mo.config.log_level = options_.log_level;
-    mo.backend = backend_;
     mo.clock = &clock();
-    mo.log = options_.log;
     auto manager = Manager::create(std::move(mo));
     if (!manager) return manager.status();
     manager_ = std::move(manager).value();

@@ -37,6 +37,16 @@ Result<std::unique_ptr<IdleTarget>> make_idle_target(std::string_view backend, c
                 "unknown backend '" + std::string(backend) + "'; this build accepts: " + accepted);
 }
 
+ManagerOptions policy_manager_options(const IdlePolicy& policy, const IdleTargetOptions& options,
+                                      std::shared_ptr<Backend> backend) {
+  ManagerOptions mo;
+  mo.config.keep_alive = policy.keep_alive;
+  mo.config.log_level = options.log_level;
+  mo.backend = std::move(backend);
+  mo.log = options.log;  // empty: the manager's default (stderr)
+  return mo;
+}
+
 Result<std::vector<IdlePolicy>> parse_policies(std::string_view list, Nanos keep_alive) {
   if (keep_alive.count() <= 0) {
     return Status(ErrorCode::invalid_argument,

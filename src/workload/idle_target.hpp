@@ -101,6 +101,11 @@ std::vector<std::string> idle_backends();
 // Errors: an unknown name (lists the accepted ones), or a backend that cannot start here.
 Result<std::unique_ptr<IdleTarget>> make_idle_target(std::string_view backend, const IdleTargetOptions& options);
 
+// What every target's Manager starts from in activate(): the policy's keep-alive, the user's log
+// and level, the target's backend. The target adds what is its own (layout, clock, scheduler).
+ManagerOptions policy_manager_options(const IdlePolicy& policy, const IdleTargetOptions& options,
+                                      std::shared_ptr<Backend> backend);
+
 // The posix target (idle_posix.cpp).
 Result<std::unique_ptr<IdleTarget>> make_posix_idle_target(const IdleTargetOptions& options);
 

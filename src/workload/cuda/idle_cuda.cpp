@@ -57,11 +57,7 @@ class CudaIdleTarget final : public IdleTarget {
   Status activate(const IdlePolicy& policy) override {
     deactivate();
     policy_ = policy;
-    ManagerOptions mo;
-    mo.config.keep_alive = policy.keep_alive;
-    mo.config.log_level = opts_.log_level;
-    mo.backend = backend_;
-    if (opts_.log) mo.log = opts_.log;
+    ManagerOptions mo = policy_manager_options(policy, opts_, backend_);
     auto m = Manager::create(std::move(mo));
     if (!m) return m.status();
     manager_ = std::move(m.value());

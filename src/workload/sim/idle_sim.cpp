@@ -54,13 +54,9 @@ class SimIdleTarget final : public IdleTarget {
     if (!queue) return queue.status();
     queue_ = *queue;
 
-    ManagerOptions mo;
-    mo.config.keep_alive = policy.keep_alive;
+    ManagerOptions mo = policy_manager_options(policy, options_, sim_);
     mo.config.layout = Layout::per_buffer;  // one region, one set (llama.cpp)
-    mo.config.log_level = options_.log_level;
-    mo.backend = sim_;
     mo.clock = &clock_;
-    mo.log = options_.log;
     mo.start_scheduler = false;  // virtual time: step() runs what is due
     auto manager = Manager::create(std::move(mo));
     if (!manager) return manager.status();
