@@ -6,11 +6,18 @@
 // (MTL::ResidencySet; a set of mlock'd ranges; a group of CUDA VMM mappings). The core never
 // asks which backend it has; it asks capabilities().
 //
-// Calling rules: the manager calls every method with its own mutex held, from one thread at a
-// time, so a backend needs no locking of its own for these calls. add_region / remove_region
-// are staged and take effect at commit(); the manager commits each touched set once per batch.
-// Methods never throw and never abort: failures come back as Status, with a message that says
-// what failed and what to do.
+// Sharing and threads: a process has one backend of a kind (make_backend() returns the same
+// instance to every caller), shared by all its managers, because what a backend controls is
+// process-wide (the kernel's page locks and RLIMIT_MEMLOCK, a GPU context). So every method may
+// be called from several threads at once and a backend locks for itself. Set ids and region ids
+// are unique in the process (the managers draw them from one counter), so the sets of two
+// managers never collide; a set is only ever touched by the manager that created it, one call at
+// a time, under that manager's mutex.
+//
+// add_region / remove_region are staged and take effect at commit(); the manager commits each
+// touched set once per batch. Methods never throw and never abort: failures come back as Status,
+// with a message that says what failed and what to do, and a failed release leaves the set as it
+// was (still requested) so that the manager's view stays true.
 #pragma once
 
 #include <cstddef>
@@ -45,26 +52,25 @@ struct RegionDesc {
   void* backend_object = nullptr;  // optional handle the engine passed (e.g. an MTL::Buffer*)
 };
 
+// What the manager asks of a backend; everything here is read by the core.
 struct Capabilities {
-  std::string name;              // "posix", "sim", "metal", "cuda", ...
+  std::string name;              // "posix", "sim", "metal", "cuda", ...: for logs and messages
   bool needs_refresh = false;    // residency requests decay and must be repeated while in use
   Nanos refresh_period{0};       // how often, when needs_refresh
-  std::uint32_t max_sets = 0;    // most sets the backend accepts at once; 0 = no limit
-  bool supports_discard = false; // kv_cache / scratch can be dropped on release (no copy)
-  bool can_allocate = false;     // allocate() / deallocate() are implemented
+  std::uint32_t max_sets = 0;    // most sets of one manager at once (Metal: 32 per queue); 0 = no limit
 };
 
-// Sizes in bytes. 0 means "unknown" for every field but hard_limit, where 0 means "none".
+// Sizes in bytes, for the budget, limits and warnings. 0 means "unknown" for every field but
+// hard_limit, where 0 means "none".
 struct MemoryInfo {
   std::uint64_t physical = 0;             // RAM, or device memory for a discrete GPU
   std::uint64_t recommended_working_set = 0;  // what one process should keep resident at most
-  std::uint64_t available = 0;            // what could be made resident now without pressure
-  std::uint64_t allocated = 0;            // currently allocated by this process on the backend
-  std::uint64_t wired = 0;                // currently wired/locked/mapped for this process
-  std::uint64_t hard_limit = 0;           // most that may be wired (RLIMIT_MEMLOCK); 0 = none
+  std::uint64_t hard_limit = 0;           // most the process may wire (RLIMIT_MEMLOCK); 0 = none
   std::string hard_limit_name;            // e.g. "RLIMIT_MEMLOCK", for messages
   std::string hard_limit_fix;             // how to raise it, for messages
 };
+
+using PressureWatchId = std::uint64_t;
 
 // The result of an operation over a set: regions that could not be made resident stay
 // tracked-but-unwired, the rest of the set is resident. `status` explains the first failure.
@@ -91,10 +97,19 @@ class Backend {
   // from its set, so a later remove_region / destroy_set for it must be a no-op for it.
   virtual void deallocate(void* base);
 
+  // (optional) Reserves `bytes` of the process's hard limit (memory_info().hard_limit) for one
+  // manager before it admits a region, so that the managers of a process together never plan to
+  // wire more than the limit allows. Errors (limit_exceeded) name the limit and what holds it.
+  // Default: no limit, always granted.
+  virtual Status reserve_wired(std::uint64_t bytes);
+  // (optional) Gives back what reserve_wired() granted.
+  virtual void unreserve_wired(std::uint64_t bytes);
+
   // Creates an empty set that will hold up to about `capacity_bytes` (a hint).
   virtual Status create_set(SetId set, std::uint64_t capacity_bytes) = 0;
-  // Ends the set's residency if requested, empties and destroys it.
-  virtual void destroy_set(SetId set) = 0;
+  // Ends the set's residency if requested, empties and destroys it. On error the set is gone
+  // from the manager's view anyway (its regions are leaving); the message says what is still held.
+  virtual Status destroy_set(SetId set) = 0;
   // Stages a region's entry into / exit from a set; effective at commit().
   virtual void add_region(SetId set, const RegionDesc& region) = 0;
   virtual void remove_region(SetId set, RegionId region) = 0;
@@ -104,8 +119,9 @@ class Backend {
   // Makes every region of the set resident (re-wiring what was released: the re-wire cost).
   virtual SetOutcome request_residency(SetId set) = 0;
   // Gives the set's memory back. Weights are preserved; kv_cache / scratch may be discarded
-  // when supports_discard.
-  virtual void end_residency(SetId set) = 0;
+  // where the backend can (cuda). On error the set's residency stays requested and resident
+  // (nothing was given back, or what was is restored), so a later release can try again.
+  virtual Status end_residency(SetId set) = 0;
   // (optional) Repeats a residency request that decays (needs_refresh). Default: request.
   virtual SetOutcome refresh(SetId set);
   // (optional) Called once after a release of one or more sets, e.g. the tiny GPU operation
@@ -113,11 +129,12 @@ class Backend {
   virtual void after_release();
 
   // (optional) Starts watching for system memory pressure (Linux PSI, a Mach memory-pressure
-  // source, ...) and calls `on_pressure` from a backend thread when it is reported. The
-  // manager starts it only with release_on_pressure. Default: unsupported.
-  virtual Status watch_pressure(std::function<void()> on_pressure);
-  // (optional) Stops the watch; on_pressure is not called after this returns.
-  virtual void stop_pressure_watch();
+  // source, ...) and calls `on_pressure` from a backend thread when it is reported. Each manager
+  // of the process adds its own watcher; one system watch serves them all. The manager starts
+  // it only with release_on_pressure. Default: unsupported.
+  virtual Result<PressureWatchId> watch_pressure(std::function<void()> on_pressure);
+  // (optional) Removes a watcher; its on_pressure is not called after this returns.
+  virtual void stop_pressure_watch(PressureWatchId id);
 };
 
 }  // namespace residency

@@ -17,7 +17,8 @@ namespace residency {
 std::vector<std::string> available_backends();
 // "auto" picks the first backend that works on this machine (cuda where a GPU driver is
 // present, metal on Apple, else posix). Unknown or unavailable names are an error that lists
-// the accepted ones.
+// the accepted ones. One instance per kind per process: while a backend of that kind is alive,
+// every call returns it (two managers in one process share its page locks and its limits).
 Result<std::shared_ptr<Backend>> make_backend(std::string_view name);
 
 }  // namespace residency

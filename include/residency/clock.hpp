@@ -24,8 +24,14 @@ using Nanos = std::chrono::nanoseconds;
 class Clock {
  public:
   virtual ~Clock() = default;
-  // The current time. Called on touch()'s hot path: must be cheap and must not block.
+  // The current time.
   virtual Nanos now() const noexcept = 0;
+  // The current time, possibly up to coarse_resolution() behind now() and never ahead of it:
+  // what touch() reads on the hot path, where a few milliseconds of precision buy a clock read
+  // that costs a memory load instead of a timer read. Default: now().
+  virtual Nanos now_coarse() const noexcept { return now(); }
+  // How far now_coarse() may lag now() (0: not at all).
+  virtual Nanos coarse_resolution() const noexcept { return Nanos(0); }
   // Blocks until `deadline` has passed (nullopt: no deadline) or `cv` is notified.
   // `lock` holds the mutex that `cv` is used with. Spurious returns are allowed: the caller
   // re-checks its state after every return.
@@ -34,9 +40,13 @@ class Clock {
 };
 
 // std::chrono::steady_clock (CLOCK_MONOTONIC; read through the vDSO, no system call).
+// now_coarse() is CLOCK_MONOTONIC_COARSE on Linux (the time of the last timer tick, read from
+// the vDSO's data page: one tick, 1-4 ms, of lag), else steady_clock.
 class SteadyClock final : public Clock {
  public:
   Nanos now() const noexcept override;
+  Nanos now_coarse() const noexcept override;
+  Nanos coarse_resolution() const noexcept override;
   void wait_until(std::unique_lock<std::mutex>& lock, std::condition_variable& cv,
                   std::optional<Nanos> deadline) override;
   // One instance shared by every manager that is not given a clock.

@@ -4,12 +4,15 @@
 // The Manager tracks regions (weights, KV cache, scratch), groups them into sets that a
 // Backend makes resident as a unit, admits into those sets only what fits the wired budget,
 // and drives residency by a keep-alive policy. The one design decision that shapes it: the
-// engine's hot path is touch(), one atomic store and one atomic load, and all the timing work
-// is done by a scheduler thread that sleeps until its next deadline, so an idle process is
-// woken zero times (llama.cpp's heartbeat wakes 200 times a second, forever).
+// engine's hot path is touch(), a coarse clock read, one relaxed store and one relaxed load
+// (a few nanoseconds), and all the timing work is done by a scheduler thread that sleeps until
+// its next deadline, so an idle process is woken zero times (llama.cpp's heartbeat wakes 200
+// times a second, forever).
 //
-// Thread safety: every method may be called from any thread. Backend calls are serialised
-// under one mutex; touch() takes it only when memory must be re-wired.
+// Thread safety: every method may be called from any thread. A manager's state is guarded by one
+// mutex; touch() and touch(id) take it only when memory must be re-wired. Several managers in one
+// process (two models in one server) share the process's backend and its limits: a page two of
+// them lock stays locked until both let it go, and RLIMIT_MEMLOCK is split between them.
 #pragma once
 
 #include <cstdint>
@@ -52,6 +55,7 @@ struct Stats {
   Nanos rewire_time{0};              // total time spent in those re-wires
   std::uint64_t scheduler_wakeups = 0;  // times the scheduler thread returned from a wait
   std::uint64_t wire_failures = 0;   // regions the backend could not make resident
+  std::uint64_t release_failures = 0;  // releases in which the backend could not give a set back
 };
 
 class Manager;
@@ -124,8 +128,10 @@ class Manager {
   // Stops tracking (and frees, for allocate()d regions). Pending regions that now fit are
   // promoted into sets.
   Status unregister_region(RegionId id);
-  // Marks a region as just used (recency for the budget). Takes the lock; not for hot paths.
-  Status mark_used(RegionId id);
+  // The same, for the region that starts at `base` (what an engine that keeps pointers has).
+  Status unregister_address(void* base);
+  // Frees memory that allocate() returned, by its pointer. Error for any other pointer.
+  Status deallocate(void* ptr);
 
   // Changes the budget: adds what now fits (highest priority, then most recently used) or
   // removes until under it (lowest priority, least recently used first); one commit per
@@ -134,8 +140,13 @@ class Manager {
   std::uint64_t wired_limit() const;
 
   // The hot path, once per graph compute: lock-free, no system call while the memory is
-  // resident; re-wires synchronously when it was released.
+  // resident; re-wires synchronously when it was released. Uses are stamped with a coarse clock:
+  // the keep-alive expires at most one timer tick (1-4 ms on Linux) late, never early.
   void touch() noexcept;
+  // touch(), and marks one region as just used, so that when the budget must choose, the least
+  // recently used regions are the engine's real ones. Lock-free; an unknown id only counts as
+  // touch().
+  void touch(RegionId id) noexcept;
   // Asks for the memory to be wired again in the background (on the scheduler thread) and
   // returns at once: call it when a request arrives, before tokenizing, so that the re-wire
   // overlaps work the engine does anyway; the touch() before the first compute then finds it
@@ -150,6 +161,10 @@ class Manager {
   void release_now();
 
   Batch batch();
+  // The same without RAII (the C API): every begin_batch() needs one end_batch(); an end
+  // without a begin is an error.
+  void begin_batch();
+  Status end_batch();
 
   // For start_scheduler == false: does what is due at clock->now() (expiry, refresh) and
   // returns the next deadline, or nullopt when nothing is scheduled.

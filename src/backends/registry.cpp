@@ -3,6 +3,9 @@
 // make_<name>_backend() in include/residency/backends/<name>.hpp.
 #include "residency/backends.hpp"
 
+#include <map>
+#include <mutex>
+
 #if RESIDENCY_HAVE_POSIX
 #include "residency/backends/posix.hpp"
 #endif
@@ -54,14 +57,27 @@ Result<std::shared_ptr<Backend>> make_named(std::string_view name) {
   return Status(ErrorCode::invalid_argument,
                 "unknown backend '" + std::string(name) + "'; this build has: auto, " + accepted);
 }
+
+// One backend per kind per process: what a backend controls (page locks, RLIMIT_MEMLOCK, a GPU
+// context) belongs to the process, so every manager that asks for a kind gets the instance that
+// is already alive, if any. Held weakly: the backend goes when its last manager does.
+Result<std::shared_ptr<Backend>> shared_backend(const std::string& name) {
+  static std::mutex mu;
+  static auto* live = new std::map<std::string, std::weak_ptr<Backend>>;  // never destroyed
+  std::lock_guard<std::mutex> lock(mu);
+  if (auto b = (*live)[name].lock()) return b;
+  auto made = make_named(name);
+  if (made) (*live)[name] = *made;
+  return made;
+}
 }  // namespace
 
 Result<std::shared_ptr<Backend>> make_backend(std::string_view name) {
-  if (name != "auto") return make_named(name);
+  if (name != "auto") return shared_backend(std::string(name));
   std::string reasons;
   for (const auto& n : available_backends()) {
     if (n == "sim") continue;  // never chosen automatically: it is a simulation
-    auto b = make_named(n);
+    auto b = shared_backend(n);
     if (b) return b;
     reasons += "\n  " + n + ": " + b.message();
   }

@@ -11,10 +11,12 @@ Result<void*> Backend::allocate(std::size_t, RegionClass) {
 void Backend::deallocate(void*) {}
 SetOutcome Backend::refresh(SetId set) { return request_residency(set); }
 void Backend::after_release() {}
-Status Backend::watch_pressure(std::function<void()>) {
+Status Backend::reserve_wired(std::uint64_t) { return Status::ok(); }
+void Backend::unreserve_wired(std::uint64_t) {}
+Result<PressureWatchId> Backend::watch_pressure(std::function<void()>) {
   return Status(ErrorCode::unsupported,
                 capabilities().name + " backend cannot watch memory pressure");
 }
-void Backend::stop_pressure_watch() {}
+void Backend::stop_pressure_watch(PressureWatchId) {}
 
 }  // namespace residency

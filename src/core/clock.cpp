@@ -1,11 +1,37 @@
 #include "residency/clock.hpp"
 
 #include <algorithm>
+#if defined(__linux__)
+#include <time.h>
+#endif
 
 namespace residency {
 
 Nanos SteadyClock::now() const noexcept {
   return std::chrono::duration_cast<Nanos>(std::chrono::steady_clock::now().time_since_epoch());
+}
+
+Nanos SteadyClock::now_coarse() const noexcept {
+#if defined(__linux__) && defined(CLOCK_MONOTONIC_COARSE)
+  // libstdc++'s steady_clock is CLOCK_MONOTONIC; the coarse clock is the same time line.
+  timespec ts;
+  if (::clock_gettime(CLOCK_MONOTONIC_COARSE, &ts) == 0)
+    return Nanos(static_cast<std::int64_t>(ts.tv_sec) * 1'000'000'000 + ts.tv_nsec);
+#endif
+  return now();
+}
+
+Nanos SteadyClock::coarse_resolution() const noexcept {
+#if defined(__linux__) && defined(CLOCK_MONOTONIC_COARSE)
+  static const Nanos res = [] {
+    timespec ts;
+    if (::clock_getres(CLOCK_MONOTONIC_COARSE, &ts) != 0) return Nanos(0);
+    return Nanos(static_cast<std::int64_t>(ts.tv_sec) * 1'000'000'000 + ts.tv_nsec);
+  }();
+  return res;
+#else
+  return Nanos(0);
+#endif
 }
 
 void SteadyClock::wait_until(std::unique_lock<std::mutex>& lock, std::condition_variable& cv,

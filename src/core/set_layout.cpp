@@ -10,7 +10,6 @@ SetLayout::SetLayout(Layout layout, double set_max_pct, std::uint64_t recommende
     : layout_(layout) {
   std::uint32_t limit = backend_max_sets == 0 ? std::numeric_limits<std::uint32_t>::max() : backend_max_sets;
   if (layout == Layout::sharded) {
-    limit = std::min(limit, kMaxSets);
     if (set_max_pct <= 0 || set_max_pct >= 100 || recommended == 0) {
       cap_ = std::numeric_limits<std::uint64_t>::max();  // one set holds everything
       limit = 1;

@@ -3,7 +3,7 @@
 // macOS decides residency per set, so when one set loses residency only that set's regions
 // must be made resident again: smaller sets mean cheaper recoveries and cheaper commits (MLX).
 // But every set is attached to every command queue, and a queue accepts a limited number, so
-// the count is capped. Two layouts:
+// the count is capped by the backend. Two layouts:
 //   per_buffer: one set per region (llama.cpp); the set is destroyed with its region.
 //   sharded:    sets capped at set_max_pct % of the recommended working set (floor 64 MiB);
 //               first fit; a region larger than the cap reuses an emptied set; at the set
@@ -21,16 +21,14 @@
 
 namespace residency::core {
 
-// Most sets at once: a Metal command queue accepts a limited number of residency sets and
-// every set is attached to every queue (MLX kMaxSets = 32).
-inline constexpr std::uint32_t kMaxSets = 32;
 // Sharded sets are never capped below 64 MiB, so small working sets do not explode into
 // many tiny sets (MLX's floor).
 inline constexpr std::uint64_t kMinSetCapBytes = 64ull << 20;
 
 class SetLayout {
  public:
-  // `max_sets`: the backend's limit (0 = none), further capped at kMaxSets for sharded.
+  // `backend_max_sets`: Capabilities::max_sets (0 = none). The limit is the backend's to state
+  // (Metal: 32 per command queue); the layout names no platform.
   SetLayout(Layout layout, double set_max_pct, std::uint64_t recommended_working_set,
             std::uint32_t backend_max_sets);
 

@@ -5,11 +5,16 @@
 // most valuable pending regions are admitted first: highest priority, then most recently
 // used. When the limit falls, the least valuable wired regions leave first: lowest priority,
 // then least recently used. MLX picks victims in hash order (arbitrary) and never promotes on
-// free; these two rules are the difference. Pure functions over a snapshot; no backend calls.
+// free; these two rules are the difference.
+//
+// Cost: the choice runs over the candidates only (pending regions to promote, admitted ones to
+// evict), so freeing a region when nothing waits costs nothing here, however many regions are
+// tracked. No backend calls.
 #pragma once
 
 #include <cstdint>
 #include <span>
+#include <unordered_set>
 #include <vector>
 
 #include "residency/backend.hpp"
@@ -20,7 +25,7 @@ struct BudgetEntry {
   RegionId id = 0;
   std::uint64_t bytes = 0;
   int priority = 0;
-  std::uint64_t last_use = 0;  // a sequence number: larger = more recent
+  std::int64_t last_use = 0;   // time of last use: larger = more recent
   bool admitted = false;       // inside a set now
   bool eligible = true;        // may be admitted (false after the backend failed to wire it)
 };
@@ -32,5 +37,32 @@ std::vector<RegionId> choose_promotions(std::span<const BudgetEntry> entries,
 // Admitted entries to remove, in eviction order, until admitted bytes are at most `limit`.
 std::vector<RegionId> choose_evictions(std::span<const BudgetEntry> entries,
                                        std::uint64_t admitted_bytes, std::uint64_t limit);
+
+// The budget's state: the limit, the bytes admitted under it, and which regions wait.
+// Invariant: admitted() <= limit() except just after the limit fell, until the caller has
+// evicted what choose_evictions() named. Lock rule: with the manager's mutex held.
+class WiredBudget {
+ public:
+  std::uint64_t limit() const { return limit_; }
+  void set_limit(std::uint64_t bytes) { limit_ = bytes; }
+  std::uint64_t admitted() const { return admitted_; }
+  bool fits(std::uint64_t bytes) const { return bytes <= limit_ && admitted_ <= limit_ - bytes; }
+  void admitted_region(RegionId id, std::uint64_t bytes) {
+    admitted_ += bytes;
+    pending_.erase(id);
+  }
+  void evicted_region(RegionId id, std::uint64_t bytes) {
+    admitted_ -= bytes;
+    pending_.insert(id);
+  }
+  void add_pending(RegionId id) { pending_.insert(id); }
+  void forget(RegionId id) { pending_.erase(id); }
+  const std::unordered_set<RegionId>& pending() const { return pending_; }
+
+ private:
+  std::uint64_t limit_ = 0;
+  std::uint64_t admitted_ = 0;
+  std::unordered_set<RegionId> pending_;  // tracked regions in no set
+};
 
 }  // namespace residency::core

@@ -63,7 +63,7 @@ TEST_F(CudaManagerTest, KeepAliveExpiryReleasesAndTouchRewiresAtTheSameAddress) 
   EXPECT_FALSE(next.has_value()) << "nothing should be scheduled while idle";
   EXPECT_FALSE(backend_->is_resident(a->ptr));
   EXPECT_EQ(m->stats().releases, 1u);
-  EXPECT_EQ(backend_->memory_info().wired, 0u);
+  EXPECT_EQ(backend_->resident_bytes(), 0u);
   EXPECT_TRUE(logged("keep-alive 10 s expired")) << "the release should be logged with its reason";
 
   m->touch();  // the engine computes again
@@ -71,7 +71,7 @@ TEST_F(CudaManagerTest, KeepAliveExpiryReleasesAndTouchRewiresAtTheSameAddress) 
   EXPECT_EQ(m->stats().rewires, 1u);
   EXPECT_EQ(mismatches(a->ptr, kSize, 51), 0u) << "contents lost across the keep-alive release";
   EXPECT_TRUE(m->unregister_region(a->id));
-  EXPECT_EQ(backend_->memory_info().allocated, 0u);
+  EXPECT_EQ(backend_->allocated_bytes(), 0u);
 }
 
 TEST_F(CudaManagerTest, KeepAliveZeroReleasesAfterTheScopesSynchronize) {
@@ -120,7 +120,7 @@ TEST_F(CudaManagerTest, DestroyingTheManagerWhileAsleepFreesEverything) {
     EXPECT_GE(device_free() + 64 * kMiB, free_before) << "asleep: the device memory is given back";
     m.reset();  // leftover regions are reported, released and freed; no abort
     EXPECT_TRUE(logged("still registered at teardown"));
-    EXPECT_EQ(b->memory_info().allocated, 0u) << "the manager should free what it allocated";
+    EXPECT_EQ(b->allocated_bytes(), 0u) << "the manager should free what it allocated";
   }
   EXPECT_GE(device_free() + 64 * kMiB, free_before) << "device memory leaked";
 }

@@ -3,9 +3,13 @@
 // It records what the manager asked for (sets, members, commits, requests, releases) and
 // models the one thing a test must observe: which bytes are resident. A region is resident
 // when it is a committed member of a set whose residency is requested. It can be told to
-// refuse regions (as mlock refuses past RLIMIT_MEMLOCK) and to ask for periodic refreshes.
+// refuse regions (as mlock refuses past RLIMIT_MEMLOCK), to refuse releases (as a CUDA sleep
+// without pinned memory does), to limit reservations (the process's hard limit, shared by its
+// managers) and to ask for periodic refreshes. Like every backend it locks for itself: several
+// managers and their scheduler threads may call it at once, and tests read it meanwhile.
 #pragma once
 
+#include <algorithm>
 #include <map>
 #include <mutex>
 #include <set>
@@ -39,6 +43,8 @@ class FakeBackend : public Backend {
   bool needs_refresh = false;
   Nanos refresh_period{std::chrono::milliseconds(500)};
   std::uint64_t refuse_above_bytes = UINT64_MAX;  // resident bytes the "OS" allows
+  std::uint64_t reserve_limit = UINT64_MAX;       // bytes reserve_wired() grants in all
+  bool fail_end_residency = false;                // end_residency refuses (nothing given back)
 
   Capabilities capabilities() const override {
     Capabilities c;
@@ -46,27 +52,39 @@ class FakeBackend : public Backend {
     c.needs_refresh = needs_refresh;
     c.refresh_period = needs_refresh ? refresh_period : Nanos(0);
     c.max_sets = max_sets;
-    c.supports_discard = true;
-    c.can_allocate = true;
     return c;
   }
   MemoryInfo memory_info() override {
+    std::lock_guard<std::recursive_mutex> g(mu);
     MemoryInfo m;
     m.physical = physical;
     m.recommended_working_set = recommended;
-    m.available = physical;
-    m.wired = resident_bytes();
     m.hard_limit = hard_limit;
     m.hard_limit_name = "FAKE_LIMIT";
     m.hard_limit_fix = "raise the fake limit";
     return m;
   }
+  Status reserve_wired(std::uint64_t bytes) override {
+    std::lock_guard<std::recursive_mutex> g(mu);
+    if (bytes > reserve_limit || reserved > reserve_limit - bytes)
+      return Status(ErrorCode::limit_exceeded, "FAKE_LIMIT: " + std::to_string(reserved) + " of " +
+                                                   std::to_string(reserve_limit) + " reserved");
+    reserved += bytes;
+    max_reserved = std::max(max_reserved, reserved);
+    return {};
+  }
+  void unreserve_wired(std::uint64_t bytes) override {
+    std::lock_guard<std::recursive_mutex> g(mu);
+    reserved -= std::min(reserved, bytes);
+  }
   Result<void*> allocate(std::size_t size, RegionClass) override {
+    std::lock_guard<std::recursive_mutex> g(mu);
     auto* p = new char[size];
     allocated.insert(p);
     return static_cast<void*>(p);
   }
   void deallocate(void* base) override {
+    std::lock_guard<std::recursive_mutex> g(mu);
     auto* p = static_cast<char*>(base);
     if (allocated.erase(p)) delete[] p;
   }
@@ -75,6 +93,7 @@ class FakeBackend : public Backend {
   }
 
   Status create_set(SetId set, std::uint64_t) override {
+    std::lock_guard<std::recursive_mutex> g(mu);
     auto& s = sets[set];
     if (s.exists) return Status(ErrorCode::invalid_argument, "set exists");
     s = SetRec{};
@@ -82,22 +101,28 @@ class FakeBackend : public Backend {
     ++sets_created;
     return {};
   }
-  void destroy_set(SetId set) override {
+  Status destroy_set(SetId set) override {
+    std::lock_guard<std::recursive_mutex> g(mu);
     auto& s = sets[set];
     if (s.requested) ++s.ends;
     s = SetRec{};
     ++sets_destroyed;
+    max_resident = std::max(max_resident, resident_bytes());
+    return {};
   }
   void add_region(SetId set, const RegionDesc& r) override {
+    std::lock_guard<std::recursive_mutex> g(mu);
     auto& s = sets[set];
     s.staged_remove.erase(r.id);
     s.staged_add[r.id] = r;
   }
   void remove_region(SetId set, RegionId id) override {
+    std::lock_guard<std::recursive_mutex> g(mu);
     auto& s = sets[set];
     if (s.staged_add.erase(id) == 0) s.staged_remove.insert(id);
   }
   SetOutcome commit(SetId set) override {
+    std::lock_guard<std::recursive_mutex> g(mu);
     auto& s = sets[set];
     ++s.commits;
     ++total_commits;
@@ -113,9 +138,11 @@ class FakeBackend : public Backend {
       s.members[id] = r;
     }
     s.staged_add.clear();
+    max_resident = std::max(max_resident, resident_bytes());
     return out;
   }
   SetOutcome request_residency(SetId set) override {
+    std::lock_guard<std::recursive_mutex> g(mu);
     auto& s = sets[set];
     ++s.requests;
     ++total_requests;
@@ -137,20 +164,31 @@ class FakeBackend : public Backend {
       rewired_bytes += members_bytes(s);
     }
     s.requested = true;
+    max_resident = std::max(max_resident, resident_bytes());
     return out;
   }
-  void end_residency(SetId set) override {
+  Status end_residency(SetId set) override {
+    std::lock_guard<std::recursive_mutex> g(mu);
+    if (fail_end_residency) {
+      ++failed_ends;
+      return Status(ErrorCode::out_of_memory, "FAKE: no host memory for the backup");
+    }
     auto& s = sets[set];
     s.requested = false;
     ++s.ends;
     ++total_ends;
+    return {};
   }
   SetOutcome refresh(SetId set) override {
+    std::lock_guard<std::recursive_mutex> g(mu);
     ++sets[set].refreshes;
     ++total_refreshes;
     return {};
   }
-  void after_release() override { ++after_release_calls; }
+  void after_release() override {
+    std::lock_guard<std::recursive_mutex> g(mu);
+    ++after_release_calls;
+  }
 
   // Observations.
   static std::uint64_t members_bytes(const SetRec& s) {
@@ -159,17 +197,20 @@ class FakeBackend : public Backend {
     return b;
   }
   std::uint64_t resident_bytes() const {
+    std::lock_guard<std::recursive_mutex> g(mu);
     std::uint64_t b = 0;
     for (auto& [id, s] : sets)
       if (s.exists && s.requested) b += members_bytes(s);
     return b;
   }
   bool is_resident(RegionId id) const {
+    std::lock_guard<std::recursive_mutex> g(mu);
     for (auto& [sid, s] : sets)
       if (s.exists && s.requested && s.members.count(id)) return true;
     return false;
   }
   int live_sets() const {
+    std::lock_guard<std::recursive_mutex> g(mu);
     int n = 0;
     for (auto& [id, s] : sets) n += s.exists;
     return n;
@@ -179,6 +220,10 @@ class FakeBackend : public Backend {
   int sets_created = 0, sets_destroyed = 0, total_commits = 0, total_requests = 0, total_ends = 0,
       total_refreshes = 0, after_release_calls = 0;
   std::uint64_t rewired_bytes = 0;
+  std::uint64_t reserved = 0, max_reserved = 0;
+  std::uint64_t max_resident = 0;  // the most bytes ever resident at once (after each call)
+  int failed_ends = 0;
+  mutable std::recursive_mutex mu;  // guards everything: backends lock for themselves
 };
 
 // Collects log lines for assertions.

@@ -74,12 +74,12 @@ class MetalBackend final : public Backend {
   // wired = the allocated size of every set whose residency is requested.
   MemoryInfo memory_info() override;
   Status create_set(SetId set, std::uint64_t capacity_bytes) override;
-  void destroy_set(SetId set) override;
+  Status destroy_set(SetId set) override;
   void add_region(SetId set, const RegionDesc& region) override;
   void remove_region(SetId set, RegionId region) override;
   SetOutcome commit(SetId set) override;
   SetOutcome request_residency(SetId set) override;
-  void end_residency(SetId set) override;
+  Status end_residency(SetId set) override;
   void after_release() override;
 
   // Registers an MTL::CommandQueue* (retained). With attach_to_queues every existing and

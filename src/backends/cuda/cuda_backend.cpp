@@ -133,8 +133,6 @@ Capabilities CudaBackend::capabilities() const {
   c.name = "cuda";
   c.needs_refresh = false;    // device mappings do not decay
   c.max_sets = 0;             // no limit: a set is only a list here
-  c.supports_discard = true;  // kv_cache / scratch are released without a copy
-  c.can_allocate = true;
   return c;
 }
 
@@ -146,13 +144,20 @@ MemoryInfo CudaBackend::memory_info() {
   std::size_t total_b = 0;
   if (scope.ok() && d_->cuMemGetInfo(&free_b, &total_b) == CUDA_SUCCESS) {
     m.physical = total_b;
-    // The whole device: what other processes hold shows up in `available`, not here.
+    // The whole device: what other processes hold is theirs to budget.
     m.recommended_working_set = total_b;
-    m.available = free_b;
   }
-  m.allocated = allocated_bytes_;
-  m.wired = mapped_bytes_ + host_wired_bytes_;
   return m;
+}
+
+std::uint64_t CudaBackend::allocated_bytes() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return allocated_bytes_;
+}
+
+std::uint64_t CudaBackend::resident_bytes() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return mapped_bytes_ + host_wired_bytes_;
 }
 
 Result<void*> CudaBackend::allocate(std::size_t size, RegionClass cls) {
@@ -447,18 +452,19 @@ Status CudaBackend::create_set(SetId set, std::uint64_t /*capacity_bytes*/) {
   return {};
 }
 
-void CudaBackend::destroy_set(SetId set) {
+Status CudaBackend::destroy_set(SetId set) {
   std::lock_guard<std::mutex> lock(mu_);
   auto it = sets_.find(set);
-  if (it == sets_.end()) return;
+  if (it == sets_.end()) return {};
   const bool was_requested = it->second.requested;
   std::vector<RegionDesc> members = std::move(it->second.members);
   sets_.erase(it);
-  if (!was_requested) return;
+  if (!was_requested) return {};
   std::vector<RegionDesc> release;
   for (const auto& m : members)
     if (!wanted(m.id)) release.push_back(m);
   last_release_ = sleep_members(release);
+  return last_release_;
 }
 
 void CudaBackend::add_region(SetId set, const RegionDesc& region) {
@@ -525,15 +531,18 @@ SetOutcome CudaBackend::request_residency(SetId set) {
   return wake_members(it->second.members);
 }
 
-void CudaBackend::end_residency(SetId set) {
+Status CudaBackend::end_residency(SetId set) {
   std::lock_guard<std::mutex> lock(mu_);
   auto it = sets_.find(set);
-  if (it == sets_.end()) return;
+  if (it == sets_.end()) return Status(ErrorCode::not_found, "cuda: end_residency of unknown set " + std::to_string(set));
   it->second.requested = false;
   std::vector<RegionDesc> release;
   for (const auto& m : it->second.members)
     if (!wanted(m.id)) release.push_back(m);
   last_release_ = sleep_members(release);
+  // What could not sleep is still resident: the set stays requested, as the manager will see.
+  if (!last_release_) it->second.requested = true;
+  return last_release_;
 }
 
 bool CudaBackend::is_resident(const void* base) const {

@@ -44,12 +44,12 @@ class CudaBackend final : public Backend {
   Result<void*> allocate(std::size_t size, RegionClass cls) override;
   void deallocate(void* base) override;
   Status create_set(SetId set, std::uint64_t capacity_bytes) override;
-  void destroy_set(SetId set) override;
+  Status destroy_set(SetId set) override;
   void add_region(SetId set, const RegionDesc& region) override;
   void remove_region(SetId set, RegionId region) override;
   SetOutcome commit(SetId set) override;
   SetOutcome request_residency(SetId set) override;
-  void end_residency(SetId set) override;
+  Status end_residency(SetId set) override;
 
   // --- cuda-specific, for tests, benchmarks and tools that hold the concrete backend ---
   // Whether the physical memory of the allocation at `base` is mapped now.
@@ -57,10 +57,13 @@ class CudaBackend final : public Backend {
   // The pinned host buffer the allocation's weights sleep in, or nullptr before its first
   // sleep (benchmarks copy from it to measure the plain pinned copy on the same bytes).
   void* host_backup(const void* base) const;
-  // end_residency() cannot return a Status; a failure there (no pinned memory for the
-  // backup: the region then stays resident, nothing is lost) is kept here. Ok after a
-  // release that worked.
+  // The last release's Status (also returned by end_residency / destroy_set): a failure (no
+  // pinned memory for the backup) leaves the region resident, nothing is lost.
   Status last_release_status() const;
+  // Bytes this backend has allocated (reserved sizes), and holds resident now (device mappings
+  // plus host ranges it registered): what its own books say, for tests and diagnostics.
+  std::uint64_t allocated_bytes() const;
+  std::uint64_t resident_bytes() const;
   const Driver& driver() const { return *d_; }
   CUcontext context() const { return ctx_; }
   CUdevice device() const { return dev_; }

@@ -218,8 +218,6 @@ Capabilities MetalBackend::capabilities() const {
   c.needs_refresh = impl_->refresh;
   c.refresh_period = impl_->refresh ? kRefreshPeriod : Nanos(0);
   c.max_sets = impl_->options.attach_to_queues ? kMetalMaxSetsPerQueue : 0;
-  c.supports_discard = false;
-  c.can_allocate = false;
   return c;
 }
 
@@ -230,13 +228,6 @@ MemoryInfo MetalBackend::memory_info() {
   MemoryInfo info;
   info.physical = NS::ProcessInfo::processInfo()->physicalMemory();
   info.recommended_working_set = m.device->recommendedMaxWorkingSetSize();
-  info.allocated = m.device->currentAllocatedSize();
-  info.available = info.recommended_working_set > info.allocated
-                       ? info.recommended_working_set - info.allocated
-                       : 0;
-  for (const auto& [id, s] : m.sets) {
-    if (s.requested) info.wired += s.set->allocatedSize();
-  }
   return info;
 }
 
@@ -270,11 +261,12 @@ Status MetalBackend::create_set(SetId set, std::uint64_t capacity_bytes) {
   return Status::ok();
 }
 
-void MetalBackend::destroy_set(SetId set) {
+Status MetalBackend::destroy_set(SetId set) {
   Pool pool;
   std::lock_guard<std::mutex> lock(impl_->mu);
   auto it = impl_->sets.find(set);
   if (it != impl_->sets.end()) impl_->destroy(it);
+  return Status::ok();  // Metal's calls here report no errors
 }
 
 void MetalBackend::add_region(SetId set, const RegionDesc& region) {
@@ -346,13 +338,16 @@ SetOutcome MetalBackend::request_residency(SetId set) {
   return out;
 }
 
-void MetalBackend::end_residency(SetId set) {
+Status MetalBackend::end_residency(SetId set) {
   Pool pool;
   std::lock_guard<std::mutex> lock(impl_->mu);
   auto it = impl_->sets.find(set);
-  if (it == impl_->sets.end() || !it->second.requested) return;
-  it->second.set->endResidency();
+  if (it == impl_->sets.end())
+    return Status(ErrorCode::not_found, "metal: end_residency of unknown set " + std::to_string(set));
+  if (!it->second.requested) return Status::ok();
+  it->second.set->endResidency();  // reports no error
   it->second.requested = false;
+  return Status::ok();
 }
 
 // The blit at initialisation already ran GPU work in this process, which is all Metal needs

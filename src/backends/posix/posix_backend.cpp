@@ -7,6 +7,7 @@
 #include <sys/syscall.h>
 #endif
 
+#include <algorithm>
 #include <cerrno>
 #include <cinttypes>
 #include <cstdio>
@@ -71,6 +72,20 @@ std::string describe_region(const RegionDesc& r) {
   return "region " + std::to_string(r.id) + " (" + format_size(r.size) + " at " + hex_addr(r.base) + ")";
 }
 
+// The kernel keeps one lock state per page for the whole process, and one RLIMIT_MEMLOCK. So
+// their mirror is process-wide too: every PosixBackend of the process (and every manager using
+// one) counts its holds in the same table and reserves from the same limit, and a page that two
+// managers lock stays locked until both have let it go.
+struct ProcessLocks {
+  std::mutex mu;  // taken after a backend's own mutex, never before
+  posix::LockTable table;
+  std::uint64_t reserved = 0;  // bytes the managers of this process reserved for wiring
+};
+ProcessLocks& process_locks() {
+  static ProcessLocks* locks = new ProcessLocks;  // never destroyed: backends may outlive statics
+  return *locks;
+}
+
 class PosixBackend final : public Backend {
  public:
   explicit PosixBackend(PosixOptions options) : options_(std::move(options)) {
@@ -93,8 +108,7 @@ class PosixBackend final : public Backend {
     // KV cache would mean MADV_DONTNEED / MADV_FREE on memory the engine owns and may still
     // read (zeroed anonymous pages, or nothing at all for a shared file mapping), which is the
     // engine's decision to make, not the residency layer's. So every class is kept as weights.
-    c.supports_discard = false;
-    c.can_allocate = false;  // host memory is the engine's (malloc, mmap of the model file)
+    // Host memory is the engine's (malloc, mmap of the model file): allocate() is unsupported.
     return c;
   }
 
@@ -103,12 +117,6 @@ class PosixBackend final : public Backend {
     const auto sys = posix::read_memory_figures();
     mi.physical = sys.physical;
     mi.recommended_working_set = posix_recommended_working_set(sys.limit_base, options_.recommended_pct);
-    mi.available = sys.available;
-    mi.wired = sys.vm_lck;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      mi.allocated = registered_bytes_;
-    }
     const auto lim = posix::read_memlock_limit();
     mi.hard_limit = lim.enforced() ? lim.soft : 0;
     mi.hard_limit_name = "RLIMIT_MEMLOCK";
@@ -125,14 +133,34 @@ class PosixBackend final : public Backend {
     return Status::ok();
   }
 
-  void destroy_set(SetId set) override {
+  Status reserve_wired(std::uint64_t bytes) override {
+    const auto lim = posix::read_memlock_limit();
+    ProcessLocks& pl = process_locks();
+    std::lock_guard<std::mutex> lock(pl.mu);
+    if (lim.enforced() && (bytes > lim.soft || pl.reserved > lim.soft - bytes)) {
+      return Status(ErrorCode::limit_exceeded,
+                    "RLIMIT_MEMLOCK is " + format_size(lim.soft) + " and the managers of this process already reserved " +
+                        format_size(pl.reserved) + " of it; wiring " + format_size(bytes) + " more needs " +
+                        posix::kMemlockFix);
+    }
+    pl.reserved += bytes;
+    return Status::ok();
+  }
+
+  void unreserve_wired(std::uint64_t bytes) override {
+    ProcessLocks& pl = process_locks();
+    std::lock_guard<std::mutex> lock(pl.mu);
+    pl.reserved -= std::min(pl.reserved, bytes);
+  }
+
+  Status destroy_set(SetId set) override {
     std::lock_guard<std::mutex> lock(mu_);
     auto it = sets_.find(set);
-    if (it == sets_.end()) return;
+    if (it == sets_.end()) return Status::ok();
     end_locked(it->second);
-    for (auto& [id, m] : it->second.members) unregister(id);
     sets_.erase(it);
     staged_.erase(set);
+    return Status::ok();
   }
 
   // Staged; a set that does not exist makes commit() report it.
@@ -175,7 +203,6 @@ class PosixBackend final : public Backend {
                            (m->second.desc.base != desc->base || m->second.desc.size != desc->size);
       if (m != s.members.end() && (!desc || replace)) {
         if (m->second.locked) unlock_member(m->second);
-        unregister(id);
         s.members.erase(m);
       }
       if (desc && s.members.count(id) == 0) added.push_back(*desc);
@@ -183,7 +210,6 @@ class PosixBackend final : public Backend {
     Failures failures;
     for (auto& d : added) {
       Member mem{d, false};
-      register_bytes(d);
       if (s.requested) {
         Status st = lock_member(mem);
         if (!st) failures.add(d.id, std::move(st));
@@ -212,14 +238,40 @@ class PosixBackend final : public Backend {
     return failures.outcome();
   }
 
-  void end_residency(SetId set) override {
+  Status end_residency(SetId set) override {
     std::lock_guard<std::mutex> lock(mu_);
     auto it = sets_.find(set);
-    if (it != sets_.end()) end_locked(it->second);
+    if (it == sets_.end())
+      return Status(ErrorCode::not_found, "posix: end_residency of set " + std::to_string(set) + ", which does not exist");
+    end_locked(it->second);
+    return Status::ok();
   }
 
-  Status watch_pressure(std::function<void()> on_pressure) override {
+  // One PSI watch for the whole backend; each manager adds a watcher to it.
+  Result<PressureWatchId> watch_pressure(std::function<void()> on_pressure) override {
     std::lock_guard<std::mutex> lock(watch_mu_);
+    if (watchers_.empty()) {
+      if (Status s = start_watch(); !s) return s;
+    }
+    std::lock_guard<std::mutex> g(watchers_mu_);
+    const PressureWatchId id = next_watch_id_++;
+    watchers_.emplace(id, std::move(on_pressure));
+    return id;
+  }
+
+  void stop_pressure_watch(PressureWatchId id) override {
+    std::lock_guard<std::mutex> lock(watch_mu_);
+    bool last = false;
+    {
+      std::lock_guard<std::mutex> g(watchers_mu_);  // waits for a callback in flight
+      if (watchers_.erase(id) == 0) return;
+      last = watchers_.empty();
+    }
+    if (last) watch_.stop();
+  }
+
+ private:
+  Status start_watch() {
     std::string path = options_.pressure_file;
     if (path.empty()) path = posix::default_pressure_file();
     const auto info = posix::read_pressure(path);
@@ -232,17 +284,14 @@ class PosixBackend final : public Backend {
     }
     auto trigger = posix::make_psi_trigger(options_.pressure_stall, options_.pressure_window, privileged);
     if (!trigger) return Status(trigger.status().code(), "memory pressure cannot be watched: " + trigger.message());
-    auto st = watch_.start(path, *trigger, std::move(on_pressure));
+    auto st = watch_.start(path, *trigger, [this] {
+      std::lock_guard<std::mutex> g(watchers_mu_);
+      for (auto& [id, cb] : watchers_) cb();
+    });
     if (!st) return Status(st.code(), "memory pressure cannot be watched: " + st.message());
     return Status::ok();
   }
 
-  void stop_pressure_watch() override {
-    std::lock_guard<std::mutex> lock(watch_mu_);
-    watch_.stop();
-  }
-
- private:
   struct Change {
     bool add;
     RegionDesc region;
@@ -291,13 +340,15 @@ class PosixBackend final : public Backend {
                     "posix: " + describe_region(d) + " is not a valid host range (null, empty or wrapping around)");
     }
     const AddrRange range = page_range(d);
-    const auto fresh = table_.acquire(range);
+    ProcessLocks& pl = process_locks();
+    std::lock_guard<std::mutex> lock(pl.mu);
+    const auto fresh = pl.table.acquire(range);
     std::uint64_t fresh_bytes = 0;
     for (const auto& f : fresh) fresh_bytes += f.size();
     for (const auto& f : fresh) {
       if (sys_mlock(f.begin, f.size()) != 0) {
         const int err = errno;
-        for (const auto& u : table_.release(range)) sys_munlock(u.begin, u.size());
+        for (const auto& u : pl.table.release(range)) sys_munlock(u.begin, u.size());
         return mlock_failure(err, d, fresh_bytes);
       }
     }
@@ -305,8 +356,13 @@ class PosixBackend final : public Backend {
     return Status::ok();
   }
 
+  // munlock-s the pages of `m` that no other holder (member, set, manager) still wants. munlock
+  // fails only for a range that is no longer mapped (the engine unmapped it before unregistering
+  // it), whose pages are then locked by nobody: a release here cannot fail.
   void unlock_member(Member& m) {
-    for (const auto& u : table_.release(page_range(m.desc))) sys_munlock(u.begin, u.size());
+    ProcessLocks& pl = process_locks();
+    std::lock_guard<std::mutex> lock(pl.mu);
+    for (const auto& u : pl.table.release(page_range(m.desc))) sys_munlock(u.begin, u.size());
     m.locked = false;
   }
 
@@ -315,23 +371,6 @@ class PosixBackend final : public Backend {
       if (m.locked) unlock_member(m);
     }
     s.requested = false;
-  }
-
-  // `allocated` counts each region once, however many sets hold it.
-  void register_bytes(const RegionDesc& d) {
-    auto& e = registered_[d.id];
-    if (e.first++ == 0) {
-      e.second = d.size;
-      registered_bytes_ += d.size;
-    }
-  }
-  void unregister(RegionId id) {
-    auto it = registered_.find(id);
-    if (it == registered_.end()) return;
-    if (--it->second.first == 0) {
-      registered_bytes_ -= it->second.second;
-      registered_.erase(it);
-    }
   }
 
   Status mlock_failure(int err, const RegionDesc& d, std::uint64_t bytes) const {
@@ -367,12 +406,12 @@ class PosixBackend final : public Backend {
   mutable std::mutex mu_;  // guards everything below; held across mlock/munlock calls
   std::map<SetId, Set> sets_;
   std::unordered_map<SetId, std::vector<Change>> staged_;  // add/remove since the last commit
-  posix::LockTable table_;                                  // per-page holds of locked members
-  std::unordered_map<RegionId, std::pair<std::uint32_t, std::uint64_t>> registered_;  // sets, size
-  std::uint64_t registered_bytes_ = 0;
 
   std::mutex watch_mu_;  // serialises watch_pressure / stop_pressure_watch
   posix::PressureWatch watch_;
+  std::mutex watchers_mu_;  // guards watchers_; held while they are called
+  std::map<PressureWatchId, std::function<void()>> watchers_;
+  PressureWatchId next_watch_id_ = 1;
 };
 
 }  // namespace

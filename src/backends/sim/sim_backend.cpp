@@ -39,8 +39,6 @@ Capabilities SimBackend::capabilities() const {
   c.needs_refresh = options_.decaying_requests;
   c.refresh_period = options_.decaying_requests ? options_.refresh_period : Nanos(0);
   c.max_sets = options_.attach_new_sets ? options_.queue_set_limit : 0;
-  c.supports_discard = false;
-  c.can_allocate = false;
   return c;
 }
 
@@ -50,12 +48,6 @@ MemoryInfo SimBackend::memory_info() {
   MemoryInfo m;
   m.physical = options_.profile.physical;
   m.recommended_working_set = options_.profile.recommended_working_set;
-  for (const auto& [base, b] : buffers_) {
-    m.allocated += b.size;
-    m.wired += b.wired;
-  }
-  m.available = m.recommended_working_set > m.allocated ? m.recommended_working_set - m.allocated
-                                                        : 0;
   return m;
 }
 
@@ -190,13 +182,13 @@ Status SimBackend::create_set(SetId set, std::uint64_t /*capacity_bytes: a hint*
   return Status::ok();
 }
 
-void SimBackend::destroy_set(SetId set) {
+Status SimBackend::destroy_set(SetId set) {
   std::lock_guard<std::mutex> lock(mu_);
   advance_locked(now());
   auto it = sets_.find(set);
   if (it == sets_.end()) {
     misuse("sim: destroy_set: no " + set_name(set));
-    return;
+    return Status(ErrorCode::not_found, "sim: destroy_set: no " + set_name(set));
   }
   Set& s = it->second;
   const bool leak = s.requested && options_.ended_set_leak && stats_.gpu_operations == 0;
@@ -209,6 +201,7 @@ void SimBackend::destroy_set(SetId set) {
     attached.erase(std::remove(attached.begin(), attached.end(), set), attached.end());
   }
   sets_.erase(it);
+  return Status::ok();
 }
 
 void SimBackend::add_region(SetId set, const RegionDesc& region) {
@@ -319,20 +312,21 @@ SetOutcome SimBackend::refresh(SetId set) {
   return request_locked(set, true);
 }
 
-void SimBackend::end_residency(SetId set) {
+Status SimBackend::end_residency(SetId set) {
   std::lock_guard<std::mutex> lock(mu_);
   advance_locked(now());
   auto it = sets_.find(set);
   if (it == sets_.end()) {
     misuse("sim: end_residency: no " + set_name(set));
-    return;
+    return Status(ErrorCode::not_found, "sim: end_residency: no " + set_name(set));
   }
   Set& s = it->second;
-  if (!s.requested) return;
+  if (!s.requested) return Status::ok();
   s.requested = false;
   if (options_.ended_set_leak && stats_.gpu_operations == 0) {
     for (const auto& [rid, base] : s.members) buffers_.at(base).leaked = true;
   }
+  return Status::ok();
 }
 
 void SimBackend::after_release() {

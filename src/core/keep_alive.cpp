@@ -1,0 +1,31 @@
+#include "keep_alive.hpp"
+
+namespace residency::core {
+
+namespace {
+KeepAlive::Kind effective_kind(const KeepAlive& k) {
+  if (k.kind == KeepAlive::Kind::duration && k.duration.count() <= 0) return KeepAlive::Kind::zero;
+  return k.kind;
+}
+}  // namespace
+
+KeepAliveState::KeepAliveState(const KeepAlive& policy, Clock& clock)
+    : clock_(clock),
+      kind_(effective_kind(policy)),
+      duration_(policy.duration),
+      rewires_on_use_(kind_ == KeepAlive::Kind::duration || kind_ == KeepAlive::Kind::forever) {
+  enable_asymmetric_fences();
+  note_use();
+}
+
+bool KeepAliveState::begin_release_unless_used(std::int64_t seen_last_use) noexcept {
+  resident_.store(false, std::memory_order_relaxed);
+  heavy_fence();
+  if (last_use_.load(std::memory_order_relaxed) != seen_last_use) {
+    resident_.store(true, std::memory_order_relaxed);
+    return false;
+  }
+  return true;
+}
+
+}  // namespace residency::core

@@ -1,0 +1,74 @@
+// KeepAlive state: when the policy wants the memory resident, and the hot path that keeps it so.
+//
+// One fact, one representation: `resident_` says whether the policy currently wants the memory
+// wired (the manager makes the sets' state follow it). touch() reads it without a lock, so it is
+// an atomic; it is only written with the manager's mutex held.
+//
+// The hot path is touch(): a coarse clock read (a memory load from the vDSO, not a timer read),
+// a relaxed store of the time of use, a compiler-only fence and a relaxed load of `resident_`.
+// The release protocol pairs with it through an asymmetric fence (asymmetric_fence.hpp): the
+// releaser stores resident_ = false, runs the heavy fence, and then reads the time of last use;
+// if a use arrived it restores resident_ and keeps the memory. Either touch() sees that the
+// memory is being released and re-wires, or the releaser sees the use: no use is ever lost.
+//
+// Precision: uses are stamped with the coarse clock, which lags the precise one by at most one
+// timer tick (Linux: 1-4 ms, clock_getres(CLOCK_MONOTONIC_COARSE)). The expiry adds that tick,
+// so memory is never released early; it is released at most one tick late.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <optional>
+
+#include "asymmetric_fence.hpp"
+#include "residency/clock.hpp"
+#include "residency/config.hpp"
+
+namespace residency::core {
+
+class KeepAliveState {
+ public:
+  KeepAliveState(const KeepAlive& policy, Clock& clock);
+
+  KeepAlive::Kind kind() const { return kind_; }
+  bool managing() const { return kind_ != KeepAlive::Kind::off; }
+  // Duration and forever keep memory between uses, so a use after a release re-wires it; 0 wires
+  // only inside use scopes, off never.
+  bool rewires_on_use() const { return kind_ == KeepAlive::Kind::duration || kind_ == KeepAlive::Kind::forever; }
+
+  // Lock-free; true when the caller must re-wire (take the slow path).
+  bool touch() noexcept {
+    const std::int64_t t = clock_.now_coarse().count();
+    // Skip the store when the stamp is already current: no cache-line write per call when
+    // several threads decode at once.
+    if (last_use_.load(std::memory_order_relaxed) != t) last_use_.store(t, std::memory_order_relaxed);
+    light_fence();
+    return rewires_on_use_ && !resident_.load(std::memory_order_relaxed);
+  }
+  void note_use() noexcept { last_use_.store(clock_.now_coarse().count(), std::memory_order_relaxed); }
+  std::int64_t last_use() const noexcept { return last_use_.load(std::memory_order_relaxed); }
+
+  bool resident() const noexcept { return resident_.load(std::memory_order_relaxed); }
+  // With the manager's mutex held.
+  void set_resident(bool r) noexcept { resident_.store(r, std::memory_order_relaxed); }
+
+  // When the keep-alive expires for a last use at `last_use` (duration policy only).
+  Nanos expiry(std::int64_t last_use) const { return Nanos(last_use) + duration_ + clock_.coarse_resolution(); }
+  // The release half of the protocol, with the manager's mutex held: marks the memory as
+  // released unless a use arrived after `seen_last_use`. False: a use won, the memory stays.
+  bool begin_release_unless_used(std::int64_t seen_last_use) noexcept;
+
+  // Use scopes open now (with the manager's mutex held).
+  int scopes = 0;
+
+ private:
+  Clock& clock_;
+  const KeepAlive::Kind kind_;
+  const Nanos duration_;
+  const bool rewires_on_use_;
+  // On their own cache lines: every use writes last_use_, every touch() reads resident_.
+  alignas(64) std::atomic<std::int64_t> last_use_{0};
+  alignas(64) std::atomic<bool> resident_{false};
+};
+
+}  // namespace residency::core
