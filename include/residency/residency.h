@@ -94,7 +94,7 @@ typedef struct residency_stats {
   uint64_t commits, residency_requests, releases, rewires, rewire_time_ns, scheduler_wakeups,
       wire_failures, release_failures;
 } residency_stats;
-#define RESIDENCY_STATS_INIT {sizeof(residency_stats)}
+#define RESIDENCY_STATS_INIT {sizeof(residency_stats), 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0}
 
 typedef struct residency_backend_options {
   size_t struct_size; /* sizeof(residency_backend_options) */

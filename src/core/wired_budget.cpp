@@ -12,7 +12,7 @@ std::vector<RegionId> choose_promotions(std::span<const BudgetEntry> entries,
   std::sort(cand.begin(), cand.end(), [](const BudgetEntry* a, const BudgetEntry* b) {
     if (a->priority != b->priority) return a->priority > b->priority;
     if (a->last_use != b->last_use) return a->last_use > b->last_use;
-    return a->id < b->id;
+    return a->id > b->id;  // same instant: the later registration (ids only grow)
   });
   std::vector<RegionId> out;
   std::uint64_t room = limit > admitted_bytes ? limit - admitted_bytes : 0;
@@ -33,7 +33,7 @@ std::vector<RegionId> choose_evictions(std::span<const BudgetEntry> entries,
   std::sort(cand.begin(), cand.end(), [](const BudgetEntry* a, const BudgetEntry* b) {
     if (a->priority != b->priority) return a->priority < b->priority;
     if (a->last_use != b->last_use) return a->last_use < b->last_use;
-    return a->id > b->id;
+    return a->id < b->id;  // same instant: the earlier registration
   });
   std::vector<RegionId> out;
   for (const auto* e : cand) {

@@ -96,7 +96,7 @@ TEST_F(CudaTest, WeightsSurvive200SleepWakeCyclesAtTheSameAddress) {
 
   for (int cycle = 0; cycle < 200; ++cycle) {
     const std::uint64_t free_awake = device_free();
-    backend_->end_residency(0);
+    EXPECT_TRUE(backend_->end_residency(0));
     ASSERT_TRUE(backend_->last_release_status()) << backend_->last_release_status().message();
     ASSERT_FALSE(backend_->is_resident(p));
     if (cycle == 0 || cycle == 199) {
@@ -108,7 +108,7 @@ TEST_F(CudaTest, WeightsSurvive200SleepWakeCyclesAtTheSameAddress) {
     ASSERT_TRUE(backend_->is_resident(p));
     ASSERT_EQ(mismatches(p, kSize, kSeed), 0u) << "cycle " << cycle;
   }
-  backend_->destroy_set(0);
+  EXPECT_TRUE(backend_->destroy_set(0));
   backend_->deallocate(p);
 }
 
@@ -127,7 +127,7 @@ TEST_F(CudaTest, KernelInFlightWhenSleepIsAskedFinishesFirst) {
   constexpr std::uint64_t kWaitNs = 500'000'000;  // long enough that sleep surely starts first
   ASSERT_TRUE(kernels_->wait_then_fill(dptr(p), kSize, 2, kWaitNs, s));
   const auto t0 = std::chrono::steady_clock::now();
-  backend_->end_residency(0);
+  EXPECT_TRUE(backend_->end_residency(0));
   const double took = seconds_since(t0);
   ASSERT_TRUE(backend_->last_release_status()) << backend_->last_release_status().message();
   EXPECT_GE(took, 0.4) << "sleep returned before the kernel could have finished";
@@ -138,7 +138,7 @@ TEST_F(CudaTest, KernelInFlightWhenSleepIsAskedFinishesFirst) {
     ContextScope scope(d(), backend_->context());
     EXPECT_EQ(d().cuStreamDestroy(s), CUDA_SUCCESS);
   }
-  backend_->destroy_set(0);
+  EXPECT_TRUE(backend_->destroy_set(0));
   backend_->deallocate(p);
 }
 
@@ -150,7 +150,7 @@ TEST_F(CudaTest, WakeOutOfMemoryRollsBackKeepsTheBackupAndSucceedsLater) {
   void* p = allocate_filled(*backend_, kSize, RegionClass::weights, kSeed);
   ASSERT_NE(p, nullptr);
   resident_set(*backend_, 0, device_region(7, p, kSize, RegionClass::weights));
-  backend_->end_residency(0);
+  EXPECT_TRUE(backend_->end_residency(0));
   ASSERT_TRUE(backend_->last_release_status());
 
   // Another allocation takes all but 3 GiB: the wake maps some chunks, then fails.
@@ -187,7 +187,7 @@ TEST_F(CudaTest, WakeOutOfMemoryRollsBackKeepsTheBackupAndSucceedsLater) {
   out = backend_->request_residency(0);
   ASSERT_TRUE(out.ok()) << out.status.message();
   EXPECT_EQ(mismatches(p, kSize, kSeed), 0u);
-  backend_->destroy_set(0);
+  EXPECT_TRUE(backend_->destroy_set(0));
   backend_->deallocate(p);
 }
 
@@ -209,7 +209,7 @@ TEST_F(CudaTest, DestroyWhileAsleepFreesDeviceAndPinnedHostMemory) {
     b.add_region(0, device_region(2, kv, kGiB, RegionClass::kv_cache));
     ASSERT_TRUE(b.commit(0).ok());
     ASSERT_TRUE(b.request_residency(0).ok());
-    b.end_residency(0);
+    EXPECT_TRUE(b.end_residency(0));
     ASSERT_TRUE(b.last_release_status());
     ASSERT_FALSE(b.is_resident(w));
     ASSERT_FALSE(b.is_resident(kv));
@@ -242,12 +242,12 @@ TEST_F(CudaTest, DiscardedClassesSleepWithoutACopy) {
   resident_set(*backend_, 1, device_region(2, s, kSize, RegionClass::scratch));
   resident_set(*backend_, 2, device_region(3, kv, kSize, RegionClass::kv_cache));
   // Warm: the first weights sleep also pins the backup.
-  backend_->end_residency(0);
+  EXPECT_TRUE(backend_->end_residency(0));
   ASSERT_TRUE(backend_->request_residency(0).ok());
 
   auto time_sleep = [&](SetId set) {
     const auto t0 = std::chrono::steady_clock::now();
-    backend_->end_residency(set);
+    EXPECT_TRUE(backend_->end_residency(set));
     return seconds_since(t0);
   };
   const double weights_s = time_sleep(0);
@@ -266,7 +266,7 @@ TEST_F(CudaTest, DiscardedClassesSleepWithoutACopy) {
   EXPECT_EQ(mismatches(s, kSize, 9), 0u);
   ASSERT_TRUE(backend_->request_residency(0).ok());
   EXPECT_EQ(mismatches(w, kSize, 5), 0u);
-  for (SetId set : {0u, 1u, 2u}) backend_->destroy_set(set);
+  for (SetId set : {0u, 1u, 2u}) EXPECT_TRUE(backend_->destroy_set(set));
   for (void* p : {w, s, kv}) backend_->deallocate(p);
 }
 
@@ -300,7 +300,7 @@ TEST_F(CudaTest, HostRangeIsRegisteredWhileResidentAndUnregisteredAfter) {
     ContextScope scope(d(), backend_->context());
     EXPECT_EQ(d().cuMemHostRegister(host, kSize, 0), CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED);
   }
-  backend_->end_residency(0);
+  EXPECT_TRUE(backend_->end_residency(0));
   EXPECT_TRUE(backend_->last_release_status()) << backend_->last_release_status().message();
   EXPECT_EQ(backend_->resident_bytes(), wired0);
   {
@@ -309,7 +309,7 @@ TEST_F(CudaTest, HostRangeIsRegisteredWhileResidentAndUnregisteredAfter) {
     EXPECT_EQ(d().cuMemHostRegister(host, kSize, 0), CUDA_SUCCESS);
     EXPECT_EQ(d().cuMemHostUnregister(host), CUDA_SUCCESS);
   }
-  backend_->destroy_set(0);
+  EXPECT_TRUE(backend_->destroy_set(0));
   munmap(host, kSize);
 }
 
@@ -346,8 +346,8 @@ TEST_F(CudaTest, ReadOnlyFileMappingIsRegistered) {
     EXPECT_FALSE(out.ok());
     EXPECT_NE(out.status.message().find("cuMemHostRegister"), std::string::npos) << out.status.message();
   }
-  backend_->end_residency(0);
-  backend_->destroy_set(0);
+  EXPECT_TRUE(backend_->end_residency(0));
+  EXPECT_TRUE(backend_->destroy_set(0));
   munmap(host, kSize);
   close(fd);
 }
@@ -365,7 +365,7 @@ TEST_F(CudaTest, CommitWakesAddedAndReleasesRemovedRegions) {
 
   backend_->add_region(1, r);
   ASSERT_TRUE(backend_->commit(1).ok());
-  backend_->end_residency(0);
+  EXPECT_TRUE(backend_->end_residency(0));
   EXPECT_TRUE(backend_->is_resident(p)) << "set 1 still wants it";
 
   backend_->remove_region(1, r.id);
@@ -377,8 +377,8 @@ TEST_F(CudaTest, CommitWakesAddedAndReleasesRemovedRegions) {
   ASSERT_TRUE(backend_->commit(1).ok());
   EXPECT_TRUE(backend_->is_resident(p));
   EXPECT_EQ(mismatches(p, kSize, 13), 0u);
-  backend_->destroy_set(0);
-  backend_->destroy_set(1);
+  EXPECT_TRUE(backend_->destroy_set(0));
+  EXPECT_TRUE(backend_->destroy_set(1));
   EXPECT_FALSE(backend_->is_resident(p)) << "destroying a resident set releases what it held";
   backend_->deallocate(p);
 }
@@ -393,7 +393,7 @@ TEST_F(CudaTest, RegionNotAllocatedByTheBackendIsReportedNotWired) {
   ASSERT_EQ(out.failed.size(), 1u);
   EXPECT_EQ(out.failed[0], 41u);
   EXPECT_EQ(out.status.code(), ErrorCode::not_found);
-  backend_->destroy_set(0);
+  EXPECT_TRUE(backend_->destroy_set(0));
 }
 
 }  // namespace

@@ -99,6 +99,7 @@ class FakeBackend : public Backend {
     s = SetRec{};
     s.exists = true;
     ++sets_created;
+    created_order.push_back(set);
     return {};
   }
   Status destroy_set(SetId set) override {
@@ -209,6 +210,12 @@ class FakeBackend : public Backend {
       if (s.exists && s.requested && s.members.count(id)) return true;
     return false;
   }
+  // The n-th set created (set ids are process-wide, so tests count in creation order).
+  const SetRec& nth_set(std::size_t n) const {
+    std::lock_guard<std::recursive_mutex> g(mu);
+    static const SetRec none;
+    return n < created_order.size() ? sets.at(created_order[n]) : none;
+  }
   int live_sets() const {
     std::lock_guard<std::recursive_mutex> g(mu);
     int n = 0;
@@ -216,6 +223,7 @@ class FakeBackend : public Backend {
     return n;
   }
   std::map<SetId, SetRec> sets;
+  std::vector<SetId> created_order;
   std::set<char*> allocated;
   int sets_created = 0, sets_destroyed = 0, total_commits = 0, total_requests = 0, total_ends = 0,
       total_refreshes = 0, after_release_calls = 0;

@@ -1,22 +1,68 @@
-// The C API: configuration from text, a manager on the posix backend, errors as codes plus
-// residency_last_error(), NULLs refused instead of crashing.
+// The C API, linked against libresidency.so (only its exported residency_* symbols): the ABI
+// calls, configuration from text, backends shared per process, a manager on the posix backend
+// checked against what the kernel holds (VmLck), scopes that are NULL on error and detached when
+// their manager goes first, errors as codes plus residency_last_error(), NULLs refused.
 #include <gtest/gtest.h>
 
 #include <sys/mman.h>
+#include <unistd.h>
 
+#include <cstdio>
 #include <cstring>
 #include <string>
 
-#include "residency/backends.hpp"
 #include "residency/residency.h"
 
 namespace {
-bool has_backend(const char* name) {
-  for (const auto& n : residency::available_backends())
-    if (n == name) return true;
-  return false;
+
+std::uint64_t vm_lck() {
+  FILE* f = std::fopen("/proc/self/status", "r");
+  if (!f) return 0;
+  char line[256];
+  unsigned long long kib = 0;
+  while (std::fgets(line, sizeof line, f))
+    if (std::sscanf(line, "VmLck: %llu kB", &kib) == 1) break;
+  std::fclose(f);
+  return kib * 1024;
 }
+
+bool has_posix() {
+  residency_backend_options o = RESIDENCY_BACKEND_OPTIONS_INIT;
+  o.kind = "posix";
+  residency_backend* b = nullptr;
+  if (residency_backend_create(&o, &b) != RESIDENCY_OK) return false;
+  residency_backend_release(b);
+  return true;
+}
+
+struct Mapping {
+  explicit Mapping(std::size_t n) : size(n) {
+    p = mmap(nullptr, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p != MAP_FAILED) std::memset(p, 1, n);
+  }
+  ~Mapping() {
+    if (p != MAP_FAILED) munmap(p, size);
+  }
+  void* p;
+  std::size_t size;
+};
+
+residency_manager* make_manager(const char* keep_alive) {
+  residency_config* cfg = residency_config_default();
+  if (residency_config_set(cfg, "keep_alive", keep_alive) != RESIDENCY_OK) return nullptr;
+  if (residency_config_set(cfg, "log", "error") != RESIDENCY_OK) return nullptr;
+  residency_manager* m = nullptr;
+  residency_manager_create(cfg, "posix", nullptr, nullptr, &m);
+  residency_config_free(cfg);
+  return m;
+}
+
 }  // namespace
+
+TEST(CApi, VersionAndAbi) {
+  EXPECT_EQ(residency_abi_version(), static_cast<uint32_t>(RESIDENCY_ABI_VERSION));
+  EXPECT_STRNE(residency_version(), "");
+}
 
 TEST(CApi, ConfigSetParsesStrictlyAndNamesTheVariable) {
   residency_config* cfg = residency_config_default();
@@ -33,57 +79,143 @@ TEST(CApi, ConfigSetParsesStrictlyAndNamesTheVariable) {
   residency_config_free(nullptr);
 }
 
-TEST(CApi, NullsAndUnknownBackendsAreErrorsNotCrashes) {
+TEST(CApi, NullsBadStructSizesAndUnknownBackendsAreErrorsNotCrashes) {
   residency_manager* m = nullptr;
   EXPECT_EQ(residency_manager_create(nullptr, "warp-drive", nullptr, nullptr, &m), RESIDENCY_INVALID_ARGUMENT);
   EXPECT_EQ(m, nullptr);
   EXPECT_NE(std::string(residency_last_error()).find("unknown backend 'warp-drive'"), std::string::npos);
   EXPECT_EQ(residency_manager_create(nullptr, "posix", nullptr, nullptr, nullptr), RESIDENCY_INVALID_ARGUMENT);
+  EXPECT_EQ(residency_manager_create_with_backend(nullptr, nullptr, nullptr, nullptr, &m), RESIDENCY_INVALID_ARGUMENT);
   EXPECT_EQ(residency_register(nullptr, nullptr, 1, RESIDENCY_WEIGHTS, 0, nullptr), RESIDENCY_INVALID_ARGUMENT);
   residency_touch(nullptr);
+  residency_touch_region(nullptr, 1);
+  residency_prefetch(nullptr);
   residency_manager_destroy(nullptr);
-  residency_stats st;
+  residency_use_end(nullptr);
+  residency_backend_release(nullptr);
+  residency_stats st = RESIDENCY_STATS_INIT;
   EXPECT_EQ(residency_get_stats(nullptr, &st), RESIDENCY_INVALID_ARGUMENT);
+  residency_status s = RESIDENCY_OK;
+  EXPECT_EQ(residency_use_begin(nullptr, nullptr, nullptr, &s), nullptr);
+  EXPECT_EQ(s, RESIDENCY_INVALID_ARGUMENT);
+
+  residency_backend_options bad = RESIDENCY_BACKEND_OPTIONS_INIT;
+  bad.struct_size = 0;
+  residency_backend* b = nullptr;
+  EXPECT_EQ(residency_backend_create(&bad, &b), RESIDENCY_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(residency_last_error()).find("struct_size"), std::string::npos);
+  bad = RESIDENCY_BACKEND_OPTIONS_INIT;
+  bad.kind = "posix";
+  bad.cuda_device = 1;
+  EXPECT_EQ(residency_backend_create(&bad, &b), RESIDENCY_INVALID_ARGUMENT);
+  EXPECT_EQ(b, nullptr);
 }
 
-TEST(CApi, RegisterUseAndTeardownOnARealBackend) {
-  if (!has_backend("posix")) GTEST_SKIP() << "this build has no posix backend";
-  residency_config* cfg = residency_config_default();
-  ASSERT_EQ(residency_config_set(cfg, "keep_alive", "0"), RESIDENCY_OK);
-  ASSERT_EQ(residency_config_set(cfg, "log", "error"), RESIDENCY_OK);
+TEST(CApi, BackendsOfOneKindAreSharedAndKeptAliveByTheirManagers) {
+  if (!has_posix()) GTEST_SKIP() << "this build has no posix backend";
+  residency_backend_options o = RESIDENCY_BACKEND_OPTIONS_INIT;
+  o.kind = "posix";
+  residency_backend *a = nullptr, *b = nullptr;
+  ASSERT_EQ(residency_backend_create(&o, &a), RESIDENCY_OK);
+  ASSERT_EQ(residency_backend_create(&o, &b), RESIDENCY_OK);
+  EXPECT_STREQ(residency_backend_name(a), "posix");
   residency_manager* m = nullptr;
-  ASSERT_EQ(residency_manager_create(cfg, "posix", nullptr, nullptr, &m), RESIDENCY_OK) << residency_last_error();
-  residency_config_free(cfg);
+  ASSERT_EQ(residency_manager_create_with_backend(nullptr, a, nullptr, nullptr, &m), RESIDENCY_OK) << residency_last_error();
+  residency_backend_release(a);
+  residency_backend_release(b);
+  EXPECT_EQ(residency_backend_add_command_queue(nullptr, nullptr), RESIDENCY_INVALID_ARGUMENT);
+  Mapping map(1 << 20);
+  ASSERT_NE(map.p, MAP_FAILED);
+  const std::uint64_t before = vm_lck();
+  ASSERT_EQ(residency_register(m, map.p, map.size, RESIDENCY_WEIGHTS, 0, nullptr), RESIDENCY_OK) << residency_last_error();
+  EXPECT_EQ(vm_lck() - before, map.size) << "the backend outlived its handles: the manager holds it";
+  residency_manager_destroy(m);
+  EXPECT_EQ(vm_lck(), before);
+}
 
-  const size_t size = 1 << 20;  // small: fits the default RLIMIT_MEMLOCK of 8 MiB
-  void* p = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-  ASSERT_NE(p, MAP_FAILED);
+TEST(CApi, RegisterUseAndTeardownHoldWhatTheKernelSays) {
+  if (!has_posix()) GTEST_SKIP() << "this build has no posix backend";
+  residency_manager* m = make_manager("0");
+  ASSERT_NE(m, nullptr) << residency_last_error();
+  Mapping map(1 << 20);  // small: fits the default RLIMIT_MEMLOCK of 8 MiB
+  ASSERT_NE(map.p, MAP_FAILED);
+  const std::uint64_t base = vm_lck();
   uint64_t id = 0;
-  ASSERT_EQ(residency_register(m, p, size, RESIDENCY_WEIGHTS, 0, &id), RESIDENCY_OK) << residency_last_error();
-  EXPECT_EQ(residency_register(m, p, size, RESIDENCY_WEIGHTS, 0, nullptr), RESIDENCY_INVALID_ARGUMENT);
-  residency_class bogus;
-  const int seven = 7;
-  std::memcpy(&bogus, &seven, sizeof bogus);  // what a C caller can pass
-  EXPECT_EQ(residency_register(m, p, size, bogus, 0, nullptr), RESIDENCY_INVALID_ARGUMENT);
+  ASSERT_EQ(residency_register(m, map.p, map.size, RESIDENCY_WEIGHTS, 0, &id), RESIDENCY_OK) << residency_last_error();
+  EXPECT_EQ(residency_register(m, map.p, map.size, RESIDENCY_WEIGHTS, 0, nullptr), RESIDENCY_INVALID_ARGUMENT);
+  EXPECT_EQ(residency_register(m, map.p, map.size, 7, 0, nullptr), RESIDENCY_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(residency_last_error()).find("class 7"), std::string::npos) << residency_last_error();
+  EXPECT_EQ(residency_register(m, map.p, map.size, -1, 0, nullptr), RESIDENCY_INVALID_ARGUMENT);
 
-  residency_stats st{};
+  residency_stats st = RESIDENCY_STATS_INIT;
   ASSERT_EQ(residency_get_stats(m, &st), RESIDENCY_OK);
-  EXPECT_EQ(st.tracked_bytes, size);
-  EXPECT_EQ(st.wired_bytes, 0u);  // keep_alive 0: wired only inside a use scope
+  EXPECT_EQ(st.tracked_bytes, map.size);
+  EXPECT_EQ(vm_lck(), base) << "keep_alive 0: wired only inside a use scope";
 
   int synced = 0;
-  residency_scope* scope = nullptr;
-  ASSERT_EQ(residency_use_begin(m, [](void* u) { ++*static_cast<int*>(u); }, &synced, &scope), RESIDENCY_OK)
-      << residency_last_error();
-  ASSERT_EQ(residency_get_stats(m, &st), RESIDENCY_OK);
-  EXPECT_EQ(st.wired_bytes, size);
+  residency_status s = RESIDENCY_BACKEND_ERROR;
+  residency_scope* scope = residency_use_begin(m, [](void* u) { ++*static_cast<int*>(u); }, &synced, &s);
+  ASSERT_NE(scope, nullptr) << residency_last_error();
+  EXPECT_EQ(s, RESIDENCY_OK);
+  EXPECT_EQ(vm_lck() - base, map.size) << "inside the scope the kernel holds the pages locked";
   residency_use_end(scope);
   EXPECT_EQ(synced, 1);
+  EXPECT_EQ(vm_lck(), base) << "released at the end of the scope";
   ASSERT_EQ(residency_get_stats(m, &st), RESIDENCY_OK);
-  EXPECT_EQ(st.wired_bytes, 0u);
   EXPECT_EQ(st.releases, 1u);
 
   EXPECT_EQ(residency_unregister(m, 999), RESIDENCY_NOT_FOUND);
-  residency_manager_destroy(m);  // the region is still registered: released, not an abort
-  munmap(p, size);
+  EXPECT_EQ(residency_free(m, map.p), RESIDENCY_NOT_FOUND) << "registered, not allocated: free refuses";
+  EXPECT_EQ(residency_unregister_ptr(m, map.p), RESIDENCY_OK) << residency_last_error();
+  EXPECT_EQ(residency_unregister_ptr(m, map.p), RESIDENCY_NOT_FOUND);
+  residency_manager_destroy(m);
+}
+
+TEST(CApi, KeepAliveBatchTouchAndPrefetch) {
+  if (!has_posix()) GTEST_SKIP() << "this build has no posix backend";
+  residency_manager* m = make_manager("1h");
+  ASSERT_NE(m, nullptr) << residency_last_error();
+  Mapping a(512 << 10), b(512 << 10);
+  ASSERT_NE(a.p, MAP_FAILED);
+  ASSERT_NE(b.p, MAP_FAILED);
+  const std::uint64_t base = vm_lck();
+  uint64_t ida = 0, idb = 0;
+  ASSERT_EQ(residency_batch_begin(m), RESIDENCY_OK);
+  ASSERT_EQ(residency_register(m, a.p, a.size, RESIDENCY_WEIGHTS, 1, &ida), RESIDENCY_OK);
+  ASSERT_EQ(residency_register(m, b.p, b.size, RESIDENCY_KV_CACHE, 0, &idb), RESIDENCY_OK);
+  ASSERT_EQ(residency_batch_end(m), RESIDENCY_OK);
+  EXPECT_EQ(residency_batch_end(m), RESIDENCY_INVALID_ARGUMENT) << "an end without a begin";
+  EXPECT_EQ(vm_lck() - base, a.size + b.size);
+  residency_stats st = RESIDENCY_STATS_INIT;
+  ASSERT_EQ(residency_get_stats(m, &st), RESIDENCY_OK);
+  EXPECT_EQ(st.commits, 1u) << "one set, one commit for the whole batch";
+
+  residency_release_now(m);
+  EXPECT_EQ(vm_lck(), base);
+  residency_touch_region(m, ida);  // re-wires before the compute
+  EXPECT_EQ(vm_lck() - base, a.size + b.size);
+  residency_release_now(m);
+  residency_prefetch(m);  // asynchronous: wait for the scheduler to wire
+  for (int i = 0; i < 200 && vm_lck() - base != a.size + b.size; ++i) usleep(10000);
+  EXPECT_EQ(vm_lck() - base, a.size + b.size) << "prefetch re-wires in the background";
+  residency_manager_destroy(m);
+  EXPECT_EQ(vm_lck(), base);
+}
+
+TEST(CApi, DestroyingAManagerWithAnOpenScopeDetachesTheScope) {
+  if (!has_posix()) GTEST_SKIP() << "this build has no posix backend";
+  residency_manager* m = make_manager("0");
+  ASSERT_NE(m, nullptr) << residency_last_error();
+  Mapping map(256 << 10);
+  ASSERT_EQ(residency_register(m, map.p, map.size, RESIDENCY_WEIGHTS, 0, nullptr), RESIDENCY_OK);
+  int synced = 0;
+  residency_scope* scope = residency_use_begin(m, [](void* u) { ++*static_cast<int*>(u); }, &synced, nullptr);
+  ASSERT_NE(scope, nullptr);
+  testing::internal::CaptureStderr();
+  residency_manager_destroy(m);  // the scope is ended (synchronize runs) and detached
+  const std::string err = testing::internal::GetCapturedStderr();
+  EXPECT_NE(err.find("use scope(s) still open"), std::string::npos) << err;
+  EXPECT_EQ(synced, 1);
+  residency_use_end(scope);  // safe: only frees it (ASan would catch a use after free)
+  EXPECT_EQ(synced, 1);
 }

@@ -72,8 +72,8 @@ TEST_F(ManagerTest, ShardedLayoutFillsSetsFirstFitUpToTheCap) {
   reg(*m, 300 * MiB);  // does not fit set 0 (600 > 512): new set
   reg(*m, 200 * MiB);  // fits set 0 (500)
   EXPECT_EQ(fake->live_sets(), 2);
-  EXPECT_EQ(FakeBackend::members_bytes(fake->sets[0]), 500 * MiB);
-  EXPECT_EQ(FakeBackend::members_bytes(fake->sets[1]), 300 * MiB);
+  EXPECT_EQ(FakeBackend::members_bytes(fake->nth_set(0)), 500 * MiB);
+  EXPECT_EQ(FakeBackend::members_bytes(fake->nth_set(1)), 300 * MiB);
 }
 
 TEST_F(ManagerTest, ShardedCapHasA64MiBFloor) {
@@ -94,7 +94,7 @@ TEST_F(ManagerTest, OversizeRegionReusesAnEmptiedSet) {
   EXPECT_EQ(fake->live_sets(), 2);
   RegionId big = reg(*m, 1 * GiB);  // above the cap: goes to the emptied set 0
   EXPECT_EQ(fake->live_sets(), 2);
-  EXPECT_TRUE(fake->sets[0].members.count(big));
+  EXPECT_TRUE(fake->nth_set(0).members.count(big));
 }
 
 TEST_F(ManagerTest, AtTheSetLimitTheEmptiestSetTakesTheRegion) {
@@ -107,8 +107,8 @@ TEST_F(ManagerTest, AtTheSetLimitTheEmptiestSetTakesTheRegion) {
   EXPECT_EQ(fake->live_sets(), 3);
   RegionId extra = reg(*m, 300 * MiB);  // fits nowhere; set 1 (400) is the emptiest
   EXPECT_EQ(fake->live_sets(), 3);
-  EXPECT_TRUE(fake->sets[1].members.count(extra));
-  EXPECT_EQ(FakeBackend::members_bytes(fake->sets[1]), 700 * MiB);  // grown past the cap
+  EXPECT_TRUE(fake->nth_set(1).members.count(extra));
+  EXPECT_EQ(FakeBackend::members_bytes(fake->nth_set(1)), 700 * MiB);  // grown past the cap
 }
 
 TEST_F(ManagerTest, SetMaxPctOutOfRangeMeansOneSet) {
@@ -154,7 +154,8 @@ TEST_F(ManagerTest, RaisingTheLimitAddsByPriorityThenRecency) {
   ASSERT_TRUE(m->set_wired_limit(200 * MiB).is_ok());
   EXPECT_TRUE(fake->is_resident(low_new));  // more recent of the two equal priorities
   EXPECT_FALSE(fake->is_resident(low_old));
-  ASSERT_TRUE(m->mark_used(low_old).is_ok());  // now the most recent
+  clock.advance(std::chrono::milliseconds(1));
+  m->touch(low_old);  // now the most recent (lock-free, as an engine does it per compute)
   ASSERT_TRUE(m->set_wired_limit(100 * MiB).is_ok());
   ASSERT_TRUE(m->set_wired_limit(200 * MiB).is_ok());
   EXPECT_TRUE(fake->is_resident(high));

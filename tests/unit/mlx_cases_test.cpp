@@ -93,10 +93,21 @@ TEST_F(MlxCases, Case6_SetCountGrowsWithSmallCapsButNotOnReuse) {
 TEST_F(MlxCases, Case7_AtMost32Sets) {
   fake->recommended = 100 * GiB;
   fake->physical = 200 * GiB;
+  fake->max_sets = 32;  // what the metal backend says when it attaches sets to queues, as MLX does
   auto m = make(limit(100 * GiB, 0.0625));
   for (int i = 0; i < 40; ++i) reg(*m, 60 * MiB);
   EXPECT_EQ(fake->live_sets(), 32);
   EXPECT_EQ(fake->resident_bytes(), 40 * 60 * MiB);
+}
+
+// The cap is the backend's to state: the core names no platform's limit.
+TEST_F(MlxCases, Case7b_NoSetLimitWhenTheBackendStatesNone) {
+  fake->recommended = 100 * GiB;
+  fake->physical = 200 * GiB;
+  fake->max_sets = 0;
+  auto m = make(limit(100 * GiB, 0.0625));
+  for (int i = 0; i < 40; ++i) reg(*m, 60 * MiB);
+  EXPECT_EQ(fake->live_sets(), 40);
 }
 
 TEST_F(MlxCases, Case8_AnAllocationAboveTheCapIsStillWired) {

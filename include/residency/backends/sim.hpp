@@ -180,6 +180,7 @@ class SimBackend final : public Backend {
   // Observations at clock.now().
   std::uint64_t wired_bytes();                     // all buffers
   std::uint64_t wired_bytes(const void* base);     // one buffer (0 if unknown)
+  std::uint64_t allocated_bytes() const;           // bytes of the buffers the sim tracks
   std::uint32_t live_sets() const;                 // sets created and not destroyed
   bool residency_requested(SetId set);             // requested, not ended, not decayed
   Stats stats() const;

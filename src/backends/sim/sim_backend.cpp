@@ -514,6 +514,13 @@ std::uint64_t SimBackend::wired_bytes(const void* base) {
   return it == buffers_.end() ? 0 : it->second.wired;
 }
 
+std::uint64_t SimBackend::allocated_bytes() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::uint64_t total = 0;
+  for (const auto& [base, b] : buffers_) total += b.size;
+  return total;
+}
+
 std::uint32_t SimBackend::live_sets() const {
   std::lock_guard<std::mutex> lock(mu_);
   return static_cast<std::uint32_t>(sets_.size());
