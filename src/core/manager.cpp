@@ -160,10 +160,13 @@ struct Manager::Impl {
   void wire(const char* why) {
     const Nanos t0 = clock->now();
     ka.set_resident(true);
+    // What waits may fit now: another manager of the process may have given back its share of
+    // the hard limit since.
+    promote();
     const auto [bytes, n] = sets.request_all([this](const SetOutcome& o, const char* w) { on_failure(o, w); });
     flush();
     next_refresh = clock->now() + caps.refresh_period;
-    if (ever_released) {
+    if (ever_released && n > 0) {  // memory that had been given back was asked for again
       const Nanos dt = clock->now() - t0;
       ++rewires;
       rewire_time += dt;

@@ -10,9 +10,11 @@
 #include <thread>
 
 #include "posix_test_support.hpp"
+#include "residency/backends.hpp"
 #include "residency/backends/posix.hpp"
 #include "residency/residency.hpp"
 #include "support/fake_backend.hpp"  // LogCapture
+#include "support/strict.hpp"
 
 namespace residency {
 namespace {
@@ -137,7 +139,7 @@ TEST(PosixManager, RealMemoryPressureReleasesAndTouchRewires) {
   Fixture f;
   auto m = f.make("forever", *b, /*release_on_pressure=*/true);
   ASSERT_TRUE(m) << m.message();
-  if (f.logs.contains("release_on_pressure is set but")) GTEST_SKIP() << f.all_logs();
+  if (f.logs.contains("release_on_pressure is set but")) RESIDENCY_SKIP_OR_FAIL_IN_CI(f.all_logs());
   Manager& mgr = **m;
   const std::uint64_t before = vm_lck();
   ASSERT_TRUE(mgr.register_region(model.data(), kSize));
@@ -166,6 +168,111 @@ TEST(PosixManager, RealMemoryPressureReleasesAndTouchRewires) {
   EXPECT_EQ(s.rewires, 1u);
   EXPECT_GE(vm_lck(), before + kSize);
   std::printf("[ measured ] release on real PSI pressure %.0f ms after the thrashing began\n", after_ms);
+}
+
+// Fraction of [p, p+n) that mincore reports resident.
+double resident_fraction(const char* p, std::size_t n) {
+  const std::size_t ps = page_size();
+  std::vector<unsigned char> vec((n + ps - 1) / ps);
+  if (::mincore(const_cast<char*>(p), n, vec.data()) != 0) return -1;
+  std::size_t r = 0;
+  for (unsigned char v : vec) r += v & 1U;
+  return static_cast<double>(r) / static_cast<double>(vec.size());
+}
+
+// Two models in one server: two managers over overlapping pages of one file mapping, through
+// the process's one posix backend. Releasing one must not munlock what the other still holds.
+TEST(PosixManager, TwoManagersOverOverlappingPagesNeverUndoEachOther) {
+  if (auto why = pageout_unsupported_reason()) GTEST_SKIP() << *why;
+  constexpr std::size_t kSize = 64 * MiB;
+  if (auto why = ensure_memlock(kSize)) GTEST_SKIP() << *why;
+  TempMappedFile model(kSize);
+  ASSERT_TRUE(model.ok()) << model.error();
+  model.touch_all();
+  auto b1 = make_backend("posix");
+  auto b2 = make_backend("posix");
+  ASSERT_TRUE(b1 && b2) << b1.message();
+  EXPECT_EQ(b1->get(), b2->get()) << "one backend of a kind per process";
+
+  Fixture f;
+  auto a = f.make("10s", *b1);
+  auto b = f.make("10s", *b2);
+  ASSERT_TRUE(a && b);
+  const std::uint64_t before = vm_lck();
+  // A: [0, 40 MiB), B: [24 MiB, 64 MiB); 16 MiB shared, and the boundaries fall inside pages
+  // of each other's regions only at page granularity.
+  ASSERT_TRUE((*a)->register_region(model.data(), 40 * MiB));
+  ASSERT_TRUE((*b)->register_region(model.data() + 24 * MiB, 40 * MiB));
+  EXPECT_EQ(vm_lck() - before, kSize) << "the shared pages are counted once by the kernel";
+
+  (*a)->release_now();
+  EXPECT_EQ(vm_lck() - before, 40 * MiB) << "B's pages, shared ones included, stay locked";
+  model.page_out();
+  EXPECT_EQ(resident_fraction(model.data() + 24 * MiB, 40 * MiB), 1.0) << "pageout evicted pages B holds";
+  EXPECT_LT(resident_fraction(model.data(), 24 * MiB), 0.10) << "A's own pages were given back";
+
+  (*b)->release_now();
+  EXPECT_EQ(vm_lck(), before);
+  (*a)->touch();
+  EXPECT_EQ(vm_lck() - before, 40 * MiB);
+  a->reset();
+  b->reset();
+  EXPECT_EQ(vm_lck(), before);
+}
+
+// Two managers under one RLIMIT_MEMLOCK: it is split between them, not counted twice.
+TEST(PosixManager, TwoManagersSplitRlimitMemlock) {
+  TempMappedFile model(16 * MiB);
+  ASSERT_TRUE(model.ok()) << model.error();
+  model.touch_all();
+  const auto r = run_in_child([&](std::string& report) {
+    if (auto e = drop_cap_ipc_lock(); !e.empty()) {
+      report = "cannot drop CAP_IPC_LOCK: " + e;
+      return kChildSkip;
+    }
+    if (auto e = set_memlock_limit(8 * MiB); !e.empty()) {
+      report = e;
+      return 1;
+    }
+    auto backend = make_backend("posix");
+    if (!backend) {
+      report = backend.message();
+      return 1;
+    }
+    Fixture f;
+    auto a = f.make("180s", *backend);
+    auto b = f.make("180s", *backend);
+    if (!a || !b) {
+      report = "Manager::create failed";
+      return 1;
+    }
+    auto fail = [&](int code, const std::string& what) {
+      report = what + "\n--- log ---\n" + f.all_logs();
+      return code;
+    };
+    if ((*a)->wired_limit() > 8 * MiB || (*b)->wired_limit() > 8 * MiB) return fail(2, "budget above the limit");
+    if (!(*a)->register_region(model.data(), 6 * MiB)) return fail(3, "register A");
+    if (!(*b)->register_region(model.data() + 8 * MiB, 6 * MiB)) return fail(4, "register B");
+    const Stats sa = (*a)->stats(), sb = (*b)->stats();
+    if (sa.admitted_bytes + sb.admitted_bytes > 8 * MiB)
+      return fail(5, "admitted together " + std::to_string(sa.admitted_bytes + sb.admitted_bytes) + " > 8 MiB");
+    if (sa.wired_bytes != 6 * MiB || sb.wired_bytes != 0 || sb.pending_bytes != 6 * MiB)
+      return fail(6, "A wired " + std::to_string(sa.wired_bytes) + ", B wired " + std::to_string(sb.wired_bytes));
+    if (vm_lck() > 8 * MiB) return fail(7, "VmLck " + std::to_string(vm_lck()));
+    if (sb.wire_failures != 0) return fail(8, "B asked the kernel for what the limit could not give");
+    if (!f.logs.contains(LogLevel::warn, "already reserved")) return fail(9, "no warning naming the shared limit");
+    // A gives its share back; B takes it at its next use.
+    a->reset();
+    (*b)->release_now();
+    (*b)->touch();
+    if ((*b)->stats().wired_bytes != 6 * MiB || vm_lck() != 6 * MiB)
+      return fail(10, "B did not take the freed share: wired " + std::to_string((*b)->stats().wired_bytes));
+    report = f.all_logs();
+    return 0;
+  });
+  if (r.exit_code == kChildSkip) GTEST_SKIP() << r.report;
+  EXPECT_EQ(r.signal, 0) << "child crashed\n" << r.report;
+  EXPECT_EQ(r.exit_code, 0) << r.report;
 }
 
 // A child without CAP_IPC_LOCK and RLIMIT_MEMLOCK = 1 MiB: what users hit in Docker.
