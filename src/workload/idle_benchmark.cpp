@@ -5,6 +5,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <optional>
 
 namespace residency::workload {
 namespace {
@@ -99,57 +100,183 @@ double estimate_seconds(const IdleSchedule& schedule, std::size_t policies, doub
   return static_cast<double>(policies) * (pause_ms + decodes * decode_ms) / 1000.0;
 }
 
-Result<IdleResults> run_idle_benchmark(IdleTarget& target, const IdleSchedule& schedule,
-                                       const std::vector<IdlePolicy>& policies, const Pressure& pressure,
-                                       IdleObserver* observer) {
+namespace {
+
+// One block's policy in force: its manager over the model's memory, given back when the block
+// ends (regions unregistered first, so the manager's teardown has nothing to warn about).
+class PolicyBlock {
+ public:
+  // Creates the manager, places the model and, where the target needs it, releases and re-wires
+  // once before anything is timed.
+  static Result<PolicyBlock> start(IdleTarget& target, const IdlePolicy& policy, const IdleBenchmarkOptions& o) {
+    auto backend = target.policy_backend();
+    if (!backend) return backend.status();
+    ManagerOptions mo;
+    mo.config.keep_alive = policy.keep_alive;
+    mo.config.log_level = o.log_level;
+    if (auto layout = target.layout()) mo.config.layout = *layout;
+    mo.backend = std::move(backend).value();
+    mo.log = o.log;  // empty: the manager's default (stderr)
+    mo.clock = &target.clock();
+    mo.start_scheduler = target.virtual_clock() == nullptr;  // virtual time: IdleTime runs what is due
+    auto manager = Manager::create(std::move(mo));
+    if (!manager) return manager.status();
+    PolicyBlock block(target, std::move(manager).value());
+    auto regions = target.place_model(*block.manager_);
+    if (!regions) return regions.status();
+    block.regions_ = std::move(regions).value();
+    if (target.first_release_sets_up()) {
+      if (policy.kind == IdlePolicy::Kind::zero) {
+        UseScope scope = block.manager_->use(target.synchronize());  // its end releases; the next use wires
+      } else if (policy.kind != IdlePolicy::Kind::off) {
+        block.manager_->release_now();
+        block.manager_->touch();
+      }
+    }
+    return block;
+  }
+  PolicyBlock(PolicyBlock&&) noexcept = default;
+  PolicyBlock& operator=(PolicyBlock&&) = delete;
+  PolicyBlock(const PolicyBlock&) = delete;
+  PolicyBlock& operator=(const PolicyBlock&) = delete;
+  ~PolicyBlock() {
+    if (!manager_) return;
+    for (RegionId id : regions_) (void)manager_->unregister_region(id);
+  }
+
+  Manager& manager() { return *manager_; }
+  IdleTime& time() { return time_; }
+
+ private:
+  PolicyBlock(IdleTarget& target, std::unique_ptr<Manager> manager)
+      : manager_(std::move(manager)), time_(target.clock(), target.virtual_clock(), *manager_) {}
+  std::unique_ptr<Manager> manager_;
+  std::vector<RegionId> regions_;
+  IdleTime time_;  // refers to *manager_, which a move leaves where it is
+};
+
+// Warnings the run gives once, whichever policy or block meets them first.
+struct RunWarnings {
+  bool unwired = false;
+  bool scope = false;
+};
+
+void warn(const IdleBenchmarkOptions& o, const std::string& message) {
+  if (o.log) {
+    o.log(LogLevel::warn, message);
+  } else {
+    log_to_stderr(LogLevel::warn, message);
+  }
+}
+
+struct Decoded {
+  Nanos elapsed{0};
+  double checksum = 0;
+};
+
+// One decode as an engine does it under the policy (see idle_benchmark.hpp).
+Result<Decoded> decode(IdleTarget& target, PolicyBlock& block, const IdlePolicy& policy, const IdleBenchmarkOptions& o,
+                       RunWarnings& warned) {
+  Decoded out;
+  target.decode_starts();
+  IdleTime& time = block.time();
+  const Nanos t0 = time.now();
+  Result<double> sum = 0.0;
+  if (policy.kind == IdlePolicy::Kind::zero) {
+    UseScope scope = block.manager().use(target.synchronize());
+    if (!scope.status()) {
+      if (target.decode_needs_residency()) return scope.status();
+      if (!warned.scope) {
+        warned.scope = true;
+        warn(o, "policy 0: the model could not be wired for the decode: " + scope.status().message());
+      }
+    }
+    sum = target.decode_pass(time);
+    out.elapsed = time.now() - t0;  // before the scope's release, as llama-idle times it
+  } else {
+    block.manager().touch();
+    sum = target.decode_pass(time);
+    out.elapsed = time.now() - t0;
+  }
+  if (!sum) return sum.status();
+  out.checksum = *sum;
+  return out;
+}
+
+// Pause, then pressure (not after a pause of 0), then how much of the model is still resident.
+Result<IdleSample> pause(IdleTarget& target, PolicyBlock& block, Nanos duration, const Pressure& pressure) {
+  IdleSample s;
+  IdleTime& time = block.time();
+  const Nanos start = time.now();
+  time.pass(duration);
+  if (duration.count() > 0 && pressure.kind != Pressure::Kind::none) {
+    const Nanos p0 = time.now();
+    if (Status st = target.apply_pressure(pressure); !st) return st;
+    s.pressure_ms = ms(time.now() - p0);
+  }
+  s.idle_ms = ms(time.now() - start);
+  s.resident_before = target.resident_fraction();
+  return s;
+}
+
+}  // namespace
+
+Result<IdleResults> run_idle_benchmark(IdleTarget& target, const IdleBenchmarkOptions& o, IdleObserver* observer) {
   IdleObserver none;
   IdleObserver& obs = observer ? *observer : none;
+  const IdleSchedule& schedule = o.schedule;
+  const std::vector<IdlePolicy>& policies = o.policies;
   IdleResults r;
   r.policies = policies;
   r.schedule = schedule;
-  r.pressure = pressure;
+  r.pressure = o.pressure;
   if (policies.empty() || schedule.pauses.empty() || schedule.iters < 1) {
     return Status(ErrorCode::invalid_argument, "nothing to run: no policy, no pause or fewer than 1 iteration");
   }
+  RunWarnings warned;
   const auto wall0 = std::chrono::steady_clock::now();
   const std::size_t blocks = schedule.pauses.size() * policies.size();
-  std::size_t block = 0;
+  std::size_t block_index = 0;
   for (std::size_t p = 0; p < schedule.pauses.size(); ++p) {
     for (std::size_t k = 0; k < policies.size(); ++k) {
       const std::size_t pol = (k + p) % policies.size();  // rotate the order from pause to pause
-      obs.block_start(r, pol, p, block++, blocks);
-      if (Status st = target.activate(policies[pol]); !st) return st;
-      auto warm = target.decode();
-      if (!warm) {
-        target.deactivate();
-        return warm.status();
+      const IdlePolicy& policy = policies[pol];
+      obs.block_start(r, pol, p, block_index++, blocks);
+      std::optional<PolicyBlock> block;
+      {
+        auto started = PolicyBlock::start(target, policy, o);
+        if (!started) return started.status();
+        block.emplace(std::move(started).value());
       }
+      // keep-alive and forever wire at registration; tell the user when the backend could not,
+      // since the column then measures nothing but `off` (the backend's warning says why).
+      if ((policy.kind == IdlePolicy::Kind::keep_alive || policy.kind == IdlePolicy::Kind::forever) && !warned.unwired) {
+        const Stats st = block->manager().stats();
+        if (st.wired_bytes < st.tracked_bytes) {
+          warned.unwired = true;
+          warn(o, "policy " + policy.name + ": only " + format_size(st.wired_bytes) + " of the " +
+                      format_size(st.tracked_bytes) +
+                      " model could be wired (see the warning above); its column is not what the policy would give");
+        }
+      }
+      auto warm = decode(target, *block, policy, o, warned);
+      if (!warm) return warm.status();
       r.warmups.push_back({pol, p, ms(warm->elapsed)});
       obs.warmup(r, r.warmups.back());
       for (int it = 0; it < schedule.iters; ++it) {
         obs.pausing(r, pol, p, it);
-        auto paused = target.pause(schedule.pauses[p], pressure);
-        if (!paused) {
-          target.deactivate();
-          return paused.status();
-        }
-        auto d = target.decode();
-        if (!d) {
-          target.deactivate();
-          return d.status();
-        }
-        IdleSample s;
-        s.policy = pol;
-        s.pause = p;
-        s.iter = it;
-        s.decode_ms = ms(d->elapsed);
-        s.idle_ms = ms(paused->idle);
-        s.pressure_ms = ms(paused->pressure_time);
-        s.resident_before = paused->resident_before;
-        r.samples.push_back(s);
-        obs.sample(r, s);
+        auto s = pause(target, *block, schedule.pauses[p], o.pressure);
+        if (!s) return s.status();
+        auto d = decode(target, *block, policy, o, warned);
+        if (!d) return d.status();
+        s->policy = pol;
+        s->pause = p;
+        s->iter = it;
+        s->decode_ms = ms(d->elapsed);
+        r.samples.push_back(*s);
+        obs.sample(r, r.samples.back());
       }
-      target.deactivate();
+      block.reset();  // the policy's manager is gone before the next one starts
       obs.block_end(r, pol, p);
     }
   }

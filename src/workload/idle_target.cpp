@@ -1,5 +1,8 @@
-// The idle targets this build has, and policy names (see idle_target.hpp).
+// The idle targets this build has, policy names, and IdleTime (see idle_target.hpp).
 #include "workload/idle_target.hpp"
+
+#include <condition_variable>
+#include <mutex>
 
 #if RESIDENCY_IDLE_HAVE_SIM
 #include "workload/sim/idle_sim.hpp"
@@ -26,7 +29,7 @@ std::vector<std::string> idle_backends() {
 Result<std::unique_ptr<IdleTarget>> make_idle_target(std::string_view backend, const IdleTargetOptions& options) {
   if (backend == "posix") return make_posix_idle_target(options);
 #if RESIDENCY_IDLE_HAVE_SIM
-  if (backend == "sim") return make_sim_idle_target(options, {options.sim_profile, options.sim_decaying_requests});
+  if (backend == "sim") return make_sim_idle_target({options.sim_profile, options.sim_decaying_requests});
 #endif
 #if RESIDENCY_IDLE_HAVE_CUDA
   if (backend == "cuda") return make_cuda_idle_target(options);
@@ -37,14 +40,23 @@ Result<std::unique_ptr<IdleTarget>> make_idle_target(std::string_view backend, c
                 "unknown backend '" + std::string(backend) + "'; this build accepts: " + accepted);
 }
 
-ManagerOptions policy_manager_options(const IdlePolicy& policy, const IdleTargetOptions& options,
-                                      std::shared_ptr<Backend> backend) {
-  ManagerOptions mo;
-  mo.config.keep_alive = policy.keep_alive;
-  mo.config.log_level = options.log_level;
-  mo.backend = std::move(backend);
-  mo.log = options.log;  // empty: the manager's default (stderr)
-  return mo;
+void IdleTime::pass(Nanos d) {
+  const Nanos until = clock_.now() + d;
+  if (virtual_ == nullptr) {
+    std::mutex m;
+    std::condition_variable cv;
+    std::unique_lock<std::mutex> lock(m);
+    while (clock_.now() < until) clock_.wait_until(lock, cv, until);
+    return;
+  }
+  // Bounded: a manager that stopped moving its deadline must not hang the benchmark.
+  for (int i = 0; i < 10'000'000; ++i) {
+    const std::optional<Nanos> next = manager_.run_due();
+    if (!next || *next > until) break;
+    virtual_->set(*next);
+  }
+  virtual_->set(until);
+  manager_.run_due();
 }
 
 Result<std::vector<IdlePolicy>> parse_policies(std::string_view list, Nanos keep_alive) {

@@ -5,25 +5,25 @@
 // "pause" are depends on the backend: on posix the model is a read-only file mapping, a decode is
 // the CPU decode-equivalent pass, a pause is real time with optional memory pressure; on sim a
 // decode's cost is modelled and a pause advances a virtual clock; on cuda the weights live in
-// device memory allocated through Manager::allocate and a decode is a GPU kernel. The benchmark
-// only sees this interface, so the schedule, interleaving, statistics and output are the same for
-// all of them.
+// device memory allocated through Manager::allocate and a decode is a GPU kernel.
+//
+// The one design decision: the data flows one way, benchmark -> target -> backend. The benchmark
+// owns the residency policy: it creates each policy's residency::Manager, has the target place
+// the model's memory under it, calls touch() (or opens use() for policy 0) around every decode
+// and destroys the manager between policies. A target never holds a manager and never decides
+// when memory is used; it only provides what differs between backends, below.
 //
 // Contract, in call order (the benchmark calls from one thread, never concurrently):
 //   check_pressure(p)  before anything is created: can this target apply pressure p? An error here
-//                      is bad input (the tool exits 2).
-//   prepare(model)     once: load the model (map, copy to the device, size the simulation).
-//   activate(policy)   make `policy` the one in force: a fresh residency::Manager with that
-//                      KeepAlive over the model's memory, through the real backend. Whatever the
-//                      previous policy held must be given back first, so that no policy benefits
-//                      from another's residency.
-//   pause(d, p)        stay idle for d on clock(), then apply pressure p (not for d == 0), and
-//                      report how much of the model was still resident afterwards.
-//   decode()           one decode as an engine does it under the policy: keep-alive, forever and
-//                      off call Manager::touch() first, policy 0 opens Manager::use() around the
-//                      pass; the elapsed time includes any re-wire, and ends when the pass's result
-//                      is available (after the device synchronises), before a policy-0 release.
-//   deactivate()       destroy the manager (residency given back).
+//                      is bad input (the tool exits 2). Called once, by whoever validates input.
+//   prepare(model)     once: load the model (map it, pin a copy for the device, size the simulation).
+//   per policy:
+//     policy_backend()   the backend the policy's manager drives.
+//     place_model(m)     put the model's memory under manager m; the benchmark unregisters the
+//                        returned regions before it destroys m.
+//     per decode: decode_starts(), then (touch() or use(synchronize())), decode_pass(time).
+//     per pause:  time.pass(d), apply_pressure(p) (only for d > 0 and p not none),
+//                 resident_fraction().
 //
 // Adding a target (sim, cuda): implement this class in your own file (e.g.
 // src/workload/sim/idle_sim.cpp), declare its factory in idle_target.cpp under
@@ -32,7 +32,9 @@
 // and target_compile_definitions(residency_workload PRIVATE RESIDENCY_IDLE_HAVE_<NAME>=1).
 #pragma once
 
+#include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -59,15 +61,23 @@ struct IdlePolicy {
 // `keep_alive` is the duration of the keep-alive policy (must be > 0).
 Result<std::vector<IdlePolicy>> parse_policies(std::string_view list, Nanos keep_alive);
 
-struct PauseOutcome {
-  Nanos idle{0};            // time from the call to the end of the pressure, on clock()
-  Nanos pressure_time{0};   // part of it spent applying pressure
-  double resident_before = -1;  // fraction of the model resident after the pause; < 0 unknown
-};
+// How time passes during one policy's block. On real time, pass() waits on the clock. On virtual
+// time (IdleTarget::virtual_clock()) it advances the clock itself, stopping at every deadline
+// the policy's manager reports (refresh, keep-alive expiry) to run what is due then, as the
+// manager's scheduler thread would wake. Made by the benchmark for each policy; a target uses it
+// for pauses and for work whose duration it models.
+class IdleTime {
+ public:
+  // `manager` runs without a scheduler thread when `virtual_clock` is given; it must outlive this.
+  IdleTime(Clock& clock, ManualClock* virtual_clock, Manager& manager)
+      : clock_(clock), virtual_(virtual_clock), manager_(manager) {}
+  Nanos now() const { return clock_.now(); }
+  void pass(Nanos d);
 
-struct DecodeOutcome {
-  Nanos elapsed{0};  // on clock()
-  double checksum = 0;
+ private:
+  Clock& clock_;
+  ManualClock* virtual_;
+  Manager& manager_;
 };
 
 class IdleTarget {
@@ -75,21 +85,46 @@ class IdleTarget {
   virtual ~IdleTarget() = default;
   // One line for the run's header: backend, threads, device, kernel set ...
   virtual std::string describe() const = 0;
-  // The clock every pause and decode is timed on (and the managers use).
+  // The clock every pause and decode is timed on, and every policy's manager runs on.
   virtual Clock& clock() = 0;
+  // Non-null for virtual time: clock() is this ManualClock, which only the benchmark advances
+  // (through IdleTime); managers then run without a scheduler thread.
+  virtual ManualClock* virtual_clock() { return nullptr; }
+  // Can this target apply `pressure`? The error says what to use instead.
   virtual Status check_pressure(const Pressure& pressure) const = 0;
   virtual Status prepare(const GgufFile& model) = 0;
-  virtual Status activate(const IdlePolicy& policy) = 0;
-  virtual void deactivate() = 0;
-  virtual Result<PauseOutcome> pause(Nanos duration, const Pressure& pressure) = 0;
-  virtual Result<DecodeOutcome> decode() = 0;
+
+  // The backend for the next policy's manager: the same one each time, or a fresh one where a
+  // policy could otherwise inherit another's state (sim: a fresh process).
+  virtual Result<std::shared_ptr<Backend>> policy_backend() = 0;
+  // The set layout the model's memory needs; nullopt: the configuration's default.
+  virtual std::optional<Layout> layout() const { return std::nullopt; }
+  // Places the model's memory under `manager`: registers the host memory the target mapped, or
+  // allocates device memory through it and fills it. Returns every region it registered.
+  virtual Result<std::vector<RegionId>> place_model(Manager& manager) = 0;
+  // True when the first release of the placed memory pays a one-time set-up (cuda pins its host
+  // backup): the benchmark then releases and re-wires it once before timing anything.
+  virtual bool first_release_sets_up() const { return false; }
+  // True when a decode cannot run on memory that is not resident (device memory): a use scope
+  // that could not wire is then an error, not a warning.
+  virtual bool decode_needs_residency() const { return false; }
+  // Waits for the work a decode submitted (policy 0 runs it before releasing); empty: nothing.
+  virtual std::function<void()> synchronize() { return {}; }
+
+  // A decode starts, before the benchmark's touch() or use(): a target that accounts the
+  // decode's cost itself (sim: the re-wire time its backend models) notes where it stands.
+  virtual void decode_starts() {}
+  // One decode pass over the placed memory; returns when its result is available (after the
+  // device synchronises) with the pass's checksum. Modelled work passes on `time`.
+  virtual Result<double> decode_pass(IdleTime& time) = 0;
+  // Applies `pressure` (never none) at the end of a pause.
+  virtual Status apply_pressure(const Pressure& pressure) = 0;
+  // Fraction (0..1) of the placed memory resident now; < 0 unknown.
+  virtual double resident_fraction() = 0;
 };
 
 struct IdleTargetOptions {
   unsigned threads = 0;  // decode threads; 0 = one per core
-  // Receives the managers' log lines (filtered by log_level) and the target's warnings.
-  LogCallback log;
-  LogLevel log_level = LogLevel::warn;
   // sim only: the machine-and-model profile ("" = the default) and the macOS 26 mode in which
   // residency requests decay unless refreshed.
   std::string sim_profile;
@@ -100,11 +135,6 @@ struct IdleTargetOptions {
 std::vector<std::string> idle_backends();
 // Errors: an unknown name (lists the accepted ones), or a backend that cannot start here.
 Result<std::unique_ptr<IdleTarget>> make_idle_target(std::string_view backend, const IdleTargetOptions& options);
-
-// What every target's Manager starts from in activate(): the policy's keep-alive, the user's log
-// and level, the target's backend. The target adds what is its own (layout, clock, scheduler).
-ManagerOptions policy_manager_options(const IdlePolicy& policy, const IdleTargetOptions& options,
-                                      std::shared_ptr<Backend> backend);
 
 // The posix target (idle_posix.cpp).
 Result<std::unique_ptr<IdleTarget>> make_posix_idle_target(const IdleTargetOptions& options);

@@ -68,22 +68,26 @@ class IdleSim : public ::testing::Test {
   // Runs the benchmark; the target's own clock is virtual, so this takes milliseconds.
   IdleResults run(const SimIdleOptions& sim, const std::vector<Nanos>& pauses, const std::string& policies,
                   Nanos keep_alive) {
-    IdleTargetOptions options;
-    options.log = [](LogLevel, std::string_view) {};
-    auto target = make_sim_idle_target(options, sim);
+    auto target = make_sim_idle_target(sim);
     EXPECT_TRUE(target) << target.message();
     if (!target) return {};
     EXPECT_TRUE((*target)->prepare(*model_));
     auto pols = parse_policies(policies, keep_alive);
     EXPECT_TRUE(pols) << pols.message();
-    IdleSchedule schedule{pauses, 3};
-    auto results = run_idle_benchmark(**target, schedule, *pols, Pressure{});
+    IdleBenchmarkOptions options;
+    options.schedule = {pauses, 3};
+    options.policies = *pols;
+    options.log = [this](LogLevel level, std::string_view m) {
+      if (level <= LogLevel::warn) warnings_.emplace_back(m);
+    };
+    auto results = run_idle_benchmark(**target, options);
     EXPECT_TRUE(results) << results.message();
     return results ? *results : IdleResults{};
   }
 
   testing::ScratchDir dir_;
   std::optional<GgufFile> model_;
+  std::vector<std::string> warnings_;
 };
 
 TEST_F(IdleSim, OffMatchesLlamaIdleAndKeepAliveIsFlatInBothRequestModes) {
@@ -108,6 +112,7 @@ TEST_F(IdleSim, OffMatchesLlamaIdleAndKeepAliveIsFlatInBothRequestModes) {
     }
     // Virtual time: the schedule covers about 50 s of pauses, the run takes far less.
     EXPECT_LT(r.wall_seconds, 5.0);
+    EXPECT_TRUE(warnings_.empty()) << warnings_.front();
   }
 }
 
@@ -141,11 +146,10 @@ TEST_F(IdleSim, KeepAliveHoldsOnlyForPausesShorterThanIt) {
 }
 
 TEST_F(IdleSim, PressureAndUnknownProfilesAreRefused) {
-  IdleTargetOptions options;
-  auto bad = make_sim_idle_target(options, {"m9-mega", false});
+  auto bad = make_sim_idle_target({"m9-mega", false});
   ASSERT_FALSE(bad);
   EXPECT_NE(bad.message().find("m2-ultra-8b-f16"), std::string::npos) << bad.message();
-  auto target = make_sim_idle_target(options, {});
+  auto target = make_sim_idle_target({});
   ASSERT_TRUE(target);
   Pressure pageout;
   pageout.kind = Pressure::Kind::pageout;

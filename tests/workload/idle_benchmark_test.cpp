@@ -3,11 +3,13 @@
 // (resident or evicted) before every decode.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <map>
 
 #include "workload/gguf_writer.hpp"
 #include "workload/idle_benchmark.hpp"
 #include "workload/idle_target.hpp"
+#include "support/fake_backend.hpp"
 #include "workload_test_util.hpp"
 
 namespace residency::workload {
@@ -86,67 +88,124 @@ TEST(IdleOutput, LlamaIdleLinesAndTable) {
   EXPECT_NE(csv.find("\noff,800,1,700.000,802.000,1.000,50.0\n"), std::string::npos) << csv;
 }
 
-// Records what the benchmark asks of a target, to check the order of the blocks. The decode times
-// are made up; the real target is exercised by the tests below.
+// Records what the benchmark asks of a target, over a FakeBackend on virtual time, to check the
+// order of the blocks and that the benchmark (not the target) drives each policy's manager. The
+// decode times are made up; the real targets are exercised by the tests below and in tests/sim.
 class RecordingTarget final : public IdleTarget {
  public:
   std::string describe() const override { return "recording"; }
   Clock& clock() override { return clock_; }
+  ManualClock* virtual_clock() override { return &clock_; }
   Status check_pressure(const Pressure&) const override { return {}; }
   Status prepare(const GgufFile&) override { return {}; }
-  Status activate(const IdlePolicy& p) override {
-    calls.push_back("activate " + p.id);
-    active_ = p.id;
+  Result<std::shared_ptr<Backend>> policy_backend() override { return std::shared_ptr<Backend>(fake); }
+  std::optional<Layout> layout() const override { return Layout::per_buffer; }
+  Result<std::vector<RegionId>> place_model(Manager& m) override {
+    keep_alive_ = m.config().keep_alive;
+    calls.push_back("place " + keep_alive_.to_string() + (fake->live_sets() == 0 ? "" : " (a manager is still alive)"));
+    auto id = m.register_region(model_, sizeof model_);
+    if (!id) return id.status();
+    region_ = *id;
+    return std::vector<RegionId>{*id};
+  }
+  Result<double> decode_pass(IdleTime& time) override {
+    calls.push_back(std::string("decode") + (fake->is_resident(region_) ? " resident" : ""));
+    if (fail_after >= 0 && decodes_++ >= fail_after) return Status(ErrorCode::backend_error, "device lost");
+    time.pass(milliseconds(keep_alive_ == KeepAlive::off() ? 100 : 10));
+    return 0.0;
+  }
+  Status apply_pressure(const Pressure& p) override {
+    calls.push_back("pressure " + p.to_string());
     return {};
   }
-  void deactivate() override { calls.push_back("deactivate"); }
-  Result<PauseOutcome> pause(Nanos d, const Pressure&) override {
-    calls.push_back("pause " + std::to_string(d.count() / 1'000'000));
-    clock_.advance(d);
-    return PauseOutcome{d, Nanos(0), 1.0};
-  }
-  Result<DecodeOutcome> decode() override {
-    calls.push_back("decode");
-    if (fail_after >= 0 && decodes_++ >= fail_after) return Status(ErrorCode::backend_error, "device lost");
-    return DecodeOutcome{milliseconds(active_ == "off" ? 100 : 10), 0};
-  }
+  double resident_fraction() override { return fake->is_resident(region_) ? 1.0 : 0.0; }
+
+  std::shared_ptr<residency::testing::FakeBackend> fake = std::make_shared<residency::testing::FakeBackend>();
   std::vector<std::string> calls;
   int fail_after = -1;
 
  private:
   ManualClock clock_;
-  std::string active_;
+  KeepAlive keep_alive_ = KeepAlive::off();
+  RegionId region_ = 0;
   int decodes_ = 0;
+  alignas(4096) std::uint8_t model_[4096] = {};
 };
+
+IdleBenchmarkOptions bench(std::vector<Nanos> pauses, int iters, const std::string& policies, Nanos keep_alive,
+                           residency::testing::LogCapture* logs = nullptr) {
+  IdleBenchmarkOptions o;
+  o.schedule = {std::move(pauses), iters};
+  o.policies = *parse_policies(policies, keep_alive);
+  if (logs) o.log = logs->callback();
+  return o;
+}
 
 TEST(IdleRun, InterleavesPoliciesAndRotatesTheirOrder) {
   RecordingTarget t;
-  IdleSchedule s{{milliseconds(0), milliseconds(800), milliseconds(1600)}, 2};
-  auto r = run_idle_benchmark(t, s, *parse_policies("off,keep-alive,forever", std::chrono::seconds(2)), Pressure{});
+  auto r = run_idle_benchmark(t, bench({milliseconds(0), milliseconds(800), milliseconds(1600)}, 2,
+                                       "off,keep-alive,forever", std::chrono::seconds(2)));
   ASSERT_TRUE(r.is_ok()) << r.message();
-  std::vector<std::string> activations;
+  std::vector<std::string> placements;
   for (const auto& c : t.calls) {
-    if (c.rfind("activate", 0) == 0) activations.push_back(c.substr(9));
+    if (c.rfind("place", 0) == 0) placements.push_back(c.substr(6));
   }
-  EXPECT_EQ(activations, (std::vector<std::string>{"off", "keep-alive", "forever", "keep-alive", "forever", "off",
-                                                   "forever", "off", "keep-alive"}));
-  // Each block: activate, warm-up decode, (pause, decode) x iters, deactivate.
-  EXPECT_EQ(std::vector<std::string>(t.calls.begin(), t.calls.begin() + 7),
-            (std::vector<std::string>{"activate off", "decode", "pause 0", "decode", "pause 0", "decode", "deactivate"}));
+  // One manager per block, configured with the block's policy; the previous one is gone by then.
+  EXPECT_EQ(placements, (std::vector<std::string>{"off", "2 s", "forever", "2 s", "forever", "off", "forever", "off",
+                                                  "2 s"}));
+  // Each block: place the model, warm-up decode, (pause, decode) x iters. No pressure was asked for.
+  EXPECT_EQ(std::vector<std::string>(t.calls.begin(), t.calls.begin() + 4),
+            (std::vector<std::string>{"place off", "decode", "decode", "decode"}));
   EXPECT_EQ(r->samples.size(), 3u * 3 * 2);
   EXPECT_EQ(r->warmups.size(), 9u);
   EXPECT_DOUBLE_EQ(r->cell(0, 2).mean_ms, 100);
   EXPECT_DOUBLE_EQ(r->cell(1, 2).mean_ms, 10);
   EXPECT_DOUBLE_EQ(r->samples.back().idle_ms, 1600);
+  EXPECT_EQ(t.fake->live_sets(), 0) << "the last manager outlived the run";
+}
+
+// The benchmark, not the target, decides when the model is used: touch() before each decode
+// (re-wiring after the keep-alive expired), a use scope around the pass for policy 0.
+TEST(IdleRun, TheBenchmarkTouchesOrOpensAUseScopeAroundEveryDecode) {
+  RecordingTarget t;
+  residency::testing::LogCapture logs;
+  auto r = run_idle_benchmark(t, bench({milliseconds(1000), milliseconds(3000)}, 1, "keep-alive,0,off",
+                                       std::chrono::seconds(2), &logs));
+  ASSERT_TRUE(r.is_ok()) << r.message();
+  std::map<std::string, std::vector<double>> resident_before;
+  for (const auto& s : r->samples) resident_before[r->policies[s.policy].id].push_back(s.resident_before);
+  EXPECT_EQ(resident_before["keep-alive"], (std::vector<double>{1.0, 0.0})) << "expires after 2 s, not before";
+  EXPECT_EQ(resident_before["0"], (std::vector<double>{0.0, 0.0})) << "policy 0 releases after each decode";
+  EXPECT_EQ(resident_before["off"], (std::vector<double>{0.0, 0.0}));
+  // Every keep-alive and policy-0 decode found the model resident (touch() re-wired it after the
+  // 3 s pause, the use scope wired it); no `off` decode did.
+  std::string current;
+  for (const auto& c : t.calls) {
+    if (c.rfind("place", 0) == 0) current = c.substr(6);
+    if (c.rfind("decode", 0) != 0) continue;
+    EXPECT_EQ(c == "decode resident", current != "off") << current << ": " << c;
+  }
+  EXPECT_FALSE(logs.contains("still registered")) << "the benchmark left regions in a manager it destroyed";
+}
+
+TEST(IdleRun, PressureIsAppliedAfterEveryPauseLongerThanZero) {
+  RecordingTarget t;
+  IdleBenchmarkOptions o = bench({milliseconds(0), milliseconds(50)}, 2, "off", std::chrono::seconds(2));
+  o.pressure = {Pressure::Kind::hog, 1u << 20};
+  auto r = run_idle_benchmark(t, o);
+  ASSERT_TRUE(r.is_ok()) << r.message();
+  EXPECT_EQ(std::count(t.calls.begin(), t.calls.end(), "pressure hog:1 MiB"), 2) << "pressure after a pause of 0";
 }
 
 TEST(IdleRun, ATargetErrorStopsTheRunAndReleasesThePolicy) {
   RecordingTarget t;
   t.fail_after = 3;
-  auto r = run_idle_benchmark(t, {{milliseconds(0)}, 3}, *parse_policies("off", std::chrono::seconds(2)), Pressure{});
+  residency::testing::LogCapture logs;
+  auto r = run_idle_benchmark(t, bench({milliseconds(0)}, 3, "forever", std::chrono::seconds(2), &logs));
   ASSERT_FALSE(r.is_ok());
   EXPECT_EQ(r.message(), "device lost");
-  EXPECT_EQ(t.calls.back(), "deactivate");
+  EXPECT_EQ(t.fake->live_sets(), 0) << "the failed block's manager was not destroyed";
+  EXPECT_FALSE(logs.contains("still registered"));
 }
 
 // A real run: the posix target, real managers and mlock, pageout pressure, a 4 MiB model.
@@ -162,13 +221,21 @@ class PosixIdle : public ::testing::Test {
     model_.emplace(std::move(f).value());
     IdleTargetOptions o;
     o.threads = 2;
-    o.log = [this](LogLevel level, std::string_view m) {
-      if (level <= LogLevel::warn) warnings_.emplace_back(m);
-    };
     auto t = make_idle_target("posix", o);
     ASSERT_TRUE(t.is_ok()) << t.message();
     target_ = std::move(t).value();
     ASSERT_TRUE(target_->prepare(*model_).is_ok());
+  }
+  IdleBenchmarkOptions options(std::vector<Nanos> pauses, int iters, const std::string& policies, Nanos keep_alive,
+                               const Pressure& pressure) {
+    IdleBenchmarkOptions o;
+    o.schedule = {std::move(pauses), iters};
+    o.policies = *parse_policies(policies, keep_alive);
+    o.pressure = pressure;
+    o.log = [this](LogLevel level, std::string_view m) {
+      if (level <= LogLevel::warn) warnings_.emplace_back(m);
+    };
+    return o;
   }
   void skip_if_not_wired() {
     for (const auto& w : warnings_) {
@@ -184,10 +251,9 @@ class PosixIdle : public ::testing::Test {
 TEST_F(PosixIdle, EachPolicyLeavesTheModelWhereItShould) {
   const Pressure pageout{Pressure::Kind::pageout, 0};
   if (Status st = target_->check_pressure(pageout); !st) GTEST_SKIP() << st.message();
-  IdleSchedule s{{milliseconds(0), milliseconds(30)}, 2};
   // keep-alive 60 s never expires within this test: it must behave like forever.
-  auto policies = parse_policies("off,keep-alive,0,forever", std::chrono::seconds(60));
-  auto r = run_idle_benchmark(*target_, s, *policies, pageout);
+  auto r = run_idle_benchmark(
+      *target_, options({milliseconds(0), milliseconds(30)}, 2, "off,keep-alive,0,forever", std::chrono::seconds(60), pageout));
   ASSERT_TRUE(r.is_ok()) << r.message();
   skip_if_not_wired();
   ASSERT_EQ(r->samples.size(), 2u * 4 * 2);
@@ -212,7 +278,7 @@ TEST_F(PosixIdle, EachPolicyLeavesTheModelWhereItShould) {
 TEST_F(PosixIdle, HogPressureRunsAndWiredPagesSurviveIt) {
   const Pressure hog{Pressure::Kind::hog, 16u << 20};
   ASSERT_TRUE(target_->check_pressure(hog).is_ok());
-  auto r = run_idle_benchmark(*target_, {{milliseconds(10)}, 1}, *parse_policies("forever", std::chrono::seconds(1)), hog);
+  auto r = run_idle_benchmark(*target_, options({milliseconds(10)}, 1, "forever", std::chrono::seconds(1), hog));
   ASSERT_TRUE(r.is_ok()) << r.message();
   skip_if_not_wired();
   ASSERT_EQ(r->samples.size(), 1u);

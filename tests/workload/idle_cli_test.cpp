@@ -7,6 +7,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <filesystem>
 #include <nlohmann/json.hpp>
@@ -27,10 +28,12 @@ struct ToolRun {
   std::string out, err;
 };
 
-// Starts the tool with `args`, TMPDIR=`tmpdir`, stdout/stderr to files in `logs`.
-pid_t start(const std::vector<std::string>& args, const std::string& tmpdir, const std::string& logs) {
+// Starts the tool with `args`, TMPDIR=`tmpdir`, stdout/stderr to files in `logs`, in `cwd` if given.
+pid_t start(const std::vector<std::string>& args, const std::string& tmpdir, const std::string& logs,
+            const std::string& cwd = "") {
   const pid_t pid = fork();
   if (pid != 0) return pid;
+  if (!cwd.empty() && chdir(cwd.c_str()) != 0) _exit(126);
   const int out = ::open((logs + "/out").c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
   const int err = ::open((logs + "/err").c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
   dup2(out, 1);
@@ -157,6 +160,35 @@ TEST_F(ToolCli, IdleOnAModelWritesResultsWhereAsked) {
   EXPECT_EQ(std::count(csv.begin(), csv.end(), '\n'), 1 + 8);
   EXPECT_TRUE(fs::exists(model)) << "a model the user gave was removed";
   EXPECT_TRUE(fs::is_empty(tmp_));
+}
+
+// The entry point of the bug where results landed in the current directory (or `/`): every path
+// printed under "results:" is a file in a new temporary directory, and the directory holds no other.
+TEST_F(ToolCli, IdleOnAModelWithoutOutPrintsExactlyTheFilesItWrote) {
+  const std::string model = small_model();
+  const std::string cwd = dir_.file("cwd");
+  fs::create_directory(cwd);
+  const ToolRun r = finish(start({"idle", model, "--pauses", "0,20", "--iters", "1", "--policies", "off", "--pressure", "none"},
+                                 tmp_, logs_, cwd),
+                           logs_);
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const std::size_t at = r.out.find("\nresults:\n");
+  ASSERT_NE(at, std::string::npos) << r.out;
+  std::vector<std::string> printed;
+  for (std::size_t pos = at + 10; r.out.compare(pos, 2, "  ") == 0;) {
+    const std::size_t end = r.out.find('\n', pos);
+    printed.push_back(r.out.substr(pos + 2, end - pos - 2));
+    pos = end + 1;
+  }
+  std::vector<fs::path> dirs(fs::directory_iterator(tmp_), fs::directory_iterator{});
+  ASSERT_EQ(dirs.size(), 1u);
+  std::vector<std::string> written;
+  for (const auto& e : fs::directory_iterator(dirs[0])) written.push_back(e.path().string());
+  std::sort(printed.begin(), printed.end());
+  std::sort(written.begin(), written.end());
+  EXPECT_EQ(printed, written) << r.out;
+  EXPECT_GE(written.size(), 2u);
+  EXPECT_TRUE(fs::is_empty(cwd)) << "results were written into the current directory";
 }
 
 TEST_F(ToolCli, IdleOnASyntheticModelRemovesItAndKeepsTheResults) {

@@ -86,12 +86,7 @@ int main(int argc, char** argv) {
   auto ps = parse_pauses(pauses);
   if (!ps) die(ps.message(), 2);
 
-  IdleTargetOptions topts;
-  topts.log_level = LogLevel::warn;
-  topts.log = [](LogLevel level, std::string_view msg) {
-    std::fprintf(stderr, "residency: %s: %.*s\n", to_string(level), static_cast<int>(msg.size()), msg.data());
-  };
-  auto target = make_cuda_idle_target(topts);
+  auto target = make_cuda_idle_target({});
   if (!target) {
     std::printf("SKIP: %s\n", target.message().c_str());
     return 0;
@@ -122,11 +117,16 @@ int main(int argc, char** argv) {
     if (!file) die(file.message(), 2);
     if (Status st = (*target)->prepare(*file); !st) die(st.message());
     std::printf("%s\nmodel: %s (%s)\n", (*target)->describe().c_str(), model_path.c_str(), format_size(file->size()).c_str());
-    IdleSchedule schedule;
-    schedule.pauses = *ps;
-    schedule.iters = iters;
+    IdleBenchmarkOptions bench;
+    bench.schedule.pauses = *ps;
+    bench.schedule.iters = iters;
+    bench.policies = *pol;
+    bench.log_level = LogLevel::warn;
+    bench.log = [](LogLevel level, std::string_view msg) {
+      std::fprintf(stderr, "residency: %s: %.*s\n", to_string(level), static_cast<int>(msg.size()), msg.data());
+    };
     Printer printer;
-    auto res = run_idle_benchmark(**target, schedule, *pol, Pressure{}, &printer);
+    auto res = run_idle_benchmark(**target, bench, &printer);
     if (!res) {
       std::fprintf(stderr, "residency_cuda_idle: %s\n", res.message().c_str());
       rc = 1;

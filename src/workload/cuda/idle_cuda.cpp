@@ -1,9 +1,7 @@
 // The cuda idle target; see idle_cuda.hpp.
 #include "workload/cuda/idle_cuda.hpp"
 
-#include <chrono>
 #include <cstring>
-#include <thread>
 
 #include "backends/cuda/cuda_backend.hpp"
 #include "workload/cuda/gpu_decode.hpp"
@@ -13,9 +11,8 @@ namespace {
 
 class CudaIdleTarget final : public IdleTarget {
  public:
-  CudaIdleTarget(std::shared_ptr<cuda::CudaBackend> b, IdleTargetOptions o) : backend_(std::move(b)), opts_(std::move(o)) {}
+  explicit CudaIdleTarget(std::shared_ptr<cuda::CudaBackend> b) : backend_(std::move(b)) {}
   ~CudaIdleTarget() override {
-    deactivate();
     pass_.reset();
     if (staging_ != nullptr) {
       cuda::ContextScope scope(d(), backend_->context());
@@ -54,99 +51,68 @@ class CudaIdleTarget final : public IdleTarget {
     return {};
   }
 
-  Status activate(const IdlePolicy& policy) override {
-    deactivate();
-    policy_ = policy;
-    ManagerOptions mo = policy_manager_options(policy, opts_, backend_);
-    auto m = Manager::create(std::move(mo));
-    if (!m) return m.status();
-    manager_ = std::move(m.value());
-    auto a = manager_->allocate(section_bytes_, RegionClass::weights);
+  Result<std::shared_ptr<Backend>> policy_backend() override { return std::shared_ptr<Backend>(backend_); }
+
+  // Fresh device memory from the policy's manager, filled from the pinned copy; the first time,
+  // one pass is checked against the CPU.
+  Result<std::vector<RegionId>> place_model(Manager& manager) override {
+    if (!pass_) return Status(ErrorCode::invalid_argument, "cuda idle target: place_model() before prepare()");
+    auto a = manager.allocate(section_bytes_, RegionClass::weights);
     if (!a) return a.status();
     alloc_ = *a;
+    auto give_back = [&](Status st) {
+      (void)manager.unregister_region(alloc_.id);
+      alloc_ = {};
+      return st;
+    };
     {
       cuda::ContextScope scope(d(), backend_->context());
       const CUresult r = d().cuMemcpyHtoD(weights(), staging_, section_bytes_);
-      if (r != CUDA_SUCCESS) return d().error(r, "uploading the model", "cuMemcpyHtoD");
+      if (r != CUDA_SUCCESS) return give_back(d().error(r, "uploading the model", "cuMemcpyHtoD"));
     }
     if (!verified_) {
       auto sum = pass_->run(weights());
-      if (!sum) return sum.status();
-      if (Status st = pass_->verify(static_cast<const std::uint8_t*>(staging_)); !st) return st;
+      if (!sum) return give_back(sum.status());
+      if (Status st = pass_->verify(static_cast<const std::uint8_t*>(staging_)); !st) return give_back(st);
       verified_ = true;
     }
-    // One sleep and wake before timing anything: the first sleep of an allocation pins its
-    // host backup (about 2 GB/s on the H200 host measured here, 30 times slower than the copy),
-    // a one-time cost an engine pays once per model, not once per idle pause.
-    if (policy.kind == IdlePolicy::Kind::zero) {
-      auto scope = manager_->use();  // its end releases (policy 0); the next use wakes
-    } else if (policy.kind != IdlePolicy::Kind::off) {
-      manager_->release_now();
-      manager_->touch();
-    }
-    return {};
+    return std::vector<RegionId>{alloc_.id};
   }
 
-  void deactivate() override {
-    if (!manager_) return;
-    (void)manager_->unregister_region(alloc_.id);
-    manager_.reset();
-    alloc_ = {};
+  // The first sleep of an allocation pins its host backup (about 2 GB/s on the H200 host
+  // measured here, 30 times slower than the copy), a one-time cost an engine pays once per
+  // model, not once per idle pause.
+  bool first_release_sets_up() const override { return true; }
+  bool decode_needs_residency() const override { return true; }  // unmapped device memory faults
+  std::function<void()> synchronize() override {
+    return [this] {
+      cuda::ContextScope cs(d(), backend_->context());
+      (void)d().cuCtxSynchronize();
+    };
   }
 
-  Result<PauseOutcome> pause(Nanos duration, const Pressure&) override {
-    PauseOutcome out;
-    const Nanos t0 = clock().now();
-    if (duration.count() > 0) std::this_thread::sleep_for(duration);
-    out.idle = clock().now() - t0;
-    out.resident_before = backend_->is_resident(alloc_.ptr) ? 1.0 : 0.0;
-    return out;
-  }
-
-  Result<DecodeOutcome> decode() override {
-    if (!manager_) return Status(ErrorCode::invalid_argument, "decode() before activate()");
-    DecodeOutcome out;
-    const Nanos t0 = clock().now();
-    Result<double> sum = 0.0;
-    if (policy_.kind == IdlePolicy::Kind::zero) {
-      auto scope = manager_->use([this] {
-        cuda::ContextScope cs(d(), backend_->context());
-        (void)d().cuCtxSynchronize();
-      });
-      if (!scope.status()) return scope.status();
-      sum = pass_->run(weights());
-      out.elapsed = clock().now() - t0;  // before the scope's release, as llama-idle times it
-    } else {
-      manager_->touch();
-      sum = pass_->run(weights());
-      out.elapsed = clock().now() - t0;
-    }
-    if (!sum) return sum.status();
-    out.checksum = *sum;
-    return out;
-  }
+  Result<double> decode_pass(IdleTime&) override { return pass_->run(weights()); }
+  Status apply_pressure(const Pressure& p) override { return check_pressure(p); }
+  double resident_fraction() override { return backend_->is_resident(alloc_.ptr) ? 1.0 : 0.0; }
 
  private:
   const cuda::Driver& d() const { return backend_->driver(); }
   CUdeviceptr weights() const { return static_cast<CUdeviceptr>(reinterpret_cast<std::uintptr_t>(alloc_.ptr)); }
 
   std::shared_ptr<cuda::CudaBackend> backend_;
-  IdleTargetOptions opts_;
   std::unique_ptr<GpuDecodePass> pass_;
   void* staging_ = nullptr;
   std::uint64_t section_bytes_ = 0;
   bool verified_ = false;
-  IdlePolicy policy_;
-  std::unique_ptr<Manager> manager_;
-  Allocation alloc_;
+  Allocation alloc_;  // in the current policy's manager
 };
 
 }  // namespace
 
-Result<std::unique_ptr<IdleTarget>> make_cuda_idle_target(const IdleTargetOptions& options) {
+Result<std::unique_ptr<IdleTarget>> make_cuda_idle_target(const IdleTargetOptions& /*options: none apply*/) {
   auto b = cuda::CudaBackend::create({});
   if (!b) return b.status();
-  return std::unique_ptr<IdleTarget>(new CudaIdleTarget(std::move(b.value()), options));
+  return std::unique_ptr<IdleTarget>(new CudaIdleTarget(std::move(b.value())));
 }
 
 }  // namespace residency::workload

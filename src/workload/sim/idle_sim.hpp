@@ -4,13 +4,13 @@
 // PR 10119). The sim target replays that experiment against the sim backend's model of macOS
 // (collector, re-wire cost, decaying requests), with a real residency::Manager per policy, so
 // that every policy's column can be compared with the published `off` figures on any machine,
-// in milliseconds of wall time: pauses advance a ManualClock (stopping at each of the manager's
-// deadlines, as its scheduler thread would wake), and a decode's time is the modelled re-wire
-// plus the profile's compute time.
+// in milliseconds of wall time: the target's clock is virtual (a ManualClock the benchmark
+// advances, stopping at each of the manager's deadlines, as its scheduler thread would wake), and
+// a decode's time is the modelled re-wire plus the profile's compute time.
 //
 // The model decoded is the profile's (e.g. Llama-3.1-8B F16, 16.07 GB), at a fixed address the
-// sim only compares: the GGUF file the benchmark prepares is not read. Each activation starts a
-// fresh SimBackend (a fresh process), so no policy inherits another's wired memory.
+// sim only compares: the GGUF file the benchmark prepares is not read. Each policy gets a fresh
+// SimBackend (a fresh process), so no policy inherits another's wired memory.
 #pragma once
 
 #include <memory>
@@ -27,7 +27,6 @@ struct SimIdleOptions {
 };
 
 // Errors: an unknown profile (the message lists the accepted names).
-Result<std::unique_ptr<IdleTarget>> make_sim_idle_target(const IdleTargetOptions& options,
-                                                         const SimIdleOptions& sim = {});
+Result<std::unique_ptr<IdleTarget>> make_sim_idle_target(const SimIdleOptions& sim = {});
 
 }  // namespace residency::workload

@@ -6,7 +6,7 @@
 
 #include "workload/idle_benchmark.hpp"
 
-namespace residency::tool {
+namespace residency::workload {
 
 // What the run was about, for the JSON and the plot's title.
 struct IdleRunInfo {
@@ -17,11 +17,11 @@ struct IdleRunInfo {
   std::string backend;        // IdleTarget::describe()
 };
 
-// Each throws std::runtime_error naming the file when it cannot be written.
-void write_idle_json(const std::string& path, const workload::IdleResults& r, const IdleRunInfo& info);
-void write_idle_csv(const std::string& path, const workload::IdleResults& r);
+// Errors name the file that could not be written.
+Status write_idle_json(const std::string& path, const IdleResults& r, const IdleRunInfo& info);
+Status write_idle_csv(const std::string& path, const IdleResults& r);
 // Runs gnuplot. Returns an empty string on success, else why there is no plot (gnuplot missing
 // or failing): a plot is a convenience, its absence is a warning, not a failure.
-std::string write_idle_plot(const std::string& path, const workload::IdleResults& r, const IdleRunInfo& info);
+std::string write_idle_plot(const std::string& path, const IdleResults& r, const IdleRunInfo& info);
 
-}  // namespace residency::tool
+}  // namespace residency::workload

@@ -1,5 +1,5 @@
 // residency idle's result files (see idle_report.hpp).
-#include "idle_report.hpp"
+#include "workload/idle_report.hpp"
 
 #include <sys/utsname.h>
 #include <sys/wait.h>
@@ -10,24 +10,23 @@
 #include <cstdlib>
 #include <fstream>
 #include <nlohmann/json.hpp>
-#include <stdexcept>
 #include <thread>
 
 #include "residency/config.hpp"
 #include "workload/pressure.hpp"
 
-namespace residency::tool {
+namespace residency::workload {
 namespace {
 
-using workload::IdleResults;
 
 double ms_of(Nanos d) { return static_cast<double>(d.count()) / 1e6; }
 
-void write_text(const std::string& path, const std::string& text) {
+Status write_text(const std::string& path, const std::string& text) {
   std::ofstream f(path, std::ios::trunc);
   f << text;
   f.close();
-  if (!f) throw std::runtime_error(path + ": cannot write the results file");
+  if (!f) return Status(ErrorCode::io_error, path + ": cannot write the results file");
+  return {};
 }
 
 bool on_path(const std::string& program) {
@@ -68,7 +67,7 @@ std::string plot_script(const std::string& terminal, const std::string& path, co
   s += "set xrange [" + std::to_string(-margin) + ":" + std::to_string(max_pause + margin) + "]\n";
   // Where each keep-alive expires, when the pauses reach it: the step the table shows.
   for (const auto& p : r.policies) {
-    if (p.kind != workload::IdlePolicy::Kind::keep_alive) continue;
+    if (p.kind != IdlePolicy::Kind::keep_alive) continue;
     const double at = ms_of(p.keep_alive.duration);
     if (at > max_pause) continue;
     s += "set arrow from " + std::to_string(at) + ", graph 0 to " + std::to_string(at) +
@@ -106,7 +105,7 @@ bool run_gnuplot(const std::string& script) {
 
 }  // namespace
 
-void write_idle_json(const std::string& path, const IdleResults& r, const IdleRunInfo& info) {
+Status write_idle_json(const std::string& path, const IdleResults& r, const IdleRunInfo& info) {
   using nlohmann::json;
   json j;
   j["tool"] = "residency idle";
@@ -116,7 +115,7 @@ void write_idle_json(const std::string& path, const IdleResults& r, const IdleRu
     machine["kernel"] = std::string(u.sysname) + " " + u.release;
     machine["arch"] = u.machine;
   }
-  if (auto avail = workload::mem_available()) machine["mem_available_bytes_at_end"] = *avail;
+  if (auto avail = mem_available()) machine["mem_available_bytes_at_end"] = *avail;
   j["machine"] = machine;
   j["model"] = {{"path", info.model_path},
                 {"synthetic", info.synthetic_model},
@@ -160,10 +159,10 @@ void write_idle_json(const std::string& path, const IdleResults& r, const IdleRu
   }
   j["warmups"] = warmups;
   j["wall_seconds"] = r.wall_seconds;
-  write_text(path, j.dump(2) + "\n");
+  return write_text(path, j.dump(2) + "\n");
 }
 
-void write_idle_csv(const std::string& path, const IdleResults& r) { write_text(path, workload::format_idle_csv(r)); }
+Status write_idle_csv(const std::string& path, const IdleResults& r) { return write_text(path, format_idle_csv(r)); }
 
 std::string write_idle_plot(const std::string& path, const IdleResults& r, const IdleRunInfo& info) {
   if (!on_path("gnuplot")) return "gnuplot is not installed, so there is no plot (apt-get install gnuplot-nox)";
@@ -174,4 +173,4 @@ std::string write_idle_plot(const std::string& path, const IdleResults& r, const
   return "gnuplot failed to draw " + path + " (no png terminal?)";
 }
 
-}  // namespace residency::tool
+}  // namespace residency::workload
