@@ -1,9 +1,11 @@
-# Installs the library with a CMake package config (find_package(residency)) and a pkg-config
-# file (pkg-config --cflags --libs residency).
+# Installs the library with a CMake package config (find_package(residency): targets
+# residency::residency, the static library with the C and C++ API, and residency::shared,
+# libresidency.so with the C API) and pkg-config files (residency: the shared library and the C
+# API; residency-static: the static library, for C++).
 include(GNUInstallDirs)
 include(CMakePackageConfigHelpers)
 
-install(TARGETS residency EXPORT residencyTargets
+install(TARGETS residency residency_shared EXPORT residencyTargets
         ARCHIVE DESTINATION ${CMAKE_INSTALL_LIBDIR}
         LIBRARY DESTINATION ${CMAKE_INSTALL_LIBDIR}
         INCLUDES DESTINATION ${CMAKE_INSTALL_INCLUDEDIR})
@@ -26,4 +28,6 @@ endif()
 # Relocatable: the prefix is found from the .pc file's own location.
 file(RELATIVE_PATH RESIDENCY_PC_TO_PREFIX "/prefix/${CMAKE_INSTALL_LIBDIR}/pkgconfig" "/prefix")
 configure_file(cmake/residency.pc.in ${CMAKE_CURRENT_BINARY_DIR}/residency.pc @ONLY)
-install(FILES ${CMAKE_CURRENT_BINARY_DIR}/residency.pc DESTINATION ${CMAKE_INSTALL_LIBDIR}/pkgconfig)
+configure_file(cmake/residency-static.pc.in ${CMAKE_CURRENT_BINARY_DIR}/residency-static.pc @ONLY)
+install(FILES ${CMAKE_CURRENT_BINARY_DIR}/residency.pc ${CMAKE_CURRENT_BINARY_DIR}/residency-static.pc
+        DESTINATION ${CMAKE_INSTALL_LIBDIR}/pkgconfig)
