@@ -1,6 +1,8 @@
 // Core microbenchmarks. Each reports against a baseline measured in the same run:
-//   BM_Touch                   touch() on the hot path (target < 50 ns), next to
-//   BM_BaselineClockRead       one steady_clock read, the floor of any time-stamped touch.
+//   BM_Touch, BM_TouchRegion   touch() and touch(id) on the hot path (target < 10 ns), next to
+//   BM_BaselineClockRead       one steady_clock read, the floor of a precisely stamped touch, and
+//   BM_BaselineTouchBefore     the hot path this library had until 2026-12-01 (c1b06cb): a
+//                              steady_clock read and a sequentially consistent store and load.
 //   BM_RegisterUnregister      register + unregister of one region (fake backend: core cost).
 //   BM_Commits/batched:0|1     64 registrations, one commit per allocation (MLX) vs one per
 //                              touched set per batch; counters report commits per 64 regions.
@@ -36,6 +38,35 @@ void BM_BaselineClockRead(benchmark::State& state) {
   for (auto _ : state) benchmark::DoNotOptimize(std::chrono::steady_clock::now());
 }
 BENCHMARK(BM_BaselineClockRead)->ThreadRange(1, 2);
+
+// The floor of touch(): the coarse clock it stamps uses with (CLOCK_MONOTONIC_COARSE).
+void BM_BaselineCoarseClockRead(benchmark::State& state) {
+  for (auto _ : state) benchmark::DoNotOptimize(SteadyClock::instance().now_coarse());
+}
+BENCHMARK(BM_BaselineCoarseClockRead)->ThreadRange(1, 2);
+
+// The earlier touch(), reproduced: last_use.store(now) then fast.load(), both seq_cst.
+void BM_BaselineTouchBefore(benchmark::State& state) {
+  static std::atomic<std::int64_t> last_use{0};
+  static std::atomic<bool> fast{true};
+  for (auto _ : state) {
+    last_use.store(std::chrono::steady_clock::now().time_since_epoch().count());
+    if (!fast.load()) benchmark::DoNotOptimize(last_use);
+  }
+}
+BENCHMARK(BM_BaselineTouchBefore)->ThreadRange(1, 2);
+
+void BM_TouchRegion(benchmark::State& state) {
+  static std::unique_ptr<Manager> m;
+  static RegionId id = 0;
+  if (state.thread_index() == 0) {
+    m = make_manager(std::make_shared<FakeBackend>());
+    auto r = m->register_region(reinterpret_cast<void*>(std::uintptr_t(1) << 40), 64 << 20);
+    id = r ? *r : 0;
+  }
+  for (auto _ : state) m->touch(id);
+}
+BENCHMARK(BM_TouchRegion)->ThreadRange(1, 2);
 
 void BM_Touch(benchmark::State& state) {
   static std::unique_ptr<Manager> m;

@@ -29,6 +29,11 @@
 #include "residency/clock.hpp"
 #include "residency/status.hpp"
 
+// The version of this interface, for backends kept outside this repository: 2 since
+// end_residency / destroy_set return Status, pressure watches have ids and the hard limit is
+// reserved per manager (1: before 2026-12-01).
+#define RESIDENCY_BACKEND_INTERFACE_VERSION 2
+
 namespace residency {
 
 // What the memory holds, which decides what release may do with it.

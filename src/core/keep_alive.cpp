@@ -11,6 +11,7 @@ KeepAlive::Kind effective_kind(const KeepAlive& k) {
 
 KeepAliveState::KeepAliveState(const KeepAlive& policy, Clock& clock)
     : clock_(clock),
+      steady_(dynamic_cast<SteadyClock*>(&clock) != nullptr),
       kind_(effective_kind(policy)),
       duration_(policy.duration),
       rewires_on_use_(kind_ == KeepAlive::Kind::duration || kind_ == KeepAlive::Kind::forever) {

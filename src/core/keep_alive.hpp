@@ -19,6 +19,9 @@
 #include <atomic>
 #include <cstdint>
 #include <optional>
+#if defined(__linux__)
+#include <time.h>
+#endif
 
 #include "asymmetric_fence.hpp"
 #include "residency/clock.hpp"
@@ -36,16 +39,28 @@ class KeepAliveState {
   // only inside use scopes, off never.
   bool rewires_on_use() const { return kind_ == KeepAlive::Kind::duration || kind_ == KeepAlive::Kind::forever; }
 
+  // The coarse time, without a virtual call for the real clock (the common case).
+  std::int64_t now_coarse() const noexcept {
+#if defined(__linux__) && defined(CLOCK_MONOTONIC_COARSE)
+    if (steady_) {
+      timespec ts;
+      ::clock_gettime(CLOCK_MONOTONIC_COARSE, &ts);
+      return static_cast<std::int64_t>(ts.tv_sec) * 1'000'000'000 + ts.tv_nsec;
+    }
+#endif
+    return clock_.now_coarse().count();
+  }
+
   // Lock-free; true when the caller must re-wire (take the slow path).
-  bool touch() noexcept {
-    const std::int64_t t = clock_.now_coarse().count();
+  bool touch() noexcept { return touch_at(now_coarse()); }
+  bool touch_at(std::int64_t t) noexcept {
     // Skip the store when the stamp is already current: no cache-line write per call when
     // several threads decode at once.
     if (last_use_.load(std::memory_order_relaxed) != t) last_use_.store(t, std::memory_order_relaxed);
     light_fence();
     return rewires_on_use_ && !resident_.load(std::memory_order_relaxed);
   }
-  void note_use() noexcept { last_use_.store(clock_.now_coarse().count(), std::memory_order_relaxed); }
+  void note_use() noexcept { last_use_.store(now_coarse(), std::memory_order_relaxed); }
   std::int64_t last_use() const noexcept { return last_use_.load(std::memory_order_relaxed); }
 
   bool resident() const noexcept { return resident_.load(std::memory_order_relaxed); }
@@ -63,6 +78,7 @@ class KeepAliveState {
 
  private:
   Clock& clock_;
+  const bool steady_;  // clock_ is SteadyClock: its coarse time is read inline
   const KeepAlive::Kind kind_;
   const Nanos duration_;
   const bool rewires_on_use_;

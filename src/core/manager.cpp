@@ -266,7 +266,7 @@ struct Manager::Impl {
 
   Result<RegionId> register_locked(const RegionDesc& d, int priority) {
     if (Status s = limits.check_track(regions.tracked_bytes(), d.size); !s) return s;
-    auto inserted = regions.insert(d, priority, clock->now_coarse().count());
+    auto inserted = regions.insert(d, priority, ka.now_coarse());
     if (!inserted) return inserted.status();
     Region& r = **inserted;
     if (log.enabled(LogLevel::debug)) {
@@ -449,18 +449,29 @@ std::uint64_t Manager::wired_limit() const {
   return impl_->budget.limit();
 }
 
+namespace {
+// The slow path of touch(): the memory was released; wire it again before the caller computes.
+[[gnu::noinline]] void rewire_after_release(Manager::Impl& m);
+}  // namespace
+
 void Manager::touch() noexcept {
   Impl& m = *impl_;
-  if (!m.ka.touch()) return;
-  // Slow path: the memory was released; wire it again before the caller computes.
-  std::lock_guard<std::mutex> g(m.mu);
-  if (!m.ka.resident()) m.wire("touch after release");
+  if (m.ka.touch()) rewire_after_release(m);
 }
 
 void Manager::touch(RegionId id) noexcept {
-  impl_->regions.touch(id, impl_->clock->now_coarse().count());
-  touch();
+  Impl& m = *impl_;
+  const std::int64_t t = m.ka.now_coarse();  // one clock read for both stamps
+  m.regions.touch(id, t);
+  if (m.ka.touch_at(t)) rewire_after_release(m);
 }
+
+namespace {
+void rewire_after_release(Manager::Impl& m) {
+  std::lock_guard<std::mutex> g(m.mu);
+  if (!m.ka.resident()) m.wire("touch after release");
+}
+}  // namespace
 
 void Manager::prefetch() noexcept {
   Impl& m = *impl_;
