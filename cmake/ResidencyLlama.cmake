@@ -1,0 +1,44 @@
+# llama.cpp, as scripts/llama-cpp builds and installs it (outside the checkout, in the cache):
+#   ${RESIDENCY_CACHE:-$HOME/.cache/residency}/llama.cpp-<tag>
+# Sets RESIDENCY_HAVE_LLAMA (the imported target `llama` exists) and RESIDENCY_LLAMA_REASON
+# (why not, when not). What needs llama.cpp is built only when it is found; with
+# RESIDENCY_REQUIRE_LLAMA (CI) a missing llama.cpp is a configure error instead.
+set(RESIDENCY_LLAMA_TAG v0.4.0)                      # keep in step with scripts/llama-cpp
+set(RESIDENCY_LLAMA_COMMIT 80fb11a)
+
+if(DEFINED ENV{RESIDENCY_CACHE} AND NOT "$ENV{RESIDENCY_CACHE}" STREQUAL "")
+  set(_residency_llama_default "$ENV{RESIDENCY_CACHE}/llama.cpp-${RESIDENCY_LLAMA_TAG}")
+else()
+  set(_residency_llama_default "$ENV{HOME}/.cache/residency/llama.cpp-${RESIDENCY_LLAMA_TAG}")
+endif()
+set(RESIDENCY_LLAMA_DIR "${_residency_llama_default}" CACHE PATH
+    "llama.cpp install prefix (scripts/llama-cpp prints it)")
+option(RESIDENCY_WITH_LLAMA "Build what needs llama.cpp when it is found" ON)
+option(RESIDENCY_REQUIRE_LLAMA "A llama.cpp that is not found is an error, not a skip (CI)" OFF)
+
+set(RESIDENCY_HAVE_LLAMA OFF)
+set(RESIDENCY_LLAMA_REASON "")
+if(NOT RESIDENCY_WITH_LLAMA)
+  set(RESIDENCY_LLAMA_REASON "llama.cpp disabled (RESIDENCY_WITH_LLAMA=OFF)")
+else()
+  # (A llama_DIR left by an earlier configure that no longer holds the package is ignored by
+  # find_package, which then searches again.)
+  find_package(llama CONFIG QUIET HINTS "${RESIDENCY_LLAMA_DIR}")
+  if(llama_FOUND AND TARGET llama)
+    set(RESIDENCY_HAVE_LLAMA ON)
+    if(NOT LLAMA_BUILD_COMMIT STREQUAL RESIDENCY_LLAMA_COMMIT)
+      message(WARNING "residency: llama.cpp at ${llama_DIR} is commit ${LLAMA_BUILD_COMMIT}, "
+                      "not ${RESIDENCY_LLAMA_COMMIT} (${RESIDENCY_LLAMA_TAG}) that scripts/llama-cpp builds")
+    endif()
+    message(STATUS "residency: llama.cpp ${LLAMA_VERSION} (commit ${LLAMA_BUILD_COMMIT}) at ${llama_DIR}")
+  else()
+    set(RESIDENCY_LLAMA_REASON "llama.cpp not found at ${RESIDENCY_LLAMA_DIR}, run scripts/llama-cpp (then cmake again)")
+  endif()
+endif()
+
+if(NOT RESIDENCY_HAVE_LLAMA)
+  if(RESIDENCY_REQUIRE_LLAMA)
+    message(FATAL_ERROR "residency: ${RESIDENCY_LLAMA_REASON} (RESIDENCY_REQUIRE_LLAMA is ON)")
+  endif()
+  message(STATUS "residency: ${RESIDENCY_LLAMA_REASON}; the llama tests are skipped")
+endif()
