@@ -28,13 +28,13 @@ ToolRun run_tool(const std::string& args) {
 TEST(ToolMain, WithoutASubcommandItShowsTheSubcommandsAndExits2) {
   const ToolRun r = run_tool("");
   EXPECT_EQ(r.status, 2);
-  for (const char* name : {"idle", "make-model", "stat"}) EXPECT_NE(r.output.find(name), std::string::npos) << r.output;
+  for (const char* name : {"hold", "idle", "make-model", "stat"}) EXPECT_NE(r.output.find(name), std::string::npos) << r.output;
 }
 
 TEST(ToolMain, AnUnknownSubcommandIsNamedWithTheAcceptedOnes) {
   const ToolRun r = run_tool("idel");
   EXPECT_EQ(r.status, 2);
-  EXPECT_NE(r.output.find("unknown subcommand 'idel'; accepted: idle, make-model, stat"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("unknown subcommand 'idel'; accepted: hold, idle, make-model, stat"), std::string::npos) << r.output;
   EXPECT_EQ(std::count(r.output.begin(), r.output.end(), '\n'), 1) << "one line: " << r.output;
 }
 

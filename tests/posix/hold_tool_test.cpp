@@ -1,0 +1,158 @@
+// `residency hold FILE...` as a user runs it: the kernel holds the file's pages locked in the
+// hold process (its VmLck), pageout from another process evicts none of them (the page cache is
+// shared), SIGTERM unlocks and exits 0, a keep-alive ends the hold by itself, and each bad input
+// is one line and exit status 2.
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/wait.h>
+
+#include <chrono>
+#include <cstdio>
+#include <algorithm>
+#include <fstream>
+#include <string>
+#include <thread>
+
+#include "posix_test_support.hpp"
+
+#ifndef RESIDENCY_TOOL_PATH
+#error "RESIDENCY_TOOL_PATH must name the residency binary (tests/posix/CMakeLists.txt)"
+#endif
+
+namespace {
+
+using namespace residency::posix_test;
+using namespace std::chrono_literals;
+
+// The temporary file is unlinked; another process opens it through our descriptor.
+std::string path_of(const TempMappedFile& f) {
+  return "/proc/" + std::to_string(::getpid()) + "/fd/" + std::to_string(f.fd());
+}
+
+// A child running `residency hold ARGS` with stdout and stderr in files.
+struct Hold {
+  pid_t pid = -1;
+  std::string out_path, err_path;
+  explicit Hold(const std::vector<std::string>& args, const std::string& dir) {
+    out_path = dir + "/hold.out";
+    err_path = dir + "/hold.err";
+    pid = ::fork();
+    if (pid == 0) {
+      std::freopen(out_path.c_str(), "w", stdout);
+      std::freopen(err_path.c_str(), "w", stderr);
+      std::vector<char*> argv;
+      argv.push_back(const_cast<char*>(RESIDENCY_TOOL_PATH));
+      argv.push_back(const_cast<char*>("hold"));
+      for (auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
+      argv.push_back(nullptr);
+      ::execv(RESIDENCY_TOOL_PATH, argv.data());
+      ::_exit(127);
+    }
+  }
+  std::string out() const { return slurp(out_path); }
+  std::string err() const { return slurp(err_path); }
+  static std::string slurp(const std::string& p) {
+    std::ifstream f(p);
+    return std::string(std::istreambuf_iterator<char>(f), {});
+  }
+  std::uint64_t vm_lck() const {
+    std::ifstream f("/proc/" + std::to_string(pid) + "/status");
+    std::string line;
+    while (std::getline(f, line))
+      if (line.rfind("VmLck:", 0) == 0) return std::stoull(line.substr(6)) * 1024;
+    return 0;
+  }
+  // Waits up to `limit` for the child to exit; its exit status, or -1.
+  int wait_exit(std::chrono::milliseconds limit) {
+    const auto t0 = std::chrono::steady_clock::now();
+    while (std::chrono::steady_clock::now() - t0 < limit) {
+      int st = 0;
+      if (::waitpid(pid, &st, WNOHANG) == pid) {
+        pid = -1;
+        return WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
+      }
+      std::this_thread::sleep_for(10ms);
+    }
+    return -1;
+  }
+  bool wait_for_output(const std::string& needle, std::chrono::milliseconds limit) const {
+    const auto t0 = std::chrono::steady_clock::now();
+    while (std::chrono::steady_clock::now() - t0 < limit) {
+      if (out().find(needle) != std::string::npos) return true;
+      std::this_thread::sleep_for(10ms);
+    }
+    return false;
+  }
+  ~Hold() {
+    if (pid > 0) {
+      ::kill(pid, SIGKILL);
+      ::waitpid(pid, nullptr, 0);
+    }
+  }
+};
+
+TEST(HoldTool, HoldsAFileAgainstPageoutFromAnotherProcessUntilSigterm) {
+  if (auto why = pageout_unsupported_reason()) GTEST_SKIP() << *why;
+  constexpr std::size_t kSize = 64 * MiB;
+  TempMappedFile model(kSize);
+  ASSERT_TRUE(model.ok()) << model.error();
+  model.touch_all();
+  const std::string dir = ::testing::TempDir();
+  Hold h({path_of(model), "--keep-alive", "forever"}, dir);
+  ASSERT_GT(h.pid, 0);
+  ASSERT_TRUE(h.wait_for_output("holding", 10s)) << h.out() << h.err();
+  EXPECT_NE(h.out().find("holding 64 MiB of 64 MiB in 1 file(s)"), std::string::npos) << h.out();
+  EXPECT_EQ(h.vm_lck(), kSize) << "the hold process locks the whole file";
+  // Pressure made repeatable, from this process: reclaim every page of our own mapping of the
+  // same file. The hold process's locks keep the shared page-cache pages.
+  model.page_out();
+  EXPECT_EQ(model.resident_fraction(), 1.0) << "pageout evicted pages the hold process locks";
+  ASSERT_EQ(::kill(h.pid, SIGTERM), 0);
+  EXPECT_EQ(h.wait_exit(5s), 0) << h.out() << h.err();
+  EXPECT_NE(h.out().find("unlocking and exiting"), std::string::npos) << h.out();
+  // Unlocked: pageout takes the pages now.
+  model.page_out();
+  EXPECT_LT(model.resident_fraction(), 0.10);
+}
+
+TEST(HoldTool, AKeepAliveEndsTheHoldByItself) {
+  TempMappedFile model(4 * MiB);
+  ASSERT_TRUE(model.ok()) << model.error();
+  const auto t0 = std::chrono::steady_clock::now();
+  Hold h({path_of(model), "--keep-alive", "500ms", "--quiet"}, ::testing::TempDir());
+  EXPECT_EQ(h.wait_exit(5s), 0) << h.out() << h.err();
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_GE(s, 0.5);
+  EXPECT_LT(s, 3.0);
+  EXPECT_NE(h.out().find("keep-alive 500 ms expired); exiting"), std::string::npos) << h.out();
+  EXPECT_EQ(h.err(), "") << "--quiet: no info lines";
+}
+
+TEST(HoldTool, BadInputIsOneLineAndExitStatus2) {
+  TempMappedFile model(1 * MiB);
+  ASSERT_TRUE(model.ok()) << model.error();
+  const std::string dir = ::testing::TempDir();
+  struct Case {
+    std::vector<std::string> args;
+    const char* says;
+  };
+  const Case cases[] = {
+      {{}, "FILE is required"},
+      {{"/nonexistent/model.gguf"}, "cannot open '/nonexistent/model.gguf'"},
+      {{"/tmp"}, "is not a regular file"},
+      {{"/dev/null"}, "is not a regular file"},
+      {{path_of(model), "--keep-alive", "0"}, "hold has no uses"},
+      {{path_of(model), "--keep-alive", "soon"}, "--keep-alive: "},
+      {{path_of(model), "--wired-limit", "lots"}, "--wired-limit: "},
+  };
+  for (const auto& c : cases) {
+    Hold h(c.args, dir);
+    EXPECT_EQ(h.wait_exit(5s), 2) << c.says;
+    const std::string err = h.err();
+    EXPECT_NE(err.find(c.says), std::string::npos) << err;
+    EXPECT_LE(std::count(err.begin(), err.end(), '\n'), 2) << err;  // the line (+ CLI11's hint)
+    EXPECT_EQ(h.out(), "");
+  }
+}
+
+}  // namespace

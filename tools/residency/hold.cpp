@@ -1,0 +1,234 @@
+// residency hold FILE...: keep files resident for whoever maps them.
+//
+// A file's page cache is shared by every process that maps it, so locking the pages here keeps
+// a model resident for a llama.cpp server that maps the same file, without touching the server:
+// vmtouch's `-l`, under the library's policy, budget and pressure settings. The files are mapped
+// read-only and registered as weights (earlier files first when the budget must choose), on the
+// posix backend. It holds until SIGINT/SIGTERM/SIGHUP (then unlocks everything and exits 0), or
+// until the memory is released: the keep-alive expired (hold itself never uses the files, so a
+// duration means "hold for this long") or memory pressure with --release-on-pressure; then it
+// says why and exits 0. Waiting costs nothing: one poll() on a signalfd and a pipe.
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/mman.h>
+#include <sys/signalfd.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "command.hpp"
+#include "residency/backends.hpp"
+#include "residency/config.hpp"
+#include "residency/residency.hpp"
+
+namespace residency::tool {
+namespace {
+
+struct HoldOptions {
+  std::vector<std::string> files;
+  std::string keep_alive;   // "" = RESIDENCY_KEEP_ALIVE, else forever
+  std::string wired_limit;  // "" = RESIDENCY_WIRED_LIMIT, else the recommended working set
+  bool release_on_pressure = false;
+  bool quiet = false;
+};
+
+// A file mapped read-only for as long as the object lives.
+class MappedFile {
+ public:
+  static MappedFile open(const std::string& path) {
+    MappedFile f;
+    f.path_ = path;
+    const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd < 0) throw BadInput("cannot open '" + path + "': " + std::strerror(errno));
+    struct stat st {};
+    if (::fstat(fd, &st) != 0) {
+      const int err = errno;
+      ::close(fd);
+      throw BadInput("cannot stat '" + path + "': " + std::strerror(err));
+    }
+    if (!S_ISREG(st.st_mode)) {
+      ::close(fd);
+      throw BadInput("'" + path + "' is not a regular file; hold takes files (a model, its shards)");
+    }
+    if (st.st_size == 0) {
+      ::close(fd);
+      throw BadInput("'" + path + "' is empty; there is nothing to hold");
+    }
+    f.size_ = static_cast<std::size_t>(st.st_size);
+    void* p = ::mmap(nullptr, f.size_, PROT_READ, MAP_SHARED, fd, 0);
+    const int err = errno;
+    ::close(fd);
+    if (p == MAP_FAILED) throw BadInput("cannot map '" + path + "': " + std::strerror(err));
+    f.data_ = p;
+    return f;
+  }
+  MappedFile() = default;
+  MappedFile(MappedFile&& o) noexcept : path_(std::move(o.path_)), data_(o.data_), size_(o.size_) { o.data_ = nullptr; }
+  MappedFile& operator=(MappedFile&&) = delete;
+  ~MappedFile() {
+    if (data_) ::munmap(data_, size_);
+  }
+  void* data() const { return data_; }
+  std::size_t size() const { return size_; }
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string path_;
+  void* data_ = nullptr;
+  std::size_t size_ = 0;
+};
+
+Config hold_config(const HoldOptions& o) {
+  auto c = Config::from_env();
+  if (!c) throw BadInput(c.message());
+  Config config = *c;
+  if (!o.keep_alive.empty()) {
+    auto k = parse_keep_alive(o.keep_alive);
+    if (!k) throw BadInput("--keep-alive: " + k.message());
+    config.keep_alive = *k;
+  } else if (std::getenv("RESIDENCY_KEEP_ALIVE") == nullptr && std::getenv("GGML_METAL_RESIDENCY_KEEP_ALIVE_S") == nullptr &&
+             std::getenv("GGML_METAL_NO_RESIDENCY") == nullptr) {
+    config.keep_alive = KeepAlive::forever();  // vmtouch -l holds until stopped
+  }
+  if (config.keep_alive.kind == KeepAlive::Kind::zero || config.keep_alive.kind == KeepAlive::Kind::off)
+    throw BadInput("keep-alive " + config.keep_alive.to_string() +
+                   " wires nothing outside a use, and hold has no uses; give a duration (how long to hold) or forever");
+  if (!o.wired_limit.empty()) {
+    auto w = parse_wired_limit(o.wired_limit);
+    if (!w) throw BadInput("--wired-limit: " + w.message());
+    config.wired_limit = *w;
+  }
+  if (o.release_on_pressure) config.release_on_pressure = true;
+  return config;
+}
+
+// The write end of a pipe the log callback signals when the manager releases.
+std::atomic<int> g_released_fd{-1};
+
+int run_hold(const HoldOptions& o) {
+  const Config config = hold_config(o);
+  std::vector<MappedFile> files;
+  for (const auto& path : o.files) files.push_back(MappedFile::open(path));
+
+  auto backend = make_backend("posix");
+  if (!backend) throw std::runtime_error(backend.message());
+
+  // Signals are taken through a signalfd: block them before any thread exists, so the manager's
+  // threads inherit the mask and the process only ends through the clean path below.
+  sigset_t mask;
+  sigemptyset(&mask);
+  for (int s : {SIGINT, SIGTERM, SIGHUP}) sigaddset(&mask, s);
+  if (pthread_sigmask(SIG_BLOCK, &mask, nullptr) != 0) throw std::runtime_error("cannot block signals");
+  const int sfd = ::signalfd(-1, &mask, SFD_CLOEXEC);
+  int released[2] = {-1, -1};
+  if (sfd < 0 || ::pipe2(released, O_CLOEXEC | O_NONBLOCK) != 0) throw std::runtime_error(std::string("signalfd/pipe: ") + std::strerror(errno));
+  g_released_fd = released[1];
+  std::mutex reason_mu;  // the reason is written on the scheduler's thread, read here
+  std::string release_reason;
+
+  ManagerOptions mo;
+  mo.config = config;
+  mo.backend = *backend;
+  mo.log = [&release_reason, &reason_mu, quiet = o.quiet, level = config.log_level](LogLevel l, std::string_view msg) {
+    // Called with the manager's lock held: only note and signal.
+    if (l == LogLevel::info && msg.rfind("released ", 0) == 0) {
+      {
+        std::lock_guard<std::mutex> g(reason_mu);
+        release_reason = std::string(msg);
+      }
+      const char b = 1;
+      if (::write(g_released_fd.load(), &b, 1) < 0) { /* the pipe is full: a wake-up is pending already */ }
+    }
+    if (!quiet || l <= LogLevel::warn)
+      if (static_cast<int>(l) <= static_cast<int>(level)) log_to_stderr(l, msg);
+  };
+  auto manager = Manager::create(mo);
+  if (!manager) throw BadInput(manager.message());
+  std::vector<RegionId> ids;
+  {
+    auto batch = (*manager)->batch();
+    int priority = static_cast<int>(files.size());
+    for (auto& f : files) {
+      auto id = (*manager)->register_region(f.data(), f.size(), RegionClass::weights, priority--);
+      if (!id) throw BadInput("'" + f.path() + "': " + id.message());
+      ids.push_back(*id);
+    }
+  }
+  const Stats s = (*manager)->stats();
+  std::printf("residency hold: holding %s of %s in %zu file(s) (keep-alive %s, wired limit %s%s)\n",
+              format_size(s.wired_bytes).c_str(), format_size(s.tracked_bytes).c_str(), files.size(),
+              config.keep_alive.to_string().c_str(), format_size(s.wired_limit).c_str(),
+              config.release_on_pressure ? ", release on pressure" : "");
+  if (s.pending_bytes > 0)
+    std::printf("residency hold: %s is not wired: over the wired limit of %s (--wired-limit, RESIDENCY_WIRED_LIMIT)\n",
+                format_size(s.pending_bytes).c_str(), format_size(s.wired_limit).c_str());
+  if (s.wired_bytes < s.admitted_bytes)
+    std::printf("residency hold: %s is not wired: the kernel refused it (the warning above says why)\n",
+                format_size(s.admitted_bytes - s.wired_bytes).c_str());
+  std::fflush(stdout);
+  int status = kExitOk;
+  if (s.wired_bytes == 0) {
+    std::fprintf(stderr, "residency hold: nothing could be wired; exiting\n");
+    status = kExitFailure;
+  } else {
+    pollfd fds[2] = {{sfd, POLLIN, 0}, {released[0], POLLIN, 0}};
+    for (;;) {
+      if (::poll(fds, 2, -1) < 0) {
+        if (errno == EINTR) continue;
+        break;
+      }
+      if (fds[0].revents & POLLIN) {
+        signalfd_siginfo si{};
+        if (::read(sfd, &si, sizeof si) == sizeof si)
+          std::printf("residency hold: %s: unlocking and exiting\n", strsignal(static_cast<int>(si.ssi_signo)));
+        break;
+      }
+      if (fds[1].revents & POLLIN) {
+        std::lock_guard<std::mutex> g(reason_mu);
+        std::printf("residency hold: %s; exiting\n", release_reason.c_str());
+        break;
+      }
+    }
+  }
+  std::fflush(stdout);
+  for (RegionId id : ids) (void)(*manager)->unregister_region(id);  // unlocks
+  manager->reset();
+  g_released_fd = -1;
+  ::close(released[0]);
+  ::close(released[1]);
+  ::close(sfd);
+  return status;
+}
+
+const Command cmd{"hold", "keep files resident (locked) for every process that maps them, under a keep-alive and a budget",
+                  [](CLI::App& app) {
+                    auto o = std::make_shared<HoldOptions>();
+                    app.add_option("FILE", o->files, "files to hold (a model, its shards); earlier files win when the budget must choose")
+                        ->required();
+                    app.add_option("--keep-alive", o->keep_alive,
+                                   "how long to hold: a duration (500ms, 30m, 2h) or forever; default RESIDENCY_KEEP_ALIVE, "
+                                   "else forever");
+                    app.add_option("--wired-limit", o->wired_limit,
+                                   "most to lock: bytes (8GiB) or a percent of the recommended working set (50%); default "
+                                   "RESIDENCY_WIRED_LIMIT, else the recommended working set");
+                    app.add_flag("--release-on-pressure", o->release_on_pressure,
+                                 "give everything back when the kernel reports memory pressure (PSI), then exit");
+                    app.add_flag("-q,--quiet", o->quiet, "only warnings and errors from the library");
+                    app.footer(
+                        "Stops on SIGINT, SIGTERM or SIGHUP (unlocking everything), or when the keep-alive expires or "
+                        "memory pressure releases the files; exit status 0. Bad input: exit 2. Nothing could be wired: "
+                        "exit 1. Also honours RESIDENCY_* (the options win).");
+                    return [o] { return run_hold(*o); };
+                  }};
+
+}  // namespace
+}  // namespace residency::tool
