@@ -1,11 +1,12 @@
 // A small engine on llama.cpp's public API with residency embedded: the few lines an engine
 // needs, each marked "residency:". It loads a GGUF model (llama.cpp maps it), registers the
-// model's file with a residency manager (a read-only mapping of the same file: the page cache is
-// shared, so locking it keeps llama.cpp's own mapping resident), then serves a few "requests":
-// prefetch() when a request arrives, touch() before every decode, greedy decoding.
+// mapping llama.cpp made of the model file with a residency manager (found by the file's device
+// and inode in /proc/self/maps: llama.cpp does not publish it), then serves "requests": prefetch()
+// when a request arrives, touch() before every decode, greedy decoding.
 //
-//   llama_engine MODEL.gguf [REQUESTS] [TOKENS] [PAUSE_MS]
+//   llama_engine MODEL.gguf [REQUESTS] [TOKENS] [PAUSES_MS]
 //   RESIDENCY_KEEP_ALIVE=2s llama_engine model.gguf 3 8 500
+// PAUSES_MS is the pause before each request, a number or a comma-separated list (cycled).
 //
 // Prints the tokens of each request with its time to first token, and what the kernel says is
 // locked (VmLck). Exit status 2 for bad input (arguments, RESIDENCY_* values, a model llama.cpp
@@ -13,8 +14,10 @@
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/sysmacros.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -38,6 +41,24 @@ long long vm_lck_bytes() {
   return -1;
 }
 
+// The range of this process's mapping of the file (dev, inode), as /proc/self/maps lists it;
+// {nullptr, 0} when there is none (llama.cpp read the file instead: --no-mmap, or Windows).
+std::pair<void*, std::size_t> mapping_of(dev_t dev, ino_t ino) {
+  std::ifstream maps("/proc/self/maps");
+  std::string line;
+  std::uintptr_t lo = 0, hi = 0;
+  while (std::getline(maps, line)) {
+    unsigned long long b = 0, e = 0, off = 0, inode = 0;
+    unsigned dmaj = 0, dmin = 0;
+    char perms[8] = {};
+    if (std::sscanf(line.c_str(), "%llx-%llx %7s %llx %x:%x %llu", &b, &e, perms, &off, &dmaj, &dmin, &inode) != 7) continue;
+    if (inode != ino || makedev(dmaj, dmin) != dev) continue;
+    if (lo == 0 || b < lo) lo = b;
+    if (e > hi) hi = e;
+  }
+  return {reinterpret_cast<void*>(lo), hi - lo};
+}
+
 bool parse_count(const char* text, long lo, long hi, long* out) {
   char* end = nullptr;
   errno = 0;
@@ -50,10 +71,23 @@ bool parse_count(const char* text, long lo, long hi, long* out) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  long requests = 3, tokens = 8, pause_ms = 0;
-  if (argc < 2 || argc > 5 || (argc > 2 && !parse_count(argv[2], 1, 1000, &requests)) ||
-      (argc > 3 && !parse_count(argv[3], 1, 4096, &tokens)) || (argc > 4 && !parse_count(argv[4], 0, 3600000, &pause_ms))) {
-    std::fprintf(stderr, "usage: llama_engine MODEL.gguf [REQUESTS 1-1000] [TOKENS 1-4096] [PAUSE_MS 0-3600000]\n");
+  long requests = 3, tokens = 8;
+  std::vector<long> pauses{0};
+  bool ok = argc >= 2 && argc <= 5 && (argc <= 2 || parse_count(argv[2], 1, 1000, &requests)) &&
+            (argc <= 3 || parse_count(argv[3], 1, 4096, &tokens));
+  if (ok && argc > 4) {
+    pauses.clear();
+    std::string list = argv[4];
+    for (std::size_t at = 0; ok && at <= list.size();) {
+      const std::size_t comma = std::min(list.find(',', at), list.size());
+      long p = 0;
+      ok = parse_count(list.substr(at, comma - at).c_str(), 0, 3600000, &p);
+      pauses.push_back(p);
+      at = comma + 1;
+    }
+  }
+  if (!ok) {
+    std::fprintf(stderr, "usage: llama_engine MODEL.gguf [REQUESTS 1-1000] [TOKENS 1-4096] [PAUSES_MS 0-3600000[,...]]\n");
     return 2;
   }
   const char* path = argv[1];
@@ -89,19 +123,18 @@ int main(int argc, char** argv) {
     return 2;
   }
 
-  // residency: register the model. llama.cpp keeps its own mapping private, so map the same file
-  // read-only: both mappings share the page cache, and what is locked here stays resident there.
-  const int fd = ::open(path, O_RDONLY | O_CLOEXEC);
+  // residency: register the model: the mapping llama.cpp made of the file.
   struct stat st {};
-  void* weights = MAP_FAILED;
-  if (fd >= 0 && ::fstat(fd, &st) == 0 && st.st_size > 0)
-    weights = ::mmap(nullptr, static_cast<std::size_t>(st.st_size), PROT_READ, MAP_SHARED, fd, 0);
-  if (fd >= 0) ::close(fd);
   residency::RegionId id = 0;
-  if (weights != MAP_FAILED) {
-    auto r = (*manager)->register_region(weights, static_cast<std::size_t>(st.st_size), residency::RegionClass::weights);
-    if (r) id = *r;
-    else std::fprintf(stderr, "llama_engine: not managed: %s\n", r.message().c_str());
+  if (::stat(path, &st) == 0) {
+    const auto [base, size] = mapping_of(st.st_dev, st.st_ino);
+    if (size > 0) {
+      auto r = (*manager)->register_region(base, size, residency::RegionClass::weights);
+      if (r) id = *r;
+      else std::fprintf(stderr, "llama_engine: not managed: %s\n", r.message().c_str());
+    } else {
+      std::fprintf(stderr, "llama_engine: llama.cpp did not map %s; nothing to keep resident\n", path);
+    }
   }
 
   llama_context_params cp = llama_context_default_params();
@@ -122,7 +155,8 @@ int main(int argc, char** argv) {
 
   int status = 0;
   for (long r = 0; r < requests && status == 0; ++r) {
-    if (r > 0 && pause_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(pause_ms));
+    const long pause_ms = pauses[static_cast<std::size_t>(r) % pauses.size()];
+    if (pause_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(pause_ms));
     const auto t0 = std::chrono::steady_clock::now();
     (*manager)->prefetch();  // residency: a request arrived; re-wire in the background
     llama_memory_clear(llama_get_memory(ctx), true);
@@ -146,16 +180,16 @@ int main(int argc, char** argv) {
       tok = best;
     }
     std::printf("request %ld: first token %.2f ms, tokens %s, VmLck %lld\n", r, first_ms, out.c_str(), vm_lck_bytes());
+    std::fflush(stdout);
   }
   const residency::Stats s = (*manager)->stats();
   std::printf("llama_engine: wired %llu of %llu bytes, %llu release(s), %llu re-wire(s)\n",
               static_cast<unsigned long long>(s.wired_bytes), static_cast<unsigned long long>(s.tracked_bytes),
               static_cast<unsigned long long>(s.releases), static_cast<unsigned long long>(s.rewires));
 
+  if (id != 0) (void)(*manager)->unregister_region(id);  // residency: before llama.cpp unmaps it
   llama_free(ctx);
   llama_model_free(model);
   llama_backend_free();
-  if (id != 0) (void)(*manager)->unregister_region(id);  // residency: before the mapping goes
-  if (weights != MAP_FAILED) ::munmap(weights, static_cast<std::size_t>(st.st_size));
   return status;
 }

@@ -1,0 +1,212 @@
+// residency llama-idle [MODEL.gguf]: llama.cpp's own llama-idle, unmodified, side by side in
+// several configurations (llama.cpp's mmap default, --mlock, residency through the preload with a
+// keep-alive and with 0, --no-mmap, and the linked example engine), under pressure from outside.
+// The runner is src/workload/llama_idle.*; this file parses, finds the binaries, prints, writes.
+#include <limits.h>
+#include <unistd.h>
+
+#include <nlohmann/json.hpp>
+
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <memory>
+#include <optional>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "command.hpp"
+#include "residency/config.hpp"
+#include "workload/cleanup.hpp"
+#include "workload/gguf_writer.hpp"
+#include "workload/idle_report.hpp"
+#include "workload/llama_idle.hpp"
+
+namespace residency::tool {
+namespace {
+
+namespace fs = std::filesystem;
+using namespace residency::workload;
+
+constexpr const char* kLlamaTag = "v0.4.0";  // what scripts/llama-cpp builds
+
+struct Args {
+  std::string model, llama_dir, preload, engine, configs, keep_alive = "2s", pressure = "pageout", out,
+      model_size = "1GiB";
+  int rounds = 1;
+  bool plot = true;
+};
+
+std::string exe_dir() {
+  char buf[PATH_MAX];
+  const ssize_t n = ::readlink("/proc/self/exe", buf, sizeof buf - 1);
+  if (n <= 0) return ".";
+  buf[n] = '\0';
+  return fs::path(buf).parent_path().string();
+}
+
+std::string first_existing(const std::vector<std::string>& candidates) {
+  for (const auto& c : candidates)
+    if (!c.empty() && ::access(c.c_str(), R_OK) == 0) return c;
+  return candidates.empty() ? "" : candidates.front();
+}
+
+std::string default_llama_dir() {
+  if (const char* d = std::getenv("RESIDENCY_LLAMA_DIR"); d && *d) return d;
+  std::string cache;
+  if (const char* c = std::getenv("RESIDENCY_CACHE"); c && *c) cache = c;
+  else cache = std::string(std::getenv("HOME") ? std::getenv("HOME") : "/root") + "/.cache/residency";
+  return cache + "/llama.cpp-" + kLlamaTag;
+}
+
+class Printer : public LlamaIdleObserver {
+ public:
+  void child_starts(const LlamaIdleConfig& c, int round) override {
+    std::printf("== %s (round %d)\n", c.name.c_str(), round + 1);
+    std::fflush(stdout);
+  }
+  void child_line(const LlamaIdleConfig&, const std::string& line) override {
+    if (line.rfind("  - decode time:", 0) == 0 || line.rfind("iters:", 0) == 0 || line.rfind("request ", 0) == 0) {
+      std::printf("%s\n", line.c_str());
+      std::fflush(stdout);
+    }
+  }
+};
+
+int run(const Args& a) {
+  LlamaIdleOptions o;
+  const std::string dir = a.llama_dir.empty() ? default_llama_dir() : a.llama_dir;
+  o.llama_idle = dir + "/bin/llama-idle";
+  const std::string here = exe_dir();
+  o.preload = !a.preload.empty() ? a.preload
+                                 : first_existing({here + "/../lib/libresidency_preload.so",
+                                                   here + "/../../src/preload/libresidency_preload.so",
+                                                   here + "/libresidency_preload.so"});
+  o.engine = !a.engine.empty() ? a.engine
+                               : first_existing({here + "/llama_engine", here + "/../../examples/llama_engine/llama_engine"});
+  auto ka = parse_keep_alive(a.keep_alive);
+  if (!ka) throw BadInput("--keep-alive: " + ka.message());
+  if (ka->kind != KeepAlive::Kind::duration) throw BadInput("--keep-alive " + a.keep_alive + ": give a duration (e.g. 2s)");
+  o.keep_alive = ka->duration;
+  auto pressure = parse_pressure(a.pressure);
+  if (!pressure) throw BadInput("--pressure: " + pressure.message());
+  o.pressure = *pressure;
+  o.rounds = a.rounds;
+  std::string configs = a.configs;
+  if (configs.empty()) {  // every configuration whose binary is here
+    configs = "mmap,mlock";
+    if (::access(o.preload.c_str(), R_OK) == 0) configs += ",keep-alive,0";
+    else std::printf("note: no libresidency_preload.so at %s: the preload configurations are left out\n", o.preload.c_str());
+    configs += ",no-mmap";
+    if (::access(o.engine.c_str(), X_OK) == 0) configs += ",engine";
+  }
+  std::stringstream ss(configs);
+  for (std::string id; std::getline(ss, id, ',');) o.configs.push_back(id);
+  if (o.configs.empty()) throw BadInput("--configs: empty");
+
+  // The model: given, or a synthetic one (removed afterwards).
+  std::optional<TempDir> work;
+  if (a.model.empty()) {
+    auto size = parse_size(a.model_size);
+    if (!size) throw BadInput("--model-size: " + size.message());
+    auto shape = plan_llama_shape(*size, GgmlType::f16);
+    if (!shape) throw BadInput("--model-size: " + shape.message());
+    CleanupRegistry::install_signal_handlers();
+    auto d = TempDir::create(::access("/var/tmp", W_OK) == 0 ? "/var/tmp" : "/tmp", "residency-llama-idle-model-");
+    if (!d) throw std::runtime_error(d.message());
+    work.emplace(std::move(d).value());
+    o.model = work->track("model.gguf");
+    // Everything but the model is checked before a model is written.
+    if (Status st = check_llama_idle_options(o, /*check_model=*/false); !st) throw BadInput(st.message());
+    std::printf("writing a synthetic model to %s: %s\n", o.model.c_str(), shape->to_string().c_str());
+    std::fflush(stdout);
+    if (Status st = write_synthetic_model(o.model, *shape); !st) throw std::runtime_error(st.message());
+  } else {
+    o.model = a.model;
+  }
+  if (Status st = check_llama_idle_options(o); !st) throw BadInput(st.message());
+
+  std::printf("llama-idle: %s (llama.cpp %s; its context uses llama_context_default_params(): 4 threads, whatever -t says)\n",
+              o.llama_idle.c_str(), kLlamaTag);
+  std::printf("model: %s; configurations: %s; pressure: %s; %d round(s) of about 45 s each per configuration\n",
+              o.model.c_str(), configs.c_str(), o.pressure.to_string().c_str(), o.rounds);
+  std::fflush(stdout);
+  Printer printer;
+  auto outcome = run_llama_idle(o, &printer);
+  if (!outcome) throw std::runtime_error(outcome.message());
+
+  std::printf("\n%s\n", format_idle_table(outcome->results).c_str());
+  std::printf("What each configuration still holds 3.7 s after a decode (the end of the last 4 s pause):\n\n%s\n",
+              format_llama_idle_held(*outcome).c_str());
+
+  // Results: --out, else a new temporary directory.
+  std::string out = a.out;
+  if (out.empty()) {
+    auto d = TempDir::create(::access("/var/tmp", W_OK) == 0 ? "/var/tmp" : "/tmp", "residency-llama-idle-");
+    if (!d) throw std::runtime_error(d.message());
+    out = d->path();
+    d->keep();
+  } else {
+    std::error_code ec;
+    fs::create_directories(out, ec);
+    if (ec) throw std::runtime_error("--out " + out + ": " + ec.message());
+  }
+  std::vector<std::string> files;
+  const std::string csv = out + "/llama-idle.csv";
+  if (Status st = write_idle_csv(csv, outcome->results); !st) throw std::runtime_error(st.message());
+  files.push_back(csv);
+  nlohmann::json j;
+  j["llama_idle"] = o.llama_idle;
+  j["model"] = o.model;
+  j["pressure"] = o.pressure.to_string();
+  j["llama_idle_threads"] = 4;
+  j["engine_threads"] = o.engine_threads;
+  for (std::size_t i = 0; i < outcome->results.policies.size(); ++i) {
+    nlohmann::json c = {{"id", outcome->results.policies[i].id}, {"name", outcome->results.policies[i].name},
+                        {"held_vm_lck_bytes", outcome->held[i].vm_lck},
+                        {"held_resident_fraction", outcome->held[i].resident_fraction}};
+    for (std::size_t p = 0; p < outcome->results.schedule.pauses.size(); ++p) {
+      const IdleCell cell = outcome->results.cell(i, p);
+      c["pauses"].push_back({{"pause_ms", std::chrono::duration_cast<std::chrono::milliseconds>(outcome->results.schedule.pauses[p]).count()},
+                             {"n", cell.n}, {"mean_ms", cell.mean_ms}, {"sd_ms", cell.sd_ms}});
+    }
+    j["configurations"].push_back(c);
+  }
+  const std::string json = out + "/llama-idle.json";
+  std::ofstream(json) << j.dump(2) << "\n";
+  files.push_back(json);
+  if (a.plot) {
+    IdleRunInfo info;
+    info.model_path = o.model;
+    info.synthetic_model = a.model.empty();
+    info.backend = "llama.cpp llama-idle";
+    const std::string png = out + "/llama-idle.png";
+    const std::string why = write_idle_plot(png, outcome->results, info);
+    if (why.empty()) files.push_back(png);
+    else std::fprintf(stderr, "residency llama-idle: no plot: %s\n", why.c_str());
+  }
+  for (const auto& f : files) std::printf("wrote %s\n", f.c_str());
+  return kExitOk;
+}
+
+const Command cmd{"llama-idle", "run llama.cpp's own llama-idle side by side: mmap, --mlock, residency (preload), --no-mmap, the linked engine",
+                  [](CLI::App& app) {
+                    auto a = std::make_shared<Args>();
+                    app.add_option("MODEL", a->model, "GGUF model; default: a synthetic llama-shaped F16 model of --model-size");
+                    app.add_option("--llama-dir", a->llama_dir, "llama.cpp install prefix (bin/llama-idle); default RESIDENCY_LLAMA_DIR, else the scripts/llama-cpp cache");
+                    app.add_option("--preload", a->preload, "libresidency_preload.so; default: next to this tool");
+                    app.add_option("--engine", a->engine, "the llama_engine example; default: next to this tool");
+                    app.add_option("--configs", a->configs, "comma-separated: mmap, mlock, keep-alive, 0, no-mmap, engine; default: all that are here");
+                    app.add_option("--keep-alive", a->keep_alive, "the keep-alive of the residency configurations (at most 3.5 s; default 2s)");
+                    app.add_option("--pressure", a->pressure, "none, pageout (default: process_madvise MADV_PAGEOUT + FADV_DONTNEED at the end of each pause) or hog:SIZE");
+                    app.add_option("--rounds", a->rounds, "runs of every configuration, interleaved (1-20; default 1)")->check(CLI::Range(1, 20));
+                    app.add_option("--out", a->out, "directory for llama-idle.{csv,json,png}; default: a new temporary directory");
+                    app.add_option("--model-size", a->model_size, "size of the synthetic model (default 1GiB)");
+                    app.add_flag("!--no-plot", a->plot, "skip the PNG plot");
+                    return [a] { return run(*a); };
+                  }};
+
+}  // namespace
+}  // namespace residency::tool
