@@ -77,7 +77,12 @@ struct Config {
   std::optional<WiredLimit> wired_limit;   // default: the recommended working set
   double set_max_pct = 5.0;                // sharded set cap; <= 0 or >= 100: one set
   Layout layout = Layout::sharded;
-  bool release_on_pressure = false;        // release early under memory pressure
+  bool release_on_pressure = false;        // release early under memory pressure, gradually:
+  // each pressure event gives back one step (scratch, then kv_cache, then weights by priority and
+  // least recent use) down to the floor; the reduced budget holds until pressure has been quiet
+  // for `pressure_quiet`, then what was given back is wired again.
+  std::optional<WiredLimit> pressure_floor;  // bytes or percent of the wired limit; default 0
+  Nanos pressure_quiet = std::chrono::seconds(30);
   LogLevel log_level = LogLevel::info;
   std::optional<std::uint64_t> memory_limit;  // cap on tracked bytes; default see DESIGN.md
   // Notes made while reading the environment (a peer alias used, a variable overriding
@@ -86,7 +91,8 @@ struct Config {
 
   using EnvLookup = std::function<const char*(const char* name)>;
   // Reads RESIDENCY_KEEP_ALIVE, RESIDENCY_WIRED_LIMIT, RESIDENCY_SET_MAX_PCT,
-  // RESIDENCY_LAYOUT, RESIDENCY_RELEASE_ON_PRESSURE, RESIDENCY_LOG and the peer aliases
+  // RESIDENCY_LAYOUT, RESIDENCY_RELEASE_ON_PRESSURE, RESIDENCY_PRESSURE_FLOOR,
+  // RESIDENCY_PRESSURE_QUIET, RESIDENCY_LOG and the peer aliases
   // GGML_METAL_RESIDENCY_KEEP_ALIVE_S, GGML_METAL_NO_RESIDENCY, MLX_RESIDENCY_SET_MAX_PCT,
   // MLX_RESIDENCY_DEBUG. On error the message has one line per bad variable.
   static Result<Config> from_env();

@@ -93,8 +93,10 @@ typedef struct residency_stats {
   int resident;
   uint64_t commits, residency_requests, releases, rewires, rewire_time_ns, scheduler_wakeups,
       wire_failures, release_failures;
+  uint64_t pressure_releases, pressure_restores; /* graded release steps; budgets restored after quiet */
+  uint64_t pressure_cap;                         /* the reduced budget in force; UINT64_MAX: none */
 } residency_stats;
-#define RESIDENCY_STATS_INIT {sizeof(residency_stats), 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0}
+#define RESIDENCY_STATS_INIT {sizeof(residency_stats), 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0}
 
 typedef struct residency_backend_options {
   size_t struct_size; /* sizeof(residency_backend_options) */
@@ -120,7 +122,8 @@ RESIDENCY_API residency_config* residency_config_default(void);
 /* Reads the RESIDENCY_* variables and their peer aliases (see README). On error *out is NULL. */
 RESIDENCY_API residency_status residency_config_from_env(residency_config** out);
 /* Sets one key from text, parsed as the environment variable of the same name would be:
- * "keep_alive", "wired_limit", "set_max_pct", "layout", "release_on_pressure", "log". */
+ * "keep_alive", "wired_limit", "set_max_pct", "layout", "release_on_pressure", "pressure_floor",
+ * "pressure_quiet", "log". */
 RESIDENCY_API residency_status residency_config_set(residency_config* cfg, const char* key, const char* value);
 RESIDENCY_API void residency_config_free(residency_config* cfg);
 

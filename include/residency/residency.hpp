@@ -56,6 +56,9 @@ struct Stats {
   std::uint64_t scheduler_wakeups = 0;  // times the scheduler thread returned from a wait
   std::uint64_t wire_failures = 0;   // regions the backend could not make resident
   std::uint64_t release_failures = 0;  // releases in which the backend could not give a set back
+  std::uint64_t pressure_releases = 0;  // pressure events that gave memory back (one step each)
+  std::uint64_t pressure_restores = 0;  // times the budget came back after pressure was quiet
+  std::uint64_t pressure_cap = UINT64_MAX;  // the reduced budget in force; UINT64_MAX: none
 };
 
 class Manager;
@@ -154,8 +157,10 @@ class Manager {
   void prefetch() noexcept;
   // Resident for the scope's life; see UseScope.
   UseScope use(std::function<void()> synchronize = {});
-  // The system reports memory pressure: with release_on_pressure, release now (except while
-  // a use scope is open) and re-wire on the next use.
+  // The system reports memory pressure: with release_on_pressure, give back one step (scratch,
+  // then kv_cache, then weights by priority and least recent use) down to the configured floor,
+  // except while a use scope is open. The reduced budget stays until no pressure has been
+  // reported for Config::pressure_quiet; then what was given back is wired again.
   void notify_memory_pressure();
   // Gives residency back now, whatever the policy (an engine going to sleep).
   void release_now();

@@ -162,6 +162,8 @@ residency_status residency_config_set(residency_config* cfg, const char* key, co
                                      {"set_max_pct", "RESIDENCY_SET_MAX_PCT"},
                                      {"layout", "RESIDENCY_LAYOUT"},
                                      {"release_on_pressure", "RESIDENCY_RELEASE_ON_PRESSURE"},
+                                     {"pressure_floor", "RESIDENCY_PRESSURE_FLOOR"},
+                                     {"pressure_quiet", "RESIDENCY_PRESSURE_QUIET"},
                                      {"log", "RESIDENCY_LOG"}};
     const char* var = nullptr;
     for (auto& n : names)
@@ -169,7 +171,8 @@ residency_status residency_config_set(residency_config* cfg, const char* key, co
     if (!var)
       return fail(Status(ErrorCode::invalid_argument,
                          "residency_config_set: unknown key '" + k +
-                             "'; accepted: keep_alive, wired_limit, set_max_pct, layout, release_on_pressure, log"));
+                             "'; accepted: keep_alive, wired_limit, set_max_pct, layout, release_on_pressure, "
+                             "pressure_floor, pressure_quiet, log"));
     // Parse exactly as the environment variable would be, then merge that one field.
     auto c = Config::from_env([&](const char* name) { return std::string(name) == var ? value : nullptr; });
     if (!c) return fail(c.status());
@@ -178,6 +181,8 @@ residency_status residency_config_set(residency_config* cfg, const char* key, co
     else if (k == "set_max_pct") cfg->config.set_max_pct = c->set_max_pct;
     else if (k == "layout") cfg->config.layout = c->layout;
     else if (k == "release_on_pressure") cfg->config.release_on_pressure = c->release_on_pressure;
+    else if (k == "pressure_floor") cfg->config.pressure_floor = c->pressure_floor;
+    else if (k == "pressure_quiet") cfg->config.pressure_quiet = c->pressure_quiet;
     else cfg->config.log_level = c->log_level;
     return RESIDENCY_OK;
   });
@@ -422,7 +427,8 @@ residency_status residency_get_stats(residency_manager* m, residency_stats* out)
   residency_stats full{sizeof(residency_stats), s.tracked_bytes, s.admitted_bytes, s.wired_bytes, s.pending_bytes,
                        s.wired_limit, s.regions, s.sets, s.resident ? 1 : 0, s.commits, s.residency_requests,
                        s.releases, s.rewires, static_cast<uint64_t>(s.rewire_time.count()), s.scheduler_wakeups,
-                       s.wire_failures, s.release_failures};
+                       s.wire_failures, s.release_failures, s.pressure_releases, s.pressure_restores,
+                       s.pressure_cap};
   const std::size_t n = std::min(out->struct_size, sizeof full);
   full.struct_size = n;
   std::memcpy(out, &full, n);

@@ -323,6 +323,18 @@ Result<Config> Config::from_env(const EnvLookup& getenv) {
     auto f = parse_flag(v, "0 or 1");
     if (f) c.release_on_pressure = *f; else fail("RESIDENCY_RELEASE_ON_PRESSURE", f.status());
   }
+  if (const char* v = get("RESIDENCY_PRESSURE_FLOOR")) {
+    auto w = parse_wired_limit(v);
+    if (w) c.pressure_floor = *w; else fail("RESIDENCY_PRESSURE_FLOOR", w.status());
+  }
+  if (const char* v = get("RESIDENCY_PRESSURE_QUIET")) {
+    auto k = parse_keep_alive(v);
+    if (k && k->kind == KeepAlive::Kind::duration) c.pressure_quiet = k->duration;
+    else fail("RESIDENCY_PRESSURE_QUIET", k ? Status(ErrorCode::invalid_argument, "\"" + std::string(v) +
+                                                      "\": not a duration; accepted: a duration with unit (10s, 2m), "
+                                                      "or a bare number of seconds, more than 0")
+                                            : k.status());
+  }
   const char* log = get("RESIDENCY_LOG");
   const char* mlx_debug = get("MLX_RESIDENCY_DEBUG");
   if (log) {

@@ -4,6 +4,7 @@
 //   WiredBudget     the limit, the bytes admitted under it, who waits (wired_budget.hpp)
 //   ResidencySets   the sets as the backend holds them, batched commits (residency_sets.hpp)
 //   Limits          the backend's memory limits and the peers' warnings (limits.hpp)
+//   PressurePolicy  graded release under pressure and its hysteresis (pressure_policy.hpp)
 //   KeepAliveState  what the policy wants now, and touch()'s hot path (keep_alive.hpp)
 //   KeepAliveScheduler  the heartbeat that sleeps until its deadline (keep_alive_scheduler.hpp)
 //
@@ -18,6 +19,7 @@
 #include "keep_alive_scheduler.hpp"
 #include "limits.hpp"
 #include "log.hpp"
+#include "pressure_policy.hpp"
 #include "region_table.hpp"
 #include "residency/residency.hpp"
 #include "residency_sets.hpp"
@@ -39,7 +41,9 @@ struct Manager::Impl {
         limits(std::move(l)),
         ka(o.config.keep_alive, *clock),
         sets(*backend, core::SetLayout(o.config.layout, o.config.set_max_pct, mem.recommended_working_set, c.max_sets),
-             log) {
+             log),
+        pressure(o.config.pressure_floor ? o.config.pressure_floor->resolve(limits.initial_wired_limit()) : 0,
+                 o.config.pressure_quiet) {
     budget.set_limit(limits.initial_wired_limit());
   }
 
@@ -58,12 +62,14 @@ struct Manager::Impl {
   core::RegionTable regions;
   core::WiredBudget budget;
   core::ResidencySets sets;
+  core::PressurePolicy pressure;
   int batch_depth = 0;
   bool ever_released = false;
   bool prefetch_requested = false;  // prefetch(): wire on the scheduler thread
   bool warned_reserve = false;
   Nanos next_refresh{0};
-  std::uint64_t releases = 0, rewires = 0, wire_failures = 0, release_failures = 0;
+  std::uint64_t releases = 0, rewires = 0, wire_failures = 0, release_failures = 0, pressure_releases = 0,
+                pressure_restores = 0;
   Nanos rewire_time{0};
   std::unique_ptr<KeepAliveScheduler> scheduler;
   std::optional<PressureWatchId> pressure_watch;
@@ -104,7 +110,7 @@ struct Manager::Impl {
   std::vector<core::BudgetEntry> entries_of(bool admitted) {
     std::vector<core::BudgetEntry> v;
     auto add = [&](Region& r) {
-      v.push_back({r.desc.id, r.desc.size, r.priority, regions.last_use(r), r.admitted, r.eligible});
+      v.push_back({r.desc.id, r.desc.size, r.priority, regions.last_use(r), r.admitted, r.eligible, r.desc.cls});
     };
     if (admitted) {
       regions.for_each([&](Region& r) {
@@ -120,15 +126,54 @@ struct Manager::Impl {
   void promote() {
     if (!ka.managing() || budget.pending().empty()) return;
     const auto entries = entries_of(false);
-    for (RegionId id : core::choose_promotions(entries, budget.admitted(), budget.limit()))
+    for (RegionId id : core::choose_promotions(entries, budget.admitted(), budget.effective_limit()))
       if (Region* r = regions.find(id)) admit(*r);
   }
 
-  void shrink_to_limit() {
-    if (budget.admitted() <= budget.limit()) return;
+  // Evicts until admitted bytes fit the effective limit; returns the bytes evicted.
+  std::uint64_t shrink_to_limit(bool by_class = false) {
+    if (budget.admitted() <= budget.effective_limit()) return 0;
+    const std::uint64_t before = budget.admitted();
     const auto entries = entries_of(true);
-    for (RegionId id : core::choose_evictions(entries, budget.admitted(), budget.limit()))
+    for (RegionId id : core::choose_evictions(entries, budget.admitted(), budget.effective_limit(), by_class))
       if (Region* r = regions.find(id)) evict(*r);
+    return before - budget.admitted();
+  }
+
+  // One step of graded release (see pressure_policy.hpp).
+  void pressure_step() {
+    const std::uint64_t cap = pressure.on_pressure(clock->now(), budget.admitted());
+    budget.set_cap(cap);
+    std::uint64_t released = 0;
+    {
+      Guard batch(*this);
+      released = shrink_to_limit(/*by_class=*/true);
+    }
+    if (released == 0) {
+      log(LogLevel::debug, "memory pressure: nothing more to give back (" + core::mib(budget.admitted()) +
+                               " wired, floor " + core::mib(pressure.floor()) + ")");
+    } else {
+      ++pressure_releases;
+      log(LogLevel::info, "released " + core::mib(released) + " under memory pressure (scratch, then kv_cache, then weights); " +
+                              core::mib(budget.admitted()) + " stay wired (floor " + core::mib(pressure.floor()) +
+                              "); the budget stays at " + core::mib(cap) + " until pressure has been quiet for " +
+                              KeepAlive::after(pressure.quiet()).to_string());
+    }
+    if (scheduler) scheduler->wake_locked();  // the cap's lift is a deadline now
+  }
+
+  // The cap lifts after a quiet period: what waits is admitted (and wired, if resident) again.
+  void lift_pressure_cap_if_quiet(Nanos now) {
+    if (!pressure.lift_if_quiet(now)) return;
+    budget.set_cap(UINT64_MAX);
+    const std::uint64_t before = budget.admitted();
+    {
+      Guard batch(*this);
+      promote();
+    }
+    ++pressure_restores;
+    log(LogLevel::info, "memory pressure has been quiet: the budget is back to " + core::mib(budget.limit()) + ", " +
+                            core::mib(budget.admitted() - before) + " admitted again");
   }
 
   // Regions the backend could not wire leave their set and wait, out of the budget's way.
@@ -202,12 +247,21 @@ struct Manager::Impl {
     release(why);
   }
 
-  // The scheduler's work: prefetch, expiry and refresh. Returns the next deadline.
+  // The scheduler's work: prefetch, the pressure cap's lift, expiry and refresh. Returns the next
+  // deadline.
   std::optional<Nanos> due() {
     if (prefetch_requested) {
       prefetch_requested = false;
       if (ka.rewires_on_use() && !ka.resident()) wire("prefetch");
     }
+    lift_pressure_cap_if_quiet(clock->now());
+    const std::optional<Nanos> lift = pressure.lifts_at();
+    auto next = residency_due();
+    if (lift) next = next ? std::min(*next, *lift) : *lift;
+    return next;
+  }
+
+  std::optional<Nanos> residency_due() {
     if (!ka.managing() || !ka.resident()) return std::nullopt;
     const Nanos now = clock->now();
     std::optional<Nanos> next;
@@ -252,6 +306,9 @@ struct Manager::Impl {
     s.scheduler_wakeups = scheduler ? scheduler->wakeups() : 0;
     s.wire_failures = wire_failures;
     s.release_failures = release_failures;
+    s.pressure_releases = pressure_releases;
+    s.pressure_restores = pressure_restores;
+    s.pressure_cap = budget.cap();
     return s;
   }
 
@@ -507,8 +564,8 @@ void Manager::notify_memory_pressure() {
     m.log(LogLevel::debug, "memory pressure reported; release_on_pressure is off, keeping residency");
     return;
   }
-  if (!m.ka.managing() || !m.ka.resident() || m.ka.scopes > 0) return;
-  m.release_now("memory pressure");
+  if (!m.ka.managing() || m.ka.scopes > 0) return;
+  m.pressure_step();
 }
 
 void Manager::release_now() {

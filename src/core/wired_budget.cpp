@@ -49,11 +49,15 @@ std::vector<RegionId> choose_promotions(std::span<const BudgetEntry> entries,
 }
 
 std::vector<RegionId> choose_evictions(std::span<const BudgetEntry> entries,
-                                       std::uint64_t admitted_bytes, std::uint64_t limit) {
+                                       std::uint64_t admitted_bytes, std::uint64_t limit, bool by_class) {
   std::vector<const BudgetEntry*> cand;
   for (const auto& e : entries)
     if (e.admitted) cand.push_back(&e);
-  std::sort(cand.begin(), cand.end(), [](const BudgetEntry* a, const BudgetEntry* b) {
+  // Discardable classes go first under pressure: scratch is rebuilt per graph, a KV cache is
+  // recomputed from the prompt, weights must be read back.
+  auto rank = [](RegionClass c) { return c == RegionClass::scratch ? 0 : c == RegionClass::kv_cache ? 1 : 2; };
+  std::sort(cand.begin(), cand.end(), [&](const BudgetEntry* a, const BudgetEntry* b) {
+    if (by_class && rank(a->cls) != rank(b->cls)) return rank(a->cls) < rank(b->cls);
     if (a->priority != b->priority) return a->priority < b->priority;
     if (a->last_use != b->last_use) return a->last_use < b->last_use;
     return a->id < b->id;  // same instant: the earlier registration

@@ -28,6 +28,7 @@ struct BudgetEntry {
   std::int64_t last_use = 0;   // time of last use: larger = more recent
   bool admitted = false;       // inside a set now
   bool eligible = true;        // may be admitted (false after the backend failed to wire it)
+  RegionClass cls = RegionClass::weights;
 };
 
 // Pending, eligible entries to admit, in admission order, taken greedily while they fit in
@@ -35,18 +36,28 @@ struct BudgetEntry {
 std::vector<RegionId> choose_promotions(std::span<const BudgetEntry> entries,
                                         std::uint64_t admitted_bytes, std::uint64_t limit);
 // Admitted entries to remove, in eviction order, until admitted bytes are at most `limit`.
+// by_class (memory pressure): scratch first, then kv_cache, then weights, each by priority and
+// recency; otherwise (a lower limit) by priority and recency alone.
 std::vector<RegionId> choose_evictions(std::span<const BudgetEntry> entries,
-                                       std::uint64_t admitted_bytes, std::uint64_t limit);
+                                       std::uint64_t admitted_bytes, std::uint64_t limit,
+                                       bool by_class = false);
 
 // The budget's state: the limit, the bytes admitted under it, and which regions wait.
 // Invariant: admitted() <= limit() except just after the limit fell, until the caller has
 // evicted what choose_evictions() named. Lock rule: with the manager's mutex held.
 class WiredBudget {
  public:
-  std::uint64_t limit() const { return limit_; }
+  std::uint64_t limit() const { return limit_; }  // as configured (set_wired_limit)
   void set_limit(std::uint64_t bytes) { limit_ = bytes; }
+  // A lower cap in force for a while (memory pressure); UINT64_MAX: none.
+  void set_cap(std::uint64_t bytes) { cap_ = bytes; }
+  std::uint64_t cap() const { return cap_; }
+  std::uint64_t effective_limit() const { return limit_ < cap_ ? limit_ : cap_; }
   std::uint64_t admitted() const { return admitted_; }
-  bool fits(std::uint64_t bytes) const { return bytes <= limit_ && admitted_ <= limit_ - bytes; }
+  bool fits(std::uint64_t bytes) const {
+    const std::uint64_t l = effective_limit();
+    return bytes <= l && admitted_ <= l - bytes;
+  }
   void admitted_region(RegionId id, std::uint64_t bytes) {
     admitted_ += bytes;
     pending_.erase(id);
@@ -61,6 +72,7 @@ class WiredBudget {
 
  private:
   std::uint64_t limit_ = 0;
+  std::uint64_t cap_ = UINT64_MAX;
   std::uint64_t admitted_ = 0;
   std::unordered_set<RegionId> pending_;  // tracked regions in no set
 };

@@ -151,21 +151,25 @@ TEST(PosixManager, RealMemoryPressureReleasesAndTouchRewires) {
   // The release happens on the watch thread; wait for it (a real kernel event, typically
   // under 2 s) by watching the stats.
   const auto t0 = std::chrono::steady_clock::now();
-  while (mgr.stats().releases == 0 && std::chrono::steady_clock::now() - t0 < std::chrono::seconds(15)) {
+  while (mgr.stats().pressure_releases == 0 && std::chrono::steady_clock::now() - t0 < std::chrono::seconds(15)) {
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
   const double after_ms = ms_since(t0);
   thrasher.stop();
   Stats s = mgr.stats();
-  ASSERT_EQ(s.releases, 1u) << "no release within 15 s of real memory pressure\n" << f.all_logs();
-  EXPECT_FALSE(s.resident);
+  ASSERT_GE(s.pressure_releases, 1u) << "no release within 15 s of real memory pressure\n" << f.all_logs();
+  EXPECT_FALSE(s.resident) << "32 MiB is one step: all of it goes";
   EXPECT_LE(vm_lck(), before + 2 * page_size());
-  EXPECT_TRUE(f.logs.contains(LogLevel::info, "memory pressure")) << f.all_logs();
+  EXPECT_TRUE(f.logs.contains(LogLevel::info, "under memory pressure")) << f.all_logs();
 
+  // The reduced budget holds until pressure has been quiet for 30 s (virtual time here).
   mgr.touch();
+  EXPECT_LE(vm_lck(), before + 2 * page_size());
+  f.clock.advance(std::chrono::seconds(31));
+  mgr.run_due();
   s = mgr.stats();
   EXPECT_TRUE(s.resident);
-  EXPECT_EQ(s.rewires, 1u);
+  EXPECT_EQ(s.pressure_restores, 1u);
   EXPECT_GE(vm_lck(), before + kSize);
   std::printf("[ measured ] release on real PSI pressure %.0f ms after the thrashing began\n", after_ms);
 }

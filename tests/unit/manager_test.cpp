@@ -378,10 +378,83 @@ TEST_F(ManagerTest, MemoryPressureReleasesEarlyOnlyWhenAskedAndTheNextUseRewires
     EXPECT_TRUE(fake2->is_resident(id2));  // never under an open scope
   }
   m2->notify_memory_pressure();
-  EXPECT_FALSE(fake2->is_resident(id2));
-  EXPECT_TRUE(logs.contains(LogLevel::info, "(memory pressure)"));
+  EXPECT_FALSE(fake2->is_resident(id2));  // 64 MiB is one step (the smallest) above the floor 0
+  EXPECT_TRUE(logs.contains(LogLevel::info, "under memory pressure"));
   m2->touch();
+  EXPECT_FALSE(fake2->is_resident(id2)) << "no re-wire while the reduced budget holds";
+  advance(31s);  // quiet for longer than the default 30 s
+  m2->run_due();
   EXPECT_TRUE(fake2->is_resident(id2));
+  EXPECT_EQ(m2->stats().pressure_restores, 1u);
+}
+
+// --- graded release under pressure ----------------------------------------------------------
+
+// scratch first, then kv_cache, then weights by priority and least recent use; never below the
+// floor, however long the pressure lasts.
+TEST_F(ManagerTest, PressureGivesBackScratchThenKvCacheThenWeightsDownToTheFloor) {
+  Config c = with_keep_alive("forever");
+  c.release_on_pressure = true;
+  c.pressure_floor = WiredLimit{false, 300 * MiB, 0};
+  auto m = make(c);
+  RegionId w_hi = reg(*m, 200 * MiB, 5, RegionClass::weights);
+  RegionId w_lo = reg(*m, 200 * MiB, 0, RegionClass::weights);
+  RegionId kv = reg(*m, 100 * MiB, 9, RegionClass::kv_cache);
+  RegionId scratch = reg(*m, 100 * MiB, 9, RegionClass::scratch);
+  ASSERT_EQ(fake->resident_bytes(), 600 * MiB);
+  std::vector<std::uint64_t> resident;
+  for (int i = 0; i < 8; ++i) {
+    advance(2s);  // a PSI trigger fires at most once per 2 s window
+    m->notify_memory_pressure();
+    resident.push_back(fake->resident_bytes());
+    EXPECT_GE(fake->resident_bytes(), 300 * MiB - 200 * MiB) << "step " << i;
+    EXPECT_LE(m->stats().admitted_bytes, std::max<std::uint64_t>(m->stats().pressure_cap, 0));
+  }
+  // 600 -> cap 525 (scratch goes: 500) -> cap 450 (kv goes: 400) -> cap 375 (w_lo goes: 200)...
+  EXPECT_FALSE(fake->is_resident(scratch));
+  EXPECT_FALSE(fake->is_resident(kv));
+  EXPECT_FALSE(fake->is_resident(w_lo));
+  EXPECT_TRUE(fake->is_resident(w_hi)) << "the highest-priority weights stay";
+  EXPECT_GE(m->stats().pressure_cap, 300 * MiB) << "the cap never goes below the floor";
+  EXPECT_EQ(resident[0], 500 * MiB) << "the first step takes scratch only";
+  EXPECT_EQ(resident[1], 400 * MiB) << "the second the KV cache";
+}
+
+// A signal that flaps faster than the quiet period costs one release and one re-wire, not one
+// per flap: no wire/unwire churn.
+TEST_F(ManagerTest, FlappingPressureCausesNoChurn) {
+  Config c = with_keep_alive("forever");
+  c.release_on_pressure = true;
+  c.pressure_floor = WiredLimit{true, 0, 50};  // half the wired limit
+  c.wired_limit = WiredLimit{false, 800 * MiB, 0};
+  auto m = make(c);
+  for (int i = 0; i < 8; ++i) reg(*m, 100 * MiB);
+  for (int i = 0; i < 6; ++i) {
+    advance(2s);
+    m->notify_memory_pressure();
+  }
+  ASSERT_EQ(fake->resident_bytes(), 400 * MiB) << "at the floor (50 % of 800 MiB)";
+  const int commits = fake->total_commits, requests = fake->total_requests;
+  const std::uint64_t rewired = fake->rewired_bytes;
+  // Pressure comes and goes every 10 s for two minutes: quiet never lasts 30 s.
+  for (int i = 0; i < 12; ++i) {
+    advance(10s);
+    m->run_due();
+    m->notify_memory_pressure();
+    m->touch();
+  }
+  EXPECT_EQ(fake->total_commits, commits) << "no wire/unwire churn while the signal flaps";
+  EXPECT_EQ(fake->total_requests, requests);
+  EXPECT_EQ(fake->rewired_bytes, rewired);
+  EXPECT_EQ(fake->resident_bytes(), 400 * MiB);
+  // Then 30 s of quiet: everything comes back, once.
+  advance(31s);
+  m->run_due();
+  EXPECT_EQ(fake->resident_bytes(), 800 * MiB);
+  EXPECT_EQ(m->stats().pressure_restores, 1u);
+  EXPECT_EQ(m->stats().pressure_cap, UINT64_MAX);
+  // And the scheduler only wakes for the lift while capped: afterwards nothing is scheduled.
+  EXPECT_FALSE(m->run_due().has_value());
 }
 
 // --- limits and warnings ------------------------------------------------------------------
