@@ -1,0 +1,64 @@
+// The functions the preload interposes, as the next library in the lookup order defines them
+// (dlsym(RTLD_NEXT, ...)), and the two guards every hook runs under.
+//
+// Re-entry: while a thread is inside a hook, what the hook itself causes (dlsym, malloc, the
+// manager's mlock and logging) may call mmap or munmap again; those calls must go straight to
+// the real functions. A thread_local flag says so (initial-exec TLS: reading it never allocates,
+// so it is safe from inside malloc). While mmap or munmap is being resolved, the system call
+// stands in for it.
+#pragma once
+
+#include <sys/types.h>
+
+#include <cerrno>
+#include <cstddef>
+#include <cstdint>
+
+#include <llama.h>
+
+namespace residency::preload {
+
+using DecodeFn = std::int32_t (*)(llama_context*, llama_batch);
+using SynchronizeFn = void (*)(llama_context*);
+
+void* next_mmap(void* addr, std::size_t len, int prot, int flags, int fd, off_t off) noexcept;
+#if defined(__GLIBC__)
+void* next_mmap64(void* addr, std::size_t len, int prot, int flags, int fd, off64_t off) noexcept;
+#endif
+int next_munmap(void* addr, std::size_t len) noexcept;
+
+// libllama's definitions, or null when no library after the preload defines them (libllama
+// linked statically into the program, or not loaded at all). Resolved once, then cached.
+DecodeFn next_llama_decode() noexcept;
+DecodeFn next_llama_encode() noexcept;
+SynchronizeFn next_llama_synchronize() noexcept;
+
+// True while this thread runs inside one of the preload's hooks.
+bool in_hook() noexcept;
+
+// Marks this thread as inside a hook for the scope's life.
+class HookScope {
+ public:
+  HookScope() noexcept;
+  ~HookScope();
+  HookScope(const HookScope&) = delete;
+  HookScope& operator=(const HookScope&) = delete;
+
+ private:
+  bool was_;
+};
+
+// Restores errno at the end of the scope to what it was at its start: what the preload does
+// between the caller and the real function never shows in errno.
+class ErrnoKeeper {
+ public:
+  ErrnoKeeper() noexcept : saved_(errno) {}
+  ~ErrnoKeeper() { errno = saved_; }
+  ErrnoKeeper(const ErrnoKeeper&) = delete;
+  ErrnoKeeper& operator=(const ErrnoKeeper&) = delete;
+
+ private:
+  int saved_;
+};
+
+}  // namespace residency::preload

@@ -1,0 +1,275 @@
+#include "preload_session.hpp"
+
+#include <pthread.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+
+#include "gguf_mappings.hpp"
+#include "next_calls.hpp"
+#include "residency/backends.hpp"
+#include "residency/residency.hpp"
+
+namespace residency::preload {
+
+namespace {
+
+enum State : int {
+  kIdle = 0,         // no GGUF mapping seen yet: nothing started
+  kActive = 1,       // a manager runs; hooks register mappings and count uses
+  kPassThrough = 2,  // residency cannot work here (or a fork child): every hook only forwards
+};
+
+struct Session {
+  Session(std::unique_ptr<Manager> m, KeepAlive::Kind k, SynchronizeFn s, GgufMappings::Warn w)
+      : manager(std::move(m)), kind(k), synchronize(s), mappings(*manager, w) {}
+  std::unique_ptr<Manager> manager;
+  KeepAlive::Kind kind;
+  SynchronizeFn synchronize;
+  GgufMappings mappings;
+};
+
+// Constant-initialized: loading the library runs no code.
+constinit std::atomic<int> g_state{kIdle};
+constinit std::atomic<Session*> g_session{nullptr};  // leaked on purpose (see the header)
+constinit std::atomic<bool> g_warn_enabled{true};   // RESIDENCY_LOG=error silences our warnings
+constinit std::atomic<bool> g_warned_no_decode{false};
+// Guards starting the session and every change of the tracked mappings. Never taken by a hook
+// that only forwards, nor for memory that is not tracked (see gguf_mappings.hpp).
+constinit std::mutex g_mu;
+
+std::string one_line(std::string s) {
+  for (std::size_t p = s.find('\n'); p != std::string::npos; p = s.find('\n', p)) s.replace(p, 1, "; ");
+  return s;
+}
+
+void warn(const std::string& message) {
+  if (!g_warn_enabled.load(std::memory_order_relaxed)) return;
+  try {
+    log_to_stderr(LogLevel::warn, "preload: " + one_line(message));
+  } catch (...) {
+  }
+}
+
+constexpr const char* kWithout = "; the program runs without residency";
+
+void on_fork_child() { g_state.store(kPassThrough, std::memory_order_relaxed); }
+
+Session* active_session() noexcept {
+  if (g_state.load(std::memory_order_acquire) != kActive) return nullptr;
+  return g_session.load(std::memory_order_acquire);
+}
+
+// With g_mu held and g_state == kIdle: starts the session, or passes through for good.
+void start() noexcept {
+  g_state.store(kPassThrough, std::memory_order_release);  // unless everything below works
+  try {
+    auto config = Config::from_env();
+    if (!config) {
+      // One line per bad variable, each naming it.
+      const std::string msg = config.message();
+      std::size_t b = 0;
+      while (b <= msg.size()) {
+        const std::size_t e = msg.find('\n', b);
+        const std::string line = msg.substr(b, e == std::string::npos ? std::string::npos : e - b);
+        if (!line.empty()) warn(line + kWithout);
+        if (e == std::string::npos) break;
+        b = e + 1;
+      }
+      return;
+    }
+    g_warn_enabled.store(config->log_level >= LogLevel::warn, std::memory_order_relaxed);
+    const SynchronizeFn sync = next_llama_synchronize();
+    if (next_llama_decode() == nullptr || sync == nullptr) {
+      warn(std::string("llama_decode is not reachable behind the preload (the program does not load libllama, or "
+                       "links it statically), so GGUF mappings stay unmanaged: without its decodes the keep-alive "
+                       "would release the model and never wire it again") +
+           kWithout);
+      return;
+    }
+    if (const int err = ::pthread_atfork(nullptr, nullptr, &on_fork_child); err != 0) {
+      warn(std::string("pthread_atfork failed (") + std::strerror(err) + ")" + kWithout);
+      return;
+    }
+    auto backend = make_backend("auto");
+    if (!backend) {
+      warn(backend.message() + kWithout);
+      return;
+    }
+    ManagerOptions options;
+    options.config = *config;
+    options.backend = *backend;
+    // A clock of our own, never destroyed like the manager: SteadyClock::instance() is a static
+    // that exit() destroys while the scheduler thread may still read it.
+    options.clock = new SteadyClock;
+    // A duration of 0 is the 0 policy (as the manager reads it): use scopes, not touch().
+    const KeepAlive& ka = config->keep_alive;
+    const KeepAlive::Kind kind =
+        ka.kind == KeepAlive::Kind::duration && ka.duration.count() <= 0 ? KeepAlive::Kind::zero : ka.kind;
+    auto manager = Manager::create(std::move(options));
+    if (!manager) {
+      warn(manager.message() + kWithout);
+      return;
+    }
+    auto* session = new Session(std::move(*manager), kind, sync, &warn);
+    g_session.store(session, std::memory_order_release);
+    g_state.store(kActive, std::memory_order_release);
+  } catch (...) {
+    // Out of memory while starting: pass through.
+  }
+}
+
+std::uintptr_t page_end(std::uintptr_t begin, std::size_t len) noexcept {
+  static const std::uintptr_t page = [] {
+    const long p = ::sysconf(_SC_PAGESIZE);
+    return p > 0 ? static_cast<std::uintptr_t>(p) : 4096;
+  }();
+  const std::uintptr_t e = begin + len;
+  if (e < begin) return UINTPTR_MAX & ~(page - 1);
+  return (e + page - 1) & ~(page - 1);
+}
+
+// The bytes of [off, off + len) of `fd` to register: 0 unless `fd` is a regular file that starts
+// with "GGUF" and the range starts inside it (the part past the end of the file has no pages).
+std::size_t gguf_bytes(int fd, off64_t off, std::size_t len) noexcept {
+  struct stat st {};
+  if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) || off < 0 || off >= st.st_size) return 0;
+  char magic[4] = {};
+  if (::pread(fd, magic, sizeof magic, 0) != static_cast<ssize_t>(sizeof magic) || std::memcmp(magic, "GGUF", 4) != 0)
+    return 0;
+  const auto avail = static_cast<std::uint64_t>(st.st_size - off);
+  return static_cast<std::size_t>(avail < len ? avail : len);
+}
+
+// With g_mu held: a new mapping of a GGUF file.
+void track(void* addr, std::size_t size) noexcept {
+  if (g_state.load(std::memory_order_relaxed) == kIdle) start();
+  if (Session* s = active_session()) {
+    const auto b = reinterpret_cast<std::uintptr_t>(addr);
+    s->mappings.add(b, b + size);
+  }
+}
+
+}  // namespace
+
+void* map_hook(void* addr, std::size_t len, int prot, int flags, int fd, off64_t off, bool is64) noexcept {
+  auto call = [&]() noexcept {
+#if defined(__GLIBC__)
+    if (is64) return next_mmap64(addr, len, prot, flags, fd, off);
+#else
+    (void)is64;
+#endif
+    return next_mmap(addr, len, prot, flags, fd, static_cast<off_t>(off));
+  };
+  if (in_hook()) return call();
+  const int state = g_state.load(std::memory_order_acquire);
+  if (state == kPassThrough) return call();
+
+  const bool file = (flags & MAP_ANONYMOUS) == 0 && fd >= 0;
+  const bool wanted = file && len > 0 && (prot & PROT_READ) != 0 && (prot & PROT_WRITE) == 0;
+  Session* s = active_session();
+  const auto b = reinterpret_cast<std::uintptr_t>(addr);
+  if ((flags & MAP_FIXED) != 0 && s != nullptr && s->mappings.overlaps(b, page_end(b, len))) {
+    // The new mapping replaces tracked memory: that part is unmapped first.
+    HookScope hook;
+    const int saved = errno;
+    std::lock_guard<std::mutex> lock(g_mu);
+    const auto cut = s->mappings.cut(b, page_end(b, len));
+    errno = saved;
+    void* r = call();
+    const int err = errno;
+    s->mappings.after_unmap(cut, b, page_end(b, len), r != MAP_FAILED);
+    if (r != MAP_FAILED && wanted) {
+      if (const std::size_t n = gguf_bytes(fd, off, len)) track(r, n);
+    }
+    errno = err;
+    return r;
+  }
+
+  void* r = call();
+  if (r == MAP_FAILED || !wanted) return r;
+  HookScope hook;
+  ErrnoKeeper keep;  // what the real mmap left
+  const std::size_t n = gguf_bytes(fd, off, len);
+  if (n == 0) return r;
+  std::lock_guard<std::mutex> lock(g_mu);
+  track(r, n);
+  return r;
+}
+
+int unmap_hook(void* addr, std::size_t len) noexcept {
+  if (in_hook()) return next_munmap(addr, len);
+  Session* s = active_session();
+  const auto b = reinterpret_cast<std::uintptr_t>(addr);
+  const std::uintptr_t e = page_end(b, len);
+  if (s == nullptr || len == 0 || !s->mappings.overlaps(b, e)) return next_munmap(addr, len);
+  HookScope hook;
+  const int saved = errno;
+  std::lock_guard<std::mutex> lock(g_mu);
+  const auto cut = s->mappings.cut(b, e);
+  errno = saved;
+  const int r = next_munmap(addr, len);
+  const int err = errno;
+  s->mappings.after_unmap(cut, b, e, r == 0);
+  errno = err;
+  return r;
+}
+
+std::int32_t decode_hook(Entry which, llama_context* ctx, llama_batch batch) {
+  const DecodeFn next = which == Entry::decode ? next_llama_decode() : next_llama_encode();
+  if (next == nullptr) {
+    // Only reachable when something calls the preload's definition directly: libllama's is
+    // not behind it. There is nothing to forward to.
+    if (!g_warned_no_decode.exchange(true)) {
+      ErrnoKeeper keep;
+      warn(std::string(which == Entry::decode ? "llama_decode" : "llama_encode") +
+           " was called, but no library behind the preload defines it; returning -1");
+    }
+    return -1;
+  }
+  Session* s = in_hook() ? nullptr : active_session();
+  if (s == nullptr) return next(ctx, batch);
+  if (s->kind != KeepAlive::Kind::zero) {
+    {
+      ErrnoKeeper keep;
+      HookScope hook;
+      s->manager->touch();  // lock-free while resident; re-wires when the keep-alive released it
+    }
+    const std::int32_t r = next(ctx, batch);
+    // The use lasted until now: the keep-alive counts from the end of the decode, so that a
+    // decode longer than the keep-alive is not followed by a release at once.
+    {
+      ErrnoKeeper keep;
+      HookScope hook;
+      s->manager->touch();
+    }
+    return r;
+  }
+  // Keep-alive 0: resident for the call; released after the context finished its work.
+  std::optional<UseScope> scope;
+  {
+    ErrnoKeeper keep;
+    HookScope hook;
+    try {
+      const SynchronizeFn sync = s->synchronize;
+      scope.emplace(s->manager->use([sync, ctx] { sync(ctx); }));
+    } catch (...) {
+    }
+  }
+  const std::int32_t r = next(ctx, batch);
+  {
+    ErrnoKeeper keep;
+    HookScope hook;
+    scope.reset();
+  }
+  return r;
+}
+
+}  // namespace residency::preload

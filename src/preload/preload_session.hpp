@@ -1,0 +1,35 @@
+// The preload's one session per process: what each interposed call does (interpose.cpp only
+// forwards to these).
+//
+// Nothing happens when the library is loaded. The first mapping of a GGUF file starts the
+// session: the configuration (Config::from_env), a check that libllama's llama_decode is reachable
+// behind the preload, a fork handler, and one Manager over make_backend("auto"), whose start-up
+// lines are the log. Anything that fails there is one warning line, and from then on every call
+// passes straight through. The manager is never destroyed: engine threads may still be inside a
+// hook while the process exits, and a fork child must not touch it (the child passes through).
+#pragma once
+
+#include <sys/types.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include <llama.h>
+
+namespace residency::preload {
+
+enum class Entry { decode, encode };
+
+// mmap / mmap64: the real call, then a GGUF file mapping (regular file whose first 4 bytes are
+// "GGUF", mapped readable and not writable) is registered as weights. A MAP_FIXED mapping over
+// tracked memory is an unmap of what it replaces.
+void* map_hook(void* addr, std::size_t len, int prot, int flags, int fd, off64_t off, bool is64) noexcept;
+// munmap: tracked pieces it touches are unregistered before the real call; what is left of them
+// is registered again after it.
+int unmap_hook(void* addr, std::size_t len) noexcept;
+// llama_decode / llama_encode: a use. Keep-alive durations and forever: touch() before the real
+// call (re-wires if released) and after it (the keep-alive counts from the end of the decode);
+// keep-alive 0: a use scope around it, whose end waits for llama_synchronize(ctx).
+std::int32_t decode_hook(Entry which, llama_context* ctx, llama_batch batch);
+
+}  // namespace residency::preload

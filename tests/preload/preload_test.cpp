@@ -1,0 +1,581 @@
+// libresidency_preload.so in unmodified programs: decode_loop (plain C on llama.h, linked to
+// libllama, knowing nothing about residency) and map_file (mmaps a file, no libllama), run as
+// child processes with LD_PRELOAD and observed from outside: VmLck in /proc/<pid>/status, the
+// model file's mapping in /proc/<pid>/maps, the page cache through mincore on our own mapping of
+// the same file after the child's pages were paged out from here (process_madvise).
+//
+// Every run is compared with the same program run without the preload: same tokens, same exit
+// code; the residency lines on stderr are counted.
+#include <fcntl.h>
+#include <gtest/gtest.h>
+#include <linux/capability.h>
+#include <poll.h>
+#include <sys/mman.h>
+#include <sys/prctl.h>
+#include <sys/resource.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <sys/uio.h>
+#include <sys/vfs.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <csignal>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <optional>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "support/strict.hpp"
+#include "workload/gguf_writer.hpp"
+
+extern char** environ;
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+constexpr std::uint64_t kMiB = 1024 * 1024;
+constexpr int kTokens = 6;  // decodes per run
+
+double seconds_since(Clock::time_point t0) {
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+std::string read_file(const std::string& path) {
+  std::ifstream in(path);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+std::vector<std::string> lines_of(const std::string& text) {
+  std::vector<std::string> out;
+  std::stringstream ss(text);
+  for (std::string line; std::getline(ss, line);) out.push_back(line);
+  return out;
+}
+
+std::vector<std::string> residency_lines(const std::string& err, const std::string& level) {
+  std::vector<std::string> out;
+  for (auto& l : lines_of(err))
+    if (l.rfind("residency: " + level + ":", 0) == 0) out.push_back(l);
+  return out;
+}
+
+std::size_t count_containing(const std::string& text, const std::string& what) {
+  std::size_t n = 0;
+  for (std::size_t p = text.find(what); p != std::string::npos; p = text.find(what, p + 1)) ++n;
+  return n;
+}
+
+// VmLck of `pid`, bytes; nullopt once the process is gone.
+std::optional<std::uint64_t> vm_lck(pid_t pid) {
+  std::ifstream in("/proc/" + std::to_string(pid) + "/status");
+  for (std::string line; std::getline(in, line);) {
+    if (line.rfind("VmLck:", 0) == 0) return std::stoull(line.substr(6)) * 1024;
+  }
+  return std::nullopt;
+}
+
+// The pieces of `pid`'s address space that map `path`: address, length, file offset.
+struct MappedPiece {
+  std::uintptr_t addr = 0;
+  std::size_t len = 0;
+  std::uint64_t offset = 0;
+};
+std::vector<MappedPiece> mapped_pieces(pid_t pid, const std::string& path) {
+  std::vector<MappedPiece> out;
+  std::ifstream in("/proc/" + std::to_string(pid) + "/maps");
+  for (std::string line; std::getline(in, line);) {
+    if (line.size() < path.size() || line.compare(line.size() - path.size(), path.size(), path) != 0) continue;
+    std::istringstream ls(line);
+    std::string range, perms, offset;
+    ls >> range >> perms >> offset;
+    const auto dash = range.find('-');
+    MappedPiece p;
+    p.addr = std::stoull(range.substr(0, dash), nullptr, 16);
+    p.len = std::stoull(range.substr(dash + 1), nullptr, 16) - p.addr;
+    p.offset = std::stoull(offset, nullptr, 16);
+    out.push_back(p);
+  }
+  return out;
+}
+std::uint64_t mapped_bytes(const std::vector<MappedPiece>& pieces) {
+  std::uint64_t n = 0;
+  for (auto& p : pieces) n += p.len;
+  return n;
+}
+
+// A child process: argv/env as given, stdout through a pipe read line by line, stderr into a
+// file, stdin a pipe when asked for. Optionally with RLIMIT_MEMLOCK lowered and CAP_IPC_LOCK
+// dropped (bounding set first: a root child would get it back at exec otherwise).
+struct SpawnOptions {
+  std::vector<std::string> argv;
+  std::vector<std::pair<std::string, std::string>> env;  // added to ours, minus RESIDENCY_* and LD_PRELOAD
+  bool stdin_pipe = false;
+  std::optional<std::uint64_t> memlock_limit;
+  bool drop_cap_ipc_lock = false;
+};
+
+class Child {
+ public:
+  Child(const SpawnOptions& o, const std::string& stderr_path) : err_path_(stderr_path) {
+    std::vector<std::string> env;
+    for (char** e = environ; *e != nullptr; ++e) {
+      const std::string kv = *e;
+      if (kv.rfind("RESIDENCY_", 0) == 0 || kv.rfind("LD_PRELOAD=", 0) == 0 || kv.rfind("GGML_METAL_", 0) == 0) continue;
+      env.push_back(kv);
+    }
+    for (auto& [k, v] : o.env) env.push_back(k + "=" + v);
+    std::vector<char*> argv, envp;
+    for (auto& a : o.argv) argv.push_back(const_cast<char*>(a.c_str()));
+    argv.push_back(nullptr);
+    for (auto& e : env) envp.push_back(const_cast<char*>(e.c_str()));
+    envp.push_back(nullptr);
+
+    int out[2], in[2] = {-1, -1};
+    if (::pipe2(out, O_CLOEXEC) != 0 || (o.stdin_pipe && ::pipe2(in, O_CLOEXEC) != 0)) return;
+    const int err_fd = ::open(stderr_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    const int null_fd = ::open("/dev/null", O_RDONLY | O_CLOEXEC);
+    pid_ = ::fork();
+    if (pid_ == 0) {
+      ::dup2(o.stdin_pipe ? in[0] : null_fd, 0);
+      ::dup2(out[1], 1);
+      ::dup2(err_fd, 2);
+      if (o.drop_cap_ipc_lock) {
+        ::prctl(PR_CAPBSET_DROP, CAP_IPC_LOCK, 0, 0, 0);
+        ::prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0);
+        __user_cap_header_struct hdr{_LINUX_CAPABILITY_VERSION_3, 0};
+        __user_cap_data_struct data[_LINUX_CAPABILITY_U32S_3] = {};
+        if (::syscall(SYS_capget, &hdr, data) == 0) {
+          data[0].effective &= ~(1U << CAP_IPC_LOCK);
+          data[0].permitted &= ~(1U << CAP_IPC_LOCK);
+          data[0].inheritable &= ~(1U << CAP_IPC_LOCK);
+          ::syscall(SYS_capset, &hdr, data);
+        }
+      }
+      if (o.memlock_limit) {
+        const rlimit rl{static_cast<rlim_t>(*o.memlock_limit), static_cast<rlim_t>(*o.memlock_limit)};
+        ::setrlimit(RLIMIT_MEMLOCK, &rl);
+      }
+      ::execve(argv[0], argv.data(), envp.data());
+      ::_exit(127);
+    }
+    ::close(out[1]);
+    out_fd_ = out[0];
+    if (o.stdin_pipe) {
+      ::close(in[0]);
+      in_fd_ = in[1];
+    }
+    if (err_fd >= 0) ::close(err_fd);
+    if (null_fd >= 0) ::close(null_fd);
+  }
+  ~Child() {
+    close_stdin();
+    if (pid_ > 0 && !reaped_) {
+      ::kill(pid_, SIGKILL);
+      ::waitpid(pid_, nullptr, 0);
+    }
+    if (out_fd_ >= 0) ::close(out_fd_);
+  }
+  Child(const Child&) = delete;
+  Child& operator=(const Child&) = delete;
+
+  pid_t pid() const { return pid_; }
+  bool started() const { return pid_ > 0; }
+
+  // The next line of stdout, or nullopt at end of output or after `timeout_s`.
+  std::optional<std::string> read_line(double timeout_s = 120) {
+    const auto t0 = Clock::now();
+    for (;;) {
+      if (const auto nl = buf_.find('\n'); nl != std::string::npos) {
+        std::string line = buf_.substr(0, nl);
+        buf_.erase(0, nl + 1);
+        out_ += line + "\n";
+        return line;
+      }
+      const double left = timeout_s - seconds_since(t0);
+      if (left <= 0 || out_fd_ < 0) return std::nullopt;
+      pollfd p{out_fd_, POLLIN, 0};
+      const int r = ::poll(&p, 1, static_cast<int>(left * 1000) + 1);
+      if (r < 0 && errno == EINTR) continue;
+      if (r <= 0) return std::nullopt;
+      char chunk[4096];
+      const ssize_t n = ::read(out_fd_, chunk, sizeof chunk);
+      if (n <= 0) return std::nullopt;
+      buf_.append(chunk, static_cast<std::size_t>(n));
+    }
+  }
+  // Reads lines until one starts with `prefix`.
+  std::optional<std::string> wait_for(const std::string& prefix, double timeout_s = 120) {
+    while (auto line = read_line(timeout_s)) {
+      if (line->rfind(prefix, 0) == 0) return line;
+    }
+    return std::nullopt;
+  }
+  bool send_line() {
+    return in_fd_ >= 0 && ::write(in_fd_, "\n", 1) == 1;
+  }
+  void close_stdin() {
+    if (in_fd_ >= 0) ::close(in_fd_);
+    in_fd_ = -1;
+  }
+  // Waits for the exit (killing after `timeout_s`); returns the exit code, -1 for a signal.
+  int finish(double timeout_s = 120) {
+    close_stdin();
+    while (read_line(timeout_s)) {
+    }
+    const auto t0 = Clock::now();
+    int status = 0;
+    for (;;) {
+      const pid_t r = ::waitpid(pid_, &status, WNOHANG);
+      if (r == pid_) break;
+      if (seconds_since(t0) > timeout_s) {
+        ::kill(pid_, SIGKILL);
+        ::waitpid(pid_, &status, 0);
+        break;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    reaped_ = true;
+    return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  }
+  const std::string& stdout_text() const { return out_; }
+  std::string stderr_text() const { return read_file(err_path_); }
+  // The "token I ID" lines seen so far, as "I ID".
+  std::vector<std::string> tokens() const {
+    std::vector<std::string> t;
+    for (auto& l : lines_of(out_))
+      if (l.rfind("token ", 0) == 0) t.push_back(l.substr(6));
+    return t;
+  }
+
+ private:
+  std::string err_path_;
+  pid_t pid_ = -1;
+  int out_fd_ = -1, in_fd_ = -1;
+  bool reaped_ = false;
+  std::string buf_, out_;
+};
+
+// The page cache's view of [offset, offset + len) of the file mapped at `base` (our own mapping):
+// fraction of its pages resident.
+double resident_fraction(const unsigned char* base, std::uint64_t offset, std::size_t len) {
+  const std::size_t page = static_cast<std::size_t>(::sysconf(_SC_PAGESIZE));
+  std::vector<unsigned char> vec((len + page - 1) / page);
+  if (::mincore(const_cast<unsigned char*>(base) + offset, len, vec.data()) != 0) return -1;
+  std::size_t n = 0;
+  for (unsigned char v : vec) n += v & 1U;
+  return static_cast<double>(n) / static_cast<double>(vec.size());
+}
+
+class PreloadTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    // A disk-backed directory: the pages of a tmpfs file cannot be paged out without swap.
+    std::string base;
+    if (const char* t = std::getenv("TMPDIR"); t != nullptr && *t != '\0') base = t;
+    for (const char* d : {"/var/tmp", "/tmp"})
+      if (base.empty() && ::access(d, W_OK) == 0) base = d;
+    std::string tmpl = base + "/residency-preload-XXXXXX";
+    if (::mkdtemp(tmpl.data()) == nullptr) {
+      setup_error_ = "mkdtemp in " + base + " failed";
+      return;
+    }
+    dir_ = tmpl;
+    struct statfs sfs {};
+    if (::statfs(dir_.c_str(), &sfs) == 0 && static_cast<long>(sfs.f_type) == 0x01021994) on_tmpfs_ = true;
+
+    model_ = dir_ + "/model-f16.gguf";
+    auto shape = residency::workload::plan_llama_shape(64 * kMiB, residency::workload::GgmlType::f16);
+    if (!shape) {
+      setup_error_ = shape.message();
+      return;
+    }
+    if (auto st = residency::workload::write_synthetic_model(model_, *shape, residency::workload::kSyntheticSeed, 2); !st) {
+      setup_error_ = st.message();
+      return;
+    }
+    // The tokens without the preload: what every run must print.
+    SpawnOptions o;
+    o.argv = {DECODE_LOOP_PATH, model_, std::to_string(kTokens)};
+    Child c(o, dir_ + "/baseline.err");
+    if (!c.started()) {
+      setup_error_ = "cannot start decode_loop";
+      return;
+    }
+    baseline_exit_ = c.finish();
+    baseline_tokens_ = c.tokens();
+    baseline_err_ = c.stderr_text();
+  }
+  static void TearDownTestSuite() {
+    std::error_code ec;
+    if (!dir_.empty()) std::filesystem::remove_all(dir_, ec);
+  }
+  void SetUp() override {
+    ASSERT_TRUE(setup_error_.empty()) << setup_error_;
+    ASSERT_EQ(baseline_exit_, 0) << "decode_loop without the preload failed:\n" << baseline_err_;
+    ASSERT_EQ(baseline_tokens_.size(), static_cast<std::size_t>(kTokens)) << baseline_err_;
+    // The baseline itself is the engine's business; without the preload residency never speaks.
+    ASSERT_TRUE(residency_lines(baseline_err_, "warn").empty()) << baseline_err_;
+  }
+
+  static SpawnOptions decode_loop(std::vector<std::pair<std::string, std::string>> env, bool stepped) {
+    SpawnOptions o;
+    o.argv = {DECODE_LOOP_PATH, model_, std::to_string(kTokens)};
+    if (stepped) o.argv.push_back("stdin");
+    o.stdin_pipe = stepped;
+    o.env = std::move(env);
+    o.env.emplace_back("LD_PRELOAD", PRELOAD_PATH);
+    return o;
+  }
+  static std::string err_file(const char* name) { return dir_ + "/" + name + ".err"; }
+  std::vector<std::string> baseline_prefix(std::size_t n) const {
+    return {baseline_tokens_.begin(), baseline_tokens_.begin() + static_cast<std::ptrdiff_t>(std::min(n, baseline_tokens_.size()))};
+  }
+
+  static inline std::string dir_, model_, setup_error_, baseline_err_;
+  static inline bool on_tmpfs_ = false;
+  static inline int baseline_exit_ = -1;
+  static inline std::vector<std::string> baseline_tokens_;
+};
+
+// (1) With a 1 s keep-alive the model's mapping is locked from load, released about a second
+// after the last decode, and locked again by the next decode; tokens are unchanged.
+TEST_F(PreloadTest, KeepAliveLocksTheMappedModelReleasesItAfterTheKeepAliveAndRelocksOnTheNextDecode) {
+  Child c(decode_loop({{"RESIDENCY_KEEP_ALIVE", "1s"}}, true), err_file("keep-alive"));
+  ASSERT_TRUE(c.started());
+  ASSERT_TRUE(c.wait_for("loaded")) << c.stderr_text();
+  const auto t_sent = Clock::now();  // the decode's touch() comes after this
+  ASSERT_TRUE(c.send_line());
+  ASSERT_TRUE(c.wait_for("token 0")) << c.stderr_text();
+  const auto t_decode = Clock::now();
+  const double decode_s = std::chrono::duration<double>(t_decode - t_sent).count();
+  const auto pieces = mapped_pieces(c.pid(), model_);
+  const std::uint64_t mapped = mapped_bytes(pieces);
+  const auto locked = vm_lck(c.pid());
+  ASSERT_TRUE(locked);
+  EXPECT_GT(mapped, 48 * kMiB) << "the model is ~64 MiB; llama.cpp maps all of it but the header";
+  EXPECT_EQ(*locked, mapped) << "VmLck while resident vs the model's mapped bytes (" << pieces.size() << " piece(s))";
+
+  // Released after the keep-alive, not before: poll VmLck.
+  // The last use is the touch() just before the decode: after t_sent, before t_decode.
+  std::optional<double> released_after;  // since t_sent
+  while (seconds_since(t_decode) < 5) {
+    if (vm_lck(c.pid()).value_or(1) == 0) {
+      released_after = seconds_since(t_sent);
+      break;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  ASSERT_TRUE(released_after) << "VmLck still " << vm_lck(c.pid()).value_or(0) << " bytes 5 s after the decode";
+  EXPECT_GE(*released_after, 1.0) << "released earlier than the 1 s keep-alive";
+  EXPECT_LE(*released_after - decode_s, 2.0) << "released long after the 1 s keep-alive (after the decode's end)";
+
+  ASSERT_TRUE(c.send_line());
+  ASSERT_TRUE(c.wait_for("token 1")) << c.stderr_text();
+  EXPECT_EQ(vm_lck(c.pid()).value_or(0), mapped_bytes(mapped_pieces(c.pid(), model_))) << "not locked again by the next decode";
+  for (int i = 2; i < kTokens; ++i) ASSERT_TRUE(c.send_line());
+  EXPECT_EQ(c.finish(), 0);
+  EXPECT_EQ(c.tokens(), baseline_tokens_);
+  const std::string err = c.stderr_text();
+  EXPECT_TRUE(residency_lines(err, "warn").empty()) << err;
+  EXPECT_EQ(count_containing(err, "creating a residency set collection"), 1U) << err;
+  // At least the release and re-wire seen above (more if this machine stalled a step past 1 s).
+  EXPECT_GE(count_containing(err, "(keep-alive 1 s expired)"), 1U) << err;
+  EXPECT_GE(count_containing(err, "(touch after release)"), 1U) << err;
+  std::cerr << "[ measured ] mapped " << mapped << " bytes in " << pieces.size() << " piece(s), VmLck " << *locked
+            << " bytes; first decode " << decode_s << " s; VmLck 0 " << *released_after
+            << " s after the decode was asked for; locked again by the next decode\n";
+}
+
+// (2) While resident, paging the model out from outside evicts none of it; the same pageout once
+// the keep-alive released it does evict (so the check can fail).
+TEST_F(PreloadTest, PageoutFromOutsideEvictsNothingOfTheResidentModel) {
+#if !defined(SYS_pidfd_open) || !defined(SYS_process_madvise)
+  GTEST_SKIP() << "no pidfd_open / process_madvise in these headers";
+#else
+  if (on_tmpfs_) GTEST_SKIP() << dir_ << " is tmpfs: its pages cannot be paged out without swap";
+  const int fd = ::open(model_.c_str(), O_RDONLY);
+  ASSERT_GE(fd, 0);
+  const auto size = static_cast<std::size_t>(std::filesystem::file_size(model_));
+  auto* ours = static_cast<unsigned char*>(::mmap(nullptr, size, PROT_READ, MAP_SHARED, fd, 0));  // never touched
+  ASSERT_NE(ours, MAP_FAILED);
+
+  Child c(decode_loop({{"RESIDENCY_KEEP_ALIVE", "1s"}}, true), err_file("pageout"));
+  ASSERT_TRUE(c.started());
+  ASSERT_TRUE(c.wait_for("loaded")) << c.stderr_text();
+  ASSERT_TRUE(c.send_line());
+  ASSERT_TRUE(c.wait_for("token 0")) << c.stderr_text();
+  const int pidfd = static_cast<int>(::syscall(SYS_pidfd_open, c.pid(), 0));
+  ASSERT_GE(pidfd, 0) << "pidfd_open: " << std::strerror(errno);
+
+  // Pages the child out (MADV_PAGEOUT on its mappings of the model, Linux >= 5.10), drops the
+  // file's unmapped pages from the page cache, and returns what stays resident of what it maps.
+  auto page_out = [&](int* madvise_errno) {
+    const auto pieces = mapped_pieces(c.pid(), model_);
+    std::vector<iovec> iov;
+    for (auto& p : pieces) iov.push_back({reinterpret_cast<void*>(p.addr), p.len});
+    errno = 0;
+    const long r = ::syscall(SYS_process_madvise, pidfd, iov.data(), iov.size(), MADV_PAGEOUT, 0U);
+    *madvise_errno = r < 0 ? errno : 0;
+    ::posix_fadvise(fd, 0, static_cast<off_t>(size), POSIX_FADV_DONTNEED);
+    std::uint64_t resident = 0, total = 0;
+    for (auto& p : pieces) {
+      resident += static_cast<std::uint64_t>(resident_fraction(ours, p.offset, p.len) * static_cast<double>(p.len));
+      total += p.len;
+    }
+    return total ? static_cast<double>(resident) / static_cast<double>(total) : -1.0;
+  };
+
+  const auto locked_before = vm_lck(c.pid()).value_or(0);
+  int err_locked = 0;
+  const double kept = page_out(&err_locked);
+  const auto locked_after = vm_lck(c.pid()).value_or(0);
+  ASSERT_GT(locked_before, 0U);
+  ASSERT_EQ(locked_after, locked_before) << "the keep-alive ran out during the check: it proves nothing";
+  EXPECT_EQ(kept, 1.0) << "resident fraction of the locked model after a pageout from outside";
+
+  // Control: once released, the same pageout evicts.
+  const auto t0 = Clock::now();
+  while (vm_lck(c.pid()).value_or(1) != 0 && seconds_since(t0) < 5) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  ASSERT_EQ(vm_lck(c.pid()).value_or(1), 0U);
+  int err_released = 0;
+  const double left = page_out(&err_released);
+  if (err_released == ENOSYS || err_released == EPERM) {
+    GTEST_SKIP() << "process_madvise(MADV_PAGEOUT) failed with " << std::strerror(err_released)
+                 << " (needs Linux >= 5.10 and CAP_SYS_NICE): the control cannot run";
+  }
+  EXPECT_LT(left, 0.5) << "a pageout of the released model evicted little (process_madvise: "
+                       << std::strerror(err_released) << "): the locked check above proves nothing";
+
+  // The next decode wires it again: everything resident.
+  ASSERT_TRUE(c.send_line());
+  ASSERT_TRUE(c.wait_for("token 1")) << c.stderr_text();
+  double back = 0;
+  for (auto& p : mapped_pieces(c.pid(), model_)) back = std::max(back, resident_fraction(ours, p.offset, p.len));
+  EXPECT_EQ(back, 1.0);
+  ::close(pidfd);
+  EXPECT_EQ(c.finish(), 0);
+  EXPECT_EQ(c.tokens(), baseline_prefix(2));
+  ::munmap(ours, size);
+  ::close(fd);
+  std::cerr << "[ measured ] resident after pageout: locked " << kept << " (process_madvise: "
+            << (err_locked ? std::strerror(err_locked) : "ok") << "), released " << left << "\n";
+#endif
+}
+
+// (3) RLIMIT_MEMLOCK 64 KiB and no CAP_IPC_LOCK: the manager's clamp warning is the one line,
+// nothing is locked, the tokens are the same.
+TEST_F(PreloadTest, TooLowMemlockLimitIsOneWarningAndTheProgramRunsAsWithout) {
+  SpawnOptions o = decode_loop({}, true);
+  o.memlock_limit = 64 * 1024;
+  o.drop_cap_ipc_lock = true;
+  Child c(o, err_file("memlock"));
+  ASSERT_TRUE(c.started());
+  ASSERT_TRUE(c.wait_for("loaded")) << c.stderr_text();
+  ASSERT_TRUE(c.send_line());
+  ASSERT_TRUE(c.wait_for("token 0")) << c.stderr_text();
+  EXPECT_EQ(vm_lck(c.pid()).value_or(1), 0U);
+  for (int i = 1; i < kTokens; ++i) ASSERT_TRUE(c.send_line());
+  EXPECT_EQ(c.finish(), 0);
+  EXPECT_EQ(c.tokens(), baseline_tokens_);
+  const std::string err = c.stderr_text();
+  const auto warns = residency_lines(err, "warn");
+  ASSERT_EQ(warns.size(), 1U) << err;
+  EXPECT_NE(warns[0].find("RLIMIT_MEMLOCK = 64 KiB"), std::string::npos) << warns[0];
+}
+
+// (4) A program that maps a GGUF file but has no llama_decode behind the preload: one warning,
+// nothing registered (no manager), output unchanged.
+TEST_F(PreloadTest, ProgramWithoutLlamaDecodeIsOneWarningAndUnchanged) {
+  SpawnOptions plain;
+  plain.argv = {MAP_FILE_PATH, model_};
+  Child without(plain, err_file("map-plain"));
+  ASSERT_TRUE(without.started());
+  ASSERT_EQ(without.finish(), 0) << without.stderr_text();
+
+  SpawnOptions o = plain;
+  o.env = {{"LD_PRELOAD", PRELOAD_PATH}};
+  Child with(o, err_file("map-preload"));
+  ASSERT_TRUE(with.started());
+  EXPECT_EQ(with.finish(), 0);
+  EXPECT_EQ(with.stdout_text(), without.stdout_text());
+  EXPECT_FALSE(with.stdout_text().empty());
+  const std::string err = with.stderr_text();
+  const auto warns = residency_lines(err, "warn");
+  ASSERT_EQ(warns.size(), 1U) << err;
+  EXPECT_NE(warns[0].find("llama_decode is not reachable"), std::string::npos) << warns[0];
+  EXPECT_EQ(lines_of(err).size(), 1U) << "no manager, no other line:\n" << err;
+}
+
+// (5) Keep-alive 0: wired only during each decode (a use scope around it), so nothing is locked
+// between decodes; one release per decode; tokens unchanged.
+TEST_F(PreloadTest, KeepAliveZeroLocksOnlyDuringEachDecode) {
+  Child c(decode_loop({{"RESIDENCY_KEEP_ALIVE", "0"}}, true), err_file("zero"));
+  ASSERT_TRUE(c.started());
+  ASSERT_TRUE(c.wait_for("loaded")) << c.stderr_text();
+  EXPECT_EQ(vm_lck(c.pid()).value_or(1), 0U) << "after load";
+  std::vector<std::uint64_t> between;
+  for (int i = 0; i < kTokens; ++i) {
+    ASSERT_TRUE(c.send_line());
+    ASSERT_TRUE(c.wait_for("token " + std::to_string(i))) << c.stderr_text();
+    between.push_back(vm_lck(c.pid()).value_or(1));
+  }
+  EXPECT_EQ(between, std::vector<std::uint64_t>(kTokens, 0));
+  EXPECT_EQ(c.finish(), 0);
+  EXPECT_EQ(c.tokens(), baseline_tokens_);
+  const std::string err = c.stderr_text();
+  EXPECT_TRUE(residency_lines(err, "warn").empty()) << err;
+  // Each decode wired (the first one wires for the first time, the others re-wire) and released.
+  EXPECT_EQ(count_containing(err, "residency: info: released "), static_cast<std::size_t>(kTokens)) << err;
+  EXPECT_EQ(count_containing(err, "(use scope)"), static_cast<std::size_t>(kTokens - 1)) << err;
+}
+
+// (6) A bad RESIDENCY_KEEP_ALIVE: one warning naming it, then pass-through.
+TEST_F(PreloadTest, BadKeepAliveIsOneWarningAndPassThrough) {
+  Child c(decode_loop({{"RESIDENCY_KEEP_ALIVE", "soon"}}, true), err_file("bad"));
+  ASSERT_TRUE(c.started());
+  ASSERT_TRUE(c.wait_for("loaded")) << c.stderr_text();
+  ASSERT_TRUE(c.send_line());
+  ASSERT_TRUE(c.wait_for("token 0")) << c.stderr_text();
+  EXPECT_EQ(vm_lck(c.pid()).value_or(1), 0U);
+  for (int i = 1; i < kTokens; ++i) ASSERT_TRUE(c.send_line());
+  EXPECT_EQ(c.finish(), 0);
+  EXPECT_EQ(c.tokens(), baseline_tokens_);
+  const std::string err = c.stderr_text();
+  const auto warns = residency_lines(err, "warn");
+  ASSERT_EQ(warns.size(), 1U) << err;
+  EXPECT_NE(warns[0].find("RESIDENCY_KEEP_ALIVE=\"soon\""), std::string::npos) << warns[0];
+  EXPECT_EQ(lines_of(err).size(), 1U) << "no manager, no other line:\n" << err;
+}
+
+// The default keep-alive (180 s) with pauses between decodes: the model stays locked through the
+// whole run, and the tokens are the same.
+TEST_F(PreloadTest, DefaultKeepAliveKeepsTheModelLockedAcrossPauses) {
+  SpawnOptions o = decode_loop({}, false);
+  o.argv.push_back("200");
+  Child c(o, err_file("default"));
+  ASSERT_TRUE(c.started());
+  ASSERT_TRUE(c.wait_for("token 2")) << c.stderr_text();
+  const std::uint64_t mapped = mapped_bytes(mapped_pieces(c.pid(), model_));
+  EXPECT_GT(mapped, 0U);
+  EXPECT_EQ(vm_lck(c.pid()).value_or(0), mapped);
+  EXPECT_EQ(c.finish(), 0);
+  EXPECT_EQ(c.tokens(), baseline_tokens_);
+  const std::string err = c.stderr_text();
+  EXPECT_TRUE(residency_lines(err, "warn").empty()) << err;
+  EXPECT_EQ(count_containing(err, "keep_alive = 180 s"), 1U) << err;
+}
+
+}  // namespace
