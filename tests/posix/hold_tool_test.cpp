@@ -34,8 +34,13 @@ struct Hold {
   pid_t pid = -1;
   std::string out_path, err_path;
   explicit Hold(const std::vector<std::string>& args, const std::string& dir) {
-    out_path = dir + "/hold.out";
-    err_path = dir + "/hold.err";
+    // Names of their own: a file left by an earlier run must not be mistaken for this one's.
+    static int serial = 0;
+    const std::string stem = dir + "/residency-hold-test-" + std::to_string(::getpid()) + "-" + std::to_string(serial++);
+    out_path = stem + ".out";
+    err_path = stem + ".err";
+    std::remove(out_path.c_str());
+    std::remove(err_path.c_str());
     pid = ::fork();
     if (pid == 0) {
       std::freopen(out_path.c_str(), "w", stdout);
@@ -88,6 +93,8 @@ struct Hold {
       ::kill(pid, SIGKILL);
       ::waitpid(pid, nullptr, 0);
     }
+    std::remove(out_path.c_str());
+    std::remove(err_path.c_str());
   }
 };
 
@@ -101,7 +108,7 @@ TEST(HoldTool, HoldsAFileAgainstPageoutFromAnotherProcessUntilSigterm) {
   Hold h({path_of(model), "--keep-alive", "forever"}, dir);
   ASSERT_GT(h.pid, 0);
   ASSERT_TRUE(h.wait_for_output("holding", 10s)) << h.out() << h.err();
-  EXPECT_NE(h.out().find("holding 64 MiB of 64 MiB in 1 file(s)"), std::string::npos) << h.out();
+  EXPECT_NE(h.out().find("holding 64 MiB of 64 MiB in 1 file(s)"), std::string::npos) << h.out() << h.err();
   EXPECT_EQ(h.vm_lck(), kSize) << "the hold process locks the whole file";
   // Pressure made repeatable, from this process: reclaim every page of our own mapping of the
   // same file. The hold process's locks keep the shared page-cache pages.
