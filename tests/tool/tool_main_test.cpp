@@ -34,7 +34,7 @@ TEST(ToolMain, WithoutASubcommandItShowsTheSubcommandsAndExits2) {
 TEST(ToolMain, AnUnknownSubcommandIsNamedWithTheAcceptedOnes) {
   const ToolRun r = run_tool("idel");
   EXPECT_EQ(r.status, 2);
-  EXPECT_NE(r.output.find("unknown subcommand 'idel'; accepted: hold, idle, make-model, stat"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("unknown subcommand 'idel'; accepted: hold, idle, llama-idle, make-model, stat"), std::string::npos) << r.output;
   EXPECT_EQ(std::count(r.output.begin(), r.output.end(), '\n'), 1) << "one line: " << r.output;
 }
 
