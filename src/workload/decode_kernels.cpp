@@ -120,20 +120,30 @@ std::uint64_t sum_generic(const std::uint8_t* p, std::size_t n) {
 #if RESIDENCY_DECODE_X86
 #define RESIDENCY_AVX2 __attribute__((target("avx2,fma,f16c")))
 
-// Software prefetch distance. With arithmetic between the loads, the out-of-order window holds
-// fewer outstanding cache misses than a plain read loop does, and a thread's stream stops
-// saturating memory; asking for the lines this far ahead restores it. Measured with bench_decode
-// on the 2-core CI machine (decode / plain-sum bandwidth, F16 | BF16 | Q8_0): no prefetch 0.58 |
-// 0.53 | 0.55, 1 KiB 0.76 | 0.71 | 0.74, 2 KiB 0.77 | 0.71 | 0.83, 4 KiB 0.91 | 0.88 | 0.89,
-// 8 KiB 0.87 | 0.87 | 0.91. One page ahead also crosses the 4 KiB boundary at which the
-// hardware prefetchers stop.
+// Why the kernels below walk several rows side by side (measured on the 2-core AMD EPYC VM, see
+// bench/results/2026-12-01-decode-vs-llama.md): one thread reading one sequential stream gets far
+// less than its share of memory bandwidth, because the number of cache misses it has in flight is
+// limited by what the hardware prefetcher runs ahead of a single stream, and that prefetcher stops
+// at every 4 KiB page (the model is a file mapping: 4 KiB pages scattered in physical memory). A
+// plain read of 1 GiB with 2 threads took 143 ms as one stream per thread and 97 ms as four streams
+// per thread. The old kernels read one row (Q8_0, F32) or two adjacent rows (F16, BF16) at a time:
+// one or two streams, hence 1.4-1.8x slower than llama.cpp, whose single-token matmul computes four
+// rows per step. So every AVX2 kernel here computes kStreams rows at a time, taken from kStreams
+// equal groups of consecutive rows of the piece (row r of each group): the streams are a quarter
+// of a piece apart, in different pages whatever the row length, and each one walks its own group
+// sequentially. Each row keeps its own accumulators, with exactly the arithmetic of the one-row
+// kernel that computes the rows left over, so a row's output does not depend on how it was grouped.
+constexpr std::size_t kStreams = 4;
+
+// Software prefetch distance, per stream: asks for the line this far ahead of each stream, past
+// the 4 KiB boundary where the hardware prefetcher stops.
 constexpr std::size_t kPrefetchBytes = 4096;
 
 RESIDENCY_AVX2 inline void prefetch(const std::uint8_t* p) {
   _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0);
 }
 
-RESIDENCY_AVX2 float hsum(__m256 v) {
+RESIDENCY_AVX2 inline float hsum(__m256 v) {
   const __m128 lo = _mm256_castps256_ps128(v);
   const __m128 hi = _mm256_extractf128_ps(v, 1);
   __m128 s = _mm_add_ps(lo, hi);
@@ -142,27 +152,47 @@ RESIDENCY_AVX2 float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-RESIDENCY_AVX2 float dot_f32_avx2(const std::uint8_t* w, std::size_t n, const MatvecInput& in) {
+// R rows at once: w[k] is row k's first byte, y[k] its output.
+template <std::size_t R>
+RESIDENCY_AVX2 void rows_f32_avx2(const std::uint8_t* const (&w)[R], std::size_t n, const MatvecInput& in,
+                                  float* const (&y)[R]) {
   const float* x = in.x;
-  const auto* wf = reinterpret_cast<const float*>(w);  // loadu: any alignment
-  __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
+  __m256 a0[R], a1[R];
+  for (std::size_t k = 0; k < R; ++k) a0[k] = a1[k] = _mm256_setzero_ps();
   std::size_t i = 0;
-  for (; i + 32 <= n; i += 32) {
-    prefetch(w + 4 * i + kPrefetchBytes);
-    prefetch(w + 4 * i + kPrefetchBytes + 64);
-    a0 = _mm256_fmadd_ps(_mm256_loadu_ps(wf + i), _mm256_loadu_ps(x + i), a0);
-    a1 = _mm256_fmadd_ps(_mm256_loadu_ps(wf + i + 8), _mm256_loadu_ps(x + i + 8), a1);
-    a2 = _mm256_fmadd_ps(_mm256_loadu_ps(wf + i + 16), _mm256_loadu_ps(x + i + 16), a2);
-    a3 = _mm256_fmadd_ps(_mm256_loadu_ps(wf + i + 24), _mm256_loadu_ps(x + i + 24), a3);
+  for (; i + 32 <= n; i += 32) {  // 128 bytes (two lines) of each row per step
+    for (std::size_t k = 0; k < R; ++k) {
+      prefetch(w[k] + 4 * i + kPrefetchBytes);
+      prefetch(w[k] + 4 * i + kPrefetchBytes + 64);
+    }
+    const __m256 x0 = _mm256_loadu_ps(x + i), x1 = _mm256_loadu_ps(x + i + 8);
+    for (std::size_t k = 0; k < R; ++k) {
+      const auto* wf = reinterpret_cast<const float*>(w[k] + 4 * i);  // loadu: any alignment
+      a0[k] = _mm256_fmadd_ps(_mm256_loadu_ps(wf), x0, a0[k]);
+      a1[k] = _mm256_fmadd_ps(_mm256_loadu_ps(wf + 8), x1, a1[k]);
+    }
+    const __m256 x2 = _mm256_loadu_ps(x + i + 16), x3 = _mm256_loadu_ps(x + i + 24);
+    for (std::size_t k = 0; k < R; ++k) {
+      const auto* wf = reinterpret_cast<const float*>(w[k] + 4 * i);
+      a0[k] = _mm256_fmadd_ps(_mm256_loadu_ps(wf + 16), x2, a0[k]);
+      a1[k] = _mm256_fmadd_ps(_mm256_loadu_ps(wf + 24), x3, a1[k]);
+    }
   }
-  for (; i + 8 <= n; i += 8) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(wf + i), _mm256_loadu_ps(x + i), a0);
-  float s = hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
-  for (; i < n; ++i) {
-    float v;
-    std::memcpy(&v, w + 4 * i, 4);
-    s += v * x[i];
+  for (; i + 8 <= n; i += 8) {
+    const __m256 xv = _mm256_loadu_ps(x + i);
+    for (std::size_t k = 0; k < R; ++k) {
+      a0[k] = _mm256_fmadd_ps(_mm256_loadu_ps(reinterpret_cast<const float*>(w[k] + 4 * i)), xv, a0[k]);
+    }
   }
-  return s;
+  for (std::size_t k = 0; k < R; ++k) {
+    float s = hsum(_mm256_add_ps(a0[k], a1[k]));
+    for (std::size_t j = i; j < n; ++j) {
+      float v;
+      std::memcpy(&v, w[k] + 4 * j, 4);
+      s += v * x[j];
+    }
+    *y[k] = s;
+  }
 }
 
 template <bool kBf16>
@@ -175,102 +205,154 @@ RESIDENCY_AVX2 inline __m256 load_halfx8(const std::uint8_t* p) {
   }
 }
 
-template <bool kBf16>
-RESIDENCY_AVX2 float half_tail(const std::uint8_t* w, std::size_t from, std::size_t n, const float* x) {
-  float s = 0;
-  for (std::size_t i = from; i < n; ++i) {
-    std::uint16_t h;
-    std::memcpy(&h, w + 2 * i, 2);
-    s += (kBf16 ? bf16_to_f32(h) : f16_to_f32(h)) * x[i];
-  }
-  return s;
-}
-
-// Two rows at a time: each activation load serves two rows, and two streams are in flight.
-template <bool kBf16>
-RESIDENCY_AVX2 void matvec_half_avx2(const std::uint8_t* w, std::size_t row_bytes, std::size_t n, std::size_t rows,
-                                     const MatvecInput& in, float* y) {
+template <bool kBf16, std::size_t R>
+RESIDENCY_AVX2 void rows_half_avx2(const std::uint8_t* const (&w)[R], std::size_t n, const MatvecInput& in,
+                                   float* const (&y)[R]) {
   const float* x = in.x;
   constexpr auto load = load_halfx8<kBf16>;
-  std::size_t r = 0;
-  for (; r + 2 <= rows; r += 2) {
-    const std::uint8_t* w0 = w + r * row_bytes;
-    const std::uint8_t* w1 = w0 + row_bytes;
-    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), b0 = _mm256_setzero_ps(), b1 = _mm256_setzero_ps();
-    std::size_t i = 0;
-    for (; i + 32 <= n; i += 32) {  // 64 bytes (one line) of each row per step
-      prefetch(w0 + 2 * i + kPrefetchBytes);
-      prefetch(w1 + 2 * i + kPrefetchBytes);
-      const __m256 x0 = _mm256_loadu_ps(x + i), x1 = _mm256_loadu_ps(x + i + 8);
-      const __m256 x2 = _mm256_loadu_ps(x + i + 16), x3 = _mm256_loadu_ps(x + i + 24);
-      a0 = _mm256_fmadd_ps(load(w0 + 2 * i), x0, a0);
-      b0 = _mm256_fmadd_ps(load(w1 + 2 * i), x0, b0);
-      a1 = _mm256_fmadd_ps(load(w0 + 2 * i + 16), x1, a1);
-      b1 = _mm256_fmadd_ps(load(w1 + 2 * i + 16), x1, b1);
-      a0 = _mm256_fmadd_ps(load(w0 + 2 * i + 32), x2, a0);
-      b0 = _mm256_fmadd_ps(load(w1 + 2 * i + 32), x2, b0);
-      a1 = _mm256_fmadd_ps(load(w0 + 2 * i + 48), x3, a1);
-      b1 = _mm256_fmadd_ps(load(w1 + 2 * i + 48), x3, b1);
+  __m256 a0[R], a1[R];
+  for (std::size_t k = 0; k < R; ++k) a0[k] = a1[k] = _mm256_setzero_ps();
+  std::size_t i = 0;
+  for (; i + 32 <= n; i += 32) {  // 64 bytes (one line) of each row per step
+    for (std::size_t k = 0; k < R; ++k) prefetch(w[k] + 2 * i + kPrefetchBytes);
+    const __m256 x0 = _mm256_loadu_ps(x + i), x1 = _mm256_loadu_ps(x + i + 8);
+    for (std::size_t k = 0; k < R; ++k) {
+      a0[k] = _mm256_fmadd_ps(load(w[k] + 2 * i), x0, a0[k]);
+      a1[k] = _mm256_fmadd_ps(load(w[k] + 2 * i + 16), x1, a1[k]);
     }
-    for (; i + 8 <= n; i += 8) {
-      const __m256 xv = _mm256_loadu_ps(x + i);
-      a0 = _mm256_fmadd_ps(load(w0 + 2 * i), xv, a0);
-      b0 = _mm256_fmadd_ps(load(w1 + 2 * i), xv, b0);
+    const __m256 x2 = _mm256_loadu_ps(x + i + 16), x3 = _mm256_loadu_ps(x + i + 24);
+    for (std::size_t k = 0; k < R; ++k) {
+      a0[k] = _mm256_fmadd_ps(load(w[k] + 2 * i + 32), x2, a0[k]);
+      a1[k] = _mm256_fmadd_ps(load(w[k] + 2 * i + 48), x3, a1[k]);
     }
-    y[r] = hsum(_mm256_add_ps(a0, a1)) + half_tail<kBf16>(w0, i, n, x);
-    y[r + 1] = hsum(_mm256_add_ps(b0, b1)) + half_tail<kBf16>(w1, i, n, x);
   }
-  if (r < rows) {
-    const std::uint8_t* w0 = w + r * row_bytes;
-    __m256 a0 = _mm256_setzero_ps();
-    std::size_t i = 0;
-    for (; i + 8 <= n; i += 8) a0 = _mm256_fmadd_ps(load(w0 + 2 * i), _mm256_loadu_ps(x + i), a0);
-    y[r] = hsum(a0) + half_tail<kBf16>(w0, i, n, x);
+  for (; i + 8 <= n; i += 8) {
+    const __m256 xv = _mm256_loadu_ps(x + i);
+    for (std::size_t k = 0; k < R; ++k) a0[k] = _mm256_fmadd_ps(load(w[k] + 2 * i), xv, a0[k]);
+  }
+  for (std::size_t k = 0; k < R; ++k) {
+    float s = hsum(_mm256_add_ps(a0[k], a1[k]));
+    for (std::size_t j = i; j < n; ++j) {
+      std::uint16_t h;
+      std::memcpy(&h, w[k] + 2 * j, 2);
+      s += (kBf16 ? bf16_to_f32(h) : f16_to_f32(h)) * x[j];
+    }
+    *y[k] = s;
   }
 }
 
 // acc + (d_w * d_x) * (q_w . q_x) for one Q8_0 block, in integers: |q_w| (unsigned) times q_x
 // with q_w's sign (signed) in pairs (maddubs), pairs summed to 32 bits (madd). |q_w| <= 128 and
 // |q_x| <= 127, so the 16-bit pair sums (at most 2 * 128 * 127) never saturate.
-RESIDENCY_AVX2 inline __m256 q8_0_block(const std::uint8_t* blk, const std::int8_t* qx, float dx, __m256 acc) {
+RESIDENCY_AVX2 inline __m256 q8_0_block(const std::uint8_t* blk, __m256i xv, float dx, __m256 acc) {
   std::uint16_t dh;
   std::memcpy(&dh, blk, 2);
   const __m256i qw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2));
-  const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx));
   const __m256i pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(qw, qw), _mm256_sign_epi8(xv, qw));
   const __m256i sums = _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
   return _mm256_fmadd_ps(_mm256_set1_ps(_cvtsh_ss(dh) * dx), _mm256_cvtepi32_ps(sums), acc);
 }
 
-RESIDENCY_AVX2 float dot_q8_0_avx2(const std::uint8_t* w, std::size_t n, const MatvecInput& in) {
-  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+template <std::size_t R>
+RESIDENCY_AVX2 void rows_q8_0_avx2(const std::uint8_t* const (&w)[R], std::size_t n, const MatvecInput& in,
+                                   float* const (&y)[R]) {
+  __m256 a0[R], a1[R];
+  for (std::size_t k = 0; k < R; ++k) a0[k] = a1[k] = _mm256_setzero_ps();
   const std::size_t blocks = n / kQ8Block;
   std::size_t b = 0;
-  for (; b + 2 <= blocks; b += 2) {
-    prefetch(w + b * kQ8BlockBytes + kPrefetchBytes);
-    acc0 = q8_0_block(w + b * kQ8BlockBytes, in.q8 + b * kQ8Block, in.q8_scale[b], acc0);
-    acc1 = q8_0_block(w + (b + 1) * kQ8BlockBytes, in.q8 + (b + 1) * kQ8Block, in.q8_scale[b + 1], acc1);
+  for (; b + 2 <= blocks; b += 2) {  // 68 bytes of each row per step
+    for (std::size_t k = 0; k < R; ++k) prefetch(w[k] + b * kQ8BlockBytes + kPrefetchBytes);
+    const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(in.q8 + b * kQ8Block));
+    const float d0 = in.q8_scale[b];
+    for (std::size_t k = 0; k < R; ++k) a0[k] = q8_0_block(w[k] + b * kQ8BlockBytes, x0, d0, a0[k]);
+    const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(in.q8 + (b + 1) * kQ8Block));
+    const float d1 = in.q8_scale[b + 1];
+    for (std::size_t k = 0; k < R; ++k) a1[k] = q8_0_block(w[k] + (b + 1) * kQ8BlockBytes, x1, d1, a1[k]);
   }
-  if (b < blocks) acc0 = q8_0_block(w + b * kQ8BlockBytes, in.q8 + b * kQ8Block, in.q8_scale[b], acc0);
-  return hsum(_mm256_add_ps(acc0, acc1));
+  if (b < blocks) {
+    const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(in.q8 + b * kQ8Block));
+    for (std::size_t k = 0; k < R; ++k) a0[k] = q8_0_block(w[k] + b * kQ8BlockBytes, x0, in.q8_scale[b], a0[k]);
+  }
+  for (std::size_t k = 0; k < R; ++k) *y[k] = hsum(_mm256_add_ps(a0[k], a1[k]));
 }
 
-template <float (*Dot)(const std::uint8_t*, std::size_t, const MatvecInput&)>
-RESIDENCY_AVX2 void matvec_avx2(const std::uint8_t* w, std::size_t row_bytes, std::size_t n, std::size_t rows,
-                                const MatvecInput& in, float* y) {
-  for (std::size_t r = 0; r < rows; ++r) y[r] = Dot(w + r * row_bytes, n, in);
+// The piece's rows in kStreams groups of q consecutive rows, row r of every group computed
+// together; the rows % kStreams left over one at a time, with the same per-row arithmetic.
+template <template <std::size_t> class Rows>
+RESIDENCY_AVX2 void matvec_streams_avx2(const std::uint8_t* w, std::size_t row_bytes, std::size_t n, std::size_t rows,
+                                        const MatvecInput& in, float* y) {
+  const std::size_t q = rows / kStreams;
+  for (std::size_t r = 0; r < q; ++r) {
+    const std::uint8_t* const ws[kStreams] = {w + r * row_bytes, w + (q + r) * row_bytes, w + (2 * q + r) * row_bytes,
+                                              w + (3 * q + r) * row_bytes};
+    float* const ys[kStreams] = {y + r, y + q + r, y + 2 * q + r, y + 3 * q + r};
+    Rows<kStreams>::run(ws, n, in, ys);
+  }
+  for (std::size_t r = kStreams * q; r < rows; ++r) {
+    const std::uint8_t* const ws[1] = {w + r * row_bytes};
+    float* const ys[1] = {y + r};
+    Rows<1>::run(ws, n, in, ys);
+  }
+}
+static_assert(kStreams == 4, "matvec_streams_avx2 lists the streams");
+
+template <std::size_t R>
+struct RowsF32 {
+  RESIDENCY_AVX2 static void run(const std::uint8_t* const (&w)[R], std::size_t n, const MatvecInput& in,
+                                 float* const (&y)[R]) {
+    rows_f32_avx2<R>(w, n, in, y);
+  }
+};
+template <std::size_t R>
+struct RowsF16 {
+  RESIDENCY_AVX2 static void run(const std::uint8_t* const (&w)[R], std::size_t n, const MatvecInput& in,
+                                 float* const (&y)[R]) {
+    rows_half_avx2<false, R>(w, n, in, y);
+  }
+};
+template <std::size_t R>
+struct RowsBf16 {
+  RESIDENCY_AVX2 static void run(const std::uint8_t* const (&w)[R], std::size_t n, const MatvecInput& in,
+                                 float* const (&y)[R]) {
+    rows_half_avx2<true, R>(w, n, in, y);
+  }
+};
+template <std::size_t R>
+struct RowsQ8 {
+  RESIDENCY_AVX2 static void run(const std::uint8_t* const (&w)[R], std::size_t n, const MatvecInput& in,
+                                 float* const (&y)[R]) {
+    rows_q8_0_avx2<R>(w, n, in, y);
+  }
+};
+
+// The baseline read loop, written as well as the kernels: kStreams streams (quarters of the
+// range, whole 128-byte strides each) with the same prefetch; what is left after them (less than
+// kStreams * 128 bytes) in 128-byte strides, then bytes. The sum of 64-bit words does not depend on
+// the order in which they are added, so this is the same sum as one stream's.
+RESIDENCY_AVX2 inline __m256i add128(__m256i acc, const std::uint8_t* p) {
+  const __m256i a = _mm256_add_epi64(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)),
+                                     _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32)));
+  const __m256i b = _mm256_add_epi64(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64)),
+                                     _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 96)));
+  return _mm256_add_epi64(acc, _mm256_add_epi64(a, b));
 }
 
 RESIDENCY_AVX2 std::uint64_t sum_avx2(const std::uint8_t* p, std::size_t n) {
-  __m256i a0 = _mm256_setzero_si256(), a1 = _mm256_setzero_si256(), a2 = _mm256_setzero_si256(), a3 = _mm256_setzero_si256();
-  std::size_t i = 0;
-  for (; i + 128 <= n; i += 128) {
-    a0 = _mm256_add_epi64(a0, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + i)));
-    a1 = _mm256_add_epi64(a1, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + i + 32)));
-    a2 = _mm256_add_epi64(a2, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + i + 64)));
-    a3 = _mm256_add_epi64(a3, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + i + 96)));
+  const std::size_t len = n / (kStreams * 128) * 128;  // bytes per stream
+  __m256i acc[kStreams];
+  for (auto& a : acc) a = _mm256_setzero_si256();
+  for (std::size_t i = 0; i < len; i += 128) {
+    for (std::size_t k = 0; k < kStreams; ++k) {
+      const std::uint8_t* q = p + k * len + i;
+      prefetch(q + kPrefetchBytes);
+      prefetch(q + kPrefetchBytes + 64);
+      acc[k] = add128(acc[k], q);
+    }
   }
-  const __m256i s4 = _mm256_add_epi64(_mm256_add_epi64(a0, a1), _mm256_add_epi64(a2, a3));
+  std::size_t i = kStreams * len;
+  for (; i + 128 <= n; i += 128) acc[0] = add128(acc[0], p + i);
+  __m256i s4 = acc[0];
+  for (std::size_t k = 1; k < kStreams; ++k) s4 = _mm256_add_epi64(s4, acc[k]);
   alignas(32) std::uint64_t lanes[4];
   _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), s4);
   std::uint64_t s = lanes[0] + lanes[1] + lanes[2] + lanes[3];
@@ -300,10 +382,10 @@ const DecodeKernels kGeneric{DecodeIsa::generic,
                              sum_generic};
 #if RESIDENCY_DECODE_X86
 const DecodeKernels kAvx2{DecodeIsa::avx2,
-                          matvec_avx2<dot_f32_avx2>,
-                          matvec_half_avx2<false>,
-                          matvec_half_avx2<true>,
-                          matvec_avx2<dot_q8_0_avx2>,
+                          matvec_streams_avx2<RowsF32>,
+                          matvec_streams_avx2<RowsF16>,
+                          matvec_streams_avx2<RowsBf16>,
+                          matvec_streams_avx2<RowsQ8>,
                           sum_avx2};
 #endif
 

@@ -91,6 +91,44 @@ TEST(DecodePass, OutputsDoNotDependOnTheThreadCount) {
   EXPECT_EQ((*one)->plain_sum(), (*three)->plain_sum());
 }
 
+// The AVX2 kernels compute four rows at a time (rows from four groups of a piece, walked side by
+// side); each row keeps the arithmetic of the one-row kernel, so a row's output is the same
+// whether it was computed in a group of four, as a leftover, or alone.
+TEST(DecodePass, ARowsOutputDoesNotDependOnItsGrouping) {
+  const Fixture fx = make_fixture();
+  for (DecodeIsa isa : available_isas()) {
+    SCOPED_TRACE(std::string(to_string(isa)));
+    auto pass = DecodePass::create(fx.model, fx.bytes.data(), {1, isa});
+    ASSERT_TRUE(pass.is_ok()) << pass.message();
+    (*pass)->run();
+    const DecodeKernels& k = decode_kernels(isa);
+    for (std::size_t m = 0; m < (*pass)->matrix_count(); ++m) {
+      const DecodeMatrix& mx = (*pass)->matrix(m);
+      const auto x = (*pass)->input(m);
+      std::vector<float> xs(x.begin(), x.end());
+      std::vector<std::int8_t> q8(xs.size());
+      std::vector<float> q8s(xs.size() / 32 + 1);
+      if (mx.tensor->type == GgmlType::q8_0) quantize_input_q8_0(xs.data(), xs.size(), q8.data(), q8s.data());
+      const MatvecInput in{xs.data(), q8.data(), q8s.data()};
+      const auto rows = static_cast<std::size_t>(mx.rows);
+      std::vector<float> together(rows), alone(rows), split(rows);
+      k.for_type(mx.tensor->type)(mx.data, mx.row_bytes, mx.row_length, rows, in, together.data());
+      for (std::size_t r = 0; r < rows; ++r) {
+        k.for_type(mx.tensor->type)(mx.data + r * mx.row_bytes, mx.row_bytes, mx.row_length, 1, in, &alone[r]);
+      }
+      const std::size_t half = rows / 2;  // two calls: other groups, other leftovers
+      k.for_type(mx.tensor->type)(mx.data, mx.row_bytes, mx.row_length, half, in, split.data());
+      k.for_type(mx.tensor->type)(mx.data + half * mx.row_bytes, mx.row_bytes, mx.row_length, rows - half, in,
+                                  split.data() + half);
+      EXPECT_EQ(0, std::memcmp(together.data(), alone.data(), rows * sizeof(float))) << mx.tensor->name;
+      EXPECT_EQ(0, std::memcmp(together.data(), split.data(), rows * sizeof(float))) << mx.tensor->name;
+      // And the pass computed the same.
+      EXPECT_EQ(0, std::memcmp(together.data(), (*pass)->output(m).data(), rows * sizeof(float)))
+          << mx.tensor->name;
+    }
+  }
+}
+
 TEST(DecodePass, KernelSetsAgreeOnThePlainSum) {
   std::vector<std::uint8_t> bytes(5000);
   for (std::size_t k = 0; k < bytes.size(); ++k) bytes[k] = static_cast<std::uint8_t>(k * 131 + 7);
