@@ -246,3 +246,56 @@ TEST(Readers, ReadTheLiveFilesOfThisMachine) {
 
 }  // namespace
 }  // namespace residency::posix
+
+namespace residency::posix {
+namespace {
+
+// The development VM: cgroup v1's memory controller beside an unrelated cgroup v2 mount. The
+// memory cgroup is the v1 one; the v2 "0::/" entry says nothing about memory there.
+TEST(ParseCgroupV1, FindsTheMemoryControllersHierarchyBesideAV2Mount) {
+  const char* cgroup =
+      "9:name=systemd:/\n8:pids:/\n4:memory:/process_api/f7c2\n3:cpuset:/\n2:cpuacct,cpu:/\n0::/\n";
+  auto p = parse_cgroup_v1_memory_path(cgroup);
+  ASSERT_TRUE(p) << p.message();
+  ASSERT_TRUE(p->has_value());
+  EXPECT_EQ(**p, "/process_api/f7c2");
+  auto none = parse_cgroup_v1_memory_path("0::/user.slice\n");
+  ASSERT_TRUE(none);
+  EXPECT_FALSE(none->has_value());
+  EXPECT_FALSE(parse_cgroup_v1_memory_path("garbage\n"));
+
+  const char* mountinfo =
+      "30 25 0:26 / /sys/fs/cgroup rw,relatime - tmpfs tmpfs rw,mode=755\n"
+      "33 30 0:29 / /sys/fs/cgroup/cpu rw,relatime shared:9 - cgroup cgroup rw,cpu\n"
+      "36 30 0:32 / /sys/fs/cgroup/memory rw,relatime shared:12 - cgroup cgroup rw,memory\n"
+      "41 30 0:37 / /sys/fs/cgroup/unified rw,relatime - cgroup2 cgroup2 rw\n";
+  auto m = parse_cgroup_v1_memory_mount(mountinfo);
+  ASSERT_TRUE(m) << m.message();
+  ASSERT_TRUE(m->has_value());
+  EXPECT_EQ((*m)->mount_point, "/sys/fs/cgroup/memory");
+  EXPECT_EQ(*cgroup_dir(**m, "/process_api/f7c2"), "/sys/fs/cgroup/memory/process_api/f7c2");
+}
+
+TEST(ParseCgroupV1, MemoryLimitInBytesWithTheKernelsNoLimit) {
+  auto l = parse_memory_limit_v1("2147483648\n");
+  ASSERT_TRUE(l);
+  EXPECT_EQ(l->value(), 2147483648u);
+  auto none = parse_memory_limit_v1("9223372036854771712\n");  // LONG_MAX rounded down to a page
+  ASSERT_TRUE(none);
+  EXPECT_FALSE(none->has_value());
+  EXPECT_FALSE(parse_memory_limit_v1("max\n")) << "that is cgroup v2's spelling";
+}
+
+// On this machine, whatever it has: the memory cgroup found is one whose limit file exists.
+TEST(FindMemoryCgroup, ReadsTheControllerThisProcessIsIn) {
+  auto cg = find_memory_cgroup();
+  if (!cg) GTEST_SKIP() << cg.message();
+  EXPECT_TRUE(cg->version == 1 || cg->version == 2);
+  if (cg->cgroup_path != "/") {
+    const std::string file = cg->dir + (cg->version == 1 ? "/memory.limit_in_bytes" : "/memory.max");
+    EXPECT_TRUE(read_text_file(file)) << file;
+  }
+}
+
+}  // namespace
+}  // namespace residency::posix

@@ -23,6 +23,39 @@
 namespace residency::tool {
 namespace {
 
+// The backends of this build that start on this machine, and why the others do not.
+struct BackendsHere {
+  std::vector<std::string> working;
+  std::vector<std::pair<std::string, std::string>> not_here;  // name, reason (first line)
+};
+BackendsHere backends_here() {
+  BackendsHere b;
+  for (const auto& n : available_backends()) {
+    auto made = make_backend(n);
+    if (made) {
+      b.working.push_back(n);
+    } else {
+      std::string why = made.message();
+      b.not_here.emplace_back(n, why.substr(0, why.find('\n')));
+    }
+  }
+  return b;
+}
+
+std::string backends_text(const BackendsHere& b) {
+  std::string s;
+  for (const auto& n : b.working) s += (s.empty() ? "" : ", ") + n;
+  if (s.empty()) s = "none";
+  for (const auto& [n, why] : b.not_here) s += "; not here: " + n + " (" + why + ")";
+  return s;
+}
+
+nlohmann::json backends_json(const BackendsHere& b) {
+  nlohmann::json na = nlohmann::json::object();
+  for (const auto& [n, why] : b.not_here) na[n] = why;
+  return na;
+}
+
 #if RESIDENCY_STAT_POSIX
 using Row = std::pair<std::string, std::string>;
 
@@ -69,7 +102,8 @@ void pressure_rows(std::vector<Row>& rows, const std::string& label, const Press
 
 int run_stat(bool json) {
   const PosixSystemInfo info = read_posix_system_info();
-  const auto backends = available_backends();
+  const BackendsHere here = backends_here();
+  const auto& backends = here.working;
   const std::uint64_t base = info.mem_total ? *info.mem_total : 0;
   const std::uint64_t limit_base =
       info.cgroup_memory_max && *info.cgroup_memory_max < base ? *info.cgroup_memory_max : base;
@@ -89,10 +123,12 @@ int run_stat(bool json) {
     j["cap_ipc_lock"] = info.cap_ipc_lock;
     j["recommended_working_set"] = recommended;
     j["cgroup"] = {{"path", info.cgroup_path.empty() ? nlohmann::json(nullptr) : nlohmann::json(info.cgroup_path)},
+                   {"version", info.cgroup_version == 0 ? nlohmann::json(nullptr) : nlohmann::json(info.cgroup_version)},
                    {"memory_max", bytes_or_null(info.cgroup_memory_max)}};
     j["psi_memory"] = pressure_json(info.system_pressure);
     j["psi_memory_cgroup"] = info.cgroup_pressure ? pressure_json(*info.cgroup_pressure) : nlohmann::json(nullptr);
-    j["backends"] = backends;
+    j["backends"] = backends;  // those that start here
+    j["backends_not_here"] = backends_json(here);
     j["problems"] = info.problems;
     std::printf("%s\n", j.dump(2).c_str());
     return kExitOk;
@@ -118,14 +154,14 @@ int run_stat(bool json) {
                                (limit_base < base ? std::string("cgroup memory.max") : std::string("MemTotal")) + ")"
                          : std::string("unknown"));
   if (!info.cgroup_path.empty()) {
-    rows.emplace_back("cgroup (v2)", info.cgroup_path + ", memory.max " +
-                                         (info.cgroup_memory_max ? format_size(*info.cgroup_memory_max) : std::string("none")));
+    const bool v1 = info.cgroup_version == 1;
+    rows.emplace_back(v1 ? "cgroup (v1 memory)" : "cgroup (v2)",
+                      info.cgroup_path + (v1 ? ", memory.limit_in_bytes " : ", memory.max ") +
+                          (info.cgroup_memory_max ? format_size(*info.cgroup_memory_max) : std::string("none")));
   }
   pressure_rows(rows, "PSI memory", info.system_pressure);
   if (info.cgroup_pressure) pressure_rows(rows, "PSI memory (cgroup)", *info.cgroup_pressure);
-  std::string names;
-  for (const auto& n : backends) names += (names.empty() ? "" : ", ") + n;
-  rows.emplace_back("backends", names.empty() ? std::string("none") : names);
+  rows.emplace_back("backends", backends_text(here));
   for (const auto& p : info.problems) rows.emplace_back("note", p);
 
   std::size_t width = 0;
@@ -135,13 +171,11 @@ int run_stat(bool json) {
 }
 #else
 int run_stat(bool json) {
-  const auto backends = available_backends();
+  const BackendsHere here = backends_here();
   if (json) {
-    std::printf("%s\n", nlohmann::json({{"backends", backends}}).dump(2).c_str());
+    std::printf("%s\n", nlohmann::json({{"backends", here.working}, {"backends_not_here", backends_json(here)}}).dump(2).c_str());
   } else {
-    std::string names;
-    for (const auto& n : backends) names += (names.empty() ? "" : ", ") + n;
-    std::printf("backends  %s\n", names.c_str());
+    std::printf("backends  %s\n", backends_text(here).c_str());
   }
   return kExitOk;
 }

@@ -92,11 +92,12 @@ struct PosixSystemInfo {
   std::optional<std::uint64_t> mem_available;  // /proc/meminfo MemAvailable
   std::optional<std::uint64_t> mlocked;        // /proc/meminfo Mlocked (whole system)
   std::optional<std::uint64_t> vm_lck;         // /proc/self/status VmLck (this process)
-  std::optional<std::uint64_t> cgroup_memory_max;  // cgroup v2 memory.max; nullopt = none/"max"
+  std::optional<std::uint64_t> cgroup_memory_max;  // the memory cgroup's limit (v1 memory.limit_in_bytes, v2 memory.max); nullopt = none
   std::uint64_t memlock_soft = 0;  // RLIMIT_MEMLOCK, bytes or kUnlimited
   std::uint64_t memlock_hard = 0;
   bool cap_ipc_lock = false;       // effective CAP_IPC_LOCK: RLIMIT_MEMLOCK does not apply
-  std::string cgroup_path;         // this process's cgroup v2 path ("/" = root), if found
+  std::string cgroup_path;         // this process's memory cgroup ("/" = root), if found
+  int cgroup_version = 0;          // 1: the cgroup v1 memory controller; 2: cgroup v2
   PressureInfo system_pressure;    // /proc/pressure/memory
   std::optional<PressureInfo> cgroup_pressure;  // <cgroup2 mount><cgroup_path>/memory.pressure
   std::vector<std::string> problems;

@@ -326,6 +326,68 @@ Result<std::optional<std::uint64_t>> parse_memory_max(std::string_view text) {
   return Status(ErrorCode::io_error, "memory.max: expected a byte count or 'max', found " + quoted(t));
 }
 
+Result<std::optional<std::string>> parse_cgroup_v1_memory_path(std::string_view text) {
+  for (auto raw : split_lines(text)) {
+    const auto line = trim(raw);
+    if (line.empty()) continue;
+    const auto c1 = line.find(':');
+    const auto c2 = c1 == std::string_view::npos ? c1 : line.find(':', c1 + 1);
+    if (c2 == std::string_view::npos || !to_u64(line.substr(0, c1))) {
+      return Status(ErrorCode::io_error, "/proc/self/cgroup: expected 'id:controllers:path', found " + quoted(line));
+    }
+    const auto controllers = line.substr(c1 + 1, c2 - c1 - 1);
+    bool memory = false;
+    for (std::size_t at = 0; at <= controllers.size();) {
+      const std::size_t comma = std::min(controllers.find(',', at), controllers.size());
+      if (controllers.substr(at, comma - at) == "memory") memory = true;
+      at = comma + 1;
+    }
+    if (!memory) continue;
+    auto p = line.substr(c2 + 1);
+    if (p.empty() || p.front() != '/')
+      return Status(ErrorCode::io_error, "/proc/self/cgroup: cgroup v1 memory path is not absolute in " + quoted(line));
+    return std::optional<std::string>(std::string(p));
+  }
+  return std::optional<std::string>();
+}
+
+Result<std::optional<CgroupMount>> parse_cgroup_v1_memory_mount(std::string_view text) {
+  for (auto raw : split_lines(text)) {
+    const auto line = trim(raw);
+    if (line.empty()) continue;
+    const auto f = split_fields(line);
+    std::size_t dash = 0;
+    for (std::size_t i = 6; i < f.size(); ++i) {
+      if (f[i] == "-") {
+        dash = i;
+        break;
+      }
+    }
+    if (f.size() < 7 || dash == 0 || dash + 3 > f.size()) {
+      return Status(ErrorCode::io_error,
+                    "/proc/self/mountinfo: expected 'id parent dev root mount-point options ... - fstype source "
+                    "options', found " + quoted(line));
+    }
+    if (f[dash + 1] != "cgroup") continue;
+    const std::string_view opts = f[dash + 3];
+    for (std::size_t at = 0; at <= opts.size();) {
+      const std::size_t comma = std::min(opts.find(',', at), opts.size());
+      if (opts.substr(at, comma - at) == "memory")
+        return std::optional<CgroupMount>(CgroupMount{decode_octal_escapes(f[4]), decode_octal_escapes(f[3])});
+      at = comma + 1;
+    }
+  }
+  return std::optional<CgroupMount>();
+}
+
+Result<std::optional<std::uint64_t>> parse_memory_limit_v1(std::string_view text) {
+  const auto t = trim(text.substr(0, text.find('\n')));
+  auto v = to_u64(t);
+  if (!v) return Status(ErrorCode::io_error, "memory.limit_in_bytes: expected a byte count, found " + quoted(t));
+  if (*v >= (std::uint64_t{1} << 62)) return std::optional<std::uint64_t>();  // "no limit"
+  return std::optional<std::uint64_t>(*v);
+}
+
 Result<std::string> make_psi_trigger(Nanos stall, Nanos window, bool privileged) {
   const auto stall_us = std::chrono::duration_cast<std::chrono::microseconds>(stall).count();
   const auto window_us = std::chrono::duration_cast<std::chrono::microseconds>(window).count();
@@ -385,6 +447,38 @@ Result<CgroupLocation> find_cgroup_v2() {
                                               (*mount)->mount_point + " (root " + (*mount)->root + ")");
   }
   return CgroupLocation{**path, *dir};
+}
+
+Result<MemoryCgroup> find_memory_cgroup() {
+  auto cg_text = read_text_file("/proc/self/cgroup");
+  if (!cg_text) return cg_text.status();
+  auto v1 = parse_cgroup_v1_memory_path(*cg_text);
+  if (!v1) return v1.status();
+  if (v1->has_value()) {
+    auto mi_text = read_text_file("/proc/self/mountinfo");
+    if (!mi_text) return mi_text.status();
+    auto mount = parse_cgroup_v1_memory_mount(*mi_text);
+    if (!mount) return mount.status();
+    if (!mount->has_value())
+      return Status(ErrorCode::unsupported, "/proc/self/cgroup names a cgroup v1 memory controller, but it is not mounted");
+    auto dir = cgroup_dir(**mount, **v1);
+    if (!dir)
+      return Status(ErrorCode::unsupported, "cgroup " + **v1 + " lies outside the cgroup v1 memory mount at " +
+                                                (*mount)->mount_point);
+    return MemoryCgroup{1, **v1, *dir};
+  }
+  auto v2 = find_cgroup_v2();
+  if (!v2) return v2.status();
+  return MemoryCgroup{2, v2->cgroup_path, v2->dir};
+}
+
+std::optional<std::uint64_t> memory_cgroup_limit(const MemoryCgroup& cg) {
+  if (cg.cgroup_path == "/") return std::nullopt;  // the root cgroup has no limit of its own
+  auto text = read_text_file(cg.dir + (cg.version == 1 ? "/memory.limit_in_bytes" : "/memory.max"));
+  if (!text) return std::nullopt;
+  auto v = cg.version == 1 ? parse_memory_limit_v1(*text) : parse_memory_max(*text);
+  if (!v) return std::nullopt;
+  return *v;
 }
 
 PressureInfo read_pressure(const std::string& path) {

@@ -65,6 +65,15 @@ std::optional<std::string> cgroup_dir(const CgroupMount& mount, std::string_view
 // cgroup v2 memory.max: a byte count, or "max" (nullopt: no limit).
 Result<std::optional<std::uint64_t>> parse_memory_max(std::string_view text);
 
+// cgroup v1: the path of this process in the hierarchy that has the memory controller (the
+// "N:...memory...:<path>" entry of /proc/self/cgroup), or nullopt when none has it.
+Result<std::optional<std::string>> parse_cgroup_v1_memory_path(std::string_view text);
+// /proc/self/mountinfo: where the cgroup v1 hierarchy with the memory controller is mounted.
+Result<std::optional<CgroupMount>> parse_cgroup_v1_memory_mount(std::string_view text);
+// cgroup v1 memory.limit_in_bytes: a byte count; the kernel's "no limit" (2^63 - 1 rounded down
+// to a page, i.e. >= 2^62 here) is nullopt.
+Result<std::optional<std::uint64_t>> parse_memory_limit_v1(std::string_view text);
+
 // The PSI trigger text the kernel expects: "some <stall us> <window us>". Validated as the
 // kernel does (window 500 ms..10 s, 0 < stall <= window); `privileged` (CAP_SYS_RESOURCE)
 // lifts the kernel's rule that the window be a multiple of 2 s.
@@ -82,6 +91,17 @@ struct CgroupLocation {
   std::string dir;          // e.g. "/sys/fs/cgroup/system.slice/x"
 };
 Result<CgroupLocation> find_cgroup_v2();
+// The cgroup whose memory controller governs this process: the cgroup v1 hierarchy that has it
+// (a machine can have cgroup v1's memory controller beside an unrelated v2 mount, as the
+// development VM has), else the v2 hierarchy. Errors say why none was found.
+struct MemoryCgroup {
+  int version = 0;          // 1 or 2
+  std::string cgroup_path;  // "/" = the root
+  std::string dir;
+};
+Result<MemoryCgroup> find_memory_cgroup();
+// The memory cgroup's limit (v1 memory.limit_in_bytes, v2 memory.max); nullopt: none.
+std::optional<std::uint64_t> memory_cgroup_limit(const MemoryCgroup& cg);
 PressureInfo read_pressure(const std::string& path);
 
 }  // namespace residency::posix

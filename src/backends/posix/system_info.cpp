@@ -30,15 +30,6 @@ std::uint64_t sysconf_physical() {
   return pages > 0 ? static_cast<std::uint64_t>(pages) * page_size() : 0;
 }
 
-// cgroup v2 memory.max of this process; nullopt when none or unreadable.
-std::optional<std::uint64_t> cgroup_memory_max(const Result<CgroupLocation>& cg) {
-  if (!cg || cg->cgroup_path == "/") return std::nullopt;  // the root cgroup has no memory.max
-  auto text = read_text_file(cg->dir + "/memory.max");
-  if (!text) return std::nullopt;
-  auto v = parse_memory_max(*text);
-  if (!v) return std::nullopt;
-  return *v;
-}
 
 }  // namespace
 
@@ -75,14 +66,17 @@ MemoryFigures read_memory_figures() {
   }
   if (auto st = read_proc_status(); st && st->vm_lck) f.vm_lck = *st->vm_lck;
   f.limit_base = f.physical;
-  if (auto max = cgroup_memory_max(find_cgroup_v2()); max && *max > 0) {
-    f.limit_base = f.limit_base == 0 ? *max : std::min(f.limit_base, *max);
+  if (auto cg = find_memory_cgroup()) {
+    if (auto max = memory_cgroup_limit(*cg); max && *max > 0)
+      f.limit_base = f.limit_base == 0 ? *max : std::min(f.limit_base, *max);
   }
   return f;
 }
 
 std::string default_pressure_file() {
-  if (auto cg = find_cgroup_v2(); cg && cg->cgroup_path != "/") {
+  // A cgroup's memory.pressure exists only in cgroup v2, and means something only where the
+  // memory controller is: with cgroup v1's memory controller, the system's PSI it is.
+  if (auto cg = find_memory_cgroup(); cg && cg->version == 2 && cg->cgroup_path != "/") {
     std::string path = cg->dir + "/memory.pressure";
     if (read_pressure(path).available) return path;
   }
@@ -126,14 +120,15 @@ PosixSystemInfo read_posix_system_info() {
   info.memlock_hard = lim.hard;
 
   info.system_pressure = posix::read_pressure("/proc/pressure/memory");
-  if (auto cg = posix::find_cgroup_v2()) {
+  if (auto cg = posix::find_memory_cgroup()) {
     info.cgroup_path = cg->cgroup_path;
+    info.cgroup_version = cg->version;
     if (cg->cgroup_path != "/") {
-      info.cgroup_pressure = posix::read_pressure(cg->dir + "/memory.pressure");
-      info.cgroup_memory_max = posix::cgroup_memory_max(cg);
+      if (cg->version == 2) info.cgroup_pressure = posix::read_pressure(cg->dir + "/memory.pressure");
+      info.cgroup_memory_max = posix::memory_cgroup_limit(*cg);
     }
   } else {
-    info.problems.push_back("cgroup v2: " + cg.message());
+    info.problems.push_back("memory cgroup: " + cg.message());
   }
   return info;
 }
