@@ -313,7 +313,7 @@ IdleSchedule llama_idle_fixed_schedule() {
 }
 
 Result<std::vector<LlamaIdleConfig>> parse_llama_idle_configs(const std::string& list, Nanos keep_alive) {
-  static const char* kAccepted = "mmap, mlock, keep-alive, 0, no-mmap, engine";
+  static const char* kAccepted = "mmap, mlock, keep-alive, pressure-aware, 0, no-mmap, engine";
   std::vector<LlamaIdleConfig> out;
   std::stringstream ss(list);
   std::string id;
@@ -322,6 +322,7 @@ Result<std::vector<LlamaIdleConfig>> parse_llama_idle_configs(const std::string&
     if (id == "mmap") c.name = "mmap (llama.cpp default)";
     else if (id == "mlock") c.name = "--mlock";
     else if (id == "keep-alive") c.name = "residency keep-alive " + keep_alive_text(keep_alive);
+    else if (id == "pressure-aware") c.name = "residency keep-alive " + keep_alive_text(keep_alive) + " + pressure";
     else if (id == "0") c.name = "residency 0";
     else if (id == "no-mmap") c.name = "--no-mmap";
     else if (id == "engine") c.name = "llama_engine keep-alive " + keep_alive_text(keep_alive);
@@ -345,7 +346,8 @@ Status check_llama_idle_options(const LlamaIdleOptions& o, bool check_model) {
   }(), o.keep_alive);
   if (!configs) return configs.status();
   for (const auto& c : *configs) {
-    if ((c.id == "keep-alive" || c.id == "0") && (o.preload.empty() || ::access(o.preload.c_str(), R_OK) != 0))
+    if ((c.id == "keep-alive" || c.id == "pressure-aware" || c.id == "0") &&
+        (o.preload.empty() || ::access(o.preload.c_str(), R_OK) != 0))
       return bad("configuration '" + c.id + "' needs libresidency_preload.so, not found at '" + o.preload +
                  "'; give --preload, or leave it out of --configs");
     if (c.id == "engine" && !executable(o.engine))
@@ -391,7 +393,8 @@ Result<LlamaIdleOutcome> run_llama_idle(const LlamaIdleOptions& o, LlamaIdleObse
     IdlePolicy p;
     p.id = c.id;
     p.name = c.name;
-    p.kind = (c.id == "keep-alive" || c.id == "engine") ? IdlePolicy::Kind::keep_alive : IdlePolicy::Kind::off;
+    p.kind = (c.id == "keep-alive" || c.id == "pressure-aware" || c.id == "engine") ? IdlePolicy::Kind::keep_alive
+                                                                                    : IdlePolicy::Kind::off;
     p.keep_alive = KeepAlive::after(o.keep_alive);
     r.policies.push_back(p);
   }
@@ -413,6 +416,7 @@ Result<LlamaIdleOutcome> run_llama_idle(const LlamaIdleOptions& o, LlamaIdleObse
       if (c.id == "mlock") argv.push_back("--mlock");
       if (c.id == "no-mmap") argv.push_back("--no-mmap");
       if (c.id == "keep-alive" || c.id == "0") env = {"LD_PRELOAD=" + o.preload, c.id == "0" ? "RESIDENCY_KEEP_ALIVE=0" : ka};
+      if (c.id == "pressure-aware") env = {"LD_PRELOAD=" + o.preload, ka, "RESIDENCY_RELEASE_ON_PRESSURE=1"};
       if (c.id == "engine") {
         argv = {o.engine, o.model, std::to_string(1 + kPauses * kItersPerPause), "1", engine_pauses};
         env = {ka};

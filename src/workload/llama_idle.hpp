@@ -10,6 +10,8 @@
 //   mmap        llama.cpp's default: the model file mapped, nothing locked
 //   mlock       llama.cpp's --mlock: locked at load, until exit
 //   keep-alive  residency through the preload (LD_PRELOAD=libresidency_preload.so), keep-alive K
+//   pressure-aware  the same with RESIDENCY_RELEASE_ON_PRESSURE=1 (graded release on PSI events;
+//               real pressure, hog:SIZE, makes them: pageout alone stalls nobody)
 //   0           residency through the preload, keep-alive 0 (locked only inside each decode)
 //   no-mmap     llama.cpp's --no-mmap: the model read into anonymous memory
 //   engine      examples/llama_engine, the linked example, on the same schedule (its own threads)

@@ -97,7 +97,7 @@ int run(const Args& a) {
   std::string configs = a.configs;
   if (configs.empty()) {  // every configuration whose binary is here
     configs = "mmap,mlock";
-    if (::access(o.preload.c_str(), R_OK) == 0) configs += ",keep-alive,0";
+    if (::access(o.preload.c_str(), R_OK) == 0) configs += o.pressure.kind == Pressure::Kind::hog ? ",keep-alive,pressure-aware,0" : ",keep-alive,0";
     else std::printf("note: no libresidency_preload.so at %s: the preload configurations are left out\n", o.preload.c_str());
     configs += ",no-mmap";
     if (::access(o.engine.c_str(), X_OK) == 0) configs += ",engine";
@@ -198,7 +198,7 @@ const Command cmd{"llama-idle", "run llama.cpp's own llama-idle side by side: mm
                     app.add_option("--llama-dir", a->llama_dir, "llama.cpp install prefix (bin/llama-idle); default RESIDENCY_LLAMA_DIR, else the scripts/llama-cpp cache");
                     app.add_option("--preload", a->preload, "libresidency_preload.so; default: next to this tool");
                     app.add_option("--engine", a->engine, "the llama_engine example; default: next to this tool");
-                    app.add_option("--configs", a->configs, "comma-separated: mmap, mlock, keep-alive, 0, no-mmap, engine; default: all that are here");
+                    app.add_option("--configs", a->configs, "comma-separated: mmap, mlock, keep-alive, pressure-aware, 0, no-mmap, engine; default: all that are here (pressure-aware with hog:SIZE)");
                     app.add_option("--keep-alive", a->keep_alive, "the keep-alive of the residency configurations (at most 3.5 s; default 2s)");
                     app.add_option("--pressure", a->pressure, "none, pageout (default: process_madvise MADV_PAGEOUT + FADV_DONTNEED at the end of each pause) or hog:SIZE");
                     app.add_option("--rounds", a->rounds, "runs of every configuration, interleaved (1-20; default 1)")->check(CLI::Range(1, 20));
