@@ -1,11 +1,20 @@
 // The cuda backend; see cuda_backend.hpp for the design and the residency rule.
 #include "backends/cuda/cuda_backend.hpp"
 
+#include <sys/mman.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <atomic>
+#include <cerrno>
 #include <cinttypes>
+#include <condition_variable>
 #include <cstdio>
+#include <cstring>
 #include <limits>
+#include <memory>
 #include <string>
+#include <thread>
 
 #include "residency/config.hpp"
 
@@ -14,6 +23,52 @@ namespace {
 
 // More streams than copy engines buy nothing; 16 is far above any current GPU's count.
 constexpr int kMaxStreams = 16;
+
+#ifndef MADV_POPULATE_WRITE
+#define MADV_POPULATE_WRITE 23  // Linux 5.14; older headers lack the name
+#endif
+
+// Transparent huge pages are 2 MiB on x86-64 and on arm64 with 4 KiB pages: the backup is
+// aligned to that, so that every chunk (a multiple of the 2 MiB device granularity) is made of
+// whole huge pages, which fault in and pin several times faster than 4 KiB pages.
+constexpr std::size_t kHugePage = std::size_t{2} << 20;
+// The unit of faulting-in work a host thread takes: small enough that a chunk's pages are
+// faulted in by many threads at once (so the first copy starts early), large enough that the
+// hand-out costs nothing.
+constexpr std::size_t kFaultSlice = std::size_t{16} << 20;
+constexpr int kDefaultMaxBackupThreads = 16;
+
+std::size_t host_page() {
+  const long p = sysconf(_SC_PAGESIZE);
+  return p > 0 ? static_cast<std::size_t>(p) : 4096;
+}
+
+// Faults in [p, p + len) for writing: MADV_POPULATE_WRITE (one call, no signal on failure),
+// or, on kernels before 5.14, a write to every page. Returns 0 or an errno.
+int fault_in(char* p, std::size_t len) {
+  static std::atomic<bool> no_populate{false};
+  if (!no_populate.load(std::memory_order_relaxed)) {
+    for (;;) {
+      if (madvise(p, len, MADV_POPULATE_WRITE) == 0) return 0;
+      if (errno == EINTR || errno == EAGAIN) continue;
+      if (errno != EINVAL) return errno;
+      no_populate.store(true, std::memory_order_relaxed);
+      break;
+    }
+  }
+  const std::size_t page = host_page();
+  for (std::size_t off = 0; off < len; off += page) static_cast<volatile char*>(p)[off] = 0;
+  return 0;
+}
+
+// Half the hardware threads, at most 16. Measured on the H200's 16-core host
+// (bench/results/2026-12-01-h200-first-sleep.md), first sleep of 16 GiB: 8 threads 26.8-26.9
+// GB/s with either pipeline, 14 threads 18.4 (registrar) and 23.9 (workers), 16 threads 21.8
+// (workers), 4 threads 15.9: past half the cores the faulting threads slow each other down.
+int default_backup_threads() {
+  const int hw = static_cast<int>(std::thread::hardware_concurrency());
+  return std::clamp(hw <= 0 ? 4 : hw / 2, 1, kDefaultMaxBackupThreads);
+}
 
 std::string hex(std::uintptr_t p) {
   char buf[32];
@@ -36,8 +91,10 @@ std::size_t round_up(std::size_t v, std::size_t unit) { return (v + unit - 1) / 
 Result<std::shared_ptr<CudaBackend>> CudaBackend::create(const CudaBackendOptions& o) {
   auto drv = Driver::get();
   if (!drv) return drv.status();
-  const Driver& d = **drv;
+  return create(o, **drv);
+}
 
+Result<std::shared_ptr<CudaBackend>> CudaBackend::create(const CudaBackendOptions& o, const Driver& d) {
   if (o.streams < 1 || o.streams > kMaxStreams) {
     return Status(ErrorCode::invalid_argument, "cuda: streams = " + std::to_string(o.streams) +
                                                    "; accepted: 1 to " + std::to_string(kMaxStreams));
@@ -93,7 +150,8 @@ CudaBackend::CudaBackend(const Driver* d, CUdevice dev, CUcontext ctx, const Cud
       ctx_(ctx),
       granularity_(granularity),
       chunk_(round_up(o.chunk_bytes, granularity)),
-      stream_count_(o.streams) {}
+      stream_count_(o.streams),
+      backup_threads_(default_backup_threads()) {}
 
 Status CudaBackend::init_streams() {
   ContextScope scope(*d_, ctx_);
@@ -115,7 +173,7 @@ CudaBackend::~CudaBackend() {
     for (auto& [va, a] : allocations_) {
       if (a.resident) unmap_chunks(a, a.chunks.size());
       (void)d_->cuMemAddressFree(a.va, a.reserved);
-      if (a.backup != nullptr) (void)d_->cuMemFreeHost(a.backup);
+      free_backup(a);
     }
     allocations_.clear();
     for (auto& [id, h] : host_ranges_) {
@@ -211,7 +269,7 @@ void CudaBackend::deallocate(void* base) {
     mapped_bytes_ -= a.reserved;
   }
   (void)d_->cuMemAddressFree(a.va, a.reserved);
-  if (a.backup != nullptr) (void)d_->cuMemFreeHost(a.backup);
+  free_backup(a);
   allocated_bytes_ -= a.reserved;
   allocations_.erase(it);
 }
@@ -302,39 +360,199 @@ Status CudaBackend::wake(DeviceAllocation& a) {
 // Copies weights out (chunked over the streams), then unmaps and releases. The caller has
 // synchronized the context, so kernels that were using the memory have finished. On a
 // failure the allocation stays resident: nothing is released before the backup is whole.
+// The first sleep builds the backup while it copies (pin_backup).
 Status CudaBackend::sleep(DeviceAllocation& a) {
   if (!a.resident) return {};
   if (a.cls == RegionClass::weights) {
-    if (a.backup == nullptr) {
-      void* p = nullptr;
-      const CUresult r = d_->cuMemHostAlloc(&p, a.size, CU_MEMHOSTALLOC_PORTABLE);
-      if (r != CUDA_SUCCESS) {
-        Status s = d_->error(r, "pinning a " + format_size(a.size) + " host backup for the weights at " + hex(a.va), "cuMemHostAlloc");
-        return Status(s.code(), s.message() + "; the allocation stays resident (nothing is lost); "
-                                              "free host memory or raise the pinned-memory limit");
-      }
-      a.backup = p;
-    }
     a.backup_valid = false;
-    const std::size_t n = (a.size + chunk_ - 1) / chunk_;
-    for (std::size_t i = 0; i < n; ++i) {
-      const std::size_t off = i * chunk_;
-      const std::size_t bytes = std::min(chunk_, a.size - off);
-      const CUresult r = d_->cuMemcpyDtoHAsync(static_cast<char*>(a.backup) + off, a.va + off, bytes,
-                                               streams_[i % streams_.size()]);
-      if (r != CUDA_SUCCESS) {
-        (void)sync_streams();
-        return d_->error(r, "copying weights at " + hex(a.va) + " to the host backup; the allocation stays resident", "cuMemcpyDtoHAsync");
+    if (a.backup == nullptr) {
+      Status st = pin_backup(a, /*copy=*/true);
+      if (!st) return st;
+    } else {
+      const std::size_t n = (a.size + chunk_ - 1) / chunk_;
+      for (std::size_t i = 0; i < n; ++i) {
+        const std::size_t off = i * chunk_;
+        const std::size_t bytes = std::min(chunk_, a.size - off);
+        const CUresult r = d_->cuMemcpyDtoHAsync(a.backup + off, a.va + off, bytes, streams_[i % streams_.size()]);
+        if (r != CUDA_SUCCESS) {
+          (void)sync_streams();
+          return d_->error(r, "copying weights at " + hex(a.va) + " to the host backup; the allocation stays resident", "cuMemcpyDtoHAsync");
+        }
       }
+      Status st = sync_streams();
+      if (!st) return Status(st.code(), st.message() + "; the allocation stays resident");
     }
-    Status st = sync_streams();
-    if (!st) return Status(st.code(), st.message() + "; the allocation stays resident");
     a.backup_valid = true;
   }
   unmap_chunks(a, a.chunks.size());
   a.resident = false;
   mapped_bytes_ -= a.reserved;
   return {};
+}
+
+// The pipeline of a first sleep. Host threads fault the memory in, handed out in kFaultSlice
+// pieces in address order; with pipeline `workers` (the default) the thread that faults in a
+// chunk's last piece registers the chunk; with `registrar` this thread registers each chunk as
+// soon as all its pieces are in. This thread takes the chunks in order and issues each one's
+// copy as soon as it is registered, so chunk k copies while chunk k+1 is registered and later
+// chunks are faulted in. Registration is per chunk, and so is every later copy (never across
+// two registrations).
+Status CudaBackend::pin_backup(DeviceAllocation& a, bool copy) {
+  const std::size_t mapped = round_up(a.size, host_page());
+  const std::string what = "pinning a " + format_size(a.size) + " host backup for the weights at " + hex(a.va);
+  const std::string kept = "; the partial backup was rolled back (unregistered and unmapped) and the "
+                           "allocation stays resident, nothing is lost; free host memory and release again";
+
+  // Reserve 2 MiB more than needed, keep the 2 MiB-aligned part of exactly `mapped` bytes.
+  void* raw = mmap(nullptr, mapped + kHugePage, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (raw == MAP_FAILED) {
+    const int e = errno;
+    return Status(e == ENOMEM ? ErrorCode::out_of_memory : ErrorCode::backend_error,
+                  "cuda: " + what + ": mmap of " + format_size(mapped) + " failed: " + std::strerror(e) +
+                      "; the allocation stays resident (nothing is lost); free host memory and release again");
+  }
+  const auto raw_addr = reinterpret_cast<std::uintptr_t>(raw);
+  const std::uintptr_t start = round_up(raw_addr, kHugePage);
+  if (start > raw_addr) (void)munmap(raw, start - raw_addr);
+  const std::uintptr_t end = start + mapped;
+  if (raw_addr + mapped + kHugePage > end) (void)munmap(reinterpret_cast<void*>(end), raw_addr + mapped + kHugePage - end);
+  char* base = reinterpret_cast<char*>(start);
+  (void)madvise(base, mapped, MADV_HUGEPAGE);  // a hint: without THP the backup is made of 4 KiB pages
+
+  const std::size_t n = (mapped + chunk_ - 1) / chunk_;
+  struct Slice {
+    std::size_t chunk, off, len;
+  };
+  std::vector<Slice> slices;
+  std::unique_ptr<std::atomic<std::size_t>[]> left(new std::atomic<std::size_t>[n]);
+  for (std::size_t i = 0; i < n; ++i) {
+    const std::size_t coff = i * chunk_;
+    const std::size_t clen = std::min(chunk_, mapped - coff);
+    std::size_t count = 0;
+    for (std::size_t o = 0; o < clen; o += kFaultSlice, ++count) slices.push_back({i, coff + o, std::min(kFaultSlice, clen - o)});
+    left[i].store(count);
+  }
+
+  std::mutex m;
+  std::condition_variable cv;
+  constexpr std::uint8_t kFaulted = 1, kRegistered = 2;
+  std::vector<std::uint8_t> state(n, 0);  // under m: 0, kFaulted, kRegistered
+  Status failure;                              // under m: the first failure
+  std::atomic<bool> failed{false};
+  std::atomic<std::size_t> next{0};
+  auto fail = [&](Status s) {
+    std::lock_guard<std::mutex> lock(m);
+    if (failure) failure = std::move(s);
+    failed.store(true);
+    cv.notify_all();
+  };
+  auto worker = [&] {
+    ContextScope scope(*d_, ctx_);
+    if (!scope.ok()) {
+      fail(Status(ErrorCode::backend_error, "cuda: " + what + ": cannot make the primary context current on a host thread"));
+      return;
+    }
+    while (!failed.load(std::memory_order_relaxed)) {
+      const std::size_t t = next.fetch_add(1);
+      if (t >= slices.size()) return;
+      const Slice& sl = slices[t];
+      const int e = fault_in(base + sl.off, sl.len);
+      if (e != 0) {
+        fail(Status(e == ENOMEM ? ErrorCode::out_of_memory : ErrorCode::backend_error,
+                    "cuda: " + what + ": faulting in host memory at offset " + format_size(sl.off) + " failed: " +
+                        std::strerror(e) + kept));
+        return;
+      }
+      if (left[sl.chunk].fetch_sub(1) != 1) continue;
+      if (pipeline_ == BackupPipeline::registrar) {
+        std::lock_guard<std::mutex> lock(m);
+        state[sl.chunk] = kFaulted;  // the copying thread registers it
+        cv.notify_all();
+        continue;
+      }
+      // The last piece of this chunk: register it here.
+      const std::size_t coff = sl.chunk * chunk_;
+      const std::size_t clen = std::min(chunk_, mapped - coff);
+      const CUresult r = d_->cuMemHostRegister(base + coff, clen, CU_MEMHOSTREGISTER_PORTABLE);
+      if (r != CUDA_SUCCESS) {
+        Status s = d_->error(r, what + " (chunk " + std::to_string(sl.chunk + 1) + " of " + std::to_string(n) + ")",
+                             "cuMemHostRegister");
+        fail(Status(s.code(), s.message() + kept));
+        return;
+      }
+      std::lock_guard<std::mutex> lock(m);
+      state[sl.chunk] = kRegistered;
+      cv.notify_all();
+    }
+  };
+
+  const std::size_t thread_count = std::min<std::size_t>(static_cast<std::size_t>(backup_threads_), slices.size());
+  std::vector<std::thread> threads;
+  threads.reserve(thread_count);
+  for (std::size_t i = 0; i < thread_count; ++i) {
+    try {
+      threads.emplace_back(worker);
+    } catch (const std::exception&) {
+      if (threads.empty()) fail(Status(ErrorCode::backend_error, "cuda: " + what + ": cannot start a host thread" + kept));
+      break;  // fewer threads: slower, not wrong
+    }
+  }
+
+  // Registers (pipeline registrar) and copies in chunk order as chunks become ready (without
+  // `copy`, only registers or waits).
+  for (std::size_t i = 0; i < n; ++i) {
+    {
+      std::unique_lock<std::mutex> lock(m);
+      cv.wait(lock, [&] { return state[i] != 0 || failed.load(); });
+      if (failed.load() || state[i] == 0) break;
+    }
+    const std::size_t off = i * chunk_;
+    if (state[i] == kFaulted) {  // read without the lock: only this thread writes it from here on
+      const CUresult r = d_->cuMemHostRegister(base + off, std::min(chunk_, mapped - off), CU_MEMHOSTREGISTER_PORTABLE);
+      if (r != CUDA_SUCCESS) {
+        Status s = d_->error(r, what + " (chunk " + std::to_string(i + 1) + " of " + std::to_string(n) + ")",
+                             "cuMemHostRegister");
+        fail(Status(s.code(), s.message() + kept));
+        break;
+      }
+      std::lock_guard<std::mutex> lock(m);
+      state[i] = kRegistered;
+    }
+    if (!copy || off >= a.size) continue;
+    const std::size_t bytes = std::min(chunk_, a.size - off);
+    const CUresult r = d_->cuMemcpyDtoHAsync(base + off, a.va + off, bytes, streams_[i % streams_.size()]);
+    if (r != CUDA_SUCCESS) {
+      Status s = d_->error(r, "copying weights at " + hex(a.va) + " to the host backup while " + what, "cuMemcpyDtoHAsync");
+      fail(Status(s.code(), s.message() + kept));
+      break;
+    }
+  }
+  for (auto& t : threads) t.join();
+  if (!failed.load() && copy) {
+    Status st = sync_streams();
+    if (!st) fail(Status(st.code(), st.message() + kept));
+  }
+  if (failed.load()) {
+    (void)sync_streams();  // no copy may still target memory that goes away
+    for (std::size_t i = 0; i < n; ++i) {
+      if (state[i] == kRegistered) (void)d_->cuMemHostUnregister(base + i * chunk_);
+    }
+    (void)munmap(base, mapped);
+    return failure;
+  }
+  a.backup = base;
+  a.backup_mapped = mapped;
+  return {};
+}
+
+void CudaBackend::free_backup(DeviceAllocation& a) {
+  if (a.backup == nullptr) return;
+  const std::size_t n = (a.backup_mapped + chunk_ - 1) / chunk_;
+  for (std::size_t i = 0; i < n; ++i) (void)d_->cuMemHostUnregister(a.backup + i * chunk_);
+  (void)munmap(a.backup, a.backup_mapped);
+  a.backup = nullptr;
+  a.backup_mapped = 0;
+  a.backup_valid = false;
 }
 
 Status CudaBackend::wire_region(const RegionDesc& r) {
@@ -555,6 +773,46 @@ void* CudaBackend::host_backup(const void* base) const {
   std::lock_guard<std::mutex> lock(mu_);
   auto it = allocations_.find(static_cast<CUdeviceptr>(reinterpret_cast<std::uintptr_t>(base)));
   return it == allocations_.end() ? nullptr : it->second.backup;
+}
+
+std::size_t CudaBackend::host_backup_bytes(const void* base) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = allocations_.find(static_cast<CUdeviceptr>(reinterpret_cast<std::uintptr_t>(base)));
+  return it == allocations_.end() ? 0 : it->second.backup_mapped;
+}
+
+Status CudaBackend::prepare_backup(const void* base) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = allocations_.find(static_cast<CUdeviceptr>(reinterpret_cast<std::uintptr_t>(base)));
+  if (it == allocations_.end()) {
+    return Status(ErrorCode::not_found, "cuda: prepare_backup of " + hex(reinterpret_cast<std::uintptr_t>(base)) +
+                                            ", which this cuda backend did not allocate (or freed)");
+  }
+  DeviceAllocation& a = it->second;
+  if (a.cls != RegionClass::weights || a.backup != nullptr) return {};
+  ContextScope scope(*d_, ctx_);
+  if (!scope.ok()) return Status(ErrorCode::backend_error, "cuda: cannot make the primary context current");
+  return pin_backup(a, /*copy=*/false);
+}
+
+void CudaBackend::set_backup_threads(int threads) {
+  std::lock_guard<std::mutex> lock(mu_);
+  backup_threads_ = std::clamp(threads, 1, 64);
+}
+
+int CudaBackend::backup_threads() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return backup_threads_;
+}
+
+void CudaBackend::set_backup_pipeline(BackupPipeline p) {
+  std::lock_guard<std::mutex> lock(mu_);
+  pipeline_ = p;
+}
+
+CudaBackend::BackupPipeline CudaBackend::backup_pipeline() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return pipeline_;
 }
 
 Status CudaBackend::last_release_status() const {

@@ -9,6 +9,15 @@
 // overlapped with copying, rollback on a failed wake) follows from treating the physical
 // memory as a cache of the backup that can be dropped and refilled at the link's rate.
 //
+// The backup is anonymous host memory of exactly the allocation's size (rounded up to the host
+// page), 2 MiB aligned and advised for transparent huge pages, pinned with cuMemHostRegister one
+// copy chunk at a time. The first sleep builds it: host threads fault the memory in and register
+// it chunk by chunk, and each chunk's device-to-host copy starts as soon as its chunk is
+// registered, so pinning runs at many threads' rate and overlaps the copies (cuMemHostAlloc
+// pins on one thread at about 2 GB/s and rounds nothing, but PyTorch's pinned allocator rounds
+// to a power of two). A failure to pin part-way rolls back: whatever was registered is
+// unregistered, the memory is unmapped, and the allocation stays resident.
+//
 // Residency rule: a region is wanted resident while any set that holds it has its residency
 // requested. request_residency / commit wake what is wanted and asleep; end_residency /
 // commit put to sleep what is no longer wanted. A backend allocation starts resident (an
@@ -33,6 +42,9 @@ namespace residency::cuda {
 class CudaBackend final : public Backend {
  public:
   static Result<std::shared_ptr<CudaBackend>> create(const CudaBackendOptions& options);
+  // The same, through the entry points in `driver` as given (tests substitute one to inject
+  // failures). `driver` must outlive the backend.
+  static Result<std::shared_ptr<CudaBackend>> create(const CudaBackendOptions& options, const Driver& driver);
   // Frees everything still held: physical memory, address ranges, pinned backups, host
   // registrations, streams; then releases the primary context.
   ~CudaBackend() override;
@@ -57,6 +69,23 @@ class CudaBackend final : public Backend {
   // The pinned host buffer the allocation's weights sleep in, or nullptr before its first
   // sleep (benchmarks copy from it to measure the plain pinned copy on the same bytes).
   void* host_backup(const void* base) const;
+  // Bytes the backup maps (the allocation's size rounded up to the host page), 0 without one.
+  std::size_t host_backup_bytes(const void* base) const;
+  // Builds the pinned backup of a weights allocation now, without copying (its first sleep then
+  // only copies): for engines that would rather pay the pinning at load time. No-op for other
+  // classes and where a backup exists. On failure nothing is kept.
+  Status prepare_backup(const void* base);
+  // Host threads that fault in and register a backup (default: half the hardware threads, at
+  // most 16; clamped to 1..64).
+  void set_backup_threads(int threads);
+  int backup_threads() const;
+  // Who registers a backup's chunks: the faulting thread that completed the chunk (workers,
+  // the default), or the thread that issues the copies, in order, while the others fault
+  // memory in (registrar). Both ran at the same rate on the H200 host with 8 threads; for
+  // measurements.
+  enum class BackupPipeline { registrar, workers };
+  void set_backup_pipeline(BackupPipeline p);
+  BackupPipeline backup_pipeline() const;
   // The last release's Status (also returned by end_residency / destroy_set): a failure (no
   // pinned memory for the backup) leaves the region resident, nothing is lost.
   Status last_release_status() const;
@@ -79,10 +108,13 @@ class CudaBackend final : public Backend {
     // One physical handle per chunk while resident; empty while asleep.
     std::vector<CUmemGenericAllocationHandle> chunks;
     bool resident = false;
-    // Pinned, `size` bytes, allocated at the first sleep of a weights allocation and kept
-    // until deallocate(). Invariant: backup_valid implies backup != nullptr and the backup
-    // holds the contents (true from a sleep until the next write can happen, i.e. a wake).
-    void* backup = nullptr;
+    // Pinned host memory, `backup_mapped` bytes (size rounded up to the host page), registered
+    // in chunks of chunk_ bytes; made at the first sleep of a weights allocation (or by
+    // prepare_backup) and kept until deallocate(). Invariant: backup_valid implies backup !=
+    // nullptr and the backup holds the contents (true from a sleep until the next write can
+    // happen, i.e. a wake).
+    char* backup = nullptr;
+    std::size_t backup_mapped = 0;
     bool backup_valid = false;
   };
   struct HostRange {
@@ -105,6 +137,11 @@ class CudaBackend final : public Backend {
   // Callers hold mu_ and have the context current.
   Status wake(DeviceAllocation& a);
   Status sleep(DeviceAllocation& a);
+  // Maps, faults in and registers a's backup chunk by chunk on backup_threads_ host threads;
+  // with `copy`, each chunk's device-to-host copy is issued as soon as it is registered and
+  // the call returns once all copies are done. On failure everything is undone.
+  Status pin_backup(DeviceAllocation& a, bool copy);
+  void free_backup(DeviceAllocation& a);
   void unmap_chunks(DeviceAllocation& a, std::size_t count);
   Status wire_region(const RegionDesc& r);
   Status unwire_region(const RegionDesc& r);
@@ -119,6 +156,8 @@ class CudaBackend final : public Backend {
   std::size_t granularity_;
   std::size_t chunk_;
   int stream_count_;
+  int backup_threads_;
+  BackupPipeline pipeline_ = BackupPipeline::workers;
   std::vector<CUstream> streams_;
 
   mutable std::mutex mu_;  // the manager serialises calls already; this covers direct users

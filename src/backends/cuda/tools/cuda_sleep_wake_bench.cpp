@@ -5,18 +5,21 @@
 // figure that matters is a ratio between two operations on the same bytes, and the run must
 // check every byte after every wake. So this is a small program of its own:
 //
-//   for each size: allocate `weights` through the backend, fill it with a pattern, sleep
-//   once (this first sleep also pins the host backup, reported apart), then per iteration:
-//     sleep (end_residency: sync, chunked device-to-host copies, unmap + release)
-//     plain device-to-host copy: cuMemcpyDtoH of the same size, plain cuMemAlloc buffer to
-//       the same pinned backup buffer (it writes back the bytes the buffer was filled from,
-//       so the backup is unchanged)
-//     plain host-to-device copy: cuMemcpyHtoD of the same size from the same backup
-//     wake (request_residency: create + map + chunked host-to-device copies, overlapped)
-//     check: every byte of the woken allocation against the pattern (outside the timing)
-//   The plain copies reuse the backup as their pinned buffer: a 64 GiB backup and a second
-//   64 GiB pinned buffer would not both fit in the 128 GiB of a typical GPU host.
-//   Then, for the same size, `scratch` sleep and wake (discarded: no copy).
+//   for each size: allocate `weights` through the backend and fill it with a pattern; then
+//     plain copies: a cuMemAlloc buffer and a cuMemHostAlloc buffer of the same size (the
+//       pinning is timed too: it is what the first sleep cost before 2026-12-01), per
+//       iteration one cuMemcpyDtoH and one cuMemcpyHtoD of the whole size; the host buffer is
+//       freed before the backend's first sleep (a 64 GiB backup and a second 64 GiB pinned
+//       buffer would not both fit in the 128 GiB of a typical GPU host)
+//     first sleep (end_residency: this one also builds the pinned backup, pipelined with the
+//       copies), reported apart
+//     per iteration: wake (request_residency: create + map + chunked host-to-device copies,
+//       overlapped), check every byte against the pattern (outside the timing), sleep
+//       (end_residency: sync, chunked device-to-host copies, unmap + release)
+//   Then, for the same size: `scratch` sleep and wake (discarded: no copy); and the other
+//   way to pay the pinning, prepare_backup() right after allocation (timed) followed by the
+//   first sleep (timed, now a plain copy), checked after a wake.
+//   --pin-threads N,N,...: the first sleep of --pin-size GiB with that many pinning threads.
 //
 // Output: a table on stdout and, with --json FILE, every measured time.
 #include <algorithm>
@@ -82,8 +85,18 @@ struct SizeResult {
   std::uint64_t bytes = 0;
   std::size_t chunk = 0;
   int streams = 0;
-  double first_sleep_s = 0;  // includes pinning the backup (cuMemHostAlloc)
+  int pin_threads = 0;
+  bool pin_workers = false;  // BackupPipeline::workers
+  double first_sleep_s = 0;  // includes building the pinned backup
+  std::size_t backup_bytes = 0;
+  double plain_pin_s = 0;    // cuMemHostAlloc of the plain copies' host buffer
+  double prepare_s = 0;      // prepare_backup() right after allocation
+  double prepared_first_sleep_s = 0;
   std::vector<double> sleep_s, wake_s, plain_d2h_s, plain_h2d_s;
+  // Diagnostics: host-to-device copies into device memory allocated just before (cuMemAlloc +
+  // copy from the cuMemHostAlloc buffer, timed together), and the wake's chunked copies from the
+  // backup into device memory that was written before (no new physical memory).
+  std::vector<double> fresh_h2d_s, backup_h2d_reused_s;
   std::vector<double> discard_sleep_s, discard_wake_s;
   double wake_gbps() const { return gbps(bytes, median(wake_s)); }
   double sleep_gbps() const { return gbps(bytes, median(sleep_s)); }
@@ -96,19 +109,29 @@ struct Options {
   int iterations = 5;
   std::size_t chunk = 0;  // 0: backend default
   int streams = 0;        // 0: backend default
+  int pin_threads = 0;    // 0: backend default
+  int pin_workers = -1;   // -1: backend default; 0: registrar; 1: workers
+  std::vector<std::string> pin_sweep;  // r<N> / w<N>
+  bool pin_auto = false;
+  double pin_sweep_gib = 16;
+  bool prepared = true;
   bool sweep = false;
   bool discard = true;
   std::string json;
 };
 
-// One backend, one size: the whole protocol described at the top of the file.
-SizeResult measure(std::uint64_t bytes, const Options& o, bool with_discard) {
+// One backend, one size: the whole protocol described at the top of the file. With
+// `first_only`, only the first sleep (and a wake to check it).
+SizeResult measure(std::uint64_t bytes, const Options& o, bool with_discard, bool first_only = false) {
   residency::CudaBackendOptions bo;
   if (o.chunk) bo.chunk_bytes = o.chunk;
   if (o.streams) bo.streams = o.streams;
   auto made = CudaBackend::create(bo);
   if (!made) die(made.message());
   CudaBackend& b = **made;
+  if (o.pin_threads) b.set_backup_threads(o.pin_threads);
+  if (o.pin_workers >= 0)
+    b.set_backup_pipeline(o.pin_workers ? CudaBackend::BackupPipeline::workers : CudaBackend::BackupPipeline::registrar);
   const Driver& d = b.driver();
   auto kernels = PatternKernels::load(d, b.context());
   if (!kernels) die(kernels.message());
@@ -117,86 +140,118 @@ SizeResult measure(std::uint64_t bytes, const Options& o, bool with_discard) {
   res.bytes = bytes;
   res.chunk = b.chunk_bytes();
   res.streams = bo.streams;
+  res.pin_threads = b.backup_threads();
+  res.pin_workers = b.backup_pipeline() == CudaBackend::BackupPipeline::workers;
 
-  auto p = b.allocate(bytes, RegionClass::weights);
-  if (!p) die(p.message());
-  const auto va = static_cast<CUdeviceptr>(reinterpret_cast<std::uintptr_t>(*p));
-  check(kernels->fill(va, bytes, kSeed), "fill");
-  {
-    ContextScope scope(d, b.context());
-    check(d, d.cuCtxSynchronize(), "fill");
-  }
-  RegionDesc desc;
-  desc.id = 1;
-  desc.base = *p;
-  desc.size = bytes;
-  desc.cls = RegionClass::weights;
-  desc.backend_allocated = true;
-  check(b.create_set(0, bytes), "create_set");
-  b.add_region(0, desc);
-  check(b.commit(0).status, "commit");
   auto ok = [&](const residency::SetOutcome& out, const char* what) {
     if (!out.ok()) die(std::string(what) + ": " + out.status.message());
   };
-  ok(b.request_residency(0), "request_residency");
+  auto filled = [&](RegionClass cls, std::uint64_t seed) {
+    auto p = b.allocate(bytes, cls);
+    if (!p) die(p.message());
+    check(kernels->fill(static_cast<CUdeviceptr>(reinterpret_cast<std::uintptr_t>(*p)), bytes, seed), "fill");
+    ContextScope scope(d, b.context());
+    check(d, d.cuCtxSynchronize(), "fill");
+    return *p;
+  };
+  auto verify = [&](void* p, std::uint64_t seed, const char* what) {
+    auto bad = kernels->mismatches(static_cast<CUdeviceptr>(reinterpret_cast<std::uintptr_t>(p)), bytes, seed);
+    if (!bad) die(bad.message());
+    if (*bad != 0) die(std::string(what) + ": " + std::to_string(*bad) + " wrong words of " + std::to_string(bytes) + " bytes");
+  };
+  auto in_set = [&](residency::SetId set, residency::RegionId id, void* p, RegionClass cls) {
+    RegionDesc desc;
+    desc.id = id;
+    desc.base = p;
+    desc.size = bytes;
+    desc.cls = cls;
+    desc.backend_allocated = true;
+    check(b.create_set(set, bytes), "create_set");
+    b.add_region(set, desc);
+    check(b.commit(set).status, "commit");
+    ok(b.request_residency(set), "request_residency");
+  };
 
-  auto t0 = Clock::now();
+  void* p = filled(RegionClass::weights, kSeed);
+  in_set(0, 1, p, RegionClass::weights);
+
+  Clock::time_point t0;
+  CUdeviceptr plain = 0;
+  if (!first_only) {
+    ContextScope scope(d, b.context());
+    void* host = nullptr;
+    check(d, d.cuMemAlloc(&plain, bytes), "cuMemAlloc for the plain copy");
+    t0 = Clock::now();
+    check(d, d.cuMemHostAlloc(&host, bytes, CU_MEMHOSTALLOC_PORTABLE), "cuMemHostAlloc for the plain copy");
+    res.plain_pin_s = seconds_since(t0);
+    check(d, d.cuMemcpyDtoH(host, static_cast<CUdeviceptr>(reinterpret_cast<std::uintptr_t>(p)), bytes), "priming");
+    for (int it = 0; it < o.iterations; ++it) {
+      t0 = Clock::now();
+      check(d, d.cuMemcpyHtoD(plain, host, bytes), "plain host-to-device copy");
+      check(d, d.cuCtxSynchronize(), "plain host-to-device copy");
+      res.plain_h2d_s.push_back(seconds_since(t0));
+      t0 = Clock::now();
+      check(d, d.cuMemcpyDtoH(host, plain, bytes), "plain device-to-host copy");
+      check(d, d.cuCtxSynchronize(), "plain device-to-host copy");
+      res.plain_d2h_s.push_back(seconds_since(t0));
+    }
+    // Diagnostic: the same copy into device memory allocated for it (as a wake's is).
+    check(d, d.cuMemFree(plain), "cuMemFree");
+    for (int it = 0; it < std::min(o.iterations, 3); ++it) {
+      t0 = Clock::now();
+      check(d, d.cuMemAlloc(&plain, bytes), "cuMemAlloc for the fresh copy");
+      check(d, d.cuMemcpyHtoD(plain, host, bytes), "fresh host-to-device copy");
+      check(d, d.cuCtxSynchronize(), "fresh host-to-device copy");
+      res.fresh_h2d_s.push_back(seconds_since(t0));
+      check(d, d.cuMemFree(plain), "cuMemFree");
+    }
+    check(d, d.cuMemFreeHost(host), "cuMemFreeHost");
+    check(d, d.cuMemAlloc(&plain, bytes), "cuMemAlloc for the reused copy");
+    check(d, d.cuMemsetD8(plain, 0, bytes), "cuMemsetD8");
+  }
+
+  t0 = Clock::now();
   (void)b.end_residency(0);  // checked through last_release_status()
   res.first_sleep_s = seconds_since(t0);
   check(b.last_release_status(), "first sleep");
-  void* backup = b.host_backup(*p);
-  if (backup == nullptr || b.is_resident(*p)) die("the first sleep left no backup or kept the memory");
+  res.backup_bytes = b.host_backup_bytes(p);
+  if (b.host_backup(p) == nullptr || b.is_resident(p)) die("the first sleep left no backup or kept the memory");
 
-  CUdeviceptr plain = 0;
-  {
-    ContextScope scope(d, b.context());
-    check(d, d.cuMemAlloc(&plain, bytes), "cuMemAlloc for the plain copy");
-    // Fill the plain buffer from the backup once, so that the timed device-to-host copies
-    // write back exactly what the backup holds.
-    check(d, d.cuMemcpyHtoD(plain, backup, bytes), "priming the plain buffer");
-  }
-  for (int it = 0; it < o.iterations; ++it) {
-    {
-      ContextScope scope(d, b.context());
-      t0 = Clock::now();
-      check(d, d.cuMemcpyDtoH(backup, plain, bytes), "plain device-to-host copy");
-      check(d, d.cuCtxSynchronize(), "plain device-to-host copy");
-      res.plain_d2h_s.push_back(seconds_since(t0));
-      t0 = Clock::now();
-      check(d, d.cuMemcpyHtoD(plain, backup, bytes), "plain host-to-device copy");
-      check(d, d.cuCtxSynchronize(), "plain host-to-device copy");
-      res.plain_h2d_s.push_back(seconds_since(t0));
-    }
+  for (int it = 0; it < (first_only ? 0 : o.iterations); ++it) {
     t0 = Clock::now();
     ok(b.request_residency(0), "wake");
     res.wake_s.push_back(seconds_since(t0));
-    auto bad = kernels->mismatches(va, bytes, kSeed);
-    if (!bad) die(bad.message());
-    if (*bad != 0) die("wake restored " + std::to_string(*bad) + " wrong words of " + std::to_string(bytes) + " bytes");
+    verify(p, kSeed, "wake restored");
     t0 = Clock::now();
     (void)b.end_residency(0);  // checked through last_release_status()
     res.sleep_s.push_back(seconds_since(t0));
     check(b.last_release_status(), "sleep");
   }
-  {
+  if (!first_only) {
+    // Diagnostic: the wake's copies (chunked, over the backend's streams) from the backup into
+    // device memory that exists already.
     ContextScope scope(d, b.context());
+    std::vector<CUstream> streams(static_cast<std::size_t>(res.streams > 0 ? res.streams : 4));
+    for (auto& st : streams) check(d, d.cuStreamCreate(&st, CU_STREAM_NON_BLOCKING), "cuStreamCreate");
+    const char* backup = static_cast<const char*>(b.host_backup(p));
+    for (int it = 0; it < std::min(o.iterations, 3); ++it) {
+      t0 = Clock::now();
+      for (std::size_t off = 0, i = 0; off < bytes; off += res.chunk, ++i) {
+        check(d, d.cuMemcpyHtoDAsync(plain + off, backup + off, std::min<std::uint64_t>(res.chunk, bytes - off),
+                                     streams[i % streams.size()]), "chunked copy from the backup");
+      }
+      for (auto st : streams) check(d, d.cuStreamSynchronize(st), "chunked copy from the backup");
+      res.backup_h2d_reused_s.push_back(seconds_since(t0));
+    }
+    for (auto st : streams) check(d, d.cuStreamDestroy(st), "cuStreamDestroy");
     check(d, d.cuMemFree(plain), "cuMemFree");
   }
   ok(b.request_residency(0), "final wake");
-  auto bad = kernels->mismatches(va, bytes, kSeed);
-  if (!bad || *bad != 0) die("final wake: contents differ");
+  verify(p, kSeed, "final wake");
 
-  if (with_discard) {
-    auto s = b.allocate(bytes, RegionClass::scratch);
-    if (!s) die(s.message());
-    RegionDesc sd = desc;
-    sd.id = 2;
-    sd.base = *s;
-    sd.cls = RegionClass::scratch;
-    check(b.create_set(1, bytes), "create_set");
-    b.add_region(1, sd);
-    check(b.commit(1).status, "commit");
-    ok(b.request_residency(1), "request scratch");
+  if (with_discard && !first_only) {
+    void* s = filled(RegionClass::scratch, 2);
+    in_set(1, 2, s, RegionClass::scratch);
     for (int it = 0; it < o.iterations; ++it) {
       t0 = Clock::now();
       (void)b.end_residency(1);  // checked through last_release_status()
@@ -205,12 +260,30 @@ SizeResult measure(std::uint64_t bytes, const Options& o, bool with_discard) {
       ok(b.request_residency(1), "wake scratch");
       res.discard_wake_s.push_back(seconds_since(t0));
     }
-    if (b.host_backup(*s) != nullptr) die("scratch got a host backup: it must be discarded");
+    if (b.host_backup(s) != nullptr) die("scratch got a host backup: it must be discarded");
     (void)b.destroy_set(1);  // checked through last_release_status()
-    b.deallocate(*s);
+    b.deallocate(s);
   }
   (void)b.destroy_set(0);  // checked through last_release_status()
-  b.deallocate(*p);
+  b.deallocate(p);
+
+  if (o.prepared && !first_only) {
+    // The backup pinned right after allocation (what an engine could do at load time).
+    const std::uint64_t seed = kSeed + 1;
+    void* q = filled(RegionClass::weights, seed);
+    in_set(2, 3, q, RegionClass::weights);
+    t0 = Clock::now();
+    check(b.prepare_backup(q), "prepare_backup");
+    res.prepare_s = seconds_since(t0);
+    t0 = Clock::now();
+    (void)b.end_residency(2);
+    res.prepared_first_sleep_s = seconds_since(t0);
+    check(b.last_release_status(), "first sleep after prepare_backup");
+    ok(b.request_residency(2), "wake after prepare_backup");
+    verify(q, seed, "wake after prepare_backup");
+    (void)b.destroy_set(2);
+    b.deallocate(q);
+  }
   return res;
 }
 
@@ -231,16 +304,22 @@ std::string now_utc() {
 }
 
 std::string size_json(const SizeResult& r) {
-  char head[512];
+  char head[1024];
   std::snprintf(head, sizeof head,
-                "{\"bytes\": %llu, \"chunk_bytes\": %zu, \"streams\": %d, \"first_sleep_s\": %.6f, "
+                "{\"bytes\": %llu, \"chunk_bytes\": %zu, \"streams\": %d, \"pin_threads\": %d, "
+                "\"pin_pipeline\": \"%s\", \"first_sleep_s\": %.6f, \"first_sleep_GBps\": %.2f, \"backup_bytes\": %zu, "
+                "\"plain_pin_s\": %.6f, \"prepare_backup_s\": %.6f, \"prepared_first_sleep_s\": %.6f, "
                 "\"wake_GBps\": %.2f, \"plain_h2d_GBps\": %.2f, \"wake_ratio\": %.4f, "
                 "\"sleep_GBps\": %.2f, \"plain_d2h_GBps\": %.2f, \"sleep_ratio\": %.4f, ",
-                static_cast<unsigned long long>(r.bytes), r.chunk, r.streams, r.first_sleep_s, r.wake_gbps(),
-                r.h2d_gbps(), r.wake_gbps() / r.h2d_gbps(), r.sleep_gbps(), r.d2h_gbps(),
-                r.sleep_gbps() / r.d2h_gbps());
+                static_cast<unsigned long long>(r.bytes), r.chunk, r.streams, r.pin_threads,
+                r.pin_workers ? "workers" : "registrar", r.first_sleep_s,
+                gbps(r.bytes, r.first_sleep_s), r.backup_bytes, r.plain_pin_s, r.prepare_s, r.prepared_first_sleep_s,
+                r.wake_gbps(), r.h2d_gbps(), r.h2d_gbps() > 0 ? r.wake_gbps() / r.h2d_gbps() : 0, r.sleep_gbps(),
+                r.d2h_gbps(), r.d2h_gbps() > 0 ? r.sleep_gbps() / r.d2h_gbps() : 0);
   return std::string(head) + "\"wake_s\": " + json_list(r.wake_s) + ", \"sleep_s\": " + json_list(r.sleep_s) +
          ", \"plain_h2d_s\": " + json_list(r.plain_h2d_s) + ", \"plain_d2h_s\": " + json_list(r.plain_d2h_s) +
+         ", \"fresh_h2d_s\": " + json_list(r.fresh_h2d_s) +
+         ", \"backup_h2d_reused_s\": " + json_list(r.backup_h2d_reused_s) +
          ", \"discard_sleep_s\": " + json_list(r.discard_sleep_s) +
          ", \"discard_wake_s\": " + json_list(r.discard_wake_s) + "}";
 }
@@ -248,11 +327,20 @@ std::string size_json(const SizeResult& r) {
 void usage() {
   std::puts(
       "usage: residency_cuda_bench [--sizes GiB,GiB,...] [--iterations N] [--chunk-mib N]\n"
-      "                            [--streams N] [--sweep] [--no-discard] [--json FILE]\n"
+      "                            [--streams N] [--pin-threads N] [--pin-pipeline P]\n"
+      "                            [--pin-sweep r8,w8,...] [--pin-auto]\n"
+      "                            [--pin-size GiB] [--no-prepared] [--sweep] [--no-discard]\n"
+      "                            [--json FILE]\n"
       "  --sizes       sizes to measure, in GiB (default 1,16,64)\n"
       "  --iterations  timed sleep/wake cycles per size (default 5); medians are reported\n"
       "  --chunk-mib   chunk size of the backend (default: the backend's, 256)\n"
       "  --streams     copy streams of the backend (default: the backend's, 4)\n"
+      "  --pin-threads host threads that build a backup (default: the backend's)\n"
+      "  --pin-pipeline registrar|workers: who registers a backup's chunks (default: the backend's)\n"
+      "  --pin-sweep   first, the first sleep of --pin-size GiB (default 16) for each of r<N>\n"
+      "                (registrar pipeline, N faulting threads) and w<N> (workers pipeline)\n"
+      "  --pin-auto    measure the sizes with the fastest entry of --pin-sweep (said so in the output)\n"
+      "  --no-prepared skip prepare_backup() + first sleep\n"
       "  --sweep       also measure 4 GiB over chunk sizes 32..1024 MiB and 1, 2, 4 streams\n"
       "  --json FILE   write every measured time to FILE");
 }
@@ -285,6 +373,28 @@ int main(int argc, char** argv) {
         o.chunk = static_cast<std::size_t>(std::stoull(next())) * kMiB;
       } else if (a == "--streams") {
         o.streams = std::stoi(next());
+      } else if (a == "--pin-threads") {
+        o.pin_threads = std::stoi(next());
+      } else if (a == "--pin-pipeline") {
+        const std::string v = next();
+        if (v != "registrar" && v != "workers") throw std::invalid_argument(v);
+        o.pin_workers = v == "workers";
+      } else if (a == "--pin-sweep") {
+        std::string v = next();
+        for (std::size_t pos = 0; pos <= v.size();) {
+          const std::size_t comma = std::min(v.find(',', pos), v.size());
+          const std::string e = v.substr(pos, comma - pos);
+          if (e.size() < 2 || (e[0] != 'r' && e[0] != 'w')) throw std::invalid_argument(e);
+          (void)std::stoi(e.substr(1));
+          o.pin_sweep.push_back(e);
+          pos = comma + 1;
+        }
+      } else if (a == "--pin-auto") {
+        o.pin_auto = true;
+      } else if (a == "--pin-size") {
+        o.pin_sweep_gib = std::stod(next());
+      } else if (a == "--no-prepared") {
+        o.prepared = false;
       } else if (a == "--sweep") {
         o.sweep = true;
       } else if (a == "--no-discard") {
@@ -311,16 +421,45 @@ int main(int argc, char** argv) {
   const std::string gpu = device_line(d);
   std::printf("device: %s, driver CUDA %d.%d\n", gpu.c_str(), d.driver_version / 1000, (d.driver_version % 1000) / 10);
 
+  std::vector<SizeResult> pin_sweep;
+  if (!o.pin_sweep.empty()) {
+    std::printf("\nfirst sleep of %.2f GiB by pinning pipeline and faulting threads:\n", o.pin_sweep_gib);
+    const SizeResult* best = nullptr;
+    for (const std::string& e : o.pin_sweep) {
+      Options so = o;
+      so.pin_workers = e[0] == 'w';
+      so.pin_threads = std::stoi(e.substr(1));
+      pin_sweep.push_back(measure(static_cast<std::uint64_t>(o.pin_sweep_gib * static_cast<double>(kGiB)), so, false, true));
+      const SizeResult& r = pin_sweep.back();
+      std::printf("  %-9s %3d threads: %8.3f s  %7.2f GB/s\n", r.pin_workers ? "workers" : "registrar", r.pin_threads,
+                  r.first_sleep_s, gbps(r.bytes, r.first_sleep_s));
+      std::fflush(stdout);
+    }
+    for (const SizeResult& r : pin_sweep)
+      if (best == nullptr || r.first_sleep_s < best->first_sleep_s) best = &r;
+    if (o.pin_auto && best != nullptr) {
+      o.pin_workers = best->pin_workers;
+      o.pin_threads = best->pin_threads;
+      std::printf("--pin-auto: the sizes below are measured with the %s pipeline and %d faulting threads\n",
+                  best->pin_workers ? "workers" : "registrar", best->pin_threads);
+    }
+  }
   std::vector<SizeResult> results;
-  std::printf("\n%8s %7s %7s | %9s %9s %6s | %9s %9s %6s | %9s %10s %10s\n", "size", "chunk", "streams",
-              "wake", "plainH2D", "ratio", "sleep", "plainD2H", "ratio", "1st sleep", "discard_s", "dwake_s");
-  std::printf("%8s %7s %7s | %9s %9s %6s | %9s %9s %6s | %9s %10s %10s\n", "GiB", "MiB", "", "GB/s", "GB/s", "",
-              "GB/s", "GB/s", "", "s", "(scratch)", "(scratch)");
+  std::printf("\n%8s %7s %7s %4s | %9s %9s %6s | %9s %9s %6s | %9s %9s %9s | %9s %9s %9s | %9s %9s\n", "size",
+              "chunk", "streams", "pin", "wake", "plainH2D", "ratio", "sleep", "plainD2H", "ratio", "1st sleep",
+              "1st sleep", "backup", "hostalloc", "prepare", "then 1st", "discard", "dwake");
+  std::printf("%8s %7s %7s %4s | %9s %9s %6s | %9s %9s %6s | %9s %9s %9s | %9s %9s %9s | %9s %9s\n", "GiB", "MiB",
+              "", "thr", "GB/s", "GB/s", "", "GB/s", "GB/s", "", "s", "GB/s", "bytes-sz", "GB/s", "GB/s", "GB/s",
+              "s", "s");
   auto row = [](const SizeResult& r) {
-    std::printf("%8.2f %7zu %7d | %9.2f %9.2f %6.3f | %9.2f %9.2f %6.3f | %9.3f %10.4f %10.4f\n",
-                static_cast<double>(r.bytes) / kGiB, r.chunk / kMiB, r.streams, r.wake_gbps(), r.h2d_gbps(),
-                r.wake_gbps() / r.h2d_gbps(), r.sleep_gbps(), r.d2h_gbps(), r.sleep_gbps() / r.d2h_gbps(),
-                r.first_sleep_s, median(r.discard_sleep_s), median(r.discard_wake_s));
+    auto rate = [&](double s) { return gbps(r.bytes, s); };
+    std::printf("%8.2f %7zu %7d %4d | %9.2f %9.2f %6.3f | %9.2f %9.2f %6.3f | %9.3f %9.2f %9lld | %9.2f %9.2f %9.2f | %9.4f %9.4f\n",
+                static_cast<double>(r.bytes) / kGiB, r.chunk / kMiB, r.streams, r.pin_threads, r.wake_gbps(),
+                r.h2d_gbps(), r.h2d_gbps() > 0 ? r.wake_gbps() / r.h2d_gbps() : 0, r.sleep_gbps(), r.d2h_gbps(),
+                r.d2h_gbps() > 0 ? r.sleep_gbps() / r.d2h_gbps() : 0, r.first_sleep_s, rate(r.first_sleep_s),
+                static_cast<long long>(r.backup_bytes) - static_cast<long long>(r.bytes), rate(r.plain_pin_s),
+                rate(r.prepare_s), rate(r.prepared_first_sleep_s), median(r.discard_sleep_s),
+                median(r.discard_wake_s));
     std::fflush(stdout);
   };
   for (double g : o.sizes_gib) {
@@ -337,6 +476,7 @@ int main(int argc, char** argv) {
         so.chunk = chunk_mib * kMiB;
         so.streams = streams;
         so.iterations = std::min(o.iterations, 3);
+        so.prepared = false;
         sweep.push_back(measure(4 * kGiB, so, false));
         row(sweep.back());
       }
@@ -354,6 +494,9 @@ int main(int argc, char** argv) {
     std::fprintf(f, "  ],\n  \"sweep_4GiB\": [\n");
     for (std::size_t i = 0; i < sweep.size(); ++i)
       std::fprintf(f, "    %s%s\n", size_json(sweep[i]).c_str(), i + 1 < sweep.size() ? "," : "");
+    std::fprintf(f, "  ],\n  \"pin_sweep\": [\n");
+    for (std::size_t i = 0; i < pin_sweep.size(); ++i)
+      std::fprintf(f, "    %s%s\n", size_json(pin_sweep[i]).c_str(), i + 1 < pin_sweep.size() ? "," : "");
     std::fprintf(f, "  ]\n}\n");
     std::fclose(f);
   }
