@@ -15,11 +15,6 @@ RegionTable::~RegionTable() {
   for (auto& c : chunks_) delete[] c.load(std::memory_order_relaxed);
 }
 
-RegionTable::Slot* RegionTable::slot(std::uint32_t index) const noexcept {
-  Slot* chunk = chunks_[index / kChunkSlots].load(std::memory_order_acquire);
-  return chunk ? &chunk[index % kChunkSlots] : nullptr;
-}
-
 Result<Region*> RegionTable::insert(const RegionDesc& in, int priority, std::int64_t now) {
   if (in.size == 0) return Status(ErrorCode::invalid_argument, "register_region: size is 0; a region needs at least one byte");
   if (in.base == nullptr) return Status(ErrorCode::invalid_argument, "register_region: base is null");
@@ -81,14 +76,6 @@ Region* RegionTable::find(RegionId id) {
 Region* RegionTable::find_address(const void* base) {
   auto it = by_address_.find(reinterpret_cast<std::uintptr_t>(base));
   return it == by_address_.end() ? nullptr : find(it->second);
-}
-
-bool RegionTable::touch(RegionId id, std::int64_t now) noexcept {
-  const auto index = static_cast<std::uint32_t>(id & ((1u << kSlotBits) - 1));
-  Slot* s = slot(index);
-  if (s == nullptr || s->id.load(std::memory_order_acquire) != id) return false;
-  if (s->last_use.load(std::memory_order_relaxed) != now) s->last_use.store(now, std::memory_order_relaxed);
-  return true;
 }
 
 std::int64_t RegionTable::last_use(const Region& r) const noexcept {

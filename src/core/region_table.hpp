@@ -35,6 +35,11 @@ struct Region {
 };
 
 class RegionTable {
+  struct Slot {
+    std::atomic<RegionId> id{0};
+    std::atomic<std::int64_t> last_use{0};
+  };
+
  public:
   // Slots per chunk and chunks: up to 1 Mi regions per manager (16 KiB per chunk of stamps).
   static constexpr std::uint32_t kSlotBits = 20;
@@ -54,8 +59,14 @@ class RegionTable {
   Region* find_address(const void* base);  // the region that starts exactly at base
 
   // Lock-free, from any thread: stamps the region as used at `now`. False for an id that is not
-  // registered (never registered, or unregistered since).
-  bool touch(RegionId id, std::int64_t now) noexcept;
+  // registered (never registered, or unregistered since). Inline: it is on touch(id)'s hot path.
+  bool touch(RegionId id, std::int64_t now) noexcept {
+    const auto index = static_cast<std::uint32_t>(id & ((1u << kSlotBits) - 1));
+    Slot* s = slot(index);
+    if (s == nullptr || s->id.load(std::memory_order_acquire) != id) return false;
+    if (s->last_use.load(std::memory_order_relaxed) != now) s->last_use.store(now, std::memory_order_relaxed);
+    return true;
+  }
   std::int64_t last_use(const Region& r) const noexcept;
 
   std::uint64_t tracked_bytes() const { return tracked_; }
@@ -66,11 +77,10 @@ class RegionTable {
   }
 
  private:
-  struct Slot {
-    std::atomic<RegionId> id{0};
-    std::atomic<std::int64_t> last_use{0};
-  };
-  Slot* slot(std::uint32_t index) const noexcept;
+  Slot* slot(std::uint32_t index) const noexcept {
+    Slot* chunk = chunks_[index / kChunkSlots].load(std::memory_order_acquire);
+    return chunk ? &chunk[index % kChunkSlots] : nullptr;
+  }
 
   std::array<std::atomic<Slot*>, kChunks> chunks_{};
   std::uint32_t next_slot_ = 0;
