@@ -113,6 +113,7 @@ class PolicyBlock {
     if (!backend) return backend.status();
     ManagerOptions mo;
     mo.config.keep_alive = policy.keep_alive;
+    mo.config.release_on_pressure = policy.release_on_pressure;
     mo.config.log_level = o.log_level;
     if (auto layout = target.layout()) mo.config.layout = *layout;
     mo.backend = std::move(backend).value();

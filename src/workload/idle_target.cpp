@@ -77,6 +77,9 @@ Result<std::vector<IdlePolicy>> parse_policies(std::string_view list, Nanos keep
     } else if (item == "keep-alive") {
       const KeepAlive ka = KeepAlive::after(keep_alive);
       p = {IdlePolicy::Kind::keep_alive, ka, "keep-alive", "keep-alive " + ka.to_string()};
+    } else if (item == "pressure-aware") {
+      const KeepAlive ka = KeepAlive::after(keep_alive);
+      p = {IdlePolicy::Kind::keep_alive, ka, "pressure-aware", "keep-alive " + ka.to_string() + " + pressure", true};
     } else if (item == "0") {
       p = {IdlePolicy::Kind::zero, KeepAlive::zero(), "0", "0"};
     } else if (item == "forever") {
@@ -84,7 +87,7 @@ Result<std::vector<IdlePolicy>> parse_policies(std::string_view list, Nanos keep
     } else {
       return Status(ErrorCode::invalid_argument,
                     "unknown policy '" + std::string(item) + "' in '" + std::string(list) +
-                        "'; accepted: a comma-separated list of off, keep-alive, 0, forever");
+                        "'; accepted: a comma-separated list of off, keep-alive, pressure-aware, 0, forever");
     }
     for (const auto& q : out) {
       if (q.id == p.id) {

@@ -53,11 +53,13 @@ struct IdlePolicy {
   enum class Kind : std::uint8_t { off, keep_alive, zero, forever };
   Kind kind = Kind::off;
   KeepAlive keep_alive = KeepAlive::off();  // what the Manager is configured with
-  std::string id;    // as --policies spells it: "off", "keep-alive", "0", "forever"
+  std::string id;    // as --policies spells it: "off", "keep-alive", "pressure-aware", "0", "forever"
   std::string name;  // for tables and plots: "off", "keep-alive 2 s", "0", "forever"
+  bool release_on_pressure = false;  // pressure-aware: the keep-alive, given back under pressure
 };
 
-// A comma-separated list of policy ids (each at most once): off, keep-alive, 0, forever.
+// A comma-separated list of policy ids (each at most once): off, keep-alive, pressure-aware
+// (keep-alive with graded release under memory pressure), 0, forever.
 // `keep_alive` is the duration of the keep-alive policy (must be > 0).
 Result<std::vector<IdlePolicy>> parse_policies(std::string_view list, Nanos keep_alive);
 

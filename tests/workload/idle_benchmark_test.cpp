@@ -42,8 +42,14 @@ TEST(IdleParsing, Policies) {
   EXPECT_EQ((*p)[3].keep_alive, KeepAlive::forever());
   EXPECT_EQ((*p)[0].keep_alive, KeepAlive::off());
   EXPECT_EQ(parse_policies("off,sometimes", std::chrono::seconds(2)).message(),
-            "unknown policy 'sometimes' in 'off,sometimes'; accepted: a comma-separated list of off, keep-alive, 0, forever");
+            "unknown policy 'sometimes' in 'off,sometimes'; accepted: a comma-separated list of off, keep-alive, pressure-aware, 0, forever");
   EXPECT_NE(parse_policies("off,off", std::chrono::seconds(2)).message().find("listed twice"), std::string::npos);
+  auto pa = parse_policies("keep-alive,pressure-aware", std::chrono::seconds(2));
+  ASSERT_TRUE(pa) << pa.message();
+  EXPECT_FALSE((*pa)[0].release_on_pressure);
+  EXPECT_TRUE((*pa)[1].release_on_pressure) << "pressure-aware is the keep-alive with release on pressure";
+  EXPECT_EQ((*pa)[1].keep_alive, KeepAlive::after(std::chrono::seconds(2)));
+  EXPECT_EQ((*pa)[1].name, "keep-alive 2 s + pressure");
   EXPECT_FALSE(parse_policies("off", Nanos(0)).is_ok());
   std::string accepted;
   for (const auto& b : idle_backends()) accepted += (accepted.empty() ? "" : ", ") + b;

@@ -160,7 +160,7 @@ const Command idle_command{
         for (const auto& b : idle_backends()) s += (s.empty() ? "" : ", ") + b;
         return s;
       }())->capture_default_str();
-      app.add_option("--policies", a->policies, "comma-separated: off, keep-alive, 0, forever")->capture_default_str();
+      app.add_option("--policies", a->policies, "comma-separated: off, keep-alive, pressure-aware (keep-alive + graded release under memory pressure), 0, forever")->capture_default_str();
       app.add_option("--keep-alive", a->keep_alive, "duration of the keep-alive policy (500ms, 2s, 3m ...)")
           ->capture_default_str();
       app.add_option("--pressure", a->pressure,
