@@ -277,12 +277,17 @@ Result<std::optional<std::string>> parse_cgroup_v2_path(std::string_view text) {
   return path;
 }
 
-Result<std::optional<CgroupMount>> parse_cgroup2_mount(std::string_view text) {
+namespace {
+
+// The first mount in /proc/self/mountinfo whose file system type is `fstype` and, when
+// `super_option` is not empty, whose super options include it. Each line is
+// "id parent major:minor root mount-point options [optional...] - fstype source super-options".
+Result<std::optional<CgroupMount>> find_mount(std::string_view text, std::string_view fstype,
+                                              std::string_view super_option) {
   for (auto raw : split_lines(text)) {
     const auto line = trim(raw);
     if (line.empty()) continue;
     const auto f = split_fields(line);
-    // id parent major:minor root mount-point options [optional...] - fstype source super-options
     std::size_t dash = 0;
     for (std::size_t i = 6; i < f.size(); ++i) {
       if (f[i] == "-") {
@@ -295,12 +300,24 @@ Result<std::optional<CgroupMount>> parse_cgroup2_mount(std::string_view text) {
                     "/proc/self/mountinfo: expected 'id parent dev root mount-point options ... - fstype ...', found " +
                         quoted(line));
     }
-    if (f[dash + 1] == "cgroup2") {
-      return std::optional<CgroupMount>(CgroupMount{decode_octal_escapes(f[4]), decode_octal_escapes(f[3])});
+    if (f[dash + 1] != fstype) continue;
+    bool has_option = super_option.empty();
+    if (!has_option) {
+      const std::string_view opts = dash + 3 < f.size() ? f[dash + 3] : std::string_view();
+      for (std::size_t at = 0; at <= opts.size() && !has_option;) {
+        const std::size_t comma = std::min(opts.find(',', at), opts.size());
+        has_option = opts.substr(at, comma - at) == super_option;
+        at = comma + 1;
+      }
     }
+    if (has_option) return std::optional<CgroupMount>(CgroupMount{decode_octal_escapes(f[4]), decode_octal_escapes(f[3])});
   }
   return std::optional<CgroupMount>();
 }
+
+}  // namespace
+
+Result<std::optional<CgroupMount>> parse_cgroup2_mount(std::string_view text) { return find_mount(text, "cgroup2", ""); }
 
 std::optional<std::string> cgroup_dir(const CgroupMount& mount, std::string_view cgroup_path) {
   std::string_view rel = cgroup_path;
@@ -352,32 +369,7 @@ Result<std::optional<std::string>> parse_cgroup_v1_memory_path(std::string_view 
 }
 
 Result<std::optional<CgroupMount>> parse_cgroup_v1_memory_mount(std::string_view text) {
-  for (auto raw : split_lines(text)) {
-    const auto line = trim(raw);
-    if (line.empty()) continue;
-    const auto f = split_fields(line);
-    std::size_t dash = 0;
-    for (std::size_t i = 6; i < f.size(); ++i) {
-      if (f[i] == "-") {
-        dash = i;
-        break;
-      }
-    }
-    if (f.size() < 7 || dash == 0 || dash + 3 > f.size()) {
-      return Status(ErrorCode::io_error,
-                    "/proc/self/mountinfo: expected 'id parent dev root mount-point options ... - fstype source "
-                    "options', found " + quoted(line));
-    }
-    if (f[dash + 1] != "cgroup") continue;
-    const std::string_view opts = f[dash + 3];
-    for (std::size_t at = 0; at <= opts.size();) {
-      const std::size_t comma = std::min(opts.find(',', at), opts.size());
-      if (opts.substr(at, comma - at) == "memory")
-        return std::optional<CgroupMount>(CgroupMount{decode_octal_escapes(f[4]), decode_octal_escapes(f[3])});
-      at = comma + 1;
-    }
-  }
-  return std::optional<CgroupMount>();
+  return find_mount(text, "cgroup", "memory");
 }
 
 Result<std::optional<std::uint64_t>> parse_memory_limit_v1(std::string_view text) {
