@@ -19,6 +19,7 @@ std::vector<std::string> available_backends();
 // present, metal on Apple, else posix). Unknown or unavailable names are an error that lists
 // the accepted ones. One instance per kind per process: while a backend of that kind is alive,
 // every call returns it (two managers in one process share its page locks and its limits).
+// "cuda" is device 0; "cuda:N" is device N (one instance per device).
 Result<std::shared_ptr<Backend>> make_backend(std::string_view name);
 
 }  // namespace residency

@@ -42,6 +42,20 @@ namespace {
 Result<std::shared_ptr<Backend>> make_named(std::string_view name) {
 #if RESIDENCY_HAVE_CUDA
   if (name == "cuda") return make_cuda_backend();
+  if (name.starts_with("cuda:")) {  // "cuda:N": device N
+    const std::string_view n = name.substr(5);
+    int device = 0;
+    bool ok = !n.empty() && n.size() <= 4;
+    for (char c : n) {
+      if (c < '0' || c > '9') ok = false;
+      else device = device * 10 + (c - '0');
+    }
+    if (ok) {
+      CudaBackendOptions o;
+      o.device = device;
+      return make_cuda_backend(o);
+    }
+  }
 #endif
 #if RESIDENCY_HAVE_METAL
   if (name == "metal") return make_metal_backend();

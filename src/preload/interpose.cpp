@@ -1,18 +1,47 @@
 // libresidency_preload.so's exported symbols, the only ones it exports (exports.map): the
-// functions it interposes. Each forwards to the session (preload_session.hpp); nothing here
-// decides anything.
+// functions it interposes. Each forwards to the sessions (preload_session.hpp for host
+// mappings and decodes, device_memory.hpp for CUDA device memory); nothing here decides anything.
 #include <sys/mman.h>
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 
+#include <ggml-alloc.h>
+#include <ggml-backend.h>
 #include <llama.h>
 
+#include "device_memory.hpp"
 #include "preload_session.hpp"
 
 #define RESIDENCY_PRELOAD_EXPORT __attribute__((visibility("default")))
 
 using residency::preload::Entry;
+
+// A ggml entry point that may read or write backend memory: device memory is woken first, then
+// the call goes to libggml's definition (none behind the preload: nothing to forward to, so
+// `fallback` is returned).
+#define RESIDENCY_GGML_ACCESS(ret, name, params, args, fallback)                          \
+  RESIDENCY_PRELOAD_EXPORT ret name params {                                              \
+    using Fn = ret(*) params;                                                             \
+    static std::atomic<Fn> cache{nullptr};                                                \
+    static std::atomic<bool> done{false};                                                 \
+    const Fn next = residency::preload::resolve_next(cache, done, #name);                 \
+    if (next == nullptr) return fallback;                                                 \
+    residency::preload::device_access();                                                  \
+    return next args;                                                                     \
+  }
+// ggml's graph allocator: device memory it allocates holds the compute buffers (scratch).
+#define RESIDENCY_GGML_COMPUTE_ALLOC(ret, name, params, args, fallback)                   \
+  RESIDENCY_PRELOAD_EXPORT ret name params {                                              \
+    using Fn = ret(*) params;                                                             \
+    static std::atomic<Fn> cache{nullptr};                                                \
+    static std::atomic<bool> done{false};                                                 \
+    const Fn next = residency::preload::resolve_next(cache, done, #name);                 \
+    if (next == nullptr) return fallback;                                                 \
+    residency::preload::ComputeAllocationScope scope;                                     \
+    return next args;                                                                     \
+  }
 
 extern "C" {
 
@@ -37,5 +66,65 @@ RESIDENCY_PRELOAD_EXPORT std::int32_t llama_decode(llama_context* ctx, llama_bat
 RESIDENCY_PRELOAD_EXPORT std::int32_t llama_encode(llama_context* ctx, llama_batch batch) {
   return residency::preload::decode_hook(Entry::encode, ctx, batch);
 }
+
+// CUDA runtime (libcudart): device memory of 2 MiB or more goes through the cuda backend.
+RESIDENCY_PRELOAD_EXPORT int cudaMalloc(void** ptr, std::size_t size) {
+  return residency::preload::device_malloc_hook(ptr, size);
+}
+
+RESIDENCY_PRELOAD_EXPORT int cudaFree(void* ptr) { return residency::preload::device_free_hook(ptr); }
+
+RESIDENCY_GGML_ACCESS(void, ggml_backend_tensor_set,
+                      (struct ggml_tensor * t, const void* data, size_t offset, size_t size),
+                      (t, data, offset, size), )
+RESIDENCY_GGML_ACCESS(void, ggml_backend_tensor_get,
+                      (const struct ggml_tensor* t, void* data, size_t offset, size_t size),
+                      (t, data, offset, size), )
+RESIDENCY_GGML_ACCESS(void, ggml_backend_tensor_set_2d,
+                      (struct ggml_tensor * t, const void* data, size_t offset, size_t size, size_t n, size_t st,
+                       size_t sd),
+                      (t, data, offset, size, n, st, sd), )
+RESIDENCY_GGML_ACCESS(void, ggml_backend_tensor_get_2d,
+                      (const struct ggml_tensor* t, void* data, size_t offset, size_t size, size_t n, size_t st,
+                       size_t sd),
+                      (t, data, offset, size, n, st, sd), )
+RESIDENCY_GGML_ACCESS(void, ggml_backend_tensor_memset,
+                      (struct ggml_tensor * t, uint8_t value, size_t offset, size_t size), (t, value, offset, size), )
+RESIDENCY_GGML_ACCESS(void, ggml_backend_tensor_set_async,
+                      (ggml_backend_t b, struct ggml_tensor* t, const void* data, size_t offset, size_t size),
+                      (b, t, data, offset, size), )
+RESIDENCY_GGML_ACCESS(void, ggml_backend_tensor_get_async,
+                      (ggml_backend_t b, const struct ggml_tensor* t, void* data, size_t offset, size_t size),
+                      (b, t, data, offset, size), )
+RESIDENCY_GGML_ACCESS(void, ggml_backend_tensor_set_2d_async,
+                      (ggml_backend_t b, struct ggml_tensor* t, const void* data, size_t offset, size_t size,
+                       size_t n, size_t st, size_t sd),
+                      (b, t, data, offset, size, n, st, sd), )
+RESIDENCY_GGML_ACCESS(void, ggml_backend_tensor_get_2d_async,
+                      (ggml_backend_t b, const struct ggml_tensor* t, void* data, size_t offset, size_t size,
+                       size_t n, size_t st, size_t sd),
+                      (b, t, data, offset, size, n, st, sd), )
+RESIDENCY_GGML_ACCESS(void, ggml_backend_tensor_copy, (const struct ggml_tensor* src, struct ggml_tensor* dst),
+                      (src, dst), )
+RESIDENCY_GGML_ACCESS(void, ggml_backend_tensor_copy_async,
+                      (ggml_backend_t bs, ggml_backend_t bd, const struct ggml_tensor* src, struct ggml_tensor* dst),
+                      (bs, bd, src, dst), )
+RESIDENCY_GGML_ACCESS(void, ggml_backend_buffer_clear, (ggml_backend_buffer_t buffer, uint8_t value),
+                      (buffer, value), )
+RESIDENCY_GGML_ACCESS(enum ggml_status, ggml_backend_graph_compute, (ggml_backend_t b, struct ggml_cgraph* g),
+                      (b, g), GGML_STATUS_FAILED)
+RESIDENCY_GGML_ACCESS(enum ggml_status, ggml_backend_graph_compute_async,
+                      (ggml_backend_t b, struct ggml_cgraph* g), (b, g), GGML_STATUS_FAILED)
+RESIDENCY_GGML_ACCESS(enum ggml_status, ggml_backend_sched_graph_compute,
+                      (ggml_backend_sched_t s, struct ggml_cgraph* g), (s, g), GGML_STATUS_FAILED)
+RESIDENCY_GGML_ACCESS(enum ggml_status, ggml_backend_sched_graph_compute_async,
+                      (ggml_backend_sched_t s, struct ggml_cgraph* g), (s, g), GGML_STATUS_FAILED)
+
+RESIDENCY_GGML_COMPUTE_ALLOC(bool, ggml_gallocr_reserve_n,
+                             (ggml_gallocr_t galloc, struct ggml_cgraph* graph, const int* node_ids,
+                              const int* leaf_ids),
+                             (galloc, graph, node_ids, leaf_ids), false)
+RESIDENCY_GGML_COMPUTE_ALLOC(bool, ggml_gallocr_alloc_graph, (ggml_gallocr_t galloc, struct ggml_cgraph* graph),
+                             (galloc, graph), false)
 
 }  // extern "C"

@@ -17,23 +17,9 @@ namespace {
 using MmapFn = void* (*)(void*, std::size_t, int, int, int, off_t);
 using MunmapFn = int (*)(void*, std::size_t);
 
-// dlsym(RTLD_NEXT, name), cached. While this thread is resolving, returns null (the caller then
-// uses the system call), so that a mmap made by dlsym itself cannot recurse.
 template <class Fn>
 Fn resolve(std::atomic<Fn>& cache, std::atomic<bool>& done, const char* name) noexcept {
-  if (done.load(std::memory_order_acquire)) return cache.load(std::memory_order_relaxed);
-  if (t_resolving) return nullptr;
-  const int saved = errno;
-  t_resolving = true;
-  const bool was = t_in_hook;
-  t_in_hook = true;
-  Fn f = reinterpret_cast<Fn>(::dlsym(RTLD_NEXT, name));
-  t_in_hook = was;
-  t_resolving = false;
-  errno = saved;
-  cache.store(f, std::memory_order_relaxed);
-  done.store(true, std::memory_order_release);
-  return f;
+  return resolve_next(cache, done, name);
 }
 
 std::atomic<MmapFn> g_mmap{nullptr};
@@ -81,6 +67,20 @@ DecodeFn next_llama_encode() noexcept { return resolve(g_encode, g_encode_done, 
 SynchronizeFn next_llama_synchronize() noexcept { return resolve(g_sync, g_sync_done, "llama_synchronize"); }
 
 bool in_hook() noexcept { return t_in_hook; }
+bool resolving_now() noexcept { return t_resolving; }
+
+void* resolve_next_symbol(const char* name) noexcept {
+  if (t_resolving) return nullptr;
+  const int saved = errno;
+  t_resolving = true;
+  const bool was = t_in_hook;
+  t_in_hook = true;
+  void* f = ::dlsym(RTLD_NEXT, name);
+  t_in_hook = was;
+  t_resolving = false;
+  errno = saved;
+  return f;
+}
 
 HookScope::HookScope() noexcept : was_(t_in_hook) { t_in_hook = true; }
 HookScope::~HookScope() { t_in_hook = was_; }

@@ -10,6 +10,7 @@
 
 #include <sys/types.h>
 
+#include <atomic>
 #include <cerrno>
 #include <cstddef>
 #include <cstdint>
@@ -35,6 +36,22 @@ SynchronizeFn next_llama_synchronize() noexcept;
 
 // True while this thread runs inside one of the preload's hooks.
 bool in_hook() noexcept;
+// True while this thread is inside dlsym for resolve_next_symbol().
+bool resolving_now() noexcept;
+
+// dlsym(RTLD_NEXT, name) as a function pointer, cached in `cache` once `done`; null when no
+// later library defines it, or while this thread is resolving a symbol already (the callers of
+// mmap then use the system call).
+void* resolve_next_symbol(const char* name) noexcept;
+template <class Fn>
+Fn resolve_next(std::atomic<Fn>& cache, std::atomic<bool>& done, const char* name) noexcept {
+  if (done.load(std::memory_order_acquire)) return cache.load(std::memory_order_relaxed);
+  if (resolving_now()) return nullptr;  // inside dlsym: not cached, resolved on a later call
+  Fn f = reinterpret_cast<Fn>(resolve_next_symbol(name));
+  cache.store(f, std::memory_order_relaxed);
+  done.store(true, std::memory_order_release);
+  return f;
+}
 
 // Marks this thread as inside a hook for the scope's life.
 class HookScope {

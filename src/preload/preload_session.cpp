@@ -12,6 +12,7 @@
 #include <optional>
 #include <string>
 
+#include "device_memory.hpp"
 #include "gguf_mappings.hpp"
 #include "next_calls.hpp"
 #include "residency/backends.hpp"
@@ -41,35 +42,33 @@ constinit std::atomic<int> g_state{kIdle};
 constinit std::atomic<Session*> g_session{nullptr};  // leaked on purpose (see the header)
 constinit std::atomic<bool> g_warn_enabled{true};   // RESIDENCY_LOG=error silences our warnings
 constinit std::atomic<bool> g_warned_no_decode{false};
+constinit std::atomic<bool> g_forked{false};         // a fork child: nothing but pass-through
+constinit std::atomic<const Startup*> g_startup{nullptr};
+constinit std::atomic<bool> g_startup_done{false};
+constinit std::mutex g_startup_mu;
 // Guards starting the session and every change of the tracked mappings. Never taken by a hook
 // that only forwards, nor for memory that is not tracked (see gguf_mappings.hpp).
 constinit std::mutex g_mu;
+
+constexpr const char* kWithout = "; the program runs without residency";
 
 std::string one_line(std::string s) {
   for (std::size_t p = s.find('\n'); p != std::string::npos; p = s.find('\n', p)) s.replace(p, 1, "; ");
   return s;
 }
 
-void warn(const std::string& message) {
-  if (!g_warn_enabled.load(std::memory_order_relaxed)) return;
-  try {
-    log_to_stderr(LogLevel::warn, "preload: " + one_line(message));
-  } catch (...) {
-  }
+void on_fork_child() {
+  g_state.store(kPassThrough, std::memory_order_relaxed);
+  g_forked.store(true, std::memory_order_relaxed);
 }
-
-constexpr const char* kWithout = "; the program runs without residency";
-
-void on_fork_child() { g_state.store(kPassThrough, std::memory_order_relaxed); }
 
 Session* active_session() noexcept {
   if (g_state.load(std::memory_order_acquire) != kActive) return nullptr;
   return g_session.load(std::memory_order_acquire);
 }
 
-// With g_mu held and g_state == kIdle: starts the session, or passes through for good.
-void start() noexcept {
-  g_state.store(kPassThrough, std::memory_order_release);  // unless everything below works
+// Once per process: the configuration, libllama's functions behind the preload, the fork handler.
+const Startup* make_startup() noexcept {
   try {
     auto config = Config::from_env();
     if (!config) {
@@ -83,42 +82,56 @@ void start() noexcept {
         if (e == std::string::npos) break;
         b = e + 1;
       }
-      return;
+      return nullptr;
     }
     g_warn_enabled.store(config->log_level >= LogLevel::warn, std::memory_order_relaxed);
     const SynchronizeFn sync = next_llama_synchronize();
     if (next_llama_decode() == nullptr || sync == nullptr) {
       warn(std::string("llama_decode is not reachable behind the preload (the program does not load libllama, or "
-                       "links it statically), so GGUF mappings stay unmanaged: without its decodes the keep-alive "
-                       "would release the model and never wire it again") +
+                       "links it statically), so the model's memory stays unmanaged: without its decodes the "
+                       "keep-alive would release the model and never wire it again") +
            kWithout);
-      return;
+      return nullptr;
     }
     if (const int err = ::pthread_atfork(nullptr, nullptr, &on_fork_child); err != 0) {
       warn(std::string("pthread_atfork failed (") + std::strerror(err) + ")" + kWithout);
-      return;
+      return nullptr;
     }
-    auto backend = make_backend("auto");
+    // A duration of 0 is the 0 policy (as the manager reads it): use scopes, not touch().
+    const KeepAlive& ka = config->keep_alive;
+    const KeepAlive::Kind kind =
+        ka.kind == KeepAlive::Kind::duration && ka.duration.count() <= 0 ? KeepAlive::Kind::zero : ka.kind;
+    // A clock of our own, never destroyed like the managers: SteadyClock::instance() is a static
+    // that exit() destroys while a scheduler thread may still read it.
+    return new Startup{*config, kind, sync, new SteadyClock};
+  } catch (...) {
+    return nullptr;  // out of memory while starting: pass through
+  }
+}
+
+// With g_mu held and g_state == kIdle: starts the session, or passes through for good.
+void start() noexcept {
+  g_state.store(kPassThrough, std::memory_order_release);  // unless everything below works
+  try {
+    const Startup* up = startup();
+    if (up == nullptr) return;
+    // GGUF mappings are host memory: the posix backend locks them, also on a machine with a GPU
+    // (there "auto" would be the cuda backend, which pins host memory instead).
+    auto backend = make_backend("posix");
     if (!backend) {
       warn(backend.message() + kWithout);
       return;
     }
     ManagerOptions options;
-    options.config = *config;
+    options.config = up->config;
     options.backend = *backend;
-    // A clock of our own, never destroyed like the manager: SteadyClock::instance() is a static
-    // that exit() destroys while the scheduler thread may still read it.
-    options.clock = new SteadyClock;
-    // A duration of 0 is the 0 policy (as the manager reads it): use scopes, not touch().
-    const KeepAlive& ka = config->keep_alive;
-    const KeepAlive::Kind kind =
-        ka.kind == KeepAlive::Kind::duration && ka.duration.count() <= 0 ? KeepAlive::Kind::zero : ka.kind;
+    options.clock = up->clock;
     auto manager = Manager::create(std::move(options));
     if (!manager) {
       warn(manager.message() + kWithout);
       return;
     }
-    auto* session = new Session(std::move(*manager), kind, sync, &warn);
+    auto* session = new Session(std::move(*manager), up->kind, up->synchronize, &warn);
     g_session.store(session, std::memory_order_release);
     g_state.store(kActive, std::memory_order_release);
   } catch (...) {
@@ -158,6 +171,27 @@ void track(void* addr, std::size_t size) noexcept {
 }
 
 }  // namespace
+
+void warn(const std::string& message) noexcept {
+  if (!g_warn_enabled.load(std::memory_order_relaxed)) return;
+  try {
+    log_to_stderr(LogLevel::warn, "preload: " + one_line(message));
+  } catch (...) {
+  }
+}
+
+const Startup* startup() noexcept {
+  if (g_forked.load(std::memory_order_relaxed)) return nullptr;
+  if (g_startup_done.load(std::memory_order_acquire)) return g_startup.load(std::memory_order_relaxed);
+  std::lock_guard<std::mutex> lock(g_startup_mu);
+  if (!g_startup_done.load(std::memory_order_relaxed)) {
+    g_startup.store(make_startup(), std::memory_order_relaxed);
+    g_startup_done.store(true, std::memory_order_release);
+  }
+  return g_startup.load(std::memory_order_relaxed);
+}
+
+bool forked_child() noexcept { return g_forked.load(std::memory_order_relaxed); }
 
 void* map_hook(void* addr, std::size_t len, int prot, int flags, int fd, off64_t off, bool is64) noexcept {
   auto call = [&]() noexcept {
@@ -234,6 +268,8 @@ std::int32_t decode_hook(Entry which, llama_context* ctx, llama_batch batch) {
     }
     return -1;
   }
+  // Device memory (CUDA builds) is awake for the call; a no-op where none is routed.
+  DeviceDecodeScope device(ctx, next_llama_synchronize());
   Session* s = in_hook() ? nullptr : active_session();
   if (s == nullptr) return next(ctx, batch);
   if (s->kind != KeepAlive::Kind::zero) {

@@ -14,11 +14,32 @@
 #include <cstddef>
 #include <cstdint>
 
+#include <string>
+
 #include <llama.h>
+
+#include "next_calls.hpp"
+#include "residency/residency.hpp"
 
 namespace residency::preload {
 
 enum class Entry { decode, encode };
+
+// What both sessions (host mappings here, device memory in device_memory.hpp) start from, made
+// once per process on first need: the configuration (Config::from_env), the keep-alive kind as
+// the hooks use it, llama_synchronize behind the preload, and a clock that is never destroyed.
+// Null when the preload must pass through: a bad variable, no libllama behind the preload (each
+// is one warning), or a fork child.
+struct Startup {
+  Config config;
+  KeepAlive::Kind kind;
+  SynchronizeFn synchronize;
+  Clock* clock;
+};
+const Startup* startup() noexcept;
+bool forked_child() noexcept;
+// One "residency: warn: preload: ..." line (unless RESIDENCY_LOG silences warnings).
+void warn(const std::string& message) noexcept;
 
 // mmap / mmap64: the real call, then a GGUF file mapping (regular file whose first 4 bytes are
 // "GGUF", mapped readable and not writable) is registered as weights. A MAP_FIXED mapping over
