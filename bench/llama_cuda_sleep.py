@@ -17,11 +17,13 @@ the first cycle of the resident run.
              them again after it (Ollama's keep_alive, llama-server's --sleep-idle-seconds)
 
 Exit status 0 when every check holds (tokens identical, asleep GPU memory <= 5 % of awake),
-1 otherwise, 2 for bad arguments. Writes OUT/llama-cuda-sleep.{json,md}.
+1 otherwise, 2 for bad arguments. Writes OUT/llama-cuda-sleep.{json,md}; `--report OUT` writes
+them again from OUT's JSON and logs.
 """
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -144,7 +146,107 @@ def link_probe(gib):
         return None
 
 
+def device_transitions(log_path, file_bytes):
+    """The cuda manager's sleeps and wakes from the preloaded run's log: [(kind, MiB, ms)]. Its
+    lines start "residency: info: cuda:N: "; a log written before that prefix existed has only
+    unprefixed lines, and there the host manager's (the GGUF mapping: the whole file, or its
+    small CPU-side remainder) are told apart by size."""
+    out, legacy = [], []
+    pat = re.compile(r"residency: info: (cuda:\d+: )?(released|re-wired) ([0-9.]+) MiB in \d+ set\(s\) in ([0-9.]+) ms")
+    try:
+        with open(log_path) as f:
+            for line in f:
+                m = pat.search(line)
+                if not m:
+                    continue
+                kind = "sleep" if m.group(2) == "released" else "wake"
+                mib, ms = float(m.group(3)), float(m.group(4))
+                if m.group(1):
+                    out.append((kind, mib, ms))
+                elif mib >= 1024 and abs(mib * 2**20 - file_bytes) > 0.005 * file_bytes and ms > 0.01:
+                    legacy.append((kind, mib, ms))
+    except OSError:
+        pass
+    return out or legacy
+
+
+def report(results, out_dir):
+    runs = results["runs"]
+    model_bytes = results["model_bytes"]
+    ref = runs[0]["cycles"][0]["tokens"]
+    checks = []
+    for r in runs:
+        same = all(c["tokens"] == ref for c in r["cycles"])
+        checks.append((f"{r['name']}: tokens of every cycle equal the resident run's first cycle", same))
+        checks.append((f"{r['name']}: exit status 0", r["exit"] == 0))
+    res = runs[1]["cycles"]
+    # The first cycle's idle sample may come while the first sleep (which pins the backup) still
+    # runs; it is reported on its own, and the check is on the cycles after it.
+    awake = [c["gpu_mib_awake"] for c in res if c["gpu_mib_awake"] is not None]
+    idle = [c["gpu_mib_idle"] for c in res[1:] if c["gpu_mib_idle"] is not None]
+    ratio = (max(idle) / statistics.median(awake)) if awake and idle else None
+    results["asleep_over_awake"] = ratio
+    checks.append(("residency: GPU memory while asleep <= 5 % of awake (nvidia-smi, cycles after the first)",
+                   ratio is not None and ratio <= 0.05))
+    results["checks"] = [{"check": c, "ok": ok} for c, ok in checks]
+    tr = device_transitions(os.path.join(out_dir, "serve_loop-residency.log"), model_bytes)
+    results["device_transitions"] = [{"kind": k, "mib": m, "ms": t} for k, m, t in tr]
+
+    def med(xs):
+        xs = [x for x in xs if x is not None]
+        return statistics.median(xs) if xs else float("nan")
+
+    link = results.get("link_h2d_gbps")
+    lines = [f"model {model_bytes / 2**30:.2f} GiB, idle {results['pause_s']} s per cycle, keep-alive {results['keep_alive']}",
+             f"link (PyTorch pinned H2D, 4 GiB): {link:.1f} GB/s" if link else "link: not measured", "",
+             "| configuration | cycles | first token after idle, median (min-max) ms | first token busy, median ms | "
+             "GPU MiB awake | GPU MiB idle (median) | tokens identical |",
+             "|---|---:|---|---:|---:|---:|---|"]
+    for r in runs:
+        cs = r["cycles"]
+        after = [c["first_token_ms_after_idle"] for c in cs]
+        same = all(c["tokens"] == ref for c in cs)
+        lines.append(f"| {r['name']} | {len(cs)} | {med(after):.1f} ({min(after):.1f}-{max(after):.1f}) | "
+                     f"{med([c['first_token_ms_busy'] for c in cs]):.1f} | {med([c['gpu_mib_awake'] for c in cs]):.0f} | "
+                     f"{med([c['gpu_mib_idle'] for c in cs]):.0f} | {'yes' if same else 'NO'} |")
+    lines.append("")
+    if link:
+        lines.append(f"- size / link bandwidth: {model_bytes / (link * 1e9) * 1e3:.1f} ms")
+    if ratio is not None:
+        lines.append(f"- asleep / awake GPU memory (residency, worst cycle after the first): {ratio * 100:.2f} %")
+    c0 = res[0]
+    lines.append(f"- residency, first cycle: first token after idle {c0['first_token_ms_after_idle']:.1f} ms, "
+                 f"GPU MiB at the idle sample {c0['gpu_mib_idle']}")
+    sleeps = [(m, t) for k, m, t in tr if k == "sleep"]
+    wakes = [(m, t) for k, m, t in tr if k == "wake"]
+    gbps = lambda m, t: m * 2**20 / (t / 1e3) / 1e9  # noqa: E731
+    if sleeps:
+        lines.append(f"- first sleep (pins the backup): {sleeps[0][0]:.0f} MiB in {sleeps[0][1]:.1f} ms = "
+                     f"{gbps(*sleeps[0]):.1f} GB/s (the manager's log line)")
+    if len(sleeps) > 1:
+        later = [gbps(m, t) for m, t in sleeps[1:]]
+        lines.append(f"- later sleeps: median {statistics.median(later):.1f} GB/s ({min(later):.1f}-{max(later):.1f}), "
+                     f"{len(later)} of them")
+    if wakes:
+        w = [gbps(m, t) for m, t in wakes]
+        lines.append(f"- wakes: median {statistics.median(w):.1f} GB/s ({min(w):.1f}-{max(w):.1f}), {len(w)} of them"
+                     + (f"; {statistics.median(w) / link:.3f} of the link" if link else ""))
+    lines.append("")
+    for c, ok in checks:
+        lines.append(f"- {'PASS' if ok else 'FAIL'}: {c}")
+    text = "\n".join(lines) + "\n"
+    with open(os.path.join(out_dir, "llama-cuda-sleep.json"), "w") as f:
+        json.dump(results, f, indent=1)
+    with open(os.path.join(out_dir, "llama-cuda-sleep.md"), "w") as f:
+        f.write(text)
+    print(text)
+    return 0 if all(ok for _, ok in checks) else 1
+
+
 def main():
+    if len(sys.argv) == 3 and sys.argv[1] == "--report":  # again, from a run's directory
+        with open(os.path.join(sys.argv[2], "llama-cuda-sleep.json")) as f:
+            return report(json.load(f), sys.argv[2])
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--serve-loop", required=True)
     ap.add_argument("--preload", required=True)
@@ -175,54 +277,7 @@ def main():
                        args.out),
             run_config("reload", args, {}, args.out, reload=True)]
     results["runs"] = runs
-
-    ref = runs[0]["cycles"][0]["tokens"]
-    checks = []
-    for r in runs:
-        same = all(c["tokens"] == ref for c in r["cycles"])
-        checks.append((f"{r['name']}: tokens of every cycle equal the resident run's first cycle", same))
-        checks.append((f"{r['name']}: exit status 0", r["exit"] == 0))
-    res = runs[1]["cycles"]
-    awake = [c["gpu_mib_awake"] for c in res if c["gpu_mib_awake"] is not None]
-    idle = [c["gpu_mib_idle"] for c in res if c["gpu_mib_idle"] is not None]
-    ratio = (max(idle) / statistics.median(awake)) if awake and idle else None
-    results["asleep_over_awake"] = ratio
-    checks.append(("residency: GPU memory while asleep <= 5 % of awake (nvidia-smi)", ratio is not None and ratio <= 0.05))
-    results["checks"] = [{"check": c, "ok": ok} for c, ok in checks]
-
-    with open(os.path.join(args.out, "llama-cuda-sleep.json"), "w") as f:
-        json.dump(results, f, indent=1)
-
-    def med(xs):
-        xs = [x for x in xs if x is not None]
-        return statistics.median(xs) if xs else float("nan")
-
-    lines = [f"model {model_bytes / 2**30:.2f} GiB, idle {args.pause} s per cycle, keep-alive {args.keep_alive}",
-             f"link (PyTorch pinned H2D, 4 GiB): {results['link_h2d_gbps']:.1f} GB/s" if results["link_h2d_gbps"] else
-             "link: not measured", "",
-             "| configuration | cycles | first token after idle, median (min-max) ms | first token busy, median ms | "
-             "GPU MiB awake | GPU MiB idle | tokens identical |",
-             "|---|---:|---|---:|---:|---:|---|"]
-    for r in runs:
-        cs = r["cycles"]
-        after = [c["first_token_ms_after_idle"] for c in cs]
-        same = all(c["tokens"] == ref for c in cs)
-        lines.append(f"| {r['name']} | {len(cs)} | {med(after):.1f} ({min(after):.1f}-{max(after):.1f}) | "
-                     f"{med([c['first_token_ms_busy'] for c in cs]):.1f} | {med([c['gpu_mib_awake'] for c in cs]):.0f} | "
-                     f"{med([c['gpu_mib_idle'] for c in cs]):.0f} | {'yes' if same else 'NO'} |")
-    if results["link_h2d_gbps"]:
-        lines.append("")
-        lines.append(f"size / link bandwidth: {model_bytes / (results['link_h2d_gbps'] * 1e9) * 1e3:.1f} ms")
-    if ratio is not None:
-        lines.append(f"asleep / awake GPU memory (residency, worst cycle): {ratio * 100:.2f} %")
-    lines.append("")
-    for c, ok in checks:
-        lines.append(f"- {'PASS' if ok else 'FAIL'}: {c}")
-    text = "\n".join(lines) + "\n"
-    with open(os.path.join(args.out, "llama-cuda-sleep.md"), "w") as f:
-        f.write(text)
-    print(text)
-    return 0 if all(ok for _, ok in checks) else 1
+    return report(results, args.out)
 
 
 if __name__ == "__main__":

@@ -97,6 +97,11 @@ Manager* device_manager(int dev) noexcept {
     options.config.notes.clear();  // the host session logs them
     options.backend = *backend;
     options.clock = up->clock;
+    // Its lines say which device they are about (the host session's have no prefix).
+    const LogLevel level = up->config.log_level;
+    options.log = [prefix = name + ": ", level](LogLevel l, std::string_view message) {
+      if (l <= level) log_to_stderr(l, prefix + std::string(message));
+    };
     auto manager = Manager::create(std::move(options));
     if (!manager) {
       warn("CUDA device " + std::to_string(dev) + ": " + manager.message() + kWithout);
