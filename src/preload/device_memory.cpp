@@ -1,6 +1,7 @@
 #include "device_memory.hpp"
 
 #include <atomic>
+#include <cstdlib>
 #include <cstring>
 #include <mutex>
 #include <optional>
@@ -10,6 +11,9 @@
 #include "preload_session.hpp"
 #include "residency/backends.hpp"
 #include "residency/residency.hpp"
+#if RESIDENCY_PRELOAD_CUDA
+#include "residency/backends/cuda.hpp"
+#endif
 
 namespace residency::preload {
 
@@ -69,6 +73,21 @@ CudaGetDeviceFn next_cuda_get_device() noexcept {
   return resolve_next(cache, done, "cudaGetDevice");
 }
 
+#if RESIDENCY_PRELOAD_CUDA
+// RESIDENCY_CUDA_BACKUP: when the pinned host backup of the weights is made (see
+// CudaBackendOptions::Backup): "at-first-sleep" (the default) or "after-allocation".
+CudaBackendOptions::Backup backup_mode() noexcept {
+  const char* v = std::getenv("RESIDENCY_CUDA_BACKUP");
+  if (v == nullptr || std::strcmp(v, "at-first-sleep") == 0) return CudaBackendOptions::Backup::at_first_sleep;
+  if (std::strcmp(v, "after-allocation") == 0) return CudaBackendOptions::Backup::after_allocation;
+  static std::atomic<bool> warned{false};
+  if (!warned.exchange(true))
+    warn("RESIDENCY_CUDA_BACKUP: '" + std::string(v).substr(0, 64) +
+         "' is not accepted (accepted: at-first-sleep, after-allocation); using at-first-sleep");
+  return CudaBackendOptions::Backup::at_first_sleep;
+}
+#endif
+
 // With g_mu held: the manager of device `dev`, started on first use; null: pass through.
 Manager* device_manager(int dev) noexcept {
   Device& d = g_devices[dev];
@@ -80,7 +99,14 @@ Manager* device_manager(int dev) noexcept {
     if (up == nullptr) return nullptr;
     if (up->kind == KeepAlive::Kind::off) return nullptr;  // residency off: nothing to manage
     const std::string name = "cuda:" + std::to_string(dev);
-    auto backend = make_backend(name);
+#if RESIDENCY_PRELOAD_CUDA
+    CudaBackendOptions co;
+    co.device = dev;
+    co.backup = backup_mode();
+    auto backend = make_cuda_backend(co);
+#else
+    auto backend = make_backend(name);  // an error naming the backends this build has
+#endif
     if (!backend) {
       warn("CUDA device " + std::to_string(dev) + ": " + backend.message() + kWithout);
       return nullptr;
@@ -117,6 +143,7 @@ Manager* device_manager(int dev) noexcept {
     return nullptr;  // out of memory while starting: this device passes through
   }
 }
+
 
 template <class F>
 void for_each_manager(F&& f) noexcept {

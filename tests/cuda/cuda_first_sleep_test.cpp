@@ -185,5 +185,53 @@ TEST_F(CudaTest, PrepareBackupPinsWithoutCopyingAndTheFirstSleepCopiesLaterWrite
   backend_->deallocate(kv);
 }
 
+// Backup::after_allocation: a background thread pins the backup right after allocate(), without
+// blocking the backend; the first sleep then only copies, and the contents written after the
+// pinning survive it. Freeing an allocation while its backup is pinned in the background leaves
+// nothing behind (the host memory comes back).
+TEST_F(CudaTest, BackgroundBackupIsPinnedAfterAllocationAndTheFirstSleepOnlyCopies) {
+  CudaBackendOptions o;
+  o.backup = CudaBackendOptions::Backup::after_allocation;
+  auto made = CudaBackend::create(o);
+  ASSERT_TRUE(made) << made.message();
+  CudaBackend& b = *made.value();
+  const auto host0 = host_memory();
+  void* p = allocate_filled(b, kSize, RegionClass::weights, 41);
+  ASSERT_NE(p, nullptr);
+  void* kv = allocate_filled(b, kGiB, RegionClass::kv_cache, 42);
+  ASSERT_NE(kv, nullptr);
+  ASSERT_TRUE(b.wait_background_backups(60'000)) << "the background pinning did not finish in 60 s";
+  EXPECT_EQ(b.background_backups(), 1u);
+  EXPECT_EQ(b.background_backup_failures(), 0u);
+  EXPECT_NE(b.host_backup(p), nullptr) << "pinned before any sleep";
+  EXPECT_EQ(b.host_backup_bytes(p), page_rounded(kSize));
+  EXPECT_EQ(b.host_backup(kv), nullptr) << "kv_cache sleeps without a backup";
+
+  ASSERT_TRUE(kernels_->fill(dptr(p), kSize, 43));  // written after the pinning
+  sync();
+  resident_set(b, 0, device_region(5, p, kSize, RegionClass::weights));
+  const auto t0 = std::chrono::steady_clock::now();
+  ASSERT_TRUE(b.end_residency(0));
+  const double first = seconds_since(t0);
+  std::printf("first sleep of %.2f GiB with a background backup: %.3f s (%.1f GB/s)\n",
+              static_cast<double>(kSize) / kGiB, first, static_cast<double>(kSize) / first / 1e9);
+  EXPECT_FALSE(b.is_resident(p));
+  ASSERT_TRUE(b.request_residency(0).ok());
+  EXPECT_EQ(mismatches(p, kSize, 43), 0u);
+  EXPECT_TRUE(b.destroy_set(0));
+  b.deallocate(p);
+  b.deallocate(kv);
+
+  // Freed while the background thread may still be pinning it: nothing stays pinned.
+  void* q = allocate_filled(b, kSize, RegionClass::weights, 44);
+  ASSERT_NE(q, nullptr);
+  b.deallocate(q);
+  ASSERT_TRUE(b.wait_background_backups(60'000));
+  const auto host1 = host_memory();
+  if (host0 && host1) {
+    EXPECT_LT(host0->available - std::min(host0->available, host1->available), kSlack);
+  }
+}
+
 }  // namespace
 }  // namespace residency::cuda::testing

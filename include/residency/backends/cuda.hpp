@@ -42,6 +42,13 @@ struct CudaBackendOptions {
   std::size_t chunk_bytes = std::size_t{256} << 20;
   // Streams the chunks are spread over, round robin (1 to 16).
   int streams = 4;
+  // When a weights allocation's pinned host backup is made. `at_first_sleep`: its first sleep
+  // pins it while it copies (host memory is taken only by what sleeps). `after_allocation`: a
+  // background thread pins it right after allocate(), so that even the first sleep only copies
+  // (at the link's rate), at the price of host memory the size of the weights from the start; a
+  // sleep that comes before the background pinning is done pins on its own, as at_first_sleep.
+  enum class Backup { at_first_sleep, after_allocation };
+  Backup backup = Backup::at_first_sleep;
 };
 
 // Errors: no driver (libcuda.so.1 missing), driver older than CUDA 12.0, no such device,

@@ -151,7 +151,8 @@ CudaBackend::CudaBackend(const Driver* d, CUdevice dev, CUcontext ctx, const Cud
       granularity_(granularity),
       chunk_(round_up(o.chunk_bytes, granularity)),
       stream_count_(o.streams),
-      backup_threads_(default_backup_threads()) {}
+      backup_threads_(default_backup_threads()),
+      backup_mode_(o.backup) {}
 
 Status CudaBackend::init_streams() {
   ContextScope scope(*d_, ctx_);
@@ -166,6 +167,13 @@ Status CudaBackend::init_streams() {
 }
 
 CudaBackend::~CudaBackend() {
+  {
+    std::lock_guard<std::mutex> bg(bg_mu_);
+    bg_stop_ = true;
+    bg_queue_.clear();
+  }
+  bg_cv_.notify_all();
+  if (bg_thread_.joinable()) bg_thread_.join();  // finishes the pinning in progress, if any
   std::lock_guard<std::mutex> lock(mu_);
   {
     ContextScope scope(*d_, ctx_);
@@ -245,9 +253,71 @@ Result<void*> CudaBackend::allocate(std::size_t size, RegionClass cls) {
                                  "): " + st.message());
   }
   const CUdeviceptr va = a.va;
+  a.serial = next_serial_++;
+  const std::uint64_t serial = a.serial;
   allocated_bytes_ += a.reserved;
   allocations_.emplace(va, std::move(a));
+  if (backup_mode_ == CudaBackendOptions::Backup::after_allocation && cls == RegionClass::weights) {
+    try {
+      {
+        std::lock_guard<std::mutex> bg(bg_mu_);
+        bg_queue_.emplace_back(va, serial);
+      }
+      if (!bg_thread_.joinable()) bg_thread_ = std::thread([this] { background_loop(); });
+      bg_cv_.notify_all();
+    } catch (...) {
+      // No thread or no memory for the queue: the first sleep pins the backup, as by default.
+    }
+  }
   return reinterpret_cast<void*>(static_cast<std::uintptr_t>(va));
+}
+
+void CudaBackend::background_loop() {
+  ContextScope scope(*d_, ctx_);
+  for (;;) {
+    std::pair<CUdeviceptr, std::uint64_t> job;
+    {
+      std::unique_lock<std::mutex> bg(bg_mu_);
+      bg_busy_ = false;
+      bg_cv_.notify_all();  // wait_background_backups
+      bg_cv_.wait(bg, [this] { return bg_stop_ || !bg_queue_.empty(); });
+      if (bg_stop_) return;
+      job = bg_queue_.front();
+      bg_queue_.pop_front();
+      bg_busy_ = true;
+    }
+    DeviceAllocation tmp;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto it = allocations_.find(job.first);
+      if (it == allocations_.end() || it->second.serial != job.second || it->second.backup != nullptr) continue;
+      tmp.va = it->second.va;
+      tmp.size = it->second.size;
+    }
+    // Pinning reads only tmp and the backend's constant settings: the engine's calls and the
+    // manager's go on meanwhile.
+    const Status st = scope.ok() ? pin_backup(tmp, /*copy=*/false)
+                                 : Status(ErrorCode::backend_error, "cuda: no context on the background thread");
+    if (!st) {
+      bg_failed_.fetch_add(1);
+      continue;
+    }
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = allocations_.find(job.first);
+    if (it != allocations_.end() && it->second.serial == job.second && it->second.backup == nullptr) {
+      it->second.backup = tmp.backup;
+      it->second.backup_mapped = tmp.backup_mapped;
+      bg_done_.fetch_add(1);
+    } else {
+      free_backup(tmp);  // freed meanwhile, or its first sleep pinned one of its own
+    }
+  }
+}
+
+bool CudaBackend::wait_background_backups(int timeout_ms) {
+  std::unique_lock<std::mutex> bg(bg_mu_);
+  return bg_cv_.wait_for(bg, std::chrono::milliseconds(timeout_ms),
+                         [this] { return bg_stop_ || (bg_queue_.empty() && !bg_busy_); });
 }
 
 void CudaBackend::deallocate(void* base) {
@@ -464,7 +534,7 @@ Status CudaBackend::pin_backup(DeviceAllocation& a, bool copy) {
         return;
       }
       if (left[sl.chunk].fetch_sub(1) != 1) continue;
-      if (pipeline_ == BackupPipeline::registrar) {
+      if (pipeline_.load(std::memory_order_relaxed) == BackupPipeline::registrar) {
         std::lock_guard<std::mutex> lock(m);
         state[sl.chunk] = kFaulted;  // the copying thread registers it
         cv.notify_all();
@@ -486,7 +556,7 @@ Status CudaBackend::pin_backup(DeviceAllocation& a, bool copy) {
     }
   };
 
-  const std::size_t thread_count = std::min<std::size_t>(static_cast<std::size_t>(backup_threads_), slices.size());
+  const std::size_t thread_count = std::min<std::size_t>(static_cast<std::size_t>(backup_threads_.load()), slices.size());
   std::vector<std::thread> threads;
   threads.reserve(thread_count);
   for (std::size_t i = 0; i < thread_count; ++i) {

@@ -26,8 +26,12 @@
 
 #include <cuda.h>
 
+#include <atomic>
+#include <condition_variable>
 #include <cstdint>
+#include <deque>
 #include <map>
+#include <thread>
 #include <memory>
 #include <mutex>
 #include <unordered_map>
@@ -75,6 +79,13 @@ class CudaBackend final : public Backend {
   // only copies): for engines that would rather pay the pinning at load time. No-op for other
   // classes and where a backup exists. On failure nothing is kept.
   Status prepare_backup(const void* base);
+  // With CudaBackendOptions::Backup::after_allocation: waits until the background thread has
+  // pinned the backups of every allocation made so far (true), or `timeout_ms` passed (false).
+  bool wait_background_backups(int timeout_ms);
+  // Backups the background thread pinned, and background pinnings that failed (the first sleep
+  // of that allocation then pins its own).
+  std::uint64_t background_backups() const { return bg_done_.load(); }
+  std::uint64_t background_backup_failures() const { return bg_failed_.load(); }
   // Host threads that fault in and register a backup (default: half the hardware threads, at
   // most 16; clamped to 1..64).
   void set_backup_threads(int threads);
@@ -116,6 +127,7 @@ class CudaBackend final : public Backend {
     char* backup = nullptr;
     std::size_t backup_mapped = 0;
     bool backup_valid = false;
+    std::uint64_t serial = 0;  // tells a freed allocation from a later one at the same address
   };
   struct HostRange {
     void* base = nullptr;
@@ -156,8 +168,23 @@ class CudaBackend final : public Backend {
   std::size_t granularity_;
   std::size_t chunk_;
   int stream_count_;
-  int backup_threads_;
-  BackupPipeline pipeline_ = BackupPipeline::workers;
+  std::atomic<int> backup_threads_;  // read by the background thread without mu_
+  std::atomic<BackupPipeline> pipeline_{BackupPipeline::workers};
+  const CudaBackendOptions::Backup backup_mode_;
+  std::uint64_t next_serial_ = 1;
+
+  // Background pinning (Backup::after_allocation): one thread, started at the first weights
+  // allocation, takes (address, serial) pairs in order and pins each one's backup without mu_,
+  // then attaches it if the allocation still exists and has none.
+  void background_loop();
+  std::mutex bg_mu_;
+  std::condition_variable bg_cv_;
+  std::deque<std::pair<CUdeviceptr, std::uint64_t>> bg_queue_;  // under bg_mu_
+  bool bg_busy_ = false;                                        // under bg_mu_
+  bool bg_stop_ = false;                                        // under bg_mu_
+  std::thread bg_thread_;                                       // started under mu_
+  std::atomic<std::uint64_t> bg_done_{0};
+  std::atomic<std::uint64_t> bg_failed_{0};
   std::vector<CUstream> streams_;
 
   mutable std::mutex mu_;  // the manager serialises calls already; this covers direct users
