@@ -94,7 +94,7 @@ def run_config(name, args, env_extra, out_dir, reload=False):
     loop = Loop(args, env_extra, os.path.join(out_dir, f"serve_loop-{name}.log"))
     pid = loop.p.pid
     cycles = []
-    n = args.cycles if name == "residency" else args.baseline_cycles
+    n = args.cycles if name.startswith("residency") else args.baseline_cycles
     for c in range(n):
         loop.ask("reset")
         first_a, tokens_a = loop.gen(4)
@@ -179,24 +179,47 @@ def report(results, out_dir):
         same = all(c["tokens"] == ref for c in r["cycles"])
         checks.append((f"{r['name']}: tokens of every cycle equal the resident run's first cycle", same))
         checks.append((f"{r['name']}: exit status 0", r["exit"] == 0))
-    res = runs[1]["cycles"]
-    # The first cycle's idle sample may come while the first sleep (which pins the backup) still
-    # runs; it is reported on its own, and the check is on the cycles after it.
-    awake = [c["gpu_mib_awake"] for c in res if c["gpu_mib_awake"] is not None]
-    idle = [c["gpu_mib_idle"] for c in res[1:] if c["gpu_mib_idle"] is not None]
-    ratio = (max(idle) / statistics.median(awake)) if awake and idle else None
-    results["asleep_over_awake"] = ratio
-    checks.append(("residency: GPU memory while asleep <= 5 % of awake (nvidia-smi, cycles after the first)",
-                   ratio is not None and ratio <= 0.05))
+    gbps = lambda m, t: m * 2**20 / (t / 1e3) / 1e9  # noqa: E731
+    link = results.get("link_h2d_gbps")
+    notes = []
+    for r in runs:
+        if not r["name"].startswith("residency"):
+            continue
+        name, res = r["name"], r["cycles"]
+        # The first cycle's idle sample may come while the first sleep (which pins the backup)
+        # still runs; it is reported on its own, and the check is on the cycles after it.
+        awake = [c["gpu_mib_awake"] for c in res if c["gpu_mib_awake"] is not None]
+        idle = [c["gpu_mib_idle"] for c in res[1:] if c["gpu_mib_idle"] is not None]
+        ratio = (max(idle) / statistics.median(awake)) if awake and idle else None
+        r["asleep_over_awake"] = ratio
+        checks.append((f"{name}: GPU memory while asleep <= 5 % of awake (nvidia-smi, cycles after the first)",
+                       ratio is not None and ratio <= 0.05))
+        tr = device_transitions(os.path.join(out_dir, f"serve_loop-{name}.log"), model_bytes)
+        r["device_transitions"] = [{"kind": k, "mib": m, "ms": t} for k, m, t in tr]
+        if ratio is not None:
+            notes.append(f"- {name}: asleep / awake GPU memory (worst cycle after the first): {ratio * 100:.2f} %")
+        c0 = res[0]
+        notes.append(f"- {name}, first cycle: first token after idle {c0['first_token_ms_after_idle']:.1f} ms, "
+                     f"GPU MiB at the idle sample {c0['gpu_mib_idle']}")
+        sleeps = [(m, t) for k, m, t in tr if k == "sleep"]
+        wakes = [(m, t) for k, m, t in tr if k == "wake"]
+        if sleeps:
+            notes.append(f"- {name}, first sleep: {sleeps[0][0]:.0f} MiB in {sleeps[0][1]:.1f} ms = "
+                         f"{gbps(*sleeps[0]):.1f} GB/s (the manager's log line)")
+        if len(sleeps) > 1:
+            later = [gbps(m, t) for m, t in sleeps[1:]]
+            notes.append(f"- {name}, later sleeps: median {statistics.median(later):.1f} GB/s "
+                         f"({min(later):.1f}-{max(later):.1f}), {len(later)} of them")
+        if wakes:
+            w = [gbps(m, t) for m, t in wakes]
+            notes.append(f"- {name}, wakes: median {statistics.median(w):.1f} GB/s ({min(w):.1f}-{max(w):.1f}), "
+                         f"{len(w)} of them" + (f"; {statistics.median(w) / link:.3f} of the link" if link else ""))
     results["checks"] = [{"check": c, "ok": ok} for c, ok in checks]
-    tr = device_transitions(os.path.join(out_dir, "serve_loop-residency.log"), model_bytes)
-    results["device_transitions"] = [{"kind": k, "mib": m, "ms": t} for k, m, t in tr]
 
     def med(xs):
         xs = [x for x in xs if x is not None]
         return statistics.median(xs) if xs else float("nan")
 
-    link = results.get("link_h2d_gbps")
     lines = [f"model {model_bytes / 2**30:.2f} GiB, idle {results['pause_s']} s per cycle, keep-alive {results['keep_alive']}",
              f"link (PyTorch pinned H2D, 4 GiB): {link:.1f} GB/s" if link else "link: not measured", "",
              "| configuration | cycles | first token after idle, median (min-max) ms | first token busy, median ms | "
@@ -212,25 +235,7 @@ def report(results, out_dir):
     lines.append("")
     if link:
         lines.append(f"- size / link bandwidth: {model_bytes / (link * 1e9) * 1e3:.1f} ms")
-    if ratio is not None:
-        lines.append(f"- asleep / awake GPU memory (residency, worst cycle after the first): {ratio * 100:.2f} %")
-    c0 = res[0]
-    lines.append(f"- residency, first cycle: first token after idle {c0['first_token_ms_after_idle']:.1f} ms, "
-                 f"GPU MiB at the idle sample {c0['gpu_mib_idle']}")
-    sleeps = [(m, t) for k, m, t in tr if k == "sleep"]
-    wakes = [(m, t) for k, m, t in tr if k == "wake"]
-    gbps = lambda m, t: m * 2**20 / (t / 1e3) / 1e9  # noqa: E731
-    if sleeps:
-        lines.append(f"- first sleep (pins the backup): {sleeps[0][0]:.0f} MiB in {sleeps[0][1]:.1f} ms = "
-                     f"{gbps(*sleeps[0]):.1f} GB/s (the manager's log line)")
-    if len(sleeps) > 1:
-        later = [gbps(m, t) for m, t in sleeps[1:]]
-        lines.append(f"- later sleeps: median {statistics.median(later):.1f} GB/s ({min(later):.1f}-{max(later):.1f}), "
-                     f"{len(later)} of them")
-    if wakes:
-        w = [gbps(m, t) for m, t in wakes]
-        lines.append(f"- wakes: median {statistics.median(w):.1f} GB/s ({min(w):.1f}-{max(w):.1f}), {len(w)} of them"
-                     + (f"; {statistics.median(w) / link:.3f} of the link" if link else ""))
+    lines.extend(notes)
     lines.append("")
     for c, ok in checks:
         lines.append(f"- {'PASS' if ok else 'FAIL'}: {c}")
@@ -257,6 +262,8 @@ def main():
     ap.add_argument("--pause", type=float, default=2.0, help="idle seconds per cycle")
     ap.add_argument("--keep-alive", default="500ms")
     ap.add_argument("--sample-before-end", type=float, default=0.3)
+    ap.add_argument("--also-background-backup", action="store_true",
+                    help="a fourth run: residency with RESIDENCY_CUDA_BACKUP=after-allocation")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     for p in (args.serve_loop, args.preload, args.model):
@@ -276,6 +283,9 @@ def main():
             run_config("residency", args, {"LD_PRELOAD": args.preload, "RESIDENCY_KEEP_ALIVE": args.keep_alive},
                        args.out),
             run_config("reload", args, {}, args.out, reload=True)]
+    if args.also_background_backup:
+        runs.append(run_config("residency-bg", args, {"LD_PRELOAD": args.preload, "RESIDENCY_KEEP_ALIVE": args.keep_alive,
+                                                      "RESIDENCY_CUDA_BACKUP": "after-allocation"}, args.out))
     results["runs"] = runs
     return report(results, args.out)
 
