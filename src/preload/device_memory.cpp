@@ -74,17 +74,42 @@ CudaGetDeviceFn next_cuda_get_device() noexcept {
 }
 
 #if RESIDENCY_PRELOAD_CUDA
+// A user's value in a message: control characters as \xNN, at most 64 characters.
+std::string escape_for_log(const char* v) {
+  std::string out;
+  for (const char* p = v; *p != 0 && out.size() < 64; ++p) {
+    const auto c = static_cast<unsigned char>(*p);
+    if (c < 0x20 || c == 0x7f) {
+      static const char* hex = "0123456789abcdef";
+      out += "\\x";
+      out += hex[c >> 4];
+      out += hex[c & 15];
+    } else {
+      out += static_cast<char>(c);
+    }
+  }
+  return out;
+}
+
 // RESIDENCY_CUDA_BACKUP: when the pinned host backup of the weights is made (see
-// CudaBackendOptions::Backup): "at-first-sleep" (the default) or "after-allocation".
-CudaBackendOptions::Backup backup_mode() noexcept {
+// CudaBackendOptions::Backup): "after-allocation" or "at-first-sleep". Default: after-allocation
+// when the keep-alive will put the GPU to sleep (a duration or 0), so that the first sleep only
+// copies and a request that comes during it waits a copy's time, not a pinning's (on the H200 the
+// first sleep pinning as it copied ran at 4.3-25.7 GB/s, one pinned beforehand at 54 GB/s); the
+// host memory it takes is what the first sleep would take anyway. Under forever nothing sleeps:
+// no backup is made before a sleep.
+CudaBackendOptions::Backup backup_mode(KeepAlive::Kind kind) noexcept {
+  using B = CudaBackendOptions::Backup;
+  const B fallback = kind == KeepAlive::Kind::forever ? B::at_first_sleep : B::after_allocation;
   const char* v = std::getenv("RESIDENCY_CUDA_BACKUP");
-  if (v == nullptr || std::strcmp(v, "at-first-sleep") == 0) return CudaBackendOptions::Backup::at_first_sleep;
-  if (std::strcmp(v, "after-allocation") == 0) return CudaBackendOptions::Backup::after_allocation;
+  if (v == nullptr) return fallback;
+  if (std::strcmp(v, "at-first-sleep") == 0) return B::at_first_sleep;
+  if (std::strcmp(v, "after-allocation") == 0) return B::after_allocation;
   static std::atomic<bool> warned{false};
   if (!warned.exchange(true))
-    warn("RESIDENCY_CUDA_BACKUP: '" + std::string(v).substr(0, 64) +
-         "' is not accepted (accepted: at-first-sleep, after-allocation); using at-first-sleep");
-  return CudaBackendOptions::Backup::at_first_sleep;
+    warn("RESIDENCY_CUDA_BACKUP: '" + escape_for_log(v) + "' is not accepted (accepted: after-allocation, at-first-sleep); using " +
+         (fallback == B::after_allocation ? "after-allocation" : "at-first-sleep"));
+  return fallback;
 }
 #endif
 
@@ -102,7 +127,7 @@ Manager* device_manager(int dev) noexcept {
 #if RESIDENCY_PRELOAD_CUDA
     CudaBackendOptions co;
     co.device = dev;
-    co.backup = backup_mode();
+    co.backup = backup_mode(up->kind);
     auto backend = make_cuda_backend(co);
 #else
     auto backend = make_backend(name);  // an error naming the backends this build has
