@@ -18,30 +18,24 @@
 
 using residency::preload::Entry;
 
-// A ggml entry point that may read or write backend memory: device memory is woken first, then
-// the call goes to libggml's definition (none behind the preload: nothing to forward to, so
-// `fallback` is returned).
-#define RESIDENCY_GGML_ACCESS(ret, name, params, args, fallback)                          \
-  RESIDENCY_PRELOAD_EXPORT ret name params {                                              \
-    using Fn = ret(*) params;                                                             \
-    static std::atomic<Fn> cache{nullptr};                                                \
-    static std::atomic<bool> done{false};                                                 \
-    const Fn next = residency::preload::resolve_next(cache, done, #name);                 \
-    if (next == nullptr) return fallback;                                                 \
-    residency::preload::device_access();                                                  \
-    return next args;                                                                     \
+// A ggml function, forwarded to libggml's definition after `before` (a statement) ran; with no
+// definition behind the preload there is nothing to forward to, and `fallback` is returned.
+#define RESIDENCY_GGML_HOOK(ret, name, params, args, fallback, before)   \
+  RESIDENCY_PRELOAD_EXPORT ret name params {                             \
+    using Fn = ret(*) params;                                            \
+    static std::atomic<Fn> cache{nullptr};                               \
+    static std::atomic<bool> done{false};                                \
+    const Fn next = residency::preload::resolve_next(cache, done, #name); \
+    if (next == nullptr) return fallback;                                \
+    before;                                                              \
+    return next args;                                                    \
   }
+// An entry point that may read or write backend memory: device memory is woken first.
+#define RESIDENCY_GGML_ACCESS(ret, name, params, args, fallback) \
+  RESIDENCY_GGML_HOOK(ret, name, params, args, fallback, residency::preload::device_access())
 // ggml's graph allocator: device memory it allocates holds the compute buffers (scratch).
-#define RESIDENCY_GGML_COMPUTE_ALLOC(ret, name, params, args, fallback)                   \
-  RESIDENCY_PRELOAD_EXPORT ret name params {                                              \
-    using Fn = ret(*) params;                                                             \
-    static std::atomic<Fn> cache{nullptr};                                                \
-    static std::atomic<bool> done{false};                                                 \
-    const Fn next = residency::preload::resolve_next(cache, done, #name);                 \
-    if (next == nullptr) return fallback;                                                 \
-    residency::preload::ComputeAllocationScope scope;                                     \
-    return next args;                                                                     \
-  }
+#define RESIDENCY_GGML_COMPUTE_ALLOC(ret, name, params, args, fallback) \
+  RESIDENCY_GGML_HOOK(ret, name, params, args, fallback, residency::preload::ComputeAllocationScope scope)
 
 extern "C" {
 
