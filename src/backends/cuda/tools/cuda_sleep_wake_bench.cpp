@@ -83,6 +83,7 @@ std::string json_list(const std::vector<double>& v) {
 
 struct SizeResult {
   std::uint64_t bytes = 0;
+  bool background_backup = false;
   std::size_t chunk = 0;
   int streams = 0;
   int pin_threads = 0;
@@ -117,6 +118,7 @@ struct Options {
   bool prepared = true;
   bool sweep = false;
   bool discard = true;
+  bool background_backup = false;  // --backup after-allocation
   std::string json;
 };
 
@@ -126,6 +128,7 @@ SizeResult measure(std::uint64_t bytes, const Options& o, bool with_discard, boo
   residency::CudaBackendOptions bo;
   if (o.chunk) bo.chunk_bytes = o.chunk;
   if (o.streams) bo.streams = o.streams;
+  if (o.background_backup) bo.backup = residency::CudaBackendOptions::Backup::after_allocation;
   auto made = CudaBackend::create(bo);
   if (!made) die(made.message());
   CudaBackend& b = **made;
@@ -141,6 +144,7 @@ SizeResult measure(std::uint64_t bytes, const Options& o, bool with_discard, boo
   res.chunk = b.chunk_bytes();
   res.streams = bo.streams;
   res.pin_threads = b.backup_threads();
+  res.background_backup = o.background_backup;
   res.pin_workers = b.backup_pipeline() == CudaBackend::BackupPipeline::workers;
 
   auto ok = [&](const residency::SetOutcome& out, const char* what) {
@@ -210,6 +214,15 @@ SizeResult measure(std::uint64_t bytes, const Options& o, bool with_discard, boo
     check(d, d.cuMemsetD8(plain, 0, bytes), "cuMemsetD8");
   }
 
+  if (o.background_backup) {
+    // The backup was being pinned in the background since the allocation (during the plain
+    // copies above); the first sleep is measured once it is done, as a server's would be.
+    t0 = Clock::now();
+    if (!b.wait_background_backups(600'000) || b.background_backup_failures() != 0)
+      die("the background backup did not finish");
+    std::printf("  %.0f GiB: waited %.3f s more for the background backup before the first sleep\n",
+                static_cast<double>(bytes) / (1ull << 30), seconds_since(t0));
+  }
   t0 = Clock::now();
   (void)b.end_residency(0);  // checked through last_release_status()
   res.first_sleep_s = seconds_since(t0);
@@ -307,12 +320,13 @@ std::string size_json(const SizeResult& r) {
   char head[1024];
   std::snprintf(head, sizeof head,
                 "{\"bytes\": %llu, \"chunk_bytes\": %zu, \"streams\": %d, \"pin_threads\": %d, "
-                "\"pin_pipeline\": \"%s\", \"first_sleep_s\": %.6f, \"first_sleep_GBps\": %.2f, \"backup_bytes\": %zu, "
+                "\"pin_pipeline\": \"%s\", \"backup\": \"%s\", \"first_sleep_s\": %.6f, \"first_sleep_GBps\": %.2f, \"backup_bytes\": %zu, "
                 "\"plain_pin_s\": %.6f, \"prepare_backup_s\": %.6f, \"prepared_first_sleep_s\": %.6f, "
                 "\"wake_GBps\": %.2f, \"plain_h2d_GBps\": %.2f, \"wake_ratio\": %.4f, "
                 "\"sleep_GBps\": %.2f, \"plain_d2h_GBps\": %.2f, \"sleep_ratio\": %.4f, ",
                 static_cast<unsigned long long>(r.bytes), r.chunk, r.streams, r.pin_threads,
-                r.pin_workers ? "workers" : "registrar", r.first_sleep_s,
+                r.pin_workers ? "workers" : "registrar", r.background_backup ? "after-allocation" : "at-first-sleep",
+                r.first_sleep_s,
                 gbps(r.bytes, r.first_sleep_s), r.backup_bytes, r.plain_pin_s, r.prepare_s, r.prepared_first_sleep_s,
                 r.wake_gbps(), r.h2d_gbps(), r.h2d_gbps() > 0 ? r.wake_gbps() / r.h2d_gbps() : 0, r.sleep_gbps(),
                 r.d2h_gbps(), r.d2h_gbps() > 0 ? r.sleep_gbps() / r.d2h_gbps() : 0);
@@ -341,6 +355,7 @@ void usage() {
       "                (registrar pipeline, N faulting threads) and w<N> (workers pipeline)\n"
       "  --pin-auto    measure the sizes with the fastest entry of --pin-sweep (said so in the output)\n"
       "  --no-prepared skip prepare_backup() + first sleep\n"
+      "  --backup M    at-first-sleep (default) or after-allocation (pinned by a background thread)\n"
       "  --sweep       also measure 4 GiB over chunk sizes 32..1024 MiB and 1, 2, 4 streams\n"
       "  --json FILE   write every measured time to FILE");
 }
@@ -393,6 +408,10 @@ int main(int argc, char** argv) {
         o.pin_auto = true;
       } else if (a == "--pin-size") {
         o.pin_sweep_gib = std::stod(next());
+      } else if (a == "--backup") {
+        const std::string v = next();
+        if (v == "after-allocation") o.background_backup = true;
+        else if (v != "at-first-sleep") die("--backup: '" + v + "' is not accepted (at-first-sleep, after-allocation)");
       } else if (a == "--no-prepared") {
         o.prepared = false;
       } else if (a == "--sweep") {
