@@ -14,9 +14,11 @@
 #endif
 
 #include <TargetConditionals.h>
+#include <objc/runtime.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <functional>
 #include <map>
 #include <mutex>
 #include <set>
@@ -24,6 +26,7 @@
 #include <utility>
 #include <vector>
 
+#include "backends/metal/pressure_source.hpp"
 #include "residency/backends/metal.hpp"
 #include "residency/config.hpp"
 #include "residency/view_planner.hpp"
@@ -83,6 +86,13 @@ constexpr Platform platform() {
 #endif
 }
 
+// An NS::Array (of the views an engine made of one mapping) rather than one MTL::Allocation:
+// arrays answer objectAtIndex:, allocations do not.
+bool is_array(const void* object) {
+  Class cls = object_getClass(static_cast<id>(const_cast<void*>(object)));
+  return cls != nullptr && class_respondsToSelector(cls, sel_registerName("objectAtIndex:"));
+}
+
 MetalSupport support_of(MTL::Device* device) {
   const Platform p = platform();
   if (!os_at_least(p.residency_sets_from)) {
@@ -95,6 +105,16 @@ MetalSupport support_of(MTL::Device* device) {
                        ") is not in the MTLGPUFamilyMetal3 family"};
   }
   return {true, ""};
+}
+
+// A shared-storage buffer over `length` bytes at `base` (page-aligned), without copying and
+// without owning them. The overload with a deallocator is newBufferWithBytesNoCopy; none: the
+// memory stays the caller's.
+MTL::Buffer* no_copy_buffer(MTL::Device* device, std::uintptr_t base, std::uint64_t length) {
+  using Deallocator = void (^)(void*, NS::UInteger);
+  const Deallocator keep_memory = nullptr;
+  return device->newBuffer(reinterpret_cast<const void*>(base), static_cast<NS::UInteger>(length),
+                           MTL::ResourceStorageModeShared, keep_memory);
 }
 
 }  // namespace
@@ -125,6 +145,14 @@ struct MetalBackend::Impl {
   std::mutex mu;  // guards everything below
   std::map<SetId, Set> sets;
   std::vector<NS::SharedPtr<MTL::CommandQueue>> queues;
+
+  // The pressure watch: one source, a watcher per manager. Lock order: watch_mu, then
+  // watchers_mu (held while the watchers run, on the source's queue); never `mu` with either.
+  std::mutex watch_mu;
+  metal::PressureSource pressure;
+  std::mutex watchers_mu;
+  std::map<PressureWatchId, std::function<void()>> watchers;
+  PressureWatchId next_watch_id = 1;
 
   // One tiny GPU operation: fill one byte of a private buffer and wait for it. Returns why it
   // failed, or "".
@@ -159,14 +187,8 @@ struct MetalBackend::Impl {
     const std::uint64_t size = (d.size + page - 1) / page * page;
     auto views = plan_views(size, max_view, page, {}, kMetalMaxViews);
     if (!views) return Status(views.status().code(), "metal: region " + std::to_string(d.id) + ": " + views.message());
-    // The overload with a deallocator is newBufferWithBytesNoCopy (the one without copies);
-    // none: the memory stays the engine's.
-    using Deallocator = void (^)(void*, NS::UInteger);
-    const Deallocator keep_memory = nullptr;
     for (const View& v : *views) {
-      MTL::Buffer* b = device->newBuffer(reinterpret_cast<const void*>(base + v.offset),
-                                         static_cast<NS::UInteger>(v.length),
-                                         MTL::ResourceStorageModeShared, keep_memory);
+      MTL::Buffer* b = no_copy_buffer(device.get(), base + v.offset, v.length);
       if (b == nullptr) {
         out.clear();
         return Status(ErrorCode::backend_error,
@@ -175,6 +197,23 @@ struct MetalBackend::Impl {
                           std::to_string(d.id));
       }
       out.push_back(NS::TransferPtr(static_cast<MTL::Allocation*>(b)));
+    }
+    return Status::ok();
+  }
+
+  // The allocations a region's backend object stands for: itself, or each element of an array.
+  static Status allocations_of(const RegionDesc& d, std::vector<NS::SharedPtr<MTL::Allocation>>& out) {
+    if (!is_array(d.backend_object)) {
+      out.push_back(NS::RetainPtr(static_cast<MTL::Allocation*>(d.backend_object)));
+      return Status::ok();
+    }
+    const auto* array = static_cast<const NS::Array*>(d.backend_object);
+    for (NS::UInteger i = 0; i < array->count(); ++i) {
+      out.push_back(NS::RetainPtr(array->object<MTL::Allocation>(i)));
+    }
+    if (out.empty()) {
+      return Status(ErrorCode::invalid_argument,
+                    "metal: region " + std::to_string(d.id) + " was registered with an empty NS::Array");
     }
     return Status::ok();
   }
@@ -205,6 +244,7 @@ struct MetalBackend::Impl {
 MetalBackend::MetalBackend(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 
 MetalBackend::~MetalBackend() {
+  impl_->pressure.stop();
   Pool pool;
   Impl& m = *impl_;
   std::lock_guard<std::mutex> lock(m.mu);
@@ -307,9 +347,9 @@ SetOutcome MetalBackend::commit(SetId set) {
   for (auto& [id, desc] : s.staged_add) {
     if (s.members.count(id) != 0) continue;
     Impl::Member member{desc, {}};
-    if (desc.backend_object != nullptr) {
-      member.allocations.push_back(NS::RetainPtr(static_cast<MTL::Allocation*>(desc.backend_object)));
-    } else if (Status st = m.wrap(desc, member.allocations); !st) {
+    const Status st = desc.backend_object != nullptr ? Impl::allocations_of(desc, member.allocations)
+                                                     : m.wrap(desc, member.allocations);
+    if (!st) {
       out.failed.push_back(id);
       if (out.status.is_ok()) out.status = st;
       continue;
@@ -355,8 +395,36 @@ Status MetalBackend::end_residency(SetId set) {
 void MetalBackend::after_release() {
   Pool pool;
   std::lock_guard<std::mutex> lock(impl_->mu);
-  if (impl_->gpu_work_done) return;
+  if (impl_->gpu_work_done || impl_->options.test_no_gpu_work) return;
   (void)impl_->blit();
+}
+
+Result<PressureWatchId> MetalBackend::watch_pressure(std::function<void()> on_pressure) {
+  Impl& m = *impl_;
+  std::lock_guard<std::mutex> lock(m.watch_mu);
+  if (!m.pressure.running()) {
+    Status st = m.pressure.start(m.options.pressure_repeat, [&m](metal::PressureLevel) {
+      std::lock_guard<std::mutex> g(m.watchers_mu);
+      for (auto& [id, cb] : m.watchers) cb();
+    });
+    if (!st) return Status(st.code(), "memory pressure cannot be watched: " + st.message());
+  }
+  std::lock_guard<std::mutex> g(m.watchers_mu);
+  const PressureWatchId id = m.next_watch_id++;
+  m.watchers.emplace(id, std::move(on_pressure));
+  return id;
+}
+
+void MetalBackend::stop_pressure_watch(PressureWatchId id) {
+  Impl& m = *impl_;
+  std::lock_guard<std::mutex> lock(m.watch_mu);
+  bool last = false;
+  {
+    std::lock_guard<std::mutex> g(m.watchers_mu);  // waits for a callback in flight
+    if (m.watchers.erase(id) == 0) return;
+    last = m.watchers.empty();
+  }
+  if (last) m.pressure.stop();
 }
 
 Status MetalBackend::add_command_queue(void* queue) {
@@ -411,18 +479,28 @@ Result<std::shared_ptr<MetalBackend>> make_metal_backend(MetalOptions options) {
   if (!support.available) {
     return Status(ErrorCode::unsupported, "use residency sets = false (" + support.reason + ")");
   }
+  if (options.pressure_repeat.count() <= 0) {
+    return Status(ErrorCode::invalid_argument, "metal: MetalOptions::pressure_repeat must be above 0");
+  }
   impl->refresh = options.needs_refresh.value_or(os_at_least(kDecayingRequestsFromMacOS) &&
                                                  platform().residency_sets_from == 15);
   impl->page = static_cast<std::uint64_t>(getpagesize());
   impl->max_view = impl->device->maxBufferLength() / impl->page * impl->page;
+  if (options.max_view_length != 0) {
+    impl->max_view = std::min<std::uint64_t>(impl->max_view, options.max_view_length / impl->page * impl->page);
+  }
   if (impl->page == 0 || impl->max_view == 0) {
-    return Status(ErrorCode::backend_error, "metal: the device reports a maxBufferLength (" +
-                                                std::to_string(impl->device->maxBufferLength()) +
-                                                ") shorter than one page");
+    return Status(ErrorCode::invalid_argument, "metal: the longest view (maxBufferLength " +
+                                                   std::to_string(impl->device->maxBufferLength()) +
+                                                   ", MetalOptions::max_view_length " +
+                                                   std::to_string(options.max_view_length) +
+                                                   ") is shorter than one page");
   }
   impl->options = std::move(options);
   // Run GPU work once now, so that residency ended later is given back (issue 25937).
-  if (std::string why = impl->blit(); !why.empty()) {
+  if (impl->options.test_no_gpu_work) {
+    // (test only: show the bug)
+  } else if (std::string why = impl->blit(); !why.empty()) {
     return Status(ErrorCode::backend_error,
                   "metal: the 1-byte blit at initialisation failed (" + why +
                       "); without GPU work in the process Metal would keep released memory wired");
@@ -434,6 +512,73 @@ Result<std::shared_ptr<Backend>> make_metal_backend() {
   auto m = make_metal_backend(MetalOptions{});
   if (!m) return m.status();
   return std::shared_ptr<Backend>(std::move(m.value()));
+}
+
+struct MetalHostViews::Impl {
+  std::vector<View> views;
+  std::vector<NS::SharedPtr<MTL::Buffer>> buffers;
+  NS::SharedPtr<NS::Array> array;
+};
+
+MetalHostViews::MetalHostViews(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+MetalHostViews::MetalHostViews(MetalHostViews&&) noexcept = default;
+MetalHostViews& MetalHostViews::operator=(MetalHostViews&&) noexcept = default;
+MetalHostViews::~MetalHostViews() {
+  if (!impl_) return;
+  Pool pool;
+  impl_.reset();
+}
+
+const std::vector<View>& MetalHostViews::views() const { return impl_->views; }
+void* MetalHostViews::buffer(std::size_t i) const { return i < impl_->buffers.size() ? impl_->buffers[i].get() : nullptr; }
+void* MetalHostViews::array() const { return impl_->array.get(); }
+
+Result<MetalHostViews> MetalHostViews::make(void* device, void* base, std::uint64_t size,
+                                            std::span<const Extent> tensors, std::uint64_t max_length) {
+  if (device == nullptr) return Status(ErrorCode::invalid_argument, "metal: MetalHostViews::make: device is null");
+  Pool pool;
+  auto* dev = static_cast<MTL::Device*>(device);
+  const auto page = static_cast<std::uint64_t>(getpagesize());
+  const auto addr = reinterpret_cast<std::uintptr_t>(base);
+  if (addr % page != 0) {
+    return Status(ErrorCode::invalid_argument, "metal: host views need page-aligned memory (" + std::to_string(page) +
+                                                   " bytes); mmap the file or use posix_memalign");
+  }
+  std::uint64_t max_view = dev->maxBufferLength() / page * page;
+  if (max_length != 0) max_view = std::min<std::uint64_t>(max_view, max_length / page * page);
+  const std::uint64_t rounded = (size + page - 1) / page * page;
+  auto planned = plan_views(rounded, max_view, page, tensors, kMetalMaxViews);
+  if (!planned) return Status(planned.status().code(), "metal: host views: " + planned.message());
+  auto impl = std::make_unique<Impl>();
+  impl->views = std::move(planned.value());
+  std::vector<const NS::Object*> objects;
+  for (const View& v : impl->views) {
+    MTL::Buffer* b = no_copy_buffer(dev, addr + v.offset, v.length);
+    if (b == nullptr) {
+      return Status(ErrorCode::backend_error, "metal: newBufferWithBytesNoCopy failed for " + format_size(v.length) +
+                                                  " at offset " + std::to_string(v.offset));
+    }
+    impl->buffers.push_back(NS::TransferPtr(b));
+    objects.push_back(b);
+  }
+  impl->array = NS::RetainPtr(NS::Array::array(objects.data(), static_cast<NS::UInteger>(objects.size())));
+  return MetalHostViews(std::move(impl));
+}
+
+MetalDeviceInfo read_metal_device_info(void* device) {
+  Pool pool;
+  NS::SharedPtr<MTL::Device> d = device != nullptr ? NS::RetainPtr(static_cast<MTL::Device*>(device))
+                                                   : NS::TransferPtr(MTL::CreateSystemDefaultDevice());
+  MetalDeviceInfo info;
+  info.residency_sets = support_of(d.get());
+  if (!d) return info;
+  info.found = true;
+  if (d->name() != nullptr) info.name = d->name()->utf8String();
+  info.recommended_working_set = d->recommendedMaxWorkingSetSize();
+  info.current_allocated = d->currentAllocatedSize();
+  info.max_buffer_length = d->maxBufferLength();
+  info.unified_memory = d->hasUnifiedMemory();
+  return info;
 }
 
 }  // namespace residency
