@@ -15,7 +15,9 @@
 #include "residency/backends.hpp"
 #include "residency/config.hpp"
 
-#if defined(__unix__) || defined(__APPLE__)
+#if RESIDENCY_TOOL_HAVE_METAL  // macOS with the metal backend: stat_apple.cpp
+#include "stat_apple.hpp"
+#elif defined(__unix__) || defined(__APPLE__)
 #define RESIDENCY_STAT_POSIX 1
 #include "residency/backends/posix.hpp"
 #endif
@@ -56,7 +58,13 @@ nlohmann::json backends_json(const BackendsHere& b) {
   return na;
 }
 
-#if RESIDENCY_STAT_POSIX
+#if RESIDENCY_TOOL_HAVE_METAL
+int run_stat(bool json) {
+  const BackendsHere here = backends_here();
+  return run_stat_apple(json, backends_text(here),
+                        {{"backends", here.working}, {"backends_not_here", backends_json(here)}});
+}
+#elif RESIDENCY_STAT_POSIX
 using Row = std::pair<std::string, std::string>;
 
 std::string size_or_unknown(const std::optional<std::uint64_t>& v) {
