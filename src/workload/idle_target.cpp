@@ -10,6 +10,9 @@
 #if RESIDENCY_IDLE_HAVE_CUDA
 #include "workload/cuda/idle_cuda.hpp"
 #endif
+#if RESIDENCY_IDLE_HAVE_METAL
+#include "workload/metal/idle_metal.hpp"
+#endif
 
 namespace residency::workload {
 
@@ -19,6 +22,9 @@ std::vector<std::string> idle_backends() {
   std::vector<std::string> names{"posix"};
 #if RESIDENCY_IDLE_HAVE_CUDA
   names.emplace_back("cuda");
+#endif
+#if RESIDENCY_IDLE_HAVE_METAL
+  names.emplace_back("metal");
 #endif
 #if RESIDENCY_IDLE_HAVE_SIM
   names.emplace_back("sim");
@@ -33,6 +39,9 @@ Result<std::unique_ptr<IdleTarget>> make_idle_target(std::string_view backend, c
 #endif
 #if RESIDENCY_IDLE_HAVE_CUDA
   if (backend == "cuda") return make_cuda_idle_target(options);
+#endif
+#if RESIDENCY_IDLE_HAVE_METAL
+  if (backend == "metal") return make_metal_idle_target(options);
 #endif
   std::string accepted;
   for (const auto& n : idle_backends()) accepted += (accepted.empty() ? "" : ", ") + n;
