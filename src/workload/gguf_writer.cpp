@@ -224,7 +224,11 @@ Status write_gguf_file(const std::string& path, const GgufLayout& layout, const 
     return st;
   };
   // Reserve the space first, so that a full disk is reported before minutes of writing.
+#if defined(__APPLE__)
+  const int fa = EOPNOTSUPP;  // macOS has no posix_fallocate: sized by ftruncate below
+#else
   const int fa = ::posix_fallocate(fd, 0, static_cast<off_t>(layout.file_size));
+#endif
   if (fa == ENOSPC) {
     return fail(Status(ErrorCode::out_of_memory,
                        path + ": not enough disk space for " + std::to_string(layout.file_size) +

@@ -4,7 +4,11 @@
 #include <fcntl.h>
 #include <signal.h>
 #include <sys/mman.h>
+#if defined(__APPLE__)
+#include <sys/mount.h>  // statfs (macOS has no <sys/statfs.h>)
+#else
 #include <sys/statfs.h>
+#endif
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -125,6 +129,9 @@ Result<PageoutResult> page_out(const void* base, std::size_t len, int fd) {
                     std::string("madvise(MADV_PAGEOUT) failed: ") + std::strerror(errno));
     }
   }
+#if defined(__APPLE__)
+  (void)fd;  // macOS has no posix_fadvise (and no MADV_PAGEOUT: the probe refuses pageout first)
+#else
   if (fd >= 0) {
     const int rc = posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED);
     if (rc != 0) {
@@ -132,6 +139,7 @@ Result<PageoutResult> page_out(const void* base, std::size_t len, int fd) {
                     std::string("posix_fadvise(POSIX_FADV_DONTNEED) failed: ") + std::strerror(rc));
     }
   }
+#endif
   return r;
 }
 
@@ -141,7 +149,12 @@ Result<double> resident_fraction(const void* base, std::size_t len) {
   auto* start = reinterpret_cast<std::uint8_t*>(reinterpret_cast<std::uintptr_t>(base) / page * page);
   const std::size_t total = static_cast<std::size_t>(static_cast<const std::uint8_t*>(base) + len - start);
   std::vector<unsigned char> vec((total + page - 1) / page);
-  if (mincore(start, total, vec.data()) != 0) {
+#if defined(__APPLE__)
+  char* out = reinterpret_cast<char*>(vec.data());  // macOS declares mincore with char*
+#else
+  unsigned char* out = vec.data();
+#endif
+  if (mincore(start, total, out) != 0) {
     return Status(ErrorCode::backend_error, std::string("mincore failed: ") + std::strerror(errno));
   }
   std::size_t in = 0;
