@@ -9,6 +9,8 @@
 #include <Foundation/Foundation.hpp>
 #include <Metal/Metal.hpp>
 
+#include "backends/metal/metal_util.hpp"
+
 #if !__has_include(<Metal/MTLResidencySet.hpp>)
 #error "RESIDENCY_METAL_CPP_DIR points at metal-cpp without Metal/MTLResidencySet.hpp: use metal-cpp for macOS 15 / iOS 18 or later"
 #endif
@@ -35,6 +37,7 @@ namespace residency {
 namespace {
 
 using namespace std::chrono_literals;
+using metal::describe;
 
 // From macOS 26 a residency request decays about 1 s after use unless repeated (llama.cpp
 // added its heartbeat for it); half the decay, as llama.cpp's heartbeat period was until
@@ -42,22 +45,7 @@ using namespace std::chrono_literals;
 constexpr Nanos kRefreshPeriod = 500ms;
 constexpr NS::Integer kDecayingRequestsFromMacOS = 26;
 
-// Releases what the Metal calls of one entry point autoreleased.
-class Pool {
- public:
-  Pool() : pool_(NS::AutoreleasePool::alloc()->init()) {}
-  ~Pool() { pool_->release(); }
-  Pool(const Pool&) = delete;
-  Pool& operator=(const Pool&) = delete;
 
- private:
-  NS::AutoreleasePool* pool_;
-};
-
-std::string describe(const NS::Error* error) {
-  if (error == nullptr || error->localizedDescription() == nullptr) return "no reason given";
-  return error->localizedDescription()->utf8String();
-}
 
 bool os_at_least(NS::Integer major) {
   NS::OperatingSystemVersion v{major, 0, 0};
@@ -245,7 +233,7 @@ MetalBackend::MetalBackend(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) 
 
 MetalBackend::~MetalBackend() {
   impl_->pressure.stop();
-  Pool pool;
+  metal::AutoreleasePool pool;
   Impl& m = *impl_;
   std::lock_guard<std::mutex> lock(m.mu);
   while (!m.sets.empty()) m.destroy(m.sets.begin());
@@ -262,7 +250,7 @@ Capabilities MetalBackend::capabilities() const {
 }
 
 MemoryInfo MetalBackend::memory_info() {
-  Pool pool;
+  metal::AutoreleasePool pool;
   Impl& m = *impl_;
   std::lock_guard<std::mutex> lock(m.mu);
   MemoryInfo info;
@@ -272,7 +260,7 @@ MemoryInfo MetalBackend::memory_info() {
 }
 
 Status MetalBackend::create_set(SetId set, std::uint64_t capacity_bytes) {
-  Pool pool;
+  metal::AutoreleasePool pool;
   Impl& m = *impl_;
   std::lock_guard<std::mutex> lock(m.mu);
   if (m.sets.count(set) != 0) {
@@ -302,7 +290,7 @@ Status MetalBackend::create_set(SetId set, std::uint64_t capacity_bytes) {
 }
 
 Status MetalBackend::destroy_set(SetId set) {
-  Pool pool;
+  metal::AutoreleasePool pool;
   std::lock_guard<std::mutex> lock(impl_->mu);
   auto it = impl_->sets.find(set);
   if (it != impl_->sets.end()) impl_->destroy(it);
@@ -326,7 +314,7 @@ void MetalBackend::remove_region(SetId set, RegionId region) {
 }
 
 SetOutcome MetalBackend::commit(SetId set) {
-  Pool pool;
+  metal::AutoreleasePool pool;
   Impl& m = *impl_;
   std::lock_guard<std::mutex> lock(m.mu);
   SetOutcome out;
@@ -365,7 +353,7 @@ SetOutcome MetalBackend::commit(SetId set) {
 }
 
 SetOutcome MetalBackend::request_residency(SetId set) {
-  Pool pool;
+  metal::AutoreleasePool pool;
   std::lock_guard<std::mutex> lock(impl_->mu);
   SetOutcome out;
   auto it = impl_->sets.find(set);
@@ -379,7 +367,7 @@ SetOutcome MetalBackend::request_residency(SetId set) {
 }
 
 Status MetalBackend::end_residency(SetId set) {
-  Pool pool;
+  metal::AutoreleasePool pool;
   std::lock_guard<std::mutex> lock(impl_->mu);
   auto it = impl_->sets.find(set);
   if (it == impl_->sets.end())
@@ -393,7 +381,7 @@ Status MetalBackend::end_residency(SetId set) {
 // The blit at initialisation already ran GPU work in this process, which is all Metal needs
 // to give ended sets back; repeat it only if that one failed.
 void MetalBackend::after_release() {
-  Pool pool;
+  metal::AutoreleasePool pool;
   std::lock_guard<std::mutex> lock(impl_->mu);
   if (impl_->gpu_work_done || impl_->options.test_no_gpu_work) return;
   (void)impl_->blit();
@@ -429,7 +417,7 @@ void MetalBackend::stop_pressure_watch(PressureWatchId id) {
 
 Status MetalBackend::add_command_queue(void* queue) {
   if (queue == nullptr) return Status(ErrorCode::invalid_argument, "metal: add_command_queue: queue is null");
-  Pool pool;
+  metal::AutoreleasePool pool;
   Impl& m = *impl_;
   auto* q = static_cast<MTL::CommandQueue*>(queue);
   std::lock_guard<std::mutex> lock(m.mu);
@@ -445,7 +433,7 @@ Status MetalBackend::add_command_queue(void* queue) {
 }
 
 Status MetalBackend::remove_command_queue(void* queue) {
-  Pool pool;
+  metal::AutoreleasePool pool;
   Impl& m = *impl_;
   std::lock_guard<std::mutex> lock(m.mu);
   auto it = std::find_if(m.queues.begin(), m.queues.end(),
@@ -463,14 +451,14 @@ Status MetalBackend::remove_command_queue(void* queue) {
 void* MetalBackend::device() const { return impl_->device.get(); }
 
 MetalSupport metal_residency_support(void* device) {
-  Pool pool;
+  metal::AutoreleasePool pool;
   if (device != nullptr) return support_of(static_cast<MTL::Device*>(device));
   NS::SharedPtr<MTL::Device> d = NS::TransferPtr(MTL::CreateSystemDefaultDevice());
   return support_of(d.get());
 }
 
 Result<std::shared_ptr<MetalBackend>> make_metal_backend(MetalOptions options) {
-  Pool pool;
+  metal::AutoreleasePool pool;
   auto impl = std::make_unique<MetalBackend::Impl>();
   impl->device = options.device != nullptr
                      ? NS::RetainPtr(static_cast<MTL::Device*>(options.device))
@@ -525,7 +513,7 @@ MetalHostViews::MetalHostViews(MetalHostViews&&) noexcept = default;
 MetalHostViews& MetalHostViews::operator=(MetalHostViews&&) noexcept = default;
 MetalHostViews::~MetalHostViews() {
   if (!impl_) return;
-  Pool pool;
+  metal::AutoreleasePool pool;
   impl_.reset();
 }
 
@@ -536,7 +524,7 @@ void* MetalHostViews::array() const { return impl_->array.get(); }
 Result<MetalHostViews> MetalHostViews::make(void* device, void* base, std::uint64_t size,
                                             std::span<const Extent> tensors, std::uint64_t max_length) {
   if (device == nullptr) return Status(ErrorCode::invalid_argument, "metal: MetalHostViews::make: device is null");
-  Pool pool;
+  metal::AutoreleasePool pool;
   auto* dev = static_cast<MTL::Device*>(device);
   const auto page = static_cast<std::uint64_t>(getpagesize());
   const auto addr = reinterpret_cast<std::uintptr_t>(base);
@@ -566,7 +554,7 @@ Result<MetalHostViews> MetalHostViews::make(void* device, void* base, std::uint6
 }
 
 MetalDeviceInfo read_metal_device_info(void* device) {
-  Pool pool;
+  metal::AutoreleasePool pool;
   NS::SharedPtr<MTL::Device> d = device != nullptr ? NS::RetainPtr(static_cast<MTL::Device*>(device))
                                                    : NS::TransferPtr(MTL::CreateSystemDefaultDevice());
   MetalDeviceInfo info;

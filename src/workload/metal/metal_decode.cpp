@@ -4,6 +4,8 @@
 #include <Foundation/Foundation.hpp>
 #include <Metal/Metal.hpp>
 
+#include "backends/metal/metal_util.hpp"
+
 #include <algorithm>
 #include <cmath>
 #include <map>
@@ -14,6 +16,8 @@
 
 namespace residency::workload {
 namespace {
+
+using metal::describe;
 
 // Compiled by Metal at run time. One SIMD group (32 threads on every Apple GPU) computes whole
 // rows: global row g belongs to the matrix whose [row_start, row_start + rows) holds it (binary
@@ -96,21 +100,7 @@ float input_value(std::uint64_t i) {
   return static_cast<float>(static_cast<double>((i * 2654435761ull) % 2001ull) / 1000.0 - 1.0);
 }
 
-std::string describe(const NS::Error* error) {
-  if (error == nullptr || error->localizedDescription() == nullptr) return "no reason given";
-  return error->localizedDescription()->utf8String();
-}
 
-class Pool {
- public:
-  Pool() : pool_(NS::AutoreleasePool::alloc()->init()) {}
-  ~Pool() { pool_->release(); }
-  Pool(const Pool&) = delete;
-  Pool& operator=(const Pool&) = delete;
-
- private:
-  NS::AutoreleasePool* pool_;
-};
 
 }  // namespace
 
@@ -126,7 +116,7 @@ struct MetalDecodePass::Impl {
 };
 
 MetalDecodePass::~MetalDecodePass() {
-  Pool pool;
+  metal::AutoreleasePool pool;
   impl_.reset();
 }
 
@@ -134,7 +124,7 @@ Result<std::unique_ptr<MetalDecodePass>> MetalDecodePass::create(void* device, c
                                                                  const MetalHostViews& views) {
   if (Status st = DecodePass::check(model); !st) return st;
   if (device == nullptr) return Status(ErrorCode::invalid_argument, "metal decode pass: device is null");
-  Pool pool;
+  metal::AutoreleasePool pool;
   std::unique_ptr<MetalDecodePass> p(new MetalDecodePass());
   p->impl_ = std::make_unique<Impl>();
   Impl& m = *p->impl_;
@@ -214,7 +204,7 @@ Result<std::unique_ptr<MetalDecodePass>> MetalDecodePass::create(void* device, c
 }
 
 Result<double> MetalDecodePass::run() {
-  Pool pool;
+  metal::AutoreleasePool pool;
   Impl& m = *impl_;
   MTL::CommandBuffer* cb = m.queue->commandBuffer();
   if (cb == nullptr) return Status(ErrorCode::backend_error, "metal decode pass: no command buffer");
