@@ -45,8 +45,6 @@ using metal::describe;
 constexpr Nanos kRefreshPeriod = 500ms;
 constexpr NS::Integer kDecayingRequestsFromMacOS = 26;
 
-
-
 bool os_at_least(NS::Integer major) {
   NS::OperatingSystemVersion v{major, 0, 0};
   return NS::ProcessInfo::processInfo()->isOperatingSystemAtLeastVersion(v);
