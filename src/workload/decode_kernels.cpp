@@ -438,8 +438,9 @@ const DecodeKernels& decode_kernels(DecodeIsa isa) {
   return kGeneric;
 }
 
-double reference_dot(GgmlType t, const std::uint8_t* row, std::size_t n, const float* x) {
+double reference_dot(GgmlType t, const std::uint8_t* row, std::size_t n, const float* x, double* magnitude) {
   double s = 0;
+  if (magnitude != nullptr) *magnitude = 0;
   for (std::size_t i = 0; i < n; ++i) {
     double w = 0;
     switch (t) {
@@ -464,6 +465,7 @@ double reference_dot(GgmlType t, const std::uint8_t* row, std::size_t n, const f
       default: return 0;
     }
     s += w * x[i];
+    if (magnitude != nullptr) *magnitude += std::fabs(w * x[i]);
   }
   return s;
 }

@@ -64,7 +64,9 @@ std::vector<DecodeIsa> available_isas();
 // Kernels for `isa`; the caller checks that the CPU supports it (available_isas()).
 const DecodeKernels& decode_kernels(DecodeIsa isa);
 
-// A straightforward scalar reference in double precision, for tests (x: the MatvecInput's floats).
-double reference_dot(GgmlType t, const std::uint8_t* row, std::size_t n, const float* x);
+// A straightforward scalar reference in double precision, for tests and the GPU passes' checks
+// (x: the MatvecInput's floats). `magnitude`, when given, receives the sum of |w x|: what float
+// rounding of the sum is relative to.
+double reference_dot(GgmlType t, const std::uint8_t* row, std::size_t n, const float* x, double* magnitude = nullptr);
 
 }  // namespace residency::workload

@@ -73,6 +73,19 @@ TEST(DecodePass, MatchesTheReferenceForEveryTypeAndKernelSet) {
   }
 }
 
+// The reference the GPU passes check against also reports the sum of |w x|, which their rounding
+// tolerance is relative to.
+TEST(DecodePass, ReferenceReportsTheMagnitudeOfItsTerms) {
+  const float w[3] = {1.0f, -2.0f, 3.0f};
+  const float x[3] = {1.0f, 1.0f, -1.0f};
+  std::uint8_t row[sizeof w];
+  std::memcpy(row, w, sizeof w);
+  double magnitude = -1;
+  EXPECT_DOUBLE_EQ(reference_dot(GgmlType::f32, row, 3, x, &magnitude), -4.0);
+  EXPECT_DOUBLE_EQ(magnitude, 6.0);
+  EXPECT_DOUBLE_EQ(reference_dot(GgmlType::f32, row, 3, x), -4.0);
+}
+
 TEST(DecodePass, OutputsDoNotDependOnTheThreadCount) {
   const Fixture fx = make_fixture();
   auto one = DecodePass::create(fx.model, fx.bytes.data(), {1, std::nullopt});
