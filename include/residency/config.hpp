@@ -69,6 +69,20 @@ struct WiredLimit {
 // Accepted: a size (see parse_size) or a percent of the recommended working set ("75%").
 Result<WiredLimit> parse_wired_limit(std::string_view text);
 
+// A machine-wide wired budget that the processes naming it share (DESIGN.md section 11): each
+// reserves its wired bytes in a ledger in shared memory before wiring them, so that together they
+// never wire more than `size`. Linux only (futexes, /proc); elsewhere Manager::create refuses it.
+struct SharedBudget {
+  std::string name;   // [A-Za-z0-9._-], 1 to 64 characters, not starting with '.' or '-'
+  WiredLimit size;    // bytes, or a percent of physical memory (RAM: the budget is machine-wide)
+  std::string group;  // "": the ledger is private to its user (mode 0600); else 0660 for this group
+  std::string to_string() const;  // "NAME:SIZE[:GROUP]"
+  bool operator==(const SharedBudget&) const = default;
+};
+// Accepted: NAME:SIZE or NAME:SIZE:GROUP, SIZE a size (see parse_size, more than 0) or a percent
+// of RAM ("50%"), GROUP a group name ([A-Za-z0-9._-], 1 to 32 characters).
+Result<SharedBudget> parse_shared_budget(std::string_view text);
+
 Result<Layout> parse_layout(std::string_view text);       // "per_buffer" | "sharded"
 Result<LogLevel> parse_log_level(std::string_view text);  // "error" | "warn" | "info" | "debug"
 
@@ -85,6 +99,10 @@ struct Config {
   Nanos pressure_quiet = std::chrono::seconds(30);
   LogLevel log_level = LogLevel::info;
   std::optional<std::uint64_t> memory_limit;  // cap on tracked bytes; default see DESIGN.md
+  // A wired budget shared with the other processes naming it; none by default. When it is full,
+  // the holder idle longest among those of priority <= ours is asked to give back (see README).
+  std::optional<SharedBudget> shared_budget;
+  int shared_priority = 0;  // higher: asked later, and never by a holder of lower priority
   // Notes made while reading the environment (a peer alias used, a variable overriding
   // another); the manager logs them at start-up.
   std::vector<std::string> notes;
@@ -92,7 +110,8 @@ struct Config {
   using EnvLookup = std::function<const char*(const char* name)>;
   // Reads RESIDENCY_KEEP_ALIVE, RESIDENCY_WIRED_LIMIT, RESIDENCY_SET_MAX_PCT,
   // RESIDENCY_LAYOUT, RESIDENCY_RELEASE_ON_PRESSURE, RESIDENCY_PRESSURE_FLOOR,
-  // RESIDENCY_PRESSURE_QUIET, RESIDENCY_LOG and the peer aliases
+  // RESIDENCY_PRESSURE_QUIET, RESIDENCY_SHARED_BUDGET, RESIDENCY_SHARED_PRIORITY, RESIDENCY_LOG
+  // and the peer aliases
   // GGML_METAL_RESIDENCY_KEEP_ALIVE_S, GGML_METAL_NO_RESIDENCY, MLX_RESIDENCY_SET_MAX_PCT,
   // MLX_RESIDENCY_DEBUG. On error the message has one line per bad variable.
   static Result<Config> from_env();

@@ -95,8 +95,11 @@ typedef struct residency_stats {
       wire_failures, release_failures;
   uint64_t pressure_releases, pressure_restores; /* graded release steps; budgets restored after quiet */
   uint64_t pressure_cap;                         /* the reduced budget in force; UINT64_MAX: none */
+  /* Shared budget (key shared_budget); all 0 without one: the budget, this manager's share, asks
+   * sent to other holders, times it gave back when asked, times memory stayed unwired (full). */
+  uint64_t shared_budget, shared_held, shared_asks, shared_gave_back, shared_short;
 } residency_stats;
-#define RESIDENCY_STATS_INIT {sizeof(residency_stats), 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0}
+#define RESIDENCY_STATS_INIT {sizeof(residency_stats), 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0}
 
 typedef struct residency_backend_options {
   size_t struct_size; /* sizeof(residency_backend_options) */
@@ -123,7 +126,8 @@ RESIDENCY_API residency_config* residency_config_default(void);
 RESIDENCY_API residency_status residency_config_from_env(residency_config** out);
 /* Sets one key from text, parsed as the environment variable of the same name would be:
  * "keep_alive", "wired_limit", "set_max_pct", "layout", "release_on_pressure", "pressure_floor",
- * "pressure_quiet", "log". */
+ * "pressure_quiet", "shared_budget" (NAME:SIZE[:GROUP], a wired budget shared with the other
+ * processes naming it; Linux), "shared_priority", "log". */
 RESIDENCY_API residency_status residency_config_set(residency_config* cfg, const char* key, const char* value);
 RESIDENCY_API void residency_config_free(residency_config* cfg);
 

@@ -59,6 +59,12 @@ struct Stats {
   std::uint64_t pressure_releases = 0;  // pressure events that gave memory back (one step each)
   std::uint64_t pressure_restores = 0;  // times the budget came back after pressure was quiet
   std::uint64_t pressure_cap = UINT64_MAX;  // the reduced budget in force; UINT64_MAX: none
+  // Shared budget (Config::shared_budget); all 0 without one.
+  std::uint64_t shared_budget = 0;      // the machine-wide budget, bytes
+  std::uint64_t shared_held = 0;        // this manager's share of it now
+  std::uint64_t shared_asks = 0;        // times this manager asked another holder to give back
+  std::uint64_t shared_gave_back = 0;   // times it gave its memory back when asked
+  std::uint64_t shared_short = 0;       // times the budget was full and memory stayed unwired
 };
 
 class Manager;

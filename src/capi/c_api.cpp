@@ -164,6 +164,8 @@ residency_status residency_config_set(residency_config* cfg, const char* key, co
                                      {"release_on_pressure", "RESIDENCY_RELEASE_ON_PRESSURE"},
                                      {"pressure_floor", "RESIDENCY_PRESSURE_FLOOR"},
                                      {"pressure_quiet", "RESIDENCY_PRESSURE_QUIET"},
+                                     {"shared_budget", "RESIDENCY_SHARED_BUDGET"},
+                                     {"shared_priority", "RESIDENCY_SHARED_PRIORITY"},
                                      {"log", "RESIDENCY_LOG"}};
     const char* var = nullptr;
     for (auto& n : names)
@@ -172,7 +174,7 @@ residency_status residency_config_set(residency_config* cfg, const char* key, co
       return fail(Status(ErrorCode::invalid_argument,
                          "residency_config_set: unknown key '" + k +
                              "'; accepted: keep_alive, wired_limit, set_max_pct, layout, release_on_pressure, "
-                             "pressure_floor, pressure_quiet, log"));
+                             "pressure_floor, pressure_quiet, shared_budget, shared_priority, log"));
     // Parse exactly as the environment variable would be, then merge that one field.
     auto c = Config::from_env([&](const char* name) { return std::string(name) == var ? value : nullptr; });
     if (!c) return fail(c.status());
@@ -183,6 +185,8 @@ residency_status residency_config_set(residency_config* cfg, const char* key, co
     else if (k == "release_on_pressure") cfg->config.release_on_pressure = c->release_on_pressure;
     else if (k == "pressure_floor") cfg->config.pressure_floor = c->pressure_floor;
     else if (k == "pressure_quiet") cfg->config.pressure_quiet = c->pressure_quiet;
+    else if (k == "shared_budget") cfg->config.shared_budget = c->shared_budget;
+    else if (k == "shared_priority") cfg->config.shared_priority = c->shared_priority;
     else cfg->config.log_level = c->log_level;
     return RESIDENCY_OK;
   });
@@ -428,7 +432,8 @@ residency_status residency_get_stats(residency_manager* m, residency_stats* out)
                        s.wired_limit, s.regions, s.sets, s.resident ? 1 : 0, s.commits, s.residency_requests,
                        s.releases, s.rewires, static_cast<uint64_t>(s.rewire_time.count()), s.scheduler_wakeups,
                        s.wire_failures, s.release_failures, s.pressure_releases, s.pressure_restores,
-                       s.pressure_cap};
+                       s.pressure_cap, s.shared_budget, s.shared_held, s.shared_asks, s.shared_gave_back,
+                       s.shared_short};
   const std::size_t n = std::min(out->struct_size, sizeof full);
   full.struct_size = n;
   std::memcpy(out, &full, n);

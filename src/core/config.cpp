@@ -212,6 +212,48 @@ Result<WiredLimit> parse_wired_limit(std::string_view text) {
   return w;
 }
 
+namespace {
+bool name_char(char c) {
+  return std::isalnum(static_cast<unsigned char>(c)) || c == '.' || c == '_' || c == '-';
+}
+bool valid_name(std::string_view s, std::size_t max) {
+  if (s.empty() || s.size() > max || s.front() == '.' || s.front() == '-') return false;
+  for (char c : s)
+    if (!name_char(c)) return false;
+  return true;
+}
+}  // namespace
+
+std::string SharedBudget::to_string() const {
+  return name + ":" + size.to_string() + (group.empty() ? "" : ":" + group);
+}
+
+Result<SharedBudget> parse_shared_budget(std::string_view text) {
+  constexpr const char* forms =
+      "NAME:SIZE or NAME:SIZE:GROUP; NAME and GROUP of letters, digits, '.', '_', '-' (NAME up to 64, "
+      "GROUP up to 32 characters, not starting with '.' or '-'); SIZE bytes with a unit (8GiB, 512MB) or a "
+      "percent of RAM (50%), more than 0; e.g. llm:48GiB or llm:60%:inference";
+  const std::string_view s = trim(text);
+  const std::size_t c1 = s.find(':');
+  if (c1 == std::string_view::npos) return bad(text, "no ':' between the name and the size", forms);
+  const std::size_t c2 = s.find(':', c1 + 1);
+  if (c2 != std::string_view::npos && s.find(':', c2 + 1) != std::string_view::npos)
+    return bad(text, "more than three ':'-separated fields", forms);
+  SharedBudget b;
+  b.name = std::string(s.substr(0, c1));
+  if (!valid_name(b.name, 64)) return bad(text, "the name '" + b.name + "' is not accepted", forms);
+  const std::string_view size = s.substr(c1 + 1, c2 == std::string_view::npos ? std::string_view::npos : c2 - c1 - 1);
+  auto w = parse_wired_limit(size);
+  if (!w) return bad(text, "the size '" + std::string(size) + "' is not a size or a percent", forms);
+  if (!w->is_percent && w->bytes == 0) return bad(text, "the size is 0", forms);
+  b.size = *w;
+  if (c2 != std::string_view::npos) {
+    b.group = std::string(s.substr(c2 + 1));
+    if (!valid_name(b.group, 32)) return bad(text, "the group '" + b.group + "' is not accepted", forms);
+  }
+  return b;
+}
+
 Result<Layout> parse_layout(std::string_view text) {
   const std::string l = lower(trim(text));
   if (l == "per_buffer") return Layout::per_buffer;
@@ -334,6 +376,19 @@ Result<Config> Config::from_env(const EnvLookup& getenv) {
                                                       "\": not a duration; accepted: a duration with unit (10s, 2m), "
                                                       "or a bare number of seconds, more than 0")
                                             : k.status());
+  }
+  if (const char* v = get("RESIDENCY_SHARED_BUDGET")) {
+    auto b = parse_shared_budget(v);
+    if (b) c.shared_budget = *b; else fail("RESIDENCY_SHARED_BUDGET", b.status());
+  }
+  if (const char* v = get("RESIDENCY_SHARED_PRIORITY")) {
+    auto n = parse_number(v);
+    if (n && *n == std::floor(*n) && *n >= -1000 && *n <= 1000) {
+      c.shared_priority = static_cast<int>(*n);
+    } else {
+      fail("RESIDENCY_SHARED_PRIORITY", bad(v, "not an integer from -1000 to 1000",
+                                            "an integer from -1000 to 1000; default 0, higher keeps its share longer"));
+    }
   }
   const char* log = get("RESIDENCY_LOG");
   const char* mlx_debug = get("MLX_RESIDENCY_DEBUG");

@@ -9,12 +9,13 @@ KeepAlive::Kind effective_kind(const KeepAlive& k) {
 }
 }  // namespace
 
-KeepAliveState::KeepAliveState(const KeepAlive& policy, Clock& clock)
+KeepAliveState::KeepAliveState(const KeepAlive& policy, Clock& clock, std::atomic<std::int64_t>* published_last_use)
     : clock_(clock),
       steady_(dynamic_cast<SteadyClock*>(&clock) != nullptr),
       kind_(effective_kind(policy)),
       duration_(policy.duration),
-      rewires_on_use_(kind_ == KeepAlive::Kind::duration || kind_ == KeepAlive::Kind::forever) {
+      rewires_on_use_(kind_ == KeepAlive::Kind::duration || kind_ == KeepAlive::Kind::forever),
+      use_(published_last_use ? published_last_use : &last_use_) {
   enable_asymmetric_fences();
   note_use();
 }
@@ -22,7 +23,7 @@ KeepAliveState::KeepAliveState(const KeepAlive& policy, Clock& clock)
 bool KeepAliveState::begin_release_unless_used(std::int64_t seen_last_use) noexcept {
   resident_.store(false, std::memory_order_relaxed);
   heavy_fence();
-  if (last_use_.load(std::memory_order_relaxed) != seen_last_use) {
+  if (use_->load(std::memory_order_relaxed) != seen_last_use) {
     resident_.store(true, std::memory_order_relaxed);
     return false;
   }

@@ -31,7 +31,9 @@ namespace residency::core {
 
 class KeepAliveState {
  public:
-  KeepAliveState(const KeepAlive& policy, Clock& clock);
+  // `published_last_use`: where the time of last use is kept instead of this object (a shared
+  // budget's ledger slot, so that other processes see how long this one has been idle).
+  KeepAliveState(const KeepAlive& policy, Clock& clock, std::atomic<std::int64_t>* published_last_use = nullptr);
 
   KeepAlive::Kind kind() const { return kind_; }
   bool managing() const { return kind_ != KeepAlive::Kind::off; }
@@ -56,12 +58,12 @@ class KeepAliveState {
   bool touch_at(std::int64_t t) noexcept {
     // Skip the store when the stamp is already current: no cache-line write per call when
     // several threads decode at once.
-    if (last_use_.load(std::memory_order_relaxed) != t) last_use_.store(t, std::memory_order_relaxed);
+    if (use_->load(std::memory_order_relaxed) != t) use_->store(t, std::memory_order_relaxed);
     light_fence();
     return rewires_on_use_ && !resident_.load(std::memory_order_relaxed);
   }
-  void note_use() noexcept { last_use_.store(now_coarse(), std::memory_order_relaxed); }
-  std::int64_t last_use() const noexcept { return last_use_.load(std::memory_order_relaxed); }
+  void note_use() noexcept { use_->store(now_coarse(), std::memory_order_relaxed); }
+  std::int64_t last_use() const noexcept { return use_->load(std::memory_order_relaxed); }
 
   bool resident() const noexcept { return resident_.load(std::memory_order_relaxed); }
   // With the manager's mutex held.
@@ -82,6 +84,7 @@ class KeepAliveState {
   const KeepAlive::Kind kind_;
   const Nanos duration_;
   const bool rewires_on_use_;
+  std::atomic<std::int64_t>* const use_;  // &last_use_, or the published word
   // On their own cache lines: every use writes last_use_, every touch() reads resident_.
   alignas(64) std::atomic<std::int64_t> last_use_{0};
   alignas(64) std::atomic<bool> resident_{false};

@@ -7,16 +7,24 @@
 //   PressurePolicy  graded release under pressure and its hysteresis (pressure_policy.hpp)
 //   KeepAliveState  what the policy wants now, and touch()'s hot path (keep_alive.hpp)
 //   KeepAliveScheduler  the heartbeat that sleeps until its deadline (keep_alive_scheduler.hpp)
+//   ledger::Ledger  this manager's share of a machine-wide budget (src/ledger/ledger.hpp)
+//
+// Shared budget rule: the ledger holds at least what the backend has wired, plus what is about to
+// be: bytes are reserved there before a commit or request can wire them (admit(), wire()) and
+// given back after the backend unwired them (settle_shared() after every flush and release).
 //
 // Lock rule: one mutex (`mu`) guards everything but the atomics of KeepAliveState and the
 // stamps of RegionTable; the backend is called with it held (the backend locks for itself as
 // well: it is shared with the other managers of the process).
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <mutex>
+#include <thread>
 
 #include "keep_alive.hpp"
 #include "keep_alive_scheduler.hpp"
+#include "ledger/ledger.hpp"
 #include "limits.hpp"
 #include "log.hpp"
 #include "pressure_policy.hpp"
@@ -32,14 +40,16 @@ using core::KeepAliveScheduler;
 using core::Region;
 
 struct Manager::Impl {
-  Impl(ManagerOptions& o, const Capabilities& c, core::Limits l, const MemoryInfo& mem)
+  Impl(ManagerOptions& o, const Capabilities& c, core::Limits l, const MemoryInfo& mem,
+       std::unique_ptr<ledger::Ledger> shared_ledger)
       : config(o.config),
         backend(std::move(o.backend)),
         caps(c),
         clock(o.clock ? o.clock : &SteadyClock::instance()),
         log(o.log ? std::move(o.log) : LogCallback(log_to_stderr), o.config.log_level),
         limits(std::move(l)),
-        ka(o.config.keep_alive, *clock),
+        shared(std::move(shared_ledger)),
+        ka(o.config.keep_alive, *clock, shared ? &shared->last_use() : nullptr),
         sets(*backend, core::SetLayout(o.config.layout, o.config.set_max_pct, mem.recommended_working_set, c.max_sets),
              log),
         pressure(o.config.pressure_floor ? o.config.pressure_floor->resolve(limits.initial_wired_limit()) : 0,
@@ -54,6 +64,8 @@ struct Manager::Impl {
   Clock* const clock;
   const core::LogSink log;
   core::Limits limits;  // its warn-once flags change under mu
+  // The machine-wide budget, if configured; its calls are made under mu (held() is ours).
+  const std::unique_ptr<ledger::Ledger> shared;
 
   core::KeepAliveState ka;  // atomics; written under mu
 
@@ -67,6 +79,9 @@ struct Manager::Impl {
   bool ever_released = false;
   bool prefetch_requested = false;  // prefetch(): wire on the scheduler thread
   bool warned_reserve = false;
+  bool warned_shared = false;
+  bool shared_full = false;  // an acquire came back short in this call: do not ask again until flush
+  std::uint64_t shared_gave_back = 0, shared_short = 0;
   Nanos next_refresh{0};
   std::uint64_t releases = 0, rewires = 0, wire_failures = 0, release_failures = 0, pressure_releases = 0,
                 pressure_restores = 0;
@@ -80,6 +95,10 @@ struct Manager::Impl {
   // stays pending.
   bool admit(Region& r) {
     if (r.admitted || !budget.fits(r.desc.size)) return false;
+    if (!reserve_shared(r.desc.size)) {
+      note_shared_short(r.desc.size);
+      return false;
+    }
     if (Status s = backend->reserve_wired(r.desc.size); !s) {
       log(warned_reserve ? LogLevel::debug : LogLevel::warn,
           "region " + std::to_string(r.desc.id) + " (" + core::mib(r.desc.size) + ") stays tracked but unwired: " + s.message());
@@ -198,6 +217,81 @@ struct Manager::Impl {
   void flush() {
     if (batch_depth > 0) return;
     sets.flush(ka.resident(), [this](const SetOutcome& o, const char* w) { on_failure(o, w); });
+    settle_shared();
+    shared_full = false;
+  }
+
+  // --- shared budget ----------------------------------------------------------------------
+
+  // What the ledger must hold for this manager now: while the policy wants the memory resident,
+  // everything admitted (wired, or wired at the next commit); otherwise what the backend still has.
+  std::uint64_t shared_needed() const {
+    const std::uint64_t requested = sets.requested_bytes();
+    return ka.resident() ? std::max(budget.admitted(), requested) : requested;
+  }
+
+  // Reserves room for `more` bytes on top of what is needed, before they can be wired. Asks idle
+  // holders (and waits for them, boundedly) once per call; false: the region must wait.
+  bool reserve_shared(std::uint64_t more) {
+    if (!shared || !ka.resident()) return true;
+    const std::uint64_t target = shared_needed() + more;
+    if (shared->held() >= target) return true;
+    const std::uint64_t need = target - shared->held();
+    if (shared->acquire(need, shared_full ? Nanos(0) : ledger::kAskWait, /*partial=*/false) == need) return true;
+    shared_full = true;
+    return false;
+  }
+
+  // After the backend unwired: gives back what is no longer needed.
+  void settle_shared() {
+    if (!shared) return;
+    const std::uint64_t need = shared_needed();
+    if (shared->held() > need) shared->release(shared->held() - need);
+  }
+
+  void note_shared_short(std::uint64_t bytes) {
+    ++shared_short;
+    const std::uint64_t used_by_us = shared->held();
+    log(warned_shared ? LogLevel::debug : LogLevel::warn,
+        "shared budget " + shared->name() + " (" + core::mib(shared->budget()) + ") is full: " + core::mib(bytes) +
+            " stays tracked but unwired (this process holds " + core::mib(used_by_us) +
+            " of it; no idle holder of priority <= " + std::to_string(config.shared_priority) +
+            " could give back). It is wired at the next use after room appears; `residency stat` lists the holders");
+    warned_shared = true;
+  }
+
+  // wire(): reserves what is admitted before requesting it; what the ledger cannot give leaves
+  // the sets (least valuable first) and waits, as over a local wired limit.
+  void reserve_shared_for_wire() {
+    if (!shared) return;
+    const std::uint64_t need = budget.admitted();
+    if (shared->held() >= need) return;
+    shared->acquire(need - shared->held(), shared_full ? Nanos(0) : ledger::kAskWait, /*partial=*/true);
+    if (shared->held() >= need) return;
+    shared_full = true;
+    const std::uint64_t before = budget.admitted();
+    const auto entries = entries_of(true);
+    for (RegionId id : core::choose_evictions(entries, budget.admitted(), shared->held()))
+      if (Region* r = regions.find(id)) evict(*r);
+    note_shared_short(before - budget.admitted());
+  }
+
+  // Another process needs room (on the ledger's thread): give everything back if this manager is
+  // really idle (no scope open, no use for ledger::kIdleBeforeAsked), as its keep-alive would.
+  void on_asked(int asker) {
+    std::unique_lock<std::mutex> g(mu, std::defer_lock);
+    // A busy manager (in a call) declines; a short wait rides out a stats() or a brief call.
+    for (int i = 0; i < 20 && !g.try_lock(); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    if (!g.owns_lock()) return;
+    const Nanos idle = Nanos(ka.now_coarse() - ka.last_use());
+    if (!ka.managing() || ka.scopes > 0 || !ka.resident() || idle < ledger::kIdleBeforeAsked) {
+      settle_shared();
+      return;
+    }
+    ++shared_gave_back;
+    release_now(("asked by process " + std::to_string(asker) + ": shared budget " + shared->name() + " is full; idle for " +
+                 core::ms(idle) + "; the next use wires it again")
+                    .c_str());
   }
 
   // --- residency --------------------------------------------------------------------------
@@ -205,6 +299,7 @@ struct Manager::Impl {
   void wire(const char* why) {
     const Nanos t0 = clock->now();
     ka.set_resident(true);
+    reserve_shared_for_wire();
     // What waits may fit now: another manager of the process may have given back its share of
     // the hard limit since.
     promote();
@@ -227,6 +322,7 @@ struct Manager::Impl {
     const Nanos t0 = clock->now();
     const auto r = sets.end_all();
     if (r.sets > 0) backend->after_release();
+    settle_shared();
     ever_released = true;
     if (r.failed == 0) {
       ++releases;
@@ -309,6 +405,13 @@ struct Manager::Impl {
     s.pressure_releases = pressure_releases;
     s.pressure_restores = pressure_restores;
     s.pressure_cap = budget.cap();
+    if (shared) {
+      s.shared_budget = shared->budget();
+      s.shared_held = shared->held();
+      s.shared_asks = shared->asks_sent();
+      s.shared_gave_back = shared_gave_back;
+      s.shared_short = shared_short;
+    }
     return s;
   }
 
@@ -375,7 +478,22 @@ Result<std::unique_ptr<Manager>> Manager::create(ManagerOptions o) {
   const core::LogSink early(o.log ? o.log : LogCallback(log_to_stderr), o.config.log_level);
   auto limits = core::Limits::resolve(o.config, mem, caps.name, managing, early);
   if (!limits) return limits.status();
-  auto impl = std::make_unique<Impl>(o, caps, std::move(*limits), mem);
+  std::unique_ptr<ledger::Ledger> shared;
+  if (o.config.shared_budget && managing) {
+    const SharedBudget& sb = *o.config.shared_budget;
+    if (sb.size.is_percent && mem.physical == 0)
+      return Status(ErrorCode::invalid_argument, "RESIDENCY_SHARED_BUDGET=" + sb.to_string() + ": a percent of RAM, but the " +
+                                                     caps.name + " backend does not know the physical memory; give bytes");
+    ledger::AttachOptions ao;
+    ao.name = sb.name;
+    ao.budget = sb.size.resolve(mem.physical);
+    ao.group = sb.group;
+    ao.priority = o.config.shared_priority;
+    auto l = ledger::Ledger::attach(ao);
+    if (!l) return l.status();
+    shared = std::move(*l);
+  }
+  auto impl = std::make_unique<Impl>(o, caps, std::move(*limits), mem, std::move(shared));
   Impl& m = *impl;
   m.ka.set_resident(m.ka.rewires_on_use());
 
@@ -390,6 +508,17 @@ Result<std::unique_ptr<Manager>> Manager::create(ManagerOptions o) {
     m.log(LogLevel::info, "use residency sets = true");
   } else {
     m.log(LogLevel::info, "use residency sets = false (keep_alive = off: residency is not managed)");
+  }
+
+  if (m.shared) {
+    m.log(LogLevel::info, "shared budget " + m.shared->name() + " = " + core::mib(m.shared->budget()) + " (ledger " +
+                              m.shared->path() + ", priority " + std::to_string(m.config.shared_priority) + ")");
+    if (m.shared->requested_budget() != 0)
+      m.log(LogLevel::warn, "shared budget " + m.shared->name() + " exists with " + core::mib(m.shared->budget()) +
+                                "; this process asked for " + core::mib(m.shared->requested_budget()) +
+                                ": the ledger's size stays (the first process sets it)");
+    Impl* raw = &m;
+    m.shared->listen([raw](int asker) { raw->on_asked(asker); });
   }
 
   if (o.start_scheduler && managing) {
@@ -412,6 +541,7 @@ Result<std::unique_ptr<Manager>> Manager::create(ManagerOptions o) {
 
 Manager::~Manager() {
   Impl& m = *impl_;
+  if (m.shared) m.shared->stop_listening();  // no ask is answered from here on
   if (m.pressure_watch) m.backend->stop_pressure_watch(*m.pressure_watch);
   if (m.scheduler) m.scheduler->stop();
   std::lock_guard<std::mutex> g(m.mu);
@@ -427,6 +557,7 @@ Manager::~Manager() {
   if (Status s = m.sets.destroy_all(); !s) m.log(LogLevel::warn, "at teardown: " + s.message());
   if (any_requested) m.backend->after_release();
   if (m.budget.admitted() > 0) m.backend->unreserve_wired(m.budget.admitted());
+  if (m.shared) m.shared->release(m.shared->held());  // after the sets are gone: nothing is wired
 }
 
 Result<RegionId> Manager::register_region(void* base, std::size_t size, RegionClass cls, int priority,

@@ -6,7 +6,9 @@
 // backends this build has. Human text by default; --json gives the raw byte values.
 #include <nlohmann/json.hpp>
 
+#include <chrono>
 #include <cstdio>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -14,6 +16,7 @@
 #include "command.hpp"
 #include "residency/backends.hpp"
 #include "residency/config.hpp"
+#include "residency/shared_budget.hpp"
 
 #if RESIDENCY_TOOL_HAVE_METAL  // macOS with the metal backend: stat_apple.cpp
 #include "stat_apple.hpp"
@@ -58,6 +61,67 @@ nlohmann::json backends_json(const BackendsHere& b) {
   return na;
 }
 
+using Row = std::pair<std::string, std::string>;
+
+// The machine-wide budgets (RESIDENCY_SHARED_BUDGET) this user can read: the library reads the
+// ledgers; here they are only formatted.
+[[maybe_unused]] std::string idle_text(const std::optional<Nanos>& idle) {
+  if (!idle) return "never used";
+  char buf[48];
+  std::snprintf(buf, sizeof buf, "idle %.1f s", std::chrono::duration<double>(*idle).count());
+  return buf;
+}
+
+[[maybe_unused]] void shared_budget_rows(std::vector<Row>& rows, const std::vector<SharedBudgetInfo>& budgets) {
+  if (budgets.empty()) {
+    rows.emplace_back("shared budgets", "none (RESIDENCY_SHARED_BUDGET=NAME:SIZE makes one)");
+    return;
+  }
+  const char* label = "shared budgets";
+  for (const auto& b : budgets) {
+    if (!b.error.empty()) {
+      rows.emplace_back(label, b.name + ": unreadable: " + b.error);
+      label = "";
+      continue;
+    }
+    char mode[8];
+    std::snprintf(mode, sizeof mode, "%04o", b.mode);
+    rows.emplace_back(label, b.name + ": " + format_size(b.size) + ", used " + format_size(b.used) + ", " +
+                                 std::to_string(b.holders.size()) + " holder(s)  (" + b.path + ", mode " + mode + ")");
+    label = "";
+    for (const auto& h : b.holders)
+      rows.emplace_back("", "  pid " + std::to_string(h.pid) + ": " + format_size(h.bytes) + ", " + idle_text(h.idle) +
+                                ", priority " + std::to_string(h.priority) + (h.asked ? ", asked to give back" : "") +
+                                (h.alive ? "" : "  DEAD: its share is reclaimed by the next process that takes the lock"));
+  }
+}
+
+[[maybe_unused]] nlohmann::json shared_budgets_json(const std::vector<SharedBudgetInfo>& budgets) {
+  nlohmann::json a = nlohmann::json::array();
+  for (const auto& b : budgets) {
+    nlohmann::json j = {{"name", b.name}, {"path", b.path}};
+    if (!b.error.empty()) {
+      j["error"] = b.error;
+      a.push_back(j);
+      continue;
+    }
+    j["size"] = b.size;
+    j["used"] = b.used;
+    j["mode"] = b.mode;
+    nlohmann::json hs = nlohmann::json::array();
+    for (const auto& h : b.holders)
+      hs.push_back({{"pid", h.pid},
+                    {"bytes", h.bytes},
+                    {"idle_s", h.idle ? nlohmann::json(std::chrono::duration<double>(*h.idle).count()) : nlohmann::json(nullptr)},
+                    {"priority", h.priority},
+                    {"alive", h.alive},
+                    {"asked", h.asked}});
+    j["holders"] = hs;
+    a.push_back(j);
+  }
+  return a;
+}
+
 #if RESIDENCY_TOOL_HAVE_METAL
 int run_stat(bool json) {
   const BackendsHere here = backends_here();
@@ -65,7 +129,6 @@ int run_stat(bool json) {
                         {{"backends", here.working}, {"backends_not_here", backends_json(here)}});
 }
 #elif RESIDENCY_STAT_POSIX
-using Row = std::pair<std::string, std::string>;
 
 std::string size_or_unknown(const std::optional<std::uint64_t>& v) {
   return v ? format_size(*v) : std::string("unknown");
@@ -137,6 +200,7 @@ int run_stat(bool json) {
     j["psi_memory_cgroup"] = info.cgroup_pressure ? pressure_json(*info.cgroup_pressure) : nlohmann::json(nullptr);
     j["backends"] = backends;  // those that start here
     j["backends_not_here"] = backends_json(here);
+    j["shared_budgets"] = shared_budgets_json(list_shared_budgets());
     j["problems"] = info.problems;
     std::printf("%s\n", j.dump(2).c_str());
     return kExitOk;
@@ -170,6 +234,7 @@ int run_stat(bool json) {
   pressure_rows(rows, "PSI memory", info.system_pressure);
   if (info.cgroup_pressure) pressure_rows(rows, "PSI memory (cgroup)", *info.cgroup_pressure);
   rows.emplace_back("backends", backends_text(here));
+  shared_budget_rows(rows, list_shared_budgets());
   for (const auto& p : info.problems) rows.emplace_back("note", p);
 
   std::size_t width = 0;
@@ -181,9 +246,15 @@ int run_stat(bool json) {
 int run_stat(bool json) {
   const BackendsHere here = backends_here();
   if (json) {
-    std::printf("%s\n", nlohmann::json({{"backends", here.working}, {"backends_not_here", backends_json(here)}}).dump(2).c_str());
+    std::printf("%s\n", nlohmann::json({{"backends", here.working},
+                                         {"backends_not_here", backends_json(here)},
+                                         {"shared_budgets", shared_budgets_json(list_shared_budgets())}})
+                            .dump(2)
+                            .c_str());
   } else {
-    std::printf("backends  %s\n", backends_text(here).c_str());
+    std::vector<Row> rows = {{"backends", backends_text(here)}};
+    shared_budget_rows(rows, list_shared_budgets());
+    for (const auto& [k, v] : rows) std::printf("%-14s  %s\n", k.c_str(), v.c_str());
   }
   return kExitOk;
 }
