@@ -10,6 +10,7 @@
 #include <cstdio>
 #include <cstring>
 #include <string>
+#include <vector>
 
 #include "residency/residency.h"
 
@@ -73,6 +74,11 @@ TEST(CApi, ConfigSetParsesStrictlyAndNamesTheVariable) {
   EXPECT_EQ(residency_config_set(cfg, "colour", "blue"), RESIDENCY_INVALID_ARGUMENT);
   EXPECT_NE(std::string(residency_last_error()).find("unknown key 'colour'"), std::string::npos);
   EXPECT_EQ(residency_config_set(cfg, "wired_limit", "50%"), RESIDENCY_OK);
+  EXPECT_EQ(residency_config_set(cfg, "shared_budget", "llm:8GiB:video"), RESIDENCY_OK);
+  EXPECT_EQ(residency_config_set(cfg, "shared_priority", "2"), RESIDENCY_OK);
+  EXPECT_EQ(residency_config_set(cfg, "shared_budget", "llm"), RESIDENCY_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(residency_last_error()).find("RESIDENCY_SHARED_BUDGET=\"llm\": no ':'"), std::string::npos)
+      << residency_last_error();
   EXPECT_EQ(residency_config_set(nullptr, "keep_alive", "1s"), RESIDENCY_INVALID_ARGUMENT);
   EXPECT_EQ(residency_config_set(cfg, nullptr, "1s"), RESIDENCY_INVALID_ARGUMENT);
   residency_config_free(cfg);
@@ -219,3 +225,31 @@ TEST(CApi, DestroyingAManagerWithAnOpenScopeDetachesTheScope) {
   residency_use_end(scope);  // safe: only frees it (ASan would catch a use after free)
   EXPECT_EQ(synced, 1);
 }
+
+#if defined(__linux__)
+// The shared budget through the C API: the key, the ledger in /dev/shm while the manager lives,
+// the stats' shared fields, and no ledger left after destroy.
+TEST(CApi, SharedBudgetKeyMakesALedgerAndStatsShowTheShare) {
+  const std::string name = "capi-test-" + std::to_string(::getpid());
+  const std::string path = "/dev/shm/residency-budget-" + name;
+  residency_config* cfg = residency_config_default();
+  ASSERT_NE(cfg, nullptr);
+  ASSERT_EQ(residency_config_set(cfg, "shared_budget", (name + ":8MiB").c_str()), RESIDENCY_OK) << residency_last_error();
+  ASSERT_EQ(residency_config_set(cfg, "keep_alive", "forever"), RESIDENCY_OK);
+  ASSERT_EQ(residency_config_set(cfg, "log", "error"), RESIDENCY_OK);
+  residency_manager* m = nullptr;
+  ASSERT_EQ(residency_manager_create(cfg, "posix", nullptr, nullptr, &m), RESIDENCY_OK) << residency_last_error();
+  residency_config_free(cfg);
+  EXPECT_EQ(::access(path.c_str(), F_OK), 0) << path;
+  std::vector<char> buf(1 << 20, 1);
+  ASSERT_EQ(residency_register(m, buf.data(), buf.size(), RESIDENCY_WEIGHTS, 0, nullptr), RESIDENCY_OK)
+      << residency_last_error();
+  residency_stats st = RESIDENCY_STATS_INIT;
+  ASSERT_EQ(residency_get_stats(m, &st), RESIDENCY_OK);
+  EXPECT_EQ(st.shared_budget, 8u << 20);
+  EXPECT_EQ(st.shared_held, st.admitted_bytes) << "what is admitted while resident is reserved";
+  EXPECT_EQ(st.shared_held, buf.size());
+  residency_manager_destroy(m);
+  EXPECT_NE(::access(path.c_str(), F_OK), 0) << "the last holder removes the ledger";
+}
+#endif

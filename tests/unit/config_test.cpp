@@ -1,6 +1,7 @@
 // The strict parsers and Config::from_env over tables of good and bad values, aliases included.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <map>
 
 #include "residency/config.hpp"
@@ -221,4 +222,54 @@ TEST(ConfigFromEnv, MlxAliases) {
   EXPECT_EQ(c->log_level, LogLevel::debug);
   EXPECT_FALSE(Config::from_env(env({{"MLX_RESIDENCY_DEBUG", "verbose"}})).is_ok());
   EXPECT_FALSE(Config::from_env(env({{"MLX_RESIDENCY_SET_MAX_PCT", "5%"}})).is_ok());
+}
+
+TEST(SharedBudgetParse, NameSizeAndGroup) {
+  auto a = parse_shared_budget("llm:48GiB");
+  ASSERT_TRUE(a) << a.message();
+  EXPECT_EQ(a->name, "llm");
+  EXPECT_FALSE(a->size.is_percent);
+  EXPECT_EQ(a->size.bytes, 48ull << 30);
+  EXPECT_EQ(a->group, "");
+  auto b = parse_shared_budget(" servers.v2_x-1:60%:inference ");
+  ASSERT_TRUE(b) << b.message();
+  EXPECT_EQ(b->name, "servers.v2_x-1");
+  EXPECT_TRUE(b->size.is_percent);
+  EXPECT_DOUBLE_EQ(b->size.percent, 60);
+  EXPECT_EQ(b->group, "inference");
+  EXPECT_EQ(b->to_string(), "servers.v2_x-1:60%:inference");
+  EXPECT_TRUE(parse_shared_budget(std::string(64, 'n') + ":1G"));
+
+  struct Bad {
+    const char* text;
+    const char* why;
+  };
+  const std::string long_name = std::string(65, 'n') + ":1G";
+  for (const Bad& c : {Bad{"llm", "no ':'"}, Bad{":1G", "the name '' is not accepted"},
+                       Bad{"a/b:1G", "the name 'a/b' is not accepted"}, Bad{"-x:1G", "the name '-x'"},
+                       Bad{".x:1G", "the name '.x'"}, Bad{"x:", "the size '' is not"}, Bad{"x:lots", "the size 'lots'"},
+                       Bad{"x:0", "the size is 0"}, Bad{"x:150%", "the size '150%'"},
+                       Bad{"x:1G:a b", "the group 'a b' is not accepted"}, Bad{"x:1G:g:h", "more than three"},
+                       Bad{long_name.c_str(), "is not accepted"}}) {
+    auto r = parse_shared_budget(c.text);
+    ASSERT_FALSE(r) << c.text;
+    EXPECT_NE(r.message().find(c.why), std::string::npos) << c.text << ": " << r.message();
+    EXPECT_NE(r.message().find("accepted: NAME:SIZE or NAME:SIZE:GROUP"), std::string::npos) << r.message();
+    EXPECT_EQ(r.message().find('\n'), std::string::npos) << "one line: " << r.message();
+  }
+}
+
+TEST(ConfigFromEnv, SharedBudgetAndPriority) {
+  auto c = Config::from_env(env({{"RESIDENCY_SHARED_BUDGET", "llm:8GiB"}, {"RESIDENCY_SHARED_PRIORITY", "-3"}}));
+  ASSERT_TRUE(c) << c.message();
+  ASSERT_TRUE(c->shared_budget);
+  EXPECT_EQ(c->shared_budget->name, "llm");
+  EXPECT_EQ(c->shared_priority, -3);
+  EXPECT_FALSE(Config::from_env(env({}))->shared_budget) << "none by default";
+  auto bad = Config::from_env(env({{"RESIDENCY_SHARED_BUDGET", "llm"}, {"RESIDENCY_SHARED_PRIORITY", "1.5"}}));
+  ASSERT_FALSE(bad);
+  EXPECT_NE(bad.message().find("RESIDENCY_SHARED_BUDGET=\"llm\""), std::string::npos) << bad.message();
+  EXPECT_NE(bad.message().find("RESIDENCY_SHARED_PRIORITY=\"1.5\": not an integer from -1000 to 1000"), std::string::npos)
+      << bad.message();
+  EXPECT_EQ(std::count(bad.message().begin(), bad.message().end(), '\n'), 1);
 }
