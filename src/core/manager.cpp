@@ -19,7 +19,9 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <mutex>
+#include <set>
 #include <thread>
 
 #include "keep_alive.hpp"
@@ -38,6 +40,20 @@ namespace residency {
 
 using core::KeepAliveScheduler;
 using core::Region;
+
+namespace {
+// Managers with a shared budget that are alive, for the exit handler. Never destroyed: exit()
+// may run it after other statics are gone.
+std::mutex& exit_mu() {
+  static auto* m = new std::mutex;
+  return *m;
+}
+std::set<Manager::Impl*>& exit_registry() {
+  static auto* s = new std::set<Manager::Impl*>;
+  return *s;
+}
+void release_shared_at_exit();
+}  // namespace
 
 struct Manager::Impl {
   Impl(ManagerOptions& o, const Capabilities& c, core::Limits l, const MemoryInfo& mem,
@@ -81,6 +97,7 @@ struct Manager::Impl {
   bool warned_reserve = false;
   bool warned_shared = false;
   bool shared_full = false;  // an acquire came back short in this call: do not ask again until flush
+  bool exiting = false;      // the process is exiting (exit_release ran): nothing is wired again
   std::uint64_t shared_gave_back = 0, shared_short = 0;
   Nanos next_refresh{0};
   std::uint64_t releases = 0, rewires = 0, wire_failures = 0, release_failures = 0, pressure_releases = 0,
@@ -234,6 +251,7 @@ struct Manager::Impl {
   // holders (and waits for them, boundedly) once per call; false: the region must wait.
   bool reserve_shared(std::uint64_t more) {
     if (!shared || !ka.resident()) return true;
+    if (exiting) return false;
     const std::uint64_t target = shared_needed() + more;
     if (shared->held() >= target) return true;
     const std::uint64_t need = target - shared->held();
@@ -266,7 +284,7 @@ struct Manager::Impl {
     if (!shared) return;
     const std::uint64_t need = budget.admitted();
     if (shared->held() >= need) return;
-    shared->acquire(need - shared->held(), shared_full ? Nanos(0) : ledger::kAskWait, /*partial=*/true);
+    if (!exiting) shared->acquire(need - shared->held(), shared_full ? Nanos(0) : ledger::kAskWait, /*partial=*/true);
     if (shared->held() >= need) return;
     shared_full = true;
     const std::uint64_t before = budget.admitted();
@@ -292,6 +310,27 @@ struct Manager::Impl {
     release_now(("asked by process " + std::to_string(asker) + ": shared budget " + shared->name() + " is full; idle for " +
                  core::ms(idle) + "; the next use wires it again")
                     .c_str());
+  }
+
+  // At exit, for a manager nobody destroyed (the preload leaks its own on purpose): unwire, give
+  // the share back and leave the ledger, so that the last holder to exit removes it. Device
+  // memory (backend allocations) is left to the driver: ending its residency would copy it out.
+  // If the manager is busy, or device memory is held, the slot stays and the next process that
+  // takes the ledger's lock reclaims it once this one is gone.
+  void exit_release() {
+    std::unique_lock<std::mutex> g(mu, std::defer_lock);
+    for (int i = 0; i < 100 && !g.try_lock(); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    if (!g.owns_lock()) return;
+    exiting = true;
+    bool device = false;
+    regions.for_each([&](Region& r) { device = device || r.desc.backend_allocated; });
+    if (!device && sets.requested_bytes() > 0) {
+      ka.set_resident(false);
+      core::heavy_fence();
+      release("the process is exiting");
+    }
+    settle_shared();
+    shared->detach_at_exit();
   }
 
   // --- residency --------------------------------------------------------------------------
@@ -519,6 +558,10 @@ Result<std::unique_ptr<Manager>> Manager::create(ManagerOptions o) {
                                 ": the ledger's size stays (the first process sets it)");
     Impl* raw = &m;
     m.shared->listen([raw](int asker) { raw->on_asked(asker); });
+    static std::once_flag registered;
+    std::call_once(registered, [] { std::atexit(release_shared_at_exit); });
+    std::lock_guard<std::mutex> g(exit_mu());
+    exit_registry().insert(raw);
   }
 
   if (o.start_scheduler && managing) {
@@ -541,6 +584,10 @@ Result<std::unique_ptr<Manager>> Manager::create(ManagerOptions o) {
 
 Manager::~Manager() {
   Impl& m = *impl_;
+  if (m.shared) {
+    std::lock_guard<std::mutex> g(exit_mu());
+    exit_registry().erase(&m);
+  }
   if (m.shared) m.shared->stop_listening();  // no ask is answered from here on
   if (m.pressure_watch) m.backend->stop_pressure_watch(*m.pressure_watch);
   if (m.scheduler) m.scheduler->stop();
@@ -638,6 +685,11 @@ std::uint64_t Manager::wired_limit() const {
 }
 
 namespace {
+void release_shared_at_exit() {
+  std::lock_guard<std::mutex> g(exit_mu());
+  for (Manager::Impl* m : exit_registry()) m->exit_release();
+}
+
 // The slow path of touch(): the memory was released; wire it again before the caller computes.
 [[gnu::noinline]] void rewire_after_release(Manager::Impl& m);
 }  // namespace

@@ -386,30 +386,46 @@ Result<std::unique_ptr<Ledger>> Ledger::attach(const AttachOptions& o) {
                                          std::to_string(kTries) + " tries (other processes keep creating and removing it)");
 }
 
+namespace {
+// With nothing held: frees our slot, reclaims the dead, and retires + unlinks the ledger when no
+// holder is left (under the lock, so that an opener waiting for it sees `retired`).
+void leave(Shared* s, std::uint32_t slot, const std::string& path) {
+  const int self = ::getpid();
+  Slot& sl = s->slots[slot];
+  const std::uint64_t self_start = sl.start_time.load(std::memory_order_relaxed);
+  Lock lock(s);
+  sl.bytes.store(0, std::memory_order_relaxed);
+  sl.ask.store(0, std::memory_order_relaxed);
+  sl.used.store(0, std::memory_order_release);
+  if (lock.ok()) {
+    reclaim(*s, self, self_start);
+    bool anyone = false;
+    for (const Slot& o : s->slots) anyone = anyone || o.used.load(std::memory_order_relaxed) != 0;
+    if (!anyone) {
+      s->retired.store(1, std::memory_order_release);
+      ::unlink(path.c_str());
+    }
+  }
+  bump(*s);
+}
+}  // namespace
+
 Ledger::~Ledger() {
   stop_listening();
   if (!shm_) return;
-  const int self = ::getpid();
-  Slot& sl = shm_->slots[slot_];
-  const std::uint64_t self_start = sl.start_time.load(std::memory_order_relaxed);
-  {
-    Lock lock(shm_);
-    sl.bytes.store(0, std::memory_order_relaxed);
-    sl.ask.store(0, std::memory_order_relaxed);
-    sl.used.store(0, std::memory_order_release);
-    if (lock.ok()) {
-      reclaim(*shm_, self, self_start);
-      bool anyone = false;
-      for (const Slot& o : shm_->slots) anyone = anyone || o.used.load(std::memory_order_relaxed) != 0;
-      if (!anyone) {
-        shm_->retired.store(1, std::memory_order_release);
-        ::unlink(path_.c_str());
-      }
-    }
-    bump(*shm_);
-  }
+  if (!detached_) leave(shm_, slot_, path_);
   ::munmap(shm_, sizeof(Shared));
   ::close(fd_);
+}
+
+void Ledger::detach_at_exit() {
+  if (!shm_ || detached_ || held_ != 0) return;
+  stopping_.store(true, std::memory_order_release);
+  Slot& mine = shm_->slots[slot_];
+  mine.ask.store(kStopWord, std::memory_order_release);
+  futex_wake(mine.ask, 1);
+  detached_ = true;
+  leave(shm_, slot_, path_);
 }
 
 std::uint64_t Ledger::budget() const { return shm_->budget; }
@@ -417,7 +433,7 @@ std::uint64_t Ledger::budget() const { return shm_->budget; }
 std::atomic<std::int64_t>& Ledger::last_use() { return shm_->slots[slot_].last_use; }
 
 std::uint64_t Ledger::acquire(std::uint64_t bytes, Nanos wait, bool partial) {
-  if (bytes == 0) return 0;
+  if (bytes == 0 || detached_) return 0;
   Shared& s = *shm_;
   const int self = ::getpid();
   Slot& mine = s.slots[slot_];
@@ -497,7 +513,7 @@ std::uint64_t Ledger::acquire(std::uint64_t bytes, Nanos wait, bool partial) {
 
 void Ledger::release(std::uint64_t bytes) {
   bytes = std::min(bytes, held_);
-  if (bytes == 0) return;
+  if (bytes == 0 || detached_) return;
   Slot& mine = shm_->slots[slot_];
   {
     Lock lock(shm_);  // even if it could not be taken, our own slot is ours to write
@@ -516,6 +532,10 @@ void Ledger::listen(OnAsked on_asked) {
 
 void Ledger::stop_listening() {
   if (!listener_.joinable()) return;
+  if (detached_) {  // told to stop at exit already; the slot is not ours to write
+    listener_.join();
+    return;
+  }
   stopping_.store(true, std::memory_order_release);
   Slot& mine = shm_->slots[slot_];
   mine.ask.store(kStopWord, std::memory_order_release);
@@ -631,6 +651,7 @@ Result<std::unique_ptr<Ledger>> Ledger::attach(const AttachOptions&) {
 Ledger::~Ledger() = default;
 void Ledger::listen(OnAsked) {}
 void Ledger::stop_listening() {}
+void Ledger::detach_at_exit() {}
 std::uint64_t Ledger::budget() const { return 0; }
 std::atomic<std::int64_t>& Ledger::last_use() {
   static std::atomic<std::int64_t> none{0};

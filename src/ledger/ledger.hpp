@@ -92,6 +92,11 @@ class Ledger {
   void listen(OnAsked on_asked);
   // Stops that thread; on_asked is not called after this returns. Idempotent.
   void stop_listening();
+  // At process exit, for a holder that is never destroyed (a preload leaks its manager on
+  // purpose): frees the slot and removes the ledger if nobody else holds it, without joining the
+  // thread (it is told to stop). Only when nothing is held (the caller unwired first). The
+  // ledger stays mapped; held() is 0 and acquire() grants nothing afterwards.
+  void detach_at_exit();
 
   const std::string& name() const { return name_; }
   const std::string& path() const { return path_; }
@@ -132,6 +137,7 @@ class Ledger {
   OnAsked on_asked_;
   std::thread listener_;
   std::atomic<bool> stopping_{false};
+  bool detached_ = false;  // detach_at_exit() ran: the slot is not ours any more
   std::atomic<int> listener_tid_{0};
   std::atomic<std::uint64_t> asks_sent_{0}, asks_answered_{0};
 };

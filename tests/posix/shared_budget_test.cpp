@@ -463,3 +463,35 @@ TEST(SharedBudgetProcesses, AnIdleHolderWakesZeroTimesUntilAskedThenGivesBack) {
 }
 
 }  // namespace
+
+namespace {
+// A process that exits without destroying its manager (what the preload does on purpose) unwires
+// at exit, gives its share back and, as the last holder, removes the ledger.
+TEST(SharedBudgetProcesses, AProcessThatExitsWithoutDestroyingItsManagerLeavesNoLedger) {
+  const std::string name = unique_name("exit");
+  std::fflush(stdout);
+  const pid_t child = ::fork();
+  if (child == 0) {
+    auto backend = make_backend("posix");
+    if (!backend) ::_exit(3);
+    void* mem = ::mmap(nullptr, kHold, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (mem == MAP_FAILED) ::_exit(3);
+    std::memset(mem, 1, kHold);
+    ManagerOptions o;
+    o.backend = *backend;
+    o.config.keep_alive = KeepAlive::forever();
+    o.config.shared_budget = SharedBudget{name, WiredLimit{false, 6 * MiB, 0}, ""};
+    o.log = [](LogLevel, std::string_view) {};
+    auto m = Manager::create(o);
+    if (!m || !(*m)->register_region(mem, kHold)) ::_exit(4);
+    if (!exists(ledger::ledger_path(name)) || (*m)->stats().shared_held != kHold) ::_exit(5);
+    (void)m->release();  // leaked, as the preload leaks its manager
+    std::exit(0);
+  }
+  int st = 0;
+  ASSERT_EQ(::waitpid(child, &st, 0), child);
+  ASSERT_TRUE(WIFEXITED(st));
+  ASSERT_EQ(WEXITSTATUS(st), 0) << "3: no backend/memory, 4: create/register failed, 5: no ledger or share";
+  EXPECT_FALSE(exists(ledger::ledger_path(name))) << "the exiting last holder removes the ledger";
+}
+}  // namespace

@@ -21,6 +21,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <chrono>
 #include <csignal>
@@ -576,6 +577,78 @@ TEST_F(PreloadTest, DefaultKeepAliveKeepsTheModelLockedAcrossPauses) {
   const std::string err = c.stderr_text();
   EXPECT_TRUE(residency_lines(err, "warn").empty()) << err;
   EXPECT_EQ(count_containing(err, "keep_alive = 180 s"), 1U) << err;
+}
+
+// (shared budget) Two llama.cpp programs under the preload naming one budget smaller than their
+// two models together (RESIDENCY_SHARED_BUDGET): their VmLck, sampled continuously, never sums
+// above it; the idle one, asked, gives its model back to the one that starts decoding, and when
+// it decodes again while the other is busy it runs unwired (same tokens) instead of taking it.
+TEST_F(PreloadTest, TwoProgramsUnderOneSharedBudgetNeverLockMoreThanItAndTheIdleOneGivesWay) {
+  const std::uint64_t model_bytes = std::filesystem::file_size(model_);
+  const std::uint64_t budget = model_bytes * 3 / 2;  // one model fits, two do not
+  if (::geteuid() != 0) {
+    rlimit rl{};
+    ::getrlimit(RLIMIT_MEMLOCK, &rl);
+    if (rl.rlim_cur != RLIM_INFINITY && rl.rlim_cur < model_bytes + 16 * kMiB)
+      GTEST_SKIP() << "RLIMIT_MEMLOCK is " << rl.rlim_cur / kMiB << " MiB; each program locks its " << model_bytes / kMiB
+                   << " MiB model (ulimit -l unlimited, or run as root)";
+  }
+  const std::string name = "preload-test-" + std::to_string(::getpid());
+  const std::vector<std::pair<std::string, std::string>> env = {
+      {"RESIDENCY_KEEP_ALIVE", "forever"}, {"RESIDENCY_SHARED_BUDGET", name + ":" + std::to_string(budget)}};
+  Child a(decode_loop(env, true), err_file("shared-a"));
+  ASSERT_TRUE(a.started());
+  ASSERT_TRUE(a.wait_for("loaded")) << a.stderr_text();
+  ASSERT_TRUE(a.send_line());
+  ASSERT_TRUE(a.wait_for("token 0")) << a.stderr_text();
+  const std::uint64_t mapped_a = mapped_bytes(mapped_pieces(a.pid(), model_));
+  ASSERT_EQ(vm_lck(a.pid()).value_or(0), mapped_a) << a.stderr_text();
+
+  // Both sampled from here on: each sample reads a, b, b, a and keeps each one's smaller reading
+  // (memory moving between them within a sweep is not counted twice).
+  std::atomic<bool> stop{false};
+  std::atomic<std::uint64_t> max_sum{0}, samples{0};
+  std::atomic<pid_t> pid_b{0};
+  std::thread sampler([&] {
+    while (!stop) {
+      const pid_t pb = pid_b.load();
+      const std::uint64_t a1 = vm_lck(a.pid()).value_or(0), b1 = pb > 0 ? vm_lck(pb).value_or(0) : 0;
+      const std::uint64_t b2 = pb > 0 ? vm_lck(pb).value_or(0) : 0, a2 = vm_lck(a.pid()).value_or(0);
+      max_sum = std::max(max_sum.load(), std::min(a1, a2) + std::min(b1, b2));
+      ++samples;
+    }
+  });
+  // a idle for more than a second: the one to ask.
+  std::this_thread::sleep_for(std::chrono::milliseconds(1200));
+  Child b(decode_loop(env, true), err_file("shared-b"));
+  ASSERT_TRUE(b.started());
+  pid_b = b.pid();
+  ASSERT_TRUE(b.wait_for("loaded")) << b.stderr_text();
+  for (int i = 0; i < 3; ++i) ASSERT_TRUE(b.send_line());
+  ASSERT_TRUE(b.wait_for("token 2")) << b.stderr_text();
+  const std::uint64_t mapped_b = mapped_bytes(mapped_pieces(b.pid(), model_));
+  EXPECT_EQ(vm_lck(b.pid()).value_or(0), mapped_b) << "the decoding program got the budget\n" << b.stderr_text();
+  EXPECT_EQ(vm_lck(a.pid()).value_or(1), 0u) << "the idle program gave its model back";
+  EXPECT_EQ(count_containing(a.stderr_text(), "asked by process " + std::to_string(b.pid())), 1U) << a.stderr_text();
+
+  // a decodes again while b is busy (used less than a second ago): a is not allowed to take b's
+  // share, so it decodes unwired, with the same tokens.
+  for (int i = 1; i < kTokens; ++i) ASSERT_TRUE(a.send_line());
+  ASSERT_TRUE(a.wait_for("token " + std::to_string(kTokens - 1))) << a.stderr_text();
+  EXPECT_EQ(vm_lck(b.pid()).value_or(0), mapped_b) << "b was busy: nobody may take its share";
+  for (int i = 3; i < kTokens; ++i) ASSERT_TRUE(b.send_line());
+  EXPECT_EQ(a.finish(), 0) << a.stderr_text();
+  EXPECT_EQ(b.finish(), 0) << b.stderr_text();
+  stop = true;
+  sampler.join();
+  EXPECT_EQ(a.tokens(), baseline_tokens_);
+  EXPECT_EQ(b.tokens(), baseline_tokens_);
+  EXPECT_GT(samples.load(), 100u);
+  EXPECT_LE(max_sum.load(), budget) << "the two programs together locked more than the shared budget";
+  EXPECT_GE(count_containing(a.stderr_text(), "shared budget " + name), 1U) << a.stderr_text();
+  EXPECT_FALSE(std::filesystem::exists("/dev/shm/residency-budget-" + name)) << "the last holder removes the ledger";
+  std::cerr << "[ measured ] model " << model_bytes << " bytes, budget " << budget << "; most locked by both at once "
+            << max_sum.load() << " bytes over " << samples.load() << " samples\n";
 }
 
 }  // namespace
