@@ -138,12 +138,13 @@ Manager* device_manager(int dev) noexcept {
     }
     ManagerOptions options;
     options.config = up->config;
-    // The device's memory is the budget: the host's wired limit, memory limit and pressure
-    // settings are about RAM. Each allocation is its own set (llama.cpp's buffers).
+    // The device's memory is the budget: the host's wired limit, memory limit, pressure and
+    // shared budget settings are about RAM. Each allocation is its own set (llama.cpp's buffers).
     options.config.wired_limit.reset();
     options.config.memory_limit.reset();
     options.config.release_on_pressure = false;
     options.config.pressure_floor.reset();
+    options.config.shared_budget.reset();  // RESIDENCY_SHARED_BUDGET is a budget of RAM as well
     options.config.layout = Layout::per_buffer;
     options.config.notes.clear();  // the host session logs them
     options.backend = *backend;
