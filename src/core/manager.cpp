@@ -291,6 +291,9 @@ struct Manager::Impl {
     const auto entries = entries_of(true);
     for (RegionId id : core::choose_evictions(entries, budget.admitted(), shared->held()))
       if (Region* r = regions.find(id)) evict(*r);
+    // Commit the removals now, before request_all(): a backend requests what a set holds as
+    // committed, and would lock the regions just evicted until the next commit.
+    sets.flush(/*request=*/false, [this](const SetOutcome& o, const char* w) { on_failure(o, w); });
     note_shared_short(before - budget.admitted());
   }
 

@@ -495,3 +495,64 @@ TEST(SharedBudgetProcesses, AProcessThatExitsWithoutDestroyingItsManagerLeavesNo
   EXPECT_FALSE(exists(ledger::ledger_path(name))) << "the exiting last holder removes the ledger";
 }
 }  // namespace
+
+namespace {
+// Partial residency: a re-wire that finds only part of its share free wires what fits (the most
+// valuable regions) and leaves the rest tracked but unwired; the process never locks more than
+// the ledger gave it, not even while the regions that do not fit leave their set.
+TEST(SharedBudgetProcesses, ARewireThatDoesNotFitWiresWhatFitsAndNeverMore) {
+  // Regions large enough that locking one takes a while: a lock of a region that does not fit
+  // would be seen by the sampler (about 30 us a sample).
+  constexpr std::uint64_t kRegion = 32 * MiB;
+  if (auto why = ensure_memlock(2 * kRegion)) GTEST_SKIP() << *why;
+  // Both regions fit at first; once another holder takes 4 MiB, only one does.
+  constexpr std::uint64_t kBudget = 2 * kRegion + MiB;
+  const std::string budget = std::to_string(kBudget / MiB) + "MiB";
+  const std::string name = unique_name("partial");
+  auto backend = make_backend("posix");
+  ASSERT_TRUE(backend) << backend.message();
+  void* mem = ::mmap(nullptr, 2 * kRegion, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  ASSERT_NE(mem, MAP_FAILED);
+  std::memset(mem, 1, 2 * kRegion);
+  ManagerOptions o;
+  o.backend = *backend;
+  o.config.keep_alive = KeepAlive::forever();
+  o.config.set_max_pct = 100;  // sharded, one set for both: the partial case is within a set
+  o.config.shared_budget = SharedBudget{name, WiredLimit{false, kBudget, 0}, ""};
+  o.log = [](LogLevel, std::string_view) {};
+  auto m = Manager::create(o);
+  ASSERT_TRUE(m) << m.message();
+  auto hi = (*m)->register_region(mem, kRegion, RegionClass::weights, 1);
+  auto lo = (*m)->register_region(static_cast<char*>(mem) + kRegion, kRegion, RegionClass::weights, 0);
+  ASSERT_TRUE(hi && lo);
+  ASSERT_EQ(vm_lck(), 2 * kRegion);
+  (*m)->release_now();
+  ASSERT_EQ(vm_lck(), 0u);
+  // Another process, of higher priority (never asked by us), takes 4 MiB: one region fits.
+  TempMappedFile f(kHold);
+  ASSERT_TRUE(f.ok());
+  Hold other(path_of(f), {env_budget(name, budget.c_str()), "RESIDENCY_SHARED_PRIORITY=9"});
+  ASSERT_TRUE(other.wait_vm_lck(kHold, 10s)) << other.all();
+  std::atomic<bool> stop{false};
+  std::atomic<std::uint64_t> most{0};
+  std::thread sampler([&] {
+    while (!stop) most = std::max(most.load(), vm_lck());
+  });
+  std::this_thread::sleep_for(20ms);
+  (*m)->touch();  // re-wire: two regions wanted, one fits
+  std::this_thread::sleep_for(20ms);
+  stop = true;
+  sampler.join();
+  const Stats s = (*m)->stats();
+  EXPECT_EQ(vm_lck(), kRegion) << "what fits is wired";
+  EXPECT_LE(most.load(), kRegion) << "this process locked more than the ledger gave it";
+  EXPECT_EQ(s.shared_held, kRegion);
+  EXPECT_EQ(s.pending_bytes, kRegion) << "the rest waits, tracked";
+  EXPECT_GE(s.shared_short, 1u);
+  EXPECT_EQ(other.vm_lck(), kHold) << "the higher priority holder was not asked";
+  ASSERT_TRUE((*m)->unregister_region(*hi));
+  ASSERT_TRUE((*m)->unregister_region(*lo));
+  m->reset();
+  ::munmap(mem, 2 * kRegion);
+}
+}  // namespace
