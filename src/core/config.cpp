@@ -6,6 +6,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <limits>
+#include <vector>
 
 namespace residency {
 namespace {
@@ -14,7 +15,8 @@ namespace {
 // duration can never overflow (llama.cpp's int loop counter overflows past about 124 days).
 constexpr double kMaxKeepAliveSeconds = 100.0 * 365.25 * 24 * 3600;
 // Largest size accepted: 2^63 bytes, so every sum of a few sizes still fits in uint64.
-constexpr double kMaxSizeBytes = 9223372036854775808.0;
+// Values echoed in messages are cut to about this many bytes (see printable()).
+constexpr std::size_t kMaxEchoBytes = 80;
 
 std::string_view trim(std::string_view s) {
   while (!s.empty() && std::isspace(static_cast<unsigned char>(s.front()))) s.remove_prefix(1);
@@ -28,22 +30,67 @@ std::string lower(std::string_view s) {
   return out;
 }
 
-// Reads a decimal number (optional sign, digits, optional fraction) from the front of `s`.
-// Returns false when there is none. Rejects hex, exponents, inf and nan on purpose.
-bool take_number(std::string_view& s, double& out) {
+bool ascii_digit(char c) { return c >= '0' && c <= '9'; }  // not isdigit: no locale's digits
+
+// A decimal number as written: optional sign, digits, optional fraction. Kept as digit strings so
+// that sizes and durations are computed exactly (0.5 B is not silently 0 B, and 0.000...1 s is not
+// silently 0).
+struct Decimal {
+  bool negative = false;
+  std::string whole;     // digits before the point, leading zeros removed
+  std::string fraction;  // digits after the point, trailing zeros removed
+  bool zero() const { return whole.empty() && fraction.empty(); }
+  double value() const {
+    const std::string text = (negative ? "-" : "") + (whole.empty() ? std::string("0") : whole) + "." + fraction + "0";
+    return std::strtod(text.c_str(), nullptr);
+  }
+};
+
+// Reads a decimal number from the front of `s`. Returns false when there is none. Rejects hex,
+// exponents, inf and nan on purpose.
+bool take_number(std::string_view& s, Decimal& out) {
   std::size_t i = 0;
-  if (i < s.size() && (s[i] == '+' || s[i] == '-')) ++i;
+  out = Decimal{};
+  if (i < s.size() && (s[i] == '+' || s[i] == '-')) out.negative = s[i++] == '-';
   std::size_t digits = 0;
-  while (i < s.size() && std::isdigit(static_cast<unsigned char>(s[i]))) ++i, ++digits;
+  const std::size_t whole_start = i;
+  while (i < s.size() && ascii_digit(s[i])) ++i, ++digits;
+  out.whole = std::string(s.substr(whole_start, i - whole_start));
   if (i < s.size() && s[i] == '.') {
-    ++i;
-    while (i < s.size() && std::isdigit(static_cast<unsigned char>(s[i]))) ++i, ++digits;
+    const std::size_t frac_start = ++i;
+    while (i < s.size() && ascii_digit(s[i])) ++i, ++digits;
+    out.fraction = std::string(s.substr(frac_start, i - frac_start));
   }
   if (digits == 0) return false;
-  std::string num(s.substr(0, i));
-  out = std::strtod(num.c_str(), nullptr);
+  out.whole.erase(0, std::min(out.whole.find_first_not_of('0'), out.whole.size()));
+  while (!out.fraction.empty() && out.fraction.back() == '0') out.fraction.pop_back();
   s.remove_prefix(i);
   return true;
+}
+
+// 128-bit arithmetic for exact sizes and durations (GCC and Clang; __extension__ keeps -Wpedantic quiet).
+__extension__ typedef unsigned __int128 u128;
+
+// d x scale exactly, when that is a whole number below `limit`.
+enum class Scaled { ok, too_large, not_whole };
+Scaled scale_exactly(const Decimal& d, std::uint64_t scale, u128 limit, u128& out) {
+  if (d.whole.size() > 20) return Scaled::too_large;  // 10^20 x scale stays far inside 128 bits
+  u128 whole = 0;
+  for (char c : d.whole) whole = whole * 10 + static_cast<unsigned>(c - '0');
+  u128 total = whole * scale;
+  if (total >= limit) return Scaled::too_large;
+  if (!d.fraction.empty()) {
+    // scale < 2^42 and 10^26 < 2^87: the product fits; a longer fraction is no whole number here.
+    if (d.fraction.size() > 26) return Scaled::not_whole;
+    u128 f = 0, ten_k = 1;
+    for (char c : d.fraction) f = f * 10 + static_cast<unsigned>(c - '0'), ten_k *= 10;
+    const u128 product = f * scale;
+    if (product % ten_k != 0) return Scaled::not_whole;
+    total += product / ten_k;
+    if (total >= limit) return Scaled::too_large;
+  }
+  out = total;
+  return Scaled::ok;
 }
 
 std::string take_unit(std::string_view& s) {
@@ -58,12 +105,111 @@ constexpr const char* kKeepAliveForms =
     "a duration with unit (500ms, 180s, 3m, 1h, 1h30m), a bare number of seconds, 0, "
     "forever (or a negative number), off";
 constexpr const char* kSizeForms =
-    "bytes with an optional unit: B, KiB, MiB, GiB, TiB (powers of 1024), KB, MB, GB, TB "
-    "(powers of 1000), K, M, G, T (= KiB...), e.g. 8GiB, 512MB, 1.5G";
+    "a whole number of bytes with an optional unit: B, KiB, MiB, GiB, TiB (powers of 1024), KB, MB, GB, TB "
+    "(powers of 1000), K, M, G, T (= KiB...), e.g. 8GiB, 512MB, 1.5G; at most 2^63 bytes";
 
 Status bad(std::string_view text, const std::string& what, const char* forms) {
-  return Status(ErrorCode::invalid_argument,
-                "\"" + std::string(text) + "\": " + what + "; accepted: " + forms);
+  return Status(ErrorCode::invalid_argument, "\"" + printable(text) + "\": " + what + "; accepted: " + forms);
+}
+
+// A size's value, or why it is none (for messages that name their own accepted forms).
+struct SizeParse {
+  std::uint64_t bytes = 0;
+  std::string why;  // empty: ok
+};
+
+SizeParse parse_size_value(std::string_view text) {
+  std::string_view s = trim(text);
+  if (s.empty()) return {0, "empty"};
+  Decimal d;
+  if (!take_number(s, d)) return {0, "not a number of bytes"};
+  if (d.negative && !d.zero()) return {0, "negative"};
+  while (!s.empty() && s.front() == ' ') s.remove_prefix(1);
+  const std::string unit = take_unit(s);
+  if (!s.empty()) return {0, "unexpected '" + printable(trim(s)) + "' after the " + (unit.empty() ? "number" : "unit")};
+  const std::string u = lower(unit);
+  std::uint64_t scale = 0;
+  if (u.empty() || u == "b") scale = 1;
+  else if (u == "kib" || u == "k") scale = 1ull << 10;
+  else if (u == "mib" || u == "m") scale = 1ull << 20;
+  else if (u == "gib" || u == "g") scale = 1ull << 30;
+  else if (u == "tib" || u == "t") scale = 1ull << 40;
+  else if (u == "kb") scale = 1'000;
+  else if (u == "mb") scale = 1'000'000;
+  else if (u == "gb") scale = 1'000'000'000;
+  else if (u == "tb") scale = 1'000'000'000'000;
+  else return {0, "unknown unit '" + printable(unit) + "'"};
+  u128 bytes = 0;
+  switch (scale_exactly(d, scale, static_cast<u128>(1) << 63, bytes)) {
+    case Scaled::too_large: return {0, "too large: more than 2^63 bytes (8 EiB)"};
+    case Scaled::not_whole: {
+      char buf[64];
+      std::snprintf(buf, sizeof buf, "%.6g", d.value() * static_cast<double>(scale));
+      return {0, std::string("not a whole number of bytes (") + buf + " B)"};
+    }
+    case Scaled::ok: break;
+  }
+  return {static_cast<std::uint64_t>(bytes), ""};
+}
+
+// Keep-alive text; `forms` names what the variable being read accepts.
+Result<KeepAlive> parse_keep_alive_as(std::string_view text, const char* forms) {
+  std::string_view s = trim(text);
+  if (s.empty()) return bad(text, "empty", forms);
+  const std::string l = lower(s);
+  if (l == "off") return KeepAlive::off();
+  if (l == "forever" || l == "inf" || l == "infinite") return KeepAlive::forever();
+
+  // Exact nanoseconds: 100 years is 3.2e18 ns, inside int64.
+  constexpr u128 kLimitNs = static_cast<u128>(kMaxKeepAliveSeconds) * 1'000'000'000u + 1;
+  u128 total_ns = 0;
+  bool negative = false, nonzero = false, first = true;
+  while (!s.empty()) {
+    Decimal d;
+    if (!take_number(s, d)) return bad(text, "not a duration", forms);
+    if (!first && d.negative) return bad(text, "a sign is only allowed at the start", forms);
+    negative = negative || (d.negative && !d.zero());
+    nonzero = nonzero || !d.zero();
+    const std::string unit = lower(take_unit(s));
+    std::uint64_t scale_ns = 0;
+    if (unit.empty()) {
+      if (!first || !s.empty()) return bad(text, "a number without a unit inside a duration", forms);
+      scale_ns = 1'000'000'000;
+    } else if (unit == "ns") {
+      scale_ns = 1;
+    } else if (unit == "us") {
+      scale_ns = 1'000;
+    } else if (unit == "ms") {
+      scale_ns = 1'000'000;
+    } else if (unit == "s" || unit == "sec") {
+      scale_ns = 1'000'000'000;
+    } else if (unit == "m" || unit == "min") {
+      scale_ns = 60'000'000'000;
+    } else if (unit == "h") {
+      scale_ns = 3'600'000'000'000;
+    } else {
+      return bad(text, "unknown unit '" + printable(unit) + "'", forms);
+    }
+    first = false;
+    u128 part = 0;
+    const Scaled r = scale_exactly(d, scale_ns, kLimitNs, part);
+    if (r == Scaled::too_large || total_ns + part >= kLimitNs) {
+      if (negative) return KeepAlive::forever();
+      return bad(text, "too long: more than 100 years (use forever)", forms);
+    }
+    if (r == Scaled::not_whole) {
+      if (negative) return KeepAlive::forever();
+      const bool below_1ns = total_ns == 0 && d.value() * static_cast<double>(scale_ns) < 1.0;
+      return bad(text, below_1ns ? "shorter than 1 ns, but not 0" : "not a whole number of nanoseconds", forms);
+    }
+    total_ns += part;
+  }
+  if (negative) return KeepAlive::forever();
+  if (total_ns == 0) {
+    if (nonzero) return bad(text, "shorter than 1 ns, but not 0", forms);
+    return KeepAlive::zero();
+  }
+  return KeepAlive{KeepAlive::Kind::duration, Nanos(static_cast<std::int64_t>(total_ns))};
 }
 
 }  // namespace
@@ -87,81 +233,12 @@ std::string KeepAlive::to_string() const {
   return buf;
 }
 
-Result<KeepAlive> parse_keep_alive(std::string_view text) {
-  std::string_view s = trim(text);
-  if (s.empty()) return bad(text, "empty", kKeepAliveForms);
-  const std::string l = lower(s);
-  if (l == "off") return KeepAlive::off();
-  if (l == "forever" || l == "inf" || l == "infinite") return KeepAlive::forever();
-
-  double total_s = 0;
-  bool negative = false;
-  bool first = true;
-  while (!s.empty()) {
-    double v = 0;
-    if (!take_number(s, v)) return bad(text, "not a duration", kKeepAliveForms);
-    if (!first && v < 0) return bad(text, "a sign is only allowed at the start", kKeepAliveForms);
-    if (v < 0) negative = true;
-    const std::string unit = lower(take_unit(s));
-    double scale = 0;
-    if (unit.empty()) {
-      if (!first || !s.empty()) return bad(text, "a number without a unit inside a duration", kKeepAliveForms);
-      scale = 1;
-    } else if (unit == "ns") {
-      scale = 1e-9;
-    } else if (unit == "us") {
-      scale = 1e-6;
-    } else if (unit == "ms") {
-      scale = 1e-3;
-    } else if (unit == "s" || unit == "sec") {
-      scale = 1;
-    } else if (unit == "m" || unit == "min") {
-      scale = 60;
-    } else if (unit == "h") {
-      scale = 3600;
-    } else {
-      return bad(text, "unknown unit '" + unit + "'", kKeepAliveForms);
-    }
-    total_s += std::fabs(v) * scale;
-    first = false;
-    if (total_s > kMaxKeepAliveSeconds) {
-      if (negative) return KeepAlive::forever();
-      return bad(text, "longer than 100 years (use forever)", kKeepAliveForms);
-    }
-  }
-  if (negative) return KeepAlive::forever();
-  const auto ns = static_cast<std::int64_t>(std::llround(total_s * 1e9));
-  if (ns == 0) {
-    if (total_s != 0) return bad(text, "shorter than 1 ns", kKeepAliveForms);
-    return KeepAlive::zero();
-  }
-  return KeepAlive{KeepAlive::Kind::duration, Nanos(ns)};
-}
+Result<KeepAlive> parse_keep_alive(std::string_view text) { return parse_keep_alive_as(text, kKeepAliveForms); }
 
 Result<std::uint64_t> parse_size(std::string_view text) {
-  std::string_view s = trim(text);
-  if (s.empty()) return bad(text, "empty", kSizeForms);
-  double v = 0;
-  if (!take_number(s, v)) return bad(text, "not a size", kSizeForms);
-  if (v < 0) return bad(text, "negative", kSizeForms);
-  while (!s.empty() && s.front() == ' ') s.remove_prefix(1);
-  const std::string unit = take_unit(s);
-  if (!s.empty()) return bad(text, "unexpected '" + std::string(s) + "' after the unit", kSizeForms);
-  const std::string u = lower(unit);
-  double scale = 0;
-  if (u.empty() || u == "b") scale = 1;
-  else if (u == "kib" || u == "k") scale = 1024.0;
-  else if (u == "mib" || u == "m") scale = 1024.0 * 1024;
-  else if (u == "gib" || u == "g") scale = 1024.0 * 1024 * 1024;
-  else if (u == "tib" || u == "t") scale = 1024.0 * 1024 * 1024 * 1024;
-  else if (u == "kb") scale = 1e3;
-  else if (u == "mb") scale = 1e6;
-  else if (u == "gb") scale = 1e9;
-  else if (u == "tb") scale = 1e12;
-  else return bad(text, "unknown unit '" + unit + "'", kSizeForms);
-  const double bytes = std::floor(v * scale);
-  if (bytes >= kMaxSizeBytes) return bad(text, "larger than 2^63 bytes", kSizeForms);
-  return static_cast<std::uint64_t>(bytes);
+  const SizeParse p = parse_size_value(text);
+  if (!p.why.empty()) return bad(text, p.why, kSizeForms);
+  return p.bytes;
 }
 
 std::string format_size(std::uint64_t bytes) {
@@ -179,6 +256,64 @@ std::string format_size(std::uint64_t bytes) {
   return buf;
 }
 
+std::string printable(std::string_view value) {
+  // Each input character becomes one piece of output; pieces are never split when shortening.
+  std::vector<std::string> pieces;
+  pieces.reserve(value.size());
+  auto hex = [](unsigned char c) {
+    char buf[8];
+    std::snprintf(buf, sizeof buf, "\\x%02X", c);
+    return std::string(buf);
+  };
+  for (std::size_t i = 0; i < value.size();) {
+    const auto c = static_cast<unsigned char>(value[i]);
+    if (c == '\n') pieces.emplace_back("\\n"), ++i;
+    else if (c == '\r') pieces.emplace_back("\\r"), ++i;
+    else if (c == '\t') pieces.emplace_back("\\t"), ++i;
+    else if (c == '\\') pieces.emplace_back("\\\\"), ++i;
+    else if (c < 0x20 || c == 0x7f) pieces.push_back(hex(c)), ++i;
+    else if (c < 0x80) pieces.emplace_back(1, static_cast<char>(c)), ++i;
+    else {
+      // UTF-8: a well-formed sequence passes, except the C1 controls (U+0080-U+009F: a terminal may
+      // read U+009B as an escape sequence); anything else is escaped byte by byte.
+      const std::size_t n = c >= 0xF0 && c <= 0xF4 ? 4 : c >= 0xE0 && c <= 0xEF ? 3 : c >= 0xC2 && c <= 0xDF ? 2 : 0;
+      bool ok = n != 0 && i + n <= value.size();
+      for (std::size_t k = 1; ok && k < n; ++k) ok = (static_cast<unsigned char>(value[i + k]) & 0xC0) == 0x80;
+      if (ok && n == 2 && c == 0xC2 && static_cast<unsigned char>(value[i + 1]) < 0xA0) ok = false;  // C1
+      if (ok && n == 3 && c == 0xE0 && static_cast<unsigned char>(value[i + 1]) < 0xA0) ok = false;  // overlong
+      if (ok && n == 3 && c == 0xED && static_cast<unsigned char>(value[i + 1]) >= 0xA0) ok = false;  // surrogate
+      if (ok && n == 4 && c == 0xF0 && static_cast<unsigned char>(value[i + 1]) < 0x90) ok = false;  // overlong
+      if (ok && n == 4 && c == 0xF4 && static_cast<unsigned char>(value[i + 1]) >= 0x90) ok = false;  // > U+10FFFF
+      if (ok) {
+        pieces.emplace_back(value.substr(i, n));
+        i += n;
+      } else {
+        pieces.push_back(hex(c));
+        ++i;
+      }
+    }
+  }
+  std::size_t total = 0;
+  for (const auto& p : pieces) total += p.size();
+  if (total <= kMaxEchoBytes) {
+    std::string out;
+    for (const auto& p : pieces) out += p;
+    return out;
+  }
+  // Long: the start and the end (where a path's file name is), and how long it was.
+  std::string head, tail;
+  std::size_t front = 0, back = pieces.size();
+  while (front < back && head.size() + pieces[front].size() <= kMaxEchoBytes * 2 / 3) head += pieces[front++];
+  std::vector<std::string> end_pieces;
+  std::size_t tail_size = 0;
+  while (back > front && tail_size + pieces[back - 1].size() <= kMaxEchoBytes / 3 - 3) {
+    tail_size += pieces[back - 1].size();
+    end_pieces.push_back(pieces[--back]);
+  }
+  for (auto it = end_pieces.rbegin(); it != end_pieces.rend(); ++it) tail += *it;
+  return head + "..." + tail + " (" + std::to_string(value.size()) + " bytes)";
+}
+
 std::uint64_t WiredLimit::resolve(std::uint64_t recommended) const {
   if (!is_percent) return bytes;
   return static_cast<std::uint64_t>(static_cast<double>(recommended) * percent / 100.0);
@@ -194,21 +329,25 @@ std::string WiredLimit::to_string() const {
 Result<WiredLimit> parse_wired_limit(std::string_view text) {
   std::string_view s = trim(text);
   constexpr const char* forms =
-      "a size (8GiB, 512MB, 1073741824) or a percent of the recommended working set (75%)";
+      "a whole number of bytes with a unit (8GiB, 512MB, 1073741824) or a percent of the recommended working set "
+      "(75%)";
   if (!s.empty() && s.back() == '%') {
     std::string_view n = trim(s.substr(0, s.size() - 1));
-    double v = 0;
-    if (!take_number(n, v) || !n.empty()) return bad(text, "not a percent", forms);
-    if (!(v > 0 && v <= 100)) return bad(text, "a percent must be above 0 and at most 100", forms);
+    Decimal d;
+    if (!take_number(n, d) || !n.empty()) return bad(text, "not a percent", forms);
+    const double v = d.value();
+    if (d.negative && !d.zero()) return bad(text, "a percent must be above 0 and at most 100", forms);
+    if (!(v <= 100)) return bad(text, "a percent must be above 0 and at most 100", forms);
+    if (!(v >= 1e-9)) return bad(text, d.zero() ? "a percent must be above 0 and at most 100" : "too small a percent (below 1e-9 %)", forms);
     WiredLimit w;
     w.is_percent = true;
     w.percent = v;
     return w;
   }
-  auto size = parse_size(s);
-  if (!size) return bad(text, "not a size", forms);
+  const SizeParse size = parse_size_value(s);
+  if (!size.why.empty()) return bad(text, size.why, forms);
   WiredLimit w;
-  w.bytes = *size;
+  w.bytes = size.bytes;
   return w;
 }
 
@@ -281,9 +420,9 @@ Result<bool> parse_flag(std::string_view text, const char* forms) {
 
 Result<double> parse_number(std::string_view text) {
   std::string_view s = trim(text);
-  double v = 0;
-  if (!take_number(s, v) || !s.empty()) return bad(text, "not a number", "a decimal number such as 5 or 2.5");
-  return v;
+  Decimal d;
+  if (!take_number(s, d) || !s.empty()) return bad(text, "not a number", "a decimal number such as 5 or 2.5");
+  return d.value();
 }
 
 }  // namespace
@@ -322,20 +461,15 @@ Result<Config> Config::from_env(const EnvLookup& getenv) {
     }
     if (ggml_ka && !off) {
       // llama.cpp reads whole seconds with atoi; we accept a number of seconds, strictly.
-      auto n = parse_number(ggml_ka);
-      if (!n) {
-        fail("GGML_METAL_RESIDENCY_KEEP_ALIVE_S",
-             bad(ggml_ka, "not a number of seconds", "a number of seconds; 0 = release after each use, negative = forever"));
+      constexpr const char* forms = "a number of seconds (0 = release after each use, negative = forever)";
+      if (!parse_number(ggml_ka)) {
+        fail("GGML_METAL_RESIDENCY_KEEP_ALIVE_S", bad(ggml_ka, "not a number of seconds", forms));
+      } else if (auto v = parse_keep_alive_as(ggml_ka, forms)) {
+        c.keep_alive = *v;
+        c.notes.push_back("GGML_METAL_RESIDENCY_KEEP_ALIVE_S=" + printable(ggml_ka) + " read as RESIDENCY_KEEP_ALIVE=" +
+                          v->to_string() + " (unlike llama.cpp, 0 means 0 and text is an error)");
       } else {
-        auto v = parse_keep_alive(std::string(trim(ggml_ka)) + (*n < 0 ? "" : "s"));
-        if (v) {
-          c.keep_alive = *v;
-          c.notes.push_back("GGML_METAL_RESIDENCY_KEEP_ALIVE_S=" + std::string(ggml_ka) +
-                            " read as RESIDENCY_KEEP_ALIVE=" + v->to_string() +
-                            " (unlike llama.cpp, 0 means 0 and text is an error)");
-        } else {
-          fail("GGML_METAL_RESIDENCY_KEEP_ALIVE_S", v.status());
-        }
+        fail("GGML_METAL_RESIDENCY_KEEP_ALIVE_S", v.status());
       }
     } else if (ggml_ka) {
       c.notes.push_back("GGML_METAL_RESIDENCY_KEEP_ALIVE_S is ignored: GGML_METAL_NO_RESIDENCY is set");
@@ -370,12 +504,10 @@ Result<Config> Config::from_env(const EnvLookup& getenv) {
     if (w) c.pressure_floor = *w; else fail("RESIDENCY_PRESSURE_FLOOR", w.status());
   }
   if (const char* v = get("RESIDENCY_PRESSURE_QUIET")) {
-    auto k = parse_keep_alive(v);
+    constexpr const char* forms = "a duration above 0 with unit (10s, 2m), or a bare number of seconds";
+    auto k = parse_keep_alive_as(v, forms);
     if (k && k->kind == KeepAlive::Kind::duration) c.pressure_quiet = k->duration;
-    else fail("RESIDENCY_PRESSURE_QUIET", k ? Status(ErrorCode::invalid_argument, "\"" + std::string(v) +
-                                                      "\": not a duration; accepted: a duration with unit (10s, 2m), "
-                                                      "or a bare number of seconds, more than 0")
-                                            : k.status());
+    else fail("RESIDENCY_PRESSURE_QUIET", k ? bad(v, "not a duration above 0", forms) : k.status());
   }
   if (const char* v = get("RESIDENCY_SHARED_BUDGET")) {
     auto b = parse_shared_budget(v);

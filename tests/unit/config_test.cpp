@@ -8,6 +8,7 @@
 
 using namespace residency;
 using namespace std::chrono_literals;
+using namespace std::string_literals;
 
 namespace {
 Config::EnvLookup env(std::map<std::string, std::string> vars) {
@@ -272,4 +273,102 @@ TEST(ConfigFromEnv, SharedBudgetAndPriority) {
   EXPECT_NE(bad.message().find("RESIDENCY_SHARED_PRIORITY=\"1.5\": not an integer from -1000 to 1000"), std::string::npos)
       << bad.message();
   EXPECT_EQ(std::count(bad.message().begin(), bad.message().end(), '\n'), 1);
+
+// Issue 13, items 1 and 7: every echoed value is printable and short; errors say why.
+TEST(Printable, EscapesControlCharactersAndKeepsText) {
+  EXPECT_EQ(printable("model.gguf"), "model.gguf");
+  EXPECT_EQ(printable("a\nb"), "a\\nb");
+  EXPECT_EQ(printable("\x1b[2Jx"), "\\x1B[2Jx");
+  EXPECT_EQ(printable("tab\there\r"), "tab\\there\\r");
+  EXPECT_EQ(printable("del\x7f"), "del\\x7F");
+  EXPECT_EQ(printable("back\\slash"), "back\\\\slash");
+  EXPECT_EQ(printable("caf\xc3\xa9 \xe6\x97\xa5"), "caf\xc3\xa9 \xe6\x97\xa5");  // UTF-8 passes
+  EXPECT_EQ(printable("csi\xc2\x9b" "2J"), "csi\\xC2\\x9B2J");                    // C1 control (U+009B)
+  EXPECT_EQ(printable("bad\xff\xc3"), "bad\\xFF\\xC3");                           // not UTF-8
+  const std::string long_value = "/" + std::string(5000, 'a') + "\n/name.gguf";
+  const std::string p = printable(long_value);
+  EXPECT_LE(p.size(), 120u) << p;
+  EXPECT_NE(p.find("name.gguf"), std::string::npos) << "the end (a file name) is kept: " << p;
+  EXPECT_NE(p.find("(5012 bytes)"), std::string::npos) << p;
+  for (char c : p) EXPECT_FALSE(static_cast<unsigned char>(c) < 0x20 || c == 0x7f) << p;
+}
+
+TEST(Printable, ParserMessagesAreOneLineWithoutRawControlCharacters) {
+  const std::string hostile = "1\n\x1b]0;owned\x07s" + std::string(3000, '9');
+  for (const Status& st : {parse_keep_alive(hostile).status(), parse_size(hostile).status(),
+                           parse_wired_limit(hostile).status(), parse_layout(hostile).status(),
+                           parse_log_level(hostile).status()}) {
+    ASSERT_FALSE(st.is_ok());
+    EXPECT_LT(st.message().size(), 600u) << st.message();
+    for (char c : st.message()) ASSERT_FALSE(static_cast<unsigned char>(c) < 0x20 || c == 0x7f) << st.message();
+  }
+  auto c = Config::from_env(env({{"RESIDENCY_KEEP_ALIVE", hostile}, {"RESIDENCY_LOG", "a\nb"}}));
+  ASSERT_FALSE(c.is_ok());
+  EXPECT_EQ(std::count(c.message().begin(), c.message().end(), '\n'), 1) << "one line per variable: " << c.message();
+}
+
+TEST(SizeParse, ExactWholeBytesAndWhyNot) {
+  EXPECT_EQ(*parse_size("0.3GB"), 300'000'000u);  // exact, where a double gives 299999999.99...
+  EXPECT_EQ(*parse_size("1.5GiB"), 3ull << 29);
+  EXPECT_EQ(*parse_size("0.5KiB"), 512u);
+  EXPECT_EQ(*parse_size("000012"), 12u);
+  EXPECT_EQ(*parse_size("9223372036854775807"), 9223372036854775807ull);
+  struct Case {
+    const char* text;
+    const char* why;
+  } bad[] = {
+      {"0.5", "not a whole number of bytes (0.5 B)"},
+      {"1.1KiB", "not a whole number of bytes (1126.4 B)"},
+      {"0.0000000000000000000000000000001", "not a whole number of bytes"},
+      {"9223372036854775808", "too large: more than 2^63 bytes"},
+      {"99999999999T", "too large"},
+      {"1000000000000000000000000000000000000000GiB", "too large"},
+      {"8XB", "unknown unit 'XB'"},
+      {"12 GiB extra", "unexpected 'extra' after the unit"},
+      {"\xef\xbc\x91\xef\xbc\x92", "not a number of bytes"},  // fullwidth digits
+      {"\xd9\xa3", "not a number of bytes"},                  // Arabic-Indic three
+      {"-4K", "negative"},
+  };
+  for (const auto& c : bad) {
+    auto r = parse_size(c.text);
+    ASSERT_FALSE(r.is_ok()) << c.text;
+    EXPECT_NE(r.message().find(c.why), std::string::npos) << c.text << ": " << r.message();
+  }
+}
+
+TEST(WiredLimitParse, AFractionOfAByteIsRefusedNotZero) {
+  auto r = parse_wired_limit("0.5");
+  ASSERT_FALSE(r.is_ok()) << "0.5 became " << r->bytes << " bytes";
+  EXPECT_NE(r.message().find("not a whole number of bytes"), std::string::npos) << r.message();
+  EXPECT_NE(parse_wired_limit("99999999999999999999999GiB").message().find("too large"), std::string::npos);
+  auto c = Config::from_env(env({{"RESIDENCY_WIRED_LIMIT", "0.5"}}));
+  ASSERT_FALSE(c.is_ok());
+  EXPECT_NE(c.message().find("RESIDENCY_WIRED_LIMIT=\"0.5\": not a whole number of bytes"), std::string::npos) << c.message();
+}
+
+TEST(KeepAliveParse, TinyAndHugeValuesAreRefusedNotRounded) {
+  const std::string tiny = "0." + std::string(400, '0') + "1";
+  auto t = parse_keep_alive(tiny);
+  ASSERT_FALSE(t.is_ok()) << "became " << t->to_string();
+  EXPECT_NE(t.message().find("shorter than 1 ns, but not 0"), std::string::npos) << t.message();
+  EXPECT_NE(parse_keep_alive("0.5ns").message().find("shorter than 1 ns"), std::string::npos);
+  EXPECT_NE(parse_keep_alive("1.5ns").message().find("not a whole number of nanoseconds"), std::string::npos);
+  EXPECT_NE(parse_keep_alive("1" + std::string(400, '0')).message().find("too long: more than 100 years"), std::string::npos);
+  EXPECT_EQ(*parse_keep_alive("-0"), KeepAlive::zero());
+  EXPECT_EQ(*parse_keep_alive("-" + std::string(400, '9')), KeepAlive::forever());
+  EXPECT_EQ(*parse_keep_alive("0.000000001"), KeepAlive::after(1ns));
+  EXPECT_EQ(*parse_keep_alive("1h30m"), KeepAlive::after(90min));
+  EXPECT_FALSE(parse_keep_alive("\xd9\xa3s").is_ok());  // a digit in another script is no digit
+}
+
+TEST(ConfigFromEnv, AnAliasErrorQuotesWhatWasTypedAndOnlyWhatItAccepts) {
+  auto r = Config::from_env(env({{"GGML_METAL_RESIDENCY_KEEP_ALIVE_S", "99999999999999999999"}}));
+  ASSERT_FALSE(r.is_ok());
+  EXPECT_NE(r.message().find("GGML_METAL_RESIDENCY_KEEP_ALIVE_S=\"99999999999999999999\": too long"), std::string::npos)
+      << r.message();
+  EXPECT_EQ(r.message().find("off"), std::string::npos) << "the alias does not accept off: " << r.message();
+  EXPECT_EQ(r.message().find("500ms"), std::string::npos) << "the alias takes seconds only: " << r.message();
+  auto q = Config::from_env(env({{"RESIDENCY_PRESSURE_QUIET", "0"}}));
+  ASSERT_FALSE(q.is_ok());
+  EXPECT_NE(q.message().find("RESIDENCY_PRESSURE_QUIET=\"0\": not a duration above 0"), std::string::npos) << q.message();
 }
