@@ -50,9 +50,9 @@ struct KeepAlive {
 // A value the user gave (a variable's value, an argument, a path) as messages quote it: control
 // characters escaped (\n, \t, \x1B; also DEL, the C1 controls and bytes that are not UTF-8, and
 // the backslash itself), so that no value can split a message into several lines or drive the
-// terminal; a value longer than about 80 bytes is shortened to its start and end with its length.
-// Every message of the library and the tool that echoes a user's value goes through this.
-std::string printable(std::string_view value);
+// terminal; a value longer than `max_bytes` (default 80) is shortened to its start and end, with its
+// length. Every message of the library and the tool that echoes a user's value goes through this.
+std::string printable(std::string_view value, std::size_t max_bytes = 80);
 
 // Accepted: a number with unit ns, us, ms, s, m, h (e.g. "500ms", "180s", "3m", "1.5h"); a
 // bare number = seconds; "0"; "forever" or any negative number; "off". Durations up to 100

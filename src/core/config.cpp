@@ -1,6 +1,7 @@
 // Strict parsing of keep-alive values, sizes and the RESIDENCY_* environment.
 #include "residency/config.hpp"
 
+#include <algorithm>
 #include <cctype>
 #include <cmath>
 #include <cstdio>
@@ -15,8 +16,6 @@ namespace {
 // duration can never overflow (llama.cpp's int loop counter overflows past about 124 days).
 constexpr double kMaxKeepAliveSeconds = 100.0 * 365.25 * 24 * 3600;
 // Largest size accepted: 2^63 bytes, so every sum of a few sizes still fits in uint64.
-// Values echoed in messages are cut to about this many bytes (see printable()).
-constexpr std::size_t kMaxEchoBytes = 80;
 
 std::string_view trim(std::string_view s) {
   while (!s.empty() && std::isspace(static_cast<unsigned char>(s.front()))) s.remove_prefix(1);
@@ -256,7 +255,7 @@ std::string format_size(std::uint64_t bytes) {
   return buf;
 }
 
-std::string printable(std::string_view value) {
+std::string printable(std::string_view value, std::size_t max_bytes) {
   // Each input character becomes one piece of output; pieces are never split when shortening.
   std::vector<std::string> pieces;
   pieces.reserve(value.size());
@@ -295,7 +294,8 @@ std::string printable(std::string_view value) {
   }
   std::size_t total = 0;
   for (const auto& p : pieces) total += p.size();
-  if (total <= kMaxEchoBytes) {
+  max_bytes = std::max<std::size_t>(max_bytes, 24);
+  if (total <= max_bytes) {
     std::string out;
     for (const auto& p : pieces) out += p;
     return out;
@@ -303,10 +303,10 @@ std::string printable(std::string_view value) {
   // Long: the start and the end (where a path's file name is), and how long it was.
   std::string head, tail;
   std::size_t front = 0, back = pieces.size();
-  while (front < back && head.size() + pieces[front].size() <= kMaxEchoBytes * 2 / 3) head += pieces[front++];
+  while (front < back && head.size() + pieces[front].size() <= max_bytes * 2 / 3) head += pieces[front++];
   std::vector<std::string> end_pieces;
   std::size_t tail_size = 0;
-  while (back > front && tail_size + pieces[back - 1].size() <= kMaxEchoBytes / 3 - 3) {
+  while (back > front && tail_size + pieces[back - 1].size() <= max_bytes / 3 - 3) {
     tail_size += pieces[back - 1].size();
     end_pieces.push_back(pieces[--back]);
   }

@@ -1,8 +1,13 @@
 // CleanupRegistry and TempDir (see cleanup.hpp).
 #include "workload/cleanup.hpp"
 
+#include <stdio.h>  // renameat2
+
+#include <dirent.h>
+#include <fcntl.h>
 #include <signal.h>
 #include <stdlib.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -10,7 +15,12 @@
 #include <climits>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <mutex>
+
+#include "residency/config.hpp"
+#include <random>
+#include <sstream>
 
 namespace residency::workload {
 namespace {
@@ -49,18 +59,35 @@ extern "C" void remove_on_signal(int sig) {
 
 }  // namespace
 
+const std::vector<int>& CleanupRegistry::signals() {
+  // Every signal whose default action ends the process without a core dump, and SIGQUIT: the
+  // ways a user, a pipe (`| head`) or a job controller ends a run. Crash signals (SIGSEGV, SIGBUS,
+  // SIGABRT ...) are left to their defaults and sanitizers: the next run removes what they leave.
+  static const std::vector<int> s = {SIGINT,  SIGTERM,   SIGHUP,  SIGQUIT, SIGPIPE, SIGUSR1, SIGUSR2,
+                                     SIGALRM, SIGVTALRM, SIGPROF, SIGXCPU, SIGXFSZ, SIGPOLL};
+  return s;
+}
+
 void CleanupRegistry::install_signal_handlers() {
   std::call_once(g_install_once, [] {
-    for (int sig : {SIGINT, SIGTERM, SIGHUP}) {
+    for (int sig : signals()) {
       struct sigaction old {};
       if (sigaction(sig, nullptr, &old) != 0) continue;
       if (old.sa_handler == SIG_IGN) continue;  // e.g. nohup: the user asked not to be interrupted
+      if (old.sa_handler != SIG_DFL) continue;  // someone else's handler (a test framework, an engine)
       struct sigaction sa {};
       sa.sa_handler = remove_on_signal;
       sigemptyset(&sa.sa_mask);
       sigaction(sig, &sa, nullptr);
     }
   });
+}
+
+void CleanupRegistry::reset_signals_in_child() {
+  for (int sig : signals()) {
+    struct sigaction old {};
+    if (sigaction(sig, nullptr, &old) == 0 && old.sa_handler == remove_on_signal) signal(sig, SIG_DFL);
+  }
 }
 
 int CleanupRegistry::add(const std::string& path) {
@@ -82,23 +109,169 @@ void CleanupRegistry::forget(int slot) {
 
 void CleanupRegistry::set_child(pid_t pid) { g_child.store(pid); }
 
+namespace {
+
+// Field 22 of /proc/<pid>/stat (after the command name, which may hold spaces and parentheses).
+std::optional<unsigned long long> start_time(const std::string& pid) {
+  std::ifstream f("/proc/" + pid + "/stat");
+  if (!f) return std::nullopt;
+  std::string line;
+  std::getline(f, line);
+  const std::size_t close = line.rfind(')');
+  if (close == std::string::npos) return std::nullopt;
+  std::istringstream in(line.substr(close + 1));
+  std::string field;
+  for (int i = 3; i <= 22; ++i) {
+    if (!(in >> field)) return std::nullopt;
+  }
+  try {
+    return std::stoull(field);
+  } catch (...) {
+    return std::nullopt;
+  }
+}
+
+bool all_digits(std::string_view s) {
+  return !s.empty() && s.size() <= 20 && s.find_first_not_of("0123456789") == std::string_view::npos;
+}
+
+}  // namespace
+
+std::string owner_tag() {
+  const std::string pid = std::to_string(getpid());
+  const auto start = start_time("self");
+  return pid + "." + (start ? std::to_string(*start) : std::string("0"));
+}
+
+std::optional<std::string> owner_tag_in(std::string_view name) {
+  const std::size_t dot = name.find('.');
+  if (dot == std::string_view::npos) return std::nullopt;
+  std::size_t end = name.find('-', dot);
+  if (end == std::string_view::npos) end = name.size();
+  if (!all_digits(name.substr(0, dot)) || !all_digits(name.substr(dot + 1, end - dot - 1))) return std::nullopt;
+  return std::string(name.substr(0, end));
+}
+
+bool owner_alive(std::string_view tag) {
+  const std::size_t dot = tag.find('.');
+  if (dot == std::string_view::npos) return true;
+  const std::string pid(tag.substr(0, dot));
+  if (!all_digits(pid)) return true;
+  if (::access("/proc/self/stat", R_OK) != 0) {  // no /proc: only whether the pid exists
+    long long n = 0;
+    try {
+      n = std::stoll(pid);
+    } catch (...) {
+      return true;
+    }
+    return n > 0 && n <= INT_MAX && (kill(static_cast<pid_t>(n), 0) == 0 || errno == EPERM);
+  }
+  const auto start = start_time(pid);
+  if (!start) return false;  // no such process
+  return std::to_string(*start) == tag.substr(dot + 1);
+}
+
+int remove_dead_leftovers(const std::string& parent, const std::string& prefix) {
+  const int pfd = ::open(parent.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (pfd < 0) return 0;
+  DIR* d = fdopendir(::dup(pfd));
+  if (!d) {
+    ::close(pfd);
+    return 0;
+  }
+  std::vector<std::string> dead;
+  while (const dirent* e = readdir(d)) {
+    const std::string_view name = e->d_name;
+    if (name.substr(0, prefix.size()) != prefix) continue;
+    const auto tag = owner_tag_in(name.substr(prefix.size()));
+    if (tag && !owner_alive(*tag)) dead.emplace_back(name);
+  }
+  closedir(d);
+  int removed = 0;
+  for (const auto& name : dead) {
+    struct stat st {};
+    if (fstatat(pfd, name.c_str(), &st, AT_SYMLINK_NOFOLLOW) != 0 || st.st_uid != geteuid()) continue;
+    if (S_ISREG(st.st_mode)) {
+      removed += unlinkat(pfd, name.c_str(), 0) == 0;
+      continue;
+    }
+    if (!S_ISDIR(st.st_mode)) continue;
+    // Opened without following a link, and checked again through the descriptor: what is removed
+    // is what was checked, whatever is renamed meanwhile.
+    const int dfd = openat(pfd, name.c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+    if (dfd < 0) continue;
+    struct stat dst {};
+    if (fstat(dfd, &dst) != 0 || dst.st_uid != geteuid() || dst.st_ino != st.st_ino) {
+      ::close(dfd);
+      continue;
+    }
+    DIR* inner = fdopendir(dfd);
+    if (!inner) {
+      ::close(dfd);
+      continue;
+    }
+    while (const dirent* e = readdir(inner)) {
+      const std::string_view n = e->d_name;
+      if (n == "." || n == "..") continue;
+      struct stat fst {};
+      if (fstatat(dirfd(inner), e->d_name, &fst, AT_SYMLINK_NOFOLLOW) == 0 && !S_ISDIR(fst.st_mode)) {
+        unlinkat(dirfd(inner), e->d_name, 0);
+      }
+    }
+    closedir(inner);
+    removed += unlinkat(pfd, name.c_str(), AT_REMOVEDIR) == 0;
+  }
+  ::close(pfd);
+  return removed;
+}
+
+Status check_writable(const std::string& dir, std::uint64_t bytes, const std::string& what) {
+  auto fail = [&](int err) {
+    const char* name = strerrorname_np(err);
+    return Status(err == ENOSPC ? ErrorCode::limit_exceeded : ErrorCode::permission_denied,
+                  what + ": cannot write there: " + std::strerror(err) + (name ? std::string(" (") + name + ")" : "") +
+                      (err == ENOSPC ? "; free some space or choose another directory" : ""));
+  };
+  const std::string probe = dir + "/.residency-probe-" + owner_tag();
+  const int fd = ::open(probe.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0600);
+  if (fd < 0) return fail(errno);
+  const int slot = CleanupRegistry::add(probe);
+  int err = 0;
+  std::vector<char> zeros(64 << 10, 0);
+  for (std::uint64_t done = 0; err == 0 && done < bytes;) {
+    const ssize_t n = ::write(fd, zeros.data(), static_cast<std::size_t>(std::min<std::uint64_t>(zeros.size(), bytes - done)));
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) err = errno;
+    else done += static_cast<std::uint64_t>(n);
+  }
+  if (err == 0 && ::fsync(fd) != 0) err = errno;
+  ::close(fd);
+  ::unlink(probe.c_str());
+  CleanupRegistry::forget(slot);
+  if (err != 0) return fail(err);
+  return {};
+}
+
 Result<TempDir> TempDir::create(const std::string& parent, const std::string& prefix) {
-  std::string tmpl = parent + "/" + prefix + "XXXXXX";
+  remove_dead_leftovers(parent, prefix);
+  std::string tmpl = parent + "/" + prefix + owner_tag() + "-XXXXXX";
   std::vector<char> buf(tmpl.begin(), tmpl.end());
   buf.push_back('\0');
   if (mkdtemp(buf.data()) == nullptr) {
     return Status(ErrorCode::io_error,
-                  "cannot create a temporary directory in " + parent + ": " + std::strerror(errno) +
+                  "cannot create a temporary directory in " + printable(parent) + ": " + std::strerror(errno) +
                       " (set TMPDIR to a writable directory)");
   }
   TempDir d;
   d.path_ = buf.data();
+  d.parent_ = parent;
+  d.prefix_ = prefix;
   d.dir_slot_ = CleanupRegistry::add(d.path_);
   return d;
 }
 
 TempDir::TempDir(TempDir&& o) noexcept
-    : path_(std::move(o.path_)), tracked_(std::move(o.tracked_)), dir_slot_(o.dir_slot_), keep_(o.keep_) {
+    : path_(std::move(o.path_)), parent_(std::move(o.parent_)), prefix_(std::move(o.prefix_)), tracked_(std::move(o.tracked_)), dir_slot_(o.dir_slot_), keep_(o.keep_) {
   o.path_.clear();
   o.tracked_.clear();
   o.dir_slot_ = -1;
@@ -138,7 +311,28 @@ void TempDir::remove(const std::string& name) {
 }
 
 void TempDir::keep() {
+  if (keep_) return;
   keep_ = true;
+  // Drop the owner tag from the name: <prefix>XXXXXX, never replacing anything.
+  static constexpr char kChars[] = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789";
+  std::random_device rd;
+  for (int attempt = 0; attempt < 100; ++attempt) {
+    std::string name = prefix_;
+    for (int i = 0; i < 6; ++i) name += kChars[rd() % (sizeof kChars - 1)];
+    const std::string target = parent_ + "/" + name;
+    int rc = renameat2(AT_FDCWD, path_.c_str(), AT_FDCWD, target.c_str(), RENAME_NOREPLACE);
+    if (rc != 0 && (errno == EINVAL || errno == ENOSYS)) {  // a filesystem without RENAME_NOREPLACE
+      struct stat st {};
+      if (lstat(target.c_str(), &st) == 0) continue;
+      rc = std::rename(path_.c_str(), target.c_str());
+    }
+    if (rc == 0) {
+      path_ = target;
+      break;
+    }
+    if (errno != EEXIST) break;  // the tagged name stays (a later run would take it for a leftover
+                                 // once this process is gone); renaming in place does not fail so
+  }
   for (auto& [file, slot] : tracked_) CleanupRegistry::forget(slot);
   tracked_.clear();
   CleanupRegistry::forget(dir_slot_);

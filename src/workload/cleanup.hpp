@@ -1,5 +1,8 @@
 // Files the benchmark creates are removed on every way out: normal return, error, exception,
-// and SIGINT / SIGTERM / SIGHUP.
+// and every signal whose default action ends the process and that a handler can catch (SIGINT,
+// SIGTERM, SIGHUP, SIGQUIT, SIGPIPE from `| head`, SIGUSR1, SIGALRM, ...). What SIGKILL (or a
+// crash) leaves is recognised by its name, which carries its owner (pid and start time), and
+// removed by the next run once that owner is gone.
 //
 // A 1 GiB model left in /tmp by an interrupted benchmark is the kind of mess a user finds weeks
 // later. RAII covers returns and exceptions; a signal needs a handler, and a handler may only make
@@ -11,7 +14,9 @@
 
 #include <sys/types.h>
 
+#include <optional>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -31,13 +36,40 @@ class CleanupRegistry {
   static void forget(int slot);
   // The child process to kill on a signal (0: none).
   static void set_child(pid_t pid);
+  // In a child after fork(): every signal the handlers catch back to its default action.
+  static void reset_signals_in_child();
+  // The signals the handlers catch.
+  static const std::vector<int>& signals();
 };
+
+// This process as temporary names carry it: "<pid>.<start time>" (clock ticks after boot, from
+// /proc/self/stat), so that a later run can tell a dead owner from a live one, and a reused pid
+// from the process that made the name.
+std::string owner_tag();
+// Whether the process `tag` names (an owner_tag() of some process) is still running. Unsure
+// (no /proc) counts as running.
+bool owner_alive(std::string_view tag);
+// The owner tag at the start of `name` ("<pid>.<start>" followed by '-' or the end), if any.
+std::optional<std::string> owner_tag_in(std::string_view name);
+// Removes, inside `parent`, the leftovers of dead runs: directories named <prefix><tag>-* and
+// files named <prefix><tag>-* whose owner is dead and that belong to this user. A directory's
+// plain files are removed with it (never anything below a subdirectory, never through a symbolic
+// link). Returns how many were removed.
+int remove_dead_leftovers(const std::string& parent, const std::string& prefix);
+
+// Whether `dir` (an existing directory) takes `bytes` of new files: a probe file of that size is
+// written, synced and removed, so that a read-only filesystem (EROFS), a full one (ENOSPC) or a
+// directory without permission (EACCES, also for root on a root-squashed mount) is found before a
+// long run rather than after it. The error names `what` (e.g. "--out DIR"), the reason and errno's
+// name.
+Status check_writable(const std::string& dir, std::uint64_t bytes, const std::string& what);
 
 // A directory made with mkdtemp, removed with its contents when the object dies, unless keep()
 // is called. Files created inside should be announced with track() so a signal removes them too.
 class TempDir {
  public:
-  // Creates <parent>/<prefix>XXXXXX.
+  // Creates <parent>/<prefix><owner tag>-XXXXXX, after removing what dead runs left there under
+  // the same prefix.
   static Result<TempDir> create(const std::string& parent, const std::string& prefix);
   TempDir(TempDir&& o) noexcept;
   TempDir& operator=(TempDir&&) = delete;
@@ -50,12 +82,15 @@ class TempDir {
   std::string track(const std::string& name);
   // Removes one tracked file now.
   void remove(const std::string& name);
-  // Keep the directory and what is in it; nothing is removed any more.
+  // Keep the directory and what is in it; nothing is removed any more. The directory loses its
+  // owner tag (renamed to <prefix>XXXXXX), so that no later run mistakes it for a leftover:
+  // path() changes.
   void keep();
 
  private:
   TempDir() = default;
   std::string path_;
+  std::string parent_, prefix_;
   std::vector<std::pair<std::string, int>> tracked_;  // (full path, slot)
   int dir_slot_ = -1;
   bool keep_ = false;

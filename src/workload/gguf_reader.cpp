@@ -12,6 +12,7 @@
 #include <unordered_set>
 #include <utility>
 
+#include "residency/config.hpp"
 #include "workload/gguf.hpp"
 
 namespace residency::workload {
@@ -378,7 +379,7 @@ Result<GgmlType> parse_model_type(std::string_view text) {
   if (lower == "bf16") return GgmlType::bf16;
   if (lower == "q8_0") return GgmlType::q8_0;
   return Status(ErrorCode::invalid_argument,
-                "unknown model type '" + std::string(text) + "'; accepted: f32, f16, bf16, q8_0");
+                "unknown model type '" + printable(text) + "'; accepted: f32, f16, bf16, q8_0");
 }
 
 std::string_view to_string(GgufValueType t) noexcept {
@@ -619,12 +620,12 @@ Result<GgufModel> parse_gguf(std::span<const std::uint8_t> bytes, std::string_vi
   try {
     return parse(c);
   } catch (const ParseError& e) {
-    return Status(ErrorCode::invalid_argument, std::string(source) + ": byte " +
+    return Status(ErrorCode::invalid_argument, printable(source) + ": byte " +
                                                    std::to_string(e.offset) + " (" + e.field +
                                                    "): " + e.what);
   } catch (const std::bad_alloc&) {
     return Status(ErrorCode::out_of_memory,
-                  std::string(source) + ": not enough memory to hold the file's metadata");
+                  printable(source) + ": not enough memory to hold the file's metadata");
   }
 }
 
@@ -664,24 +665,24 @@ Result<GgufFile> GgufFile::open(const std::string& path) {
   if (f.fd_ < 0) {
     const int err = errno;
     return Status(err == ENOENT ? ErrorCode::not_found : ErrorCode::io_error,
-                  path + ": cannot open: " + std::strerror(err));
+                  printable(path) + ": cannot open: " + std::strerror(err));
   }
   struct stat st {};
   if (fstat(f.fd_, &st) != 0) {
-    return Status(ErrorCode::io_error, path + ": cannot stat: " + std::strerror(errno));
+    return Status(ErrorCode::io_error, printable(path) + ": cannot stat: " + std::strerror(errno));
   }
   if (!S_ISREG(st.st_mode)) {
-    return Status(ErrorCode::invalid_argument, path + ": not a regular file (expected a .gguf model file)");
+    return Status(ErrorCode::invalid_argument, printable(path) + ": not a regular file (expected a .gguf model file)");
   }
   if (st.st_size == 0) {
-    return Status(ErrorCode::invalid_argument, path + ": the file is empty, not a GGUF model");
+    return Status(ErrorCode::invalid_argument, printable(path) + ": the file is empty, not a GGUF model");
   }
   f.size_ = static_cast<std::size_t>(st.st_size);
   void* p = mmap(nullptr, f.size_, PROT_READ, MAP_SHARED, f.fd_, 0);
   if (p == MAP_FAILED) {
     const int err = errno;
     f.size_ = 0;
-    return Status(ErrorCode::io_error, path + ": cannot map " + std::to_string(st.st_size) +
+    return Status(ErrorCode::io_error, printable(path) + ": cannot map " + std::to_string(st.st_size) +
                                            " bytes: " + std::strerror(err));
   }
   f.data_ = static_cast<const std::uint8_t*>(p);

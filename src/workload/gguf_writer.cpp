@@ -2,6 +2,7 @@
 #include <fcntl.h>
 #include <sys/stat.h>
 #include <sys/statvfs.h>
+#include <stdio.h>  // renameat2
 #include <unistd.h>
 
 #include <algorithm>
@@ -9,10 +10,14 @@
 #include <cerrno>
 #include <cmath>
 #include <cstring>
+#include <filesystem>
 #include <mutex>
 #include <thread>
 
 #include "workload/gguf_writer.hpp"
+
+#include "residency/config.hpp"
+#include "workload/cleanup.hpp"
 #include "workload/half.hpp"
 
 namespace residency::workload {
@@ -88,7 +93,7 @@ Status pwrite_all(int fd, const std::uint8_t* p, std::uint64_t n, std::uint64_t 
       if (errno == EINTR) continue;
       const int err = errno;
       return Status(err == ENOSPC ? ErrorCode::out_of_memory : ErrorCode::io_error,
-                    path + ": write at byte " + std::to_string(off) + " failed: " + std::strerror(err) +
+                    printable(path) + ": write at byte " + std::to_string(off) + " failed: " + std::strerror(err) +
                         (err == ENOSPC ? " (the disk is full; free space or choose another directory)" : ""));
     }
     p += w;
@@ -205,22 +210,33 @@ Result<GgufLayout> GgufBuilder::layout() const {
   return l;
 }
 
-Status write_gguf_file(const std::string& path, const GgufLayout& layout, const TensorFill& fill,
+Status write_gguf_file(const std::string& final_path, const GgufLayout& layout, const TensorFill& fill,
                        unsigned threads, bool overwrite) {
-  const int flags = O_WRONLY | O_CREAT | O_CLOEXEC | (overwrite ? O_TRUNC : O_EXCL);
-  const int fd = ::open(path.c_str(), flags, 0644);
+  // Written under a temporary name beside the target and renamed when complete, so that no
+  // interrupted write (a signal, SIGKILL, a full disk) leaves a file under the name that looks
+  // like a model. The temporary name carries its owner; what a killed writer left is removed here.
+  const std::filesystem::path target(final_path);
+  const std::string dir = target.has_parent_path() ? target.parent_path().string() : ".";
+  const std::string partial_prefix = "." + target.filename().string() + ".partial-";
+  remove_dead_leftovers(dir, partial_prefix);
+  struct stat existing {};
+  if (!overwrite && ::lstat(final_path.c_str(), &existing) == 0) {
+    return Status(ErrorCode::invalid_argument,
+                  printable(final_path) + ": already exists; choose another name or allow overwriting (--force)");
+  }
+  static std::atomic<unsigned> serial{0};
+  const std::string path = dir + "/" + partial_prefix + owner_tag() + "-" + std::to_string(serial.fetch_add(1));
+  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
   if (fd < 0) {
     const int err = errno;
-    if (err == EEXIST) {
-      return Status(ErrorCode::invalid_argument,
-                    path + ": already exists; choose another name or allow overwriting (--force)");
-    }
     return Status(err == ENOENT ? ErrorCode::not_found : ErrorCode::io_error,
-                  path + ": cannot create: " + std::strerror(err));
+                  printable(final_path) + ": cannot create: " + std::strerror(err));
   }
+  const int slot = CleanupRegistry::add(path);
   auto fail = [&](Status st) {
     ::close(fd);
     ::unlink(path.c_str());
+    CleanupRegistry::forget(slot);
     return st;
   };
   // Reserve the space first, so that a full disk is reported before minutes of writing.
@@ -231,13 +247,13 @@ Status write_gguf_file(const std::string& path, const GgufLayout& layout, const 
 #endif
   if (fa == ENOSPC) {
     return fail(Status(ErrorCode::out_of_memory,
-                       path + ": not enough disk space for " + std::to_string(layout.file_size) +
+                       printable(final_path) + ": not enough disk space for " + std::to_string(layout.file_size) +
                            " bytes; free space or choose another directory"));
   }
   if (fa != 0 && ::ftruncate(fd, static_cast<off_t>(layout.file_size)) != 0) {
-    return fail(Status(ErrorCode::io_error, path + ": cannot size the file: " + std::strerror(errno)));
+    return fail(Status(ErrorCode::io_error, printable(final_path) + ": cannot size the file: " + std::strerror(errno)));
   }
-  if (Status st = pwrite_all(fd, layout.header.data(), layout.header.size(), 0, path); !st) return fail(st);
+  if (Status st = pwrite_all(fd, layout.header.data(), layout.header.size(), 0, final_path); !st) return fail(st);
 
   struct Task {
     std::size_t tensor;
@@ -266,7 +282,7 @@ Status write_gguf_file(const std::string& path, const GgufLayout& layout, const 
       fill(task.tensor, task.first_row, task.rows, buf);
       const std::uint64_t off = layout.data_offset + layout.offsets[task.tensor] +
                                 task.first_row * layout.row_bytes[task.tensor];
-      if (Status st = pwrite_all(fd, buf.data(), n, off, path); !st) {
+      if (Status st = pwrite_all(fd, buf.data(), n, off, final_path); !st) {
         std::lock_guard<std::mutex> g(err_mutex);
         if (!failed.exchange(true)) first_error = st;
         return;
@@ -279,11 +295,29 @@ Status write_gguf_file(const std::string& path, const GgufLayout& layout, const 
   for (auto& th : pool) th.join();
   if (failed.load()) return fail(first_error);
   if (::fdatasync(fd) != 0) {
-    return fail(Status(ErrorCode::io_error, path + ": fdatasync failed: " + std::strerror(errno)));
+    return fail(Status(ErrorCode::io_error, printable(final_path) + ": fdatasync failed: " + std::strerror(errno)));
   }
   if (::close(fd) != 0) {
+    const int err = errno;
     ::unlink(path.c_str());
-    return Status(ErrorCode::io_error, path + ": close failed: " + std::strerror(errno));
+    CleanupRegistry::forget(slot);
+    return Status(ErrorCode::io_error, printable(final_path) + ": close failed: " + std::strerror(err));
+  }
+  int rc = overwrite ? std::rename(path.c_str(), final_path.c_str())
+                     : renameat2(AT_FDCWD, path.c_str(), AT_FDCWD, final_path.c_str(), RENAME_NOREPLACE);
+  if (rc != 0 && !overwrite && (errno == EINVAL || errno == ENOSYS)) {  // no RENAME_NOREPLACE here
+    rc = ::link(path.c_str(), final_path.c_str());
+    if (rc == 0) ::unlink(path.c_str());
+  }
+  const int err = errno;
+  if (rc != 0) ::unlink(path.c_str());
+  CleanupRegistry::forget(slot);
+  if (rc != 0) {
+    if (err == EEXIST) {
+      return Status(ErrorCode::invalid_argument,
+                    printable(final_path) + ": already exists; choose another name or allow overwriting (--force)");
+    }
+    return Status(ErrorCode::io_error, printable(final_path) + ": cannot rename the written file into place: " + std::strerror(err));
   }
   return {};
 }
@@ -293,12 +327,12 @@ Status check_free_space(const std::string& dir, std::uint64_t bytes) {
   if (statvfs(dir.c_str(), &s) != 0) {
     const int err = errno;
     return Status(err == ENOENT ? ErrorCode::not_found : ErrorCode::io_error,
-                  dir + ": " + std::strerror(err));
+                  printable(dir) + ": " + std::strerror(err));
   }
   const std::uint64_t free_bytes = static_cast<std::uint64_t>(s.f_bavail) * s.f_frsize;
   if (free_bytes < bytes) {
     return Status(ErrorCode::limit_exceeded,
-                  dir + " has " + std::to_string(free_bytes >> 20) + " MiB free; the model needs " +
+                  printable(dir) + " has " + std::to_string(free_bytes >> 20) + " MiB free; the model needs " +
                       std::to_string((bytes + (1u << 20) - 1) >> 20) + " MiB (choose a smaller size or another directory)");
   }
   return {};
@@ -397,7 +431,7 @@ Result<LlamaShape> plan_llama_shape(std::uint64_t target, GgmlType type) {
     const std::uint64_t attn = 2 * tb(e * e) + 2 * tb(e * s.n_embd_kv()) + 2 * 4 * e;
     const std::uint64_t fixed = 2 * tb(s.n_vocab * e) + 4 * e + header_estimate(s.n_vocab, e / 32);
     if (target <= fixed) continue;
-    const std::uint64_t layers = (target - fixed) / (attn + 3 * tb(e * ff0));
+    const std::uint64_t layers = std::min(kMaxSyntheticLayers, (target - fixed) / (attn + 3 * tb(e * ff0)));
     if (layers < std::max<std::uint64_t>(1, e / 128)) continue;
     s.n_layer = layers;
     // Widen the feed-forward layers into what the whole layers left over.

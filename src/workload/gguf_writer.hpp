@@ -68,7 +68,10 @@ using TensorFill = std::function<void(std::size_t tensor, std::uint64_t first_ro
 // Writes the file: header, then every tensor (filled in parallel by `threads` threads, 0 = one
 // per core), zero padding between tensors, then fdatasync so that the page cache holds clean
 // pages that memory pressure can drop. With `overwrite` false an existing file is an error.
-// On any failure the partial file is removed.
+// The file is written as `.<name>.partial-<owner tag>-N` beside `path` and renamed to `path` only
+// when complete: an interrupted write never leaves a complete-looking file. On any failure, and
+// on the signals of CleanupRegistry (when its handlers are installed), the partial file is
+// removed; one a killed writer left is removed by the next write to the same path.
 Status write_gguf_file(const std::string& path, const GgufLayout& layout, const TensorFill& fill,
                        unsigned threads = 0, bool overwrite = false);
 
@@ -94,6 +97,10 @@ struct LlamaShape {
 // The vocabulary never exceeds llama 2's; smaller models get a smaller one so that the embedding
 // and output matrices stay about a quarter of the file, as in real small models.
 inline constexpr std::uint64_t kMaxSyntheticVocab = 32000;
+// At most this many blocks (Llama 3.1 405B has 126): beyond that the feed-forward layers widen
+// instead, so that planning any size, up to 2^63 bytes, takes a few thousand tensors and well
+// under a second (2000 TiB once planned millions of blocks: 28 s and 5.7 GB before refusing).
+inline constexpr std::uint64_t kMaxSyntheticLayers = 256;
 // The seed `make-model` uses unless told otherwise; the bytes are a function of (shape, seed).
 inline constexpr std::uint64_t kSyntheticSeed = 0x5265736964656e63ull;  // "Residenc"
 

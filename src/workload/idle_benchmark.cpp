@@ -42,26 +42,23 @@ Result<std::vector<Nanos>> parse_pauses(std::string_view text) {
     const std::size_t comma = text.find(',', start);
     const std::string item = trim(text.substr(start, comma == std::string_view::npos ? std::string_view::npos : comma - start));
     ++index;
-    const std::string where = "--pauses '" + std::string(text) + "': item " + std::to_string(index);
+    const std::string where = "--pauses '" + printable(text) + "': item " + std::to_string(index);
     if (item.empty()) return Status(ErrorCode::invalid_argument, where + " is empty; " + accepted);
     std::size_t digits = 0;
     while (digits < item.size() && item[digits] >= '0' && item[digits] <= '9') ++digits;
-    if (digits == 0 || digits > 10) {
-      return Status(ErrorCode::invalid_argument, where + " '" + item + "' is not a non-negative whole number; " + accepted);
+    const std::string shown = " '" + printable(item) + "'";
+    if (digits == 0) {
+      return Status(ErrorCode::invalid_argument, where + shown + " is not a non-negative whole number; " + accepted);
     }
-    const std::int64_t value = std::stoll(item.substr(0, digits));
     const std::string unit = item.substr(digits);
-    std::int64_t ms_value = 0;
-    if (unit.empty() || unit == "ms") {
-      ms_value = value;
-    } else if (unit == "s") {
-      ms_value = value * 1000;
-    } else {
-      return Status(ErrorCode::invalid_argument, where + " '" + item + "' has an unknown unit '" + unit + "'; " + accepted);
+    if (!unit.empty() && unit != "ms" && unit != "s") {
+      return Status(ErrorCode::invalid_argument, where + shown + " has an unknown unit '" + printable(unit) + "'; " + accepted);
     }
-    if (ms_value > kMaxPauseMs) {
-      return Status(ErrorCode::invalid_argument, where + " '" + item + "' is longer than one hour; " + accepted);
-    }
+    const std::string too_long = where + shown + " is longer than one hour (3600000 ms), the longest pause accepted";
+    if (digits > 10) return Status(ErrorCode::invalid_argument, too_long);
+    const std::int64_t value = std::stoll(item.substr(0, digits));
+    const std::int64_t ms_value = unit == "s" ? value * 1000 : value;
+    if (ms_value > kMaxPauseMs) return Status(ErrorCode::invalid_argument, too_long);
     out.push_back(std::chrono::milliseconds(ms_value));
     if (comma == std::string_view::npos) break;
     start = comma + 1;
@@ -112,6 +109,8 @@ class PolicyBlock {
     auto backend = target.policy_backend();
     if (!backend) return backend.status();
     ManagerOptions mo;
+    mo.config = o.config;
+    mo.config.notes.clear();  // shown once by the caller, not once per block
     mo.config.keep_alive = policy.keep_alive;
     mo.config.release_on_pressure = policy.release_on_pressure;
     mo.config.log_level = o.log_level;
@@ -255,9 +254,17 @@ Result<IdleResults> run_idle_benchmark(IdleTarget& target, const IdleBenchmarkOp
         const Stats st = block->manager().stats();
         if (st.wired_bytes < st.tracked_bytes) {
           warned.unwired = true;
+          // Why, from what the manager says (a backend's own warning may have been printed once
+          // per process, long before, or filtered by the log level).
+          const std::string why =
+              st.wired_limit < st.tracked_bytes
+                  ? "the wired limit is " + format_size(st.wired_limit) +
+                        " (RESIDENCY_WIRED_LIMIT, or RLIMIT_MEMLOCK without CAP_IPC_LOCK: ulimit -l)"
+                  : "the backend refused the rest (" + std::to_string(st.wire_failures) +
+                        " failed request(s); RLIMIT_MEMLOCK without CAP_IPC_LOCK is the usual cause: ulimit -l)";
           warn(o, "policy " + policy.name + ": only " + format_size(st.wired_bytes) + " of the " +
-                      format_size(st.tracked_bytes) +
-                      " model could be wired (see the warning above); its column is not what the policy would give");
+                      format_size(st.tracked_bytes) + " model could be wired: " + why +
+                      "; its column is not what the policy would give");
         }
       }
       auto warm = decode(target, *block, policy, o, warned);

@@ -98,6 +98,10 @@ struct IdleBenchmarkOptions {
   // policy that could not wire the model); empty: stderr.
   LogCallback log;
   LogLevel log_level = LogLevel::warn;
+  // What every policy's manager starts from (the RESIDENCY_* environment: wired limit, layout, set
+  // cap, pressure floor and quiet, memory limit). Each policy sets keep_alive and
+  // release_on_pressure; log_level above sets the log level; the target may fix the layout.
+  Config config;
 };
 
 // Runs the whole schedule for every policy on `target` (already prepared). Errors from the target

@@ -1,13 +1,18 @@
 // residency idle's result files (see idle_report.hpp).
 #include "workload/idle_report.hpp"
 
+#include <fcntl.h>
+#include <sys/socket.h>
 #include <sys/utsname.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
+#include <cstring>
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <thread>
@@ -22,31 +27,43 @@ namespace {
 double ms_of(Nanos d) { return static_cast<double>(d.count()) / 1e6; }
 
 Status write_text(const std::string& path, const std::string& text) {
-  std::ofstream f(path, std::ios::trunc);
-  f << text;
-  f.close();
-  if (!f) return Status(ErrorCode::io_error, path + ": cannot write the results file");
+  const int fd = open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  int err = fd < 0 ? errno : 0;
+  for (std::size_t off = 0; fd >= 0 && err == 0 && off < text.size();) {
+    const ssize_t n = write(fd, text.data() + off, text.size() - off);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) err = errno;
+    else off += static_cast<std::size_t>(n);
+  }
+  if (fd >= 0 && close(fd) != 0 && err == 0) err = errno;
+  if (err != 0) {
+    return Status(ErrorCode::io_error, printable(path) + ": cannot write the results file: " + std::strerror(err));
+  }
   return {};
 }
 
-bool on_path(const std::string& program) {
+// The full path of `program` on $PATH, or "".
+std::string find_on_path(const std::string& program) {
   const char* env = std::getenv("PATH");
   const std::string path = env ? env : "/usr/bin:/bin";
   std::size_t start = 0;
   while (start <= path.size()) {
     const std::size_t end = path.find(':', start);
     const std::string dir = path.substr(start, end == std::string::npos ? std::string::npos : end - start);
-    if (!dir.empty() && access((dir + "/" + program).c_str(), X_OK) == 0) return true;
+    if (!dir.empty() && access((dir + "/" + program).c_str(), X_OK) == 0) return dir + "/" + program;
     if (end == std::string::npos) break;
     start = end + 1;
   }
-  return false;
+  return "";
 }
 
-// A gnuplot single-quoted string: '' stands for one quote inside.
+// A gnuplot single-quoted string: '' stands for one quote inside. Nothing else is special inside
+// single quotes except the end of the line, which would end the command and let the rest of the
+// text run as gnuplot commands (system("...")): every string goes through printable() first, so it
+// holds no newline or other control character.
 std::string gp_quote(const std::string& s) {
   std::string out = "'";
-  for (char c : s) out += c == '\'' ? std::string("''") : std::string(1, c);
+  for (char c : printable(s)) out += c == '\'' ? std::string("''") : std::string(1, c);
   return out + "'";
 }
 
@@ -94,13 +111,44 @@ std::string plot_script(const std::string& terminal, const std::string& path, co
   return s + "\n";
 }
 
-// Runs gnuplot with `script` on its standard input; its own messages are kept out of our output.
-bool run_gnuplot(const std::string& script) {
-  FILE* p = popen("gnuplot 2>/dev/null", "w");
-  if (!p) return false;
-  std::fwrite(script.data(), 1, script.size(), p);
-  const int rc = pclose(p);
-  return rc != -1 && WIFEXITED(rc) && WEXITSTATUS(rc) == 0;
+// Runs gnuplot (`program`, a full path) in `dir` with `script` on its standard input, without a
+// shell; its own messages are kept out of our output. The script names its output relative to
+// `dir`, so no path of the user's is ever part of it. A socket rather than a pipe: send() with
+// MSG_NOSIGNAL cannot raise SIGPIPE if gnuplot stops reading.
+bool run_gnuplot(const std::string& program, const std::string& dir, const std::string& script) {
+  int sv[2];
+  if (socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv) != 0) return false;
+  const pid_t pid = fork();
+  if (pid < 0) {
+    close(sv[0]);
+    close(sv[1]);
+    return false;
+  }
+  if (pid == 0) {  // async-signal-safe calls only: the parent has threads
+    if (chdir(dir.c_str()) != 0) _exit(126);
+    const int devnull = open("/dev/null", O_WRONLY | O_CLOEXEC);
+    if (dup2(sv[1], 0) < 0 || devnull < 0 || dup2(devnull, 1) < 0 || dup2(devnull, 2) < 0) _exit(126);
+    char* const argv[] = {const_cast<char*>("gnuplot"), nullptr};
+    execv(program.c_str(), argv);
+    _exit(127);
+  }
+  close(sv[1]);
+  bool sent = true;
+  for (std::size_t off = 0; off < script.size();) {
+    const ssize_t n = send(sv[0], script.data() + off, script.size() - off, MSG_NOSIGNAL);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      sent = false;
+      break;
+    }
+    off += static_cast<std::size_t>(n);
+  }
+  close(sv[0]);
+  int status = 0;
+  while (waitpid(pid, &status, 0) < 0) {
+    if (errno != EINTR) return false;
+  }
+  return sent && WIFEXITED(status) && WEXITSTATUS(status) == 0;
 }
 
 }  // namespace
@@ -165,12 +213,21 @@ Status write_idle_json(const std::string& path, const IdleResults& r, const Idle
 Status write_idle_csv(const std::string& path, const IdleResults& r) { return write_text(path, format_idle_csv(r)); }
 
 std::string write_idle_plot(const std::string& path, const IdleResults& r, const IdleRunInfo& info) {
-  if (!on_path("gnuplot")) return "gnuplot is not installed, so there is no plot (apt-get install gnuplot-nox)";
+  const std::string gnuplot = find_on_path("gnuplot");
+  if (gnuplot.empty()) return "gnuplot is not installed, so there is no plot (apt-get install gnuplot-nox)";
+  const std::filesystem::path p(path);
+  const std::string name = p.filename().string();
+  const std::string dir = p.has_parent_path() ? p.parent_path().string() : ".";
+  // The file name is the program's own (idle.png, llama-idle.png); refuse anything else rather
+  // than put it in a script.
+  if (name.empty() || name.find_first_not_of("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-") != std::string::npos) {
+    return "no plot: the file name '" + printable(name) + "' is not a plain name";
+  }
   for (const char* terminal : {"pngcairo", "png"}) {
-    if (run_gnuplot(plot_script(terminal, path, r, info))) return {};
+    if (run_gnuplot(gnuplot, dir, plot_script(terminal, name, r, info))) return {};
   }
   std::remove(path.c_str());
-  return "gnuplot failed to draw " + path + " (no png terminal?)";
+  return "gnuplot failed to draw " + printable(path) + " (no png terminal?)";
 }
 
 }  // namespace residency::workload

@@ -21,8 +21,6 @@ namespace {
 
 namespace fs = std::filesystem;
 
-constexpr int kMaxIters = 1000;
-constexpr unsigned kMaxThreads = 1024;
 // A synthetic model's size when none is given: 1 GiB reads long enough for pressure to show; the
 // sim models its own model, so its placeholder file only needs to exist.
 constexpr const char* kDefaultModelSize = "1GiB";
@@ -59,7 +57,7 @@ std::string temp_parent_dir(std::string* warning) {
     if (!on_memory_filesystem(c)) return c;
   }
   if (first_writable.empty()) return "/tmp";
-  *warning = first_writable + " is a memory filesystem (tmpfs): the model cannot be evicted there, so pressure "
+  *warning = printable(first_writable) + " is a memory filesystem (tmpfs): the model cannot be evicted there, so pressure "
              "will not show; set TMPDIR to a directory on disk";
   return first_writable;
 }
@@ -87,7 +85,7 @@ class OutputDir {
     std::error_code ec;
     if (fs::is_directory(dir_, ec)) return {};
     if (!fs::create_directory(dir_, ec)) {
-      return Status(ErrorCode::io_error, "--out " + dir_ + ": cannot create the directory: " + ec.message());
+      return Status(ErrorCode::io_error, "--out " + printable(dir_) + ": cannot create the directory: " + ec.message());
     }
     created_dir_ = true;
     dir_slot_ = CleanupRegistry::add(dir_);
@@ -116,59 +114,116 @@ class OutputDir {
 
 IdleRequest idle_demo_request() {
   IdleRequest r;
-  r.keep_alive = "2s";
+  r.keep_alive_default = "2s";
   r.policies = "off,keep-alive";
   return r;
 }
 
 Result<IdleOptions> parse_idle_options(const IdleRequest& a) {
   IdleOptions o;
+  // The environment first: a bad RESIDENCY_* value is bad input even where an option overrides it.
+  Config base;
+  auto env_set = [&a](std::initializer_list<const char*> names) {
+    if (!a.env) return false;
+    for (const char* n : names)
+      if (a.env(n) != nullptr) return true;
+    return false;
+  };
+  if (a.env) {
+    auto c = Config::from_env(a.env);
+    if (!c) return bad(c.message());
+    base = std::move(c).value();
+  }
   const auto backends = idle_backends();
   if (std::find(backends.begin(), backends.end(), a.backend) == backends.end()) {
     std::string accepted;
     for (const auto& b : backends) accepted += (accepted.empty() ? "" : ", ") + b;
-    return bad("unknown backend '" + a.backend + "'; this build accepts: " + accepted);
+    return bad("unknown backend '" + printable(a.backend) + "'; this build accepts: " + accepted);
   }
   o.backend = a.backend;
-  auto ka = parse_keep_alive(a.keep_alive);
-  if (!ka) return bad("--keep-alive: " + ka.message());
-  if (ka->kind != KeepAlive::Kind::duration) {
-    return bad("--keep-alive '" + a.keep_alive +
-               "': the keep-alive policy needs a duration above 0 (e.g. 2s, 180s); policies 0, forever and off are "
-               "named in --policies");
+  // The keep-alive policy's duration: --keep-alive, else the environment's, else the default.
+  const bool env_keep_alive = env_set({"RESIDENCY_KEEP_ALIVE", "GGML_METAL_RESIDENCY_KEEP_ALIVE_S", "GGML_METAL_NO_RESIDENCY"});
+  auto policies = parse_policies(a.policies, std::chrono::seconds(1));  // names first; the duration below
+  if (!policies) return bad("--policies: " + policies.message());
+  const bool uses_keep_alive = std::any_of(policies->begin(), policies->end(),
+                                           [](const IdlePolicy& p) { return p.kind == IdlePolicy::Kind::keep_alive; });
+  KeepAlive ka;
+  if (a.keep_alive) {
+    auto k = parse_keep_alive(*a.keep_alive);
+    if (!k) return bad("--keep-alive: " + k.message());
+    if (k->kind != KeepAlive::Kind::duration) {
+      return bad("--keep-alive '" + printable(*a.keep_alive) +
+                 "': the keep-alive policy needs a duration above 0 (e.g. 2s, 180s); policies 0, forever and off are "
+                 "named in --policies");
+    }
+    if (!uses_keep_alive) o.notes.push_back("--keep-alive is not used: --policies names no keep-alive or pressure-aware policy");
+    ka = *k;
+  } else if (env_keep_alive && uses_keep_alive) {
+    if (base.keep_alive.kind != KeepAlive::Kind::duration) {
+      return bad("the environment's keep-alive (RESIDENCY_KEEP_ALIVE or its alias) is " + base.keep_alive.to_string() +
+                 ": the keep-alive policy needs a duration above 0; give --keep-alive (policies 0, forever and off are "
+                 "named in --policies)");
+    }
+    ka = base.keep_alive;
+  } else {
+    auto k = parse_keep_alive(a.keep_alive_default);
+    if (!k || k->kind != KeepAlive::Kind::duration) return bad("keep-alive default '" + printable(a.keep_alive_default) + "' is not a duration");
+    ka = *k;
   }
-  auto policies = parse_policies(a.policies, ka->duration);
+  policies = parse_policies(a.policies, ka.duration);
   if (!policies) return bad("--policies: " + policies.message());
   o.benchmark.policies = std::move(policies).value();
+  if (env_set({"RESIDENCY_RELEASE_ON_PRESSURE"})) {
+    o.notes.push_back("RESIDENCY_RELEASE_ON_PRESSURE is not used: each column sets its own (the pressure-aware policy "
+                      "releases under pressure, the others do not)");
+  }
   o.benchmark.schedule = llama_idle_schedule();
-  if (!a.pauses.empty()) {
-    auto pauses = parse_pauses(a.pauses);
+  if (a.pauses) {
+    if (a.pauses->find_first_not_of(" \t") == std::string::npos) {
+      return bad("--pauses '" + printable(*a.pauses) +
+                 "': empty; give pauses in milliseconds (e.g. 0,800,1600), or leave the option out for llama-idle's "
+                 "schedule");
+    }
+    auto pauses = parse_pauses(*a.pauses);
     if (!pauses) return bad(pauses.message());
     o.benchmark.schedule.pauses = *pauses;
   }
-  if (a.iters < 1 || a.iters > kMaxIters) return bad("--iters " + std::to_string(a.iters) + ": accepted 1 to 1000");
+  if (a.iters < 1 || a.iters > kIdleMaxIters) {
+    return bad("--iters " + std::to_string(a.iters) + ": accepted 1 to " + std::to_string(kIdleMaxIters));
+  }
   o.benchmark.schedule.iters = a.iters;
-  if (a.threads > kMaxThreads) return bad("--threads " + std::to_string(a.threads) + ": accepted 0 (one per core) to 1024");
+  if (a.threads > kIdleMaxThreads) {
+    return bad("--threads " + std::to_string(a.threads) + ": accepted 0 (one per core) to " + std::to_string(kIdleMaxThreads));
+  }
   if (a.backend != "sim" && (!a.profile.empty() || a.decaying_requests)) {
     return bad("--profile and --decaying-requests apply to --backend sim only");
   }
-  o.pressure_text = !a.pressure.empty() ? a.pressure : (a.backend == "posix" ? "pageout" : "none");
+  o.pressure_text = a.pressure ? *a.pressure : (a.backend == "posix" ? "pageout" : "none");
   auto pressure = parse_pressure(o.pressure_text);
   if (!pressure) return bad("--pressure: " + pressure.message());
   o.benchmark.pressure = *pressure;
-  o.benchmark.log_level = a.verbose ? LogLevel::info : LogLevel::warn;
+  const bool env_log = env_set({"RESIDENCY_LOG", "MLX_RESIDENCY_DEBUG"});
+  o.benchmark.log_level = a.verbose ? std::max(LogLevel::info, env_log ? base.log_level : LogLevel::info)
+                                    : (env_log ? base.log_level : LogLevel::warn);
+  o.benchmark.config = base;
+  for (const auto& note : base.notes) o.notes.push_back(note);
   o.target.threads = a.threads;
   o.target.sim_profile = a.profile;
   o.target.sim_decaying_requests = a.decaying_requests;
   if (!a.model.empty()) {
+    if (a.model_size || a.type) {
+      return bad(std::string(a.model_size ? "--model-size" : "--type") +
+                 " describes the synthetic model, but MODEL was given (" + printable(a.model) +
+                 "); leave out one or the other");
+    }
     o.model_path = a.model;
   } else {
-    auto size = parse_size(!a.model_size.empty() ? a.model_size : (a.backend == "sim" ? kDefaultSimModelSize : kDefaultModelSize));
+    auto size = parse_size(a.model_size ? *a.model_size : (a.backend == "sim" ? kDefaultSimModelSize : kDefaultModelSize));
     if (!size) return bad("--model-size: " + size.message());
-    auto type = parse_model_type(a.type);
+    auto type = parse_model_type(a.type ? *a.type : "f16");
     if (!type) return bad("--type: " + type.message());
     auto shape = plan_llama_shape(*size, *type);
-    if (!shape) return bad(shape.message());
+    if (!shape) return bad("--model-size: " + shape.message());
     o.synthetic = *shape;
   }
   o.out_dir = a.out;
@@ -184,9 +239,9 @@ Result<std::unique_ptr<IdleRun>> IdleRun::create(IdleOptions options) {
   if (!options.model_path.empty()) {
     auto f = GgufFile::open(options.model_path);
     if (!f) return bad(f.message());
-    if (Status st = DecodePass::check(f->model()); !st) return bad(options.model_path + ": " + st.message());
+    if (Status st = DecodePass::check(f->model()); !st) return bad(printable(options.model_path) + ": " + st.message());
     if (pressure.kind != Pressure::Kind::none && on_memory_filesystem(options.model_path)) {
-      run->tmpfs_warning_ = options.model_path +
+      run->tmpfs_warning_ = printable(options.model_path) +
                             " is on a memory filesystem (tmpfs): its pages cannot be evicted, so pressure will not show";
     }
     run->user_model_ = std::move(f).value();
@@ -204,16 +259,27 @@ Result<std::unique_ptr<IdleRun>> IdleRun::create(IdleOptions options) {
   }
   if (!options.out_dir.empty()) {
     std::error_code ec;
+    const std::string shown = "--out " + printable(options.out_dir);
     const fs::path out(options.out_dir);
     const fs::path parent = out.has_parent_path() ? out.parent_path() : fs::path(".");
-    if (fs::exists(out, ec) && !fs::is_directory(out, ec)) return bad("--out " + options.out_dir + ": is not a directory");
+    if (fs::exists(out, ec) && !fs::is_directory(out, ec)) return bad(shown + ": is not a directory");
     if (!fs::exists(out, ec) && !fs::is_directory(parent, ec)) {
-      return bad("--out " + options.out_dir + ": cannot create the directory: " + parent.string() + " does not exist");
+      return bad(shown + ": cannot create the directory: " + printable(parent.string()) + " does not exist");
+    }
+    // Results of a long run must not be lost at its end: the directory takes them, or this says
+    // why now (about 300 bytes a sample in JSON and CSV, and the plot).
+    const std::uint64_t samples = options.benchmark.schedule.pauses.size() * options.benchmark.policies.size() *
+                                  static_cast<std::uint64_t>(options.benchmark.schedule.iters + 1);
+    const std::uint64_t results_bytes = (256u << 10) + 300 * samples;
+    if (Status st = check_writable(fs::is_directory(out, ec) ? out.string() : parent.string(), results_bytes, shown); !st) {
+      return bad(st.message());
     }
   }
   auto target = make_idle_target(options.backend, options.target);
   if (!target) return bad(target.message());
-  if (Status st = (*target)->check_pressure(pressure); !st) return bad("--pressure " + options.pressure_text + ": " + st.message());
+  if (Status st = (*target)->check_pressure(pressure); !st) {
+    return bad("--pressure " + printable(options.pressure_text) + ": " + st.message());
+  }
   run->target_ = std::move(target).value();
   run->options_ = std::move(options);
   return run;
@@ -224,6 +290,7 @@ Result<IdleOutcome> IdleRun::run(IdleReporter& reporter) {
   // ---- from here on, files exist: RAII and the signal handlers remove them ----
   CleanupRegistry::install_signal_handlers();
   if (!tmpfs_warning_.empty()) reporter.warning(tmpfs_warning_);
+  for (const auto& note : o.notes) reporter.note(note);
   std::optional<OutputDir> named;
   if (!o.out_dir.empty()) {
     named.emplace(o.out_dir);
@@ -239,7 +306,7 @@ Result<IdleOutcome> IdleRun::run(IdleReporter& reporter) {
   std::optional<GgufFile> synthetic;
   if (o.synthetic) {
     model_path = work->track("model.gguf");
-    reporter.line("writing a synthetic model to " + model_path + ": " + o.synthetic->to_string());
+    reporter.line("writing a synthetic model to " + printable(model_path, 400) + ": " + o.synthetic->to_string());
     const auto t0 = std::chrono::steady_clock::now();
     if (Status st = write_synthetic_model(model_path, *o.synthetic, kSyntheticSeed, o.target.threads); !st) return st;
     char buf[64];
@@ -270,7 +337,7 @@ Result<IdleOutcome> IdleRun::run(IdleReporter& reporter) {
   const auto& policies = o.benchmark.policies;
   std::string policy_names;
   for (const auto& p : policies) policy_names += (policy_names.empty() ? "" : ", ") + p.name;
-  reporter.line("model: " + model_path + " (" + format_size(model.size()) + ", " + info.model_summary + ")");
+  reporter.line("model: " + printable(model_path, 400) + " (" + format_size(model.size()) + ", " + info.model_summary + ")");
   reporter.line("backend: " + info.backend);
   // sim runs on virtual time and models its own model: say so instead of file sizes and minutes.
   const bool simulated = target_->virtual_clock() != nullptr;
@@ -315,7 +382,12 @@ Result<IdleOutcome> IdleRun::run(IdleReporter& reporter) {
     outcome.synthetic_model_removed = true;
   }
   // With a named directory nothing of ours is left in the temporary one: it goes with the TempDir.
-  if (work && !named) work->keep();
+  if (work && !named) {
+    const std::string tagged = work->path();
+    work->keep();  // renamed: without its owner tag, no later run takes it for a dead run's leftover
+    for (auto& f : outcome.files) f = work->path() + f.substr(tagged.size());
+    outcome.out_dir = work->path();
+  }
   return outcome;
 }
 

@@ -1,6 +1,8 @@
 // The idle targets this build has, policy names, and IdleTime (see idle_target.hpp).
 #include "workload/idle_target.hpp"
 
+#include "residency/config.hpp"
+
 #include <condition_variable>
 #include <mutex>
 
@@ -95,12 +97,12 @@ Result<std::vector<IdlePolicy>> parse_policies(std::string_view list, Nanos keep
       p = {IdlePolicy::Kind::forever, KeepAlive::forever(), "forever", "forever"};
     } else {
       return Status(ErrorCode::invalid_argument,
-                    "unknown policy '" + std::string(item) + "' in '" + std::string(list) +
+                    "unknown policy '" + printable(item) + "' in '" + printable(list) +
                         "'; accepted: a comma-separated list of off, keep-alive, pressure-aware, 0, forever");
     }
     for (const auto& q : out) {
       if (q.id == p.id) {
-        return Status(ErrorCode::invalid_argument, "policy '" + p.id + "' is listed twice in '" + std::string(list) + "'");
+        return Status(ErrorCode::invalid_argument, "policy '" + p.id + "' is listed twice in '" + printable(list) + "'");
       }
     }
     out.push_back(std::move(p));

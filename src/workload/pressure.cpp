@@ -3,6 +3,7 @@
 
 #include <fcntl.h>
 #include <signal.h>
+#include <sys/prctl.h>
 #include <sys/mman.h>
 #if defined(__APPLE__)
 #include <sys/mount.h>  // statfs (macOS has no <sys/statfs.h>)
@@ -35,6 +36,7 @@ namespace {
 constexpr std::size_t kPageoutPiece = 2u << 20;
 // Exit codes of the hog child, read by the parent.
 constexpr int kHogNoMemory = 3;
+constexpr int kHogOrphaned = 4;
 constexpr unsigned long kTmpfsMagic = 0x01021994;  // TMPFS_MAGIC (linux/magic.h)
 constexpr unsigned long kRamfsMagic = 0x858458f6;  // RAMFS_MAGIC
 
@@ -62,7 +64,7 @@ Result<Pressure> parse_pressure(std::string_view text) {
     auto size = parse_size(text.substr(4));
     if (!size) {
       return Status(ErrorCode::invalid_argument,
-                    "pressure '" + std::string(text) + "': " + size.message() + " (example: hog:4GiB)");
+                    "pressure '" + printable(text) + "': " + size.message() + " (example: hog:4GiB)");
     }
     if (*size == 0) return Status(ErrorCode::invalid_argument, "pressure 'hog:0': the hog needs a size above 0");
     p.kind = Pressure::Kind::hog;
@@ -70,7 +72,7 @@ Result<Pressure> parse_pressure(std::string_view text) {
     return p;
   }
   return Status(ErrorCode::invalid_argument,
-                "unknown pressure '" + std::string(text) + "'; accepted: none, pageout, hog:SIZE (e.g. hog:4GiB)");
+                "unknown pressure '" + printable(text) + "'; accepted: none, pageout, hog:SIZE (e.g. hog:4GiB)");
 }
 
 Result<std::uint64_t> mem_available() {
@@ -164,14 +166,17 @@ Result<double> resident_fraction(const void* base, std::size_t len) {
 
 Status run_hog(std::uint64_t bytes) {
   const std::size_t page = page_size();
+  const pid_t parent = getpid();
   const pid_t pid = fork();
   if (pid < 0) return Status(ErrorCode::backend_error, std::string("cannot start the hog: fork: ") + std::strerror(errno));
   if (pid == 0) {
     // The child: system calls and plain stores only (the parent has threads; nothing else is
     // safe after fork). Default signal actions, so an interrupt ends it and runs no cleanup.
-    signal(SIGINT, SIG_DFL);
-    signal(SIGTERM, SIG_DFL);
-    signal(SIGHUP, SIG_DFL);
+    CleanupRegistry::reset_signals_in_child();
+    // It dies with its parent, even a SIGKILLed one (gigabytes must not outlive the run). The
+    // death signal comes when the forking thread ends; this thread waits for the hog below, so
+    // that is never early. A parent already gone before prctl took effect is caught by getppid.
+    if (prctl(PR_SET_PDEATHSIG, SIGKILL) != 0 || getppid() != parent) _exit(kHogOrphaned);
     void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (p == MAP_FAILED) _exit(kHogNoMemory);
     auto* bytes_p = static_cast<volatile unsigned char*>(p);
@@ -188,6 +193,9 @@ Status run_hog(std::uint64_t bytes) {
   CleanupRegistry::set_child(0);
   if (w < 0) return Status(ErrorCode::backend_error, std::string("waiting for the hog failed: ") + std::strerror(errno));
   if (WIFEXITED(status) && WEXITSTATUS(status) == 0) return {};
+  if (WIFEXITED(status) && WEXITSTATUS(status) == kHogOrphaned) {
+    return Status(ErrorCode::backend_error, "the hog could not tie its life to this process (prctl PR_SET_PDEATHSIG)");
+  }
   if (WIFEXITED(status) && WEXITSTATUS(status) == kHogNoMemory) {
     return Status(ErrorCode::out_of_memory,
                   "the hog could not map " + format_size(bytes) + "; choose a smaller hog:SIZE");

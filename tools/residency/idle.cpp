@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -41,6 +42,12 @@ class Console final : public IdleReporter {
 
   void line(const std::string& text) override { out(text); }
   void warning(const std::string& text) override { log(LogLevel::warn, text); }
+  void note(const std::string& text) override {
+    std::lock_guard<std::mutex> g(m_);
+    clear_bar();
+    std::fprintf(stderr, "residency idle: note: %s\n", text.c_str());
+    draw_bar();
+  }
   void run_starts(const IdleSchedule& s, std::size_t policies) override { start(s, policies); }
   void run_ends() override { finish(); }
 
@@ -133,7 +140,7 @@ int run_idle(const IdleRequest& request) {
   std::printf("\ndecode time after a pause, ms (mean +/- sd of %d; pressure %s; %s)\n%s", r.schedule.iters,
               r.pressure.to_string().c_str(), outcome->model_text.c_str(), format_idle_table(r).c_str());
   std::printf("\nresults:\n");
-  for (const auto& f : outcome->files) std::printf("  %s\n", f.c_str());
+  for (const auto& f : outcome->files) std::printf("  %s\n", printable(f, 400).c_str());
   if (outcome->synthetic_model_removed) std::printf("the synthetic model was removed\n");
   std::printf("ran in %s\n", minutes_seconds(r.wall_seconds).c_str());
   return kExitOk;
@@ -153,7 +160,11 @@ const Command idle_command{
           "pause longer than 0: pageout (the kernel reclaims every unlocked page of the model), hog:SIZE\n"
           "(a second process allocates and touches SIZE; the kernel reclaims only what it needs, and the\n"
           "model's cached pages count as available memory, so SIZE must come close to MemAvailable to\n"
-          "evict them), none.");
+          "evict them), none.\n"
+          "Environment: the RESIDENCY_* variables (README, \"Configuration\") configure every policy's manager\n"
+          "for what the options do not set: the wired limit, layout, set cap, pressure floor and quiet, the log\n"
+          "level, and the keep-alive policy's duration (--keep-alive wins). Each policy sets its own keep-alive\n"
+          "kind and release on pressure. A bad value is one line per variable and exit status 2.");
       app.add_option("MODEL", a->model, "GGUF model (F32, F16, BF16 or Q8_0 weights); default: a synthetic one");
       app.add_option("--backend", a->backend, "where to decode: " + [] {
         std::string s;
@@ -161,16 +172,19 @@ const Command idle_command{
         return s;
       }())->capture_default_str();
       app.add_option("--policies", a->policies, "comma-separated: off, keep-alive, pressure-aware (keep-alive + graded release under memory pressure), 0, forever")->capture_default_str();
-      app.add_option("--keep-alive", a->keep_alive, "duration of the keep-alive policy (500ms, 2s, 3m ...)")
-          ->capture_default_str();
-      app.add_option("--pressure", a->pressure,
-                     "none, pageout or hog:SIZE (e.g. hog:8GiB); default pageout with --backend posix, else none");
-      app.add_option("--pauses", a->pauses, "comma-separated pauses in ms (default 0,800,1600,2400,3200,4000)");
-      app.add_option("--iters", a->iters, "iterations per pause and policy")->capture_default_str();
+      add_text_option(app, "--keep-alive", a->keep_alive,
+                      "duration of the keep-alive policy (500ms, 2s, 3m ...); default RESIDENCY_KEEP_ALIVE, else 180s "
+                      "(2s with no arguments)");
+      add_text_option(app, "--pressure", a->pressure,
+                      "none, pageout or hog:SIZE (e.g. hog:8GiB); default pageout with --backend posix, else none");
+      add_text_option(app, "--pauses", a->pauses,
+                      "comma-separated pauses in ms, each at most 3600000 (1 h) (default 0,800,1600,2400,3200,4000)");
+      add_whole_number(app, "--iters", a->iters, 1, kIdleMaxIters, "iterations per pause and policy (1 to 1000; default 3)");
       app.add_option("--out", a->out,
                      "directory for idle.json, idle.csv, idle.png (default: a new temporary directory, "
                      "residency-idle-XXXXXX under $TMPDIR, /var/tmp or /tmp; its files are printed at the end)");
-      app.add_option("--model-size", a->model_size, "size of the synthetic model (default 1GiB; 16MiB for --backend sim)");
+      add_text_option(app, "--model-size", a->model_size,
+                      "size of the synthetic model (default 1GiB; 16MiB for --backend sim); not with MODEL");
       app.add_option("--profile", a->profile, "--backend sim: machine and model, one of " + [] {
         std::string names;
         for (const auto& n : residency::sim_profile_names()) names += (names.empty() ? "" : ", ") + n;
@@ -178,15 +192,18 @@ const Command idle_command{
       }() + " (default: the first)");
       app.add_flag("--decaying-requests", a->decaying_requests,
                    "--backend sim: residency requests decay ~1 s after use unless refreshed (macOS 26)");
-      app.add_option("--type", a->type, "weight type of the synthetic model: f32, f16, bf16, q8_0")->capture_default_str();
-      app.add_option("--threads", a->threads, "decode threads (0 = one per core)");
+      add_text_option(app, "--type", a->type, "weight type of the synthetic model: f32, f16 (default), bf16, q8_0; not with MODEL");
+      add_whole_number(app, "--threads", a->threads, 0, kIdleMaxThreads, "decode threads (0 = one per core, the default; at most 1024)",
+                       "0 (one per core) to 1024");
       app.add_flag_function("--no-plot", [a](std::int64_t n) { a->plot = n == 0; }, "do not draw idle.png");
       app.add_flag("-v,--verbose", a->verbose, "also print the managers' info lines (each release and re-wire)");
       CLI::App* self = &app;
       return [a, self] {
         std::size_t given = 0;
         for (const CLI::Option* opt : self->get_options()) given += opt->count();
-        return run_idle(given == 0 ? idle_demo_request() : *a);
+        IdleRequest request = given == 0 ? idle_demo_request() : *a;
+        request.env = [](const char* name) -> const char* { return std::getenv(name); };
+        return run_idle(request);
       };
     }};
 

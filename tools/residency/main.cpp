@@ -43,18 +43,26 @@ int main(int argc, char** argv) {
   if (argv[1][0] != '-' && std::none_of(entries.begin(), entries.end(), [&](const Entry& e) { return e.name == argv[1]; })) {
     std::string names;
     for (const auto& e : entries) names += (names.empty() ? "" : ", ") + e.name;
-    std::fprintf(stderr, "residency: unknown subcommand '%s'; accepted: %s (residency --help says more)\n", argv[1], names.c_str());
+    std::fprintf(stderr, "residency: unknown subcommand '%s'; accepted: %s (residency --help says more)\n",
+                 residency::printable(argv[1]).c_str(), names.c_str());
     return kExitBadInput;
   }
+  // "residency idle: ..." when the error is in a subcommand's options.
+  auto who = [&app] {
+    for (const CLI::App* sub : app.get_subcommands()) return "residency " + sub->get_name();
+    return std::string("residency");
+  };
   try {
     app.parse(argc, argv);
   } catch (const CLI::CallForHelp& e) {
     return app.exit(e);
   } catch (const CLI::CallForAllHelp& e) {
     return app.exit(e);
-  } catch (const CLI::ParseError& e) {
-    std::fprintf(stderr, "residency: %s\n", e.what());
-    std::fprintf(stderr, "Run 'residency --help' for the subcommands and 'residency <subcommand> --help' for their options.\n");
+  } catch (const OptionError& e) {  // already quotes the value printably
+    std::fprintf(stderr, "%s: %s\n", who().c_str(), e.what());
+    return kExitBadInput;
+  } catch (const CLI::ParseError& e) {  // CLI11's own messages quote raw arguments
+    std::fprintf(stderr, "%s: %s (--help lists the options)\n", who().c_str(), residency::printable(e.what(), 400).c_str());
     return kExitBadInput;
   }
   for (auto& [sub, run] : runners) {
