@@ -3,6 +3,8 @@
 // make_<name>_backend() in include/residency/backends/<name>.hpp.
 #include "residency/backends.hpp"
 
+#include "residency/config.hpp"
+
 #include <map>
 #include <mutex>
 
@@ -69,7 +71,7 @@ Result<std::shared_ptr<Backend>> make_named(std::string_view name) {
   std::string accepted;
   for (const auto& n : available_backends()) accepted += (accepted.empty() ? "" : ", ") + n;
   return Status(ErrorCode::invalid_argument,
-                "unknown backend '" + std::string(name) + "'; this build has: auto, " + accepted);
+                "unknown backend '" + printable(name) + "'; this build has: auto, " + accepted);
 }
 
 // One backend per kind per process: what a backend controls (page locks, RLIMIT_MEMLOCK, a GPU

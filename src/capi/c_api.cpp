@@ -172,7 +172,7 @@ residency_status residency_config_set(residency_config* cfg, const char* key, co
       if (k == n[0]) var = n[1];
     if (!var)
       return fail(Status(ErrorCode::invalid_argument,
-                         "residency_config_set: unknown key '" + k +
+                         "residency_config_set: unknown key '" + printable(k) +
                              "'; accepted: keep_alive, wired_limit, set_max_pct, layout, release_on_pressure, "
                              "pressure_floor, pressure_quiet, shared_budget, shared_priority, log"));
     // Parse exactly as the environment variable would be, then merge that one field.

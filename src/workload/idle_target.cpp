@@ -48,7 +48,7 @@ Result<std::unique_ptr<IdleTarget>> make_idle_target(std::string_view backend, c
   std::string accepted;
   for (const auto& n : idle_backends()) accepted += (accepted.empty() ? "" : ", ") + n;
   return Status(ErrorCode::invalid_argument,
-                "unknown backend '" + std::string(backend) + "'; this build accepts: " + accepted);
+                "unknown backend '" + printable(backend) + "'; this build accepts: " + accepted);
 }
 
 void IdleTime::pass(Nanos d) {

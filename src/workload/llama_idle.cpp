@@ -78,14 +78,14 @@ class ModelFile {
  public:
   Status open(const std::string& path) {
     fd_ = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-    if (fd_ < 0) return bad("cannot open the model '" + path + "': " + std::strerror(errno));
+    if (fd_ < 0) return bad("cannot open the model '" + printable(path) + "': " + std::strerror(errno));
     struct stat st {};
-    if (::fstat(fd_, &st) != 0 || st.st_size <= 0) return bad("cannot stat the model '" + path + "'");
+    if (::fstat(fd_, &st) != 0 || st.st_size <= 0) return bad("cannot stat the model '" + printable(path) + "'");
     dev_ = st.st_dev;
     ino_ = st.st_ino;
     size_ = static_cast<std::size_t>(st.st_size);
     map_ = ::mmap(nullptr, size_, PROT_READ, MAP_SHARED, fd_, 0);
-    if (map_ == MAP_FAILED) return bad("cannot map the model '" + path + "': " + std::strerror(errno));
+    if (map_ == MAP_FAILED) return bad("cannot map the model '" + printable(path) + "': " + std::strerror(errno));
     return {};
   }
   ~ModelFile() {
@@ -151,7 +151,7 @@ std::string read_file(const std::string& path) {
 // arrive late, and pressure timed from them would fall anywhere in the pause. On a terminal stdio
 // writes each line as it ends (raw mode: no \r added). The child dies with us (PR_SET_PDEATHSIG).
 Result<pid_t> spawn(const std::vector<std::string>& argv, const std::vector<std::string>& env, const std::string& err_path,
-                    int* out_fd) {
+                    int* out_fd, bool pass_environment) {
   const int master = ::posix_openpt(O_RDWR | O_NOCTTY | O_CLOEXEC);
   if (master < 0 || ::grantpt(master) != 0 || ::unlockpt(master) != 0)
     return Status(ErrorCode::backend_error, std::string("posix_openpt: ") + std::strerror(errno));
@@ -170,7 +170,11 @@ Result<pid_t> spawn(const std::vector<std::string>& argv, const std::vector<std:
   std::vector<std::string> envs;
   for (char** e = environ; *e; ++e) {
     const std::string kv = *e;
-    if (kv.rfind("LD_PRELOAD=", 0) == 0 || kv.rfind("RESIDENCY_", 0) == 0) continue;
+    if (kv.rfind("LD_PRELOAD=", 0) == 0) continue;
+    // What each configuration sets is its own; the rest of the user's configuration goes along
+    // when asked for (LlamaIdleOptions::pass_environment).
+    if (kv.rfind("RESIDENCY_KEEP_ALIVE=", 0) == 0 || kv.rfind("RESIDENCY_RELEASE_ON_PRESSURE=", 0) == 0) continue;
+    if (!pass_environment && kv.rfind("RESIDENCY_", 0) == 0) continue;
     envs.push_back(kv);
   }
   for (const auto& kv : env) envs.push_back(kv);
@@ -200,9 +204,10 @@ Result<pid_t> spawn(const std::vector<std::string>& argv, const std::vector<std:
 // Runs one child through llama-idle's schedule, applying pressure and reading what it holds.
 Result<ChildResult> run_child(const LlamaIdleConfig& cfg, const std::vector<std::string>& argv,
                               const std::vector<std::string>& env, const std::string& err_path, const ModelFile& model,
-                              const Pressure& pressure, bool first_line_is_warmup, LlamaIdleObserver* observer) {
+                              const Pressure& pressure, bool first_line_is_warmup, bool pass_environment,
+                              LlamaIdleObserver* observer) {
   int fd = -1;
-  auto pid = spawn(argv, env, err_path, &fd);
+  auto pid = spawn(argv, env, err_path, &fd, pass_environment);
   if (!pid) return pid.status();
   ChildResult out;
   const auto pauses = llama_idle_fixed_schedule().pauses;
@@ -326,9 +331,9 @@ Result<std::vector<LlamaIdleConfig>> parse_llama_idle_configs(const std::string&
     else if (id == "0") c.name = "residency 0";
     else if (id == "no-mmap") c.name = "--no-mmap";
     else if (id == "engine") c.name = "llama_engine keep-alive " + keep_alive_text(keep_alive);
-    else return bad("--configs: unknown configuration '" + id + "'; accepted: " + kAccepted);
+    else return bad("--configs: unknown configuration '" + printable(id) + "'; accepted: " + kAccepted);
     for (const auto& o : out)
-      if (o.id == id) return bad("--configs: '" + id + "' is named twice");
+      if (o.id == id) return bad("--configs: '" + printable(id) + "' is named twice");
     out.push_back(c);
   }
   if (out.empty()) return bad(std::string("--configs: empty; accepted: ") + kAccepted);
@@ -337,7 +342,7 @@ Result<std::vector<LlamaIdleConfig>> parse_llama_idle_configs(const std::string&
 
 Status check_llama_idle_options(const LlamaIdleOptions& o, bool check_model) {
   if (!executable(o.llama_idle))
-    return bad("llama-idle not found or not executable at '" + o.llama_idle +
+    return bad("llama-idle not found or not executable at '" + printable(o.llama_idle) +
                "'; build llama.cpp with scripts/llama-cpp, or give --llama-dir");
   auto configs = parse_llama_idle_configs([&] {
     std::string s;
@@ -348,10 +353,10 @@ Status check_llama_idle_options(const LlamaIdleOptions& o, bool check_model) {
   for (const auto& c : *configs) {
     if ((c.id == "keep-alive" || c.id == "pressure-aware" || c.id == "0") &&
         (o.preload.empty() || ::access(o.preload.c_str(), R_OK) != 0))
-      return bad("configuration '" + c.id + "' needs libresidency_preload.so, not found at '" + o.preload +
+      return bad("configuration '" + c.id + "' needs libresidency_preload.so, not found at '" + printable(o.preload) +
                  "'; give --preload, or leave it out of --configs");
     if (c.id == "engine" && !executable(o.engine))
-      return bad("configuration 'engine' needs the llama_engine example, not found at '" + o.engine +
+      return bad("configuration 'engine' needs the llama_engine example, not found at '" + printable(o.engine) +
                  "'; give --engine, or leave it out of --configs");
   }
   if (o.keep_alive.count() <= 0 || o.keep_alive > std::chrono::milliseconds(3500))
@@ -369,7 +374,7 @@ Status check_llama_idle_options(const LlamaIdleOptions& o, bool check_model) {
   const GgufValue* tok = model->model().find("tokenizer.ggml.model");
   const GgufValue* bos = model->model().find("tokenizer.ggml.bos_token_id");
   if (!tok || tok->str == "none" || !bos)
-    return bad("'" + o.model + "' has no BOS token (tokenizer.ggml.model " + (tok ? "= " + tok->str : std::string("missing")) +
+    return bad("'" + printable(o.model) + "' has no BOS token (tokenizer.ggml.model " + (tok ? "= " + tok->str : std::string("missing")) +
                "): llama-idle decodes its BOS token and would fail; `residency make-model` writes models it can run");
   return {};
 }
@@ -423,7 +428,8 @@ Result<LlamaIdleOutcome> run_llama_idle(const LlamaIdleOptions& o, LlamaIdleObse
         warmup_line = true;
       }
       if (observer) observer->child_starts(c, round);
-      auto res = run_child(c, argv, env, work->track(c.id + ".stderr"), model, o.pressure, warmup_line, observer);
+      auto res = run_child(c, argv, env, work->track(c.id + ".stderr"), model, o.pressure, warmup_line,
+                           o.pass_environment, observer);
       if (!res) return res.status();
       for (std::size_t i = 0; i < res->decode_ms.size(); ++i) {
         IdleSample s;

@@ -52,6 +52,9 @@ struct LlamaIdleOptions {
   Pressure pressure;
   int rounds = 1;
   int engine_threads = 2;
+  // Children get this process's RESIDENCY_* variables (except those each configuration sets:
+  // RESIDENCY_KEEP_ALIVE, RESIDENCY_RELEASE_ON_PRESSURE); false: none of them.
+  bool pass_environment = false;
 };
 
 // llama-idle's schedule, which the binary fixes: pauses 0..4000 ms step 800, 3 iterations each.

@@ -11,6 +11,7 @@
 #include <sys/statfs.h>
 #endif
 #include <sys/wait.h>
+#include <time.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -164,7 +165,7 @@ Result<double> resident_fraction(const void* base, std::size_t len) {
   return static_cast<double>(in) / static_cast<double>(vec.size());
 }
 
-Status run_hog(std::uint64_t bytes) {
+Status run_hog(std::uint64_t bytes, std::chrono::milliseconds hold) {
   const std::size_t page = page_size();
   const pid_t parent = getpid();
   const pid_t pid = fork();
@@ -181,6 +182,11 @@ Status run_hog(std::uint64_t bytes) {
     if (p == MAP_FAILED) _exit(kHogNoMemory);
     auto* bytes_p = static_cast<volatile unsigned char*>(p);
     for (std::uint64_t off = 0; off < bytes; off += page) bytes_p[off] = 1;
+    if (hold.count() > 0) {
+      timespec ts{static_cast<time_t>(hold.count() / 1000), static_cast<long>(hold.count() % 1000) * 1'000'000};
+      while (nanosleep(&ts, &ts) != 0 && errno == EINTR) {
+      }
+    }
     munmap(p, bytes);
     _exit(0);
   }

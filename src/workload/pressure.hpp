@@ -15,6 +15,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <chrono>
 #include <string>
 #include <string_view>
 
@@ -53,7 +54,10 @@ Result<double> resident_fraction(const void* base, std::size_t len);
 // Runs the hog in a child process and waits for it. The child is registered with
 // CleanupRegistry so that an interrupt kills it too. Errors: fork failed, the child could not
 // allocate, or it was killed (the OOM killer: the message says to use a smaller SIZE).
-Status run_hog(std::uint64_t bytes);
+// `hold` (a test hook: 0 in every real use) keeps the memory that long after touching it, so that a
+// test can watch the hog outlive, or not, a parent killed meanwhile. The hog dies with this
+// process (PR_SET_PDEATHSIG), even when it is SIGKILLed.
+Status run_hog(std::uint64_t bytes, std::chrono::milliseconds hold = {});
 
 // True when `path` is on tmpfs or ramfs, where file pages live in memory and cannot be reclaimed
 // without swap: a model there would never pay a re-read.

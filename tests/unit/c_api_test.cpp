@@ -4,6 +4,8 @@
 // their manager goes first, errors as codes plus residency_last_error(), NULLs refused.
 #include <gtest/gtest.h>
 
+#include <climits>
+
 #include <sys/mman.h>
 #include <unistd.h>
 
@@ -253,3 +255,34 @@ TEST(CApi, SharedBudgetKeyMakesALedgerAndStatsShowTheShare) {
   EXPECT_NE(::access(path.c_str(), F_OK), 0) << "the last holder removes the ledger";
 }
 #endif
+
+// Issue 13 item 9: an enum a caller passes is checked as an int before it becomes an enum (under
+// UBSan an invalid residency_class load would be reported at the check itself), and a misused
+// handle is an error, not a crash.
+TEST(CApi, OutOfRangeClassesAreRefusedAsIntegers) {
+  if (!has_posix()) GTEST_SKIP() << "this build has no posix backend";
+  residency_manager* m = make_manager("forever");
+  ASSERT_NE(m, nullptr) << residency_last_error();
+  Mapping map(64 << 10);
+  for (int cls : {-1, 3, 255, INT_MAX, INT_MIN}) {
+    EXPECT_EQ(residency_register(m, map.p, map.size, cls, 0, nullptr), RESIDENCY_INVALID_ARGUMENT) << cls;
+    EXPECT_NE(std::string(residency_last_error()).find("RESIDENCY_SCRATCH (2)"), std::string::npos) << residency_last_error();
+    void* p = nullptr;
+    EXPECT_EQ(residency_allocate(m, 4096, cls, 0, &p, nullptr), RESIDENCY_INVALID_ARGUMENT) << cls;
+    EXPECT_EQ(p, nullptr);
+  }
+  residency_stats st = RESIDENCY_STATS_INIT;
+  ASSERT_EQ(residency_get_stats(m, &st), RESIDENCY_OK);
+  EXPECT_EQ(st.regions, 0u) << "a refused class registered nothing";
+  // An unknown configuration key with control characters is echoed printably.
+  residency_config* cfg = residency_config_default();
+  ASSERT_NE(cfg, nullptr);
+  EXPECT_EQ(residency_config_set(cfg, "keep\n_alive\x1b", "1s"), RESIDENCY_INVALID_ARGUMENT);
+  const std::string err = residency_last_error();
+  EXPECT_EQ(err.find('\n'), std::string::npos) << err;
+  EXPECT_NE(err.find("keep\\n_alive\\x1B"), std::string::npos) << err;
+  EXPECT_EQ(residency_config_set(cfg, "wired_limit", "0.5"), RESIDENCY_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(residency_last_error()).find("not a whole number of bytes"), std::string::npos);
+  residency_config_free(cfg);
+  residency_manager_destroy(m);
+}

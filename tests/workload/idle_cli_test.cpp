@@ -116,7 +116,7 @@ TEST_F(ToolCli, IdleBadInputIsOneLineAndExitTwo) {
   expect_bad_input({"idle", model, "--backend", "metal2", "--out", out_}, "unknown backend 'metal2'; this build accepts: posix");
   expect_bad_input({"idle", model, "--keep-alive", "0", "--out", out_}, "needs a duration above 0");
   expect_bad_input({"idle", model, "--keep-alive", "soon", "--out", out_}, "--keep-alive: ");
-  expect_bad_input({"idle", model, "--iters", "0", "--out", out_}, "--iters 0: accepted 1 to 1000");
+  expect_bad_input({"idle", model, "--iters", "0", "--out", out_}, "--iters '0': too small; accepted: 1 to 1000");
   expect_bad_input({"idle", "--type", "q4_k", "--out", out_}, "--type: unknown model type 'q4_k'");
   expect_bad_input({"idle", "--model-size", "1KiB", "--out", out_}, "is too small for a llama-shaped F16 model");
   expect_bad_input({"idle", "--model-size", "1ZiB", "--out", out_}, "--model-size: ");

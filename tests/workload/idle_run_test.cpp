@@ -106,7 +106,7 @@ class IdleRunFiles : public ::testing::Test {
   IdleRequest small(const std::string& model) {
     IdleRequest r;
     r.model = model;
-    r.model_size = "3MiB";
+    if (model.empty()) r.model_size = "3MiB";  // a given model with --model-size is refused
     r.pauses = "0,20";
     r.iters = 1;
     r.policies = "off,forever";

@@ -35,8 +35,8 @@ namespace {
 
 struct HoldOptions {
   std::vector<std::string> files;
-  std::string keep_alive;   // "" = RESIDENCY_KEEP_ALIVE, else forever
-  std::string wired_limit;  // "" = RESIDENCY_WIRED_LIMIT, else the recommended working set
+  std::optional<std::string> keep_alive;   // not given: RESIDENCY_KEEP_ALIVE, else forever
+  std::optional<std::string> wired_limit;  // not given: RESIDENCY_WIRED_LIMIT, else the recommended working set
   bool release_on_pressure = false;
   bool quiet = false;
 };
@@ -48,26 +48,26 @@ class MappedFile {
     MappedFile f;
     f.path_ = path;
     const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-    if (fd < 0) throw BadInput("cannot open '" + path + "': " + std::strerror(errno));
+    if (fd < 0) throw BadInput("cannot open '" + printable(path) + "': " + std::strerror(errno));
     struct stat st {};
     if (::fstat(fd, &st) != 0) {
       const int err = errno;
       ::close(fd);
-      throw BadInput("cannot stat '" + path + "': " + std::strerror(err));
+      throw BadInput("cannot stat '" + printable(path) + "': " + std::strerror(err));
     }
     if (!S_ISREG(st.st_mode)) {
       ::close(fd);
-      throw BadInput("'" + path + "' is not a regular file; hold takes files (a model, its shards)");
+      throw BadInput("'" + printable(path) + "' is not a regular file; hold takes files (a model, its shards)");
     }
     if (st.st_size == 0) {
       ::close(fd);
-      throw BadInput("'" + path + "' is empty; there is nothing to hold");
+      throw BadInput("'" + printable(path) + "' is empty; there is nothing to hold");
     }
     f.size_ = static_cast<std::size_t>(st.st_size);
     void* p = ::mmap(nullptr, f.size_, PROT_READ, MAP_SHARED, fd, 0);
     const int err = errno;
     ::close(fd);
-    if (p == MAP_FAILED) throw BadInput("cannot map '" + path + "': " + std::strerror(err));
+    if (p == MAP_FAILED) throw BadInput("cannot map '" + printable(path) + "': " + std::strerror(err));
     f.data_ = p;
     return f;
   }
@@ -91,8 +91,8 @@ Config hold_config(const HoldOptions& o) {
   auto c = Config::from_env();
   if (!c) throw BadInput(c.message());
   Config config = *c;
-  if (!o.keep_alive.empty()) {
-    auto k = parse_keep_alive(o.keep_alive);
+  if (o.keep_alive) {
+    auto k = parse_keep_alive(*o.keep_alive);
     if (!k) throw BadInput("--keep-alive: " + k.message());
     config.keep_alive = *k;
   } else if (std::getenv("RESIDENCY_KEEP_ALIVE") == nullptr && std::getenv("GGML_METAL_RESIDENCY_KEEP_ALIVE_S") == nullptr &&
@@ -102,8 +102,8 @@ Config hold_config(const HoldOptions& o) {
   if (config.keep_alive.kind == KeepAlive::Kind::zero || config.keep_alive.kind == KeepAlive::Kind::off)
     throw BadInput("keep-alive " + config.keep_alive.to_string() +
                    " wires nothing outside a use, and hold has no uses; give a duration (how long to hold) or forever");
-  if (!o.wired_limit.empty()) {
-    auto w = parse_wired_limit(o.wired_limit);
+  if (o.wired_limit) {
+    auto w = parse_wired_limit(*o.wired_limit);
     if (!w) throw BadInput("--wired-limit: " + w.message());
     config.wired_limit = *w;
   }
@@ -159,7 +159,7 @@ int run_hold(const HoldOptions& o) {
     int priority = static_cast<int>(files.size());
     for (auto& f : files) {
       auto id = (*manager)->register_region(f.data(), f.size(), RegionClass::weights, priority--);
-      if (!id) throw BadInput("'" + f.path() + "': " + id.message());
+      if (!id) throw BadInput("'" + printable(f.path()) + "': " + id.message());
       ids.push_back(*id);
     }
   }
@@ -172,7 +172,8 @@ int run_hold(const HoldOptions& o) {
     std::printf("residency hold: %s is not wired: over the wired limit of %s (--wired-limit, RESIDENCY_WIRED_LIMIT)\n",
                 format_size(s.pending_bytes).c_str(), format_size(s.wired_limit).c_str());
   if (s.wired_bytes < s.admitted_bytes)
-    std::printf("residency hold: %s is not wired: the kernel refused it (the warning above says why)\n",
+    std::printf("residency hold: %s is not wired: the kernel refused it (RLIMIT_MEMLOCK without CAP_IPC_LOCK is the "
+                "usual cause: ulimit -l unlimited, LimitMEMLOCK=infinity or --cap-add IPC_LOCK)\n",
                 format_size(s.admitted_bytes - s.wired_bytes).c_str());
   std::fflush(stdout);
   int status = kExitOk;
@@ -214,10 +215,10 @@ const Command cmd{"hold", "keep files resident (locked) for every process that m
                     auto o = std::make_shared<HoldOptions>();
                     app.add_option("FILE", o->files, "files to hold (a model, its shards); earlier files win when the budget must choose")
                         ->required();
-                    app.add_option("--keep-alive", o->keep_alive,
+                    add_text_option(app, "--keep-alive", o->keep_alive,
                                    "how long to hold: a duration (500ms, 30m, 2h) or forever; default RESIDENCY_KEEP_ALIVE, "
                                    "else forever");
-                    app.add_option("--wired-limit", o->wired_limit,
+                    add_text_option(app, "--wired-limit", o->wired_limit,
                                    "most to lock: bytes (8GiB) or a percent of the recommended working set (50%); default "
                                    "RESIDENCY_WIRED_LIMIT, else the recommended working set");
                     app.add_flag("--release-on-pressure", o->release_on_pressure,

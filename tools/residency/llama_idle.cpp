@@ -7,7 +7,9 @@
 
 #include <nlohmann/json.hpp>
 
+#include <cerrno>
 #include <cstdio>
+#include <cstring>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -33,8 +35,8 @@ using namespace residency::workload;
 constexpr const char* kLlamaTag = "v0.4.0";  // what scripts/llama-cpp builds
 
 struct Args {
-  std::string model, llama_dir, preload, engine, configs, keep_alive = "2s", pressure = "pageout", out,
-      model_size = "1GiB";
+  std::string model, llama_dir, preload, engine, configs, pressure = "pageout", out;
+  std::optional<std::string> keep_alive, model_size;
   int rounds = 1;
   bool plot = true;
 };
@@ -86,10 +88,27 @@ int run(const Args& a) {
                                                    here + "/libresidency_preload.so"});
   o.engine = !a.engine.empty() ? a.engine
                                : first_existing({here + "/llama_engine", here + "/../../examples/llama_engine/llama_engine"});
-  auto ka = parse_keep_alive(a.keep_alive);
-  if (!ka) throw BadInput("--keep-alive: " + ka.message());
-  if (ka->kind != KeepAlive::Kind::duration) throw BadInput("--keep-alive " + a.keep_alive + ": give a duration (e.g. 2s)");
-  o.keep_alive = ka->duration;
+  // The environment as `idle` reads it: checked strictly; the preload children get the user's
+  // RESIDENCY_* (except what each configuration sets); --keep-alive defaults to its keep-alive.
+  auto env = Config::from_env();
+  if (!env) throw BadInput(env.message());
+  const bool env_keep_alive = std::getenv("RESIDENCY_KEEP_ALIVE") || std::getenv("GGML_METAL_RESIDENCY_KEEP_ALIVE_S") ||
+                              std::getenv("GGML_METAL_NO_RESIDENCY");
+  if (a.keep_alive) {
+    auto ka = parse_keep_alive(*a.keep_alive);
+    if (!ka) throw BadInput("--keep-alive: " + ka.message());
+    if (ka->kind != KeepAlive::Kind::duration) {
+      throw BadInput("--keep-alive '" + printable(*a.keep_alive) + "': give a duration (e.g. 2s)");
+    }
+    o.keep_alive = ka->duration;
+  } else if (env_keep_alive) {
+    if (env->keep_alive.kind != KeepAlive::Kind::duration) {
+      throw BadInput("the environment's keep-alive (RESIDENCY_KEEP_ALIVE or its alias) is " + env->keep_alive.to_string() +
+                     ": the keep-alive configuration needs a duration; give --keep-alive");
+    }
+    o.keep_alive = env->keep_alive.duration;
+  }
+  o.pass_environment = true;
   auto pressure = parse_pressure(a.pressure);
   if (!pressure) throw BadInput("--pressure: " + pressure.message());
   o.pressure = *pressure;
@@ -98,7 +117,7 @@ int run(const Args& a) {
   if (configs.empty()) {  // every configuration whose binary is here
     configs = "mmap,mlock";
     if (::access(o.preload.c_str(), R_OK) == 0) configs += o.pressure.kind == Pressure::Kind::hog ? ",keep-alive,pressure-aware,0" : ",keep-alive,0";
-    else std::printf("note: no libresidency_preload.so at %s: the preload configurations are left out\n", o.preload.c_str());
+    else std::printf("note: no libresidency_preload.so at %s: the preload configurations are left out\n", printable(o.preload, 400).c_str());
     configs += ",no-mmap";
     if (::access(o.engine.c_str(), X_OK) == 0) configs += ",engine";
   }
@@ -108,8 +127,18 @@ int run(const Args& a) {
 
   // The model: given, or a synthetic one (removed afterwards).
   std::optional<TempDir> work;
+  if (!a.model.empty() && a.model_size) throw BadInput("--model-size describes the synthetic model, but MODEL was given");
+  if (!a.out.empty()) {  // the results must not be lost at the end of a long run
+    std::error_code ec;
+    const fs::path out(a.out);
+    fs::path existing = out;
+    while (!existing.empty() && !fs::exists(existing, ec)) existing = existing.parent_path();
+    if (existing.empty()) existing = ".";
+    if (!fs::is_directory(existing, ec)) throw BadInput("--out " + printable(a.out) + ": " + printable(existing.string()) + " is not a directory");
+    if (Status st = check_writable(existing.string(), 512u << 10, "--out " + printable(a.out)); !st) throw BadInput(st.message());
+  }
   if (a.model.empty()) {
-    auto size = parse_size(a.model_size);
+    auto size = parse_size(a.model_size ? *a.model_size : "1GiB");
     if (!size) throw BadInput("--model-size: " + size.message());
     auto shape = plan_llama_shape(*size, GgmlType::f16);
     if (!shape) throw BadInput("--model-size: " + shape.message());
@@ -120,7 +149,7 @@ int run(const Args& a) {
     o.model = work->track("model.gguf");
     // Everything but the model is checked before a model is written.
     if (Status st = check_llama_idle_options(o, /*check_model=*/false); !st) throw BadInput(st.message());
-    std::printf("writing a synthetic model to %s: %s\n", o.model.c_str(), shape->to_string().c_str());
+    std::printf("writing a synthetic model to %s: %s\n", printable(o.model, 400).c_str(), shape->to_string().c_str());
     std::fflush(stdout);
     if (Status st = write_synthetic_model(o.model, *shape); !st) throw std::runtime_error(st.message());
   } else {
@@ -129,9 +158,9 @@ int run(const Args& a) {
   if (Status st = check_llama_idle_options(o); !st) throw BadInput(st.message());
 
   std::printf("llama-idle: %s (llama.cpp %s; its context uses llama_context_default_params(): 4 threads, whatever -t says)\n",
-              o.llama_idle.c_str(), kLlamaTag);
+              printable(o.llama_idle, 400).c_str(), kLlamaTag);
   std::printf("model: %s; configurations: %s; pressure: %s; %d round(s) of about 45 s each per configuration\n",
-              o.model.c_str(), configs.c_str(), o.pressure.to_string().c_str(), o.rounds);
+              printable(o.model, 400).c_str(), printable(configs).c_str(), o.pressure.to_string().c_str(), o.rounds);
   std::fflush(stdout);
   Printer printer;
   auto outcome = run_llama_idle(o, &printer);
@@ -146,12 +175,12 @@ int run(const Args& a) {
   if (out.empty()) {
     auto d = TempDir::create(::access("/var/tmp", W_OK) == 0 ? "/var/tmp" : "/tmp", "residency-llama-idle-");
     if (!d) throw std::runtime_error(d.message());
+    d->keep();  // renamed without its owner tag: results, not a leftover
     out = d->path();
-    d->keep();
   } else {
     std::error_code ec;
     fs::create_directories(out, ec);
-    if (ec) throw std::runtime_error("--out " + out + ": " + ec.message());
+    if (ec) throw std::runtime_error("--out " + printable(out) + ": " + ec.message());
   }
   std::vector<std::string> files;
   const std::string csv = out + "/llama-idle.csv";
@@ -175,7 +204,12 @@ int run(const Args& a) {
     j["configurations"].push_back(c);
   }
   const std::string json = out + "/llama-idle.json";
-  std::ofstream(json) << j.dump(2) << "\n";
+  {
+    std::ofstream f(json);
+    f << j.dump(2) << "\n";
+    f.close();
+    if (!f) throw std::runtime_error(printable(json) + ": cannot write the results file: " + std::strerror(errno));
+  }
   files.push_back(json);
   if (a.plot) {
     IdleRunInfo info;
@@ -187,7 +221,7 @@ int run(const Args& a) {
     if (why.empty()) files.push_back(png);
     else std::fprintf(stderr, "residency llama-idle: no plot: %s\n", why.c_str());
   }
-  for (const auto& f : files) std::printf("wrote %s\n", f.c_str());
+  for (const auto& f : files) std::printf("wrote %s\n", printable(f, 400).c_str());
   return kExitOk;
 }
 
@@ -199,11 +233,14 @@ const Command cmd{"llama-idle", "run llama.cpp's own llama-idle side by side: mm
                     app.add_option("--preload", a->preload, "libresidency_preload.so; default: next to this tool");
                     app.add_option("--engine", a->engine, "the llama_engine example; default: next to this tool");
                     app.add_option("--configs", a->configs, "comma-separated: mmap, mlock, keep-alive, pressure-aware, 0, no-mmap, engine; default: all that are here (pressure-aware with hog:SIZE)");
-                    app.add_option("--keep-alive", a->keep_alive, "the keep-alive of the residency configurations (at most 3.5 s; default 2s)");
+                    add_text_option(app, "--keep-alive", a->keep_alive, "the keep-alive of the residency configurations (at most 3.5 s; default RESIDENCY_KEEP_ALIVE, else 2s)");
                     app.add_option("--pressure", a->pressure, "none, pageout (default: process_madvise MADV_PAGEOUT + FADV_DONTNEED at the end of each pause) or hog:SIZE");
-                    app.add_option("--rounds", a->rounds, "runs of every configuration, interleaved (1-20; default 1)")->check(CLI::Range(1, 20));
+                    add_whole_number(app, "--rounds", a->rounds, 1, 20, "runs of every configuration, interleaved (1-20; default 1)");
                     app.add_option("--out", a->out, "directory for llama-idle.{csv,json,png}; default: a new temporary directory");
-                    app.add_option("--model-size", a->model_size, "size of the synthetic model (default 1GiB)");
+                    add_text_option(app, "--model-size", a->model_size, "size of the synthetic model (default 1GiB); not with MODEL");
+                    app.footer("Environment: RESIDENCY_* are checked as by `idle` (a bad value: one line, exit 2) and passed to the\n"
+                               "preload configurations, except RESIDENCY_KEEP_ALIVE and RESIDENCY_RELEASE_ON_PRESSURE, which each\n"
+                               "configuration sets (--keep-alive defaults to RESIDENCY_KEEP_ALIVE).");
                     app.add_flag("!--no-plot", a->plot, "skip the PNG plot");
                     return [a] { return run(*a); };
                   }};

@@ -33,6 +33,7 @@
 #include <string>
 
 #include "residency/backends/sim.hpp"
+#include "residency/config.hpp"
 
 namespace residency {
 namespace {
@@ -122,7 +123,7 @@ Result<SimProfile> sim_profile(std::string_view name) {
     accepted += (accepted.empty() ? "" : ", ") + p.name;
   }
   return Status(ErrorCode::invalid_argument,
-                "unknown sim profile '" + std::string(name) + "'; accepted: " + accepted);
+                "unknown sim profile '" + printable(name) + "'; accepted: " + accepted);
 }
 
 SimProfile default_sim_profile() { return profiles().front(); }

@@ -1,0 +1,549 @@
+// The tool under hostile input, signals and odd filesystems (issue 13): each test is one class of
+// failure an adversarial pass found, run as a user runs the tool (fork + exec, real files, real
+// signals), asserting what the user would see: exit status, one printable line, which files exist.
+#include <fcntl.h>
+#include <gtest/gtest.h>
+#include <sched.h>
+#include <signal.h>
+#include <sys/mount.h>
+#include <sys/resource.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <random>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace {
+
+namespace fs = std::filesystem;
+using Clock = std::chrono::steady_clock;
+const std::string kTool = RESIDENCY_TOOL_PATH;
+
+struct ToolRun {
+  int exit_code = -1;  // -1: killed by a signal
+  int signal = 0;
+  double seconds = 0;
+  std::string out, err;
+};
+
+std::string slurp(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(f), {});
+}
+
+struct Spawn {
+  std::vector<std::string> args;
+  std::vector<std::string> env;  // NAME=VALUE added
+  std::string tmpdir, logs;
+  // In the child before exec (a mount namespace, another user); returns false to give up (126).
+  std::function<bool()> prepare;
+  bool stdout_to_closed_pipe = false;
+};
+
+pid_t start(const Spawn& s) {
+  ::unlink((s.logs + "/out").c_str());  // no earlier run's output can be read as this one's
+  ::unlink((s.logs + "/err").c_str());
+  int pipe_fds[2] = {-1, -1};
+  if (s.stdout_to_closed_pipe && pipe(pipe_fds) != 0) return -1;
+  const pid_t pid = fork();
+  if (pid != 0) {
+    if (s.stdout_to_closed_pipe) {
+      close(pipe_fds[0]);  // `| head` that has gone: the tool's next write gets SIGPIPE
+      close(pipe_fds[1]);
+    }
+    return pid;
+  }
+  if (s.prepare && !s.prepare()) _exit(126);
+  const int out = s.stdout_to_closed_pipe ? pipe_fds[1] : ::open((s.logs + "/out").c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  const int err = ::open((s.logs + "/err").c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  if (s.stdout_to_closed_pipe) close(pipe_fds[0]);
+  dup2(out, 1);
+  dup2(err, 2);
+  signal(SIGPIPE, SIG_DFL);
+  setenv("TMPDIR", s.tmpdir.c_str(), 1);
+  for (const auto& kv : s.env) putenv(const_cast<char*>(kv.c_str()));
+  std::vector<char*> argv{const_cast<char*>(kTool.c_str())};
+  for (const auto& a : s.args) argv.push_back(const_cast<char*>(a.c_str()));
+  argv.push_back(nullptr);
+  execv(kTool.c_str(), argv.data());
+  _exit(127);
+}
+
+ToolRun finish(pid_t pid, const std::string& logs, Clock::time_point t0, double timeout_s = 120) {
+  ToolRun r;
+  int status = 0;
+  for (;;) {
+    const pid_t w = waitpid(pid, &status, WNOHANG);
+    if (w == pid) break;
+    if (std::chrono::duration<double>(Clock::now() - t0).count() > timeout_s) {
+      kill(pid, SIGKILL);
+      waitpid(pid, &status, 0);
+      ADD_FAILURE() << "the tool did not finish within " << timeout_s << " s (a hang)";
+      break;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  r.seconds = std::chrono::duration<double>(Clock::now() - t0).count();
+  if (WIFEXITED(status)) r.exit_code = WEXITSTATUS(status);
+  if (WIFSIGNALED(status)) r.signal = WTERMSIG(status);
+  r.out = slurp(logs + "/out");
+  r.err = slurp(logs + "/err");
+  return r;
+}
+
+bool printable_line(const std::string& s) {
+  if (s.empty() || s.back() != '\n' || std::count(s.begin(), s.end(), '\n') != 1) return false;
+  return std::none_of(s.begin(), s.end() - 1, [](char c) { return static_cast<unsigned char>(c) < 0x20 || c == 0x7f; });
+}
+
+class ToolHardening : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    char tmpl[] = "/var/tmp/residency-hardening-test-XXXXXX";
+    ASSERT_NE(mkdtemp(tmpl), nullptr);
+    root_ = tmpl;
+    fs::create_directory(tmp_ = root_ + "/tmp");
+    fs::create_directory(logs_ = root_ + "/logs");
+  }
+  void TearDown() override {
+    std::error_code ec;
+    fs::remove_all(root_, ec);
+  }
+  ToolRun run(std::vector<std::string> args, std::vector<std::string> env = {}, double timeout_s = 120) {
+    Spawn s{std::move(args), std::move(env), tmp_, logs_, nullptr};
+    const auto t0 = Clock::now();
+    return finish(start(s), logs_, t0, timeout_s);
+  }
+  // Starts `s` and waits until stdout (a file) shows `text`.
+  pid_t start_until(const Spawn& s, const std::string& text) {
+    const pid_t pid = start(s);
+    const auto deadline = Clock::now() + std::chrono::seconds(90);
+    while (slurp(logs_ + "/out").find(text) == std::string::npos) {
+      if (Clock::now() > deadline) {
+        ADD_FAILURE() << "never printed '" << text << "': " << slurp(logs_ + "/err");
+        break;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    return pid;
+  }
+  std::vector<std::string> tmp_entries() const {
+    std::vector<std::string> out;
+    for (const auto& e : fs::directory_iterator(tmp_)) out.push_back(e.path().filename().string());
+    return out;
+  }
+  std::string root_, tmp_, logs_;
+};
+
+// Item 1: a path never reaches gnuplot's script; a newline in --out does not run a command.
+TEST_F(ToolHardening, AnOutDirectoryWithANewlineRunsNoGnuplotCommand) {
+  if (system("command -v gnuplot >/dev/null 2>&1") != 0) GTEST_SKIP() << "gnuplot is not installed: nothing could inject";
+  const std::string pwned = root_ + "/PWNED";
+  const std::string parent = root_ + "/o\nsystem(\"touch " + root_;
+  fs::create_directories(parent);
+  const std::string out = parent + "/PWNED\")\nx";
+  const ToolRun r = run({"idle", "--backend", "sim", "--pauses", "0", "--iters", "1", "--out", out});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_FALSE(fs::exists(pwned)) << "gnuplot ran a command from the --out path";
+  EXPECT_FALSE(fs::exists(root_ + "/o") && fs::is_regular_file(root_ + "/o")) << "a stray file outside --out";
+  EXPECT_TRUE(fs::exists(out + "/idle.png")) << "the plot goes where --out says: " << r.err;
+  EXPECT_TRUE(fs::exists(out + "/idle.json"));
+  EXPECT_NE(r.out.find("o\\nsystem("), std::string::npos) << "printed paths escape the newline: " << r.out;
+  EXPECT_EQ(r.out.find("o\nsystem("), std::string::npos) << r.out;
+}
+
+// Item 1 and 7: every bad value is one printable line, whatever it holds.
+TEST_F(ToolHardening, EveryEchoedValueIsOnePrintableLine) {
+  const std::string esc = "x\n\x1b[2J\x1b]0;owned\x07\r" + std::string(3000, 'y');
+  const std::vector<std::vector<std::string>> cases = {
+      {"idle", "--keep-alive", esc},
+      {"idle", "--pauses", esc},
+      {"idle", "--pressure", esc},
+      {"idle", "--policies", esc},
+      {"idle", "--backend", esc},
+      {"idle", "--type", esc},
+      {"idle", "--model-size", esc},
+      {"idle", "--iters", esc},
+      {"idle", "--threads", esc},
+      {"idle", root_ + "/missing" + esc + ".gguf"},
+      {"idle", "--bogus" + esc},
+      {"make-model", "--size", esc, root_ + "/m.gguf"},
+      {"make-model", "--type", esc, root_ + "/m.gguf"},
+      {"make-model", "--seed", esc, root_ + "/m.gguf"},
+      {"make-model", "--size", "1MiB", root_ + "/no" + esc + "/m.gguf"},
+      {"hold", root_ + "/missing" + esc},
+      {"hold", "--keep-alive", esc, "/etc/hostname"},
+      {"hold", "--wired-limit", esc, "/etc/hostname"},
+      {"llama-idle", "--keep-alive", esc},
+      {"llama-idle", "--rounds", esc},
+      {"stat" + esc},
+  };
+  for (const auto& args : cases) {
+    const ToolRun r = run(args);
+    SCOPED_TRACE(args[0] + " " + (args.size() > 1 ? args[1] : ""));
+    EXPECT_EQ(r.exit_code, 2) << r.err;
+    EXPECT_TRUE(printable_line(r.err)) << "not one printable line: " << r.err.substr(0, 300);
+    EXPECT_LT(r.err.size(), 1000u) << "a long value is shortened";
+  }
+  for (const char* var : {"RESIDENCY_KEEP_ALIVE", "RESIDENCY_WIRED_LIMIT", "RESIDENCY_LOG", "GGML_METAL_RESIDENCY_KEEP_ALIVE_S"}) {
+    const ToolRun r = run({"idle", "--backend", "sim", "--pauses", "0", "--iters", "1"}, {std::string(var) + "=" + esc});
+    EXPECT_EQ(r.exit_code, 2) << var << ": " << r.err;
+    EXPECT_TRUE(printable_line(r.err)) << var << ": " << r.err.substr(0, 300);
+    EXPECT_NE(r.err.find(var), std::string::npos) << r.err.substr(0, 300);
+  }
+}
+
+// Item 7: conversions name the accepted range; a pause over the limit says the limit.
+TEST_F(ToolHardening, NumberErrorsNameTheRange) {
+  struct Case {
+    std::vector<std::string> args;
+    std::string says;
+  } cases[] = {
+      {{"idle", "--iters", "1e9"}, "--iters '1e9': not a whole number; accepted: 1 to 1000"},
+      {{"idle", "--iters", "1000000000"}, "--iters '1000000000': too large; accepted: 1 to 1000"},
+      {{"idle", "--threads", "4294967296"}, "--threads '4294967296': too large; accepted: 0 (one per core) to 1024"},
+      {{"idle", "--threads", "-1"}, "--threads '-1': not a whole number"},
+      {{"idle", "--pauses", "99999999999"}, "is longer than one hour (3600000 ms), the longest pause accepted"},
+      {{"idle", "--model-size", "99999999999999999999999"}, "too large: more than 2^63 bytes"},
+      {{"idle", "--model-size", "8XiB"}, "unknown unit 'XiB'"},
+      {{"make-model", "--seed", "18446744073709551616", "m.gguf"}, "--seed '18446744073709551616': too large"},
+      {{"llama-idle", "--rounds", "21"}, "--rounds '21': too large; accepted: 1 to 20"},
+  };
+  for (const auto& c : cases) {
+    const ToolRun r = run(c.args);
+    EXPECT_EQ(r.exit_code, 2) << c.says;
+    EXPECT_TRUE(printable_line(r.err)) << r.err;
+    EXPECT_NE(r.err.find(c.says), std::string::npos) << r.err;
+  }
+}
+
+// Item 8: nothing given is silently read as "not given", nothing is silently ignored.
+TEST_F(ToolHardening, NoSilentReinterpretation) {
+  const std::string model = root_ + "/m.gguf";
+  ASSERT_EQ(run({"make-model", "--size", "3MiB", model}).exit_code, 0);
+  struct Case {
+    std::vector<std::string> args;
+    std::vector<std::string> env;
+    std::string says;
+  } cases[] = {
+      {{"idle", "--pauses", ""}, {}, "--pauses '': empty"},
+      {{"idle", "--pressure", ""}, {}, "unknown pressure ''"},
+      {{"idle", "--keep-alive", ""}, {}, "--keep-alive: \"\": empty"},
+      {{"idle", model, "--type", "f32"}, {}, "--type describes the synthetic model, but MODEL was given"},
+      {{"idle", model, "--model-size", "8MiB"}, {}, "--model-size describes the synthetic model, but MODEL was given"},
+      {{"idle", "--backend", "sim"}, {"RESIDENCY_WIRED_LIMIT=0.5"}, "RESIDENCY_WIRED_LIMIT=\"0.5\": not a whole number of bytes"},
+      {{"idle", "--keep-alive", "0." + std::string(300, '0') + "1"}, {}, "shorter than 1 ns, but not 0"},
+      {{"hold", "--keep-alive", "", model}, {}, "--keep-alive: \"\": empty"},
+      {{"hold", "--wired-limit", "0.5", model}, {}, "not a whole number of bytes"},
+  };
+  for (const auto& c : cases) {
+    const ToolRun r = run(c.args, c.env);
+    EXPECT_EQ(r.exit_code, 2) << c.says << ": " << r.err;
+    EXPECT_NE(r.err.find(c.says), std::string::npos) << r.err;
+  }
+  // What is not used is said in one line, and the run goes on.
+  const ToolRun r = run({"idle", "--backend", "sim", "--pauses", "0", "--iters", "1", "--no-plot", "--policies", "off",
+                     "--keep-alive", "5s", "--out", root_ + "/out"},
+                    {"RESIDENCY_RELEASE_ON_PRESSURE=1"});
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_NE(r.err.find("note: --keep-alive is not used"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("note: RESIDENCY_RELEASE_ON_PRESSURE is not used"), std::string::npos) << r.err;
+}
+
+// Item 5: the environment configures what the options do not set, in every subcommand that makes
+// a manager; the options win.
+TEST_F(ToolHardening, TheEnvironmentMeansWhatTheReadmeSays) {
+  const std::string model = root_ + "/m.gguf";
+  ASSERT_EQ(run({"make-model", "--size", "3MiB", model}).exit_code, 0);
+  const std::vector<std::string> quick = {"idle", model, "--pauses", "0", "--iters", "1", "--pressure", "none",
+                                          "--no-plot", "--out", root_ + "/out"};
+  // A wired limit of 1 byte: the forever column cannot wire the model, and says why.
+  auto args = quick;
+  args.insert(args.end(), {"--policies", "forever"});
+  ToolRun r = run(args, {"RESIDENCY_WIRED_LIMIT=1B"});
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_NE(r.err.find("could be wired: the wired limit is 1 B"), std::string::npos) << r.err;
+  EXPECT_EQ(r.err.find("see the warning above"), std::string::npos) << r.err;
+  // The keep-alive's duration from the environment, and --keep-alive over it.
+  args = quick;
+  args.insert(args.end(), {"--policies", "keep-alive"});
+  r = run(args, {"RESIDENCY_KEEP_ALIVE=7s"});
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_NE(r.out.find("keep-alive 7 s"), std::string::npos) << r.out;
+  args.insert(args.end(), {"--keep-alive", "3s"});
+  r = run(args, {"RESIDENCY_KEEP_ALIVE=7s"});
+  EXPECT_NE(r.out.find("keep-alive 3 s"), std::string::npos) << r.out;
+  // A bad value is exit 2 before anything runs, in each subcommand that reads the configuration.
+  for (const auto& sub : std::vector<std::vector<std::string>>{quick, {"hold", model}, {"llama-idle", model}}) {
+    r = run(sub, {"RESIDENCY_KEEP_ALIVE=soon"});
+    EXPECT_EQ(r.exit_code, 2) << sub[0] << ": " << r.err;
+    EXPECT_TRUE(printable_line(r.err)) << r.err;
+    EXPECT_NE(r.err.find("RESIDENCY_KEEP_ALIVE=\"soon\""), std::string::npos) << sub[0] << ": " << r.err;
+  }
+  r = run(quick, {"RESIDENCY_KEEP_ALIVE=off"});
+  EXPECT_EQ(r.exit_code, 2) << r.err;
+  EXPECT_NE(r.err.find("needs a duration above 0; give --keep-alive"), std::string::npos) << r.err;
+}
+
+// Item 2: any size is answered within a second or two, in bounded memory, with one line.
+TEST_F(ToolHardening, AnySizeIsAnsweredAtOnce) {
+  for (const std::string size : {"2000TiB", "10000TiB", "9223372036854775807", "8388607TiB"}) {
+    for (const auto& args : std::vector<std::vector<std::string>>{{"make-model", "--size", size, root_ + "/big.gguf"},
+                                                                   {"idle", "--model-size", size}}) {
+      const ToolRun r = run(args, {}, 30);
+      EXPECT_EQ(r.exit_code, 2) << args[0] << " " << size << ": " << r.err;
+      EXPECT_TRUE(printable_line(r.err)) << r.err;
+      EXPECT_NE(r.err.find("free"), std::string::npos) << "refused for the disk space it needs: " << r.err;
+      EXPECT_LT(r.seconds, 5.0) << args[0] << " " << size << " (sanitizer builds are slower; 0.05 s in a release build)";
+    }
+  }
+  EXPECT_TRUE(tmp_entries().empty());
+  EXPECT_FALSE(fs::exists(root_ + "/big.gguf"));
+}
+
+// Item 3: an interrupted make-model never leaves a complete-looking file; what SIGKILL leaves is
+// removed by the next write to the same name.
+TEST_F(ToolHardening, AnInterruptedMakeModelLeavesNoCompleteLookingFile) {
+  const std::string out = root_ + "/model.gguf";
+  for (int sig : {SIGINT, SIGTERM, SIGQUIT, SIGKILL}) {
+    SCOPED_TRACE(strsignal(sig));
+    Spawn s{{"make-model", "--size", "1GiB", "--threads", "1", out}, {}, tmp_, logs_, nullptr};
+    const pid_t pid = start(s);
+    // Wait until the partial file exists and is being written.
+    std::string partial;
+    const auto deadline = Clock::now() + std::chrono::seconds(30);
+    while (partial.empty() && Clock::now() < deadline) {
+      for (const auto& e : fs::directory_iterator(root_)) {
+        if (e.path().filename().string().rfind(".model.gguf.partial-", 0) == 0) partial = e.path().string();
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+    ASSERT_FALSE(partial.empty()) << "make-model writes under a temporary name: " << slurp(logs_ + "/err");
+    kill(pid, sig);
+    const ToolRun r = finish(pid, logs_, Clock::now());
+    if (r.exit_code == 0) continue;  // finished before the signal (a fast disk): nothing to check
+    EXPECT_EQ(r.signal, sig) << r.err;
+    EXPECT_FALSE(fs::exists(out)) << "an interrupted write left a file under the model's name";
+    if (sig != SIGKILL) {
+      EXPECT_FALSE(fs::exists(partial)) << "the signal handler removes the partial file";
+    }
+  }
+  const ToolRun r = run({"make-model", "--size", "2MiB", out});
+  EXPECT_EQ(r.exit_code, 0) << "a rerun does not say 'already exists': " << r.err;
+  for (const auto& e : fs::directory_iterator(root_)) {
+    EXPECT_EQ(e.path().filename().string().find(".partial-"), std::string::npos) << "left behind: " << e.path();
+  }
+}
+
+// Item 3: idle removes its synthetic model on every signal it can die of.
+TEST_F(ToolHardening, IdleRemovesItsModelOnEveryTerminatingSignal) {
+  for (int sig : {SIGQUIT, SIGUSR1, SIGPIPE, SIGALRM}) {
+    SCOPED_TRACE(strsignal(sig));
+    Spawn s{{"idle", "--model-size", "4MiB", "--pauses", "5000", "--iters", "3", "--policies", "off", "--no-plot"},
+            {}, tmp_, logs_, nullptr};
+    const pid_t pid = start_until(s, "warm-up decode");
+    EXPECT_FALSE(tmp_entries().empty());
+    kill(pid, sig);
+    const ToolRun r = finish(pid, logs_, Clock::now());
+    EXPECT_EQ(r.signal, sig) << "exit " << r.exit_code << ": " << r.err;
+    EXPECT_TRUE(tmp_entries().empty()) << "left in TMPDIR after " << strsignal(sig) << ": " << tmp_entries().front();
+  }
+  // `| head` that has exited: the first write after it is SIGPIPE.
+  Spawn s{{"idle", "--model-size", "4MiB", "--pauses", "0", "--iters", "1", "--policies", "off", "--no-plot"}, {}, tmp_, logs_,
+          nullptr, true};
+  const pid_t pid = start(s);
+  const ToolRun r = finish(pid, logs_, Clock::now());
+  EXPECT_EQ(r.signal, SIGPIPE) << "exit " << r.exit_code << ": " << r.err;
+  EXPECT_TRUE(tmp_entries().empty()) << "left in TMPDIR after SIGPIPE: " << tmp_entries().front();
+}
+
+// Item 3: a killed run's directory is recognised by its owner and removed by the next run; a live
+// run's and kept results are not.
+TEST_F(ToolHardening, AKilledRunsLeftoversAreRemovedByTheNextRun) {
+  Spawn s{{"idle", "--model-size", "4MiB", "--pauses", "5000", "--policies", "off", "--no-plot"}, {}, tmp_, logs_, nullptr};
+  const pid_t pid = start_until(s, "warm-up decode");
+  kill(pid, SIGKILL);
+  finish(pid, logs_, Clock::now());
+  ASSERT_EQ(tmp_entries().size(), 1u);
+  const std::string dead = tmp_entries().front();
+  EXPECT_TRUE(fs::exists(tmp_ + "/" + dead + "/model.gguf"));
+  // A live owner's directory (this test process) and a symbolic link inside the dead one.
+  std::ifstream stat("/proc/self/stat");
+  std::string line;
+  std::getline(stat, line);
+  std::istringstream in(line.substr(line.rfind(')') + 2));
+  std::string field;
+  for (int i = 3; i <= 22; ++i) in >> field;
+  const std::string live = "residency-idle-" + std::to_string(getpid()) + "." + field + "-abcdef";
+  fs::create_directory(tmp_ + "/" + live);
+  const std::string precious = root_ + "/precious";
+  std::ofstream(precious) << "keep me";
+  fs::create_symlink(precious, tmp_ + "/" + dead + "/link");
+
+  const ToolRun r = run({"idle", "--backend", "sim", "--pauses", "0", "--iters", "1", "--no-plot"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const auto left = tmp_entries();
+  EXPECT_EQ(std::count(left.begin(), left.end(), dead), 0) << "the dead run's directory is still there";
+  EXPECT_EQ(std::count(left.begin(), left.end(), live), 1) << "a live run's directory was removed";
+  EXPECT_EQ(slurp(precious), "keep me") << "removal followed a symbolic link";
+  ASSERT_EQ(left.size(), 2u);
+  const std::string kept = left[0] == live ? left[1] : left[0];
+  EXPECT_TRUE(fs::exists(tmp_ + "/" + kept + "/idle.json")) << kept;
+  EXPECT_EQ(kept.find('.'), std::string::npos) << "kept results carry no owner tag: " << kept;
+  // And the kept results survive the next run.
+  ASSERT_EQ(run({"idle", "--backend", "sim", "--pauses", "0", "--iters", "1", "--no-plot"}).exit_code, 0);
+  EXPECT_TRUE(fs::exists(tmp_ + "/" + kept + "/idle.json"));
+}
+
+// Item 4: --out that cannot take the results is found before the run, with the reason.
+TEST_F(ToolHardening, AnUnwritableOutIsFoundBeforeTheRun) {
+  if (geteuid() != 0) GTEST_SKIP() << "needs root for a private mount namespace (read-only and full filesystems)";
+  const std::string model = root_ + "/m.gguf";
+  ASSERT_EQ(run({"make-model", "--size", "3MiB", model}).exit_code, 0);
+  const std::string mnt = root_ + "/mnt";
+  fs::create_directory(mnt);
+  // A run that would take minutes if it started: the answer must come at once.
+  auto long_run = [&](const std::string& out) {
+    return std::vector<std::string>{"idle", model, "--pauses", "60000", "--pressure", "none", "--out", out};
+  };
+  struct Case {
+    const char* what;
+    std::function<bool()> prepare;
+    std::string out, says;
+  } cases[] = {
+      {"read-only",
+       [&] {
+         return unshare(CLONE_NEWNS) == 0 && mount(nullptr, "/", nullptr, MS_REC | MS_PRIVATE, nullptr) == 0 &&
+                mount("tmpfs", mnt.c_str(), "tmpfs", MS_RDONLY, "size=1m") == 0;
+       },
+       mnt + "/out", "(EROFS)"},
+      {"full",
+       [&] {
+         if (unshare(CLONE_NEWNS) != 0 || mount(nullptr, "/", nullptr, MS_REC | MS_PRIVATE, nullptr) != 0 ||
+             mount("tmpfs", mnt.c_str(), "tmpfs", 0, "size=64k") != 0)
+           return false;
+         const int fd = open((mnt + "/fill").c_str(), O_WRONLY | O_CREAT, 0600);
+         char buf[4096] = {};
+         while (write(fd, buf, sizeof buf) > 0) {
+         }
+         close(fd);
+         return true;
+       },
+       mnt, "(ENOSPC)"},
+      {"no permission",
+       [&] {
+         chmod(root_.c_str(), 0755);
+         return chmod(mnt.c_str(), 0755) == 0 && setgid(65534) == 0 && setuid(65534) == 0;
+       },
+       mnt + "/out", "(EACCES)"},
+  };
+  chmod(root_.c_str(), 0755);
+  chmod(logs_.c_str(), 0777);
+  chmod(tmp_.c_str(), 0777);
+  for (const auto& c : cases) {
+    SCOPED_TRACE(c.what);
+    Spawn s{long_run(c.out), {}, tmp_, logs_, c.prepare};
+    const auto t0 = Clock::now();
+    const ToolRun r = finish(start(s), logs_, t0, 60);
+    if (r.exit_code == 126) {
+      ADD_FAILURE() << "could not set up the " << c.what << " filesystem (mount namespace)";
+      continue;
+    }
+    EXPECT_EQ(r.exit_code, 2) << r.err;
+    EXPECT_TRUE(printable_line(r.err)) << r.err;
+    EXPECT_NE(r.err.find("--out " + c.out + ": cannot write there: "), std::string::npos) << r.err;
+    EXPECT_NE(r.err.find(c.says), std::string::npos) << r.err;
+    EXPECT_EQ(r.out, "") << "nothing ran";
+    EXPECT_LT(r.seconds, 20.0);
+  }
+}
+
+// Item 6: with the default 8 MiB RLIMIT_MEMLOCK and no CAP_IPC_LOCK, a run of eight managers says
+// the clamp and its fix once, not once per manager.
+TEST_F(ToolHardening, TheClampWarningIsPrintedOncePerRun) {
+  if (geteuid() != 0) GTEST_SKIP() << "needs root to become an unprivileged user (no CAP_IPC_LOCK) in the child";
+  const std::string model = root_ + "/m.gguf";
+  ASSERT_EQ(run({"make-model", "--size", "16MiB", model}).exit_code, 0);
+  chmod(root_.c_str(), 0755);
+  chmod(model.c_str(), 0644);
+  chmod(logs_.c_str(), 0777);
+  chmod(tmp_.c_str(), 0777);
+  const std::string out = root_ + "/out";
+  fs::create_directory(out);
+  chmod(out.c_str(), 0777);
+  Spawn s{{"idle", model, "--pauses", "0,20", "--iters", "1", "--pressure", "none", "--no-plot", "--policies",
+           "off,keep-alive,0,forever", "--out", out},
+          {},
+          tmp_,
+          logs_,
+          [] {
+            const rlimit eight{8u << 20, 8u << 20};
+            return setrlimit(RLIMIT_MEMLOCK, &eight) == 0 && setgid(65534) == 0 && setuid(65534) == 0;
+          }};
+  const ToolRun r = finish(start(s), logs_, Clock::now());
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  std::size_t clamps = 0;
+  for (std::size_t at = r.err.find("wired limit clamped"); at != std::string::npos; at = r.err.find("wired limit clamped", at + 1)) ++clamps;
+  EXPECT_EQ(clamps, 1u) << "eight managers, one warning: " << r.err;
+  EXPECT_NE(r.err.find("ulimit -l"), std::string::npos) << "the warning names the fix: " << r.err;
+}
+
+// Item 10: hostile strings into every option and the configuration, for a bounded time: exit 0 or
+// 2, one printable line when 2, never a crash or a hang.
+TEST_F(ToolHardening, HostileStringsInEveryOptionAreRefusedOrAccepted) {
+  std::mt19937 rng(1234);
+  const std::vector<std::string> atoms = {"0", "1", "9", ".", "-", "+", "e", "x", "%", ":", ",", "s", "ms", "GiB", "KB", "T",
+                                          "hog:", "\n", "\r", "\t", "\x1b[31m", "\x7f", "\xc2\x9b", "\xff", "\xef\xbc\x91",
+                                          "\xd9\xa3", "\xe0\xa5\xa7", " ", "'", "\"", "\\", "$(id)", "`id`", "%s%n",
+                                          std::string(400, '9'), std::string(40, '0'), "off", "forever", "pageout"};
+  auto hostile = [&] {
+    std::string s;
+    const int n = static_cast<int>(rng() % 6);
+    for (int i = 0; i < n; ++i) s += atoms[rng() % atoms.size()];
+    return s;
+  };
+  const std::vector<std::string> base = {"idle", "--backend", "sim", "--pauses", "0", "--iters", "1", "--no-plot", "--out",
+                                         root_ + "/out"};
+  const std::vector<std::string> idle_options = {"--keep-alive", "--pauses", "--iters", "--threads", "--pressure",
+                                                 "--policies", "--type", "--profile", "--backend"};
+  const std::vector<std::string> vars = {"RESIDENCY_KEEP_ALIVE", "RESIDENCY_WIRED_LIMIT", "RESIDENCY_SET_MAX_PCT",
+                                         "RESIDENCY_LAYOUT", "RESIDENCY_PRESSURE_FLOOR", "RESIDENCY_PRESSURE_QUIET",
+                                         "RESIDENCY_LOG", "GGML_METAL_RESIDENCY_KEEP_ALIVE_S", "GGML_METAL_NO_RESIDENCY",
+                                         "MLX_RESIDENCY_SET_MAX_PCT", "MLX_RESIDENCY_DEBUG"};
+  const auto deadline = Clock::now() + std::chrono::seconds(20);
+  int runs = 0;
+  while (Clock::now() < deadline && runs < 300) {
+    std::vector<std::string> args = base, env;
+    const std::string value = hostile();
+    switch (rng() % 4) {
+      case 0:
+      case 1: args.insert(args.end(), {idle_options[rng() % idle_options.size()], value}); break;
+      case 2: env.push_back(vars[rng() % vars.size()] + "=" + value); break;
+      default: args = {"make-model", "--size", value, "--type", "none", root_ + "/f.gguf"}; break;
+    }
+    const ToolRun r = run(args, env, 30);
+    ++runs;
+    std::string shown;
+    for (const auto& a : args) shown += "[" + a + "] ";
+    for (const auto& e : env) shown += "env[" + e + "]";
+    ASSERT_TRUE(r.exit_code == 0 || r.exit_code == 2) << shown << " -> exit " << r.exit_code << " signal " << r.signal << ": " << r.err;
+    if (r.exit_code == 2) {
+      ASSERT_TRUE(printable_line(r.err)) << shown << ": " << r.err;
+    }
+    std::error_code ec;
+    fs::remove_all(root_ + "/out", ec);
+  }
+  EXPECT_GE(runs, 20) << "too few runs in the time given";
+  EXPECT_FALSE(fs::exists(root_ + "/f.gguf"));
+}
+
+}  // namespace
