@@ -1,7 +1,7 @@
 // CleanupRegistry and TempDir (see cleanup.hpp).
 #include "workload/cleanup.hpp"
 
-#include <stdio.h>  // renameat2
+#include <stdio.h>  // renameat2, renamex_np
 
 #include <dirent.h>
 #include <fcntl.h>
@@ -64,7 +64,7 @@ const std::vector<int>& CleanupRegistry::signals() {
   // ways a user, a pipe (`| head`) or a job controller ends a run. Crash signals (SIGSEGV, SIGBUS,
   // SIGABRT ...) are left to their defaults and sanitizers: the next run removes what they leave.
   static const std::vector<int> s = {SIGINT,  SIGTERM,   SIGHUP,  SIGQUIT, SIGPIPE, SIGUSR1, SIGUSR2,
-                                     SIGALRM, SIGVTALRM, SIGPROF, SIGXCPU, SIGXFSZ, SIGPOLL};
+                                     SIGALRM, SIGVTALRM, SIGPROF, SIGXCPU, SIGXFSZ, SIGIO};
   return s;
 }
 
@@ -225,9 +225,26 @@ int remove_dead_leftovers(const std::string& parent, const std::string& prefix) 
   return removed;
 }
 
+int rename_no_replace(const char* from, const char* to) {
+#if defined(__linux__)
+  const int rc = renameat2(AT_FDCWD, from, AT_FDCWD, to, RENAME_NOREPLACE);
+  if (rc == 0 || (errno != EINVAL && errno != ENOSYS)) return rc;  // else: a filesystem without it
+#elif defined(__APPLE__)
+  const int rc = renamex_np(from, to, RENAME_EXCL);
+  if (rc == 0 || (errno != ENOTSUP && errno != EINVAL)) return rc;
+#endif
+  if (::link(from, to) != 0) return -1;
+  ::unlink(from);
+  return 0;
+}
+
 Status check_writable(const std::string& dir, std::uint64_t bytes, const std::string& what) {
   auto fail = [&](int err) {
+#if defined(__GLIBC__)
     const char* name = strerrorname_np(err);
+#else
+    const char* name = err == EROFS ? "EROFS" : err == ENOSPC ? "ENOSPC" : err == EACCES ? "EACCES" : err == EPERM ? "EPERM" : nullptr;
+#endif
     return Status(err == ENOSPC ? ErrorCode::limit_exceeded : ErrorCode::permission_denied,
                   what + ": cannot write there: " + std::strerror(err) + (name ? std::string(" (") + name + ")" : "") +
                       (err == ENOSPC ? "; free some space or choose another directory" : ""));
@@ -320,13 +337,7 @@ void TempDir::keep() {
     std::string name = prefix_;
     for (int i = 0; i < 6; ++i) name += kChars[rd() % (sizeof kChars - 1)];
     const std::string target = parent_ + "/" + name;
-    int rc = renameat2(AT_FDCWD, path_.c_str(), AT_FDCWD, target.c_str(), RENAME_NOREPLACE);
-    if (rc != 0 && (errno == EINVAL || errno == ENOSYS)) {  // a filesystem without RENAME_NOREPLACE
-      struct stat st {};
-      if (lstat(target.c_str(), &st) == 0) continue;
-      rc = std::rename(path_.c_str(), target.c_str());
-    }
-    if (rc == 0) {
+    if (rename_no_replace(path_.c_str(), target.c_str()) == 0) {
       path_ = target;
       break;
     }

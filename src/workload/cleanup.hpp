@@ -57,6 +57,10 @@ std::optional<std::string> owner_tag_in(std::string_view name);
 // link). Returns how many were removed.
 int remove_dead_leftovers(const std::string& parent, const std::string& prefix);
 
+// rename(from, to) that never replaces an existing `to` (EEXIST instead): renameat2
+// RENAME_NOREPLACE on Linux, renamex_np RENAME_EXCL on Apple, else link + unlink. 0 or -1 (errno).
+int rename_no_replace(const char* from, const char* to);
+
 // Whether `dir` (an existing directory) takes `bytes` of new files: a probe file of that size is
 // written, synced and removed, so that a read-only filesystem (EROFS), a full one (ENOSPC) or a
 // directory without permission (EACCES, also for root on a root-squashed mount) is found before a

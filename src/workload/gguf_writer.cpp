@@ -2,7 +2,6 @@
 #include <fcntl.h>
 #include <sys/stat.h>
 #include <sys/statvfs.h>
-#include <stdio.h>  // renameat2
 #include <unistd.h>
 
 #include <algorithm>
@@ -303,12 +302,7 @@ Status write_gguf_file(const std::string& final_path, const GgufLayout& layout, 
     CleanupRegistry::forget(slot);
     return Status(ErrorCode::io_error, printable(final_path) + ": close failed: " + std::strerror(err));
   }
-  int rc = overwrite ? std::rename(path.c_str(), final_path.c_str())
-                     : renameat2(AT_FDCWD, path.c_str(), AT_FDCWD, final_path.c_str(), RENAME_NOREPLACE);
-  if (rc != 0 && !overwrite && (errno == EINVAL || errno == ENOSYS)) {  // no RENAME_NOREPLACE here
-    rc = ::link(path.c_str(), final_path.c_str());
-    if (rc == 0) ::unlink(path.c_str());
-  }
+  const int rc = overwrite ? std::rename(path.c_str(), final_path.c_str()) : rename_no_replace(path.c_str(), final_path.c_str());
   const int err = errno;
   if (rc != 0) ::unlink(path.c_str());
   CleanupRegistry::forget(slot);

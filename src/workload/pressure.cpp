@@ -3,8 +3,10 @@
 
 #include <fcntl.h>
 #include <signal.h>
-#include <sys/prctl.h>
 #include <sys/mman.h>
+#if defined(__linux__)
+#include <sys/prctl.h>
+#endif
 #if defined(__APPLE__)
 #include <sys/mount.h>  // statfs (macOS has no <sys/statfs.h>)
 #else
@@ -177,7 +179,11 @@ Status run_hog(std::uint64_t bytes, std::chrono::milliseconds hold) {
     // It dies with its parent, even a SIGKILLed one (gigabytes must not outlive the run). The
     // death signal comes when the forking thread ends; this thread waits for the hog below, so
     // that is never early. A parent already gone before prctl took effect is caught by getppid.
+#if defined(__linux__)
     if (prctl(PR_SET_PDEATHSIG, SIGKILL) != 0 || getppid() != parent) _exit(kHogOrphaned);
+#else
+    if (getppid() != parent) _exit(kHogOrphaned);  // no death signal here: a killed parent's hog runs to its end
+#endif
     void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (p == MAP_FAILED) _exit(kHogNoMemory);
     auto* bytes_p = static_cast<volatile unsigned char*>(p);
