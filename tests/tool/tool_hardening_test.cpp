@@ -451,13 +451,14 @@ TEST_F(ToolHardening, AnUnwritableOutIsFoundBeforeTheRun) {
   chmod(root_.c_str(), 0755);
   chmod(logs_.c_str(), 0777);
   chmod(tmp_.c_str(), 0777);
+  std::string not_set_up;
   for (const auto& c : cases) {
     SCOPED_TRACE(c.what);
     Spawn s{long_run(c.out), {}, tmp_, logs_, c.prepare};
     const auto t0 = Clock::now();
     const ToolRun r = finish(start(s), logs_, t0, 60);
-    if (r.exit_code == 126) {
-      ADD_FAILURE() << "could not set up the " << c.what << " filesystem (mount namespace)";
+    if (r.exit_code == 126) {  // no mount namespace here (a container without CAP_SYS_ADMIN)
+      not_set_up += std::string(not_set_up.empty() ? "" : ", ") + c.what;
       continue;
     }
     EXPECT_EQ(r.exit_code, 2) << r.err;
@@ -467,6 +468,7 @@ TEST_F(ToolHardening, AnUnwritableOutIsFoundBeforeTheRun) {
     EXPECT_EQ(r.out, "") << "nothing ran";
     EXPECT_LT(r.seconds, 20.0);
   }
+  if (!not_set_up.empty()) GTEST_SKIP() << "could not set up the " << not_set_up << " case(s): no private mount namespace here";
 }
 
 // Item 6: with the default 8 MiB RLIMIT_MEMLOCK and no CAP_IPC_LOCK, a run of eight managers says
