@@ -380,15 +380,15 @@ Result<SharedBudget> parse_shared_budget(std::string_view text) {
     return bad(text, "more than three ':'-separated fields", forms);
   SharedBudget b;
   b.name = std::string(s.substr(0, c1));
-  if (!valid_name(b.name, 64)) return bad(text, "the name '" + b.name + "' is not accepted", forms);
+  if (!valid_name(b.name, 64)) return bad(text, "the name '" + printable(b.name) + "' is not accepted", forms);
   const std::string_view size = s.substr(c1 + 1, c2 == std::string_view::npos ? std::string_view::npos : c2 - c1 - 1);
   auto w = parse_wired_limit(size);
-  if (!w) return bad(text, "the size '" + std::string(size) + "' is not a size or a percent", forms);
+  if (!w) return bad(text, "the size '" + printable(size) + "' is not a size or a percent", forms);
   if (!w->is_percent && w->bytes == 0) return bad(text, "the size is 0", forms);
   b.size = *w;
   if (c2 != std::string_view::npos) {
     b.group = std::string(s.substr(c2 + 1));
-    if (!valid_name(b.group, 32)) return bad(text, "the group '" + b.group + "' is not accepted", forms);
+    if (!valid_name(b.group, 32)) return bad(text, "the group '" + printable(b.group) + "' is not accepted", forms);
   }
   return b;
 }

@@ -42,7 +42,7 @@ void check(const R& r) {
   if (!r.is_ok()) check_line(r.message());
 }
 
-const char* const kVars[] = {"RESIDENCY_KEEP_ALIVE",       "RESIDENCY_WIRED_LIMIT",   "RESIDENCY_SET_MAX_PCT",
+const char* const kVars[] = {"RESIDENCY_SHARED_BUDGET", "RESIDENCY_SHARED_PRIORITY", "RESIDENCY_KEEP_ALIVE", "RESIDENCY_WIRED_LIMIT", "RESIDENCY_SET_MAX_PCT",
                              "RESIDENCY_LAYOUT",           "RESIDENCY_RELEASE_ON_PRESSURE", "RESIDENCY_PRESSURE_FLOOR",
                              "RESIDENCY_PRESSURE_QUIET",   "RESIDENCY_LOG",           "GGML_METAL_RESIDENCY_KEEP_ALIVE_S",
                              "GGML_METAL_NO_RESIDENCY",    "MLX_RESIDENCY_SET_MAX_PCT", "MLX_RESIDENCY_DEBUG"};
