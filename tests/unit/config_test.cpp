@@ -273,6 +273,7 @@ TEST(ConfigFromEnv, SharedBudgetAndPriority) {
   EXPECT_NE(bad.message().find("RESIDENCY_SHARED_PRIORITY=\"1.5\": not an integer from -1000 to 1000"), std::string::npos)
       << bad.message();
   EXPECT_EQ(std::count(bad.message().begin(), bad.message().end(), '\n'), 1);
+}
 
 // Issue 13, items 1 and 7: every echoed value is printable and short; errors say why.
 TEST(Printable, EscapesControlCharactersAndKeepsText) {
