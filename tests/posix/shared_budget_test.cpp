@@ -556,3 +556,41 @@ TEST(SharedBudgetProcesses, ARewireThatDoesNotFitWiresWhatFitsAndNeverMore) {
   ::munmap(mem, 2 * kRegion);
 }
 }  // namespace
+
+namespace {
+std::string run_stat(const char* args) {
+  std::string cmd = std::string(RESIDENCY_TOOL_PATH) + " stat " + args + " 2>&1";
+  std::string out;
+  if (FILE* p = ::popen(cmd.c_str(), "r")) {
+    char buf[4096];
+    while (std::size_t n = std::fread(buf, 1, sizeof buf, p)) out.append(buf, n);
+    ::pclose(p);
+  }
+  return out;
+}
+
+// `residency stat` lists the budget with its holder (pid, bytes, idle time), in text and JSON,
+// and marks a holder that was killed as dead.
+TEST(SharedBudgetProcesses, StatListsTheBudgetAndItsHoldersAndMarksTheDead) {
+  TempMappedFile fa(kHold), fb(kHold);
+  ASSERT_TRUE(fa.ok() && fb.ok());
+  const std::string name = unique_name("stat");
+  Hold a(path_of(fa), {env_budget(name, "10MiB")}), b(path_of(fb), {env_budget(name, "10MiB")});
+  ASSERT_TRUE(a.wait_vm_lck(kHold, 10s)) << a.all();
+  ASSERT_TRUE(b.wait_vm_lck(kHold, 10s)) << b.all();
+  const int dead = b.pid;
+  b.kill9();
+  const std::string text = run_stat("");
+  EXPECT_NE(text.find(name + ": 10 MiB, used 8 MiB, 2 holder(s)  (/dev/shm/residency-budget-" + name + ", mode 0600)"),
+            std::string::npos)
+      << text;
+  EXPECT_NE(text.find("pid " + std::to_string(a.pid) + ": 4 MiB, idle "), std::string::npos) << text;
+  EXPECT_NE(text.find("pid " + std::to_string(dead) + ": 4 MiB, idle "), std::string::npos) << text;
+  EXPECT_NE(text.find("DEAD: its share is reclaimed"), std::string::npos) << text;
+  const std::string json = run_stat("--json");
+  EXPECT_NE(json.find("\"name\": \"" + name + "\""), std::string::npos) << json;
+  EXPECT_NE(json.find("\"pid\": " + std::to_string(a.pid)), std::string::npos) << json;
+  EXPECT_NE(json.find("\"alive\": false"), std::string::npos) << json;
+  EXPECT_NE(json.find("\"size\": 10485760"), std::string::npos) << json;
+}
+}  // namespace
