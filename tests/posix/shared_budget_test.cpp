@@ -181,6 +181,18 @@ std::string env_budget(const std::string& name, const char* size) {
   return "RESIDENCY_SHARED_BUDGET=" + name + ":" + size;
 }
 
+// An in-process manager on the posix backend under the shared budget `name` of `bytes`, keep-alive
+// forever, quiet.
+ManagerOptions shared_manager_options(const std::shared_ptr<Backend>& backend, const std::string& name,
+                                      std::uint64_t bytes) {
+  ManagerOptions o;
+  o.backend = backend;
+  o.config.keep_alive = KeepAlive::forever();
+  o.config.shared_budget = SharedBudget{name, WiredLimit{false, bytes, 0}, ""};
+  o.log = [](LogLevel, std::string_view) {};
+  return o;
+}
+
 // --- identity, ownership, version ------------------------------------------------------------
 
 TEST(SharedBudgetIdentity, PidAndStartTimeNameOneProcess) {
@@ -418,13 +430,8 @@ TEST(SharedBudgetProcesses, AnIdleHolderWakesZeroTimesUntilAskedThenGivesBack) {
   void* mem = ::mmap(nullptr, kHold, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
   ASSERT_NE(mem, MAP_FAILED);
   std::memset(mem, 1, kHold);
-  ManagerOptions o;
-  o.backend = *backend;
-  o.config.keep_alive = KeepAlive::forever();
-  o.config.shared_budget = SharedBudget{name, WiredLimit{false, 6 * MiB, 0}, ""};
-  o.log = [](LogLevel, std::string_view) {};
   {
-    auto m = Manager::create(o);
+    auto m = Manager::create(shared_manager_options(*backend, name, 6 * MiB));
     ASSERT_TRUE(m) << m.message();
     auto id = (*m)->register_region(mem, kHold);
     ASSERT_TRUE(id) << id.message();
@@ -477,12 +484,7 @@ TEST(SharedBudgetProcesses, AProcessThatExitsWithoutDestroyingItsManagerLeavesNo
     void* mem = ::mmap(nullptr, kHold, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (mem == MAP_FAILED) ::_exit(3);
     std::memset(mem, 1, kHold);
-    ManagerOptions o;
-    o.backend = *backend;
-    o.config.keep_alive = KeepAlive::forever();
-    o.config.shared_budget = SharedBudget{name, WiredLimit{false, 6 * MiB, 0}, ""};
-    o.log = [](LogLevel, std::string_view) {};
-    auto m = Manager::create(o);
+    auto m = Manager::create(shared_manager_options(*backend, name, 6 * MiB));
     if (!m || !(*m)->register_region(mem, kHold)) ::_exit(4);
     if (!exists(ledger::ledger_path(name)) || (*m)->stats().shared_held != kHold) ::_exit(5);
     (void)m->release();  // leaked, as the preload leaks its manager
@@ -514,12 +516,8 @@ TEST(SharedBudgetProcesses, ARewireThatDoesNotFitWiresWhatFitsAndNeverMore) {
   void* mem = ::mmap(nullptr, 2 * kRegion, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
   ASSERT_NE(mem, MAP_FAILED);
   std::memset(mem, 1, 2 * kRegion);
-  ManagerOptions o;
-  o.backend = *backend;
-  o.config.keep_alive = KeepAlive::forever();
+  ManagerOptions o = shared_manager_options(*backend, name, kBudget);
   o.config.set_max_pct = 100;  // sharded, one set for both: the partial case is within a set
-  o.config.shared_budget = SharedBudget{name, WiredLimit{false, kBudget, 0}, ""};
-  o.log = [](LogLevel, std::string_view) {};
   auto m = Manager::create(o);
   ASSERT_TRUE(m) << m.message();
   auto hi = (*m)->register_region(mem, kRegion, RegionClass::weights, 1);
