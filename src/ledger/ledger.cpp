@@ -636,9 +636,7 @@ std::vector<SharedBudgetInfo> list_shared_budgets() {
 
 #else  // not Linux: shared budgets are refused with a message
 
-struct residency::ledger::Ledger::Shared {};
-
-namespace residency::ledger {
+struct Ledger::Shared {};
 
 std::uint64_t process_start_time(int) { return 0; }
 bool holder_alive(int, std::uint64_t) { return false; }
