@@ -85,7 +85,6 @@ struct SharedBudget {
   WiredLimit size;    // bytes, or a percent of physical memory (RAM: the budget is machine-wide)
   std::string group;  // "": the ledger is private to its user (mode 0600); else 0660 for this group
   std::string to_string() const;  // "NAME:SIZE[:GROUP]"
-  bool operator==(const SharedBudget&) const = default;
 };
 // Accepted: NAME:SIZE or NAME:SIZE:GROUP, SIZE a size (see parse_size, more than 0) or a percent
 // of RAM ("50%"), GROUP a group name ([A-Za-z0-9._-], 1 to 32 characters).
