@@ -140,6 +140,10 @@ class Backend {
   virtual Result<PressureWatchId> watch_pressure(std::function<void()> on_pressure);
   // (optional) Removes a watcher; its on_pressure is not called after this returns.
   virtual void stop_pressure_watch(PressureWatchId id);
+  // (optional) What the running pressure watch listens to, in one line for the manager's
+  // start-up log ("PSI some 150 ms in 2 s on /proc/pressure/memory (system-wide)"); empty when
+  // no watch runs. Default: empty.
+  virtual std::string pressure_source() const;
 };
 
 }  // namespace residency

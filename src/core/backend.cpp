@@ -18,5 +18,6 @@ Result<PressureWatchId> Backend::watch_pressure(std::function<void()>) {
                 capabilities().name + " backend cannot watch memory pressure");
 }
 void Backend::stop_pressure_watch(PressureWatchId) {}
+std::string Backend::pressure_source() const { return {}; }
 
 }  // namespace residency

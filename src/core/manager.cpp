@@ -167,23 +167,31 @@ struct Manager::Impl {
   }
 
   // Evicts until admitted bytes fit the effective limit; returns the bytes evicted.
-  std::uint64_t shrink_to_limit(bool by_class = false) {
+  // Under pressure (by_class) scratch goes first, then kv_cache, then weights, and nothing that
+  // would take the admitted bytes below `floor`.
+  std::uint64_t shrink_to_limit(bool by_class = false, std::uint64_t floor = 0) {
     if (budget.admitted() <= budget.effective_limit()) return 0;
     const std::uint64_t before = budget.admitted();
     const auto entries = entries_of(true);
-    for (RegionId id : core::choose_evictions(entries, budget.admitted(), budget.effective_limit(), by_class))
+    for (RegionId id : core::choose_evictions(entries, budget.admitted(), budget.effective_limit(), by_class, floor))
       if (Region* r = regions.find(id)) evict(*r);
     return before - budget.admitted();
   }
 
   // One step of graded release (see pressure_policy.hpp).
   void pressure_step() {
-    const std::uint64_t cap = pressure.on_pressure(clock->now(), budget.admitted());
+    std::uint64_t cap = pressure.on_pressure(clock->now(), budget.admitted());
     budget.set_cap(cap);
     std::uint64_t released = 0;
     {
       Guard batch(*this);
-      released = shrink_to_limit(/*by_class=*/true);
+      released = shrink_to_limit(/*by_class=*/true, pressure.floor());
+    }
+    // Regions are released whole: when the next one would cross the floor the cap is not met,
+    // and the budget holds at what stays (so that no later eviction for the cap crosses it).
+    if (budget.admitted() > cap) {
+      cap = budget.admitted();
+      budget.set_cap(cap);
     }
     if (released == 0) {
       log(LogLevel::debug, "memory pressure: nothing more to give back (" + core::mib(budget.admitted()) +
@@ -578,6 +586,8 @@ Result<std::unique_ptr<Manager>> Manager::create(ManagerOptions o) {
     auto id = m.backend->watch_pressure([self] { self->notify_memory_pressure(); });
     if (id) {
       m.pressure_watch = *id;
+      if (std::string src = m.backend->pressure_source(); !src.empty())
+        m.log(LogLevel::info, "watching memory pressure: " + src);
     } else {
       m.log(LogLevel::warn, "release_on_pressure is set but " + id.message() + "; call notify_memory_pressure() yourself");
     }

@@ -49,7 +49,8 @@ std::vector<RegionId> choose_promotions(std::span<const BudgetEntry> entries,
 }
 
 std::vector<RegionId> choose_evictions(std::span<const BudgetEntry> entries,
-                                       std::uint64_t admitted_bytes, std::uint64_t limit, bool by_class) {
+                                       std::uint64_t admitted_bytes, std::uint64_t limit, bool by_class,
+                                       std::uint64_t floor) {
   std::vector<const BudgetEntry*> cand;
   for (const auto& e : entries)
     if (e.admitted) cand.push_back(&e);
@@ -65,6 +66,7 @@ std::vector<RegionId> choose_evictions(std::span<const BudgetEntry> entries,
   std::vector<RegionId> out;
   for (const auto* e : cand) {
     if (admitted_bytes <= limit) break;
+    if (admitted_bytes - e->bytes < floor) continue;  // what the floor keeps, pressure never takes
     out.push_back(e->id);
     admitted_bytes -= e->bytes;
   }

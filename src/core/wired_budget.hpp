@@ -37,10 +37,12 @@ std::vector<RegionId> choose_promotions(std::span<const BudgetEntry> entries,
                                         std::uint64_t admitted_bytes, std::uint64_t limit);
 // Admitted entries to remove, in eviction order, until admitted bytes are at most `limit`.
 // by_class (memory pressure): scratch first, then kv_cache, then weights, each by priority and
-// recency; otherwise (a lower limit) by priority and recency alone.
+// recency; otherwise (a lower limit) by priority and recency alone. `floor` (memory pressure): an
+// entry whose removal would take admitted bytes below it is skipped (a smaller one later in the
+// order may still go), so the limit may stay unmet rather than the floor be crossed.
 std::vector<RegionId> choose_evictions(std::span<const BudgetEntry> entries,
                                        std::uint64_t admitted_bytes, std::uint64_t limit,
-                                       bool by_class = false);
+                                       bool by_class = false, std::uint64_t floor = 0);
 
 // The budget's state: the limit, the bytes admitted under it, and which regions wait.
 // Invariant: admitted() <= limit() except just after the limit fell, until the caller has

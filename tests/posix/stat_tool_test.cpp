@@ -2,12 +2,15 @@
 // bytes, exit 0 even where PSI is unavailable, exit 2 for a bad option.
 #include <gtest/gtest.h>
 #include <sys/wait.h>
+#include <unistd.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <string>
 
 #include "backends/posix/proc_info.hpp"
 #include "backends/posix/system_info.hpp"
+#include "residency/backends.hpp"
 #include "residency/backends/posix.hpp"
 
 #ifndef RESIDENCY_TOOL_PATH
@@ -76,6 +79,61 @@ TEST(StatTool, JsonHasRawByteValues) {
   EXPECT_NE(r.out.find("\"mem_total\": " + std::to_string(*info.mem_total)), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("\"cap_ipc_lock\": " + std::string(info.cap_ipc_lock ? "true" : "false")), std::string::npos)
       << r.out;
+}
+
+// The memory cgroup and the pressure source as the kernel files say, read here without the
+// library: a cgroup v1 memory controller (beside an unrelated v2 mount, as on the development VM)
+// is reported as v1 with memory.limit_in_bytes, and the pressure watch line names its
+// memory.pressure_level (there is no per-cgroup PSI under v1); the backends line lists only
+// backends that start here, each other one on a line of its own with its reason.
+TEST(StatTool, CgroupAndPressureWatchAreWhereTheMemoryControllerIs) {
+  const ToolRun r = run_tool("stat");
+  ASSERT_EQ(r.exit_code, 0) << r.out;
+  auto text = residency::posix::read_text_file("/proc/self/cgroup");
+  ASSERT_TRUE(text) << text.message();
+  std::string v1_path;
+  std::size_t b = 0;
+  while (b < text->size()) {
+    const std::size_t e = std::min(text->find('\n', b), text->size());
+    const std::string line = text->substr(b, e - b);
+    b = e + 1;
+    const auto c1 = line.find(':');
+    const auto c2 = line.find(':', c1 + 1);
+    if (c1 == std::string::npos || c2 == std::string::npos) continue;
+    if (("," + line.substr(c1 + 1, c2 - c1 - 1) + ",").find(",memory,") != std::string::npos) v1_path = line.substr(c2 + 1);
+  }
+  const auto line_of = [&](const std::string& key) {
+    const auto at = r.out.find("\n" + key);
+    if (at == std::string::npos) return std::string();
+    return r.out.substr(at + 1, r.out.find('\n', at + 1) - at - 1);
+  };
+  const std::string watch = line_of("pressure watch");
+  ASSERT_FALSE(watch.empty()) << r.out;
+  if (!v1_path.empty()) {
+    EXPECT_NE(line_of("cgroup (v1 memory)").find(v1_path + ", memory.limit_in_bytes "), std::string::npos) << r.out;
+    EXPECT_EQ(r.out.find("cgroup (v2)"), std::string::npos) << "the v2 mount has no memory controller here\n" << r.out;
+    if (v1_path != "/" && ::geteuid() == 0) {
+      EXPECT_NE(watch.find("memory.pressure_level"), std::string::npos) << watch;
+    }
+  }
+  const std::string backends = line_of("backends");
+  ASSERT_FALSE(backends.empty()) << r.out;
+  EXPECT_EQ(backends.find("not here"), std::string::npos) << backends;
+  EXPECT_NE(backends.find("posix"), std::string::npos) << backends;
+  for (const auto& name : residency::available_backends()) {
+    const bool listed = backends.find(" " + name) != std::string::npos || backends.find(name + ",") != std::string::npos;
+    const bool starts = residency::make_backend(name).is_ok();
+    EXPECT_EQ(listed, starts) << name << (starts ? " starts here but is not listed: " : " does not start here but is listed: ")
+                              << backends;
+    if (!starts) {
+      bool reason = false;  // a "not here   NAME: why" line
+      for (std::size_t at = r.out.find("\nnot here"); at != std::string::npos; at = r.out.find("\nnot here", at + 1)) {
+        const std::string l = r.out.substr(at + 1, r.out.find('\n', at + 1) - at - 1);
+        reason = reason || l.find(" " + name + ": ") != std::string::npos;
+      }
+      EXPECT_TRUE(reason) << "no reason given for " << name << "\n" << r.out;
+    }
+  }
 }
 
 TEST(StatTool, BadOptionExitsTwo) {

@@ -47,12 +47,17 @@ BackendsHere backends_here() {
   return b;
 }
 
+// The backends that start here, for the `backends` line; those that do not go on lines of
+// their own, each with its reason.
 std::string backends_text(const BackendsHere& b) {
   std::string s;
   for (const auto& n : b.working) s += (s.empty() ? "" : ", ") + n;
-  if (s.empty()) s = "none";
-  for (const auto& [n, why] : b.not_here) s += "; not here: " + n + " (" + why + ")";
-  return s;
+  return s.empty() ? std::string("none") : s;
+}
+
+// "cuda: libcuda.so.1 not found ...": the reason, named once.
+std::string named_reason(const std::string& name, const std::string& why) {
+  return why.rfind(name + ":", 0) == 0 ? why : name + ": " + why;
 }
 
 nlohmann::json backends_json(const BackendsHere& b) {
@@ -171,6 +176,17 @@ void pressure_rows(std::vector<Row>& rows, const std::string& label, const Press
   if (!p.full_line.empty()) rows.emplace_back("", p.full_line);
 }
 
+nlohmann::json pressure_source_json(const PressureSource& src) {
+  const char* kind = src.kind == PressureSource::Kind::psi               ? "psi"
+                     : src.kind == PressureSource::Kind::cgroup_v1_level ? "cgroup_v1_pressure_level"
+                                                                         : "none";
+  nlohmann::json j = {{"kind", kind}, {"description", src.describe()}, {"reason", src.reason}};
+  j["path"] = src.path.empty() ? nlohmann::json(nullptr) : nlohmann::json(src.path);
+  j["scope"] = src.scope.empty() ? nlohmann::json(nullptr) : nlohmann::json(src.scope);
+  if (src.kind == PressureSource::Kind::cgroup_v1_level) j["level"] = kCgroupV1PressureLevel;
+  return j;
+}
+
 int run_stat(bool json) {
   const PosixSystemInfo info = read_posix_system_info();
   const BackendsHere here = backends_here();
@@ -198,6 +214,7 @@ int run_stat(bool json) {
                    {"memory_max", bytes_or_null(info.cgroup_memory_max)}};
     j["psi_memory"] = pressure_json(info.system_pressure);
     j["psi_memory_cgroup"] = info.cgroup_pressure ? pressure_json(*info.cgroup_pressure) : nlohmann::json(nullptr);
+    j["pressure_watch"] = pressure_source_json(info.pressure_watch);
     j["backends"] = backends;  // those that start here
     j["backends_not_here"] = backends_json(here);
     j["shared_budgets"] = shared_budgets_json(list_shared_budgets());
@@ -233,7 +250,12 @@ int run_stat(bool json) {
   }
   pressure_rows(rows, "PSI memory", info.system_pressure);
   if (info.cgroup_pressure) pressure_rows(rows, "PSI memory (cgroup)", *info.cgroup_pressure);
+  rows.emplace_back("pressure watch", info.pressure_watch.describe() +
+                                          (info.pressure_watch.reason.empty() || info.pressure_watch.kind == PressureSource::Kind::none
+                                               ? std::string()
+                                               : "; " + info.pressure_watch.reason));
   rows.emplace_back("backends", backends_text(here));
+  for (const auto& [n, why] : here.not_here) rows.emplace_back("not here", named_reason(n, why));
   shared_budget_rows(rows, list_shared_budgets());
   for (const auto& p : info.problems) rows.emplace_back("note", p);
 
@@ -253,6 +275,7 @@ int run_stat(bool json) {
                             .c_str());
   } else {
     std::vector<Row> rows = {{"backends", backends_text(here)}};
+    for (const auto& [n, why] : here.not_here) rows.emplace_back("not here", named_reason(n, why));
     shared_budget_rows(rows, list_shared_budgets());
     for (const auto& [k, v] : rows) std::printf("%-14s  %s\n", k.c_str(), v.c_str());
   }

@@ -16,9 +16,11 @@
 // Status names the limit and how to raise it. memory_info().hard_limit carries the limit so
 // that the manager clamps its budget to it.
 //
-// Pressure: Linux PSI poll triggers on the cgroup v2 memory.pressure of this process, or on
-// /proc/pressure/memory, watched by one backend thread that sleeps in poll() (no wake-ups
-// while there is no pressure).
+// Pressure: the kernel's own source for the memory cgroup that governs this process, watched by
+// one backend thread that sleeps in poll() (no wake-ups while there is no pressure): a PSI poll
+// trigger on the cgroup v2 memory.pressure; in a cgroup v1 memory cgroup (PSI exists there only
+// system-wide) its memory.pressure_level, registered through cgroup.event_control with an
+// eventfd; else the system's /proc/pressure/memory. See posix_pressure_source().
 #pragma once
 
 #include <cstdint>
@@ -48,12 +50,14 @@ struct PosixOptions {
   // process without CAP_SYS_RESOURCE (the kernel refuses other windows with EINVAL), and
   // between 500 ms and 10 s; the stall must be > 0 and <= the window. 150 ms is the threshold
   // of the kernel's PSI documentation example (there in a 1 s window; 2 s here so that any
-  // process may register it).
+  // process may register it). With a cgroup v1 source (memory.pressure_level) the window is the
+  // least time between two events passed on to the managers.
   Nanos pressure_stall = std::chrono::milliseconds(150);
   Nanos pressure_window = std::chrono::seconds(2);
-  // The PSI file to watch; empty = this process's cgroup v2 memory.pressure when the process
-  // is in a cgroup other than the root (a container's limit is what it will hit first), else
-  // /proc/pressure/memory.
+  // The pressure file to watch; empty = what posix_pressure_source() picks: the memory cgroup of
+  // this process when it is not the root one (a container's limit is what it will hit first),
+  // else /proc/pressure/memory. A PSI file (".../memory.pressure", "/proc/pressure/memory"), or a
+  // cgroup v1 ".../memory.pressure_level" (its cgroup.event_control beside it must be writable).
   std::string pressure_file;
 };
 
@@ -82,6 +86,30 @@ struct PressureInfo {
   std::optional<PressureReading> some, full;
 };
 
+// Where the posix backend's pressure watch listens, as decided on this machine now.
+struct PressureSource {
+  enum class Kind : std::uint8_t { none, psi, cgroup_v1_level };
+  Kind kind = Kind::none;
+  std::string path;   // the PSI file, or the cgroup v1 memory.pressure_level
+  std::string scope;  // "system", "cgroup v2 /a/b", "cgroup v1 /a/b"
+  std::string reason; // why this one (and not a closer one), or why none
+  // One line for logs and `residency stat`, e.g. "cgroup v1 memory.pressure_level 'medium' of
+  // /a/b (/sys/fs/cgroup/memory/a/b/memory.pressure_level), at most one event per 2 s".
+  std::string describe(const PosixOptions& options = {}) const;
+};
+// The level a cgroup v1 watch registers: "low" fires on every reclaim (a full cgroup reclaims
+// its page cache all the time), "critical" only just before the OOM killer: too late to give back
+// in steps; "medium" (reclaim is struggling: swapping, evicting active cache) is the
+// counterpart of the PSI stall trigger. Critical events reach a "medium" listener too.
+inline constexpr const char* kCgroupV1PressureLevel = "medium";
+// Picks the pressure source for `override_file` (PosixOptions::pressure_file; empty: choose):
+// this process's cgroup v2 memory.pressure when its memory cgroup is a v2 one other than the
+// root; its cgroup v1 memory.pressure_level when its memory cgroup is a v1 one other than the
+// root and this process may register there (cgroup.event_control writable); else the system's
+// PSI; else, without PSI, the v1 root's memory.pressure_level. Kind::none with the reason when
+// nothing can be watched.
+PressureSource posix_pressure_source(const std::string& override_file = {});
+
 // What this machine and process hold resident, for `residency stat` and diagnostics.
 // Every figure that could not be read is nullopt and `problems` says why.
 struct PosixSystemInfo {
@@ -100,6 +128,7 @@ struct PosixSystemInfo {
   int cgroup_version = 0;          // 1: the cgroup v1 memory controller; 2: cgroup v2
   PressureInfo system_pressure;    // /proc/pressure/memory
   std::optional<PressureInfo> cgroup_pressure;  // <cgroup2 mount><cgroup_path>/memory.pressure
+  PressureSource pressure_watch;   // what the backend's pressure watch would listen to (default options)
   std::vector<std::string> problems;
 };
 PosixSystemInfo read_posix_system_info();

@@ -247,7 +247,7 @@ class PosixBackend final : public Backend {
     return Status::ok();
   }
 
-  // One PSI watch for the whole backend; each manager adds a watcher to it.
+  // One pressure watch for the whole backend; each manager adds a watcher to it.
   Result<PressureWatchId> watch_pressure(std::function<void()> on_pressure) override {
     std::lock_guard<std::mutex> lock(watch_mu_);
     if (watchers_.empty()) {
@@ -270,25 +270,35 @@ class PosixBackend final : public Backend {
     if (last) watch_.stop();
   }
 
+  std::string pressure_source() const override {
+    std::lock_guard<std::mutex> lock(watch_mu_);
+    return watch_.running() ? watching_ : std::string();
+  }
+
  private:
   Status start_watch() {
-    std::string path = options_.pressure_file;
-    if (path.empty()) path = posix::default_pressure_file();
-    const auto info = posix::read_pressure(path);
-    if (!info.available) {
-      return Status(ErrorCode::unsupported, "memory pressure cannot be watched: " + info.reason);
+    const PressureSource src = posix_pressure_source(options_.pressure_file);
+    Status st;
+    if (src.kind == PressureSource::Kind::none) {
+      return Status(ErrorCode::unsupported, "memory pressure cannot be watched: " + src.reason);
     }
-    bool privileged = false;
-    if (auto st = posix::read_proc_status(); st && st->cap_eff) {
-      privileged = ((*st->cap_eff >> kCapSysResource) & 1U) != 0;
-    }
-    auto trigger = posix::make_psi_trigger(options_.pressure_stall, options_.pressure_window, privileged);
-    if (!trigger) return Status(trigger.status().code(), "memory pressure cannot be watched: " + trigger.message());
-    auto st = watch_.start(path, *trigger, [this] {
+    auto notify = [this] {
       std::lock_guard<std::mutex> g(watchers_mu_);
       for (auto& [id, cb] : watchers_) cb();
-    });
+    };
+    if (src.kind == PressureSource::Kind::cgroup_v1_level) {
+      st = watch_.start_cgroup_v1(src.path, kCgroupV1PressureLevel, options_.pressure_window, notify);
+    } else {
+      bool privileged = false;
+      if (auto ps = posix::read_proc_status(); ps && ps->cap_eff) {
+        privileged = ((*ps->cap_eff >> kCapSysResource) & 1U) != 0;
+      }
+      auto trigger = posix::make_psi_trigger(options_.pressure_stall, options_.pressure_window, privileged);
+      if (!trigger) return Status(trigger.status().code(), "memory pressure cannot be watched: " + trigger.message());
+      st = watch_.start(src.path, *trigger, notify);
+    }
     if (!st) return Status(st.code(), "memory pressure cannot be watched: " + st.message());
+    watching_ = src.describe(options_) + (src.reason.empty() ? "" : "; " + src.reason);
     return Status::ok();
   }
 
@@ -407,8 +417,9 @@ class PosixBackend final : public Backend {
   std::map<SetId, Set> sets_;
   std::unordered_map<SetId, std::vector<Change>> staged_;  // add/remove since the last commit
 
-  std::mutex watch_mu_;  // serialises watch_pressure / stop_pressure_watch
+  mutable std::mutex watch_mu_;  // serialises watch_pressure / stop_pressure_watch
   posix::PressureWatch watch_;
+  std::string watching_;  // the source's description, while watch_ runs
   std::mutex watchers_mu_;  // guards watchers_; held while they are called
   std::map<PressureWatchId, std::function<void()>> watchers_;
   PressureWatchId next_watch_id_ = 1;

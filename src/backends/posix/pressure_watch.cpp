@@ -1,12 +1,17 @@
-// residency posix backend: the PSI watch thread (see pressure_watch.hpp).
+// residency posix backend: the pressure watch thread (see pressure_watch.hpp).
 #include "backends/posix/pressure_watch.hpp"
 
 #include <fcntl.h>
 #include <poll.h>
+#include <sys/eventfd.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
+#include <chrono>
+#include <cstdint>
 #include <cstring>
+#include <optional>
 #include <system_error>
 
 namespace residency::posix {
@@ -16,6 +21,10 @@ void close_fd(int& fd) {
   fd = -1;
 }
 std::string err_text(int err) { return std::strerror(err); }
+std::string parent_dir(const std::string& path) {
+  const auto slash = path.rfind('/');
+  return slash == std::string::npos ? std::string(".") : path.substr(0, slash);
+}
 }  // namespace
 
 Status PressureWatch::start(const std::string& path, const std::string& trigger,
@@ -42,15 +51,65 @@ Status PressureWatch::start(const std::string& path, const std::string& trigger,
     if (err == EOPNOTSUPP) why += " (PSI is compiled in but disabled: boot with psi=1)";
     return Status(ErrorCode::unsupported, why);
   }
-  int p[2];
-  if (::pipe(p) != 0) {
+  Source src;
+  src.fd = fd;
+  return run(std::move(src), std::move(on_pressure));
+}
+
+Status PressureWatch::start_cgroup_v1(const std::string& level_file, const std::string& level, Nanos window,
+                                      std::function<void()> on_pressure) {
+  stop();
+  const int lfd = ::open(level_file.c_str(), O_RDONLY | O_CLOEXEC);
+  if (lfd < 0) {
     const int err = errno;
-    ::close(fd);
+    return Status(ErrorCode::unsupported, "cannot open " + level_file + ": " + err_text(err) +
+                                              (err == ENOENT ? " (no cgroup v1 memory controller there)" : ""));
+  }
+  const int efd = ::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+  if (efd < 0) {
+    const int err = errno;
+    ::close(lfd);
+    return Status(ErrorCode::backend_error, "eventfd() for the pressure watch failed: " + err_text(err));
+  }
+  const std::string ctl = parent_dir(level_file) + "/cgroup.event_control";
+  const int cfd = ::open(ctl.c_str(), O_WRONLY | O_CLOEXEC);
+  if (cfd < 0) {
+    const int err = errno;
+    ::close(lfd);
+    ::close(efd);
+    return Status(ErrorCode::unsupported, "cannot open " + ctl + " to register for " + level_file + ": " + err_text(err) +
+                                              (err == EACCES ? " (it is writable by its owner only: run as root or chown the cgroup)" : ""));
+  }
+  // "<event_fd> <fd of memory.pressure_level> <level>": the kernel keeps the registration until
+  // the eventfd is closed or the cgroup is removed; the two other descriptors may go now.
+  const std::string line = std::to_string(efd) + " " + std::to_string(lfd) + " " + level;
+  const ssize_t n = ::write(cfd, line.c_str(), line.size());
+  const int err = errno;
+  ::close(cfd);
+  ::close(lfd);
+  if (n < 0) {
+    ::close(efd);
+    return Status(ErrorCode::unsupported, "the kernel refused the registration '" + level + "' on " + level_file + " (" +
+                                              ctl + "): " + err_text(err));
+  }
+  Source src;
+  src.fd = efd;
+  src.eventfd = true;
+  src.window = window;
+  src.level_file = level_file;
+  return run(std::move(src), std::move(on_pressure));
+}
+
+Status PressureWatch::run(Source src, std::function<void()> on_pressure) {
+  int p[2];
+  if (::pipe2(p, O_CLOEXEC) != 0) {
+    const int err = errno;
+    ::close(src.fd);
     return Status(ErrorCode::backend_error, "pipe() for the pressure watch failed: " + err_text(err));
   }
-  for (int e : p) ::fcntl(e, F_SETFD, FD_CLOEXEC);
+  const int fd = src.fd;
   try {
-    thread_ = std::thread(&PressureWatch::loop, fd, p[0], std::move(on_pressure));
+    thread_ = std::thread(&PressureWatch::loop, std::move(src), p[0], std::move(on_pressure));
   } catch (const std::system_error& e) {
     ::close(fd);
     ::close(p[0]);
@@ -76,29 +135,66 @@ void PressureWatch::stop() {
   close_fd(stop_write_);
 }
 
-void PressureWatch::loop(int psi_fd, int stop_fd, std::function<void()> on_pressure) {
-  for (;;) {
-    pollfd fds[2] = {{psi_fd, POLLPRI, 0}, {stop_fd, POLLIN, 0}};
-    const int r = ::poll(fds, 2, -1);
+void PressureWatch::loop(Source src, int stop_fd, std::function<void()> on_pressure) {
+  using Clock = std::chrono::steady_clock;
+  std::optional<Clock::time_point> last;  // eventfd: the last call
+  bool held = false;                      // eventfd: an event came inside the window
+  bool gone = false;
+  while (!gone) {
+    int timeout = -1;
+    if (held) {
+      const auto left = *last + src.window - Clock::now();
+      timeout = static_cast<int>(std::max<std::int64_t>(
+          0, std::chrono::ceil<std::chrono::milliseconds>(left).count()));
+    }
+    pollfd fds[2] = {{src.fd, static_cast<short>(src.eventfd ? POLLIN : POLLPRI), 0}, {stop_fd, POLLIN, 0}};
+    const int r = ::poll(fds, 2, timeout);
     if (r < 0) {
       if (errno == EINTR) continue;
       break;
     }
     if (fds[1].revents != 0) break;  // stop() checked first: no callback after a stop
-    if ((fds[0].revents & POLLPRI) != 0) {
-      on_pressure();
+    if (!src.eventfd) {
+      if ((fds[0].revents & POLLPRI) != 0) {
+        on_pressure();
+        continue;
+      }
+      // The trigger is gone (its cgroup was removed): nothing more will come from it.
+      if ((fds[0].revents & (POLLERR | POLLNVAL | POLLHUP)) != 0) gone = true;
       continue;
     }
-    if ((fds[0].revents & (POLLERR | POLLNVAL | POLLHUP)) != 0) {
-      // The trigger is gone (its cgroup was removed): nothing more will come from it. Wait
-      // for stop() without spinning.
-      pollfd s = {stop_fd, POLLIN, 0};
-      while (::poll(&s, 1, -1) < 0 && errno == EINTR) {
+    bool event = false;
+    if ((fds[0].revents & POLLIN) != 0) {
+      std::uint64_t count = 0;
+      while (::read(src.fd, &count, sizeof count) < 0 && errno == EINTR) {
       }
-      break;
+      // The kernel also signals the eventfd once when it removes the registration with its
+      // cgroup: no pressure then, and nothing more will come.
+      if (::access(src.level_file.c_str(), F_OK) != 0) {
+        gone = true;
+        continue;
+      }
+      event = true;
+    } else if ((fds[0].revents & (POLLERR | POLLNVAL | POLLHUP)) != 0) {
+      gone = true;
+      continue;
+    }
+    const auto now = Clock::now();
+    const bool window_over = !last || now - *last >= src.window;
+    if (event && !window_over) {
+      held = true;
+    } else if ((event || held) && window_over) {
+      held = false;
+      last = now;
+      on_pressure();
     }
   }
-  ::close(psi_fd);
+  if (gone) {  // wait for stop() without spinning
+    pollfd s = {stop_fd, POLLIN, 0};
+    while (::poll(&s, 1, -1) < 0 && errno == EINTR) {
+    }
+  }
+  ::close(src.fd);
   ::close(stop_fd);
 }
 

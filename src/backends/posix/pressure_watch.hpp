@@ -1,17 +1,25 @@
-// residency posix backend: one thread that sleeps until Linux PSI reports memory pressure.
+// residency posix backend: one thread that sleeps until the kernel reports memory pressure.
 //
-// A PSI trigger ("some 150000 2000000": tasks stalled on memory for 150 ms within 2 s) is
-// registered by writing it to a pressure file; the kernel then wakes poll() with POLLPRI when
-// the threshold is crossed, at most once per window. So the watch thread costs nothing while
-// there is no pressure: it blocks in poll() on two descriptors, the trigger and the read end
-// of a pipe that stop() writes to, which is what makes stop() return at once instead of after
-// the next event or a timeout.
+// Two kernel sources, whichever governs the process (posix_pressure_source() chooses):
+//  - a PSI trigger ("some 150000 2000000": tasks stalled on memory for 150 ms within 2 s),
+//    registered by writing it to a pressure file (/proc/pressure/memory, a cgroup v2
+//    memory.pressure); the kernel wakes poll() with POLLPRI when the threshold is crossed, at
+//    most once per window;
+//  - a cgroup v1 memory.pressure_level (vmpressure: PSI exists only system-wide under cgroup
+//    v1), registered through the cgroup's cgroup.event_control with an eventfd that the kernel
+//    signals on each reclaim pass at or above the level. Those come in bursts (one per 512 pages
+//    scanned), so the watch passes on at most one per `window`, as a PSI trigger does: an event
+//    inside the window is held and delivered when it ends.
+// The watch thread costs nothing while there is no pressure: it blocks in poll() on two
+// descriptors, the source and the read end of a pipe that stop() writes to, which is what makes
+// stop() return at once instead of after the next event or a timeout.
 #pragma once
 
 #include <functional>
 #include <string>
 #include <thread>
 
+#include "residency/clock.hpp"
 #include "residency/status.hpp"
 
 namespace residency::posix {
@@ -28,6 +36,13 @@ class PressureWatch {
   // writing or the kernel refuses the trigger (the message says which and why), backend_error
   // when no thread or pipe could be made. A running watch is stopped first.
   Status start(const std::string& path, const std::string& trigger, std::function<void()> on_pressure);
+  // Registers an eventfd for `level` ("low", "medium", "critical") on the cgroup v1 file
+  // `level_file` (.../memory.pressure_level) through the cgroup.event_control beside it, and calls
+  // `on_pressure` at most once per `window` while the kernel signals it. Errors as start(). The
+  // kernel drops the registration when the eventfd is closed (stop()) or the cgroup is removed
+  // (the watch then waits for stop()).
+  Status start_cgroup_v1(const std::string& level_file, const std::string& level, Nanos window,
+                         std::function<void()> on_pressure);
   // Stops the watch; on_pressure is not running and will not be called after this returns.
   // Returns at once. Safe to call when not started, and from inside on_pressure (the thread
   // is then detached and exits as soon as the callback returns).
@@ -35,9 +50,16 @@ class PressureWatch {
   bool running() const { return thread_.joinable(); }
 
  private:
-  static void loop(int psi_fd, int stop_fd, std::function<void()> on_pressure);
+  struct Source {
+    int fd = -1;
+    bool eventfd = false;       // cgroup v1: POLLIN, read the counter; PSI: POLLPRI
+    Nanos window{0};            // eventfd: at most one call per window
+    std::string level_file;     // eventfd: gone = the cgroup was removed
+  };
+  Status run(Source src, std::function<void()> on_pressure);
+  static void loop(Source src, int stop_fd, std::function<void()> on_pressure);
   std::thread thread_;
-  // The loop owns (and closes on its way out) the trigger descriptor and the pipe's read end;
+  // The loop owns (and closes on its way out) the source descriptor and the pipe's read end;
   // the watch owns the write end, valid while thread_ is joinable.
   int stop_write_ = -1;
 };

@@ -6,7 +6,12 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
+#include <chrono>
 #include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <string_view>
 
 #include "backends/posix/proc_info.hpp"
 #include "residency/backends/posix.hpp"
@@ -73,17 +78,113 @@ MemoryFigures read_memory_figures() {
   return f;
 }
 
-std::string default_pressure_file() {
-  // A cgroup's memory.pressure exists only in cgroup v2, and means something only where the
-  // memory controller is: with cgroup v1's memory controller, the system's PSI it is.
-  if (auto cg = find_memory_cgroup(); cg && cg->version == 2 && cg->cgroup_path != "/") {
-    std::string path = cg->dir + "/memory.pressure";
-    if (read_pressure(path).available) return path;
+}  // namespace posix
+
+namespace {
+bool ends_with(std::string_view s, std::string_view tail) {
+  return s.size() >= tail.size() && s.substr(s.size() - tail.size()) == tail;
+}
+std::string parent_dir(const std::string& path) {
+  const auto slash = path.rfind('/');
+  return slash == std::string::npos ? std::string(".") : path.substr(0, slash);
+}
+std::string seconds_text(Nanos d) {
+  const double s = std::chrono::duration<double>(d).count();
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%g s", s);
+  return buf;
+}
+PressureSource psi_source(const std::string& path, std::string scope, std::string reason) {
+  PressureSource src;
+  const auto info = posix::read_pressure(path);
+  if (!info.available) {
+    src.reason = info.reason;
+    return src;
   }
-  return "/proc/pressure/memory";
+  src.kind = PressureSource::Kind::psi;
+  src.path = path;
+  src.scope = std::move(scope);
+  src.reason = std::move(reason);
+  return src;
+}
+// A cgroup v1 memory.pressure_level this process may register on: the file readable and the
+// cgroup.event_control beside it writable. Empty reason = usable.
+std::string v1_level_unusable(const std::string& level_file) {
+  if (::access(level_file.c_str(), R_OK) != 0) return "cannot read " + level_file + ": " + std::strerror(errno);
+  const std::string ctl = parent_dir(level_file) + "/cgroup.event_control";
+  if (::access(ctl.c_str(), W_OK) != 0)
+    return "cannot write " + ctl + " (needed to register for " + level_file + "): " + std::strerror(errno);
+  return {};
+}
+PressureSource v1_source(const std::string& level_file, std::string scope, std::string reason) {
+  PressureSource src;
+  if (std::string why = v1_level_unusable(level_file); !why.empty()) {
+    src.reason = why;
+    return src;
+  }
+  src.kind = PressureSource::Kind::cgroup_v1_level;
+  src.path = level_file;
+  src.scope = std::move(scope);
+  src.reason = std::move(reason);
+  return src;
+}
+}  // namespace
+
+std::string PressureSource::describe(const PosixOptions& options) const {
+  switch (kind) {
+    case Kind::none: return "none (" + reason + ")";
+    case Kind::psi:
+      return "PSI some " + std::to_string(std::chrono::duration_cast<std::chrono::milliseconds>(options.pressure_stall).count()) +
+             " ms in " + seconds_text(options.pressure_window) + " on " + path + " (" + scope + ")";
+    case Kind::cgroup_v1_level:
+      return std::string("cgroup v1 memory.pressure_level '") + kCgroupV1PressureLevel + "' (" + scope + ", " + path +
+             "), at most one event per " + seconds_text(options.pressure_window);
+  }
+  return "?";
 }
 
-}  // namespace posix
+PressureSource posix_pressure_source(const std::string& override_file) {
+  if (!override_file.empty()) {
+    if (ends_with(override_file, "/memory.pressure_level") || override_file == "memory.pressure_level")
+      return v1_source(override_file, "cgroup v1 " + parent_dir(override_file), "as configured");
+    return psi_source(override_file, override_file == "/proc/pressure/memory" ? "system" : parent_dir(override_file),
+                      "as configured");
+  }
+  std::string closer;  // why the process's own cgroup is not watched, when it is not the root
+  bool v1_root = false;
+  if (auto cg = posix::find_memory_cgroup()) {
+    if (cg->cgroup_path != "/") {
+      if (cg->version == 2) {
+        auto src = psi_source(cg->dir + "/memory.pressure", "cgroup v2 " + cg->cgroup_path,
+                              "this process's memory cgroup");
+        if (src.kind != PressureSource::Kind::none) return src;
+        closer = src.reason;
+      } else {
+        // cgroup v1 has no per-cgroup PSI: its kernel source is vmpressure's memory.pressure_level.
+        auto src = v1_source(cg->dir + "/memory.pressure_level", "cgroup v1 " + cg->cgroup_path,
+                             "this process's memory cgroup (cgroup v1: PSI exists only system-wide)");
+        if (src.kind != PressureSource::Kind::none) return src;
+        closer = src.reason;
+      }
+    } else {
+      v1_root = cg->version == 1;
+      closer = "the process is in the root memory cgroup";
+    }
+  } else {
+    closer = cg.message();
+  }
+  auto sys = psi_source("/proc/pressure/memory", "system-wide", closer);
+  if (sys.kind != PressureSource::Kind::none) return sys;
+  if (v1_root) {
+    if (auto cg = posix::find_memory_cgroup()) {
+      auto src = v1_source(cg->dir + "/memory.pressure_level", "cgroup v1 root", "no PSI: " + sys.reason);
+      if (src.kind != PressureSource::Kind::none) return src;
+    }
+  }
+  PressureSource none;
+  none.reason = sys.reason + (closer.empty() ? "" : "; " + closer);
+  return none;
+}
 
 std::uint64_t posix_recommended_working_set(std::uint64_t physical, double pct) {
   if (!(pct > 0)) return 0;
@@ -130,6 +231,7 @@ PosixSystemInfo read_posix_system_info() {
   } else {
     info.problems.push_back("memory cgroup: " + cg.message());
   }
+  info.pressure_watch = posix_pressure_source();
   return info;
 }
 

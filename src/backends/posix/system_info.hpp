@@ -2,7 +2,7 @@
 //
 // memory_info() and `residency stat` must agree on what RLIMIT_MEMLOCK is, whether it applies
 // (it does not with CAP_IPC_LOCK), how to raise it, and which PSI file describes this
-// process's memory pressure; so those rules live here once, on top of proc_info's readers.
+// process's memory pressure (posix_pressure_source, in posix.hpp); so those rules live here once, on top of proc_info's readers.
 #pragma once
 
 #include <cstdint>
@@ -39,8 +39,5 @@ struct MemoryFigures {
 };
 MemoryFigures read_memory_figures();
 
-// This process's cgroup v2 memory.pressure when it is in a cgroup other than the root and
-// the file is readable, else /proc/pressure/memory.
-std::string default_pressure_file();
 
 }  // namespace residency::posix

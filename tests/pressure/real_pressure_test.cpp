@@ -1,0 +1,543 @@
+// Real memory pressure, end to end: llama.cpp (tests/preload/decode_loop.c, an unmodified program
+// on libllama) serves a 2 GiB model under libresidency_preload.so, and a memory hog runs beside it
+// in the SAME memory cgroup, which this test creates with a 3 GiB limit (cgroup v1's memory
+// controller or cgroup v2, whichever governs this process) and removes. The limit confines the
+// pressure: nothing outside the cgroup is ever reclaimed or OOM-killed.
+//
+//   forever          the model stays locked: the hog never gets its memory (every attempt is
+//                    OOM-killed inside the cgroup, as the cgroup's oom_kill counter shows) and
+//                    the server keeps every page (VmLck).
+//   pressure-aware   keep-alive + release on pressure: the kernel's pressure source for the
+//                    cgroup (memory.pressure_level under v1, memory.pressure's PSI under v2)
+//                    makes the server unlock; the hog gets its memory within a bound that the
+//                    test prints; after the hog is done and pressure has been quiet
+//                    (RESIDENCY_PRESSURE_QUIET=3s here), the next request finds the model
+//                    wired again (VmLck, and mincore on our own mapping of the file).
+//
+// The hog is what a batch job beside an inference server is: expendable (oom_score_adj 1000, so
+// that the OOM killer takes it and not the server) and retried by its supervisor until it gets
+// its memory; the time it waited is from its first attempt to the one that got everything.
+//
+// Runs as root (cgroup creation, and locking 2 GiB without a raised RLIMIT_MEMLOCK); elsewhere it
+// skips with the reason, and under RESIDENCY_TESTS_STRICT=1 (CI, root on a machine like the
+// development VM) not running is a failure. Whatever happens, TearDown kills the processes this
+// test started (by pid), removes the cgroup, and TearDownTestSuite removes the model.
+#include <fcntl.h>
+#include <gtest/gtest.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/mman.h>
+#include <sys/resource.h>
+#include <sys/stat.h>
+#include <sys/vfs.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <optional>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "backends/posix/proc_info.hpp"
+#include "support/strict.hpp"
+#include "workload/gguf_writer.hpp"
+
+extern char** environ;
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+constexpr std::uint64_t kMiB = 1024 * 1024;
+constexpr std::uint64_t kGiB = 1024 * kMiB;
+constexpr std::uint64_t kModelBytes = 2 * kGiB;
+constexpr std::uint64_t kCgroupLimit = 3 * kGiB;
+
+double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
+
+std::string read_file(const std::string& path) {
+  std::ifstream in(path);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+bool write_file(const std::string& path, const std::string& text) {
+  const int fd = ::open(path.c_str(), O_WRONLY | O_CLOEXEC);
+  if (fd < 0) return false;
+  const bool ok = ::write(fd, text.c_str(), text.size()) == static_cast<ssize_t>(text.size());
+  ::close(fd);
+  return ok;
+}
+
+// "key N" in a flat-keyed cgroup file (memory.oom_control, memory.events).
+std::uint64_t keyed_value(const std::string& text, const std::string& key) {
+  std::istringstream in(text);
+  for (std::string k; in >> k;) {
+    std::uint64_t v = 0;
+    if (!(in >> v)) break;
+    if (k == key) return v;
+  }
+  return 0;
+}
+
+std::optional<std::uint64_t> vm_lck(pid_t pid) {
+  std::ifstream in("/proc/" + std::to_string(pid) + "/status");
+  for (std::string line; std::getline(in, line);)
+    if (line.rfind("VmLck:", 0) == 0) return std::stoull(line.substr(6)) * 1024;
+  return std::nullopt;
+}
+
+// A memory cgroup made for the test, child of this process's own memory cgroup (so that every
+// limit above it still applies), removed by remove().
+class TestCgroup {
+ public:
+  // Returns why it cannot be made here, or nullopt.
+  std::optional<std::string> create(std::uint64_t limit) {
+    auto cg = residency::posix::find_memory_cgroup();
+    if (!cg) return "no memory cgroup: " + cg.message();
+    version_ = cg->version;
+    const std::string name = "/residency-real-pressure-" + std::to_string(::getpid());
+    if (version_ == 2) {
+      // v2: the parent must hand the memory controller to its children, which it can only do
+      // when it holds no processes itself (or is the root).
+      const std::string ctl = cg->dir + "/cgroup.subtree_control";
+      if (read_file(ctl).find("memory") == std::string::npos && !write_file(ctl, "+memory"))
+        return "cgroup v2 " + cg->dir + " does not delegate the memory controller and cannot be made to (" +
+               std::strerror(errno) + "; it must hold no processes, or be the root)";
+    }
+    dir_ = cg->dir + name;
+    if (::mkdir(dir_.c_str(), 0755) != 0) {
+      const std::string why = "cannot create the memory cgroup " + dir_ + ": " + std::strerror(errno);
+      dir_.clear();
+      return why;
+    }
+    const bool limited = version_ == 1 ? write_file(dir_ + "/memory.limit_in_bytes", std::to_string(limit))
+                                       : write_file(dir_ + "/memory.max", std::to_string(limit));
+    if (version_ == 2) write_file(dir_ + "/memory.swap.max", "0");  // confined to RAM (absent without swap)
+    if (!limited) {
+      const std::string why = "cannot set the limit of " + dir_ + ": " + std::strerror(errno);
+      remove();
+      return why;
+    }
+    return std::nullopt;
+  }
+  // Removes the cgroup; its processes must be gone (rmdir fails with EBUSY until they are).
+  bool remove() {
+    if (dir_.empty()) return true;
+    for (int i = 0; i < 200; ++i) {  // an exiting task leaves the cgroup a moment after its reap
+      if (::rmdir(dir_.c_str()) == 0 || errno == ENOENT) {
+        dir_.clear();
+        return true;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    return false;
+  }
+  int version() const { return version_; }
+  const std::string& dir() const { return dir_; }
+  std::string procs() const { return dir_ + "/cgroup.procs"; }
+  std::uint64_t usage() const {
+    const std::string t = read_file(dir_ + (version_ == 1 ? "/memory.usage_in_bytes" : "/memory.current"));
+    return t.empty() ? 0 : std::stoull(t);
+  }
+  std::uint64_t oom_kills() const {
+    return version_ == 1 ? keyed_value(read_file(dir_ + "/memory.oom_control"), "oom_kill")
+                         : keyed_value(read_file(dir_ + "/memory.events"), "oom_kill");
+  }
+
+ private:
+  int version_ = 0;
+  std::string dir_;
+};
+
+// A process started in the cgroup: it joins it between fork and exec, so that everything it
+// faults in is charged there. stdout through a pipe read by line, stderr into a file.
+class Server {
+ public:
+  Server(const std::vector<std::string>& args, const std::vector<std::string>& extra_env, const std::string& procs,
+         const std::string& err_path)
+      : err_path_(err_path) {
+    std::vector<std::string> env;
+    for (char** e = environ; *e != nullptr; ++e) {
+      const std::string kv = *e;
+      if (kv.rfind("RESIDENCY_", 0) == 0 || kv.rfind("LD_PRELOAD=", 0) == 0) continue;
+      env.push_back(kv);
+    }
+    env.insert(env.end(), extra_env.begin(), extra_env.end());
+    std::vector<char*> argv, envp;
+    for (auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
+    argv.push_back(nullptr);
+    for (auto& e : env) envp.push_back(const_cast<char*>(e.c_str()));
+    envp.push_back(nullptr);
+    int out[2], in[2];
+    if (::pipe2(out, O_CLOEXEC) != 0) return;
+    if (::pipe2(in, O_CLOEXEC) != 0) {
+      ::close(out[0]);
+      ::close(out[1]);
+      return;
+    }
+    const int err_fd = ::open(err_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    pid_ = ::fork();
+    if (pid_ == 0) {
+      const int p = ::open(procs.c_str(), O_WRONLY);
+      if (p < 0 || ::write(p, "0", 1) != 1) ::_exit(126);
+      ::close(p);
+      ::dup2(in[0], 0);
+      ::dup2(out[1], 1);
+      ::dup2(err_fd, 2);
+      ::execve(argv[0], argv.data(), envp.data());
+      ::_exit(127);
+    }
+    ::close(out[1]);
+    ::close(in[0]);
+    out_fd_ = out[0];
+    in_fd_ = in[1];
+    if (err_fd >= 0) ::close(err_fd);
+  }
+  ~Server() { kill(); }
+  Server(const Server&) = delete;
+  Server& operator=(const Server&) = delete;
+
+  pid_t pid() const { return pid_; }
+  bool alive() const { return pid_ > 0 && !reaped_ && ::waitpid(pid_, nullptr, WNOHANG) == 0; }
+  void kill() {
+    if (in_fd_ >= 0) ::close(in_fd_);
+    in_fd_ = -1;
+    if (pid_ > 0 && !reaped_) {
+      ::kill(pid_, SIGKILL);
+      while (::waitpid(pid_, nullptr, 0) < 0 && errno == EINTR) {
+      }
+      reaped_ = true;
+    }
+    if (out_fd_ >= 0) ::close(out_fd_);
+    out_fd_ = -1;
+  }
+  // Reads stdout until a line starts with `prefix`; nullopt at its end or after `timeout_s`.
+  std::optional<std::string> wait_for(const std::string& prefix, double timeout_s) {
+    const auto t0 = Clock::now();
+    for (;;) {
+      for (auto nl = buf_.find('\n'); nl != std::string::npos; nl = buf_.find('\n')) {
+        std::string line = buf_.substr(0, nl);
+        buf_.erase(0, nl + 1);
+        if (line.rfind(prefix, 0) == 0) return line;
+      }
+      const double left = timeout_s - seconds_since(t0);
+      if (left <= 0 || out_fd_ < 0) return std::nullopt;
+      pollfd p{out_fd_, POLLIN, 0};
+      const int r = ::poll(&p, 1, static_cast<int>(left * 1000) + 1);
+      if (r < 0 && errno == EINTR) continue;
+      if (r <= 0) return std::nullopt;
+      char chunk[4096];
+      const ssize_t n = ::read(out_fd_, chunk, sizeof chunk);
+      if (n <= 0) return std::nullopt;
+      buf_.append(chunk, static_cast<std::size_t>(n));
+    }
+  }
+  // One request: a decode (decode_loop in stdin mode decodes one token per line).
+  std::optional<std::string> request(double timeout_s = 60) {
+    if (in_fd_ < 0 || ::write(in_fd_, "\n", 1) != 1) return std::nullopt;
+    return wait_for("token ", timeout_s);
+  }
+  std::string stderr_text() const { return read_file(err_path_); }
+
+ private:
+  std::string err_path_;
+  pid_t pid_ = -1;
+  int out_fd_ = -1, in_fd_ = -1;
+  bool reaped_ = false;
+  std::string buf_;
+};
+
+// The hog: one attempt is a child in the cgroup that maps `bytes` anonymous, touches every page,
+// says so through a pipe, holds it for `hold` and exits. Attempts repeat until one gets its
+// memory or `deadline` passes.
+struct HogOutcome {
+  bool got = false;
+  double waited_s = 0;  // from the first attempt to the moment the memory was all touched
+  int attempts = 0;
+  int killed = 0;       // attempts ended by SIGKILL (the OOM killer)
+  std::optional<std::uint64_t> server_vm_lck_when_got;
+};
+
+pid_t g_hog_pid = -1;  // the attempt in flight, for TearDown
+
+HogOutcome run_hog(const std::string& procs, std::uint64_t bytes, double deadline_s, double hold_s, pid_t server) {
+  HogOutcome o;
+  const auto t0 = Clock::now();
+  const long page = ::sysconf(_SC_PAGESIZE);
+  while (!o.got && seconds_since(t0) < deadline_s) {
+    int p[2];
+    if (::pipe2(p, O_CLOEXEC) != 0) break;
+    ++o.attempts;
+    const pid_t pid = ::fork();
+    if (pid == 0) {  // system calls and plain stores only
+      const int f = ::open(procs.c_str(), O_WRONLY);
+      if (f < 0 || ::write(f, "0", 1) != 1) ::_exit(3);
+      ::close(f);
+      const int a = ::open("/proc/self/oom_score_adj", O_WRONLY);
+      if (a >= 0) {
+        (void)!::write(a, "1000", 4);
+        ::close(a);
+      }
+      void* m = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+      if (m == MAP_FAILED) ::_exit(4);
+      auto* b = static_cast<volatile unsigned char*>(m);
+      for (std::uint64_t off = 0; off < bytes; off += static_cast<std::uint64_t>(page)) b[off] = 1;
+      (void)!::write(p[1], "g", 1);
+      const timespec ts{static_cast<time_t>(hold_s), static_cast<long>((hold_s - static_cast<long>(hold_s)) * 1e9)};
+      ::nanosleep(&ts, nullptr);
+      ::_exit(0);
+    }
+    ::close(p[1]);
+    if (pid < 0) {
+      ::close(p[0]);
+      break;
+    }
+    g_hog_pid = pid;
+    char c = 0;
+    ssize_t n;
+    while ((n = ::read(p[0], &c, 1)) < 0 && errno == EINTR) {
+    }
+    if (n == 1) {
+      o.got = true;
+      o.waited_s = seconds_since(t0);
+      o.server_vm_lck_when_got = vm_lck(server);
+    }
+    ::close(p[0]);
+    int status = 0;
+    while (::waitpid(pid, &status, 0) < 0 && errno == EINTR) {
+    }
+    g_hog_pid = -1;
+    if (WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL) ++o.killed;
+    if (!o.got) std::this_thread::sleep_for(std::chrono::milliseconds(100));  // the supervisor's back-off
+  }
+  return o;
+}
+
+std::string model_dir_, model_path_, suite_error_;
+bool suite_strict_skip_ = false;  // suite_error_ is a reason to skip (not a broken test)
+
+double page_cache_fraction(const std::string& path) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return -1;
+  struct stat st {};
+  ::fstat(fd, &st);
+  void* m = ::mmap(nullptr, static_cast<std::size_t>(st.st_size), PROT_READ, MAP_SHARED, fd, 0);
+  ::close(fd);
+  if (m == MAP_FAILED) return -1;
+  const std::size_t page = static_cast<std::size_t>(::sysconf(_SC_PAGESIZE));
+  std::vector<unsigned char> vec((static_cast<std::size_t>(st.st_size) + page - 1) / page);
+  double f = -1;
+  if (::mincore(m, static_cast<std::size_t>(st.st_size), vec.data()) == 0) {
+    std::size_t in = 0;
+    for (unsigned char v : vec) in += v & 1U;
+    f = static_cast<double>(in) / static_cast<double>(vec.size());
+  }
+  ::munmap(m, static_cast<std::size_t>(st.st_size));
+  return f;
+}
+
+// Drops the model from the page cache, so that the server's faults charge the test's cgroup.
+void drop_page_cache(const std::string& path) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return;
+  ::posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED);
+  ::close(fd);
+}
+
+class RealPressureTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    // Why this cannot run here: checked before the 2 GiB model is written.
+    if (::geteuid() != 0) {
+      suite_error_ = "needs root: it creates a memory cgroup and locks 2 GiB (RLIMIT_MEMLOCK)";
+      suite_strict_skip_ = true;
+      return;
+    }
+    std::string base;
+    if (const char* t = std::getenv("TMPDIR"); t != nullptr && *t != '\0') base = t;
+    for (const char* d : {"/var/tmp", "/tmp"})
+      if (base.empty() && ::access(d, W_OK) == 0) base = d;
+    std::string tmpl = base + "/residency-real-pressure-XXXXXX";
+    if (::mkdtemp(tmpl.data()) == nullptr) {
+      suite_error_ = "mkdtemp in " + base + ": " + std::strerror(errno);
+      return;
+    }
+    model_dir_ = tmpl;
+    struct statfs sfs {};
+    if (::statfs(model_dir_.c_str(), &sfs) == 0 && static_cast<long>(sfs.f_type) == 0x01021994) {
+      suite_error_ = model_dir_ + " is tmpfs: unlocked model pages could not be reclaimed without swap; set TMPDIR to a disk";
+      suite_strict_skip_ = true;
+      return;
+    }
+    if (auto st = residency::workload::check_free_space(model_dir_, kModelBytes + 256 * kMiB); !st) {
+      suite_error_ = st.message();
+      suite_strict_skip_ = true;
+      return;
+    }
+    auto shape = residency::workload::plan_llama_shape(kModelBytes, residency::workload::GgmlType::f16);
+    if (!shape) {
+      suite_error_ = shape.message();
+      return;
+    }
+    model_path_ = model_dir_ + "/model-2GiB-f16.gguf";
+    const auto t0 = Clock::now();
+    if (auto st = residency::workload::write_synthetic_model(model_path_, *shape, residency::workload::kSyntheticSeed, 2); !st) {
+      suite_error_ = st.message();
+      return;
+    }
+    std::printf("[ model    ] %s written in %.1f s (%s)\n", model_path_.c_str(), seconds_since(t0), shape->to_string().c_str());
+  }
+  static void TearDownTestSuite() {
+    std::error_code ec;
+    if (!model_dir_.empty()) std::filesystem::remove_all(model_dir_, ec);
+    model_dir_.clear();
+  }
+
+  void SetUp() override {
+    if (!suite_error_.empty()) {
+      if (suite_strict_skip_) RESIDENCY_SKIP_OR_FAIL_IN_CI(suite_error_);
+      FAIL() << suite_error_;
+    }
+    if (auto why = cg_.create(kCgroupLimit)) {
+      // CI runs as root on a machine with a memory controller: there this is a broken machine,
+      // not a reason to pass without testing.
+      RESIDENCY_SKIP_OR_FAIL_IN_CI("cannot make a memory cgroup here: " + *why);
+    }
+    std::printf("[ cgroup   ] cgroup v%d memory controller: %s, limit %llu MiB\n", cg_.version(), cg_.dir().c_str(),
+                static_cast<unsigned long long>(kCgroupLimit / kMiB));
+    drop_page_cache(model_path_);
+  }
+  void TearDown() override {
+    if (g_hog_pid > 0) {
+      ::kill(g_hog_pid, SIGKILL);
+      ::waitpid(g_hog_pid, nullptr, 0);
+      g_hog_pid = -1;
+    }
+    if (server_) server_->kill();
+    server_.reset();
+    const std::string dir = cg_.dir();
+    EXPECT_TRUE(cg_.remove()) << "the test's cgroup " << dir << " could not be removed: " << std::strerror(errno);
+    if (!dir.empty()) {
+      EXPECT_NE(::access(dir.c_str(), F_OK), 0) << dir << " is left behind";
+    }
+    if (!model_path_.empty()) drop_page_cache(model_path_);
+  }
+
+  // Starts decode_loop under the preload in the cgroup and serves the first request; returns
+  // the VmLck it then holds.
+  std::uint64_t start_server(const std::vector<std::string>& env, const std::string& name) {
+    std::vector<std::string> e = env;
+    e.push_back(std::string("LD_PRELOAD=") + PRELOAD_PATH);
+    e.push_back("RESIDENCY_LOG=info");
+    err_path_ = model_dir_ + "/" + name + ".err";
+    server_ = std::make_unique<Server>(std::vector<std::string>{DECODE_LOOP_PATH, model_path_, "100", "stdin"}, e,
+                                       cg_.procs(), err_path_);
+    if (server_->pid() <= 0) {
+      ADD_FAILURE() << "cannot start decode_loop";
+      return 0;
+    }
+    if (!server_->wait_for("loaded", 180)) {
+      ADD_FAILURE() << "decode_loop did not load the model:\n" << server_->stderr_text();
+      return 0;
+    }
+    if (!server_->request()) {
+      ADD_FAILURE() << "the first request failed:\n" << server_->stderr_text();
+      return 0;
+    }
+    return vm_lck(server_->pid()).value_or(0);
+  }
+
+  // The hog's size: what the cgroup has left plus 512 MiB, so that it cannot fit beside the
+  // locked model, but fits easily once the model may be reclaimed.
+  std::uint64_t hog_bytes(std::uint64_t locked) {
+    const std::uint64_t usage = cg_.usage();
+    const std::uint64_t hog = (kCgroupLimit > usage ? kCgroupLimit - usage : 0) + 512 * kMiB;
+    EXPECT_LT(hog + (usage > locked ? usage - locked : 0) + 256 * kMiB, kCgroupLimit)
+        << "the hog would not fit even without the model: usage " << usage / kMiB << " MiB, locked " << locked / kMiB
+        << " MiB";
+    return hog;
+  }
+
+  TestCgroup cg_;
+  std::unique_ptr<Server> server_;
+  std::string err_path_;
+};
+
+TEST_F(RealPressureTest, ForeverKeepsTheModelAndTheHogDoesNotGetItsMemory) {
+  const std::uint64_t locked = start_server({"RESIDENCY_KEEP_ALIVE=forever"}, "forever");
+  ASSERT_FALSE(HasFailure());
+  ASSERT_GE(locked, kModelBytes * 95 / 100) << "the model is not locked:\n" << server_->stderr_text();
+  ASSERT_GE(cg_.usage(), kModelBytes * 95 / 100) << "the model is not charged to the test's cgroup: nothing would be tested";
+  const std::uint64_t hog = hog_bytes(locked);
+  const std::uint64_t ooms = cg_.oom_kills();
+  const HogOutcome h = run_hog(cg_.procs(), hog, /*deadline_s=*/8, /*hold_s=*/0.5, server_->pid());
+  EXPECT_FALSE(h.got) << "the hog got " << hog / kMiB << " MiB beside a locked 2 GiB model in a 3 GiB cgroup";
+  EXPECT_GT(cg_.oom_kills(), ooms) << "the cgroup's OOM killer never ran";
+  EXPECT_TRUE(server_->alive()) << "the server was killed instead of the hog";
+  EXPECT_GE(vm_lck(server_->pid()).value_or(0), kModelBytes * 95 / 100) << "forever gave the model up";
+  EXPECT_TRUE(server_->request()) << "the server no longer serves:\n" << server_->stderr_text();
+  std::printf("[ measured ] forever: the hog (%llu MiB) did not get its memory in 8 s: %d attempt(s), %d OOM-killed in "
+              "the cgroup (%llu cgroup OOM kills); the server kept %llu MiB locked\n",
+              static_cast<unsigned long long>(hog / kMiB), h.attempts, h.killed,
+              static_cast<unsigned long long>(cg_.oom_kills() - ooms),
+              static_cast<unsigned long long>(vm_lck(server_->pid()).value_or(0) / kMiB));
+}
+
+TEST_F(RealPressureTest, PressureAwareGivesTheHogItsMemoryAndWiresTheModelAgainWhenRequestsResume) {
+  const std::uint64_t locked = start_server(
+      {"RESIDENCY_KEEP_ALIVE=10m", "RESIDENCY_RELEASE_ON_PRESSURE=1", "RESIDENCY_PRESSURE_QUIET=3s"}, "pressure-aware");
+  ASSERT_FALSE(HasFailure());
+  ASSERT_GE(locked, kModelBytes * 95 / 100) << "the model is not locked:\n" << server_->stderr_text();
+  ASSERT_GE(cg_.usage(), kModelBytes * 95 / 100) << "the model is not charged to the test's cgroup: nothing would be tested";
+  // The server watches the pressure of the cgroup it is in, with the kernel's source for it.
+  const std::string err = server_->stderr_text();
+  const auto watch = err.find("watching memory pressure: ");
+  ASSERT_NE(watch, std::string::npos) << "the watch did not start:\n" << err;
+  const std::string watch_line = err.substr(watch, err.find('\n', watch) - watch);
+  const std::string cg_name = cg_.dir().substr(cg_.dir().rfind('/'));
+  EXPECT_NE(watch_line.find(cg_name + (cg_.version() == 1 ? "/memory.pressure_level" : "/memory.pressure")),
+            std::string::npos)
+      << watch_line;
+
+  const std::uint64_t hog = hog_bytes(locked);
+  const HogOutcome h = run_hog(cg_.procs(), hog, /*deadline_s=*/30, /*hold_s=*/0.5, server_->pid());
+  ASSERT_TRUE(h.got) << "the hog did not get " << hog / kMiB << " MiB within 30 s (" << h.attempts << " attempts)\n"
+                     << server_->stderr_text();
+  EXPECT_TRUE(server_->alive()) << "the server was killed";
+  EXPECT_LT(h.server_vm_lck_when_got.value_or(0), kModelBytes / 2) << "the hog got its memory while the model stayed locked?";
+  EXPECT_NE(server_->stderr_text().find("under memory pressure"), std::string::npos) << server_->stderr_text();
+  std::printf("[ measured ] pressure-aware: the hog (%llu MiB) got its memory %.2f s after its first attempt (%d "
+              "attempt(s), %d OOM-killed); the server held %llu MiB locked then\n",
+              static_cast<unsigned long long>(hog / kMiB), h.waited_s, h.attempts, h.killed,
+              static_cast<unsigned long long>(h.server_vm_lck_when_got.value_or(0) / kMiB));
+
+  // The hog is done. Pressure goes quiet for 3 s and the budget comes back; requests resume.
+  const auto t0 = Clock::now();
+  while (server_->stderr_text().find("memory pressure has been quiet") == std::string::npos && seconds_since(t0) < 20)
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  EXPECT_NE(server_->stderr_text().find("memory pressure has been quiet"), std::string::npos)
+      << "the budget did not come back within 20 s:\n" << server_->stderr_text();
+  const double quiet_s = seconds_since(t0);
+  ASSERT_TRUE(server_->request()) << server_->stderr_text();
+  ASSERT_TRUE(server_->request()) << server_->stderr_text();
+  const std::uint64_t again = vm_lck(server_->pid()).value_or(0);
+  EXPECT_GE(again, kModelBytes * 95 / 100) << "the model is not wired again after requests resumed";
+  const double cached = page_cache_fraction(model_path_);
+  EXPECT_GE(cached, 0.99) << "mincore: the model's pages are not all in memory again";
+  std::printf("[ measured ] pressure-aware: budget back %.1f s after the hog got its memory; after two requests the "
+              "server holds %llu MiB locked, %.1f %% of the model in memory\n",
+              quiet_s, static_cast<unsigned long long>(again / kMiB), cached * 100);
+}
+
+}  // namespace
