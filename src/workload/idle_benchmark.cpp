@@ -213,6 +213,7 @@ Result<IdleSample> pause(IdleTarget& target, PolicyBlock& block, Nanos duration,
     const Nanos p0 = time.now();
     if (Status st = target.apply_pressure(pressure); !st) return st;
     s.pressure_ms = ms(time.now() - p0);
+    s.hog = target.last_hog();
   }
   s.idle_ms = ms(time.now() - start);
   s.resident_before = target.resident_fraction();
@@ -303,6 +304,37 @@ std::string format_summary_line(const IdleCell& cell, Nanos pause) {
   std::snprintf(buf, sizeof buf, "iters: %4d, pause: %5d ms, avg decode time: %8.2f +/- %4.2f ms", cell.n,
                 static_cast<int>(pause.count() / 1'000'000), cell.mean_ms, cell.sd_ms);
   return buf;
+}
+
+std::string format_hog_waits(const IdleResults& results) {
+  std::string out;
+  for (std::size_t k = 0; k < results.policies.size(); ++k) {
+    int n = 0, got = 0, killed = 0;
+    double sum = 0, worst = 0;
+    for (const auto& s : results.samples) {
+      if (s.policy != k || !s.hog) continue;
+      ++n;
+      killed += s.hog->oom_killed;
+      if (s.hog->got) {
+        ++got;
+        sum += s.hog->waited_ms;
+        worst = std::max(worst, s.hog->waited_ms);
+      }
+    }
+    if (n == 0) continue;
+    char line[256];
+    if (got > 0) {
+      std::snprintf(line, sizeof line,
+                    "  %-26s got it %d/%d times, after %.0f ms on average (at most %.0f ms); %d attempt(s) OOM-killed\n",
+                    results.policies[k].name.c_str(), got, n, sum / got, worst, killed);
+    } else {
+      std::snprintf(line, sizeof line, "  %-26s never got it (%d times; gave up after %.0f s each); %d attempt(s) OOM-killed\n",
+                    results.policies[k].name.c_str(), n, kHogGiveUpSeconds, killed);
+    }
+    out += line;
+  }
+  if (out.empty()) return out;
+  return "The hog (" + results.pressure.to_string() + ") waiting for its memory, per policy:\n" + out;
 }
 
 std::string format_idle_table(const IdleResults& r) {

@@ -21,6 +21,7 @@
 #pragma once
 
 #include <cstddef>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -50,6 +51,7 @@ struct IdleSample {
   double idle_ms = 0;       // measured pause, pressure included
   double pressure_ms = 0;
   double resident_before = -1;  // fraction of the model resident before the decode; < 0 unknown
+  std::optional<HogRun> hog;    // hog:SIZE: what the hog got and how long it waited
 };
 
 struct IdleWarmup {
@@ -119,6 +121,12 @@ std::string format_summary_line(const IdleCell& cell, Nanos pause);
 
 // One table, pause x policy, "mean +/- sd" in ms; aligned Markdown, readable in a terminal.
 std::string format_idle_table(const IdleResults& results);
+// hog:SIZE: how long the hog waited for its memory under each policy (mean over the pauses it
+// ran in, and how often it never got it); empty when no sample has a hog.
+std::string format_hog_waits(const IdleResults& results);
+// hog:SIZE: how long the hog waited for its memory under each policy (mean over the pauses it
+// ran in, and how often it never got it); empty when no sample has a hog.
+std::string format_hog_waits(const IdleResults& results);
 // One row per sample: policy,pause_ms,iter,decode_ms,idle_ms,pressure_ms,resident_before_pct.
 std::string format_idle_csv(const IdleResults& results);
 

@@ -59,9 +59,14 @@ class PosixIdleTarget final : public IdleTarget {
       auto r = page_out(model_->data(), model_->size(), model_->fd());
       return r ? Status{} : r.status();
     }
-    if (pressure.kind == Pressure::Kind::hog) return run_hog(pressure.hog_bytes);
+    if (pressure.kind == Pressure::Kind::hog) {
+      auto run = run_hog(pressure.hog_bytes);
+      if (!run) return run.status();
+      last_hog_ = *run;
+    }
     return {};
   }
+  std::optional<HogRun> last_hog() const override { return last_hog_; }
 
   double resident_fraction() override {
     auto resident = workload::resident_fraction(model_->data(), model_->size());
@@ -73,6 +78,7 @@ class PosixIdleTarget final : public IdleTarget {
   IdleTargetOptions options_;
   const GgufFile* model_ = nullptr;
   std::unique_ptr<DecodePass> pass_;
+  std::optional<HogRun> last_hog_;
 };
 
 }  // namespace

@@ -199,6 +199,12 @@ Status write_idle_json(const std::string& path, const IdleResults& r, const Idle
                        {"idle_ms", s.idle_ms},
                        {"pressure_ms", s.pressure_ms},
                        {"resident_before_pct", s.resident_before < 0 ? json(nullptr) : json(100 * s.resident_before)}});
+    if (s.hog) {
+      samples.back()["hog"] = {{"got", s.hog->got},
+                               {"waited_ms", s.hog->waited_ms},
+                               {"attempts", s.hog->attempts},
+                               {"oom_killed", s.hog->oom_killed}};
+    }
   }
   j["samples"] = samples;
   json warmups = json::array();

@@ -121,6 +121,9 @@ class IdleTarget {
   virtual Result<double> decode_pass(IdleTime& time) = 0;
   // Applies `pressure` (never none) at the end of a pause.
   virtual Status apply_pressure(const Pressure& pressure) = 0;
+  // What the last hog:SIZE pressure got (how long it waited for its memory); nullopt when the
+  // target ran none.
+  virtual std::optional<HogRun> last_hog() const { return std::nullopt; }
   // Fraction (0..1) of the placed memory resident now; < 0 unknown.
   virtual double resident_fraction() = 0;
 };

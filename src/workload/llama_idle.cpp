@@ -127,6 +127,7 @@ class ModelFile {
 
 struct ChildResult {
   std::vector<double> decode_ms;  // in schedule order, warm-up excluded
+  std::vector<HogRun> hogs;       // hog:SIZE, one per pause longer than 0, in order
   LlamaIdleHeld held;
   std::string stderr_tail;
 };
@@ -250,7 +251,14 @@ Result<ChildResult> run_child(const LlamaIdleConfig& cfg, const std::vector<std:
     }
     if (t >= pressure_at) {
       pressure_at = kNever;
-      Status st = pressure.kind == Pressure::Kind::pageout ? model.page_out(*pid) : run_hog(pressure.hog_bytes);
+      Status st;
+      if (pressure.kind == Pressure::Kind::pageout) {
+        st = model.page_out(*pid);
+      } else if (auto hog = run_hog(pressure.hog_bytes)) {
+        out.hogs.push_back(*hog);
+      } else {
+        st = hog.status();
+      }
       if (!st) {
         failure = Status(st.code(), cfg.id + ": applying " + pressure.to_string() + " failed: " + st.message());
         break;
@@ -431,6 +439,7 @@ Result<LlamaIdleOutcome> run_llama_idle(const LlamaIdleOptions& o, LlamaIdleObse
       auto res = run_child(c, argv, env, work->track(c.id + ".stderr"), model, o.pressure, warmup_line,
                            o.pass_environment, observer);
       if (!res) return res.status();
+      std::size_t hog = 0;
       for (std::size_t i = 0; i < res->decode_ms.size(); ++i) {
         IdleSample s;
         s.policy = ci;
@@ -438,6 +447,7 @@ Result<LlamaIdleOutcome> run_llama_idle(const LlamaIdleOptions& o, LlamaIdleObse
         s.iter = round * kItersPerPause + static_cast<int>(i % kItersPerPause);
         s.decode_ms = res->decode_ms[i];
         s.idle_ms = static_cast<double>(std::chrono::duration_cast<milliseconds>(r.schedule.pauses[s.pause]).count());
+        if (r.schedule.pauses[s.pause].count() > 0 && hog < res->hogs.size()) s.hog = res->hogs[hog++];
         r.samples.push_back(s);
       }
       outcome.held[ci] = res->held;

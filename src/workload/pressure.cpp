@@ -18,9 +18,11 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <chrono>
 #include <cstring>
 #include <fstream>
 #include <sstream>
+#include <thread>
 #include <vector>
 
 #include "residency/config.hpp"
@@ -167,58 +169,75 @@ Result<double> resident_fraction(const void* base, std::size_t len) {
   return static_cast<double>(in) / static_cast<double>(vec.size());
 }
 
-Status run_hog(std::uint64_t bytes, std::chrono::milliseconds hold) {
+Result<HogRun> run_hog(std::uint64_t bytes, double give_up_s, std::chrono::milliseconds hold) {
   const std::size_t page = page_size();
   const pid_t parent = getpid();
-  const pid_t pid = fork();
-  if (pid < 0) return Status(ErrorCode::backend_error, std::string("cannot start the hog: fork: ") + std::strerror(errno));
-  if (pid == 0) {
-    // The child: system calls and plain stores only (the parent has threads; nothing else is
-    // safe after fork). Default signal actions, so an interrupt ends it and runs no cleanup.
-    CleanupRegistry::reset_signals_in_child();
-    // It dies with its parent, even a SIGKILLed one (gigabytes must not outlive the run). The
-    // death signal comes when the forking thread ends; this thread waits for the hog below, so
-    // that is never early. A parent already gone before prctl took effect is caught by getppid.
+  HogRun run;
+  const auto t0 = std::chrono::steady_clock::now();
+  const auto elapsed_ms = [&] {
+    return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  };
+  while (!run.got) {
+    ++run.attempts;
+    const pid_t pid = fork();
+    if (pid < 0) return Status(ErrorCode::backend_error, std::string("cannot start the hog: fork: ") + std::strerror(errno));
+    if (pid == 0) {
+      // The child: system calls and plain stores only (the parent has threads; nothing else is
+      // safe after fork). Default signal actions, so an interrupt ends it and runs no cleanup.
+      CleanupRegistry::reset_signals_in_child();
+      // It dies with its parent, even a SIGKILLed one (gigabytes must not outlive the run). The
+      // death signal comes when the forking thread ends; this thread waits for the hog below, so
+      // that is never early. A parent already gone before prctl took effect is caught by getppid.
 #if defined(__linux__)
-    if (prctl(PR_SET_PDEATHSIG, SIGKILL) != 0 || getppid() != parent) _exit(kHogOrphaned);
+      if (prctl(PR_SET_PDEATHSIG, SIGKILL) != 0 || getppid() != parent) _exit(kHogOrphaned);
 #else
-    if (getppid() != parent) _exit(kHogOrphaned);  // no death signal here: a killed parent's hog runs to its end
+      if (getppid() != parent) _exit(kHogOrphaned);  // no death signal here: a killed parent's hog runs to its end
 #endif
-    void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    if (p == MAP_FAILED) _exit(kHogNoMemory);
-    auto* bytes_p = static_cast<volatile unsigned char*>(p);
-    for (std::uint64_t off = 0; off < bytes; off += page) bytes_p[off] = 1;
-    if (hold.count() > 0) {
-      timespec ts{static_cast<time_t>(hold.count() / 1000), static_cast<long>(hold.count() % 1000) * 1'000'000};
-      while (nanosleep(&ts, &ts) != 0 && errno == EINTR) {
+      // Expendable: in a memory cgroup the OOM killer takes the hog, not the engine beside it.
+      const int adj = open("/proc/self/oom_score_adj", O_WRONLY | O_CLOEXEC);
+      if (adj >= 0) {
+        if (write(adj, "1000", 4) < 0) { /* the OOM killer then chooses by size alone */ }
+        close(adj);
       }
+      void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+      if (p == MAP_FAILED) _exit(kHogNoMemory);
+      auto* bytes_p = static_cast<volatile unsigned char*>(p);
+      for (std::uint64_t off = 0; off < bytes; off += page) bytes_p[off] = 1;
+      if (hold.count() > 0) {
+        timespec ts{static_cast<time_t>(hold.count() / 1000), static_cast<long>(hold.count() % 1000) * 1'000'000};
+        while (nanosleep(&ts, &ts) != 0 && errno == EINTR) {
+        }
+      }
+      munmap(p, bytes);
+      _exit(0);
     }
-    munmap(p, bytes);
-    _exit(0);
+    CleanupRegistry::set_child(pid);
+    int status = 0;
+    pid_t w;
+    do {
+      w = waitpid(pid, &status, 0);
+    } while (w < 0 && errno == EINTR);
+    CleanupRegistry::set_child(0);
+    if (w < 0) return Status(ErrorCode::backend_error, std::string("waiting for the hog failed: ") + std::strerror(errno));
+    if (WIFEXITED(status) && WEXITSTATUS(status) == 0) {
+      run.got = true;
+      break;
+    }
+    if (WIFEXITED(status) && WEXITSTATUS(status) == kHogOrphaned) {
+      return Status(ErrorCode::backend_error, "the hog could not tie its life to this process (prctl PR_SET_PDEATHSIG)");
+    }
+    if (WIFEXITED(status) && WEXITSTATUS(status) == kHogNoMemory) {
+      return Status(ErrorCode::out_of_memory,
+                    "the hog could not map " + format_size(bytes) + "; choose a smaller hog:SIZE");
+    }
+    if (!(WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL))
+      return Status(ErrorCode::backend_error, "the hog ended abnormally (wait status " + std::to_string(status) + ")");
+    ++run.oom_killed;  // most likely the OOM killer: its supervisor tries again
+    if (elapsed_ms() >= give_up_s * 1000) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
   }
-  CleanupRegistry::set_child(pid);
-  int status = 0;
-  pid_t w;
-  do {
-    w = waitpid(pid, &status, 0);
-  } while (w < 0 && errno == EINTR);
-  CleanupRegistry::set_child(0);
-  if (w < 0) return Status(ErrorCode::backend_error, std::string("waiting for the hog failed: ") + std::strerror(errno));
-  if (WIFEXITED(status) && WEXITSTATUS(status) == 0) return {};
-  if (WIFEXITED(status) && WEXITSTATUS(status) == kHogOrphaned) {
-    return Status(ErrorCode::backend_error, "the hog could not tie its life to this process (prctl PR_SET_PDEATHSIG)");
-  }
-  if (WIFEXITED(status) && WEXITSTATUS(status) == kHogNoMemory) {
-    return Status(ErrorCode::out_of_memory,
-                  "the hog could not map " + format_size(bytes) + "; choose a smaller hog:SIZE");
-  }
-  if (WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL) {
-    return Status(ErrorCode::out_of_memory,
-                  "the hog (" + format_size(bytes) +
-                      ") was killed by SIGKILL, most likely by the OOM killer: that is more memory than this "
-                      "machine can spare; choose a smaller hog:SIZE");
-  }
-  return Status(ErrorCode::backend_error, "the hog ended abnormally (wait status " + std::to_string(status) + ")");
+  run.waited_ms = elapsed_ms();
+  return run;
 }
 
 bool on_memory_filesystem(const std::string& path) {

@@ -51,13 +51,27 @@ Result<PageoutResult> page_out(const void* base, std::size_t len, int fd);
 // Fraction (0..1) of the pages of [base, base + len) resident in memory now.
 Result<double> resident_fraction(const void* base, std::size_t len);
 
-// Runs the hog in a child process and waits for it. The child is registered with
-// CleanupRegistry so that an interrupt kills it too. Errors: fork failed, the child could not
-// allocate, or it was killed (the OOM killer: the message says to use a smaller SIZE).
-// `hold` (a test hook: 0 in every real use) keeps the memory that long after touching it, so that a
-// test can watch the hog outlive, or not, a parent killed meanwhile. The hog dies with this
-// process (PR_SET_PDEATHSIG), even when it is SIGKILLed.
-Status run_hog(std::uint64_t bytes, std::chrono::milliseconds hold = {});
+// What one hog run got: the hog is a batch job beside the engine, expendable (oom_score_adj 1000:
+// in a memory cgroup the OOM killer takes it, not the engine) and retried by its supervisor until
+// it gets its memory or `give_up` has passed.
+struct HogRun {
+  bool got = false;      // every page was touched
+  double waited_ms = 0;  // from the first attempt until it got everything, or until it gave up
+  int attempts = 0;
+  int oom_killed = 0;    // attempts ended by SIGKILL (the OOM killer)
+};
+// The default bound: long enough for a release on pressure (one PSI window, 2 s, and the
+// unlock), short enough that a benchmark with `forever` beside a hog that cannot fit ends.
+inline constexpr double kHogGiveUpSeconds = 10.0;
+
+// Runs the hog in child processes (one per attempt, `bytes` anonymous memory touched page by page)
+// and waits for them. Each child is registered with CleanupRegistry so that an interrupt kills it
+// too. An attempt killed by SIGKILL (the OOM killer) is retried after 100 ms until `give_up_s`;
+// not getting the memory is a result, not an error. Errors: fork failed, the child could not map
+// the memory, or it ended otherwise abnormally. `hold` (a test hook: 0 in every real use) keeps the
+// memory that long after touching it, so that a test can watch the hog outlive, or not, a parent
+// killed meanwhile. The hog dies with this process (PR_SET_PDEATHSIG), even when it is SIGKILLed.
+Result<HogRun> run_hog(std::uint64_t bytes, double give_up_s = kHogGiveUpSeconds, std::chrono::milliseconds hold = {});
 
 // True when `path` is on tmpfs or ramfs, where file pages live in memory and cannot be reclaimed
 // without swap: a model there would never pay a re-read.

@@ -69,9 +69,9 @@ TEST(IdleOutput, LlamaIdleLinesAndTable) {
   r.policies = *parse_policies("off,keep-alive", std::chrono::seconds(2));
   r.schedule.pauses = {milliseconds(0), milliseconds(800)};
   r.schedule.iters = 2;
-  r.samples = {{0, 0, 0, 10, 0, 0, 1}, {0, 0, 1, 12, 0, 0, 1},   {1, 0, 0, 9, 0, 0, 1},
-               {1, 0, 1, 11, 0, 0, 1}, {0, 1, 0, 500, 801, 1, 0}, {0, 1, 1, 700, 802, 1, 0.5},
-               {1, 1, 0, 10, 801, 1, 1}};
+  r.samples = {{0, 0, 0, 10, 0, 0, 1, {}},     {0, 0, 1, 12, 0, 0, 1, {}},      {1, 0, 0, 9, 0, 0, 1, {}},
+               {1, 0, 1, 11, 0, 0, 1, {}},     {0, 1, 0, 500, 801, 1, 0, {}}, {0, 1, 1, 700, 802, 1, 0.5, {}},
+               {1, 1, 0, 10, 801, 1, 1, {}}};
   const IdleCell off800 = r.cell(0, 1);
   EXPECT_EQ(off800.n, 2);
   EXPECT_DOUBLE_EQ(off800.mean_ms, 600);
@@ -290,6 +290,11 @@ TEST_F(PosixIdle, HogPressureRunsAndWiredPagesSurviveIt) {
   ASSERT_EQ(r->samples.size(), 1u);
   EXPECT_GT(r->samples[0].pressure_ms, 0);
   EXPECT_EQ(r->samples[0].resident_before, 1.0);
+  ASSERT_TRUE(r->samples[0].hog.has_value()) << "the sample says what the hog got";
+  EXPECT_TRUE(r->samples[0].hog->got);
+  EXPECT_GE(r->samples[0].hog->attempts, 1);
+  EXPECT_GT(r->samples[0].hog->waited_ms, 0);
+  EXPECT_NE(format_hog_waits(*r).find("got it 1/1 times"), std::string::npos) << format_hog_waits(*r);
   EXPECT_FALSE(target_->check_pressure({Pressure::Kind::hog, 1ull << 60}).is_ok());
 }
 

@@ -9,12 +9,16 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <chrono>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
+#include <string>
 #include <thread>
 
+#include "backends/posix/proc_info.hpp"
 #include "workload/cleanup.hpp"
 #include "workload/pressure.hpp"
 #include "workload_test_util.hpp"
@@ -87,10 +91,53 @@ TEST(Pressure, PageoutEvictsUnlockedPagesAndSkipsLockedOnes) {
 }
 
 TEST(Pressure, HogRunsInAnotherProcess) {
-  EXPECT_TRUE(run_hog(32 * kMiB).is_ok());
-  const Status st = run_hog(1ull << 52);  // 4 PiB: no machine maps that
+  auto ok = run_hog(32 * kMiB);
+  ASSERT_TRUE(ok.is_ok()) << ok.message();
+  EXPECT_TRUE(ok->got);
+  EXPECT_EQ(ok->attempts, 1);
+  EXPECT_EQ(ok->oom_killed, 0);
+  const auto st = run_hog(1ull << 52);  // 4 PiB: no machine maps that
   ASSERT_FALSE(st.is_ok());
   EXPECT_NE(st.message().find("choose a smaller hog:SIZE"), std::string::npos) << st.message();
+}
+
+// A hog that cannot fit in its memory cgroup is OOM-killed there (the kernel's oom_kill counter
+// rises), retried, and given up after the bound: a result, not an error. Runs in a forked child
+// that joins a 32 MiB memory cgroup made for it (as root; skipped elsewhere).
+TEST(Pressure, HogThatCannotFitIsRetriedAndGivenUpAfterTheBound) {
+  auto cg = posix::find_memory_cgroup();
+  if (!cg || ::geteuid() != 0) GTEST_SKIP() << "needs root and a memory cgroup" << (cg ? "" : ": " + cg.message());
+  const std::string dir = cg->dir + "/residency-hog-test-" + std::to_string(::getpid());
+  const auto text_of = [](const std::string& path) {
+    auto t = posix::read_text_file(path);
+    return t ? *t : std::string();
+  };
+  if (cg->version == 2 && text_of(cg->dir + "/cgroup.subtree_control").find("memory") == std::string::npos)
+    GTEST_SKIP() << "cgroup v2 " << cg->dir << " does not delegate the memory controller";
+  if (::mkdir(dir.c_str(), 0755) != 0) GTEST_SKIP() << "cannot create " << dir << ": " << std::strerror(errno);
+  const auto put = [](const std::string& path, const std::string& text) {
+    const int fd = ::open(path.c_str(), O_WRONLY);
+    const bool ok = fd >= 0 && ::write(fd, text.c_str(), text.size()) == static_cast<ssize_t>(text.size());
+    if (fd >= 0) ::close(fd);
+    return ok;
+  };
+  ASSERT_TRUE(put(dir + (cg->version == 1 ? "/memory.limit_in_bytes" : "/memory.max"), std::to_string(32 * kMiB)));
+  const pid_t pid = ::fork();
+  if (pid == 0) {
+    if (!put(dir + "/cgroup.procs", "0")) ::_exit(3);
+    auto r = run_hog(128 * kMiB, /*give_up_s=*/1.0);
+    if (!r) ::_exit(4);
+    ::_exit(!r->got && r->oom_killed >= 1 && r->attempts == r->oom_killed && r->waited_ms >= 1000 && r->waited_ms < 10000 ? 0 : 5);
+  }
+  int status = 0;
+  while (::waitpid(pid, &status, 0) < 0 && errno == EINTR) {
+  }
+  const std::string oom = text_of(dir + (cg->version == 1 ? "/memory.oom_control" : "/memory.events"));
+  for (int i = 0; i < 100 && ::rmdir(dir.c_str()) != 0; ++i) ::usleep(10000);
+  EXPECT_NE(::access(dir.c_str(), F_OK), 0) << dir << " left behind";
+  ASSERT_TRUE(WIFEXITED(status)) << "the child died: " << status;
+  EXPECT_EQ(WEXITSTATUS(status), 0) << "3: cannot join, 4: run_hog failed, 5: not OOM-killed, retried and given up in time";
+  EXPECT_EQ(oom.find("oom_kill 0\n"), std::string::npos) << "the cgroup's OOM killer never ran:\n" << oom;
 }
 
 TEST(Pressure, MemoryFilesystemsAreRecognised) {
@@ -159,7 +206,7 @@ TEST(Pressure, TheHogDiesWithItsParent) {
   ASSERT_GE(parent, 0);
   if (parent == 0) {
     // The parent of the hog: a hog that would keep 4 MiB for 30 s (the test hook), waited for here.
-    (void)residency::workload::run_hog(4u << 20, std::chrono::seconds(30));
+    (void)residency::workload::run_hog(4u << 20, residency::workload::kHogGiveUpSeconds, std::chrono::seconds(30));
     _exit(0);
   }
   // Find the hog: the child of `parent`.

@@ -139,6 +139,7 @@ int run_idle(const IdleRequest& request) {
   const IdleResults& r = outcome->results;
   std::printf("\ndecode time after a pause, ms (mean +/- sd of %d; pressure %s; %s)\n%s", r.schedule.iters,
               r.pressure.to_string().c_str(), outcome->model_text.c_str(), format_idle_table(r).c_str());
+  if (const std::string hog = format_hog_waits(r); !hog.empty()) std::printf("\n%s", hog.c_str());
   std::printf("\nresults:\n");
   for (const auto& f : outcome->files) std::printf("  %s\n", printable(f, 400).c_str());
   if (outcome->synthetic_model_removed) std::printf("the synthetic model was removed\n");

@@ -167,6 +167,7 @@ int run(const Args& a) {
   if (!outcome) throw std::runtime_error(outcome.message());
 
   std::printf("\n%s\n", format_idle_table(outcome->results).c_str());
+  if (const std::string hog = format_hog_waits(outcome->results); !hog.empty()) std::printf("%s\n", hog.c_str());
   std::printf("What each configuration still holds 3.7 s after a decode (the end of the last 4 s pause):\n\n%s\n",
               format_llama_idle_held(*outcome).c_str());
 
