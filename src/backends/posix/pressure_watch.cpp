@@ -3,7 +3,9 @@
 
 #include <fcntl.h>
 #include <poll.h>
+#if defined(__linux__)
 #include <sys/eventfd.h>
+#endif
 #include <unistd.h>
 
 #include <algorithm>
@@ -21,10 +23,12 @@ void close_fd(int& fd) {
   fd = -1;
 }
 std::string err_text(int err) { return std::strerror(err); }
+#if defined(__linux__)
 std::string parent_dir(const std::string& path) {
   const auto slash = path.rfind('/');
   return slash == std::string::npos ? std::string(".") : path.substr(0, slash);
 }
+#endif
 }  // namespace
 
 Status PressureWatch::start(const std::string& path, const std::string& trigger,
@@ -59,6 +63,12 @@ Status PressureWatch::start(const std::string& path, const std::string& trigger,
 Status PressureWatch::start_cgroup_v1(const std::string& level_file, const std::string& level, Nanos window,
                                       std::function<void()> on_pressure) {
   stop();
+#if !defined(__linux__)
+  (void)level;
+  (void)window;
+  (void)on_pressure;
+  return Status(ErrorCode::unsupported, "cannot watch " + level_file + ": cgroup v1 pressure levels are Linux only");
+#else
   const int lfd = ::open(level_file.c_str(), O_RDONLY | O_CLOEXEC);
   if (lfd < 0) {
     const int err = errno;
@@ -98,15 +108,17 @@ Status PressureWatch::start_cgroup_v1(const std::string& level_file, const std::
   src.window = window;
   src.level_file = level_file;
   return run(std::move(src), std::move(on_pressure));
+#endif
 }
 
 Status PressureWatch::run(Source src, std::function<void()> on_pressure) {
   int p[2];
-  if (::pipe2(p, O_CLOEXEC) != 0) {
+  if (::pipe(p) != 0) {
     const int err = errno;
     ::close(src.fd);
     return Status(ErrorCode::backend_error, "pipe() for the pressure watch failed: " + err_text(err));
   }
+  for (int e : p) ::fcntl(e, F_SETFD, FD_CLOEXEC);
   const int fd = src.fd;
   try {
     thread_ = std::thread(&PressureWatch::loop, std::move(src), p[0], std::move(on_pressure));
