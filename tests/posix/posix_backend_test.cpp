@@ -15,6 +15,7 @@
 #include "backends/posix/proc_info.hpp"
 #include "backends/posix/system_info.hpp"
 #include "posix_test_support.hpp"
+#include "support/proc_cgroup.hpp"
 #include "residency/backends/posix.hpp"
 
 namespace residency {
@@ -433,21 +434,9 @@ TEST(PosixBackend, PressureWatchListensWhereTheMemoryControllerIs) {
   const std::string source = b->pressure_source();
   b->stop_pressure_watch(*st);
   EXPECT_TRUE(b->pressure_source().empty()) << "no source once the watch has stopped";
-  std::string v1_path, v2_path;
-  auto text = posix::read_text_file("/proc/self/cgroup");
-  ASSERT_TRUE(text) << text.message();
-  std::size_t b0 = 0;
-  while (b0 < text->size()) {
-    const std::size_t e = std::min(text->find('\n', b0), text->size());
-    const std::string line = text->substr(b0, e - b0);
-    b0 = e + 1;
-    const auto c1 = line.find(':');
-    const auto c2 = line.find(':', c1 + 1);
-    if (c1 == std::string::npos || c2 == std::string::npos) continue;
-    const std::string ctls = "," + line.substr(c1 + 1, c2 - c1 - 1) + ",";
-    if (ctls.find(",memory,") != std::string::npos) v1_path = line.substr(c2 + 1);
-    if (line.rfind("0::", 0) == 0) v2_path = line.substr(3);
-  }
+  const auto proc = testing::read_proc_self_cgroup();
+  const std::string& v1_path = proc.v1_memory;
+  const std::string& v2_path = proc.v2;
   std::printf("[ source   ] %s\n", source.c_str());
   if (!v1_path.empty() && v1_path != "/" && ::geteuid() == 0) {
     EXPECT_NE(source.find("cgroup v1 memory.pressure_level"), std::string::npos) << source;

@@ -11,6 +11,7 @@
 #include "backends/posix/proc_info.hpp"
 #include "backends/posix/system_info.hpp"
 #include "residency/backends.hpp"
+#include "support/proc_cgroup.hpp"
 #include "residency/backends/posix.hpp"
 
 #ifndef RESIDENCY_TOOL_PATH
@@ -89,19 +90,7 @@ TEST(StatTool, JsonHasRawByteValues) {
 TEST(StatTool, CgroupAndPressureWatchAreWhereTheMemoryControllerIs) {
   const ToolRun r = run_tool("stat");
   ASSERT_EQ(r.exit_code, 0) << r.out;
-  auto text = residency::posix::read_text_file("/proc/self/cgroup");
-  ASSERT_TRUE(text) << text.message();
-  std::string v1_path;
-  std::size_t b = 0;
-  while (b < text->size()) {
-    const std::size_t e = std::min(text->find('\n', b), text->size());
-    const std::string line = text->substr(b, e - b);
-    b = e + 1;
-    const auto c1 = line.find(':');
-    const auto c2 = line.find(':', c1 + 1);
-    if (c1 == std::string::npos || c2 == std::string::npos) continue;
-    if (("," + line.substr(c1 + 1, c2 - c1 - 1) + ",").find(",memory,") != std::string::npos) v1_path = line.substr(c2 + 1);
-  }
+  const std::string v1_path = residency::testing::read_proc_self_cgroup().v1_memory;
   const auto line_of = [&](const std::string& key) {
     const auto at = r.out.find("\n" + key);
     if (at == std::string::npos) return std::string();
