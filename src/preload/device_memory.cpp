@@ -74,23 +74,6 @@ CudaGetDeviceFn next_cuda_get_device() noexcept {
 }
 
 #if RESIDENCY_PRELOAD_CUDA
-// A user's value in a message: control characters as \xNN, at most 64 characters.
-std::string escape_for_log(const char* v) {
-  std::string out;
-  for (const char* p = v; *p != 0 && out.size() < 64; ++p) {
-    const auto c = static_cast<unsigned char>(*p);
-    if (c < 0x20 || c == 0x7f) {
-      static const char* hex = "0123456789abcdef";
-      out += "\\x";
-      out += hex[c >> 4];
-      out += hex[c & 15];
-    } else {
-      out += static_cast<char>(c);
-    }
-  }
-  return out;
-}
-
 // RESIDENCY_CUDA_BACKUP: when the pinned host backup of the weights is made (see
 // CudaBackendOptions::Backup): "after-allocation" or "at-first-sleep". Default: after-allocation
 // when the keep-alive will put the GPU to sleep (a duration or 0), so that the first sleep only
@@ -107,7 +90,7 @@ CudaBackendOptions::Backup backup_mode(KeepAlive::Kind kind) noexcept {
   if (std::strcmp(v, "after-allocation") == 0) return B::after_allocation;
   static std::atomic<bool> warned{false};
   if (!warned.exchange(true))
-    warn("RESIDENCY_CUDA_BACKUP: '" + escape_for_log(v) + "' is not accepted (accepted: after-allocation, at-first-sleep); using " +
+    warn("RESIDENCY_CUDA_BACKUP: " + printable(v) + " is not accepted (accepted: after-allocation, at-first-sleep); using " +
          (fallback == B::after_allocation ? "after-allocation" : "at-first-sleep"));
   return fallback;
 }
