@@ -70,7 +70,7 @@ std::string path_of(const TempMappedFile& f) {
 
 // `residency hold FILE` in a child with extra environment, stdout and stderr in files.
 struct Hold {
-  pid_t pid = -1;
+  std::atomic<pid_t> pid{-1};  // read by VmLckSampler's thread while the test reaps
   std::string out_path, err_path;
   Hold(const std::string& file, const std::vector<std::string>& env) {
     static int serial = 0;
