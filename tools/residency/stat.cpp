@@ -56,7 +56,7 @@ std::string backends_text(const BackendsHere& b) {
 }
 
 // "cuda: libcuda.so.1 not found ...": the reason, named once.
-std::string named_reason(const std::string& name, const std::string& why) {
+[[maybe_unused]] std::string named_reason(const std::string& name, const std::string& why) {
   return why.rfind(name + ":", 0) == 0 ? why : name + ": " + why;
 }
 
