@@ -424,6 +424,9 @@ void Ledger::detach_at_exit() {
   Slot& mine = shm_->slots[slot_];
   mine.ask.store(kStopWord, std::memory_order_release);
   futex_wake(mine.ask, 1);
+  // The listener returns at once now: join it, so that nothing of ours runs past exit (and no
+  // thread is left unjoined for a sanitizer to report).
+  if (listener_.joinable() && listener_.get_id() != std::this_thread::get_id()) listener_.join();
   detached_ = true;
   leave(shm_, slot_, path_);
 }
