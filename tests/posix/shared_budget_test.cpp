@@ -489,7 +489,7 @@ TEST(SharedBudgetProcesses, AProcessThatExitsWithoutDestroyingItsManagerLeavesNo
     if (!exists(ledger::ledger_path(name)) || (*m)->stats().shared_held != kHold) ::_exit(5);
     // Leaked, as the preload leaks its manager: kept in a static, as the preload keeps it in a
     // global, so that the leak checker (ASan builds) sees it reachable.
-    [[maybe_unused]] static Manager* leaked = nullptr;
+    [[maybe_unused]] static Manager* volatile leaked = nullptr;
     leaked = m->release();
     std::exit(0);
   }
