@@ -119,6 +119,7 @@ struct Options {
   bool sweep = false;
   bool discard = true;
   bool background_backup = false;  // --backup after-allocation
+  int idle_ms = 0;                  // --idle-ms: pause between a sleep and the next wake
   std::string json;
 };
 
@@ -231,6 +232,9 @@ SizeResult measure(std::uint64_t bytes, const Options& o, bool with_discard, boo
   if (b.host_backup(p) == nullptr || b.is_resident(p)) die("the first sleep left no backup or kept the memory");
 
   for (int it = 0; it < (first_only ? 0 : o.iterations); ++it) {
+    // A server idles between a sleep and the next wake; without the pause the wake follows the
+    // sleep at once (the driver may still be busy with the physical memory the sleep released).
+    if (o.idle_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(o.idle_ms));
     t0 = Clock::now();
     ok(b.request_residency(0), "wake");
     res.wake_s.push_back(seconds_since(t0));
@@ -344,7 +348,7 @@ void usage() {
       "                            [--streams N] [--pin-threads N] [--pin-pipeline P]\n"
       "                            [--pin-sweep r8,w8,...] [--pin-auto]\n"
       "                            [--pin-size GiB] [--no-prepared] [--sweep] [--no-discard]\n"
-      "                            [--json FILE]\n"
+      "                            [--idle-ms N] [--json FILE]\n"
       "  --sizes       sizes to measure, in GiB (default 1,16,64)\n"
       "  --iterations  timed sleep/wake cycles per size (default 5); medians are reported\n"
       "  --chunk-mib   chunk size of the backend (default: the backend's, 256)\n"
@@ -357,6 +361,7 @@ void usage() {
       "  --no-prepared skip prepare_backup() + first sleep\n"
       "  --backup M    at-first-sleep (default) or after-allocation (pinned by a background thread)\n"
       "  --sweep       also measure 4 GiB over chunk sizes 32..1024 MiB and 1, 2, 4 streams\n"
+      "  --idle-ms N   pause N ms between each sleep and the next wake, as a server idles (default 0)\n"
       "  --json FILE   write every measured time to FILE");
 }
 
@@ -418,6 +423,9 @@ int main(int argc, char** argv) {
         o.sweep = true;
       } else if (a == "--no-discard") {
         o.discard = false;
+      } else if (a == "--idle-ms") {
+        o.idle_ms = std::stoi(next());
+        if (o.idle_ms < 0 || o.idle_ms > 600'000) die("--idle-ms: accepted 0 to 600000 (milliseconds)");
       } else if (a == "--json") {
         o.json = next();
       } else {
@@ -505,8 +513,8 @@ int main(int argc, char** argv) {
     std::FILE* f = std::fopen(o.json.c_str(), "w");
     if (f == nullptr) die("cannot write " + o.json);
     std::fprintf(f, "{\n  \"date\": \"%s\",\n  \"gpu\": \"%s\",\n  \"driver_cuda_version\": %d,\n"
-                    "  \"iterations\": %d,\n  \"host_threads\": %u,\n  \"sizes\": [\n",
-                 now_utc().c_str(), gpu.c_str(), d.driver_version, o.iterations,
+                    "  \"iterations\": %d,\n  \"idle_ms\": %d,\n  \"host_threads\": %u,\n  \"sizes\": [\n",
+                 now_utc().c_str(), gpu.c_str(), d.driver_version, o.iterations, o.idle_ms,
                  std::thread::hardware_concurrency());
     for (std::size_t i = 0; i < results.size(); ++i)
       std::fprintf(f, "    %s%s\n", size_json(results[i]).c_str(), i + 1 < results.size() ? "," : "");
