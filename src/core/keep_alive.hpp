@@ -62,7 +62,12 @@ class KeepAliveState {
     light_fence();
     return rewires_on_use_ && !resident_.load(std::memory_order_relaxed);
   }
-  void note_use() noexcept { use_->store(now_coarse(), std::memory_order_relaxed); }
+  // A use on a slow path (registration, a use scope's begin and end, prefetch): stamped with the
+  // precise clock. Under load the coarse clock was seen lagging by more than its resolution (a
+  // registration stamped coarse made a 300 ms keep-alive expire 299.93 ms after it, on a 2-core VM
+  // running two builds); only the lock-free touch() keeps the coarse stamp, expiry() adding the
+  // resolution.
+  void note_use() noexcept { use_->store(clock_.now().count(), std::memory_order_relaxed); }
   std::int64_t last_use() const noexcept { return use_->load(std::memory_order_relaxed); }
 
   bool resident() const noexcept { return resident_.load(std::memory_order_relaxed); }

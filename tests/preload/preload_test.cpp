@@ -37,6 +37,7 @@
 #include <thread>
 #include <vector>
 
+#include "support/child_process.hpp"
 #include "support/strict.hpp"
 #include "workload/gguf_writer.hpp"
 
@@ -52,12 +53,6 @@ double seconds_since(Clock::time_point t0) {
   return std::chrono::duration<double>(Clock::now() - t0).count();
 }
 
-std::string read_file(const std::string& path) {
-  std::ifstream in(path);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
 
 std::vector<std::string> lines_of(const std::string& text) {
   std::vector<std::string> out;
@@ -128,32 +123,31 @@ struct SpawnOptions {
   bool drop_cap_ipc_lock = false;
 };
 
-class Child {
+// The program started with `o`, under residency::testing::ChildProcess; "token I ID" lines are
+// what decode_loop prints per decode.
+class Child : public residency::testing::ChildProcess {
  public:
-  Child(const SpawnOptions& o, const std::string& stderr_path) : err_path_(stderr_path) {
-    std::vector<std::string> env;
-    for (char** e = environ; *e != nullptr; ++e) {
-      const std::string kv = *e;
-      if (kv.rfind("RESIDENCY_", 0) == 0 || kv.rfind("LD_PRELOAD=", 0) == 0 || kv.rfind("GGML_METAL_", 0) == 0) continue;
-      env.push_back(kv);
-    }
-    for (auto& [k, v] : o.env) env.push_back(k + "=" + v);
-    std::vector<char*> argv, envp;
-    for (auto& a : o.argv) argv.push_back(const_cast<char*>(a.c_str()));
-    argv.push_back(nullptr);
-    for (auto& e : env) envp.push_back(const_cast<char*>(e.c_str()));
-    envp.push_back(nullptr);
+  Child(const SpawnOptions& o, const std::string& stderr_path) : ChildProcess(spec(o, stderr_path)) {}
+  // The "token I ID" lines seen so far, as "I ID".
+  std::vector<std::string> tokens() const {
+    std::vector<std::string> t;
+    for (auto& l : lines_of(stdout_text()))
+      if (l.rfind("token ", 0) == 0) t.push_back(l.substr(6));
+    return t;
+  }
 
-    int out[2], in[2] = {-1, -1};
-    if (::pipe2(out, O_CLOEXEC) != 0 || (o.stdin_pipe && ::pipe2(in, O_CLOEXEC) != 0)) return;
-    const int err_fd = ::open(stderr_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-    const int null_fd = ::open("/dev/null", O_RDONLY | O_CLOEXEC);
-    pid_ = ::fork();
-    if (pid_ == 0) {
-      ::dup2(o.stdin_pipe ? in[0] : null_fd, 0);
-      ::dup2(out[1], 1);
-      ::dup2(err_fd, 2);
-      if (o.drop_cap_ipc_lock) {
+ private:
+  static residency::testing::ChildSpec spec(const SpawnOptions& o, const std::string& stderr_path) {
+    residency::testing::ChildSpec s;
+    s.argv = o.argv;
+    for (auto& [k, v] : o.env) s.env.push_back(k + "=" + v);
+    s.drop_env_prefixes = {"RESIDENCY_", "LD_PRELOAD=", "GGML_METAL_"};
+    s.stdin_pipe = o.stdin_pipe;
+    s.stderr_path = stderr_path;
+    const bool drop = o.drop_cap_ipc_lock;
+    const std::optional<std::uint64_t> limit = o.memlock_limit;
+    s.before_exec = [drop, limit] {
+      if (drop) {
         ::prctl(PR_CAPBSET_DROP, CAP_IPC_LOCK, 0, 0, 0);
         ::prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0);
         __user_cap_header_struct hdr{_LINUX_CAPABILITY_VERSION_3, 0};
@@ -165,108 +159,14 @@ class Child {
           ::syscall(SYS_capset, &hdr, data);
         }
       }
-      if (o.memlock_limit) {
-        const rlimit rl{static_cast<rlim_t>(*o.memlock_limit), static_cast<rlim_t>(*o.memlock_limit)};
+      if (limit) {
+        const rlimit rl{static_cast<rlim_t>(*limit), static_cast<rlim_t>(*limit)};
         ::setrlimit(RLIMIT_MEMLOCK, &rl);
       }
-      ::execve(argv[0], argv.data(), envp.data());
-      ::_exit(127);
-    }
-    ::close(out[1]);
-    out_fd_ = out[0];
-    if (o.stdin_pipe) {
-      ::close(in[0]);
-      in_fd_ = in[1];
-    }
-    if (err_fd >= 0) ::close(err_fd);
-    if (null_fd >= 0) ::close(null_fd);
+      return true;
+    };
+    return s;
   }
-  ~Child() {
-    close_stdin();
-    if (pid_ > 0 && !reaped_) {
-      ::kill(pid_, SIGKILL);
-      ::waitpid(pid_, nullptr, 0);
-    }
-    if (out_fd_ >= 0) ::close(out_fd_);
-  }
-  Child(const Child&) = delete;
-  Child& operator=(const Child&) = delete;
-
-  pid_t pid() const { return pid_; }
-  bool started() const { return pid_ > 0; }
-
-  // The next line of stdout, or nullopt at end of output or after `timeout_s`.
-  std::optional<std::string> read_line(double timeout_s = 120) {
-    const auto t0 = Clock::now();
-    for (;;) {
-      if (const auto nl = buf_.find('\n'); nl != std::string::npos) {
-        std::string line = buf_.substr(0, nl);
-        buf_.erase(0, nl + 1);
-        out_ += line + "\n";
-        return line;
-      }
-      const double left = timeout_s - seconds_since(t0);
-      if (left <= 0 || out_fd_ < 0) return std::nullopt;
-      pollfd p{out_fd_, POLLIN, 0};
-      const int r = ::poll(&p, 1, static_cast<int>(left * 1000) + 1);
-      if (r < 0 && errno == EINTR) continue;
-      if (r <= 0) return std::nullopt;
-      char chunk[4096];
-      const ssize_t n = ::read(out_fd_, chunk, sizeof chunk);
-      if (n <= 0) return std::nullopt;
-      buf_.append(chunk, static_cast<std::size_t>(n));
-    }
-  }
-  // Reads lines until one starts with `prefix`.
-  std::optional<std::string> wait_for(const std::string& prefix, double timeout_s = 120) {
-    while (auto line = read_line(timeout_s)) {
-      if (line->rfind(prefix, 0) == 0) return line;
-    }
-    return std::nullopt;
-  }
-  bool send_line() {
-    return in_fd_ >= 0 && ::write(in_fd_, "\n", 1) == 1;
-  }
-  void close_stdin() {
-    if (in_fd_ >= 0) ::close(in_fd_);
-    in_fd_ = -1;
-  }
-  // Waits for the exit (killing after `timeout_s`); returns the exit code, -1 for a signal.
-  int finish(double timeout_s = 120) {
-    close_stdin();
-    while (read_line(timeout_s)) {
-    }
-    const auto t0 = Clock::now();
-    int status = 0;
-    for (;;) {
-      const pid_t r = ::waitpid(pid_, &status, WNOHANG);
-      if (r == pid_) break;
-      if (seconds_since(t0) > timeout_s) {
-        ::kill(pid_, SIGKILL);
-        ::waitpid(pid_, &status, 0);
-        break;
-      }
-      std::this_thread::sleep_for(std::chrono::milliseconds(10));
-    }
-    reaped_ = true;
-    return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  }
-  const std::string& stdout_text() const { return out_; }
-  std::string stderr_text() const { return read_file(err_path_); }
-  // The "token I ID" lines seen so far, as "I ID".
-  std::vector<std::string> tokens() const {
-    std::vector<std::string> t;
-    for (auto& l : lines_of(out_))
-      if (l.rfind("token ", 0) == 0) t.push_back(l.substr(6));
-    return t;
-  }
-
- private:
-  std::string err_path_;
-  pid_t pid_ = -1;
-  int out_fd_ = -1, in_fd_ = -1;
-  bool reaped_ = false;
-  std::string buf_, out_;
 };
 
 // The page cache's view of [offset, offset + len) of the file mapped at `base` (our own mapping):

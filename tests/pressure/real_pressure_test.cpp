@@ -49,6 +49,7 @@
 #include <vector>
 
 #include "backends/posix/proc_info.hpp"
+#include "support/child_process.hpp"
 #include "support/strict.hpp"
 #include "workload/gguf_writer.hpp"
 
@@ -162,100 +163,35 @@ class TestCgroup {
 
 // A process started in the cgroup: it joins it between fork and exec, so that everything it
 // faults in is charged there. stdout through a pipe read by line, stderr into a file.
-class Server {
+// decode_loop in stdin mode (one decode per line), started inside the test's cgroup.
+class Server : public residency::testing::ChildProcess {
  public:
   Server(const std::vector<std::string>& args, const std::vector<std::string>& extra_env, const std::string& procs,
          const std::string& err_path)
-      : err_path_(err_path) {
-    std::vector<std::string> env;
-    for (char** e = environ; *e != nullptr; ++e) {
-      const std::string kv = *e;
-      if (kv.rfind("RESIDENCY_", 0) == 0 || kv.rfind("LD_PRELOAD=", 0) == 0) continue;
-      env.push_back(kv);
-    }
-    env.insert(env.end(), extra_env.begin(), extra_env.end());
-    std::vector<char*> argv, envp;
-    for (auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
-    argv.push_back(nullptr);
-    for (auto& e : env) envp.push_back(const_cast<char*>(e.c_str()));
-    envp.push_back(nullptr);
-    int out[2], in[2];
-    if (::pipe2(out, O_CLOEXEC) != 0) return;
-    if (::pipe2(in, O_CLOEXEC) != 0) {
-      ::close(out[0]);
-      ::close(out[1]);
-      return;
-    }
-    const int err_fd = ::open(err_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-    pid_ = ::fork();
-    if (pid_ == 0) {
-      const int p = ::open(procs.c_str(), O_WRONLY);
-      if (p < 0 || ::write(p, "0", 1) != 1) ::_exit(126);
-      ::close(p);
-      ::dup2(in[0], 0);
-      ::dup2(out[1], 1);
-      ::dup2(err_fd, 2);
-      ::execve(argv[0], argv.data(), envp.data());
-      ::_exit(127);
-    }
-    ::close(out[1]);
-    ::close(in[0]);
-    out_fd_ = out[0];
-    in_fd_ = in[1];
-    if (err_fd >= 0) ::close(err_fd);
-  }
-  ~Server() { kill(); }
-  Server(const Server&) = delete;
-  Server& operator=(const Server&) = delete;
-
-  pid_t pid() const { return pid_; }
-  bool alive() const { return pid_ > 0 && !reaped_ && ::waitpid(pid_, nullptr, WNOHANG) == 0; }
-  void kill() {
-    if (in_fd_ >= 0) ::close(in_fd_);
-    in_fd_ = -1;
-    if (pid_ > 0 && !reaped_) {
-      ::kill(pid_, SIGKILL);
-      while (::waitpid(pid_, nullptr, 0) < 0 && errno == EINTR) {
-      }
-      reaped_ = true;
-    }
-    if (out_fd_ >= 0) ::close(out_fd_);
-    out_fd_ = -1;
-  }
-  // Reads stdout until a line starts with `prefix`; nullopt at its end or after `timeout_s`.
-  std::optional<std::string> wait_for(const std::string& prefix, double timeout_s) {
-    const auto t0 = Clock::now();
-    for (;;) {
-      for (auto nl = buf_.find('\n'); nl != std::string::npos; nl = buf_.find('\n')) {
-        std::string line = buf_.substr(0, nl);
-        buf_.erase(0, nl + 1);
-        if (line.rfind(prefix, 0) == 0) return line;
-      }
-      const double left = timeout_s - seconds_since(t0);
-      if (left <= 0 || out_fd_ < 0) return std::nullopt;
-      pollfd p{out_fd_, POLLIN, 0};
-      const int r = ::poll(&p, 1, static_cast<int>(left * 1000) + 1);
-      if (r < 0 && errno == EINTR) continue;
-      if (r <= 0) return std::nullopt;
-      char chunk[4096];
-      const ssize_t n = ::read(out_fd_, chunk, sizeof chunk);
-      if (n <= 0) return std::nullopt;
-      buf_.append(chunk, static_cast<std::size_t>(n));
-    }
-  }
-  // One request: a decode (decode_loop in stdin mode decodes one token per line).
+      : ChildProcess(spec(args, extra_env, procs, err_path)) {}
+  // One request: a decode.
   std::optional<std::string> request(double timeout_s = 60) {
-    if (in_fd_ < 0 || ::write(in_fd_, "\n", 1) != 1) return std::nullopt;
+    if (!send_line()) return std::nullopt;
     return wait_for("token ", timeout_s);
   }
-  std::string stderr_text() const { return read_file(err_path_); }
 
  private:
-  std::string err_path_;
-  pid_t pid_ = -1;
-  int out_fd_ = -1, in_fd_ = -1;
-  bool reaped_ = false;
-  std::string buf_;
+  static residency::testing::ChildSpec spec(const std::vector<std::string>& args, const std::vector<std::string>& env,
+                                            const std::string& procs, const std::string& err_path) {
+    residency::testing::ChildSpec s;
+    s.argv = args;
+    s.env = env;
+    s.drop_env_prefixes = {"RESIDENCY_", "LD_PRELOAD="};
+    s.stdin_pipe = true;
+    s.stderr_path = err_path;
+    s.before_exec = [procs] {  // into the cgroup before the program starts
+      const int p = ::open(procs.c_str(), O_WRONLY);
+      const bool ok = p >= 0 && ::write(p, "0", 1) == 1;
+      if (p >= 0) ::close(p);
+      return ok;
+    };
+    return s;
+  }
 };
 
 // The hog: one attempt is a child in the cgroup that maps `bytes` anonymous, touches every page,
