@@ -23,6 +23,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -144,6 +145,11 @@ class Backend {
   // start-up log ("PSI some 150 ms in 2 s on /proc/pressure/memory (system-wide)"); empty when
   // no watch runs. Default: empty.
   virtual std::string pressure_source() const;
+  // (optional) Bytes this process could wire now without taking memory that others use: the
+  // headroom of its memory cgroup or the system's available memory, reclaimable page cache
+  // included. Read when a pressure cap lifts, so that the re-wire takes back only what fits
+  // (the program that caused the pressure may still hold its memory). Default: unknown.
+  virtual std::optional<std::uint64_t> memory_available();
 };
 
 }  // namespace residency

@@ -20,4 +20,6 @@ Result<PressureWatchId> Backend::watch_pressure(std::function<void()>) {
 void Backend::stop_pressure_watch(PressureWatchId) {}
 std::string Backend::pressure_source() const { return {}; }
 
+std::optional<std::uint64_t> Backend::memory_available() { return std::nullopt; }
+
 }  // namespace residency

@@ -206,18 +206,41 @@ struct Manager::Impl {
     if (scheduler) scheduler->wake_locked();  // the cap's lift is a deadline now
   }
 
-  // The cap lifts after a quiet period: what waits is admitted (and wired, if resident) again.
+  // After a quiet period the cap rises: entirely when the machine has room for everything (or
+  // the backend cannot tell), else to what is admitted plus what is available less a headroom,
+  // the rest after further quiet periods (pressure_policy.hpp). What waits is admitted (and
+  // wired, if resident) again.
   void lift_pressure_cap_if_quiet(Nanos now) {
-    if (!pressure.lift_if_quiet(now)) return;
-    budget.set_cap(UINT64_MAX);
+    if (!pressure.quiet_at(now)) return;
     const std::uint64_t before = budget.admitted();
+    const std::uint64_t wanted = std::min(regions.tracked_bytes(), budget.limit());
+    const std::optional<std::uint64_t> avail = wanted > before ? backend->memory_available() : std::nullopt;
+    const std::uint64_t room = avail ? (*avail > core::kLiftHeadroom ? *avail - core::kLiftHeadroom : 0) : UINT64_MAX;
+    const bool all = room >= wanted - std::min(wanted, before);
+    if (all) {
+      pressure.lift();
+      budget.set_cap(UINT64_MAX);
+    } else {
+      pressure.raise_to(before + room, now);
+      budget.set_cap(pressure.cap());
+    }
     {
       Guard batch(*this);
       promote();
     }
-    ++pressure_restores;
-    log(LogLevel::info, "memory pressure has been quiet: the budget is back to " + core::mib(budget.limit()) + ", " +
-                            core::mib(budget.admitted() - before) + " admitted again");
+    if (all) {
+      ++pressure_restores;
+      log(LogLevel::info, "memory pressure has been quiet: the budget is back to " + core::mib(budget.limit()) + ", " +
+                              core::mib(budget.admitted() - before) + " admitted again");
+    } else {
+      // Once per change, not once per quiet period while the other program keeps its memory.
+      log(budget.admitted() > before ? LogLevel::info : LogLevel::debug,
+          "memory pressure has been quiet, but only " + core::mib(avail.value_or(0)) + " is available: " +
+                              core::mib(budget.admitted() - before) + " admitted again, " +
+                              core::mib(budget.admitted()) + " of " + core::mib(wanted) +
+                              " wired; the rest when memory allows (checked every " +
+                              KeepAlive::after(pressure.quiet()).to_string() + ")");
+    }
   }
 
   // Regions the backend could not wire leave their set and wait, out of the budget's way.

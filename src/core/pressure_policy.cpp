@@ -18,10 +18,9 @@ std::optional<Nanos> PressurePolicy::lifts_at() const {
   return last_event_ + quiet_;
 }
 
-bool PressurePolicy::lift_if_quiet(Nanos now) {
-  if (!capped() || now < last_event_ + quiet_) return false;
-  cap_ = UINT64_MAX;
-  return true;
+void PressurePolicy::raise_to(std::uint64_t cap, Nanos now) {
+  cap_ = std::max(cap_, cap);
+  last_event_ = now;
 }
 
 }  // namespace residency::core

@@ -1,5 +1,5 @@
 // PressurePolicy: give memory back gradually under pressure, and take it again only after the
-// pressure has been quiet for a while.
+// pressure has been quiet for a while, and then only as much as the machine has room for.
 //
 // llama.cpp keeps everything wired (latency wins), MLX wires only while generating (RAM for other
 // applications wins), and releasing everything at the first pressure event turns a brief spike
@@ -14,7 +14,15 @@
 // pressure reaches the floor in a few windows, and a short spike costs a quarter. The quiet period
 // defaults to 30 s: three times PSI's shortest average (avg10), long enough that the pressure
 // that caused the release has ended, short enough that a server is back to full speed within the
-// first minute after it. Pure bookkeeping: no backend calls. Lock rule: the manager's mutex.
+// first minute after it.
+//
+// Quiet does not mean the memory is free again: the program that caused the pressure may still
+// hold what it took (a hog that got its 1.5 GiB keeps it). Wiring everything back at once inside
+// a tight memory cgroup would then make the kernel kill someone. So when the quiet period ends,
+// the manager asks the backend what is available (Backend::memory_available()) and raises the cap
+// only to what is wired plus that, less kLiftHeadroom; the rest follows after further quiet
+// periods as memory frees up. Where the backend cannot tell, the cap lifts entirely.
+// Pure bookkeeping: no backend calls. Lock rule: the manager's mutex.
 #pragma once
 
 #include <cstdint>
@@ -25,6 +33,9 @@
 namespace residency::core {
 
 inline constexpr std::uint64_t kMinPressureStep = 64ull << 20;
+// Left free when the cap is raised to what is available, so that the re-wire itself does not
+// bring the pressure back (four of the smallest steps).
+inline constexpr std::uint64_t kLiftHeadroom = 4 * kMinPressureStep;
 
 class PressurePolicy {
  public:
@@ -37,8 +48,13 @@ class PressurePolicy {
   bool capped() const { return cap_ != UINT64_MAX; }
   // When the cap lifts if no further event comes (nullopt when there is no cap).
   std::optional<Nanos> lifts_at() const;
-  // Lifts the cap if pressure has been quiet long enough; true when it did.
-  bool lift_if_quiet(Nanos now);
+  // Whether a cap is in force and pressure has been quiet long enough at `now` to raise it.
+  bool quiet_at(Nanos now) const { return capped() && now >= last_event_ + quiet_; }
+  // Lifts the cap entirely.
+  void lift() { cap_ = UINT64_MAX; }
+  // Raises the cap to `cap` (what the machine has room for now, when that is less than
+  // everything) and waits another quiet period before the next step.
+  void raise_to(std::uint64_t cap, Nanos now);
   std::uint64_t floor() const { return floor_; }
   Nanos quiet() const { return quiet_; }
 

@@ -1,6 +1,12 @@
 // The /proc and cgroup parsers on fixed texts: what real kernels print, and the ways the
 // text can be malformed. A wrong parse here becomes a wrong budget or a silent "no pressure".
 #include <gtest/gtest.h>
+#include <sys/stat.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <string>
 
 #include "backends/posix/proc_info.hpp"
 
@@ -284,6 +290,56 @@ TEST(ParseCgroupV1, MemoryLimitInBytesWithTheKernelsNoLimit) {
   ASSERT_TRUE(none);
   EXPECT_FALSE(none->has_value());
   EXPECT_FALSE(parse_memory_limit_v1("max\n")) << "that is cgroup v2's spelling";
+}
+
+TEST(ParseMemoryStat, FindsTheKeyOnItsOwnLine) {
+  const char* v1 = "cache 100\ninactive_file 7\ntotal_inactive_file 4096\nhierarchical_memory_limit 9\n";
+  EXPECT_EQ(parse_memory_stat_value(v1, "total_inactive_file").value_or(0), 4096u);
+  EXPECT_EQ(parse_memory_stat_value(v1, "inactive_file").value_or(0), 7u) << "not the total_ line";
+  EXPECT_FALSE(parse_memory_stat_value(v1, "active_file"));
+  EXPECT_FALSE(parse_memory_stat_value("inactive_file lots\n", "inactive_file"));
+  EXPECT_FALSE(parse_memory_stat_value("", "inactive_file"));
+}
+
+// The headroom walks up the hierarchy and takes the tightest limited level: here the parent
+// (1 GiB, 900 MiB used of which 100 MiB is page cache on the LRU lists), not the unlimited leaf. Real
+// files in a directory laid out as a cgroup v2 mount.
+TEST(MemoryCgroupHeadroom, TheTightestLimitedLevelWinsAndPageCacheCountsAsRoom) {
+  char tmpl[] = "/tmp/residency-cgroup-test-XXXXXX";
+  ASSERT_NE(::mkdtemp(tmpl), nullptr);
+  const std::string mount = tmpl;
+  struct Cleanup {
+    std::string dir;
+    ~Cleanup() { std::filesystem::remove_all(dir); }
+  } cleanup{mount};
+  auto write = [](const std::string& path, const std::string& text) {
+    std::FILE* f = std::fopen(path.c_str(), "w");
+    ASSERT_NE(f, nullptr) << path;
+    std::fputs(text.c_str(), f);
+    std::fclose(f);
+  };
+  constexpr std::uint64_t MiB = 1 << 20;
+  ASSERT_EQ(::mkdir((mount + "/srv").c_str(), 0700), 0);
+  ASSERT_EQ(::mkdir((mount + "/srv/llama").c_str(), 0700), 0);
+  write(mount + "/srv/memory.max", std::to_string(1024 * MiB) + "\n");
+  write(mount + "/srv/memory.current", std::to_string(900 * MiB) + "\n");
+  write(mount + "/srv/memory.stat", "anon 1\ninactive_file " + std::to_string(60 * MiB) + "\nactive_file " +
+                                        std::to_string(40 * MiB) + "\nunevictable 5\n");
+  write(mount + "/srv/llama/memory.max", "max\n");
+  write(mount + "/srv/llama/memory.current", std::to_string(600 * MiB) + "\n");
+  write(mount + "/srv/llama/memory.stat", "inactive_file 0\n");
+  const MemoryCgroup leaf{2, "/srv/llama", mount + "/srv/llama"};
+  EXPECT_EQ(memory_cgroup_headroom(leaf).value_or(0), 224 * MiB);  // 1024 - 900 + 60 + 40
+
+  write(mount + "/srv/llama/memory.max", std::to_string(700 * MiB) + "\n");  // tighter still
+  EXPECT_EQ(memory_cgroup_headroom(leaf).value_or(0), 100 * MiB);             // 700 - 600 + 0
+  write(mount + "/srv/llama/memory.current", std::to_string(800 * MiB) + "\n");  // over its limit
+  EXPECT_EQ(memory_cgroup_headroom(leaf).value_or(1), 0u);
+
+  EXPECT_FALSE(memory_cgroup_headroom(MemoryCgroup{2, "/", mount})) << "the root has no limit";
+  EXPECT_FALSE(memory_cgroup_headroom(MemoryCgroup{2, "/srv/llama", mount + "/elsewhere"})) << "dir not ending in the path";
+  const MemoryCgroup unlimited{2, "/other", mount + "/other"};
+  EXPECT_FALSE(memory_cgroup_headroom(unlimited)) << "no limit anywhere (and no files)";
 }
 
 // On this machine, whatever it has: the memory cgroup found is one whose limit file exists.

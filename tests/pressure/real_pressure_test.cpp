@@ -34,6 +34,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <chrono>
 #include <cstdint>
@@ -202,12 +203,16 @@ struct HogOutcome {
   double waited_s = 0;  // from the first attempt to the moment the memory was all touched
   int attempts = 0;
   int killed = 0;       // attempts ended by SIGKILL (the OOM killer)
+  bool killed_after_got = false;  // the attempt that got its memory was killed while holding it
   std::optional<std::uint64_t> server_vm_lck_when_got;
 };
 
 pid_t g_hog_pid = -1;  // the attempt in flight, for TearDown
 
-HogOutcome run_hog(const std::string& procs, std::uint64_t bytes, double deadline_s, double hold_s, pid_t server) {
+// `got_flag`, when given, is set the moment an attempt has all its memory (for a caller watching
+// from another thread while the hog holds it).
+HogOutcome run_hog(const std::string& procs, std::uint64_t bytes, double deadline_s, double hold_s, pid_t server,
+                   std::atomic<bool>* got_flag = nullptr) {
   HogOutcome o;
   const auto t0 = Clock::now();
   const long page = ::sysconf(_SC_PAGESIZE);
@@ -248,13 +253,17 @@ HogOutcome run_hog(const std::string& procs, std::uint64_t bytes, double deadlin
       o.got = true;
       o.waited_s = seconds_since(t0);
       o.server_vm_lck_when_got = vm_lck(server);
+      if (got_flag != nullptr) got_flag->store(true);
     }
     ::close(p[0]);
     int status = 0;
     while (::waitpid(pid, &status, 0) < 0 && errno == EINTR) {
     }
     g_hog_pid = -1;
-    if (WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL) ++o.killed;
+    if (WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL) {
+      ++o.killed;
+      if (o.got) o.killed_after_got = true;
+    }
     if (!o.got) std::this_thread::sleep_for(std::chrono::milliseconds(100));  // the supervisor's back-off
   }
   return o;
@@ -474,6 +483,64 @@ TEST_F(RealPressureTest, PressureAwareGivesTheHogItsMemoryAndWiresTheModelAgainW
   std::printf("[ measured ] pressure-aware: budget back %.1f s after the hog got its memory; after two requests the "
               "server holds %llu MiB locked, %.1f %% of the model in memory\n",
               quiet_s, static_cast<unsigned long long>(again / kMiB), cached * 100);
+}
+
+// Quiet is not free memory: here the hog keeps what it got for several quiet periods. The budget
+// rises only to what the cgroup has room for (Backend::memory_available()): the model (one 2 GiB
+// mapping, wired whole or not at all) does not fit beside the hog, so it stays unwired and nobody
+// is OOM-killed (lifting the whole budget, as before, wired it and the kernel killed the hog), and
+// it is wired whole again once the hog has gone. The debug log shows each check.
+TEST_F(RealPressureTest, AfterQuietTheModelTakesBackOnlyWhatTheCgroupHasRoomFor) {
+  const std::uint64_t locked = start_server({"RESIDENCY_KEEP_ALIVE=10m", "RESIDENCY_RELEASE_ON_PRESSURE=1",
+                                             "RESIDENCY_PRESSURE_QUIET=2s", "RESIDENCY_LOG=debug"},
+                                            "room");
+  ASSERT_FALSE(HasFailure());
+  ASSERT_GE(locked, kModelBytes * 95 / 100) << "the model is not locked:\n" << server_->stderr_text();
+  const std::uint64_t hog = hog_bytes(locked);
+  constexpr double kHold = 10;  // five quiet periods
+  std::atomic<bool> got{false};
+  HogOutcome h;
+  std::thread hog_thread([&] { h = run_hog(cg_.procs(), hog, /*deadline_s=*/30, kHold, server_->pid(), &got); });
+  const auto t0 = Clock::now();
+  while (!got.load() && seconds_since(t0) < 31) std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  std::uint64_t most_locked_while_held = 0;
+  const auto held_since = Clock::now();
+  while (got.load() && seconds_since(held_since) < kHold - 1) {
+    most_locked_while_held = std::max(most_locked_while_held, vm_lck(server_->pid()).value_or(0));
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  const std::string while_held = server_->stderr_text();
+  hog_thread.join();
+  ASSERT_TRUE(h.got) << "the hog did not get " << hog / kMiB << " MiB within 30 s\n" << while_held;
+  EXPECT_FALSE(h.killed_after_got) << "the hog was killed while it held its memory: the re-wire took more than there was room for\n"
+                                   << server_->stderr_text();
+  EXPECT_TRUE(server_->alive()) << "the server was killed";
+  EXPECT_NE(while_held.find("memory pressure has been quiet, but only"), std::string::npos)
+      << "no quiet period was seen with the hog holding its memory:\n" << while_held;
+  EXPECT_EQ(while_held.find("memory pressure has been quiet: the budget is back"), std::string::npos)
+      << "the whole budget came back while the hog held its memory:\n" << while_held;
+  EXPECT_LT(most_locked_while_held + hog, kCgroupLimit) << "locked beside the hog";
+  EXPECT_EQ(most_locked_while_held, 0u) << "the 2 GiB model does not fit beside the hog: nothing of it may be locked";
+
+  // The hog has gone: the next quiet period gives the whole budget back, requests wire the model.
+  const auto t1 = Clock::now();
+  while (server_->stderr_text().find("memory pressure has been quiet: the budget is back") == std::string::npos &&
+         seconds_since(t1) < 20)
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  ASSERT_NE(server_->stderr_text().find("memory pressure has been quiet: the budget is back"), std::string::npos)
+      << "the budget did not come back within 20 s of the hog's exit:\n" << server_->stderr_text();
+  const double back_s = seconds_since(t1);
+  ASSERT_TRUE(server_->request()) << server_->stderr_text();
+  ASSERT_TRUE(server_->request()) << server_->stderr_text();
+  const std::uint64_t again = vm_lck(server_->pid()).value_or(0);
+  EXPECT_GE(again, kModelBytes * 95 / 100) << "the model is not wired again after the hog left";
+  std::size_t checks = 0;
+  for (std::size_t at = while_held.find("but only"); at != std::string::npos; at = while_held.find("but only", at + 1)) ++checks;
+  std::printf("[ measured ] room: while the hog held %llu MiB for %.0f s (%zu quiet-period checks) the server locked at "
+              "most %llu MiB and the hog was %s; budget back %.1f s after the hog left, then %llu MiB locked\n",
+              static_cast<unsigned long long>(hog / kMiB), kHold, checks,
+              static_cast<unsigned long long>(most_locked_while_held / kMiB),
+              h.killed_after_got ? "KILLED" : "not killed", back_s, static_cast<unsigned long long>(again / kMiB));
 }
 
 }  // namespace

@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <set>
 #include <string>
 #include <vector>
@@ -45,6 +46,8 @@ class FakeBackend : public Backend {
   std::uint64_t refuse_above_bytes = UINT64_MAX;  // resident bytes the "OS" allows
   std::uint64_t reserve_limit = UINT64_MAX;       // bytes reserve_wired() grants in all
   bool fail_end_residency = false;                // end_residency refuses (nothing given back)
+  std::optional<std::uint64_t> available;         // memory_available(); nullopt: unknown
+  int available_reads = 0;
 
   Capabilities capabilities() const override {
     Capabilities c;
@@ -53,6 +56,11 @@ class FakeBackend : public Backend {
     c.refresh_period = needs_refresh ? refresh_period : Nanos(0);
     c.max_sets = max_sets;
     return c;
+  }
+  std::optional<std::uint64_t> memory_available() override {
+    std::lock_guard<std::recursive_mutex> g(mu);
+    ++available_reads;
+    return available;
   }
   MemoryInfo memory_info() override {
     std::lock_guard<std::recursive_mutex> g(mu);

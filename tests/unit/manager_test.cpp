@@ -6,6 +6,7 @@
 #include <thread>
 #include <vector>
 
+#include "core/pressure_policy.hpp"
 #include "support/manager_fixture.hpp"
 
 using namespace residency;
@@ -527,6 +528,66 @@ TEST_F(ManagerTest, FlappingPressureCausesNoChurn) {
   EXPECT_EQ(m->stats().pressure_cap, UINT64_MAX);
   // And the scheduler only wakes for the lift while capped: afterwards nothing is scheduled.
   EXPECT_FALSE(m->run_due().has_value());
+}
+
+// Quiet is not free memory: the program that caused the pressure may keep what it took. After the
+// quiet period the budget rises only to what the backend says is available (less a headroom);
+// the rest comes back after further quiet periods, once memory has been freed.
+TEST_F(ManagerTest, AfterQuietTheBudgetRisesOnlyToWhatIsAvailableAndTheRestWhenMemoryFrees) {
+  Config c = with_keep_alive("forever");
+  c.release_on_pressure = true;
+  c.wired_limit = WiredLimit{false, 800 * MiB, 0};
+  auto m = make(c);
+  for (int i = 0; i < 8; ++i) reg(*m, 100 * MiB);
+  for (int i = 0; i < 12 && fake->resident_bytes() > 0; ++i) {
+    advance(2s);
+    m->notify_memory_pressure();
+  }
+  ASSERT_EQ(fake->resident_bytes(), 0u) << "sustained pressure reaches the floor (0)";
+
+  fake->available = 250 * MiB + core::kLiftHeadroom;  // the hog still holds its memory
+  advance(31s);
+  m->run_due();
+  EXPECT_EQ(fake->resident_bytes(), 200 * MiB) << "whole regions that fit in 250 MiB";
+  EXPECT_EQ(m->stats().pressure_restores, 0u);
+  EXPECT_EQ(m->stats().pressure_cap, 250 * MiB);
+  EXPECT_TRUE(logs.contains(LogLevel::info, "is available"));
+  m->touch();
+  EXPECT_EQ(fake->resident_bytes(), 200 * MiB) << "a use does not take more than the cap";
+
+  fake->available = 100 * MiB;  // less than the headroom: nothing more
+  advance(10s);
+  m->run_due();
+  EXPECT_EQ(fake->resident_bytes(), 200 * MiB) << "not before another full quiet period";
+  advance(31s);
+  m->run_due();
+  EXPECT_EQ(fake->resident_bytes(), 200 * MiB);
+
+  m->notify_memory_pressure();  // pressure again: the cap steps down from what is wired
+  EXPECT_LT(fake->resident_bytes(), 200 * MiB);
+  fake->available = 8 * GiB;  // the hog exited
+  advance(31s);
+  m->run_due();
+  EXPECT_EQ(fake->resident_bytes(), 800 * MiB);
+  EXPECT_EQ(m->stats().pressure_restores, 1u);
+  EXPECT_EQ(m->stats().pressure_cap, UINT64_MAX);
+  EXPECT_FALSE(m->run_due().has_value()) << "nothing scheduled once the cap is gone";
+}
+
+// Where the backend cannot tell what is available, the cap lifts entirely after the quiet period
+// (and nothing is asked when everything fits under the cap already).
+TEST_F(ManagerTest, AfterQuietTheBudgetLiftsEntirelyWhenTheBackendCannotTell) {
+  Config c = with_keep_alive("forever");
+  c.release_on_pressure = true;
+  auto m = make(c);
+  reg(*m, 100 * MiB);
+  m->notify_memory_pressure();
+  ASSERT_EQ(fake->resident_bytes(), 0u);
+  advance(31s);
+  m->run_due();
+  EXPECT_EQ(fake->resident_bytes(), 100 * MiB);
+  EXPECT_EQ(fake->available_reads, 1);
+  EXPECT_EQ(m->stats().pressure_restores, 1u);
 }
 
 // --- limits and warnings ------------------------------------------------------------------

@@ -112,6 +112,16 @@ class PosixBackend final : public Backend {
     return c;
   }
 
+  // MemAvailable, and the headroom of this process's memory cgroup and those above it: the least.
+  std::optional<std::uint64_t> memory_available() override {
+    std::optional<std::uint64_t> avail;
+    if (auto mi = posix::read_meminfo(); mi && mi->mem_available) avail = *mi->mem_available;
+    if (auto cg = posix::find_memory_cgroup()) {
+      if (auto h = posix::memory_cgroup_headroom(*cg)) avail = avail ? std::min(*avail, *h) : *h;
+    }
+    return avail;
+  }
+
   MemoryInfo memory_info() override {
     MemoryInfo mi;
     const auto sys = posix::read_memory_figures();

@@ -4,6 +4,7 @@
 #include <fcntl.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <charconv>
 #include <cstring>
@@ -471,6 +472,44 @@ std::optional<std::uint64_t> memory_cgroup_limit(const MemoryCgroup& cg) {
   auto v = cg.version == 1 ? parse_memory_limit_v1(*text) : parse_memory_max(*text);
   if (!v) return std::nullopt;
   return *v;
+}
+
+std::optional<std::uint64_t> parse_memory_stat_value(std::string_view text, std::string_view key) {
+  for (std::string_view line : split_lines(text)) {
+    const auto f = split_fields(line);
+    if (f.size() == 2 && f[0] == key) return to_u64(f[1]);
+  }
+  return std::nullopt;
+}
+
+std::optional<std::uint64_t> memory_cgroup_headroom(const MemoryCgroup& cg) {
+  const std::string& path = cg.cgroup_path;
+  if (path.empty() || path == "/" || path.front() != '/' || cg.dir.size() < path.size() ||
+      cg.dir.compare(cg.dir.size() - path.size(), path.size(), path) != 0)
+    return std::nullopt;
+  const std::string mount = cg.dir.substr(0, cg.dir.size() - path.size());
+  const bool v1 = cg.version == 1;
+  std::optional<std::uint64_t> least;
+  // This cgroup, then each parent up to (not including) the root, which has no limit of its own.
+  for (std::string p = path; p.size() > 1; p = p.substr(0, std::max<std::size_t>(p.rfind('/'), 1))) {
+    const MemoryCgroup level{cg.version, p, mount + p};
+    const auto limit = memory_cgroup_limit(level);
+    if (!limit) continue;
+    auto usage_text = read_text_file(level.dir + (v1 ? "/memory.usage_in_bytes" : "/memory.current"));
+    auto stat_text = read_text_file(level.dir + "/memory.stat");
+    if (!usage_text || !stat_text) continue;
+    const auto usage = to_u64(trim(std::string_view(*usage_text).substr(0, usage_text->find('\n'))));
+    if (!usage) continue;
+    // File pages on the LRU lists (active or not; locked ones are on the unevictable list) can be
+    // reclaimed, and wiring a page that is cached already takes no new memory.
+    const std::uint64_t file =
+        std::min(parse_memory_stat_value(*stat_text, v1 ? "total_inactive_file" : "inactive_file").value_or(0) +
+                     parse_memory_stat_value(*stat_text, v1 ? "total_active_file" : "active_file").value_or(0),
+                 *usage);
+    const std::uint64_t headroom = (*limit > *usage ? *limit - *usage : 0) + file;
+    least = least ? std::min(*least, headroom) : headroom;
+  }
+  return least;
 }
 
 PressureInfo read_pressure(const std::string& path) {

@@ -102,6 +102,14 @@ struct MemoryCgroup {
 Result<MemoryCgroup> find_memory_cgroup();
 // The memory cgroup's limit (v1 memory.limit_in_bytes, v2 memory.max); nullopt: none.
 std::optional<std::uint64_t> memory_cgroup_limit(const MemoryCgroup& cg);
+// One "<key> <bytes>" line of a cgroup's memory.stat (v1 "total_inactive_file", v2
+// "inactive_file"); nullopt when absent or not a number.
+std::optional<std::uint64_t> parse_memory_stat_value(std::string_view text, std::string_view key);
+// What the memory cgroup and every limited cgroup above it leave this process to take without
+// reclaiming others' memory: the least over them of limit - usage + file pages on the LRU lists
+// (page cache the kernel can drop; unlocked model pages among them). nullopt: no cgroup on the
+// way has a limit, or none could be read.
+std::optional<std::uint64_t> memory_cgroup_headroom(const MemoryCgroup& cg);
 PressureInfo read_pressure(const std::string& path);
 
 }  // namespace residency::posix
