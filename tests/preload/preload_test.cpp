@@ -38,6 +38,7 @@
 #include <vector>
 
 #include "support/child_process.hpp"
+#include "support/temp_dir.hpp"
 #include "support/strict.hpp"
 #include "workload/gguf_writer.hpp"
 
@@ -184,16 +185,8 @@ class PreloadTest : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
     // A disk-backed directory: the pages of a tmpfs file cannot be paged out without swap.
-    std::string base;
-    if (const char* t = std::getenv("TMPDIR"); t != nullptr && *t != '\0') base = t;
-    for (const char* d : {"/var/tmp", "/tmp"})
-      if (base.empty() && ::access(d, W_OK) == 0) base = d;
-    std::string tmpl = base + "/residency-preload-XXXXXX";
-    if (::mkdtemp(tmpl.data()) == nullptr) {
-      setup_error_ = "mkdtemp in " + base + " failed";
-      return;
-    }
-    dir_ = tmpl;
+    dir_ = residency::testing::make_disk_temp_dir("residency-preload", setup_error_);
+    if (dir_.empty()) return;
     struct statfs sfs {};
     if (::statfs(dir_.c_str(), &sfs) == 0 && static_cast<long>(sfs.f_type) == 0x01021994) on_tmpfs_ = true;
 

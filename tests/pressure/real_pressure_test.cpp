@@ -51,6 +51,7 @@
 
 #include "backends/posix/proc_info.hpp"
 #include "support/child_process.hpp"
+#include "support/temp_dir.hpp"
 #include "support/strict.hpp"
 #include "workload/gguf_writer.hpp"
 
@@ -309,16 +310,8 @@ class RealPressureTest : public ::testing::Test {
       suite_strict_skip_ = true;
       return;
     }
-    std::string base;
-    if (const char* t = std::getenv("TMPDIR"); t != nullptr && *t != '\0') base = t;
-    for (const char* d : {"/var/tmp", "/tmp"})
-      if (base.empty() && ::access(d, W_OK) == 0) base = d;
-    std::string tmpl = base + "/residency-real-pressure-XXXXXX";
-    if (::mkdtemp(tmpl.data()) == nullptr) {
-      suite_error_ = "mkdtemp in " + base + ": " + std::strerror(errno);
-      return;
-    }
-    model_dir_ = tmpl;
+    model_dir_ = residency::testing::make_disk_temp_dir("residency-real-pressure", suite_error_);
+    if (model_dir_.empty()) return;
     struct statfs sfs {};
     if (::statfs(model_dir_.c_str(), &sfs) == 0 && static_cast<long>(sfs.f_type) == 0x01021994) {
       suite_error_ = model_dir_ + " is tmpfs: unlocked model pages could not be reclaimed without swap; set TMPDIR to a disk";

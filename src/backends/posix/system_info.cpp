@@ -11,6 +11,8 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <optional>
+#include <string>
 #include <string_view>
 
 #include "backends/posix/proc_info.hpp"
@@ -94,18 +96,24 @@ std::string seconds_text(Nanos d) {
   std::snprintf(buf, sizeof buf, "%g s", s);
   return buf;
 }
-PressureSource psi_source(const std::string& path, std::string scope, std::string reason) {
+// A source of `kind` on `path`, or, when `why_not` is set, none with that reason.
+PressureSource source_or_why_not(PressureSource::Kind kind, const std::string& path, std::string scope,
+                                 std::string reason, std::optional<std::string> why_not) {
   PressureSource src;
-  const auto info = posix::read_pressure(path);
-  if (!info.available) {
-    src.reason = info.reason;
+  if (why_not) {
+    src.reason = std::move(*why_not);
     return src;
   }
-  src.kind = PressureSource::Kind::psi;
+  src.kind = kind;
   src.path = path;
   src.scope = std::move(scope);
   src.reason = std::move(reason);
   return src;
+}
+PressureSource psi_source(const std::string& path, std::string scope, std::string reason) {
+  auto info = posix::read_pressure(path);
+  return source_or_why_not(PressureSource::Kind::psi, path, std::move(scope), std::move(reason),
+                           info.available ? std::nullopt : std::optional<std::string>(std::move(info.reason)));
 }
 // A cgroup v1 memory.pressure_level this process may register on: the file readable and the
 // cgroup.event_control beside it writable. Empty reason = usable.
@@ -117,16 +125,9 @@ std::string v1_level_unusable(const std::string& level_file) {
   return {};
 }
 PressureSource v1_source(const std::string& level_file, std::string scope, std::string reason) {
-  PressureSource src;
-  if (std::string why = v1_level_unusable(level_file); !why.empty()) {
-    src.reason = why;
-    return src;
-  }
-  src.kind = PressureSource::Kind::cgroup_v1_level;
-  src.path = level_file;
-  src.scope = std::move(scope);
-  src.reason = std::move(reason);
-  return src;
+  std::string why = v1_level_unusable(level_file);
+  return source_or_why_not(PressureSource::Kind::cgroup_v1_level, level_file, std::move(scope), std::move(reason),
+                           why.empty() ? std::nullopt : std::optional<std::string>(std::move(why)));
 }
 }  // namespace
 
