@@ -114,6 +114,88 @@ RESIDENCY_GGML_ACCESS(enum ggml_status, ggml_backend_sched_graph_compute,
 RESIDENCY_GGML_ACCESS(enum ggml_status, ggml_backend_sched_graph_compute_async,
                       (ggml_backend_sched_t s, struct ggml_cgraph* g), (s, g), GGML_STATUS_FAILED)
 
+// llama.cpp's buffers (ggml_buffers.hpp): made, placed in, marked, freed.
+#define RESIDENCY_NEXT(name)                                              \
+  static std::atomic<decltype(&name)> cache{nullptr};                   \
+  static std::atomic<bool> done{false};                                 \
+  const auto next = residency::preload::resolve_next(cache, done, #name)
+
+RESIDENCY_PRELOAD_EXPORT ggml_backend_buffer_t ggml_backend_buft_alloc_buffer(ggml_backend_buffer_type_t buft,
+                                                                              size_t size) {
+  RESIDENCY_NEXT(ggml_backend_buft_alloc_buffer);
+  if (next == nullptr) return nullptr;
+  ggml_backend_buffer_t b = next(buft, size);
+  residency::preload::buffer_created_hook(b, false);
+  return b;
+}
+
+RESIDENCY_PRELOAD_EXPORT ggml_backend_buffer_t ggml_backend_cpu_buffer_from_ptr(void* ptr, size_t size) {
+  RESIDENCY_NEXT(ggml_backend_cpu_buffer_from_ptr);
+  if (next == nullptr) return nullptr;
+  ggml_backend_buffer_t b = next(ptr, size);
+  residency::preload::buffer_created_hook(b, true);
+  return b;
+}
+
+RESIDENCY_PRELOAD_EXPORT ggml_backend_buffer_t ggml_backend_dev_buffer_from_host_ptr(ggml_backend_dev_t device,
+                                                                                     void* ptr, size_t size,
+                                                                                     size_t max_tensor_size) {
+  RESIDENCY_NEXT(ggml_backend_dev_buffer_from_host_ptr);
+  if (next == nullptr) return nullptr;
+  ggml_backend_buffer_t b = next(device, ptr, size, max_tensor_size);
+  residency::preload::buffer_created_hook(b, true);
+  return b;
+}
+
+RESIDENCY_PRELOAD_EXPORT enum ggml_status ggml_backend_tensor_alloc(ggml_backend_buffer_t buffer,
+                                                                    struct ggml_tensor* tensor, void* addr) {
+  RESIDENCY_NEXT(ggml_backend_tensor_alloc);
+  if (next == nullptr) return GGML_STATUS_FAILED;
+  const enum ggml_status st = next(buffer, tensor, addr);
+  if (st == GGML_STATUS_SUCCESS) residency::preload::tensor_alloc_hook(buffer, tensor, addr);
+  return st;
+}
+
+RESIDENCY_PRELOAD_EXPORT void ggml_backend_buffer_set_usage(ggml_backend_buffer_t buffer,
+                                                            enum ggml_backend_buffer_usage usage) {
+  RESIDENCY_NEXT(ggml_backend_buffer_set_usage);
+  if (next == nullptr) return;
+  next(buffer, usage);
+  residency::preload::buffer_usage_hook(buffer, usage);
+}
+
+RESIDENCY_PRELOAD_EXPORT void ggml_backend_buffer_free(ggml_backend_buffer_t buffer) {
+  RESIDENCY_NEXT(ggml_backend_buffer_free);
+  if (next == nullptr) return;
+  residency::preload::buffer_free_hook(buffer);
+  next(buffer);
+}
+
+RESIDENCY_PRELOAD_EXPORT llama_model* llama_model_load_from_file(const char* path, llama_model_params params) {
+  RESIDENCY_NEXT(llama_model_load_from_file);
+  if (next == nullptr) return nullptr;
+  llama_model* m = next(path, params);
+  residency::preload::model_loaded_hook(m);
+  return m;
+}
+
+RESIDENCY_PRELOAD_EXPORT llama_model* llama_model_load_from_splits(const char** paths, size_t n_paths,
+                                                                   llama_model_params params) {
+  RESIDENCY_NEXT(llama_model_load_from_splits);
+  if (next == nullptr) return nullptr;
+  llama_model* m = next(paths, n_paths, params);
+  residency::preload::model_loaded_hook(m);
+  return m;
+}
+
+RESIDENCY_PRELOAD_EXPORT llama_context* llama_init_from_model(llama_model* model, llama_context_params params) {
+  RESIDENCY_NEXT(llama_init_from_model);
+  if (next == nullptr) return nullptr;
+  llama_context* c = next(model, params);
+  residency::preload::context_made_hook(c);
+  return c;
+}
+
 RESIDENCY_GGML_COMPUTE_ALLOC(bool, ggml_gallocr_reserve_n,
                              (ggml_gallocr_t galloc, struct ggml_cgraph* graph, const int* node_ids,
                               const int* leaf_ids),

@@ -5,15 +5,19 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstring>
 #include <memory>
 #include <mutex>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "device_memory.hpp"
-#include "gguf_mappings.hpp"
+#include "buffer_plan.hpp"
+#include "ggml_buffers.hpp"
+#include "piece_table.hpp"
 #include "next_calls.hpp"
 #include "residency/backends.hpp"
 #include "residency/residency.hpp"
@@ -24,30 +28,34 @@ namespace {
 
 enum State : int {
   kIdle = 0,         // no GGUF mapping seen yet: nothing started
-  kActive = 1,       // a manager runs; hooks register mappings and count uses
+  kActive = 1,       // a manager runs; hooks register llama.cpp's buffers and count uses
   kPassThrough = 2,  // residency cannot work here (or a fork child): every hook only forwards
 };
 
 struct Session {
-  Session(std::unique_ptr<Manager> m, KeepAlive::Kind k, SynchronizeFn s, GgufMappings::Warn w)
-      : manager(std::move(m)), kind(k), synchronize(s), mappings(*manager, w) {}
+  Session(std::unique_ptr<Manager> m, KeepAlive::Kind k, SynchronizeFn s, PieceTable::Warn w)
+      : manager(std::move(m)), kind(k), synchronize(s), buffers(*manager, w, &info), gguf(nullptr, w, "GGUF mappings") {}
   std::unique_ptr<Manager> manager;
   KeepAlive::Kind kind;
   SynchronizeFn synchronize;
-  GgufMappings mappings;
+  // What is registered: llama.cpp's buffers in host memory.
+  GgmlBuffers buffers;
+  // The GGUF file mappings (not registered): where the file ranges no buffer reads lie.
+  PieceTable gguf;
 };
 
 // Constant-initialized: loading the library runs no code.
 constinit std::atomic<int> g_state{kIdle};
 constinit std::atomic<Session*> g_session{nullptr};  // leaked on purpose (see the header)
 constinit std::atomic<bool> g_warn_enabled{true};   // RESIDENCY_LOG=error silences our warnings
+constinit std::atomic<bool> g_info_enabled{false};  // RESIDENCY_LOG=info or debug
 constinit std::atomic<bool> g_warned_no_decode{false};
 constinit std::atomic<bool> g_forked{false};         // a fork child: nothing but pass-through
 constinit std::atomic<const Startup*> g_startup{nullptr};
 constinit std::atomic<bool> g_startup_done{false};
 constinit std::mutex g_startup_mu;
-// Guards starting the session and every change of the tracked mappings. Never taken by a hook
-// that only forwards, nor for memory that is not tracked (see gguf_mappings.hpp).
+// Guards starting the session and every change of the tracked buffers and mappings. Never taken by
+// a hook that only forwards, nor for memory that is not tracked (see piece_table.hpp).
 constinit std::mutex g_mu;
 
 constexpr const char* kWithout = "; the program runs without residency";
@@ -85,6 +93,7 @@ const Startup* make_startup() noexcept {
       return nullptr;
     }
     g_warn_enabled.store(config->log_level >= LogLevel::warn, std::memory_order_relaxed);
+    g_info_enabled.store(config->log_level >= LogLevel::info, std::memory_order_relaxed);
     const SynchronizeFn sync = next_llama_synchronize();
     if (next_llama_decode() == nullptr || sync == nullptr) {
       warn(std::string("llama_decode is not reachable behind the preload (the program does not load libllama, or "
@@ -115,8 +124,15 @@ void start() noexcept {
   try {
     const Startup* up = startup();
     if (up == nullptr) return;
-    // GGUF mappings are host memory: the posix backend locks them, also on a machine with a GPU
-    // (there "auto" would be the cuda backend, which pins host memory instead).
+    if (ggml_api() == nullptr) {
+      warn(std::string("ggml's backend functions (ggml_backend_buffer_get_base and others) are not reachable behind the "
+                       "preload (ggml is not a shared library in this program), so llama.cpp's buffers cannot be "
+                       "followed and the model's memory stays unmanaged") +
+           kWithout);
+      return;
+    }
+    // llama.cpp's host buffers are host memory: the posix backend locks them, also on a machine
+    // with a GPU (there "auto" would be the cuda backend, which pins host memory instead).
     auto backend = make_backend("posix");
     if (!backend) {
       warn(backend.message() + kWithout);
@@ -161,16 +177,86 @@ std::size_t gguf_bytes(int fd, off64_t off, std::size_t len) noexcept {
   return static_cast<std::size_t>(avail < len ? avail : len);
 }
 
+// With g_mu held: the session, started on first need; null: pass through.
+Session* session_locked() noexcept {
+  if (g_state.load(std::memory_order_relaxed) == kIdle) start();
+  return active_session();
+}
+
 // With g_mu held: a new mapping of a GGUF file.
 void track(void* addr, std::size_t size) noexcept {
-  if (g_state.load(std::memory_order_relaxed) == kIdle) start();
-  if (Session* s = active_session()) {
+  if (Session* s = session_locked()) {
     const auto b = reinterpret_cast<std::uintptr_t>(addr);
-    s->mappings.add(b, b + size);
+    s->gguf.add(b, b + size, RegionClass::weights, 0);
+  }
+}
+
+bool tracked(const Session& s, std::uintptr_t b, std::uintptr_t e) noexcept {
+  return s.buffers.pieces().overlaps(b, e) || s.gguf.overlaps(b, e);
+}
+
+// With g_mu held, around an unmap of [b, e) (or a MAP_FIXED mapping over it).
+struct Cuts {
+  PieceTable::Cut regions, mappings;
+};
+Cuts cut_all(Session& s, std::uintptr_t b, std::uintptr_t e) noexcept {
+  return Cuts{s.buffers.pieces().cut(b, e), s.gguf.cut(b, e)};
+}
+void after_unmap_all(Session& s, const Cuts& c, std::uintptr_t b, std::uintptr_t e, bool unmapped) noexcept {
+  s.buffers.pieces().after_unmap(c.regions, b, e, unmapped);
+  s.gguf.after_unmap(c.mappings, b, e, unmapped);
+}
+
+// Pages of [b, e) in memory now (mincore), bytes.
+std::uint64_t resident_bytes(std::uintptr_t b, std::uintptr_t e) noexcept {
+  const std::size_t page = static_cast<std::size_t>(::sysconf(_SC_PAGESIZE));
+  std::uint64_t n = 0;
+  unsigned char vec[256];
+  for (std::uintptr_t at = b; at < e;) {
+    const std::size_t pages = std::min<std::size_t>(sizeof vec, (e - at) / page);
+    if (pages == 0) break;
+    if (::mincore(reinterpret_cast<void*>(at), pages * page, vec) != 0) return n;
+    for (std::size_t i = 0; i < pages; ++i) n += (vec[i] & 1U) != 0 ? page : 0;
+    at += pages * page;
+  }
+  return n;
+}
+
+// With g_mu held, once a model is loaded: the pages of the GGUF mappings that no buffer reads
+// (their tensors were copied into AMX, CPU_REPACK or GPU buffers, or they are the header) are
+// given back to the kernel. They are never wired, and keeping them would hold the model twice.
+void give_back_unread_file_pages(Session& s) noexcept {
+  try {
+    const std::size_t page = static_cast<std::size_t>(::sysconf(_SC_PAGESIZE));
+    const std::vector<Extent> runs = s.buffers.from_ptr_runs();
+    std::uint64_t unread = 0, before = 0, after = 0;
+    for (const PieceTable::Piece& m : s.gguf.pieces()) {
+      for (const Extent& g : page_gaps(m.begin, m.end, runs, page)) {
+        unread += g.end - g.begin;
+        before += resident_bytes(g.begin, g.end);
+#ifdef MADV_PAGEOUT
+        if (::madvise(reinterpret_cast<void*>(g.begin), g.end - g.begin, MADV_PAGEOUT) != 0)
+#endif
+          ::madvise(reinterpret_cast<void*>(g.begin), g.end - g.begin, MADV_DONTNEED);
+        after += resident_bytes(g.begin, g.end);
+      }
+    }
+    if (unread >= (std::uint64_t{1} << 20))
+      info("model file pages no buffer reads: " + format_size(unread) + " mapped, " + format_size(before) +
+           " of them resident before, " + format_size(after) + " after giving them back (not wired)");
+  } catch (...) {
   }
 }
 
 }  // namespace
+
+void info(const std::string& message) noexcept {
+  if (!g_info_enabled.load(std::memory_order_relaxed)) return;
+  try {
+    log_to_stderr(LogLevel::info, "preload: " + one_line(message));
+  } catch (...) {
+  }
+}
 
 void warn(const std::string& message) noexcept {
   if (!g_warn_enabled.load(std::memory_order_relaxed)) return;
@@ -210,16 +296,16 @@ void* map_hook(void* addr, std::size_t len, int prot, int flags, int fd, off64_t
   const bool wanted = file && len > 0 && (prot & PROT_READ) != 0 && (prot & PROT_WRITE) == 0;
   Session* s = active_session();
   const auto b = reinterpret_cast<std::uintptr_t>(addr);
-  if ((flags & MAP_FIXED) != 0 && s != nullptr && s->mappings.overlaps(b, page_end(b, len))) {
+  if ((flags & MAP_FIXED) != 0 && s != nullptr && tracked(*s, b, page_end(b, len))) {
     // The new mapping replaces tracked memory: that part is unmapped first.
     HookScope hook;
     const int saved = errno;
     std::lock_guard<std::mutex> lock(g_mu);
-    const auto cut = s->mappings.cut(b, page_end(b, len));
+    const Cuts cut = cut_all(*s, b, page_end(b, len));
     errno = saved;
     void* r = call();
     const int err = errno;
-    s->mappings.after_unmap(cut, b, page_end(b, len), r != MAP_FAILED);
+    after_unmap_all(*s, cut, b, page_end(b, len), r != MAP_FAILED);
     if (r != MAP_FAILED && wanted) {
       if (const std::size_t n = gguf_bytes(fd, off, len)) track(r, n);
     }
@@ -243,15 +329,15 @@ int unmap_hook(void* addr, std::size_t len) noexcept {
   Session* s = active_session();
   const auto b = reinterpret_cast<std::uintptr_t>(addr);
   const std::uintptr_t e = page_end(b, len);
-  if (s == nullptr || len == 0 || !s->mappings.overlaps(b, e)) return next_munmap(addr, len);
+  if (s == nullptr || len == 0 || !tracked(*s, b, e)) return next_munmap(addr, len);
   HookScope hook;
   const int saved = errno;
   std::lock_guard<std::mutex> lock(g_mu);
-  const auto cut = s->mappings.cut(b, e);
+  const Cuts cut = cut_all(*s, b, e);
   errno = saved;
   const int r = next_munmap(addr, len);
   const int err = errno;
-  s->mappings.after_unmap(cut, b, e, r == 0);
+  after_unmap_all(*s, cut, b, e, r == 0);
   errno = err;
   return r;
 }
@@ -272,6 +358,13 @@ std::int32_t decode_hook(Entry which, llama_context* ctx, llama_batch batch) {
   DeviceDecodeScope device(ctx, next_llama_synchronize());
   Session* s = in_hook() ? nullptr : active_session();
   if (s == nullptr) return next(ctx, batch);
+  if (s->buffers.has_pending()) {
+    // Buffers ggml made since the last flush (a compute buffer that grew): registered first.
+    ErrnoKeeper keep;
+    HookScope hook;
+    std::lock_guard<std::mutex> lock(g_mu);
+    s->buffers.flush();
+  }
   if (s->kind != KeepAlive::Kind::zero) {
     {
       ErrnoKeeper keep;
@@ -306,6 +399,60 @@ std::int32_t decode_hook(Entry which, llama_context* ctx, llama_batch batch) {
     scope.reset();
   }
   return r;
+}
+
+void buffer_created_hook(ggml_backend_buffer_t b, bool from_ptr) noexcept {
+  if (b == nullptr || in_hook() || g_state.load(std::memory_order_acquire) == kPassThrough) return;
+  ErrnoKeeper keep;
+  HookScope hook;
+  std::lock_guard<std::mutex> lock(g_mu);
+  if (Session* s = session_locked()) s->buffers.created(b, from_ptr);
+}
+
+void tensor_alloc_hook(ggml_backend_buffer_t b, const struct ggml_tensor* t, const void* addr) noexcept {
+  Session* s = active_session();
+  if (s == nullptr || in_hook() || !s->buffers.is_from_ptr(b)) return;  // lock-free for the rest
+  ErrnoKeeper keep;
+  HookScope hook;
+  std::lock_guard<std::mutex> lock(g_mu);
+  s->buffers.tensor_placed(b, t, addr);
+}
+
+void buffer_usage_hook(ggml_backend_buffer_t b, enum ggml_backend_buffer_usage usage) noexcept {
+  Session* s = active_session();
+  if (s == nullptr || in_hook()) return;
+  ErrnoKeeper keep;
+  HookScope hook;
+  std::lock_guard<std::mutex> lock(g_mu);
+  s->buffers.usage_set(b, usage);
+}
+
+void buffer_free_hook(ggml_backend_buffer_t b) noexcept {
+  Session* s = active_session();
+  if (s == nullptr || b == nullptr || in_hook()) return;
+  ErrnoKeeper keep;
+  HookScope hook;
+  std::lock_guard<std::mutex> lock(g_mu);
+  s->buffers.freeing(b);
+}
+
+void model_loaded_hook(const llama_model* model) noexcept {
+  Session* s = active_session();
+  if (s == nullptr || model == nullptr || in_hook()) return;
+  ErrnoKeeper keep;
+  HookScope hook;
+  std::lock_guard<std::mutex> lock(g_mu);
+  s->buffers.flush();
+  give_back_unread_file_pages(*s);
+}
+
+void context_made_hook(const llama_context* ctx) noexcept {
+  Session* s = active_session();
+  if (s == nullptr || ctx == nullptr || in_hook()) return;
+  ErrnoKeeper keep;
+  HookScope hook;
+  std::lock_guard<std::mutex> lock(g_mu);
+  s->buffers.flush();
 }
 
 }  // namespace residency::preload

@@ -1,7 +1,15 @@
 /* An ordinary llama.cpp program, knowing nothing about residency: loads a model, decodes greedy
  * tokens and prints them. The preload's tests run it with and without libresidency_preload.so.
  *
- *   decode_loop MODEL N [PAUSE]
+ *   decode_loop [--no-repack] [--reads] MODEL N [PAUSE]
+ *
+ * --no-repack: llama.cpp's extra buffer types off (use_extra_bufts = false, llama-server's -nr):
+ * the weights stay in the file mapping on every CPU. --reads: the first decode is observed through
+ * llama.cpp's eval callback, and before "token 0" one line per tensor the graph reads from host
+ * memory is printed, "read USAGE BUFFER_TYPE ADDRESS BYTES BUFFER_BASE BUFFER_SIZE" (addresses in
+ * hex, USAGE weights|compute|any, or "output host" for the logits this program reads from
+ * llama.cpp's output buffer): what decode really reads, for the tests to compare with what
+ * the kernel says is locked.
  *
  * Decodes N tokens, starting from BOS (token 1 when the vocabulary has none), each time feeding
  * back the most likely next token. Prints "loaded" once the model and context exist, then
@@ -9,7 +17,10 @@
  * (default 0), or "stdin": before each decode, wait for a line on stdin (the test steps it; end
  * of input stops early), and after the last one wait for the end of input before exiting. llama.cpp's own log is dropped except errors. */
 #include <errno.h>
+#include <ggml-backend.h>
 #include <llama.h>
+#include <stdbool.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -28,9 +39,68 @@ static void sleep_ms(long ms) {
   }
 }
 
+/* The tensors the observed decode read, deduplicated by address and size. */
+#define MAX_READS 4096
+struct read_range {
+  uintptr_t addr;
+  size_t bytes;
+  struct ggml_tensor* t;
+};
+static struct read_range g_reads[MAX_READS];
+static int g_n_reads = 0;
+static int g_observing = 0;
+
+static int host_buffer(ggml_backend_buffer_t b) {
+  ggml_backend_dev_t dev = ggml_backend_buft_get_device(ggml_backend_buffer_get_type(b));
+  if (dev == NULL) return 1;
+  const enum ggml_backend_dev_type type = ggml_backend_dev_type(dev);
+  return type == GGML_BACKEND_DEVICE_TYPE_CPU || type == GGML_BACKEND_DEVICE_TYPE_ACCEL;
+}
+
+static void note_read(struct ggml_tensor* t) {
+  if (t == NULL || t->buffer == NULL || t->data == NULL || !host_buffer(t->buffer)) return;
+  const uintptr_t a = (uintptr_t)t->data;
+  const size_t n = ggml_nbytes(t);
+  for (int i = 0; i < g_n_reads; ++i)
+    if (g_reads[i].addr == a && g_reads[i].bytes == n) return;
+  if (g_n_reads < MAX_READS) g_reads[g_n_reads++] = (struct read_range){a, n, t};
+}
+
+static bool observe(struct ggml_tensor* t, bool ask, void* user) {
+  (void)user;
+  if (!ask || !g_observing) return false;
+  note_read(t);
+  for (int i = 0; i < GGML_MAX_SRC; ++i) note_read(t->src[i]);
+  return false; /* never stop the graph: decode runs as without the callback */
+}
+
+static void print_reads(void) {
+  for (int i = 0; i < g_n_reads; ++i) {
+    ggml_backend_buffer_t b = g_reads[i].t->buffer;
+    const enum ggml_backend_buffer_usage u = ggml_backend_buffer_get_usage(b);
+    printf("read %s %s %zx %zu %zx %zu\n",
+           u == GGML_BACKEND_BUFFER_USAGE_WEIGHTS ? "weights" : u == GGML_BACKEND_BUFFER_USAGE_COMPUTE ? "compute" : "any",
+           ggml_backend_buffer_name(b), (size_t)g_reads[i].addr, g_reads[i].bytes,
+           (size_t)ggml_backend_buffer_get_base(b), ggml_backend_buffer_get_size(b));
+  }
+}
+
 int main(int argc, char** argv) {
+  int no_repack = 0, reads = 0;
+  while (argc > 1 && strncmp(argv[1], "--", 2) == 0) {
+    if (strcmp(argv[1], "--no-repack") == 0) {
+      no_repack = 1;
+    } else if (strcmp(argv[1], "--reads") == 0) {
+      reads = 1;
+    } else {
+      fprintf(stderr, "decode_loop: unknown option '%s' (accepted: --no-repack, --reads)\n", argv[1]);
+      return 2;
+    }
+    --argc;
+    ++argv;
+  }
   if (argc < 3) {
-    fprintf(stderr, "usage: %s MODEL N [PAUSE_MS|stdin]\n", argv[0]);
+    fprintf(stderr, "usage: decode_loop [--no-repack] [--reads] MODEL N [PAUSE_MS|stdin]\n");
     return 2;
   }
   const char* path = argv[1];
@@ -46,6 +116,7 @@ int main(int argc, char** argv) {
   llama_backend_init();
   struct llama_model_params mparams = llama_model_default_params();
   mparams.n_gpu_layers = 0;
+  if (no_repack) mparams.use_extra_bufts = false;
   struct llama_model* model = llama_model_load_from_file(path, mparams);
   if (model == NULL) {
     fprintf(stderr, "decode_loop: cannot load %s\n", path);
@@ -59,6 +130,10 @@ int main(int argc, char** argv) {
   cparams.n_threads = 2;
   cparams.n_threads_batch = 2;
   cparams.no_perf = 1;
+  if (reads) {
+    cparams.cb_eval = observe;
+    cparams.cb_eval_user_data = NULL;
+  }
   struct llama_context* ctx = llama_init_from_model(model, cparams);
   if (ctx == NULL) {
     fprintf(stderr, "decode_loop: cannot make a context\n");
@@ -81,12 +156,21 @@ int main(int argc, char** argv) {
       sleep_ms(pause_ms);
     }
     struct llama_batch batch = llama_batch_get_one(&token, 1);
-    if (llama_decode(ctx, batch) != 0) {
+    g_observing = reads && i == 0;
+    const int32_t status = llama_decode(ctx, batch);
+    g_observing = 0;
+    if (status != 0) {
       fprintf(stderr, "decode_loop: llama_decode failed at token %d\n", i);
       rc = 1;
       break;
     }
     const float* logits = llama_get_logits_ith(ctx, -1);
+    if (reads && i == 0) {
+      print_reads();
+      /* The logits decode wrote, outside the graph (llama.cpp's output buffer), which we read. */
+      printf("read output host %zx %zu %zx %zu\n", (size_t)logits, (size_t)n_vocab * sizeof(float), (size_t)logits,
+             (size_t)n_vocab * sizeof(float));
+    }
     int best = 0;
     for (int k = 1; k < n_vocab; ++k) {
       if (logits[k] > logits[best]) best = k;

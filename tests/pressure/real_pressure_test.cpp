@@ -1,6 +1,6 @@
 // Real memory pressure, end to end: llama.cpp (tests/preload/decode_loop.c, an unmodified program
 // on libllama) serves a 2 GiB model under libresidency_preload.so, and a memory hog runs beside it
-// in the SAME memory cgroup, which this test creates with a 3 GiB limit (cgroup v1's memory
+// in the SAME memory cgroup, which this test creates, limited to what the loaded server takes plus 1 GiB (cgroup v1's memory
 // controller or cgroup v2, whichever governs this process) and removes. The limit confines the
 // pressure: nothing outside the cgroup is ever reclaimed or OOM-killed.
 //
@@ -63,7 +63,12 @@ using Clock = std::chrono::steady_clock;
 constexpr std::uint64_t kMiB = 1024 * 1024;
 constexpr std::uint64_t kGiB = 1024 * kMiB;
 constexpr std::uint64_t kModelBytes = 2 * kGiB;
-constexpr std::uint64_t kCgroupLimit = 3 * kGiB;
+// The cgroup's limit is set once the server has loaded the model and served a request: what the
+// cgroup holds then (what the model really takes on this CPU: the file's pages, or a repacked
+// copy of the weights in anonymous memory when llama.cpp's AMX or CPU_REPACK buffer types took
+// them) plus this. During the load there is no limit (a load on a repacking CPU reads the file and
+// writes the copy, briefly holding the model twice).
+constexpr std::uint64_t kCgroupHeadroom = 1 * kGiB;
 
 double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
 
@@ -105,7 +110,7 @@ std::optional<std::uint64_t> vm_lck(pid_t pid) {
 class TestCgroup {
  public:
   // Returns why it cannot be made here, or nullopt.
-  std::optional<std::string> create(std::uint64_t limit) {
+  std::optional<std::string> create() {
     auto cg = residency::posix::find_memory_cgroup();
     if (!cg) return "no memory cgroup: " + cg.message();
     version_ = cg->version;
@@ -124,16 +129,16 @@ class TestCgroup {
       dir_.clear();
       return why;
     }
-    const bool limited = version_ == 1 ? write_file(dir_ + "/memory.limit_in_bytes", std::to_string(limit))
-                                       : write_file(dir_ + "/memory.max", std::to_string(limit));
     if (version_ == 2) write_file(dir_ + "/memory.swap.max", "0");  // confined to RAM (absent without swap)
-    if (!limited) {
-      const std::string why = "cannot set the limit of " + dir_ + ": " + std::strerror(errno);
-      remove();
-      return why;
-    }
     return std::nullopt;
   }
+  // Sets the limit; false (errno set) when it cannot.
+  bool set_limit(std::uint64_t limit) {
+    limit_ = limit;
+    return version_ == 1 ? write_file(dir_ + "/memory.limit_in_bytes", std::to_string(limit))
+                         : write_file(dir_ + "/memory.max", std::to_string(limit));
+  }
+  std::uint64_t limit() const { return limit_; }
   // Removes the cgroup; its processes must be gone (rmdir fails with EBUSY until they are).
   bool remove() {
     if (dir_.empty()) return true;
@@ -148,6 +153,7 @@ class TestCgroup {
   }
   int version() const { return version_; }
   const std::string& dir() const { return dir_; }
+  std::uint64_t limit_ = 0;
   std::string procs() const { return dir_ + "/cgroup.procs"; }
   std::uint64_t usage() const {
     const std::string t = read_file(dir_ + (version_ == 1 ? "/memory.usage_in_bytes" : "/memory.current"));
@@ -347,13 +353,11 @@ class RealPressureTest : public ::testing::Test {
       if (suite_strict_skip_) RESIDENCY_SKIP_OR_FAIL_IN_CI(suite_error_);
       FAIL() << suite_error_;
     }
-    if (auto why = cg_.create(kCgroupLimit)) {
+    if (auto why = cg_.create()) {
       // CI runs as root on a machine with a memory controller: there this is a broken machine,
       // not a reason to pass without testing.
       RESIDENCY_SKIP_OR_FAIL_IN_CI("cannot make a memory cgroup here: " + *why);
     }
-    std::printf("[ cgroup   ] cgroup v%d memory controller: %s, limit %llu MiB\n", cg_.version(), cg_.dir().c_str(),
-                static_cast<unsigned long long>(kCgroupLimit / kMiB));
     drop_page_cache(model_path_);
   }
   void TearDown() override {
@@ -393,6 +397,14 @@ class RealPressureTest : public ::testing::Test {
       ADD_FAILURE() << "the first request failed:\n" << server_->stderr_text();
       return 0;
     }
+    const std::uint64_t footprint = cg_.usage();
+    if (!cg_.set_limit(footprint + kCgroupHeadroom)) {
+      ADD_FAILURE() << "cannot set the limit of " << cg_.dir() << ": " << std::strerror(errno);
+      return 0;
+    }
+    std::printf("[ cgroup   ] cgroup v%d memory controller: %s; the loaded server takes %llu MiB, limit %llu MiB\n",
+                cg_.version(), cg_.dir().c_str(), static_cast<unsigned long long>(footprint / kMiB),
+                static_cast<unsigned long long>(cg_.limit() / kMiB));
     return vm_lck(server_->pid()).value_or(0);
   }
 
@@ -400,8 +412,9 @@ class RealPressureTest : public ::testing::Test {
   // locked model, but fits easily once the model may be reclaimed.
   std::uint64_t hog_bytes(std::uint64_t locked) {
     const std::uint64_t usage = cg_.usage();
-    const std::uint64_t hog = (kCgroupLimit > usage ? kCgroupLimit - usage : 0) + 512 * kMiB;
-    EXPECT_LT(hog + (usage > locked ? usage - locked : 0) + 256 * kMiB, kCgroupLimit)
+    const std::uint64_t limit = cg_.limit();
+    const std::uint64_t hog = (limit > usage ? limit - usage : 0) + 512 * kMiB;
+    EXPECT_LT(hog + (usage > locked ? usage - locked : 0) + 256 * kMiB, limit)
         << "the hog would not fit even without the model: usage " << usage / kMiB << " MiB, locked " << locked / kMiB
         << " MiB";
     return hog;
@@ -420,7 +433,7 @@ TEST_F(RealPressureTest, ForeverKeepsTheModelAndTheHogDoesNotGetItsMemory) {
   const std::uint64_t hog = hog_bytes(locked);
   const std::uint64_t ooms = cg_.oom_kills();
   const HogOutcome h = run_hog(cg_.procs(), hog, /*deadline_s=*/8, /*hold_s=*/0.5, server_->pid());
-  EXPECT_FALSE(h.got) << "the hog got " << hog / kMiB << " MiB beside a locked 2 GiB model in a 3 GiB cgroup";
+  EXPECT_FALSE(h.got) << "the hog got " << hog / kMiB << " MiB beside a locked 2 GiB model in a cgroup of " << cg_.limit() / kMiB << " MiB";
   EXPECT_GT(cg_.oom_kills(), ooms) << "the cgroup's OOM killer never ran";
   EXPECT_TRUE(server_->alive()) << "the server was killed instead of the hog";
   EXPECT_GE(vm_lck(server_->pid()).value_or(0), kModelBytes * 95 / 100) << "forever gave the model up";
@@ -512,7 +525,7 @@ TEST_F(RealPressureTest, AfterQuietTheModelTakesBackOnlyWhatTheCgroupHasRoomFor)
       << "no quiet period was seen with the hog holding its memory:\n" << while_held;
   EXPECT_EQ(while_held.find("memory pressure has been quiet: the budget is back"), std::string::npos)
       << "the whole budget came back while the hog held its memory:\n" << while_held;
-  EXPECT_LT(most_locked_while_held + hog, kCgroupLimit) << "locked beside the hog";
+  EXPECT_LT(most_locked_while_held + hog, cg_.limit()) << "locked beside the hog";
   EXPECT_EQ(most_locked_while_held, 0u) << "the 2 GiB model does not fit beside the hog: nothing of it may be locked";
 
   // The hog has gone: the next quiet period gives the whole budget back, requests wire the model.

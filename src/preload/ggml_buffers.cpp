@@ -1,0 +1,197 @@
+#include "ggml_buffers.hpp"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <string>
+
+#include "next_calls.hpp"
+
+namespace residency::preload {
+
+namespace {
+
+std::size_t page_size() noexcept {
+  static const std::size_t page = [] {
+    const long p = ::sysconf(_SC_PAGESIZE);
+    return p > 0 ? static_cast<std::size_t>(p) : std::size_t{4096};
+  }();
+  return page;
+}
+
+template <class Fn>
+void resolve_into(Fn& f, const char* name, bool& ok) noexcept {
+  f = reinterpret_cast<Fn>(resolve_next_symbol(name));
+  ok = ok && f != nullptr;
+}
+
+const GgmlApi* make_api() noexcept {
+  static GgmlApi api;
+  bool ok = true;
+  resolve_into(api.get_base, "ggml_backend_buffer_get_base", ok);
+  resolve_into(api.get_size, "ggml_backend_buffer_get_size", ok);
+  resolve_into(api.get_type, "ggml_backend_buffer_get_type", ok);
+  resolve_into(api.name, "ggml_backend_buffer_name", ok);
+  resolve_into(api.buft_is_host, "ggml_backend_buft_is_host", ok);
+  resolve_into(api.buft_get_device, "ggml_backend_buft_get_device", ok);
+  resolve_into(api.dev_type, "ggml_backend_dev_type", ok);
+  resolve_into(api.nbytes, "ggml_nbytes", ok);
+  return ok ? &api : nullptr;
+}
+
+DeviceKind device_kind(const GgmlApi& api, ggml_backend_buffer_type_t buft) noexcept {
+  ggml_backend_dev_t dev = api.buft_get_device(buft);
+  if (dev == nullptr) return DeviceKind::none;
+  switch (api.dev_type(dev)) {
+    case GGML_BACKEND_DEVICE_TYPE_CPU: return DeviceKind::cpu;
+    case GGML_BACKEND_DEVICE_TYPE_GPU: return DeviceKind::gpu;
+    case GGML_BACKEND_DEVICE_TYPE_IGPU: return DeviceKind::igpu;
+    case GGML_BACKEND_DEVICE_TYPE_ACCEL: return DeviceKind::accel;
+    default: return DeviceKind::gpu;  // a kind this preload does not know: not host memory
+  }
+}
+
+const char* class_name(RegionClass c) noexcept { return to_string(c); }
+
+}  // namespace
+
+const GgmlApi* ggml_api() noexcept {
+  static std::atomic<const GgmlApi*> cache{nullptr};
+  static std::atomic<bool> done{false};
+  if (done.load(std::memory_order_acquire)) return cache.load(std::memory_order_relaxed);
+  if (resolving_now()) return nullptr;
+  const GgmlApi* api = make_api();
+  cache.store(api, std::memory_order_relaxed);
+  done.store(true, std::memory_order_release);
+  return api;
+}
+
+void GgmlBuffers::created(ggml_backend_buffer_t b, bool from_ptr) noexcept {
+  const GgmlApi* api = ggml_api();
+  if (api == nullptr || b == nullptr) return;
+  try {
+    auto it = buffers_.find(b);
+    if (it != buffers_.end()) {
+      // ggml made it inside another hooked call (CPU_REPACK allocates a CPU buffer and takes it
+      // over; the CPU device's from_host_ptr calls ggml_backend_cpu_buffer_from_ptr).
+      if (from_ptr && !it->second.facts.from_ptr) {
+        it->second.facts.from_ptr = true;
+        remember_from_ptr(b);
+      }
+      return;
+    }
+    Tracked t;
+    t.facts.size = api->get_size(b);
+    if (t.facts.size == 0) return;  // ggml's dummy buffer for empty allocations
+    ggml_backend_buffer_type_t buft = api->get_type(b);
+    t.facts.is_host = api->buft_is_host(buft);
+    t.facts.device = device_kind(*api, buft);
+    t.facts.from_ptr = from_ptr;
+    // Only host memory has a base worth reading (device buffers' bases are device addresses).
+    if (is_cpu_memory(t.facts.device)) t.facts.base = reinterpret_cast<std::uintptr_t>(api->get_base(b));
+    buffers_.emplace(b, std::move(t));
+    if (from_ptr) remember_from_ptr(b);
+    pending_.store(true, std::memory_order_release);
+  } catch (...) {
+    // Out of memory: this buffer stays unmanaged.
+  }
+}
+
+bool GgmlBuffers::is_from_ptr(ggml_backend_buffer_t b) const noexcept {
+  if (b == nullptr) return false;
+  for (const auto& slot : from_ptr_) {
+    if (slot.load(std::memory_order_acquire) == b) return true;
+  }
+  return false;
+}
+
+void GgmlBuffers::remember_from_ptr(ggml_backend_buffer_t b) noexcept {
+  for (auto& slot : from_ptr_) {
+    ggml_backend_buffer_t expected = nullptr;
+    if (slot.compare_exchange_strong(expected, b, std::memory_order_acq_rel)) return;
+  }
+  // More than kMaxFromPtr at once: this one's tensors are not followed, so it registers nothing.
+}
+
+void GgmlBuffers::tensor_placed(ggml_backend_buffer_t b, const struct ggml_tensor* t, const void* addr) noexcept {
+  const GgmlApi* api = ggml_api();
+  if (api == nullptr || t == nullptr || addr == nullptr) return;
+  auto it = buffers_.find(b);
+  if (it == buffers_.end() || !it->second.facts.from_ptr) return;
+  try {
+    const auto begin = reinterpret_cast<std::uintptr_t>(addr);
+    it->second.facts.tensors.push_back(Extent{begin, begin + api->nbytes(t)});
+    it->second.dirty = true;
+    pending_.store(true, std::memory_order_release);
+  } catch (...) {
+  }
+}
+
+void GgmlBuffers::usage_set(ggml_backend_buffer_t b, enum ggml_backend_buffer_usage usage) noexcept {
+  auto it = buffers_.find(b);
+  if (it == buffers_.end()) return;
+  const BufferUsage u = usage == GGML_BACKEND_BUFFER_USAGE_WEIGHTS   ? BufferUsage::weights
+                        : usage == GGML_BACKEND_BUFFER_USAGE_COMPUTE ? BufferUsage::compute
+                                                                     : BufferUsage::any;
+  if (it->second.facts.usage == u) return;
+  it->second.facts.usage = u;
+  it->second.dirty = true;
+  pending_.store(true, std::memory_order_release);
+}
+
+void GgmlBuffers::freeing(ggml_backend_buffer_t b) noexcept {
+  auto it = buffers_.find(b);
+  if (it == buffers_.end()) return;
+  pieces_.remove_owner(reinterpret_cast<std::uint64_t>(b));
+  for (auto& slot : from_ptr_) {
+    ggml_backend_buffer_t expected = b;
+    slot.compare_exchange_strong(expected, nullptr, std::memory_order_acq_rel);
+  }
+  buffers_.erase(it);
+}
+
+void GgmlBuffers::register_buffer(ggml_backend_buffer_t b, Tracked& t) {
+  const auto owner = reinterpret_cast<std::uint64_t>(b);
+  pieces_.remove_owner(owner);  // what changed is registered anew
+  t.dirty = false;
+  if (const GgmlApi* api = ggml_api()) t.type_name = api->name(b);
+  const BufferPlan plan = plan_buffer(t.facts, page_size());
+  const std::string what = t.type_name + " buffer of " + format_size(t.facts.size);
+  if (plan.ranges.empty()) {
+    if (!plan.not_managed.empty() && plan.not_managed != "device memory") info_(what + ": not managed: " + plan.not_managed);
+    return;
+  }
+  std::size_t placed = 0;
+  for (const Extent& r : plan.ranges) {
+    if (pieces_.add(r.begin, r.end, plan.cls, owner)) placed += r.end - r.begin;
+  }
+  std::string line = "registered " + what + " as " + class_name(plan.cls);
+  if (t.facts.from_ptr) {
+    line += ": its " + std::to_string(t.facts.tensors.size()) + " tensor(s), " + format_size(placed) + " in " +
+            std::to_string(plan.ranges.size()) + " range(s); the rest of the range is not read by decode";
+  }
+  if (placed < plan.registered_bytes) line += " (" + format_size(plan.registered_bytes - placed) + " left unmanaged)";
+  info_(line);
+}
+
+void GgmlBuffers::flush() noexcept {
+  pending_.store(false, std::memory_order_release);
+  try {
+    for (auto& [b, t] : buffers_) {
+      if (t.dirty) register_buffer(b, t);
+    }
+  } catch (...) {
+    // Out of memory while logging: what was registered stays registered.
+  }
+}
+
+std::vector<Extent> GgmlBuffers::from_ptr_runs() const {
+  std::vector<Extent> out;
+  for (const PieceTable::Piece& p : pieces_.pieces()) {
+    auto it = buffers_.find(reinterpret_cast<ggml_backend_buffer_t>(p.owner));
+    if (it != buffers_.end() && it->second.facts.from_ptr) out.push_back(Extent{p.begin, p.end});
+  }
+  return out;
+}
+
+}  // namespace residency::preload

@@ -1,0 +1,96 @@
+// llama.cpp's memory as ggml's own backend buffers (DESIGN §13): every buffer in host memory that
+// ggml makes is followed from creation to free, and registered with the session's manager as
+// buffer_plan.hpp decides: the model's weights in whatever buffer type holds them (CPU_Mapped
+// file ranges, AMX, CPU_REPACK, plain CPU), the KV cache, the compute buffers.
+//
+// What is interposed for it (all public ggml-backend.h functions, so the preload never depends
+// on ggml's internal structs):
+// - ggml_backend_buft_alloc_buffer: every buffer of a buffer type (ggml's own memory; the graph
+//   allocator's compute buffers and the KV cache come through it too);
+// - ggml_backend_cpu_buffer_from_ptr / ggml_backend_dev_buffer_from_host_ptr: buffers over memory
+//   that is not ggml's (llama.cpp's CPU_Mapped buffers over the GGUF mapping);
+// - ggml_backend_tensor_alloc: where a tensor is placed in such a buffer;
+// - ggml_backend_buffer_set_usage: WEIGHTS (llama.cpp's model buffers) and COMPUTE (graph
+//   allocator) decide the class;
+// - ggml_backend_buffer_free: the buffer's regions are unregistered before its memory goes.
+// Registration waits for a flush point: the end of llama_model_load_from_file (the weights are
+// loaded, every tensor is placed), of llama_init_from_model (KV cache and compute buffers), and
+// the start of each decode (buffers ggml made since, e.g. a grown compute buffer).
+//
+// Every method is called with the preload's lock held, except has_pending().
+#pragma once
+
+#include <array>
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include <ggml-backend.h>
+
+#include "buffer_plan.hpp"
+#include "piece_table.hpp"
+#include "residency/residency.hpp"
+
+namespace residency::preload {
+
+// ggml's functions the tracker reads buffers with, from the library behind the preload; null when
+// one is missing (ggml is not a shared library here): then no buffer is followed.
+struct GgmlApi {
+  decltype(&ggml_backend_buffer_get_base) get_base = nullptr;
+  decltype(&ggml_backend_buffer_get_size) get_size = nullptr;
+  decltype(&ggml_backend_buffer_get_type) get_type = nullptr;
+  decltype(&ggml_backend_buffer_name) name = nullptr;
+  decltype(&ggml_backend_buft_is_host) buft_is_host = nullptr;
+  decltype(&ggml_backend_buft_get_device) buft_get_device = nullptr;
+  decltype(&ggml_backend_dev_type) dev_type = nullptr;
+  decltype(&ggml_nbytes) nbytes = nullptr;
+};
+const GgmlApi* ggml_api() noexcept;
+
+class GgmlBuffers {
+ public:
+  using Warn = PieceTable::Warn;
+  using Info = void (*)(const std::string& message);
+  GgmlBuffers(Manager& manager, Warn warn, Info info) : pieces_(&manager, warn, "ggml buffers"), info_(info) {}
+
+  void created(ggml_backend_buffer_t b, bool from_ptr) noexcept;
+  void tensor_placed(ggml_backend_buffer_t b, const struct ggml_tensor* t, const void* addr) noexcept;
+  void usage_set(ggml_backend_buffer_t b, enum ggml_backend_buffer_usage usage) noexcept;
+  void freeing(ggml_backend_buffer_t b) noexcept;
+
+  // Lock-free: whether `b` is a buffer over memory that is not ggml's (the only ones whose tensor
+  // placements matter: ggml's graph allocator places every node of every graph, in its own
+  // buffers, and those calls must not take the preload's lock).
+  bool is_from_ptr(ggml_backend_buffer_t b) const noexcept;
+  // Lock-free: whether a buffer waits for registration.
+  bool has_pending() const noexcept { return pending_.load(std::memory_order_acquire); }
+  // Registers every buffer that changed since the last flush (one info line each).
+  void flush() noexcept;
+  // The registered pieces of buffers over memory that is not ggml's, sorted by address.
+  std::vector<Extent> from_ptr_runs() const;
+
+  PieceTable& pieces() noexcept { return pieces_; }
+  const PieceTable& pieces() const noexcept { return pieces_; }
+
+ private:
+  struct Tracked {
+    BufferFacts facts;
+    std::string type_name;  // read at flush: CPU_REPACK changes its buffer's type after creation
+    bool dirty = true;      // changed since it was last registered
+  };
+  void register_buffer(ggml_backend_buffer_t b, Tracked& t);
+  void remember_from_ptr(ggml_backend_buffer_t b) noexcept;
+
+  PieceTable pieces_;
+  Info info_;
+  std::unordered_map<ggml_backend_buffer_t, Tracked> buffers_;
+  // The from_ptr buffers (few: one per model file), readable without the lock; null: free.
+  static constexpr std::size_t kMaxFromPtr = 64;
+  std::array<std::atomic<ggml_backend_buffer_t>, kMaxFromPtr> from_ptr_{};
+  std::atomic<bool> pending_{false};
+};
+
+}  // namespace residency::preload

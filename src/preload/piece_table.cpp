@@ -1,0 +1,116 @@
+#include "piece_table.hpp"
+
+#include <algorithm>
+#include <string>
+
+namespace residency::preload {
+
+bool PieceTable::overlaps(std::uintptr_t begin, std::uintptr_t end) const noexcept {
+  for (const Slot& s : slots_) {
+    const std::uintptr_t e = s.end.load(std::memory_order_acquire);
+    if (e == 0) continue;
+    const std::uintptr_t b = s.begin.load(std::memory_order_relaxed);
+    if (begin < e && b < end) return true;
+  }
+  return false;
+}
+
+bool PieceTable::add(std::uintptr_t begin, std::uintptr_t end, RegionClass cls, std::uint64_t owner) noexcept {
+  if (end <= begin) return false;
+  Slot* free_slot = nullptr;
+  for (Slot& s : slots_) {
+    if (s.end.load(std::memory_order_relaxed) == 0) {
+      free_slot = &s;
+      break;
+    }
+  }
+  try {
+    if (free_slot == nullptr) {
+      if (!warned_full_) {
+        warned_full_ = true;
+        warn_("more than " + std::to_string(kMaxPieces) + " pieces of " + what_ +
+              " at once; the ones made from now on stay unmanaged");
+      }
+      return false;
+    }
+    RegionId id = 0;
+    if (manager_ != nullptr) {
+      auto r = manager_->register_region(reinterpret_cast<void*>(begin), end - begin, cls);
+      if (!r) {
+        if (!warned_register_) {
+          warned_register_ = true;
+          warn_(std::string(what_) + ": " + format_size(end - begin) + " stay unmanaged: " + r.message());
+        }
+        return false;
+      }
+      id = *r;
+    }
+    free_slot->id = id;
+    free_slot->cls = cls;
+    free_slot->owner = owner;
+    free_slot->begin.store(begin, std::memory_order_relaxed);
+    free_slot->end.store(end, std::memory_order_release);
+    return true;
+  } catch (...) {
+    return false;  // out of memory while building a message or registering: stays unmanaged
+  }
+}
+
+void PieceTable::clear(Slot& s) noexcept {
+  if (manager_ != nullptr && s.id != 0) {
+    try {
+      (void)manager_->unregister_region(s.id);  // only fails for an unknown id
+    } catch (...) {
+    }
+  }
+  s.end.store(0, std::memory_order_release);
+  s.begin.store(0, std::memory_order_relaxed);
+  s.id = 0;
+  s.owner = 0;
+}
+
+PieceTable::Cut PieceTable::cut(std::uintptr_t begin, std::uintptr_t end) noexcept {
+  Cut c;
+  for (Slot& s : slots_) {
+    const std::uintptr_t e = s.end.load(std::memory_order_relaxed);
+    if (e == 0) continue;
+    const std::uintptr_t b = s.begin.load(std::memory_order_relaxed);
+    if (!(begin < e && b < end)) continue;
+    try {
+      c.push_back(Piece{b, e, s.id, s.cls, s.owner});
+    } catch (...) {
+      continue;  // out of memory: the piece stays tracked (and registered) rather than half-known
+    }
+    clear(s);
+  }
+  return c;
+}
+
+void PieceTable::after_unmap(const Cut& cut, std::uintptr_t begin, std::uintptr_t end, bool unmapped) noexcept {
+  for (const Piece& p : cut) {
+    if (!unmapped) {
+      add(p.begin, p.end, p.cls, p.owner);
+      continue;
+    }
+    if (p.begin < begin) add(p.begin, begin, p.cls, p.owner);
+    if (end < p.end) add(end, p.end, p.cls, p.owner);
+  }
+}
+
+void PieceTable::remove_owner(std::uint64_t owner) noexcept {
+  for (Slot& s : slots_) {
+    if (s.end.load(std::memory_order_relaxed) != 0 && s.owner == owner) clear(s);
+  }
+}
+
+std::vector<PieceTable::Piece> PieceTable::pieces() const {
+  std::vector<Piece> out;
+  for (const Slot& s : slots_) {
+    const std::uintptr_t e = s.end.load(std::memory_order_relaxed);
+    if (e != 0) out.push_back(Piece{s.begin.load(std::memory_order_relaxed), e, s.id, s.cls, s.owner});
+  }
+  std::sort(out.begin(), out.end(), [](const Piece& a, const Piece& b) { return a.begin < b.begin; });
+  return out;
+}
+
+}  // namespace residency::preload
