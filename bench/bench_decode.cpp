@@ -18,7 +18,8 @@
 // bytes, which credits llama.cpp with bytes it does not read) is printed as well.
 //
 //   bench_decode [--benchmark_min_time=2]
-//   RESIDENCY_BENCH_MODEL_MIB=256 (default)   RESIDENCY_BENCH_TYPES=f32,f16,bf16,q8_0 (default)
+//   RESIDENCY_BENCH_MODEL_MIB=256 (default)   RESIDENCY_BENCH_TYPES=f32,f16,bf16,q8_0 (default;
+//   q4_0 on request)
 //   RESIDENCY_BENCH_THREADS=0 (one per core)  RESIDENCY_LLAMA_BENCH=PATH (llama-bench; default
 //   $RESIDENCY_LLAMA_DIR/bin/llama-bench, else ${RESIDENCY_CACHE:-$HOME/.cache/residency}/
 //   llama.cpp-v0.4.0/bin/llama-bench; RESIDENCY_LLAMA_BENCH=off: no llama.cpp baseline)
@@ -237,7 +238,7 @@ int main(int argc, char** argv) {
     return 1;
   }
   std::map<std::string, Fixture> fixtures;
-  for (GgmlType type : {GgmlType::f32, GgmlType::f16, GgmlType::bf16, GgmlType::q8_0}) {
+  for (GgmlType type : {GgmlType::f32, GgmlType::f16, GgmlType::bf16, GgmlType::q8_0, GgmlType::q4_0}) {
     const std::string name(ggml_type_name(type));
     std::string lower = name;
     for (char& c : lower) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
@@ -273,7 +274,7 @@ int main(int argc, char** argv) {
   benchmark::RunSpecifiedBenchmarks();
   benchmark::Shutdown();
   if (fixtures.empty()) {
-    std::fprintf(stderr, "bench_decode: RESIDENCY_BENCH_TYPES names none of f32, f16, bf16, q8_0\n");
+    std::fprintf(stderr, "bench_decode: RESIDENCY_BENCH_TYPES names none of f32, f16, bf16, q8_0, q4_0\n");
     return 1;
   }
   bool all_ok = true;

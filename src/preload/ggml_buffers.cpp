@@ -168,7 +168,8 @@ void GgmlBuffers::register_buffer(ggml_backend_buffer_t b, Tracked& t) {
   std::string line = "registered " + what + " as " + class_name(plan.cls);
   if (t.facts.from_ptr) {
     line += ": its " + std::to_string(t.facts.tensors.size()) + " tensor(s), " + format_size(placed) + " in " +
-            std::to_string(plan.ranges.size()) + " range(s); the rest of the range is not read by decode";
+            std::to_string(plan.ranges.size()) + " range(s)";
+    if (placed + page_size() < t.facts.size) line += "; the rest of its range is other buffers' tensors' file pages, not wired";
   }
   if (placed < plan.registered_bytes) line += " (" + format_size(plan.registered_bytes - placed) + " left unmanaged)";
   info_(line);

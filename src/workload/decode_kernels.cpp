@@ -21,8 +21,9 @@ namespace {
 // Independent accumulators per kernel: enough to hide the latency of a multiply-add chain and to
 // give the vectoriser whole vectors (16 floats = 4 SSE or 2 AVX registers).
 constexpr std::size_t kLanes = 16;
-constexpr std::size_t kQ8Block = 32;       // elements per Q8_0 block
+constexpr std::size_t kQ8Block = 32;       // elements per Q8_0 block, and per Q4_0 block
 constexpr std::size_t kQ8BlockBytes = 34;  // f16 scale + 32 int8
+constexpr std::size_t kQ4BlockBytes = 18;  // f16 scale + 16 bytes, two 4-bit weights each
 
 float reduce(const float (&acc)[kLanes]) {
   float s = 0;
@@ -90,6 +91,24 @@ float dot_q8_0_generic(const std::uint8_t* w, std::size_t n, const MatvecInput& 
     const std::int8_t* qx = in.q8 + b * kQ8Block;
     std::int32_t dot = 0;
     for (std::size_t k = 0; k < kQ8Block; ++k) dot += static_cast<std::int32_t>(q[k]) * qx[k];
+    s += q8_scale_of(blk) * in.q8_scale[b] * static_cast<float>(dot);
+  }
+  return s;
+}
+
+// Q4_0 times the input's Q8_0 blocks: byte j of a block holds weight j in its low nibble and
+// weight j + 16 in its high one, each standing for (nibble - 8) times the block's scale.
+float dot_q4_0_generic(const std::uint8_t* w, std::size_t n, const MatvecInput& in) {
+  float s = 0;
+  for (std::size_t b = 0; b < n / kQ8Block; ++b) {
+    const std::uint8_t* blk = w + b * kQ4BlockBytes;
+    const std::int8_t* qx = in.q8 + b * kQ8Block;
+    std::int32_t dot = 0;
+    for (std::size_t j = 0; j < kQ8Block / 2; ++j) {
+      const std::uint8_t byte = blk[2 + j];
+      dot += (static_cast<std::int32_t>(byte & 0x0f) - 8) * qx[j];
+      dot += (static_cast<std::int32_t>(byte >> 4) - 8) * qx[j + kQ8Block / 2];
+    }
     s += q8_scale_of(blk) * in.q8_scale[b] * static_cast<float>(dot);
   }
   return s;
@@ -241,37 +260,58 @@ RESIDENCY_AVX2 void rows_half_avx2(const std::uint8_t* const (&w)[R], std::size_
   }
 }
 
-// acc + (d_w * d_x) * (q_w . q_x) for one Q8_0 block, in integers: |q_w| (unsigned) times q_x
-// with q_w's sign (signed) in pairs (maddubs), pairs summed to 32 bits (madd). |q_w| <= 128 and
+// How the quantised kernel below reads a block of 32 weights: its size, and its weights as 32 int8.
+struct Q8Blocks {
+  static constexpr std::size_t kBytes = kQ8BlockBytes;
+  RESIDENCY_AVX2 static __m256i load(const std::uint8_t* blk) {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2));
+  }
+};
+struct Q4Blocks {
+  static constexpr std::size_t kBytes = kQ4BlockBytes;
+  // Low nibbles are weights 0-15 (the low 128 bits), high nibbles weights 16-31; minus 8.
+  RESIDENCY_AVX2 static __m256i load(const std::uint8_t* blk) {
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 2));
+    const __m128i nibble = _mm_set1_epi8(0x0f);
+    const __m128i lo = _mm_and_si128(bytes, nibble);
+    const __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), nibble);
+    return _mm256_sub_epi8(_mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1), _mm256_set1_epi8(8));
+  }
+};
+
+// acc + (d_w * d_x) * (q_w . q_x) for one block, in integers: |q_w| (unsigned) times q_x with
+// q_w's sign (signed) in pairs (maddubs), pairs summed to 32 bits (madd). |q_w| <= 128 and
 // |q_x| <= 127, so the 16-bit pair sums (at most 2 * 128 * 127) never saturate.
-RESIDENCY_AVX2 inline __m256 q8_0_block(const std::uint8_t* blk, __m256i xv, float dx, __m256 acc) {
+template <class Blocks>
+RESIDENCY_AVX2 inline __m256 quant_block(const std::uint8_t* blk, __m256i xv, float dx, __m256 acc) {
   std::uint16_t dh;
   std::memcpy(&dh, blk, 2);
-  const __m256i qw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2));
+  const __m256i qw = Blocks::load(blk);
   const __m256i pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(qw, qw), _mm256_sign_epi8(xv, qw));
   const __m256i sums = _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
   return _mm256_fmadd_ps(_mm256_set1_ps(_cvtsh_ss(dh) * dx), _mm256_cvtepi32_ps(sums), acc);
 }
 
-template <std::size_t R>
-RESIDENCY_AVX2 void rows_q8_0_avx2(const std::uint8_t* const (&w)[R], std::size_t n, const MatvecInput& in,
-                                   float* const (&y)[R]) {
+template <class Blocks, std::size_t R>
+RESIDENCY_AVX2 void rows_quant_avx2(const std::uint8_t* const (&w)[R], std::size_t n, const MatvecInput& in,
+                                    float* const (&y)[R]) {
+  constexpr std::size_t kBytes = Blocks::kBytes;
   __m256 a0[R], a1[R];
   for (std::size_t k = 0; k < R; ++k) a0[k] = a1[k] = _mm256_setzero_ps();
   const std::size_t blocks = n / kQ8Block;
   std::size_t b = 0;
-  for (; b + 2 <= blocks; b += 2) {  // 68 bytes of each row per step
-    for (std::size_t k = 0; k < R; ++k) prefetch(w[k] + b * kQ8BlockBytes + kPrefetchBytes);
+  for (; b + 2 <= blocks; b += 2) {  // two blocks (68 or 36 bytes) of each row per step
+    for (std::size_t k = 0; k < R; ++k) prefetch(w[k] + b * kBytes + kPrefetchBytes);
     const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(in.q8 + b * kQ8Block));
     const float d0 = in.q8_scale[b];
-    for (std::size_t k = 0; k < R; ++k) a0[k] = q8_0_block(w[k] + b * kQ8BlockBytes, x0, d0, a0[k]);
+    for (std::size_t k = 0; k < R; ++k) a0[k] = quant_block<Blocks>(w[k] + b * kBytes, x0, d0, a0[k]);
     const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(in.q8 + (b + 1) * kQ8Block));
     const float d1 = in.q8_scale[b + 1];
-    for (std::size_t k = 0; k < R; ++k) a1[k] = q8_0_block(w[k] + (b + 1) * kQ8BlockBytes, x1, d1, a1[k]);
+    for (std::size_t k = 0; k < R; ++k) a1[k] = quant_block<Blocks>(w[k] + (b + 1) * kBytes, x1, d1, a1[k]);
   }
   if (b < blocks) {
     const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(in.q8 + b * kQ8Block));
-    for (std::size_t k = 0; k < R; ++k) a0[k] = q8_0_block(w[k] + b * kQ8BlockBytes, x0, in.q8_scale[b], a0[k]);
+    for (std::size_t k = 0; k < R; ++k) a0[k] = quant_block<Blocks>(w[k] + b * kBytes, x0, in.q8_scale[b], a0[k]);
   }
   for (std::size_t k = 0; k < R; ++k) *y[k] = hsum(_mm256_add_ps(a0[k], a1[k]));
 }
@@ -321,7 +361,14 @@ template <std::size_t R>
 struct RowsQ8 {
   RESIDENCY_AVX2 static void run(const std::uint8_t* const (&w)[R], std::size_t n, const MatvecInput& in,
                                  float* const (&y)[R]) {
-    rows_q8_0_avx2<R>(w, n, in, y);
+    rows_quant_avx2<Q8Blocks, R>(w, n, in, y);
+  }
+};
+template <std::size_t R>
+struct RowsQ4 {
+  RESIDENCY_AVX2 static void run(const std::uint8_t* const (&w)[R], std::size_t n, const MatvecInput& in,
+                                 float* const (&y)[R]) {
+    rows_quant_avx2<Q4Blocks, R>(w, n, in, y);
   }
 };
 
@@ -379,6 +426,7 @@ const DecodeKernels kGeneric{DecodeIsa::generic,
                              matvec<dot_half_generic<false>>,
                              matvec<dot_half_generic<true>>,
                              matvec<dot_q8_0_generic>,
+                             matvec<dot_q4_0_generic>,
                              sum_generic};
 #if RESIDENCY_DECODE_X86
 const DecodeKernels kAvx2{DecodeIsa::avx2,
@@ -386,6 +434,7 @@ const DecodeKernels kAvx2{DecodeIsa::avx2,
                           matvec_streams_avx2<RowsF16>,
                           matvec_streams_avx2<RowsBf16>,
                           matvec_streams_avx2<RowsQ8>,
+                          matvec_streams_avx2<RowsQ4>,
                           sum_avx2};
 #endif
 
@@ -417,6 +466,7 @@ MatvecFn DecodeKernels::for_type(GgmlType t) const {
     case GgmlType::f16: return f16;
     case GgmlType::bf16: return bf16;
     case GgmlType::q8_0: return q8_0;
+    case GgmlType::q4_0: return q4_0;
     default: return nullptr;
   }
 }
@@ -460,6 +510,13 @@ double reference_dot(GgmlType t, const std::uint8_t* row, std::size_t n, const f
       case GgmlType::q8_0: {
         const std::uint8_t* blk = row + (i / kQ8Block) * kQ8BlockBytes;
         w = static_cast<double>(q8_scale_of(blk)) * static_cast<std::int8_t>(blk[2 + i % kQ8Block]);
+        break;
+      }
+      case GgmlType::q4_0: {
+        const std::uint8_t* blk = row + (i / kQ8Block) * kQ4BlockBytes;
+        const std::size_t j = i % kQ8Block;
+        const unsigned nibble = j < kQ8Block / 2 ? blk[2 + j] & 0x0fu : blk[2 + j - kQ8Block / 2] >> 4;
+        w = static_cast<double>(q8_scale_of(blk)) * (static_cast<int>(nibble) - 8);
         break;
       }
       default: return 0;

@@ -29,13 +29,14 @@ enum class DecodeIsa : std::uint8_t {
 };
 std::string_view to_string(DecodeIsa isa) noexcept;
 
-// An activation vector of n elements. Q8_0 weights are multiplied with its Q8_0 quantisation in
-// integer arithmetic, as ggml does (a decode reads each weight once; converting 32 int8 weights to
-// floats per block would make the pass slower than memory); `x` then holds exactly the values the
-// quantisation represents, so every kernel, and the tests' reference, compute with the same vector.
+// An activation vector of n elements. Q8_0 and Q4_0 weights are multiplied with its Q8_0
+// quantisation in integer arithmetic, as ggml does (Q8_0 is the vec_dot_type of both; a decode
+// reads each weight once, and converting 32 weights to floats per block would make the pass slower
+// than memory); `x` then holds exactly the values the quantisation represents, so every kernel,
+// and the tests' reference, compute with the same vector.
 struct MatvecInput {
   const float* x = nullptr;            // n floats
-  const std::int8_t* q8 = nullptr;     // n int8 in blocks of 32 (only for Q8_0 weights)
+  const std::int8_t* q8 = nullptr;     // n int8 in blocks of 32 (only for Q8_0 and Q4_0 weights)
   const float* q8_scale = nullptr;     // n / 32 block scales: x[i] == q8_scale[i / 32] * q8[i]
 };
 
@@ -53,7 +54,7 @@ using SumFn = std::uint64_t (*)(const std::uint8_t* p, std::size_t n);
 
 struct DecodeKernels {
   DecodeIsa isa;
-  MatvecFn f32, f16, bf16, q8_0;
+  MatvecFn f32, f16, bf16, q8_0, q4_0;
   SumFn sum;
   // The kernel for `t`, or nullptr for a type the pass does not compute.
   MatvecFn for_type(GgmlType t) const;

@@ -22,8 +22,8 @@ Status DecodePass::check(const GgufModel& model) {
     if (!decode_supported(t.type)) {
       return Status(ErrorCode::invalid_argument,
                     "tensor '" + t.name + "' is " + std::string(ggml_type_name(t.type)) +
-                        "; the decode pass computes F32, F16, BF16 and Q8_0 weights only (make a model of "
-                        "one of these types with `residency make-model --type f16|q8_0|bf16|f32`)");
+                        "; the decode pass computes F32, F16, BF16, Q8_0 and Q4_0 weights only (make a model "
+                        "of one of these types with `residency make-model --type f16|q8_0|q4_0|bf16|f32`)");
     }
     ++matrices;
   }
@@ -66,7 +66,7 @@ Result<std::unique_ptr<DecodePass>> DecodePass::create(const GgufModel& model, c
     }
     m.input = it->second;
     Input& in = p->inputs_[m.input];
-    if (t.type == GgmlType::q8_0 && in.q8.empty()) {
+    if ((t.type == GgmlType::q8_0 || t.type == GgmlType::q4_0) && in.q8.empty()) {
       in.q8.resize(in.x.size());
       in.q8_scale.resize(in.x.size() / 32);
       quantize_input_q8_0(in.x.data(), in.x.size(), in.q8.data(), in.q8_scale.data());

@@ -64,8 +64,8 @@ class DecodePass {
   std::span<const float> output(std::size_t i) const {
     return {outputs_.data() + matrices_[i].output_first, static_cast<std::size_t>(matrices_[i].rows)};
   }
-  // The activation vector matrix i is multiplied with (for Q8_0 weights: the values its Q8_0
-  // quantisation represents, see MatvecInput).
+  // The activation vector matrix i is multiplied with (for Q8_0 and Q4_0 weights: the values its
+  // Q8_0 quantisation represents, see MatvecInput).
   std::span<const float> input(std::size_t i) const { return inputs_[matrices_[i].input].x; }
   unsigned threads() const { return pool_->size(); }
   DecodeIsa isa() const { return kernels_->isa; }
@@ -82,7 +82,7 @@ class DecodePass {
   std::vector<MatvecFn> fns_;  // per matrix
   struct Input {
     std::vector<float> x;
-    std::vector<std::int8_t> q8;    // for Q8_0 weights of this row length
+    std::vector<std::int8_t> q8;    // for Q8_0 and Q4_0 weights of this row length
     std::vector<float> q8_scale;
     MatvecInput view;               // pointers into the vectors above
   };

@@ -51,9 +51,9 @@ struct GgmlTypeInfo {
 // nullptr for an id that is not a ggml type.
 const GgmlTypeInfo* ggml_type_info(std::uint32_t id) noexcept;
 std::string_view ggml_type_name(GgmlType t) noexcept;
-// The types the decode-equivalent pass computes with: F32, F16, BF16, Q8_0.
+// The types the decode-equivalent pass computes with: F32, F16, BF16, Q8_0, Q4_0.
 bool decode_supported(GgmlType t) noexcept;
-// "f32", "f16", "bf16", "q8_0" (any case): the types the synthetic model writer produces.
+// "f32", "f16", "bf16", "q8_0", "q4_0" (any case): the types the synthetic model writer produces.
 Result<GgmlType> parse_model_type(std::string_view text);
 
 enum class GgufValueType : std::uint32_t {

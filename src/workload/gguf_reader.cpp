@@ -368,7 +368,7 @@ std::string_view ggml_type_name(GgmlType t) noexcept {
 }
 
 bool decode_supported(GgmlType t) noexcept {
-  return t == GgmlType::f32 || t == GgmlType::f16 || t == GgmlType::bf16 || t == GgmlType::q8_0;
+  return t == GgmlType::f32 || t == GgmlType::f16 || t == GgmlType::bf16 || t == GgmlType::q8_0 || t == GgmlType::q4_0;
 }
 
 Result<GgmlType> parse_model_type(std::string_view text) {
@@ -378,8 +378,9 @@ Result<GgmlType> parse_model_type(std::string_view text) {
   if (lower == "f16") return GgmlType::f16;
   if (lower == "bf16") return GgmlType::bf16;
   if (lower == "q8_0") return GgmlType::q8_0;
+  if (lower == "q4_0") return GgmlType::q4_0;
   return Status(ErrorCode::invalid_argument,
-                "unknown model type '" + printable(text) + "'; accepted: f32, f16, bf16, q8_0");
+                "unknown model type '" + printable(text) + "'; accepted: f32, f16, bf16, q8_0, q4_0");
 }
 
 std::string_view to_string(GgufValueType t) noexcept {

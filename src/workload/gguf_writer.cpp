@@ -84,6 +84,31 @@ void write_q8_0(const float* x, std::size_t n, std::uint8_t* out) {
   }
 }
 
+// Q4_0 blocks as ggml's reference quantiser makes them: the scale is d = m / -8, m being the
+// block's element of largest magnitude with its sign, so that m is kept (as q = 0, but for the
+// fp16 rounding of d); q = min(15, trunc(x / d + 8.5)) stands for d * (q - 8). 18 bytes a block: the fp16 scale, then
+// 16 bytes of which byte j holds element j in its low nibble and element j + 16 in its high one.
+void write_q4_0(const float* x, std::size_t n, std::uint8_t* out) {
+  for (std::size_t b = 0; b < n / 32; ++b) {
+    const float* v = x + b * 32;
+    float amax = 0, m = 0;
+    for (int k = 0; k < 32; ++k) {
+      if (std::fabs(v[k]) > amax) {
+        amax = std::fabs(v[k]);
+        m = v[k];
+      }
+    }
+    const float d = m / -8.0f;
+    const float id = d != 0 ? 1.0f / d : 0.0f;
+    const std::uint16_t dh = f32_to_f16(d);
+    std::memcpy(out, &dh, 2);
+    // x / d lies in [-8, 8], so x / d + 8.5 in [0.5, 16.5]: truncation gives 0 to 16.
+    auto quant = [id](float e) { return static_cast<unsigned>(std::min(15, static_cast<int>(e * id + 8.5f))); };
+    for (int j = 0; j < 16; ++j) out[2 + j] = static_cast<std::uint8_t>(quant(v[j]) | (quant(v[j + 16]) << 4));
+    out += 18;
+  }
+}
+
 Status pwrite_all(int fd, const std::uint8_t* p, std::uint64_t n, std::uint64_t off, const std::string& path) {
   while (n > 0) {
     const ssize_t w = ::pwrite(fd, p, static_cast<std::size_t>(std::min<std::uint64_t>(n, 1u << 30)),
@@ -346,6 +371,7 @@ GgufBuilder llama_builder(const LlamaShape& s, std::uint64_t seed) {
   std::uint32_t file_type = 1;  // llama.cpp's LLAMA_FTYPE_MOSTLY_F16
   if (s.type == GgmlType::f32) file_type = 0;
   if (s.type == GgmlType::q8_0) file_type = 7;
+  if (s.type == GgmlType::q4_0) file_type = 2;
   if (s.type == GgmlType::bf16) file_type = 32;
   b.set("general.architecture", GgufValue::of_string("llama"));
   b.set("general.name", GgufValue::of_string("residency synthetic llama " + std::string(ggml_type_name(s.type))));
@@ -362,7 +388,7 @@ GgufBuilder llama_builder(const LlamaShape& s, std::uint64_t seed) {
   b.set("llama.attention.head_count_kv", u32(s.n_head_kv));
   b.set("llama.attention.layer_norm_rms_epsilon", GgufValue::of_float(VT::float32, 1e-5));
   b.set("llama.rope.freq_base", GgufValue::of_float(VT::float32, 10000.0));
-  if (s.type == GgmlType::q8_0) b.set("general.quantization_version", u32(2));
+  if (s.type == GgmlType::q8_0 || s.type == GgmlType::q4_0) b.set("general.quantization_version", u32(2));
   std::vector<std::string> tokens;
   std::vector<double> scores, types;
   tokens.reserve(s.n_vocab);
@@ -400,8 +426,8 @@ GgufBuilder llama_builder(const LlamaShape& s, std::uint64_t seed) {
 
 Result<LlamaShape> plan_llama_shape(std::uint64_t target, GgmlType type) {
   if (!decode_supported(type)) {
-    return Status(ErrorCode::invalid_argument,
-                  "model type " + std::string(ggml_type_name(type)) + " cannot be written; accepted: f32, f16, bf16, q8_0");
+    return Status(ErrorCode::invalid_argument, "model type " + std::string(ggml_type_name(type)) +
+                                                   " cannot be written; accepted: f32, f16, bf16, q8_0, q4_0");
   }
   auto tb = [type](std::uint64_t n) { return tensor_bytes(type, n); };
   // Metadata estimate: the vocabulary strings, scores and types (~24 bytes a token) plus the
@@ -480,6 +506,7 @@ TensorFill synthetic_fill(const GgufLayout& layout, std::uint64_t seed) {
           }
           break;
         case GgmlType::q8_0: write_q8_0(v.data(), v.size(), dst); break;
+        case GgmlType::q4_0: write_q4_0(v.data(), v.size(), dst); break;
         default:  // other types: pseudo-random bytes (only tests write them)
           for (std::uint64_t k = 0; k < row_bytes; ++k) {
             dst[k] = static_cast<std::uint8_t>(mix(salts[tensor] + (first_row + r) * row_bytes + k));

@@ -296,8 +296,10 @@ class PreloadTest : public ::testing::Test {
     struct statfs sfs {};
     if (::statfs(dir_.c_str(), &sfs) == 0 && static_cast<long>(sfs.f_type) == 0x01021994) on_tmpfs_ = true;
 
-    model_ = dir_ + "/model-f16.gguf";
-    auto shape = residency::workload::plan_llama_shape(64 * kMiB, residency::workload::GgmlType::f16);
+    // Q4_0: llama.cpp repacks its matrices (CPU_REPACK on AVX2 x86 and ARM, AMX on Xeons), so
+    // the extra-buffer-types-on runs test the repacked layout on those CPUs.
+    model_ = dir_ + "/model-q4_0.gguf";
+    auto shape = residency::workload::plan_llama_shape(64 * kMiB, residency::workload::GgmlType::q4_0);
     if (!shape) {
       setup_error_ = shape.message();
       return;

@@ -6,6 +6,7 @@
 #include <cstring>
 
 #include "workload/decode_pass.hpp"
+#include "workload/half.hpp"
 #include "workload_test_util.hpp"
 
 namespace residency::workload {
@@ -24,6 +25,9 @@ GgufBuilder mixed_builder() {
   b.add_tensor({"q8.a", GgmlType::q8_0, {32, 3}});
   b.add_tensor({"q8.b", GgmlType::q8_0, {96, 50}});
   b.add_tensor({"q8.c", GgmlType::q8_0, {2048, 70}});
+  b.add_tensor({"q4.a", GgmlType::q4_0, {32, 5}});
+  b.add_tensor({"q4.b", GgmlType::q4_0, {96, 50}});  // shares q8.b's input
+  b.add_tensor({"q4.c", GgmlType::q4_0, {4096, 37}});
   b.add_tensor({"f16.3d", GgmlType::f16, {64, 3, 2}});
   return b;
 }
@@ -48,7 +52,7 @@ TEST(DecodePass, MatchesTheReferenceForEveryTypeAndKernelSet) {
     SCOPED_TRACE(std::string(to_string(isa)));
     auto pass = DecodePass::create(fx.model, fx.bytes.data(), {2, isa});
     ASSERT_TRUE(pass.is_ok()) << pass.message();
-    EXPECT_EQ((*pass)->matrix_count(), 10u);  // every tensor but the 1-D norm
+    EXPECT_EQ((*pass)->matrix_count(), 13u);  // every tensor but the 1-D norm
     EXPECT_EQ((*pass)->bytes(), fx.model.tensor_bytes() - 512 * 4);
     (*pass)->run();
     for (std::size_t m = 0; m < (*pass)->matrix_count(); ++m) {
@@ -86,6 +90,59 @@ TEST(DecodePass, ReferenceReportsTheMagnitudeOfItsTerms) {
   EXPECT_DOUBLE_EQ(reference_dot(GgmlType::f32, row, 3, x), -4.0);
 }
 
+// The Q4_0 kernels against a product computed here in double precision from the layout itself
+// (byte j of a block: weight j in the low nibble, weight j + 16 in the high one, value
+// d * (nibble - 8)) and the float input, not its Q8_0 quantisation: the kernels differ from it by
+// the input's quantisation, at most half a Q8_0 step (max|x| / 254) per element, times |w|.
+TEST(DecodePass, Q4_0AgreesWithAFloatProduct) {
+  constexpr std::size_t n = 256, rows = 9, blocks = n / 32, row_bytes = blocks * 18;
+  std::vector<std::uint8_t> w(rows * row_bytes);
+  std::vector<double> wf(rows * n);
+  for (std::size_t r = 0; r < rows; ++r) {
+    for (std::size_t b = 0; b < blocks; ++b) {
+      std::uint8_t* blk = w.data() + r * row_bytes + b * 18;
+      const float d = 0.01f * static_cast<float>(1 + (r + 3 * b) % 7) * (b % 2 ? -1.0f : 1.0f);
+      const std::uint16_t dh = f32_to_f16(d);
+      std::memcpy(blk, &dh, 2);
+      for (std::size_t j = 0; j < 16; ++j) blk[2 + j] = static_cast<std::uint8_t>((r * 31 + b * 17 + j * 7) % 256);
+      for (std::size_t k = 0; k < 32; ++k) {
+        const unsigned nibble = k < 16 ? blk[2 + k] & 0x0fu : blk[2 + k - 16] >> 4;
+        wf[r * n + b * 32 + k] = static_cast<double>(f16_to_f32(dh)) * (static_cast<int>(nibble) - 8);
+      }
+    }
+  }
+  std::vector<float> x(n);
+  for (std::size_t k = 0; k < n; ++k) {
+    x[k] = std::sin(static_cast<float>(k) * 0.37f) * (1.0f + static_cast<float>(k % 5));
+  }
+  std::vector<float> xq(x);
+  std::vector<std::int8_t> q8(n);
+  std::vector<float> q8s(blocks);
+  quantize_input_q8_0(xq.data(), n, q8.data(), q8s.data());
+  const MatvecInput in{xq.data(), q8.data(), q8s.data()};
+  std::vector<float> generic(rows);
+  decode_kernels(DecodeIsa::generic).q4_0(w.data(), row_bytes, n, rows, in, generic.data());
+  for (DecodeIsa isa : available_isas()) {
+    SCOPED_TRACE(std::string(to_string(isa)));
+    std::vector<float> y(rows);
+    decode_kernels(isa).for_type(GgmlType::q4_0)(w.data(), row_bytes, n, rows, in, y.data());
+    for (std::size_t r = 0; r < rows; ++r) {
+      double exact = 0, input_err = 0, mag = 0;
+      for (std::size_t k = 0; k < n; ++k) {
+        const double wk = wf[r * n + k];
+        exact += wk * x[k];
+        input_err += std::fabs(wk) * q8s[k / 32] / 2;
+        mag += std::fabs(wk * x[k]);
+      }
+      EXPECT_NEAR(y[r], exact, input_err * 1.01 + 1e-5 * mag) << "row " << r;
+      // With the quantised input the product is exact but for float rounding.
+      EXPECT_NEAR(y[r], reference_dot(GgmlType::q4_0, w.data() + r * row_bytes, n, xq.data()), 1e-5 * mag)
+          << "row " << r;
+      EXPECT_NEAR(y[r], generic[r], 1e-5 * mag) << "row " << r << ": the kernel sets disagree";
+    }
+  }
+}
+
 TEST(DecodePass, OutputsDoNotDependOnTheThreadCount) {
   const Fixture fx = make_fixture();
   auto one = DecodePass::create(fx.model, fx.bytes.data(), {1, std::nullopt});
@@ -121,7 +178,9 @@ TEST(DecodePass, ARowsOutputDoesNotDependOnItsGrouping) {
       std::vector<float> xs(x.begin(), x.end());
       std::vector<std::int8_t> q8(xs.size());
       std::vector<float> q8s(xs.size() / 32 + 1);
-      if (mx.tensor->type == GgmlType::q8_0) quantize_input_q8_0(xs.data(), xs.size(), q8.data(), q8s.data());
+      if (mx.tensor->type == GgmlType::q8_0 || mx.tensor->type == GgmlType::q4_0) {
+        quantize_input_q8_0(xs.data(), xs.size(), q8.data(), q8s.data());
+      }
       const MatvecInput in{xs.data(), q8.data(), q8s.data()};
       const auto rows = static_cast<std::size_t>(mx.rows);
       std::vector<float> together(rows), alone(rows), split(rows);
@@ -180,8 +239,8 @@ TEST(DecodePass, RefusesTypesItDoesNotCompute) {
   auto pass = DecodePass::create(*m, bytes.data());
   ASSERT_FALSE(pass.is_ok());
   EXPECT_EQ(pass.message(),
-            "tensor 'blk.0.ffn_up.weight' is Q4_K; the decode pass computes F32, F16, BF16 and Q8_0 weights only "
-            "(make a model of one of these types with `residency make-model --type f16|q8_0|bf16|f32`)");
+            "tensor 'blk.0.ffn_up.weight' is Q4_K; the decode pass computes F32, F16, BF16, Q8_0 and Q4_0 weights "
+            "only (make a model of one of these types with `residency make-model --type f16|q8_0|q4_0|bf16|f32`)");
 
   GgufBuilder only_norms;
   only_norms.add_tensor({"norm", GgmlType::f32, {64}});

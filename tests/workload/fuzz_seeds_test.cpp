@@ -21,7 +21,8 @@ LlamaShape tiny_llama(GgmlType type) {
   LlamaShape s;
   s.type = type;
   s.n_vocab = 8;
-  s.n_embd = type == GgmlType::q8_0 ? 32 : 16;  // a Q8_0 row holds at least one 32-element block
+  // A Q8_0 or Q4_0 row holds at least one 32-element block.
+  s.n_embd = type == GgmlType::q8_0 || type == GgmlType::q4_0 ? 32 : 16;
   s.n_layer = 1;
   s.n_head = 1;
   s.n_head_kv = 1;
@@ -32,7 +33,7 @@ LlamaShape tiny_llama(GgmlType type) {
 
 std::map<std::string, std::vector<std::uint8_t>> seeds() {
   std::map<std::string, std::vector<std::uint8_t>> out;
-  for (GgmlType t : {GgmlType::f32, GgmlType::f16, GgmlType::bf16, GgmlType::q8_0}) {
+  for (GgmlType t : {GgmlType::f32, GgmlType::f16, GgmlType::bf16, GgmlType::q8_0, GgmlType::q4_0}) {
     out["llama-" + std::string(ggml_type_name(t))] = testing::file_bytes(llama_builder(tiny_llama(t), 1), 1);
   }
   out["every-value"] = testing::file_bytes(testing::every_value_builder(), 1);

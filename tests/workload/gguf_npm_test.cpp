@@ -96,7 +96,7 @@ class GgufNpm : public ::testing::Test {
 };
 
 TEST_F(GgufNpm, AgreesOnSyntheticModelsOfEveryType) {
-  for (GgmlType type : {GgmlType::f32, GgmlType::f16, GgmlType::bf16, GgmlType::q8_0}) {
+  for (GgmlType type : {GgmlType::f32, GgmlType::f16, GgmlType::bf16, GgmlType::q8_0, GgmlType::q4_0}) {
     auto s = plan_llama_shape(3ull << 20, type);
     ASSERT_TRUE(s.is_ok());
     const std::string path = dir_.file(std::string(ggml_type_name(type)) + ".gguf");

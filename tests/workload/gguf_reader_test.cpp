@@ -111,6 +111,25 @@ TEST(GgufReader, ReadsEveryValueTypeAndTensor) {
   }
 }
 
+TEST(GgufReader, Q4_0TensorsHaveTheirBlockSizes) {
+  GgufBuilder b;
+  b.add_tensor({"w.q4_0", GgmlType::q4_0, {96, 4}});
+  b.add_tensor({"w.q4_0.3d", GgmlType::q4_0, {32, 2, 3}});
+  const auto bytes = file_bytes(b);
+  const GgufModel m = parse_ok(bytes);
+  const GgufTensor* q4 = m.find_tensor("w.q4_0");
+  ASSERT_NE(q4, nullptr);
+  EXPECT_EQ(q4->type, GgmlType::q4_0);
+  EXPECT_EQ(q4->shape_string(), "[96, 4]");
+  EXPECT_EQ(q4->n_bytes, 4u * 3 * 18);
+  EXPECT_EQ(q4->row_bytes(), 3u * 18);
+  EXPECT_EQ(m.find_tensor("w.q4_0.3d")->n_bytes, 6u * 18);
+  auto b2 = bytes;
+  poke<std::uint64_t>(b2, dims_at(*q4), 48);
+  const std::string msg = parse_error(b2);
+  EXPECT_NE(msg.find("Q4_0 stores blocks of 32 elements but the row length dims[0] is 48"), std::string::npos) << msg;
+}
+
 TEST(GgufReader, FileWithoutTensorsIsValid) {
   GgufBuilder b;
   b.set("general.name", GgufValue::of_string("empty"));
@@ -335,10 +354,16 @@ TEST(GgmlTypes, SizesAndNames) {
   EXPECT_EQ(ggml_type_info(9)->block_bytes, 36u);
   EXPECT_EQ(ggml_type_info(14)->block_bytes, 210u);
   EXPECT_EQ(ggml_type_info(4), nullptr);
+  EXPECT_EQ(ggml_type_info(2)->name, "Q4_0");
+  EXPECT_EQ(ggml_type_info(2)->block_bytes, 18u);
   EXPECT_TRUE(decode_supported(GgmlType::q8_0));
+  EXPECT_TRUE(decode_supported(GgmlType::q4_0));
   EXPECT_FALSE(decode_supported(GgmlType::q4_k));
+  EXPECT_FALSE(decode_supported(GgmlType::q4_1));
   EXPECT_EQ(*parse_model_type("Q8_0"), GgmlType::q8_0);
-  EXPECT_EQ(parse_model_type("q4_k").message(), "unknown model type 'q4_k'; accepted: f32, f16, bf16, q8_0");
+  EXPECT_EQ(*parse_model_type("q4_0"), GgmlType::q4_0);
+  EXPECT_EQ(*parse_model_type("Q4_0"), GgmlType::q4_0);
+  EXPECT_EQ(parse_model_type("q4_k").message(), "unknown model type 'q4_k'; accepted: f32, f16, bf16, q8_0, q4_0");
 }
 
 }  // namespace

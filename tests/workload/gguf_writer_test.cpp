@@ -17,7 +17,7 @@ constexpr std::uint64_t kMiB = 1ull << 20;
 
 TEST(LlamaShape, FollowsOneConfigurationAndFillsTheSize) {
   for (std::uint64_t size : {1 * kMiB, 4 * kMiB, 64 * kMiB, 1024 * kMiB, 7 * 1024 * kMiB, 70 * 1024 * kMiB}) {
-    for (GgmlType type : {GgmlType::f32, GgmlType::f16, GgmlType::bf16, GgmlType::q8_0}) {
+    for (GgmlType type : {GgmlType::f32, GgmlType::f16, GgmlType::bf16, GgmlType::q8_0, GgmlType::q4_0}) {
       SCOPED_TRACE(std::to_string(size) + " " + std::string(ggml_type_name(type)));
       auto s = plan_llama_shape(size, type);
       ASSERT_TRUE(s.is_ok()) << s.message();
@@ -75,7 +75,7 @@ TEST(LlamaShape, TooSmallSaysWhatTheSmallestIs) {
 
 TEST(SyntheticModel, RoundTripsThroughOurReader) {
   testing::ScratchDir dir;
-  for (GgmlType type : {GgmlType::f32, GgmlType::f16, GgmlType::bf16, GgmlType::q8_0}) {
+  for (GgmlType type : {GgmlType::f32, GgmlType::f16, GgmlType::bf16, GgmlType::q8_0, GgmlType::q4_0}) {
     SCOPED_TRACE(std::string(ggml_type_name(type)));
     auto s = plan_llama_shape(2 * kMiB, type);
     ASSERT_TRUE(s.is_ok());
@@ -104,7 +104,67 @@ TEST(SyntheticModel, RoundTripsThroughOurReader) {
     EXPECT_EQ(m.find("tokenizer.ggml.tokens")->count, s->n_vocab);
     EXPECT_EQ(m.find("tokenizer.ggml.tokens")->items[1].str, "<s>");
     EXPECT_EQ(m.find("general.alignment")->u, 32u);
+    if (type == GgmlType::q4_0) {
+      EXPECT_EQ(m.find("general.file_type")->u, 2u);  // LLAMA_FTYPE_MOSTLY_Q4_0
+      EXPECT_EQ(m.find("general.quantization_version")->u, 2u);
+    }
   }
+}
+
+// Q4_0 as ggml's reference quantiser makes it: the scale is d = m / -8, m the block's element of
+// largest magnitude with its sign, so m is kept (as q = 0, value -8 d); every other element is
+// within half a step of d * (q - 8), or within a step where x / d reaches 7.5 (q = 16 is clamped
+// to 15). The originals are the same model written as F32: the values do not depend on the type.
+TEST(SyntheticModel, Q4_0ValuesAreWithinItsErrorOfTheOriginals) {
+  auto s = plan_llama_shape(2 * kMiB, GgmlType::q4_0);
+  ASSERT_TRUE(s.is_ok());
+  LlamaShape f32_shape = *s;
+  f32_shape.type = GgmlType::f32;
+  const auto q_bytes = testing::file_bytes(llama_builder(*s, 5), 5);
+  const auto f_bytes = testing::file_bytes(llama_builder(f32_shape, 5), 5);
+  auto qm = parse_gguf(q_bytes, "q4_0");
+  auto fm = parse_gguf(f_bytes, "f32");
+  ASSERT_TRUE(qm.is_ok() && fm.is_ok());
+  std::size_t matrices = 0, clamped = 0;
+  double err_sum = 0, step_sum = 0;
+  for (const GgufTensor& qt : qm->tensors) {
+    if (qt.n_dims < 2) continue;
+    SCOPED_TRACE(qt.name);
+    ASSERT_EQ(qt.type, GgmlType::q4_0);
+    ASSERT_EQ(qt.n_bytes, qt.n_elements / 32 * 18);
+    const GgufTensor& ft = *fm->find_tensor(qt.name);
+    ++matrices;
+    for (std::uint64_t b = 0; b < qt.n_elements / 32; ++b) {
+      const std::uint8_t* blk = q_bytes.data() + qt.file_offset + 18 * b;
+      float x[32];
+      std::memcpy(x, f_bytes.data() + ft.file_offset + 4 * 32 * b, sizeof x);
+      float m = 0;
+      for (float v : x) m = std::fabs(v) > std::fabs(m) ? v : m;
+      std::uint16_t dh;
+      std::memcpy(&dh, blk, 2);
+      ASSERT_EQ(dh, f32_to_f16(m / -8.0f)) << "block " << b;
+      const float d = f16_to_f32(dh);
+      for (int k = 0; k < 32; ++k) {
+        const unsigned nibble = k < 16 ? blk[2 + k] & 0x0fu : blk[2 + k - 16] >> 4;
+        const float value = d * (static_cast<float>(nibble) - 8.0f);
+        const float err = std::fabs(value - x[k]);
+        // 1% over the step: the scale is stored as fp16 (8 * 2^-11 of d at most).
+        const bool at_clamp = x[k] / (m / -8.0f) >= 7.5f;
+        if (at_clamp) ++clamped;
+        ASSERT_LE(err, (at_clamp ? 1.01f : 0.51f) * std::fabs(d)) << "block " << b << " element " << k;
+        if (x[k] == m) {
+          EXPECT_LE(err, std::fabs(m) * 1e-3f) << "block " << b << ": its largest element is kept";
+        }
+        err_sum += err;
+        step_sum += std::fabs(d);
+      }
+    }
+  }
+  EXPECT_EQ(matrices, 7 * s->n_layer + 2);  // 7 a layer, token_embd and output
+  EXPECT_GT(clamped, 0u) << "no element reached the clamp: the test does not cover it";
+  // Uniform weights: the rounding error averages about a quarter of a step.
+  EXPECT_LT(err_sum / step_sum, 0.3);
+  EXPECT_GT(err_sum / step_sum, 0.2);
 }
 
 TEST(SyntheticModel, ValuesAreDeterministicAndInRange) {

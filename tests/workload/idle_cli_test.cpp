@@ -106,7 +106,8 @@ TEST_F(ToolCli, IdleBadInputIsOneLineAndExitTwo) {
 
   expect_bad_input({"idle", dir_.file("missing.gguf"), "--out", out_}, "missing.gguf: cannot open: No such file or directory");
   expect_bad_input({"idle", dir_.file("notes.txt"), "--out", out_}, "byte 0 (magic): expected 'GGUF'");
-  expect_bad_input({"idle", dir_.file("q4k.gguf"), "--out", out_}, "is Q4_K; the decode pass computes F32, F16, BF16 and Q8_0");
+  expect_bad_input({"idle", dir_.file("q4k.gguf"), "--out", out_},
+                   "is Q4_K; the decode pass computes F32, F16, BF16, Q8_0 and Q4_0");
   expect_bad_input({"idle", model, "--pauses", "0,,800", "--out", out_}, "--pauses '0,,800': item 2 is empty");
   expect_bad_input({"idle", model, "--pauses", "0,1x", "--out", out_}, "unknown unit 'x'");
   expect_bad_input({"idle", model, "--pressure", "hog:100TiB", "--out", out_}, "of memory available now");
@@ -124,7 +125,8 @@ TEST_F(ToolCli, IdleBadInputIsOneLineAndExitTwo) {
 
 TEST_F(ToolCli, MakeModelBadInputIsOneLineAndExitTwo) {
   expect_bad_input({"make-model", "--size", "lots", dir_.file("a.gguf")}, "--size: ");
-  expect_bad_input({"make-model", "--type", "q4_k", dir_.file("a.gguf")}, "--type: unknown model type 'q4_k'");
+  expect_bad_input({"make-model", "--type", "q4_k", dir_.file("a.gguf")},
+                   "--type: unknown model type 'q4_k'; accepted: f32, f16, bf16, q8_0, q4_0");
   expect_bad_input({"make-model", "--size", "1MiB", dir_.file("no/such/a.gguf")}, "no such directory");
   const std::string model = small_model();
   expect_bad_input({"make-model", "--size", "1MiB", model}, "already exists; choose another name or pass --force");
@@ -140,6 +142,23 @@ TEST_F(ToolCli, MakeModelWritesAModelOurReaderAccepts) {
   EXPECT_LE(f->size(), 2u << 20);
   EXPECT_EQ(f->model().find_tensor("blk.0.ffn_down.weight")->type, GgmlType::q8_0);
   EXPECT_EQ(run({"make-model", "--size", "2MiB", "--force", dir_.file("m.gguf")}).exit_code, 0);
+}
+
+// Q4_0: the type llama.cpp's CPU backend repacks into a CPU_REPACK buffer; idle decodes it.
+TEST_F(ToolCli, MakeModelQ4_0AndIdleDecodesIt) {
+  const ToolRun r = run({"make-model", "--size", "2MiB", "--type", "q4_0", dir_.file("m.gguf")});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_NE(r.out.find("llama, Q4_0, n_vocab "), std::string::npos) << r.out;
+  auto f = GgufFile::open(dir_.file("m.gguf"));
+  ASSERT_TRUE(f.is_ok()) << f.message();
+  EXPECT_LE(f->size(), 2u << 20);
+  EXPECT_EQ(f->model().find_tensor("blk.0.ffn_down.weight")->type, GgmlType::q4_0);
+  EXPECT_EQ(f->model().find_tensor("token_embd.weight")->type, GgmlType::q4_0);
+  EXPECT_EQ(f->model().find_tensor("blk.0.attn_norm.weight")->type, GgmlType::f32);
+  const ToolRun idle = run({"idle", dir_.file("m.gguf"), "--pauses", "0", "--iters", "1", "--policies", "off",
+                            "--pressure", "none", "--out", out_});
+  ASSERT_EQ(idle.exit_code, 0) << idle.err;
+  EXPECT_NE(idle.out.find("warm-up decode: "), std::string::npos) << idle.out;
 }
 
 TEST_F(ToolCli, IdleOnAModelWritesResultsWhereAsked) {

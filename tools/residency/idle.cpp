@@ -166,7 +166,7 @@ const Command idle_command{
           "for what the options do not set: the wired limit, layout, set cap, pressure floor and quiet, the log\n"
           "level, and the keep-alive policy's duration (--keep-alive wins). Each policy sets its own keep-alive\n"
           "kind and release on pressure. A bad value is one line per variable and exit status 2.");
-      app.add_option("MODEL", a->model, "GGUF model (F32, F16, BF16 or Q8_0 weights); default: a synthetic one");
+      app.add_option("MODEL", a->model, "GGUF model (F32, F16, BF16, Q8_0 or Q4_0 weights); default: a synthetic one");
       app.add_option("--backend", a->backend, "where to decode: " + [] {
         std::string s;
         for (const auto& b : idle_backends()) s += (s.empty() ? "" : ", ") + b;
@@ -193,7 +193,8 @@ const Command idle_command{
       }() + " (default: the first)");
       app.add_flag("--decaying-requests", a->decaying_requests,
                    "--backend sim: residency requests decay ~1 s after use unless refreshed (macOS 26)");
-      add_text_option(app, "--type", a->type, "weight type of the synthetic model: f32, f16 (default), bf16, q8_0; not with MODEL");
+      add_text_option(app, "--type", a->type,
+                      "weight type of the synthetic model: f32, f16 (default), bf16, q8_0, q4_0; not with MODEL");
       add_whole_number(app, "--threads", a->threads, 0, kIdleMaxThreads, "decode threads (0 = one per core, the default; at most 1024)",
                        "0 (one per core) to 1024");
       app.add_flag_function("--no-plot", [a](std::int64_t n) { a->plot = n == 0; }, "do not draw idle.png");

@@ -3,7 +3,7 @@
 // The idle benchmark needs a real model file and CI has no weights to download, so this writes
 // one: a llama architecture (token embedding, per-block attention with grouped KV heads and a
 // gated feed-forward, norms, output) whose shapes follow one configuration chosen to fill the
-// size asked for, with deterministic pseudo-random weights of one type (F32, F16, BF16 or Q8_0).
+// size asked for, with deterministic pseudo-random weights of one type (F32, F16, BF16, Q8_0 or Q4_0).
 // llama.cpp's tools, @huggingface/gguf and our reader all parse it.
 #include <chrono>
 #include <cstdio>
@@ -75,7 +75,7 @@ const Command make_model_command{
       app.add_option("OUT", a->out, "the .gguf file to write (written as .OUT.partial-* beside it, renamed when complete)")
           ->required();
       app.add_option("--size", a->size, "file size to fill, at most (e.g. 512MiB, 1GiB, 8GB)")->capture_default_str();
-      app.add_option("--type", a->type, "weight type: f32, f16, bf16, q8_0")->capture_default_str();
+      app.add_option("--type", a->type, "weight type: f32, f16, bf16, q8_0, q4_0")->capture_default_str();
       add_whole_number(app, "--seed", a->seed, 0, UINT64_MAX, "seed of the pseudo-random weights (same seed, same bytes)");
       add_whole_number(app, "--threads", a->threads, 0, kMaxThreads, "writer threads (0 = one per core, at most 1024)",
                        "0 (one per core) to 1024");

@@ -46,7 +46,7 @@ class Printer final : public IdleObserver {
 
 void usage() {
   std::puts(
-      "usage: residency_cuda_idle [--model FILE.gguf] [--model-size SIZE] [--type f16|bf16|q8_0|f32]\n"
+      "usage: residency_cuda_idle [--model FILE.gguf] [--model-size SIZE] [--type f16|bf16|q8_0|q4_0|f32]\n"
       "                           [--pauses LIST] [--iters N] [--keep-alive DURATION]\n"
       "                           [--policies LIST] [--json FILE]\n"
       "  defaults: a synthetic 4 GiB f16 model, pauses 0,1000,3000 ms, 3 iterations,\n"
@@ -100,7 +100,8 @@ int main(int argc, char** argv) {
     if (type_text == "f32") type = GgmlType::f32;
     else if (type_text == "bf16") type = GgmlType::bf16;
     else if (type_text == "q8_0") type = GgmlType::q8_0;
-    else if (type_text != "f16") die("--type: accepted f16, bf16, q8_0, f32", 2);
+    else if (type_text == "q4_0") type = GgmlType::q4_0;
+    else if (type_text != "f16") die("--type: accepted f16, bf16, q8_0, q4_0, f32", 2);
     auto shape = plan_llama_shape(*bytes, type);
     if (!shape) die(shape.message(), 2);
     const char* base = std::getenv("TMPDIR");

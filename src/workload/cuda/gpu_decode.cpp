@@ -56,6 +56,13 @@ double weight(const std::uint8_t* row, GgmlType type, std::uint64_t i) {
       std::memcpy(&h, blk, 2);
       return f16_to_f32(h) * static_cast<double>(static_cast<std::int8_t>(blk[2 + i % 32]));
     }
+    case GgmlType::q4_0: {
+      const std::uint8_t* blk = row + (i / 32) * 18;
+      std::uint16_t h;
+      std::memcpy(&h, blk, 2);
+      const unsigned nibble = i % 32 < 16 ? blk[2 + i % 32] & 0x0fu : blk[2 + i % 32 - 16] >> 4;
+      return f16_to_f32(h) * static_cast<double>(static_cast<int>(nibble) - 8);
+    }
     default:
       return 0;
   }

@@ -5,7 +5,8 @@
 // memory; on a GPU the weights live in device memory, and a pause costs nothing unless the
 // residency policy put the memory to sleep, in which case the next decode pays the wake. So
 // the pass is the same: one matrix-vector product per 2-D weight tensor, every weight byte read
-// once, the model's own types (F32, F16, BF16, Q8_0) and layout; only where it runs differs.
+// once, the model's own types (F32, F16, BF16, Q8_0, Q4_0) and layout; only where it runs
+// differs.
 // The weights are expected in device memory laid out exactly as the file's data section, so a
 // tensor's device address is the section's base plus the tensor's offset.
 #pragma once

@@ -13,7 +13,7 @@ struct GpuMatrix {         // mirrors GpuDecodePass::Matrix in gpu_decode.cpp
   u64 rows, row_length, row_bytes;
   u64 row_start;           // first global row
   u64 input_offset;        // first float of its input vector
-  unsigned type;           // GgmlType: 0 f32, 1 f16, 8 q8_0, 30 bf16
+  unsigned type;           // GgmlType: 0 f32, 1 f16, 2 q4_0, 8 q8_0, 30 bf16
   unsigned pad;
 };
 
@@ -64,6 +64,17 @@ __device__ float row_dot(const unsigned char* row, unsigned type, u64 n, const f
       const unsigned char* blk = row + b * 34;
       const float d = __half2float(*reinterpret_cast<const __half*>(blk));
       const signed char q = static_cast<signed char>(blk[2 + lane]);
+      acc += d * static_cast<float>(q) * x[b * 32 + lane];
+    }
+  } else if (type == 2) {
+    // Q4_0: blocks of 32 weights, {fp16 scale, 16 bytes}, 18 bytes; byte j holds weight j in its
+    // low nibble and weight j + 16 in its high one, each (nibble - 8); lane j takes weight j.
+    const u64 blocks = n / 32;
+    for (u64 b = 0; b < blocks; ++b) {
+      const unsigned char* blk = row + b * 18;
+      const float d = __half2float(__ushort_as_half(static_cast<unsigned short>(blk[0] | (blk[1] << 8))));
+      const unsigned byte = blk[2 + (lane & 15u)];
+      const int q = static_cast<int>(lane < 16 ? (byte & 15u) : (byte >> 4)) - 8;
       acc += d * static_cast<float>(q) * x[b * 32 + lane];
     }
   }

@@ -58,6 +58,17 @@ static float row_dot(device const uchar* row, uint type, ulong n, device const f
       const char q = as_type<char>(blk[2 + lane]);
       acc += float(d) * float(q) * x[b * 32 + lane];
     }
+  } else if (type == 2) {
+    // Q4_0: blocks of 32 weights, {fp16 scale, 16 bytes}, 18 bytes; byte j holds weight j in its
+    // low nibble and weight j + 16 in its high one, each (nibble - 8); lane j takes weight j.
+    const ulong blocks = n / 32;
+    for (ulong b = 0; b < blocks; ++b) {
+      device const uchar* blk = row + b * 18;
+      const half d = as_type<half>(ushort(blk[0]) | (ushort(blk[1]) << 8));
+      const uchar byte = blk[2 + (lane & 15)];
+      const int q = int(lane < 16 ? (byte & 15) : (byte >> 4)) - 8;
+      acc += float(d) * float(q) * x[b * 32 + lane];
+    }
   }
   return simd_sum(acc);
 }

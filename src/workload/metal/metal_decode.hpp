@@ -2,11 +2,11 @@
 //
 // The CPU pass (workload/decode_pass.hpp) and the CUDA pass (workload/cuda/gpu_decode.hpp) read
 // every weight byte of a GGUF model once per "token"; so does this one: one matrix-vector
-// product per 2-D weight tensor, in the model's own types (F32, F16, BF16, Q8_0) and layout. On
-// Apple Silicon the GPU reads the weights where llama.cpp's Metal backend does: in the mmap'd
-// file itself, through no-copy buffers (MetalHostViews), so an idle pause costs what it costs
-// llama.cpp: the re-wire of those buffers when the OS has unwired them. Each tensor is read from
-// the first view that holds it whole; one dispatch per view, all in one command buffer.
+// product per 2-D weight tensor, in the model's own types (F32, F16, BF16, Q8_0, Q4_0) and
+// layout. On Apple Silicon the GPU reads the weights where llama.cpp's Metal backend does: in
+// the mmap'd file itself, through no-copy buffers (MetalHostViews), so an idle pause costs what
+// it costs llama.cpp: the re-wire of those buffers when the OS has unwired them. Each tensor is
+// read from the first view that holds it whole; one dispatch per view, all in one command buffer.
 //
 // The kernel's source (kMetalDecodeSource, in metal_decode.cpp) is compiled by Metal at run time
 // (newLibraryWithSource): no offline Metal toolchain is needed to build the project.
