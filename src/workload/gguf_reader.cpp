@@ -116,7 +116,7 @@ class Cursor {
 
 bool is_known_value_type(std::uint32_t t) { return t <= 12; }
 
-std::string quoted(const std::string& s) {
+std::string quoted_name(const std::string& s) {
   std::string out = "'";
   for (char c : s.substr(0, 64)) {
     const auto u = static_cast<unsigned char>(c);
@@ -257,7 +257,7 @@ GgufModel parse(Cursor& c) {
     kv.file_offset = c.pos();
     const std::string field = "metadata[" + std::to_string(k) + "]";
     kv.key = c.read_string(field + " key");
-    const std::string named = field + " " + quoted(kv.key);
+    const std::string named = field + " " + quoted_name(kv.key);
     if (!keys.insert(kv.key).second) c.fail(kv.file_offset, named, "duplicate key");
     const std::uint64_t type_at = c.pos();
     const auto type = c.read<std::uint32_t>(named + " value type");
@@ -277,7 +277,7 @@ GgufModel parse(Cursor& c) {
     t.info_offset = c.pos();
     std::string field = "tensor[" + std::to_string(k) + "]";
     t.name = c.read_string(field + " name");
-    field += " " + quoted(t.name);
+    field += " " + quoted_name(t.name);
     if (!names.insert(t.name).second) c.fail(t.info_offset, field + " name", "duplicate tensor name");
     const std::uint64_t nd_at = c.pos();
     t.n_dims = c.read<std::uint32_t>(field + " n_dims");
@@ -334,7 +334,7 @@ GgufModel parse(Cursor& c) {
   for (std::size_t k = 0; k < m.tensors.size(); ++k) {
     GgufTensor& t = m.tensors[k];
     const std::uint64_t off_at = t.file_offset;
-    const std::string field = "tensor[" + std::to_string(k) + "] " + quoted(t.name) + " offset";
+    const std::string field = "tensor[" + std::to_string(k) + "] " + quoted_name(t.name) + " offset";
     if (t.offset % m.alignment != 0) {
       c.fail(off_at, field,
              std::to_string(t.offset) + " is not a multiple of general.alignment (" +
@@ -493,7 +493,7 @@ std::string GgufValue::to_string(std::size_t max_items) const {
     case GgufValueType::float32:
     case GgufValueType::float64: o << f; break;
     case GgufValueType::boolean: o << (u ? "true" : "false"); break;
-    case GgufValueType::string: o << quoted(str); break;
+    case GgufValueType::string: o << quoted_name(str); break;
     case GgufValueType::array: {
       o << "[";
       const std::uint64_t shown = std::min<std::uint64_t>(count, max_items);
