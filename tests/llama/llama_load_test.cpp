@@ -1,5 +1,5 @@
 // llama.cpp itself loads and decodes what our GGUF writer produces: for every type the writer
-// makes (F32, F16, BF16, Q8_0) a small synthetic model (`residency make-model`'s writer) is
+// makes (F32, F16, BF16, Q8_0, Q4_0) a small synthetic model (`residency make-model`'s writer) is
 // loaded through libllama's public C API, decodes one token on 2 threads, and must give finite
 // logits; llama.cpp's own account of the model (parameters, bytes, shape, file type) must match
 // what we wrote, so that a truncated or misread file cannot pass as a loaded one.
@@ -65,6 +65,7 @@ llama_ftype expected_ftype(GgmlType type) {
     case GgmlType::f32: return LLAMA_FTYPE_ALL_F32;
     case GgmlType::bf16: return LLAMA_FTYPE_MOSTLY_BF16;
     case GgmlType::q8_0: return LLAMA_FTYPE_MOSTLY_Q8_0;
+    case GgmlType::q4_0: return LLAMA_FTYPE_MOSTLY_Q4_0;
     default: return LLAMA_FTYPE_MOSTLY_F16;
   }
 }
@@ -155,7 +156,7 @@ TEST_P(LlamaLoadTest, LoadsAndDecodesOneToken) {
 
 // Named "llama/LlamaLoadTest...", so that `ctest -R llama` finds them.
 INSTANTIATE_TEST_SUITE_P(llama, LlamaLoadTest,
-                         ::testing::Values(GgmlType::f32, GgmlType::f16, GgmlType::bf16, GgmlType::q8_0),
+                         ::testing::Values(GgmlType::f32, GgmlType::f16, GgmlType::bf16, GgmlType::q8_0, GgmlType::q4_0),
                          [](const ::testing::TestParamInfo<GgmlType>& param) {
                            return std::string(ggml_type_name(param.param));
                          });
