@@ -173,6 +173,14 @@ void GgmlBuffers::register_buffer(ggml_backend_buffer_t b, Tracked& t) {
   }
   if (placed < plan.registered_bytes) line += " (" + format_size(plan.registered_bytes - placed) + " left unmanaged)";
   info_(line);
+  if (pressure_without_swap_ && !warned_anonymous_weights_ && !t.facts.from_ptr && plan.cls == RegionClass::weights &&
+      placed >= (std::size_t{64} << 20)) {
+    warned_anonymous_weights_ = true;
+    warn_("llama.cpp copied " + format_size(placed) + " of the model's weights into a " + t.type_name +
+          " buffer (anonymous memory) and this machine has no swap: releasing them under memory pressure frees nothing "
+          "(anonymous pages can only be reclaimed to swap). To let pressure take the model back, keep the weights in "
+          "the page cache: llama.cpp's --no-repack (-nr; use_extra_bufts = false), or add swap");
+  }
 }
 
 void GgmlBuffers::flush() noexcept {

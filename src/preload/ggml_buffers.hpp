@@ -54,7 +54,11 @@ class GgmlBuffers {
  public:
   using Warn = PieceTable::Warn;
   using Info = void (*)(const std::string& message);
-  GgmlBuffers(Manager& manager, Warn warn, Info info) : pieces_(&manager, warn, "ggml buffers"), info_(info) {}
+  // pressure_without_swap: the configuration releases on pressure and the machine has no swap;
+  // then weights in anonymous memory (a repacked copy) get one warning: unlocking them under
+  // pressure frees nothing, since anonymous pages can only be reclaimed to swap.
+  GgmlBuffers(Manager& manager, Warn warn, Info info, bool pressure_without_swap)
+      : pieces_(&manager, warn, "ggml buffers"), warn_(warn), info_(info), pressure_without_swap_(pressure_without_swap) {}
 
   void created(ggml_backend_buffer_t b, bool from_ptr) noexcept;
   void tensor_placed(ggml_backend_buffer_t b, const struct ggml_tensor* t, const void* addr) noexcept;
@@ -85,7 +89,10 @@ class GgmlBuffers {
   void remember_from_ptr(ggml_backend_buffer_t b) noexcept;
 
   PieceTable pieces_;
+  Warn warn_;
   Info info_;
+  bool pressure_without_swap_;
+  bool warned_anonymous_weights_ = false;
   std::unordered_map<ggml_backend_buffer_t, Tracked> buffers_;
   // The from_ptr buffers (few: one per model file), readable without the lock; null: free.
   static constexpr std::size_t kMaxFromPtr = 64;

@@ -2,11 +2,13 @@
 
 #include <pthread.h>
 #include <sys/mman.h>
+#include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <mutex>
@@ -33,8 +35,12 @@ enum State : int {
 };
 
 struct Session {
-  Session(std::unique_ptr<Manager> m, KeepAlive::Kind k, SynchronizeFn s, PieceTable::Warn w)
-      : manager(std::move(m)), kind(k), synchronize(s), buffers(*manager, w, &info), gguf(nullptr, w, "GGUF mappings") {}
+  Session(std::unique_ptr<Manager> m, KeepAlive::Kind k, SynchronizeFn s, PieceTable::Warn w, bool pressure_without_swap)
+      : manager(std::move(m)),
+        kind(k),
+        synchronize(s),
+        buffers(*manager, w, &info, pressure_without_swap),
+        gguf(nullptr, w, "GGUF mappings") {}
   std::unique_ptr<Manager> manager;
   KeepAlive::Kind kind;
   SynchronizeFn synchronize;
@@ -118,6 +124,20 @@ const Startup* make_startup() noexcept {
   }
 }
 
+// SwapTotal in /proc/meminfo is above 0.
+bool machine_has_swap() noexcept {
+  const int fd = ::open("/proc/meminfo", O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return true;  // unknown: no warning
+  char buf[4096];
+  const ssize_t n = ::read(fd, buf, sizeof buf - 1);
+  ::close(fd);
+  if (n <= 0) return true;
+  buf[n] = '\0';
+  const char* at = std::strstr(buf, "SwapTotal:");
+  if (at == nullptr) return true;
+  return std::strtoull(at + 10, nullptr, 10) > 0;
+}
+
 // With g_mu held and g_state == kIdle: starts the session, or passes through for good.
 void start() noexcept {
   g_state.store(kPassThrough, std::memory_order_release);  // unless everything below works
@@ -147,7 +167,8 @@ void start() noexcept {
       warn(manager.message() + kWithout);
       return;
     }
-    auto* session = new Session(std::move(*manager), up->kind, up->synchronize, &warn);
+    auto* session = new Session(std::move(*manager), up->kind, up->synchronize, &warn,
+                                up->config.release_on_pressure && !machine_has_swap());
     g_session.store(session, std::memory_order_release);
     g_state.store(kActive, std::memory_order_release);
   } catch (...) {

@@ -49,7 +49,10 @@ bool executable(const std::string& p) { return !p.empty() && ::access(p.c_str(),
 
 std::string keep_alive_text(Nanos k) { return KeepAlive::after(k).to_string(); }
 
-// The child's mappings of the file (dev, inode), from /proc/PID/maps.
+// The child's mappings of the file (dev, inode) and its anonymous ones (where llama.cpp keeps
+// weights it repacked at load: AMX, CPU_REPACK; its KV cache; its compute buffers), from
+// /proc/PID/maps. Libraries and other files are left alone: real pressure reclaims cold pages,
+// and a program's code is hot.
 std::vector<iovec> mappings_of(pid_t pid, dev_t dev, ino_t ino) {
   std::vector<iovec> out;
   std::ifstream maps("/proc/" + std::to_string(pid) + "/maps");
@@ -59,17 +62,26 @@ std::vector<iovec> mappings_of(pid_t pid, dev_t dev, ino_t ino) {
     unsigned dmaj = 0, dmin = 0;
     char perms[8] = {};
     if (std::sscanf(line.c_str(), "%llx-%llx %7s %llx %x:%x %llu", &b, &e, perms, &off, &dmaj, &dmin, &inode) != 7) continue;
-    if (inode == ino && makedev(dmaj, dmin) == dev) out.push_back({reinterpret_cast<void*>(b), static_cast<std::size_t>(e - b)});
+    const bool anonymous = inode == 0 && line.find("[vsyscall]") == std::string::npos && line.find("[vvar") == std::string::npos &&
+                           line.find("[vdso]") == std::string::npos;
+    if ((inode == ino && makedev(dmaj, dmin) == dev) || anonymous)
+      out.push_back({reinterpret_cast<void*>(b), static_cast<std::size_t>(e - b)});
   }
   return out;
 }
 
-std::uint64_t vm_lck_of(pid_t pid) {
+// VmLck, RssAnon and VmSwap of the child, bytes.
+void read_status(pid_t pid, LlamaIdleHeld& held) {
   std::ifstream f("/proc/" + std::to_string(pid) + "/status");
   std::string line;
-  while (std::getline(f, line))
-    if (line.rfind("VmLck:", 0) == 0) return std::stoull(line.substr(6)) * 1024;
-  return 0;
+  auto value = [&](const char* key, std::uint64_t& out) {
+    if (line.rfind(key, 0) == 0) out = std::stoull(line.substr(std::strlen(key))) * 1024;
+  };
+  while (std::getline(f, line)) {
+    value("VmLck:", held.vm_lck);
+    value("RssAnon:", held.rss_anon);
+    value("VmSwap:", held.vm_swap);
+  }
 }
 
 // The model file, for pressure and mincore, without faulting anything in (mincore reports the
@@ -96,18 +108,25 @@ class ModelFile {
     auto r = resident_fraction(map_, size_);
     return r ? *r : -1;
   }
-  // process_madvise(MADV_PAGEOUT) over the child's mappings, then drop the file's unmapped pages.
+  // process_madvise(MADV_PAGEOUT) over the child's mappings of the model and its anonymous
+  // ones (swapped out where there is swap), then drop the file's unmapped pages.
   Status page_out(pid_t pid) const {
 #if defined(SYS_pidfd_open) && defined(SYS_process_madvise)
     auto iov = mappings_of(pid, dev_, ino_);
     if (!iov.empty()) {
       const int pidfd = static_cast<int>(::syscall(SYS_pidfd_open, pid, 0));
       if (pidfd < 0) return Status(ErrorCode::unsupported, std::string("pidfd_open: ") + std::strerror(errno));
-      const long r = ::syscall(SYS_process_madvise, pidfd, iov.data(), iov.size(), MADV_PAGEOUT, 0U);
-      const int err = errno;
+      constexpr std::size_t kChunk = 512;  // below UIO_MAXIOV
+      for (std::size_t at = 0; at < iov.size(); at += kChunk) {
+        const std::size_t n = std::min(kChunk, iov.size() - at);
+        const long r = ::syscall(SYS_process_madvise, pidfd, iov.data() + at, n, MADV_PAGEOUT, 0U);
+        const int err = errno;
+        if (r < 0 && err != EINVAL && err != ENOMEM) {  // EINVAL: a locked range (the point); ENOMEM: one went away
+          ::close(pidfd);
+          return Status(ErrorCode::unsupported, std::string("process_madvise(MADV_PAGEOUT): ") + std::strerror(err));
+        }
+      }
       ::close(pidfd);
-      if (r < 0 && err != EINVAL)  // EINVAL: a locked range, which is the point
-        return Status(ErrorCode::unsupported, std::string("process_madvise(MADV_PAGEOUT): ") + std::strerror(err));
     }
 #else
     (void)pid;
@@ -245,7 +264,7 @@ Result<ChildResult> run_child(const LlamaIdleConfig& cfg, const std::vector<std:
     if (r < 0 && errno == EINTR) continue;
     const auto t = Clock::now();
     if (t >= held_at) {
-      out.held.vm_lck = vm_lck_of(*pid);
+      read_status(*pid, out.held);
       out.held.resident_fraction = model.resident();
       held_at = kNever;
     }
@@ -460,13 +479,16 @@ Result<LlamaIdleOutcome> run_llama_idle(const LlamaIdleOptions& o, LlamaIdleObse
 }
 
 std::string format_llama_idle_held(const LlamaIdleOutcome& o) {
-  std::string s = "| configuration | VmLck 3.7 s after a decode | model resident |\n|---|---:|---:|\n";
+  std::string s =
+      "| configuration | VmLck 3.7 s after a decode | RSS anonymous | swapped out | model file resident |\n"
+      "|---|---:|---:|---:|---:|\n";
   for (std::size_t i = 0; i < o.results.policies.size(); ++i) {
     char pct[32];
     const double f = o.held[i].resident_fraction;
     if (f < 0) std::snprintf(pct, sizeof pct, "unknown");
     else std::snprintf(pct, sizeof pct, "%.1f %%", 100.0 * f);
-    s += "| " + o.results.policies[i].name + " | " + format_size(o.held[i].vm_lck) + " | " + pct + " |\n";
+    s += "| " + o.results.policies[i].name + " | " + format_size(o.held[i].vm_lck) + " | " + format_size(o.held[i].rss_anon) +
+         " | " + format_size(o.held[i].vm_swap) + " | " + pct + " |\n";
   }
   return s;
 }

@@ -16,11 +16,12 @@
 //   no-mmap     llama.cpp's --no-mmap: the model read into anonymous memory
 //   engine      examples/llama_engine, the linked example, on the same schedule (its own threads)
 // Pressure, from outside, at the end of each pause (150 ms before its end, for pauses > 0):
-// pageout = process_madvise(MADV_PAGEOUT) over the child's mappings of the model file, then
-// POSIX_FADV_DONTNEED on the file (the kernel skips locked pages); hog:SIZE = a second process
+// pageout = process_madvise(MADV_PAGEOUT) over the child's mappings of the model file and its
+// anonymous mappings (the weights llama.cpp repacked at load live there; with swap on they are
+// swapped out), then POSIX_FADV_DONTNEED on the file (the kernel skips locked pages); hog:SIZE = a second process
 // touching SIZE bytes during the pause. What each configuration still holds is read 300 ms before
 // the end of the last 4 s pause (so 3.7 s after a decode, past a keep-alive of up to 3.5 s): the
-// child's VmLck and the fraction of the model's pages resident (mincore).
+// child's VmLck, RssAnon and VmSwap, and the fraction of the model file's pages resident (mincore).
 //
 // Decodes that fail are noticed: llama-idle prints its times even when llama_decode fails (a
 // model without a BOS token: 0.02 ms "decodes"), so a run whose decodes are implausibly fast, or
@@ -71,6 +72,10 @@ Status check_llama_idle_options(const LlamaIdleOptions& options, bool check_mode
 // What a configuration still held near the end of the last pause (see the top of the file).
 struct LlamaIdleHeld {
   std::uint64_t vm_lck = 0;      // bytes
+  // Anonymous memory in RAM and swapped out, bytes: where llama.cpp keeps weights it repacked at
+  // load (AMX, CPU_REPACK), its KV cache and compute buffers.
+  std::uint64_t rss_anon = 0;
+  std::uint64_t vm_swap = 0;
   double resident_fraction = -1;  // of the model's pages; < 0 unknown
 };
 

@@ -105,53 +105,69 @@ TEST_P(LlamaLoadTest, LoadsAndDecodesOneToken) {
   ASSERT_TRUE(written.is_ok()) << written.message();
   ASSERT_EQ(std::filesystem::file_size(path), layout->file_size);
 
-  llama_model_params mparams = llama_model_default_params();
-  mparams.n_gpu_layers = 0;  // the CPU backend, also in a CUDA build of llama.cpp
-  std::unique_ptr<llama_model, ModelDeleter> model(llama_model_load_from_file(path.c_str(), mparams));
-  ASSERT_NE(model, nullptr) << "llama.cpp did not load " << shape->to_string();
+  // With llama.cpp's extra buffer types on (AMX on Xeons, CPU_REPACK for Q4_0 on AVX2 x86 and ARM:
+  // the matrices copied and repacked at load) and off (read from the file mapping): both decode,
+  // to the same logits within the repacked kernels' rounding.
+  std::vector<float> logits_by_layout[2];
+  for (int no_repack = 0; no_repack < 2; ++no_repack) {
+    SCOPED_TRACE(no_repack ? "extra buffer types off" : "extra buffer types on");
+    llama_model_params mparams = llama_model_default_params();
+    mparams.use_extra_bufts = no_repack == 0;
+    mparams.n_gpu_layers = 0;  // the CPU backend, also in a CUDA build of llama.cpp
+    std::unique_ptr<llama_model, ModelDeleter> model(llama_model_load_from_file(path.c_str(), mparams));
+    ASSERT_NE(model, nullptr) << "llama.cpp did not load " << shape->to_string();
 
-  // llama.cpp's account of the file equals what we wrote.
-  EXPECT_EQ(llama_model_n_params(model.get()), n_params);
-  EXPECT_EQ(llama_model_size(model.get()), n_bytes);
-  EXPECT_EQ(llama_model_ftype(model.get()), expected_ftype(type));
-  EXPECT_EQ(static_cast<std::uint64_t>(llama_model_n_embd(model.get())), shape->n_embd);
-  EXPECT_EQ(static_cast<std::uint64_t>(llama_model_n_layer(model.get())), shape->n_layer);
-  EXPECT_EQ(static_cast<std::uint64_t>(llama_model_n_head(model.get())), shape->n_head);
-  EXPECT_EQ(static_cast<std::uint64_t>(llama_model_n_head_kv(model.get())), shape->n_head_kv);
-  EXPECT_EQ(static_cast<std::uint64_t>(llama_model_n_ctx_train(model.get())), shape->n_ctx);
-  const llama_vocab* vocab = llama_model_get_vocab(model.get());
-  ASSERT_NE(vocab, nullptr);
-  const std::int32_t n_vocab = llama_vocab_n_tokens(vocab);
-  EXPECT_EQ(static_cast<std::uint64_t>(n_vocab), shape->n_vocab);
+    // llama.cpp's account of the file equals what we wrote.
+    EXPECT_EQ(llama_model_n_params(model.get()), n_params);
+    EXPECT_EQ(llama_model_size(model.get()), n_bytes);
+    EXPECT_EQ(llama_model_ftype(model.get()), expected_ftype(type));
+    EXPECT_EQ(static_cast<std::uint64_t>(llama_model_n_embd(model.get())), shape->n_embd);
+    EXPECT_EQ(static_cast<std::uint64_t>(llama_model_n_layer(model.get())), shape->n_layer);
+    EXPECT_EQ(static_cast<std::uint64_t>(llama_model_n_head(model.get())), shape->n_head);
+    EXPECT_EQ(static_cast<std::uint64_t>(llama_model_n_head_kv(model.get())), shape->n_head_kv);
+    EXPECT_EQ(static_cast<std::uint64_t>(llama_model_n_ctx_train(model.get())), shape->n_ctx);
+    const llama_vocab* vocab = llama_model_get_vocab(model.get());
+    ASSERT_NE(vocab, nullptr);
+    const std::int32_t n_vocab = llama_vocab_n_tokens(vocab);
+    EXPECT_EQ(static_cast<std::uint64_t>(n_vocab), shape->n_vocab);
 
-  llama_context_params cparams = llama_context_default_params();
-  cparams.n_ctx = 64;
-  cparams.n_batch = 64;
-  cparams.n_ubatch = 64;
-  cparams.n_seq_max = 1;
-  cparams.n_threads = 2;
-  cparams.n_threads_batch = 2;
-  cparams.no_perf = true;
-  std::unique_ptr<llama_context, ContextDeleter> ctx(llama_init_from_model(model.get(), cparams));
-  ASSERT_NE(ctx, nullptr);
+    llama_context_params cparams = llama_context_default_params();
+    cparams.n_ctx = 64;
+    cparams.n_batch = 64;
+    cparams.n_ubatch = 64;
+    cparams.n_seq_max = 1;
+    cparams.n_threads = 2;
+    cparams.n_threads_batch = 2;
+    cparams.no_perf = true;
+    std::unique_ptr<llama_context, ContextDeleter> ctx(llama_init_from_model(model.get(), cparams));
+    ASSERT_NE(ctx, nullptr);
 
-  // Our writer's vocabulary ("llama" tokenizer, token 1 "<s>", tokenizer.ggml.bos_token_id 1)
-  // gives a BOS; were it absent (LLAMA_TOKEN_NULL, as with tokenizer.ggml.model "none"), token 1
-  // is fed directly: any id below n_vocab is a valid input to the graph.
-  llama_token token = llama_vocab_bos(vocab);
-  EXPECT_EQ(token, 1);
-  if (token == LLAMA_TOKEN_NULL) token = 1;
-  llama_batch batch = llama_batch_get_one(&token, 1);
-  ASSERT_EQ(llama_decode(ctx.get(), batch), 0);
+    // Our writer's vocabulary ("llama" tokenizer, token 1 "<s>", tokenizer.ggml.bos_token_id 1)
+    // gives a BOS; were it absent (LLAMA_TOKEN_NULL, as with tokenizer.ggml.model "none"), token 1
+    // is fed directly: any id below n_vocab is a valid input to the graph.
+    llama_token token = llama_vocab_bos(vocab);
+    EXPECT_EQ(token, 1);
+    if (token == LLAMA_TOKEN_NULL) token = 1;
+    llama_batch batch = llama_batch_get_one(&token, 1);
+    ASSERT_EQ(llama_decode(ctx.get(), batch), 0);
 
-  const float* logits = llama_get_logits_ith(ctx.get(), -1);
-  ASSERT_NE(logits, nullptr);
-  std::int32_t non_finite = 0;
-  for (std::int32_t k = 0; k < n_vocab; ++k) non_finite += std::isfinite(logits[k]) ? 0 : 1;
-  EXPECT_EQ(non_finite, 0) << "of " << n_vocab << " logits";
-  // Random weights give distinct logits; all equal would mean the weights read as zeros.
-  const auto [lo, hi] = std::minmax_element(logits, logits + n_vocab);
-  EXPECT_LT(*lo, *hi);
+    const float* logits = llama_get_logits_ith(ctx.get(), -1);
+    ASSERT_NE(logits, nullptr);
+    std::int32_t non_finite = 0;
+    for (std::int32_t k = 0; k < n_vocab; ++k) non_finite += std::isfinite(logits[k]) ? 0 : 1;
+    EXPECT_EQ(non_finite, 0) << "of " << n_vocab << " logits";
+    // Random weights give distinct logits; all equal would mean the weights read as zeros.
+    const auto [lo, hi] = std::minmax_element(logits, logits + n_vocab);
+    EXPECT_LT(*lo, *hi);
+    logits_by_layout[no_repack].assign(logits, logits + n_vocab);
+  }
+  ASSERT_EQ(logits_by_layout[0].size(), logits_by_layout[1].size());
+  float scale = 0, worst = 0;
+  for (std::size_t k = 0; k < logits_by_layout[0].size(); ++k) {
+    scale = std::max(scale, std::fabs(logits_by_layout[1][k]));
+    worst = std::max(worst, std::fabs(logits_by_layout[0][k] - logits_by_layout[1][k]));
+  }
+  EXPECT_LE(worst, 0.02F * scale + 1e-3F) << "the two layouts decode differently";
 }
 
 // Named "llama/LlamaLoadTest...", so that `ctest -R llama` finds them.

@@ -196,6 +196,8 @@ int run(const Args& a) {
   for (std::size_t i = 0; i < outcome->results.policies.size(); ++i) {
     nlohmann::json c = {{"id", outcome->results.policies[i].id}, {"name", outcome->results.policies[i].name},
                         {"held_vm_lck_bytes", outcome->held[i].vm_lck},
+                        {"held_rss_anon_bytes", outcome->held[i].rss_anon},
+                        {"held_swap_bytes", outcome->held[i].vm_swap},
                         {"held_resident_fraction", outcome->held[i].resident_fraction}};
     for (std::size_t p = 0; p < outcome->results.schedule.pauses.size(); ++p) {
       const IdleCell cell = outcome->results.cell(i, p);
@@ -235,7 +237,7 @@ const Command cmd{"llama-idle", "run llama.cpp's own llama-idle side by side: mm
                     app.add_option("--engine", a->engine, "the llama_engine example; default: next to this tool");
                     app.add_option("--configs", a->configs, "comma-separated: mmap, mlock, keep-alive, pressure-aware, 0, no-mmap, engine; default: all that are here (pressure-aware with hog:SIZE)");
                     add_text_option(app, "--keep-alive", a->keep_alive, "the keep-alive of the residency configurations (at most 3.5 s; default RESIDENCY_KEEP_ALIVE, else 2s)");
-                    app.add_option("--pressure", a->pressure, "none, pageout (default: process_madvise MADV_PAGEOUT + FADV_DONTNEED at the end of each pause) or hog:SIZE");
+                    app.add_option("--pressure", a->pressure, "none, pageout (default: process_madvise MADV_PAGEOUT over the model's file and the anonymous mappings, + FADV_DONTNEED, at the end of each pause) or hog:SIZE");
                     add_whole_number(app, "--rounds", a->rounds, 1, 20, "runs of every configuration, interleaved (1-20; default 1)");
                     app.add_option("--out", a->out, "directory for llama-idle.{csv,json,png}; default: a new temporary directory");
                     add_text_option(app, "--model-size", a->model_size, "size of the synthetic model (default 1GiB); not with MODEL");
