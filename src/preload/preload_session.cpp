@@ -439,41 +439,38 @@ void tensor_alloc_hook(ggml_backend_buffer_t b, const struct ggml_tensor* t, con
   s->buffers.tensor_placed(b, t, addr);
 }
 
-void buffer_usage_hook(ggml_backend_buffer_t b, enum ggml_backend_buffer_usage usage) noexcept {
+namespace {
+// `f(session)` with the preload's lock held, errno kept and re-entry marked; nothing when the
+// session is not active or this thread is inside a hook already.
+template <class F>
+void with_session(F&& f) noexcept {
   Session* s = active_session();
   if (s == nullptr || in_hook()) return;
   ErrnoKeeper keep;
   HookScope hook;
   std::lock_guard<std::mutex> lock(g_mu);
-  s->buffers.usage_set(b, usage);
+  f(*s);
+}
+}  // namespace
+
+void buffer_usage_hook(ggml_backend_buffer_t b, enum ggml_backend_buffer_usage usage) noexcept {
+  with_session([&](Session& s) { s.buffers.usage_set(b, usage); });
 }
 
 void buffer_free_hook(ggml_backend_buffer_t b) noexcept {
-  Session* s = active_session();
-  if (s == nullptr || b == nullptr || in_hook()) return;
-  ErrnoKeeper keep;
-  HookScope hook;
-  std::lock_guard<std::mutex> lock(g_mu);
-  s->buffers.freeing(b);
+  if (b != nullptr) with_session([&](Session& s) { s.buffers.freeing(b); });
 }
 
 void model_loaded_hook(const llama_model* model) noexcept {
-  Session* s = active_session();
-  if (s == nullptr || model == nullptr || in_hook()) return;
-  ErrnoKeeper keep;
-  HookScope hook;
-  std::lock_guard<std::mutex> lock(g_mu);
-  s->buffers.flush();
-  give_back_unread_file_pages(*s);
+  if (model == nullptr) return;
+  with_session([](Session& s) {
+    s.buffers.flush();
+    give_back_unread_file_pages(s);
+  });
 }
 
 void context_made_hook(const llama_context* ctx) noexcept {
-  Session* s = active_session();
-  if (s == nullptr || ctx == nullptr || in_hook()) return;
-  ErrnoKeeper keep;
-  HookScope hook;
-  std::lock_guard<std::mutex> lock(g_mu);
-  s->buffers.flush();
+  if (ctx != nullptr) with_session([](Session& s) { s.buffers.flush(); });
 }
 
 }  // namespace residency::preload
