@@ -99,16 +99,22 @@ void GgmlBuffers::created(ggml_backend_buffer_t b, bool from_ptr) noexcept {
 
 bool GgmlBuffers::is_from_ptr(ggml_backend_buffer_t b) const noexcept {
   if (b == nullptr) return false;
-  for (const auto& slot : from_ptr_) {
-    if (slot.load(std::memory_order_acquire) == b) return true;
+  // Only the slots ever used (one or two per model file): this runs for every tensor ggml's graph
+  // allocator places, every graph.
+  const std::size_t used = from_ptr_used_.load(std::memory_order_acquire);
+  for (std::size_t i = 0; i < used; ++i) {
+    if (from_ptr_[i].load(std::memory_order_acquire) == b) return true;
   }
   return false;
 }
 
 void GgmlBuffers::remember_from_ptr(ggml_backend_buffer_t b) noexcept {
-  for (auto& slot : from_ptr_) {
+  for (std::size_t i = 0; i < kMaxFromPtr; ++i) {
     ggml_backend_buffer_t expected = nullptr;
-    if (slot.compare_exchange_strong(expected, b, std::memory_order_acq_rel)) return;
+    if (from_ptr_[i].compare_exchange_strong(expected, b, std::memory_order_acq_rel)) {
+      if (from_ptr_used_.load(std::memory_order_relaxed) < i + 1) from_ptr_used_.store(i + 1, std::memory_order_release);
+      return;
+    }
   }
   // More than kMaxFromPtr at once: this one's tensors are not followed, so it registers nothing.
 }

@@ -97,6 +97,7 @@ class GgmlBuffers {
   // The from_ptr buffers (few: one per model file), readable without the lock; null: free.
   static constexpr std::size_t kMaxFromPtr = 64;
   std::array<std::atomic<ggml_backend_buffer_t>, kMaxFromPtr> from_ptr_{};
+  std::atomic<std::size_t> from_ptr_used_{0};  // slots [0, used) were ever taken (set with the lock held)
   std::atomic<bool> pending_{false};
 };
 
