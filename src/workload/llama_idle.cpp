@@ -445,12 +445,14 @@ Result<LlamaIdleOutcome> run_llama_idle(const LlamaIdleOptions& o, LlamaIdleObse
       std::vector<std::string> argv{o.llama_idle, "-m", o.model};
       std::vector<std::string> env;
       bool warmup_line = false;
+      if (o.no_repack) argv.push_back("--no-repack");
       if (c.id == "mlock") argv.push_back("--mlock");
       if (c.id == "no-mmap") argv.push_back("--no-mmap");
       if (c.id == "keep-alive" || c.id == "0") env = {"LD_PRELOAD=" + o.preload, c.id == "0" ? "RESIDENCY_KEEP_ALIVE=0" : ka};
       if (c.id == "pressure-aware") env = {"LD_PRELOAD=" + o.preload, ka, "RESIDENCY_RELEASE_ON_PRESSURE=1"};
       if (c.id == "engine") {
         argv = {o.engine, o.model, std::to_string(1 + kPauses * kItersPerPause), "1", engine_pauses};
+        if (o.no_repack) argv.insert(argv.begin() + 1, "--no-repack");
         env = {ka};
         warmup_line = true;
       }

@@ -52,6 +52,8 @@ struct LlamaIdleOptions {
   Nanos keep_alive = std::chrono::seconds(2);
   Pressure pressure;
   int rounds = 1;
+  // llama.cpp's extra buffer types (AMX, CPU_REPACK) off in every configuration: -nr.
+  bool no_repack = false;
   int engine_threads = 2;
   // Children get this process's RESIDENCY_* variables (except those each configuration sets:
   // RESIDENCY_KEEP_ALIVE, RESIDENCY_RELEASE_ON_PRESSURE); false: none of them.

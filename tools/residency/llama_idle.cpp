@@ -39,6 +39,7 @@ struct Args {
   std::optional<std::string> keep_alive, model_size;
   int rounds = 1;
   bool plot = true;
+  bool no_repack = false;
 };
 
 std::string exe_dir() {
@@ -113,6 +114,7 @@ int run(const Args& a) {
   if (!pressure) throw BadInput("--pressure: " + pressure.message());
   o.pressure = *pressure;
   o.rounds = a.rounds;
+  o.no_repack = a.no_repack;
   std::string configs = a.configs;
   if (configs.empty()) {  // every configuration whose binary is here
     configs = "mmap,mlock";
@@ -191,6 +193,7 @@ int run(const Args& a) {
   j["llama_idle"] = o.llama_idle;
   j["model"] = o.model;
   j["pressure"] = o.pressure.to_string();
+  j["extra_buffer_types"] = !o.no_repack;  // llama.cpp's AMX / CPU_REPACK (off: --no-repack)
   j["llama_idle_threads"] = 4;
   j["engine_threads"] = o.engine_threads;
   for (std::size_t i = 0; i < outcome->results.policies.size(); ++i) {
@@ -245,6 +248,7 @@ const Command cmd{"llama-idle", "run llama.cpp's own llama-idle side by side: mm
                                "preload configurations, except RESIDENCY_KEEP_ALIVE and RESIDENCY_RELEASE_ON_PRESSURE, which each\n"
                                "configuration sets (--keep-alive defaults to RESIDENCY_KEEP_ALIVE).");
                     app.add_flag("!--no-plot", a->plot, "skip the PNG plot");
+                    app.add_flag("--no-repack", a->no_repack, "llama.cpp's extra buffer types off in every configuration (llama-idle -nr, llama_engine --no-repack): the weights stay in the file mapping instead of AMX or CPU_REPACK copies");
                     return [a] { return run(*a); };
                   }};
 
