@@ -104,8 +104,11 @@ class Lock {
     }
     ok_ = r == 0;
   }
-  ~Lock() {
+  ~Lock() { unlock(); }
+  // Unlocks now; the ledger must still be mapped. Called before it is unmapped inside the scope.
+  void unlock() {
     if (ok_) ::pthread_mutex_unlock(&s_->mutex);
+    ok_ = false;
   }
   Lock(const Lock&) = delete;
   Lock& operator=(const Lock&) = delete;
@@ -352,6 +355,9 @@ Result<std::unique_ptr<Ledger>> Ledger::attach(const AttachOptions& o) {
       }
       if (s->retired.load(std::memory_order_acquire)) {
         // Its last holder removed it after we opened it: open (or create) the one in place now.
+        // Unlocked before the unmap (a mutex unlocked in unmapped memory crashes, and the robust
+        // list would point there: the kernel could never mark the owner dead).
+        lock.unlock();
         l->shm_ = nullptr;
         ::munmap(s, sizeof(Shared));
         continue;
@@ -364,6 +370,7 @@ Result<std::unique_ptr<Ledger>> Ledger::attach(const AttachOptions& o) {
           break;
         }
       if (slot == kMaxHolders) {
+        lock.unlock();
         l->shm_ = nullptr;
         ::munmap(s, sizeof(Shared));
         return Status(ErrorCode::limit_exceeded, "the shared budget " + o.name + " has " + std::to_string(kMaxHolders) +

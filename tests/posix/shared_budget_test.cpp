@@ -21,6 +21,7 @@
 #include <cstdio>
 #include <dirent.h>
 #include <fstream>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -238,6 +239,33 @@ TEST(SharedBudgetLedger, CreatedForItsUserOnlyAndRemovedByTheLastHolder) {
   ASSERT_NE(d, nullptr);
   while (dirent* e = ::readdir(d)) EXPECT_EQ(std::string(e->d_name).find(name), std::string::npos) << e->d_name;
   ::closedir(d);
+}
+
+// Issue 18, item 1: the 65th holder of one budget got the documented message instead of a
+// SIGSEGV (the ledger was unmapped while its lock was held), and the ledger stays usable: the 64
+// holders still reserve and give back, and a slot freed is taken again.
+TEST(SharedBudgetLedger, TheHolderPastTheLastSlotGetsTheMessageAndTheLedgerStaysUsable) {
+  const std::string name = unique_name("full");
+  std::vector<std::unique_ptr<ledger::Ledger>> holders;
+  for (std::uint32_t i = 0; i < ledger::kMaxHolders; ++i) {
+    auto h = ledger::Ledger::attach({name, 64 * MiB, "", 0});
+    ASSERT_TRUE(h) << "holder " << i << ": " << h.message();
+    holders.push_back(std::move(*h));
+  }
+  for (int round = 0; round < 3; ++round) {
+    auto extra = ledger::Ledger::attach({name, 64 * MiB, "", 0});
+    ASSERT_FALSE(extra);
+    EXPECT_NE(extra.message().find("has 64 holders already"), std::string::npos) << extra.message();
+  }
+  EXPECT_EQ(holders[0]->acquire(MiB, 0ns, false), MiB) << "the ledger's lock still works";
+  holders[0]->release(MiB);
+  holders.pop_back();
+  auto again = ledger::Ledger::attach({name, 64 * MiB, "", 0});
+  ASSERT_TRUE(again) << again.message();
+  EXPECT_EQ((*again)->acquire(2 * MiB, 0ns, false), 2 * MiB);
+  again->reset();
+  holders.clear();
+  EXPECT_FALSE(exists(ledger::ledger_path(name))) << "the last holder removes the ledger";
 }
 
 TEST(SharedBudgetLedger, AGroupLedgerIs0660ForThatGroup) {
