@@ -16,6 +16,8 @@
 // Lock rule: one mutex (`mu`) guards everything but the atomics of KeepAliveState and the
 // stamps of RegionTable; the backend is called with it held (the backend locks for itself as
 // well: it is shared with the other managers of the process).
+#include <unistd.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -98,6 +100,7 @@ struct Manager::Impl {
   bool warned_shared = false;
   bool shared_full = false;  // an acquire came back short in this call: do not ask again until flush
   bool exiting = false;      // the process is exiting (exit_release ran): nothing is wired again
+  const int owner_pid = ::getpid();  // the process that made the manager (exit_release: see there)
   std::uint64_t shared_gave_back = 0, shared_short = 0;
   Nanos next_refresh{0};
   std::uint64_t releases = 0, rewires = 0, wire_failures = 0, release_failures = 0, pressure_releases = 0,
@@ -352,6 +355,9 @@ struct Manager::Impl {
   // If the manager is busy, or device memory is held, the slot stays and the next process that
   // takes the ledger's lock reclaims it once this one is gone.
   void exit_release() {
+    // A fork child that calls exit() inherits this registry: the manager and its share are the
+    // parent's, and nothing of them is touched here (no release, no false "released" line).
+    if (::getpid() != owner_pid) return;
     std::unique_lock<std::mutex> g(mu, std::defer_lock);
     for (int i = 0; i < 100 && !g.try_lock(); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(1));
     if (!g.owns_lock()) return;

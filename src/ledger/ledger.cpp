@@ -346,6 +346,7 @@ Result<std::unique_ptr<Ledger>> Ledger::attach(const AttachOptions& o) {
     l->fd_ = fd;
     l->shm_ = s;
     l->priority_ = o.priority;
+    l->owner_pid_ = self;
     {
       Lock lock(s);
       if (!lock.ok()) {
@@ -417,7 +418,16 @@ void leave(Shared* s, std::uint32_t slot, const std::string& path) {
 }
 }  // namespace
 
+bool Ledger::mine() const { return ::getpid() == owner_pid_; }
+
 Ledger::~Ledger() {
+  if (!mine()) {
+    // A fork child: the listener thread is the parent's (it does not run here) and the slot too.
+    if (listener_.joinable()) listener_.detach();
+    if (shm_) ::munmap(shm_, sizeof(Shared));
+    if (fd_ >= 0) ::close(fd_);
+    return;
+  }
   stop_listening();
   if (!shm_) return;
   if (!detached_) leave(shm_, slot_, path_);
@@ -426,7 +436,7 @@ Ledger::~Ledger() {
 }
 
 void Ledger::detach_at_exit() {
-  if (!shm_ || detached_ || held_ != 0) return;
+  if (!shm_ || detached_ || held_ != 0 || !mine()) return;
   stopping_.store(true, std::memory_order_release);
   Slot& mine = shm_->slots[slot_];
   mine.ask.store(kStopWord, std::memory_order_release);
@@ -443,7 +453,7 @@ std::uint64_t Ledger::budget() const { return shm_->budget; }
 std::atomic<std::int64_t>& Ledger::last_use() { return shm_->slots[slot_].last_use; }
 
 std::uint64_t Ledger::acquire(std::uint64_t bytes, Nanos wait, bool partial) {
-  if (bytes == 0 || detached_) return 0;
+  if (bytes == 0 || detached_ || !mine()) return 0;
   Shared& s = *shm_;
   const int self = ::getpid();
   Slot& mine = s.slots[slot_];
@@ -523,7 +533,7 @@ std::uint64_t Ledger::acquire(std::uint64_t bytes, Nanos wait, bool partial) {
 
 void Ledger::release(std::uint64_t bytes) {
   bytes = std::min(bytes, held_);
-  if (bytes == 0 || detached_) return;
+  if (bytes == 0 || detached_ || !mine()) return;
   Slot& mine = shm_->slots[slot_];
   {
     Lock lock(shm_);  // even if it could not be taken, our own slot is ours to write
@@ -542,6 +552,10 @@ void Ledger::listen(OnAsked on_asked) {
 
 void Ledger::stop_listening() {
   if (!listener_.joinable()) return;
+  if (!mine()) {  // a fork child: the thread is the parent's
+    listener_.detach();
+    return;
+  }
   if (detached_) {  // told to stop at exit already; the slot is not ours to write
     listener_.join();
     return;
@@ -658,6 +672,7 @@ Result<std::unique_ptr<Ledger>> Ledger::attach(const AttachOptions&) {
 }
 Ledger::~Ledger() = default;
 void Ledger::listen(OnAsked) {}
+bool Ledger::mine() const { return true; }
 void Ledger::stop_listening() {}
 void Ledger::detach_at_exit() {}
 std::uint64_t Ledger::budget() const { return 0; }

@@ -138,6 +138,11 @@ class Ledger {
   std::thread listener_;
   std::atomic<bool> stopping_{false};
   bool detached_ = false;  // detach_at_exit() ran: the slot is not ours any more
+  // The process that attached. A fork child inherits the mapping and this object but not the
+  // slot: in any other process every method leaves the ledger alone (llama-server, Python and
+  // shells fork, and a child that calls exit() would otherwise free its parent's slot).
+  int owner_pid_ = 0;
+  bool mine() const;
   std::atomic<int> listener_tid_{0};
   std::atomic<std::uint64_t> asks_sent_{0}, asks_answered_{0};
 };

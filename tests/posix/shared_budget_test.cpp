@@ -527,6 +527,55 @@ TEST(SharedBudgetProcesses, AProcessThatExitsWithoutDestroyingItsManagerLeavesNo
   ASSERT_EQ(WEXITSTATUS(st), 0) << "3: no backend/memory, 4: create/register failed, 5: no ledger or share";
   EXPECT_FALSE(exists(ledger::ledger_path(name))) << "the exiting last holder removes the ledger";
 }
+
+// Issue 18, item 2: a fork child of a holder (llama-server, Python and shells fork) that calls
+// exit() runs the at-exit handlers it inherited; they must leave the parent's share, its slot and
+// the ledger alone.
+TEST(SharedBudgetProcesses, AForkChildThatExitsLeavesItsParentsShareAndTheLedgerAlone) {
+  const std::string name = unique_name("fork");
+  std::fflush(stdout);
+  const pid_t holder = ::fork();
+  if (holder == 0) {
+    auto backend = make_backend("posix");
+    if (!backend) ::_exit(3);
+    void* mem = ::mmap(nullptr, kHold, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (mem == MAP_FAILED) ::_exit(3);
+    std::memset(mem, 1, kHold);
+    auto m = Manager::create(shared_manager_options(*backend, name, 6 * MiB));
+    if (!m || !(*m)->register_region(mem, kHold)) ::_exit(4);
+    if ((*m)->stats().shared_held != kHold) ::_exit(5);
+    const pid_t child = ::fork();
+    if (child == 0) std::exit(0);  // the inherited at-exit handler runs here
+    int st = 0;
+    if (::waitpid(child, &st, 0) != child || !WIFEXITED(st)) ::_exit(6);
+    if (!exists(ledger::ledger_path(name))) ::_exit(7);  // the child unlinked the parent's ledger
+    std::uint64_t listed = 0;
+    int holders = 0;
+    for (const SharedBudgetInfo& b : list_shared_budgets()) {
+      if (b.name != name) continue;
+      for (const SharedBudgetHolder& h : b.holders) {
+        ++holders;
+        if (h.pid == ::getpid()) listed = h.bytes;
+      }
+    }
+    if (holders != 1 || listed != kHold) ::_exit(8);  // the child freed or changed the parent's slot
+    // A second holder under the 6 MiB budget gets only what the parent does not hold.
+    auto other = ledger::Ledger::attach({name, 6 * MiB, "", 0});
+    if (!other) ::_exit(9);
+    if ((*other)->acquire(6 * MiB, std::chrono::nanoseconds(0), true) != 6 * MiB - kHold) ::_exit(10);
+    (*other)->release(6 * MiB - kHold);
+    other->reset();
+    m->reset();
+    ::munmap(mem, kHold);
+    ::_exit(exists(ledger::ledger_path(name)) ? 11 : 0);
+  }
+  int st = 0;
+  ASSERT_EQ(::waitpid(holder, &st, 0), holder);
+  ASSERT_TRUE(WIFEXITED(st));
+  EXPECT_EQ(WEXITSTATUS(st), 0) << "3: no backend/memory, 4/5: create/register failed, 6: the child failed, "
+                                   "7: the child removed the ledger, 8: the child freed the parent's slot, "
+                                   "9/10: the budget was split, 11: the last holder left the ledger behind";
+}
 }  // namespace
 
 namespace {
