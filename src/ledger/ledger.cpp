@@ -397,7 +397,15 @@ Result<std::unique_ptr<Ledger>> Ledger::attach(const AttachOptions& o) {
 namespace {
 // With nothing held: frees our slot, reclaims the dead, and retires + unlinks the ledger when no
 // holder is left (under the lock, so that an opener waiting for it sees `retired`).
-void leave(Shared* s, std::uint32_t slot, const std::string& path) {
+// Whether the file at `path` is the one open as `fd` (a ledger removed from outside, rm or
+// systemd's RemoveIPC, may have been replaced by another process's new one: that one is not ours
+// to remove).
+bool path_is_ours(int fd, const std::string& path) {
+  struct stat held {}, at {};
+  return ::fstat(fd, &held) == 0 && ::stat(path.c_str(), &at) == 0 && held.st_dev == at.st_dev && held.st_ino == at.st_ino;
+}
+
+void leave(Shared* s, std::uint32_t slot, const std::string& path, int fd) {
   const int self = ::getpid();
   Slot& sl = s->slots[slot];
   const std::uint64_t self_start = sl.start_time.load(std::memory_order_relaxed);
@@ -411,7 +419,7 @@ void leave(Shared* s, std::uint32_t slot, const std::string& path) {
     for (const Slot& o : s->slots) anyone = anyone || o.used.load(std::memory_order_relaxed) != 0;
     if (!anyone) {
       s->retired.store(1, std::memory_order_release);
-      ::unlink(path.c_str());
+      if (path_is_ours(fd, path)) ::unlink(path.c_str());
     }
   }
   bump(*s);
@@ -430,7 +438,7 @@ Ledger::~Ledger() {
   }
   stop_listening();
   if (!shm_) return;
-  if (!detached_) leave(shm_, slot_, path_);
+  if (!detached_) leave(shm_, slot_, path_, fd_);
   ::munmap(shm_, sizeof(Shared));
   ::close(fd_);
 }
@@ -445,7 +453,7 @@ void Ledger::detach_at_exit() {
   // thread is left unjoined for a sanitizer to report).
   if (listener_.joinable() && listener_.get_id() != std::this_thread::get_id()) listener_.join();
   detached_ = true;
-  leave(shm_, slot_, path_);
+  leave(shm_, slot_, path_, fd_);
 }
 
 std::uint64_t Ledger::budget() const { return shm_->budget; }

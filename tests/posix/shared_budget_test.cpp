@@ -268,6 +268,28 @@ TEST(SharedBudgetLedger, TheHolderPastTheLastSlotGetsTheMessageAndTheLedgerStays
   EXPECT_FALSE(exists(ledger::ledger_path(name))) << "the last holder removes the ledger";
 }
 
+// Issue 18, item 3: a ledger removed from outside (rm, systemd's RemoveIPC) while held, and made
+// anew by the next process: the old ledger's last holder must not remove the new one.
+TEST(SharedBudgetLedger, TheLastHolderOfARemovedLedgerLeavesTheNewOneAlone) {
+  const std::string name = unique_name("removed");
+  const std::string path = ledger::ledger_path(name);
+  auto a = ledger::Ledger::attach({name, 8 * MiB, "", 0});
+  ASSERT_TRUE(a) << a.message();
+  ASSERT_EQ(::unlink(path.c_str()), 0);
+  auto b = ledger::Ledger::attach({name, 8 * MiB, "", 0});
+  ASSERT_TRUE(b) << b.message();
+  ASSERT_TRUE(exists(path));
+  a->reset();  // the last holder of the removed one
+  EXPECT_TRUE(exists(path)) << "the new ledger was removed by the old one's last holder";
+  auto c = ledger::Ledger::attach({name, 8 * MiB, "", 0});
+  ASSERT_TRUE(c) << c.message();
+  EXPECT_EQ((*b)->acquire(6 * MiB, 0ns, false), 6 * MiB);
+  EXPECT_EQ((*c)->acquire(6 * MiB, 0ns, true), 2 * MiB) << "b and c share one budget";
+  c->reset();
+  b->reset();
+  EXPECT_FALSE(exists(path));
+}
+
 TEST(SharedBudgetLedger, AGroupLedgerIs0660ForThatGroup) {
   const group* g = ::getgrgid(::getegid());
   if (!g) GTEST_SKIP() << "this process's group has no name";
