@@ -13,6 +13,8 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cstring>
+
 #include <algorithm>
 #include <chrono>
 #include <cstdlib>
@@ -259,7 +261,14 @@ TEST_F(ToolHardening, NoSilentReinterpretation) {
       {{"idle", "--keep-alive", "0." + std::string(300, '0') + "1"}, {}, "shorter than 1 ns, but not 0"},
       {{"hold", "--keep-alive", "", model}, {}, "--keep-alive: \"\": empty"},
       {{"hold", "--wired-limit", "0.5", model}, {}, "not a whole number of bytes"},
+      // Issue 18, item 8: a FIFO is refused at once (open() used to wait for a writer forever),
+      // and a file given twice (or through a hard link) is not counted twice.
+      {{"hold", root_ + "/fifo"}, {}, "is not a regular file"},
+      {{"hold", model, model}, {}, "is the same file as"},
+      {{"hold", model, root_ + "/m-link.gguf"}, {}, "given twice, or a hard link"},
   };
+  ASSERT_EQ(::mkfifo((root_ + "/fifo").c_str(), 0600), 0) << std::strerror(errno);
+  ASSERT_EQ(::link(model.c_str(), (root_ + "/m-link.gguf").c_str()), 0) << std::strerror(errno);
   for (const auto& c : cases) {
     const ToolRun r = run(c.args, c.env);
     EXPECT_EQ(r.exit_code, 2) << c.says << ": " << r.err;

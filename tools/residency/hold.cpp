@@ -47,7 +47,9 @@ class MappedFile {
   static MappedFile open(const std::string& path) {
     MappedFile f;
     f.path_ = path;
-    const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    // O_NONBLOCK: opening a FIFO would otherwise wait for a writer (forever); for a regular file
+    // it changes nothing, and anything else is refused below.
+    const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
     if (fd < 0) throw BadInput("cannot open '" + printable(path) + "': " + std::strerror(errno));
     struct stat st {};
     if (::fstat(fd, &st) != 0) {
@@ -64,6 +66,8 @@ class MappedFile {
       throw BadInput("'" + printable(path) + "' is empty; there is nothing to hold");
     }
     f.size_ = static_cast<std::size_t>(st.st_size);
+    f.dev_ = st.st_dev;
+    f.ino_ = st.st_ino;
     void* p = ::mmap(nullptr, f.size_, PROT_READ, MAP_SHARED, fd, 0);
     const int err = errno;
     ::close(fd);
@@ -72,7 +76,10 @@ class MappedFile {
     return f;
   }
   MappedFile() = default;
-  MappedFile(MappedFile&& o) noexcept : path_(std::move(o.path_)), data_(o.data_), size_(o.size_) { o.data_ = nullptr; }
+  MappedFile(MappedFile&& o) noexcept
+      : path_(std::move(o.path_)), data_(o.data_), size_(o.size_), dev_(o.dev_), ino_(o.ino_) {
+    o.data_ = nullptr;
+  }
   MappedFile& operator=(MappedFile&&) = delete;
   ~MappedFile() {
     if (data_) ::munmap(data_, size_);
@@ -80,11 +87,14 @@ class MappedFile {
   void* data() const { return data_; }
   std::size_t size() const { return size_; }
   const std::string& path() const { return path_; }
+  bool same_file(const MappedFile& o) const { return dev_ == o.dev_ && ino_ == o.ino_; }
 
  private:
   std::string path_;
   void* data_ = nullptr;
   std::size_t size_ = 0;
+  dev_t dev_ = 0;
+  ino_t ino_ = 0;
 };
 
 Config hold_config(const HoldOptions& o) {
@@ -117,7 +127,14 @@ std::atomic<int> g_released_fd{-1};
 int run_hold(const HoldOptions& o) {
   const Config config = hold_config(o);
   std::vector<MappedFile> files;
-  for (const auto& path : o.files) files.push_back(MappedFile::open(path));
+  for (const auto& path : o.files) {
+    MappedFile f = MappedFile::open(path);
+    for (const MappedFile& g : files)
+      if (g.same_file(f))
+        throw BadInput("'" + printable(path) + "' is the same file as '" + printable(g.path()) +
+                       "' (given twice, or a hard link); give each file once");
+    files.push_back(std::move(f));
+  }
 
   auto backend = make_backend("posix");
   if (!backend) throw std::runtime_error(backend.message());
