@@ -500,6 +500,24 @@ TEST_F(ToolHardening, AnUnwritableOutIsFoundBeforeTheRun) {
 
 // Item 6: with the default 8 MiB RLIMIT_MEMLOCK and no CAP_IPC_LOCK, a run of eight managers says
 // the clamp and its fix once, not once per manager.
+// Issue 18, item 9: output that cannot be written is a failure with a message, not exit 0.
+TEST_F(ToolHardening, OutputThatCannotBeWrittenIsAFailureWithAMessage) {
+  if (::access("/dev/full", W_OK) != 0) GTEST_SKIP() << "no /dev/full here";
+  const std::string model = root_ + "/m.gguf";
+  ASSERT_EQ(run({"make-model", "--size", "3MiB", model}).exit_code, 0);
+  for (const std::vector<std::string>& args :
+       {std::vector<std::string>{"stat"}, {"stat", "--json"}, {"make-model", "--size", "3MiB", root_ + "/n.gguf"}}) {
+    std::string cmd = "'" + kTool + "'";
+    for (const auto& a : args) cmd += " '" + a + "'";
+    cmd += " >/dev/full 2>'" + logs_ + "/full.err'";
+    const int st = std::system(cmd.c_str());
+    ASSERT_TRUE(WIFEXITED(st)) << cmd;
+    EXPECT_EQ(WEXITSTATUS(st), 1) << cmd << ": " << slurp(logs_ + "/full.err");
+    EXPECT_NE(slurp(logs_ + "/full.err").find("cannot write the output: No space left on device"), std::string::npos)
+        << cmd << ": " << slurp(logs_ + "/full.err");
+  }
+}
+
 TEST_F(ToolHardening, TheClampWarningIsPrintedOncePerRun) {
   if (geteuid() != 0) GTEST_SKIP() << "needs root to become an unprivileged user (no CAP_IPC_LOCK) in the child";
   if (!nobody_can_run_the_tool()) GTEST_SKIP() << kNobodyCannotRun;

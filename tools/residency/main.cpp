@@ -1,6 +1,9 @@
 // residency: the command-line tool. Subcommands register themselves (command.hpp).
 #include <algorithm>
+#include <cerrno>
+#include <csignal>
 #include <cstdio>
+#include <cstring>
 #include <map>
 #include <memory>
 #include <vector>
@@ -65,10 +68,23 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "%s: %s (--help lists the options)\n", who().c_str(), residency::printable(e.what(), 400).c_str());
     return kExitBadInput;
   }
+  // A closed pipe (`residency stat | head`) makes writes fail with EPIPE instead of killing the
+  // process mid-run (which left a shared-budget ledger behind); output errors are reported below.
+  std::signal(SIGPIPE, SIG_IGN);
+  // What was printed must have been written: stdout on a full disk, /dev/full or a closed pipe
+  // is a failure, said on stderr, not exit 0.
+  auto output_ok = [](const std::string& name, int code) {
+    errno = 0;
+    if (std::fflush(stdout) == 0 && !std::ferror(stdout)) return code;
+    const int err = errno;
+    std::fprintf(stderr, "residency %s: error: cannot write the output: %s\n", name.c_str(),
+                 err != 0 ? std::strerror(err) : "write error");
+    return code == 0 ? kExitFailure : code;
+  };
   for (auto& [sub, run] : runners) {
     if (!sub->parsed()) continue;
     try {
-      return run();
+      return output_ok(sub->get_name(), run());
     } catch (const BadInput& e) {
       std::fprintf(stderr, "residency %s: %s\n", sub->get_name().c_str(), e.what());
       return kExitBadInput;
