@@ -1,7 +1,6 @@
 // residency: the command-line tool. Subcommands register themselves (command.hpp).
 #include <algorithm>
 #include <cerrno>
-#include <csignal>
 #include <cstdio>
 #include <cstring>
 #include <map>
@@ -68,9 +67,6 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "%s: %s (--help lists the options)\n", who().c_str(), residency::printable(e.what(), 400).c_str());
     return kExitBadInput;
   }
-  // A closed pipe (`residency stat | head`) makes writes fail with EPIPE instead of killing the
-  // process mid-run (which left a shared-budget ledger behind); output errors are reported below.
-  std::signal(SIGPIPE, SIG_IGN);
   // What was printed must have been written: stdout on a full disk, /dev/full or a closed pipe
   // is a failure, said on stderr, not exit 0.
   auto output_ok = [](const std::string& name, int code) {
