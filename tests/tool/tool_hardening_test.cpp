@@ -518,6 +518,26 @@ TEST_F(ToolHardening, OutputThatCannotBeWrittenIsAFailureWithAMessage) {
   }
 }
 
+// Issue 18, item 7: a file in /dev/shm whose name holds an escape sequence, a newline and bytes
+// that are not UTF-8 reaches neither the terminal raw nor the JSON.
+TEST_F(ToolHardening, StatPrintsLedgerNamesFromDevShmPrintably) {
+  if (::access("/dev/shm", W_OK) != 0) GTEST_SKIP() << "/dev/shm is not writable here";
+  const std::string path = "/dev/shm/residency-budget-test-\x1b[31mRED\nSECOND-LINE\xff-" + std::to_string(::getpid());
+  {
+    std::ofstream f(path);
+    f << "not a ledger";
+  }
+  const ToolRun text = run({"stat"});
+  const ToolRun json = run({"stat", "--json"});
+  ::unlink(path.c_str());
+  EXPECT_EQ(text.exit_code, 0) << text.err;
+  EXPECT_EQ(text.out.find('\x1b'), std::string::npos) << "a raw escape sequence reached the output";
+  EXPECT_EQ(text.out.find("\nSECOND-LINE"), std::string::npos) << "a raw newline from a file name";
+  EXPECT_NE(text.out.find("SECOND-LINE"), std::string::npos) << "the ledger is still listed:\n" << text.out;
+  EXPECT_EQ(json.exit_code, 0) << "JSON strings must be UTF-8: " << json.err;
+  EXPECT_EQ(json.out.find('\xff'), std::string::npos);
+}
+
 TEST_F(ToolHardening, TheClampWarningIsPrintedOncePerRun) {
   if (geteuid() != 0) GTEST_SKIP() << "needs root to become an unprivileged user (no CAP_IPC_LOCK) in the child";
   if (!nobody_can_run_the_tool()) GTEST_SKIP() << kNobodyCannotRun;

@@ -83,16 +83,19 @@ using Row = std::pair<std::string, std::string>;
     return;
   }
   const char* label = "shared budgets";
+  // Names, paths and errors come from file names in /dev/shm, which any user can choose: printed
+  // through printable() (no escape sequence or newline of theirs reaches the terminal).
   for (const auto& b : budgets) {
     if (!b.error.empty()) {
-      rows.emplace_back(label, b.name + ": unreadable: " + b.error);
+      rows.emplace_back(label, printable(b.name) + ": unreadable: " + printable(b.error, 400));
       label = "";
       continue;
     }
     char mode[8];
     std::snprintf(mode, sizeof mode, "%04o", b.mode);
-    rows.emplace_back(label, b.name + ": " + format_size(b.size) + ", used " + format_size(b.used) + ", " +
-                                 std::to_string(b.holders.size()) + " holder(s)  (" + b.path + ", mode " + mode + ")");
+    rows.emplace_back(label, printable(b.name) + ": " + format_size(b.size) + ", used " + format_size(b.used) + ", " +
+                                 std::to_string(b.holders.size()) + " holder(s)  (" + printable(b.path, 400) + ", mode " +
+                                 mode + ")");
     label = "";
     for (const auto& h : b.holders)
       rows.emplace_back("", "  pid " + std::to_string(h.pid) + ": " + format_size(h.bytes) + ", " + idle_text(h.idle) +
@@ -104,9 +107,10 @@ using Row = std::pair<std::string, std::string>;
 [[maybe_unused]] nlohmann::json shared_budgets_json(const std::vector<SharedBudgetInfo>& budgets) {
   nlohmann::json a = nlohmann::json::array();
   for (const auto& b : budgets) {
-    nlohmann::json j = {{"name", b.name}, {"path", b.path}};
+    // printable(): a file name need not be UTF-8, which JSON strings must be.
+    nlohmann::json j = {{"name", printable(b.name)}, {"path", printable(b.path, 400)}};
     if (!b.error.empty()) {
-      j["error"] = b.error;
+      j["error"] = printable(b.error, 400);
       a.push_back(j);
       continue;
     }
