@@ -1,5 +1,7 @@
 #include "buffer_plan.hpp"
 
+#include <unistd.h>
+
 #include <algorithm>
 
 namespace residency::preload {
@@ -13,6 +15,14 @@ std::uintptr_t round_up(std::uintptr_t v, std::size_t page) noexcept {
 }
 
 }  // namespace
+
+std::size_t system_page_size() noexcept {
+  static const std::size_t page = [] {
+    const long p = ::sysconf(_SC_PAGESIZE);
+    return p > 0 ? static_cast<std::size_t>(p) : std::size_t{4096};
+  }();
+  return page;
+}
 
 bool is_cpu_memory(DeviceKind device) noexcept {
   return device == DeviceKind::none || device == DeviceKind::cpu || device == DeviceKind::accel;
@@ -77,12 +87,16 @@ BufferPlan plan_buffer(const BufferFacts& f, std::size_t page_size) {
   if (!is_cpu_memory(f.device)) {
     p.not_managed = f.is_host ? "pinned host memory of a GPU: its driver keeps it resident for the buffer's life"
                               : "device memory";
+    p.worth_a_line = f.is_host;  // device memory is the CUDA path's (device_memory.hpp)
     return p;
   }
   const std::uintptr_t end = f.base + f.size < f.base ? UINTPTR_MAX : f.base + f.size;
   if (f.from_ptr) {
     p.ranges = page_runs(f.tensors, f.base, end, page_size);
-    if (p.ranges.empty()) p.not_managed = "no tensor placed in it";
+    if (p.ranges.empty()) {
+      p.not_managed = "no tensor placed in it";
+      p.worth_a_line = true;
+    }
   } else {
     p.ranges = {Extent{f.base, end}};  // exact: two heap buffers may share a page
   }

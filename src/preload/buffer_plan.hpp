@@ -57,11 +57,15 @@ struct BufferPlan {
   std::size_t registered_bytes = 0;
   // Empty when ranges are registered; else why not, for the log ("device memory", ...).
   std::string not_managed;
+  bool worth_a_line = false;  // not_managed says something a user should read (not device memory)
 };
 
 // Host memory as ggml describes it: a buffer type without a device, or of the CPU device or an
 // accelerator that computes from host memory (BLAS, AMX), whatever is_host says.
 bool is_cpu_memory(DeviceKind device) noexcept;
+
+// sysconf(_SC_PAGESIZE), read once (4096 if it fails).
+std::size_t system_page_size() noexcept;
 
 BufferPlan plan_buffer(const BufferFacts& facts, std::size_t page_size);
 

@@ -1,7 +1,5 @@
 #include "ggml_buffers.hpp"
 
-#include <unistd.h>
-
 #include <algorithm>
 #include <string>
 
@@ -10,14 +8,6 @@
 namespace residency::preload {
 
 namespace {
-
-std::size_t page_size() noexcept {
-  static const std::size_t page = [] {
-    const long p = ::sysconf(_SC_PAGESIZE);
-    return p > 0 ? static_cast<std::size_t>(p) : std::size_t{4096};
-  }();
-  return page;
-}
 
 template <class Fn>
 void resolve_into(Fn& f, const char* name, bool& ok) noexcept {
@@ -50,8 +40,6 @@ DeviceKind device_kind(const GgmlApi& api, ggml_backend_buffer_type_t buft) noex
     default: return DeviceKind::gpu;  // a kind this preload does not know: not host memory
   }
 }
-
-const char* class_name(RegionClass c) noexcept { return to_string(c); }
 
 }  // namespace
 
@@ -160,29 +148,31 @@ void GgmlBuffers::register_buffer(ggml_backend_buffer_t b, Tracked& t) {
   const auto owner = reinterpret_cast<std::uint64_t>(b);
   pieces_.remove_owner(owner);  // what changed is registered anew
   t.dirty = false;
-  if (const GgmlApi* api = ggml_api()) t.type_name = api->name(b);
-  const BufferPlan plan = plan_buffer(t.facts, page_size());
-  const std::string what = t.type_name + " buffer of " + format_size(t.facts.size);
+  // Its type read now: CPU_REPACK takes over a CPU buffer after creating it.
+  const GgmlApi* api = ggml_api();
+  const std::string type_name = api != nullptr ? api->name(b) : "ggml";
+  const BufferPlan plan = plan_buffer(t.facts, system_page_size());
+  const std::string what = type_name + " buffer of " + format_size(t.facts.size);
   if (plan.ranges.empty()) {
-    if (!plan.not_managed.empty() && plan.not_managed != "device memory") info_(what + ": not managed: " + plan.not_managed);
+    if (plan.worth_a_line) info_(what + ": not managed: " + plan.not_managed);
     return;
   }
   std::size_t placed = 0;
   for (const Extent& r : plan.ranges) {
     if (pieces_.add(r.begin, r.end, plan.cls, owner)) placed += r.end - r.begin;
   }
-  std::string line = "registered " + what + " as " + class_name(plan.cls);
+  std::string line = "registered " + what + " as " + to_string(plan.cls);
   if (t.facts.from_ptr) {
     line += ": its " + std::to_string(t.facts.tensors.size()) + " tensor(s), " + format_size(placed) + " in " +
             std::to_string(plan.ranges.size()) + " range(s)";
-    if (placed + page_size() < t.facts.size) line += "; the rest of its range is other buffers' tensors' file pages, not wired";
+    if (placed + system_page_size() < t.facts.size) line += "; the rest of its range is other buffers' tensors' file pages, not wired";
   }
   if (placed < plan.registered_bytes) line += " (" + format_size(plan.registered_bytes - placed) + " left unmanaged)";
   info_(line);
   if (pressure_without_swap_ && !warned_anonymous_weights_ && !t.facts.from_ptr && plan.cls == RegionClass::weights &&
       placed >= (std::size_t{64} << 20)) {
     warned_anonymous_weights_ = true;
-    warn_("llama.cpp copied " + format_size(placed) + " of the model's weights into a " + t.type_name +
+    warn_("llama.cpp copied " + format_size(placed) + " of the model's weights into a " + type_name +
           " buffer (anonymous memory) and this machine has no swap: releasing them under memory pressure frees nothing "
           "(anonymous pages can only be reclaimed to swap). To let pressure take the model back, keep the weights in "
           "the page cache: llama.cpp's --no-repack (-nr; use_extra_bufts = false), or add swap");

@@ -82,8 +82,7 @@ class GgmlBuffers {
  private:
   struct Tracked {
     BufferFacts facts;
-    std::string type_name;  // read at flush: CPU_REPACK changes its buffer's type after creation
-    bool dirty = true;      // changed since it was last registered
+    bool dirty = true;  // changed since it was last registered
   };
   void register_buffer(ggml_backend_buffer_t b, Tracked& t);
   void remember_from_ptr(ggml_backend_buffer_t b) noexcept;

@@ -2,13 +2,11 @@
 
 #include <pthread.h>
 #include <sys/mman.h>
-#include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
-#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <mutex>
@@ -21,6 +19,7 @@
 #include "ggml_buffers.hpp"
 #include "piece_table.hpp"
 #include "next_calls.hpp"
+#include "backends/posix/proc_info.hpp"
 #include "residency/backends.hpp"
 #include "residency/residency.hpp"
 
@@ -124,18 +123,14 @@ const Startup* make_startup() noexcept {
   }
 }
 
-// SwapTotal in /proc/meminfo is above 0.
+// SwapTotal in /proc/meminfo is above 0; true when unknown (no warning then).
 bool machine_has_swap() noexcept {
-  const int fd = ::open("/proc/meminfo", O_RDONLY | O_CLOEXEC);
-  if (fd < 0) return true;  // unknown: no warning
-  char buf[4096];
-  const ssize_t n = ::read(fd, buf, sizeof buf - 1);
-  ::close(fd);
-  if (n <= 0) return true;
-  buf[n] = '\0';
-  const char* at = std::strstr(buf, "SwapTotal:");
-  if (at == nullptr) return true;
-  return std::strtoull(at + 10, nullptr, 10) > 0;
+  try {
+    const auto mi = posix::read_meminfo();
+    return !mi || !mi->swap_total || *mi->swap_total > 0;
+  } catch (...) {
+    return true;
+  }
 }
 
 // With g_mu held and g_state == kIdle: starts the session, or passes through for good.
@@ -177,10 +172,7 @@ void start() noexcept {
 }
 
 std::uintptr_t page_end(std::uintptr_t begin, std::size_t len) noexcept {
-  static const std::uintptr_t page = [] {
-    const long p = ::sysconf(_SC_PAGESIZE);
-    return p > 0 ? static_cast<std::uintptr_t>(p) : 4096;
-  }();
+  const std::uintptr_t page = system_page_size();
   const std::uintptr_t e = begin + len;
   if (e < begin) return UINTPTR_MAX & ~(page - 1);
   return (e + page - 1) & ~(page - 1);
@@ -230,7 +222,7 @@ void after_unmap_all(Session& s, const Cuts& c, std::uintptr_t b, std::uintptr_t
 
 // Pages of [b, e) in memory now (mincore), bytes.
 std::uint64_t resident_bytes(std::uintptr_t b, std::uintptr_t e) noexcept {
-  const std::size_t page = static_cast<std::size_t>(::sysconf(_SC_PAGESIZE));
+  const std::size_t page = system_page_size();
   std::uint64_t n = 0;
   unsigned char vec[256];
   for (std::uintptr_t at = b; at < e;) {
@@ -248,7 +240,7 @@ std::uint64_t resident_bytes(std::uintptr_t b, std::uintptr_t e) noexcept {
 // given back to the kernel. They are never wired, and keeping them would hold the model twice.
 void give_back_unread_file_pages(Session& s) noexcept {
   try {
-    const std::size_t page = static_cast<std::size_t>(::sysconf(_SC_PAGESIZE));
+    const std::size_t page = system_page_size();
     const std::vector<Extent> runs = s.buffers.from_ptr_runs();
     std::uint64_t unread = 0, before = 0, after = 0;
     for (const PieceTable::Piece& m : s.gguf.pieces()) {
@@ -267,6 +259,18 @@ void give_back_unread_file_pages(Session& s) noexcept {
            " of them resident before, " + format_size(after) + " after giving them back (not wired)");
   } catch (...) {
   }
+}
+
+// `f(session)` with the preload's lock held, errno kept and re-entry marked; nothing when the
+// session is not active or this thread is inside a hook already.
+template <class F>
+void with_session(F&& f) noexcept {
+  Session* s = active_session();
+  if (s == nullptr || in_hook()) return;
+  ErrnoKeeper keep;
+  HookScope hook;
+  std::lock_guard<std::mutex> lock(g_mu);
+  f(*s);
 }
 
 }  // namespace
@@ -379,13 +383,8 @@ std::int32_t decode_hook(Entry which, llama_context* ctx, llama_batch batch) {
   DeviceDecodeScope device(ctx, next_llama_synchronize());
   Session* s = in_hook() ? nullptr : active_session();
   if (s == nullptr) return next(ctx, batch);
-  if (s->buffers.has_pending()) {
-    // Buffers ggml made since the last flush (a compute buffer that grew): registered first.
-    ErrnoKeeper keep;
-    HookScope hook;
-    std::lock_guard<std::mutex> lock(g_mu);
-    s->buffers.flush();
-  }
+  // Buffers ggml made since the last flush (a compute buffer that grew): registered first.
+  if (s->buffers.has_pending()) with_session([](Session& session) { session.buffers.flush(); });
   if (s->kind != KeepAlive::Kind::zero) {
     {
       ErrnoKeeper keep;
@@ -432,26 +431,9 @@ void buffer_created_hook(ggml_backend_buffer_t b, bool from_ptr) noexcept {
 
 void tensor_alloc_hook(ggml_backend_buffer_t b, const struct ggml_tensor* t, const void* addr) noexcept {
   Session* s = active_session();
-  if (s == nullptr || in_hook() || !s->buffers.is_from_ptr(b)) return;  // lock-free for the rest
-  ErrnoKeeper keep;
-  HookScope hook;
-  std::lock_guard<std::mutex> lock(g_mu);
-  s->buffers.tensor_placed(b, t, addr);
+  if (s == nullptr || !s->buffers.is_from_ptr(b)) return;  // lock-free for every other buffer
+  with_session([&](Session& session) { session.buffers.tensor_placed(b, t, addr); });
 }
-
-namespace {
-// `f(session)` with the preload's lock held, errno kept and re-entry marked; nothing when the
-// session is not active or this thread is inside a hook already.
-template <class F>
-void with_session(F&& f) noexcept {
-  Session* s = active_session();
-  if (s == nullptr || in_hook()) return;
-  ErrnoKeeper keep;
-  HookScope hook;
-  std::lock_guard<std::mutex> lock(g_mu);
-  f(*s);
-}
-}  // namespace
 
 void buffer_usage_hook(ggml_backend_buffer_t b, enum ggml_backend_buffer_usage usage) noexcept {
   with_session([&](Session& s) { s.buffers.usage_set(b, usage); });

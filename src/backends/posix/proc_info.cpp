@@ -185,7 +185,7 @@ Result<MemInfo> parse_meminfo(std::string_view text) {
     }
     const auto name = line.substr(0, colon);
     const auto rest = line.substr(colon + 1);
-    if (name == "MemTotal" || name == "MemAvailable" || name == "Mlocked") {
+    if (name == "MemTotal" || name == "MemAvailable" || name == "Mlocked" || name == "SwapTotal") {
       auto v = kb_value("/proc/meminfo", line, rest);
       if (!v) return v.status();
       if (name == "MemTotal") {
@@ -193,6 +193,8 @@ Result<MemInfo> parse_meminfo(std::string_view text) {
         have_total = true;
       } else if (name == "MemAvailable") {
         mi.mem_available = *v;
+      } else if (name == "SwapTotal") {
+        mi.swap_total = *v;
       } else {
         mi.mlocked = *v;
       }

@@ -22,6 +22,7 @@ struct MemInfo {
   std::uint64_t mem_total = 0;
   std::optional<std::uint64_t> mem_available;  // absent before Linux 3.14
   std::optional<std::uint64_t> mlocked;        // absent without CONFIG_MMU
+  std::optional<std::uint64_t> swap_total;     // 0: no swap
 };
 // Requires MemTotal; every field that is read must be "<name>: <number> kB".
 Result<MemInfo> parse_meminfo(std::string_view text);
