@@ -522,6 +522,22 @@ TEST(SharedBudgetProcesses, AnIdleHolderWakesZeroTimesUntilAskedThenGivesBack) {
 }  // namespace
 
 namespace {
+// In a forked child: a manager on the posix backend holding kHold of anonymous memory under the
+// 6 MiB shared budget `name`; the child exits 3 (no backend or memory), 4 (create or register
+// failed) or 5 (the share is not held) when it cannot be made.
+std::unique_ptr<Manager> holder_in_child(const std::string& name, void** mem_out) {
+  auto backend = make_backend("posix");
+  if (!backend) ::_exit(3);
+  void* mem = ::mmap(nullptr, kHold, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (mem == MAP_FAILED) ::_exit(3);
+  std::memset(mem, 1, kHold);
+  auto m = Manager::create(shared_manager_options(*backend, name, 6 * MiB));
+  if (!m || !(*m)->register_region(mem, kHold)) ::_exit(4);
+  if ((*m)->stats().shared_held != kHold) ::_exit(5);
+  *mem_out = mem;
+  return std::move(*m);
+}
+
 // A process that exits without destroying its manager (what the preload does on purpose) unwires
 // at exit, gives its share back and, as the last holder, removes the ledger.
 TEST(SharedBudgetProcesses, AProcessThatExitsWithoutDestroyingItsManagerLeavesNoLedger) {
@@ -529,18 +545,13 @@ TEST(SharedBudgetProcesses, AProcessThatExitsWithoutDestroyingItsManagerLeavesNo
   std::fflush(stdout);
   const pid_t child = ::fork();
   if (child == 0) {
-    auto backend = make_backend("posix");
-    if (!backend) ::_exit(3);
-    void* mem = ::mmap(nullptr, kHold, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    if (mem == MAP_FAILED) ::_exit(3);
-    std::memset(mem, 1, kHold);
-    auto m = Manager::create(shared_manager_options(*backend, name, 6 * MiB));
-    if (!m || !(*m)->register_region(mem, kHold)) ::_exit(4);
-    if (!exists(ledger::ledger_path(name)) || (*m)->stats().shared_held != kHold) ::_exit(5);
+    void* mem = nullptr;
+    auto m = holder_in_child(name, &mem);
+    if (!exists(ledger::ledger_path(name))) ::_exit(5);
     // Leaked, as the preload leaks its manager: kept in a static, as the preload keeps it in a
     // global, so that the leak checker (ASan builds) sees it reachable.
     [[maybe_unused]] static Manager* volatile leaked = nullptr;
-    leaked = m->release();
+    leaked = m.release();
     std::exit(0);
   }
   int st = 0;
@@ -558,14 +569,8 @@ TEST(SharedBudgetProcesses, AForkChildThatExitsLeavesItsParentsShareAndTheLedger
   std::fflush(stdout);
   const pid_t holder = ::fork();
   if (holder == 0) {
-    auto backend = make_backend("posix");
-    if (!backend) ::_exit(3);
-    void* mem = ::mmap(nullptr, kHold, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    if (mem == MAP_FAILED) ::_exit(3);
-    std::memset(mem, 1, kHold);
-    auto m = Manager::create(shared_manager_options(*backend, name, 6 * MiB));
-    if (!m || !(*m)->register_region(mem, kHold)) ::_exit(4);
-    if ((*m)->stats().shared_held != kHold) ::_exit(5);
+    void* mem = nullptr;
+    auto m = holder_in_child(name, &mem);
     const pid_t child = ::fork();
     if (child == 0) std::exit(0);  // the inherited at-exit handler runs here
     int st = 0;
@@ -587,7 +592,7 @@ TEST(SharedBudgetProcesses, AForkChildThatExitsLeavesItsParentsShareAndTheLedger
     if ((*other)->acquire(6 * MiB, std::chrono::nanoseconds(0), true) != 6 * MiB - kHold) ::_exit(10);
     (*other)->release(6 * MiB - kHold);
     other->reset();
-    m->reset();
+    m.reset();
     ::munmap(mem, kHold);
     ::_exit(exists(ledger::ledger_path(name)) ? 11 : 0);
   }
