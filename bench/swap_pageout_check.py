@@ -10,35 +10,12 @@ before and after. Needs root (a swap file is made under /var/tmp and removed), L
 """
 import ctypes, os, subprocess, sys, time
 
-SYS_pidfd_open, SYS_process_madvise, MADV_PAGEOUT = 434, 440, 21
-libc = ctypes.CDLL(None, use_errno=True)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from procmem import page_out, status as status_mib  # noqa: E402
 
-class Iovec(ctypes.Structure):
-    _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
 
 def status(pid):
-    out = {}
-    for line in open(f"/proc/{pid}/status"):
-        k, _, v = line.partition(":")
-        if k in ("VmRSS", "RssAnon", "RssFile", "VmLck", "VmSwap"):
-            out[k] = int(v.split()[0]) // 1024  # MiB
-    return out
-
-def page_out(pid):
-    pidfd = libc.syscall(SYS_pidfd_open, pid, 0)
-    ranges = []
-    for line in open(f"/proc/{pid}/maps"):
-        a, b = (int(x, 16) for x in line.split()[0].split("-"))
-        if "[vsyscall]" not in line:
-            ranges.append((a, b - a))
-    done = 0
-    for i in range(0, len(ranges), 512):
-        chunk = ranges[i:i + 512]
-        iov = (Iovec * len(chunk))(*[Iovec(a, n) for a, n in chunk])
-        r = libc.syscall(SYS_process_madvise, pidfd, iov, len(chunk), MADV_PAGEOUT, 0)
-        done += max(r, 0)
-    os.close(pidfd)
-    return done
+    return {k: int(v) for k, v in status_mib(pid).items()}  # MiB
 
 def run(loop, preload, model, no_repack):
     env = {k: v for k, v in os.environ.items() if not k.startswith("RESIDENCY_")}

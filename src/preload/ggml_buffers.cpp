@@ -62,9 +62,24 @@ void GgmlBuffers::created(ggml_backend_buffer_t b, bool from_ptr) noexcept {
     if (it != buffers_.end()) {
       // ggml made it inside another hooked call (CPU_REPACK allocates a CPU buffer and takes it
       // over; the CPU device's from_host_ptr calls ggml_backend_cpu_buffer_from_ptr).
-      if (from_ptr && !it->second.facts.from_ptr) {
-        it->second.facts.from_ptr = true;
+      BufferFacts& f = it->second.facts;
+      if (from_ptr && !f.from_ptr) {
+        f.from_ptr = true;
         remember_from_ptr(b);
+      }
+      // A buffer type's allocation made through the CPU buffer code and then given its own type
+      // (ggml-cuda's CUDA_Host: cudaMallocHost, ggml_backend_cpu_buffer_from_ptr, then its buft):
+      // its facts are the outer type's. Pinned host memory of a GPU is not a mapping to follow.
+      if (!from_ptr) {
+        ggml_backend_buffer_type_t buft = api->get_type(b);
+        const DeviceKind device = device_kind(*api, buft);
+        if (!is_cpu_memory(device)) {
+          f.device = device;
+          f.is_host = api->buft_is_host(buft);
+          f.from_ptr = false;
+          f.tensors.clear();
+          forget_from_ptr(b);
+        }
       }
       return;
     }
@@ -107,6 +122,13 @@ void GgmlBuffers::remember_from_ptr(ggml_backend_buffer_t b) noexcept {
   // More than kMaxFromPtr at once: this one's tensors are not followed, so it registers nothing.
 }
 
+void GgmlBuffers::forget_from_ptr(ggml_backend_buffer_t b) noexcept {
+  for (auto& slot : from_ptr_) {
+    ggml_backend_buffer_t expected = b;
+    slot.compare_exchange_strong(expected, nullptr, std::memory_order_acq_rel);
+  }
+}
+
 void GgmlBuffers::tensor_placed(ggml_backend_buffer_t b, const struct ggml_tensor* t, const void* addr) noexcept {
   const GgmlApi* api = ggml_api();
   if (api == nullptr || t == nullptr || addr == nullptr) return;
@@ -137,10 +159,7 @@ void GgmlBuffers::freeing(ggml_backend_buffer_t b) noexcept {
   auto it = buffers_.find(b);
   if (it == buffers_.end()) return;
   pieces_.remove_owner(reinterpret_cast<std::uint64_t>(b));
-  for (auto& slot : from_ptr_) {
-    ggml_backend_buffer_t expected = b;
-    slot.compare_exchange_strong(expected, nullptr, std::memory_order_acq_rel);
-  }
+  forget_from_ptr(b);
   buffers_.erase(it);
 }
 

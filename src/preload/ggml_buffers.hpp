@@ -86,6 +86,7 @@ class GgmlBuffers {
   };
   void register_buffer(ggml_backend_buffer_t b, Tracked& t);
   void remember_from_ptr(ggml_backend_buffer_t b) noexcept;
+  void forget_from_ptr(ggml_backend_buffer_t b) noexcept;
 
   PieceTable pieces_;
   Warn warn_;

@@ -116,12 +116,13 @@ class ModelFile {
     if (!iov.empty()) {
       const int pidfd = static_cast<int>(::syscall(SYS_pidfd_open, pid, 0));
       if (pidfd < 0) return Status(ErrorCode::unsupported, std::string("pidfd_open: ") + std::strerror(errno));
-      constexpr std::size_t kChunk = 512;  // below UIO_MAXIOV
-      for (std::size_t at = 0; at < iov.size(); at += kChunk) {
-        const std::size_t n = std::min(kChunk, iov.size() - at);
-        const long r = ::syscall(SYS_process_madvise, pidfd, iov.data() + at, n, MADV_PAGEOUT, 0U);
+      // One range per call: the kernel stops a vector at the first range it refuses (EINVAL: a
+      // locked range, the point; ENOMEM: one that went away), and the ranges after it must still
+      // be paged out.
+      for (const iovec& range : iov) {
+        const long r = ::syscall(SYS_process_madvise, pidfd, &range, 1, MADV_PAGEOUT, 0U);
         const int err = errno;
-        if (r < 0 && err != EINVAL && err != ENOMEM) {  // EINVAL: a locked range (the point); ENOMEM: one went away
+        if (r < 0 && err != EINVAL && err != ENOMEM) {
           ::close(pidfd);
           return Status(ErrorCode::unsupported, std::string("process_madvise(MADV_PAGEOUT): ") + std::strerror(err));
         }

@@ -2,7 +2,10 @@
  * commands on stdin, answered on stdout with timings. The CUDA sleep/wake proof
  * (bench/llama_cuda_sleep.py) runs it with and without libresidency_preload.so.
  *
- *   serve_loop MODEL [GPU_LAYERS]        (GPU_LAYERS default 999: every layer on the GPU)
+ *   serve_loop [--no-mmap] [--llama-log] MODEL [GPU_LAYERS]
+ *     GPU_LAYERS   default 999: every layer on the GPU; fewer: the rest stay in host memory
+ *     --no-mmap    read the weights into buffers (llama.cpp's --no-mmap) instead of mapping the file
+ *     --llama-log  keep llama.cpp's own log (info and above) on stderr: its buffer sizes per type
  *
  * Prints "ready load_us=T" once the model and context exist. Commands, one per line:
  *   gen K     decode K greedy tokens continuing the conversation (from BOS when it is empty);
@@ -14,7 +17,7 @@
  *   unload    frees the context and the model (what servers do when idle today)
  *   load      loads them again; answers "ok load us=T"
  *   quit      frees everything and exits
- * llama.cpp's own log is dropped except errors. */
+ * llama.cpp's own log is dropped except errors, unless --llama-log. */
 #include <llama.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -23,9 +26,14 @@
 
 #define MAX_HISTORY 512
 
+static int g_llama_log;
+
 static void quiet_log(enum ggml_log_level level, const char* text, void* user) {
   (void)user;
-  if (level == GGML_LOG_LEVEL_ERROR) fputs(text, stderr);
+  static enum ggml_log_level last = GGML_LOG_LEVEL_INFO;
+  if (level == GGML_LOG_LEVEL_CONT) level = last;  /* a continuation has its line's level */
+  last = level;
+  if (level == GGML_LOG_LEVEL_ERROR || (g_llama_log && level >= GGML_LOG_LEVEL_INFO)) fputs(text, stderr);
 }
 
 static long long now_us(void) {
@@ -36,6 +44,7 @@ static long long now_us(void) {
 
 static const char* g_path;
 static int g_gpu_layers = 999;
+static int g_no_mmap;
 static struct llama_model* g_model;
 static struct llama_context* g_ctx;
 static llama_token g_history[MAX_HISTORY];
@@ -45,6 +54,7 @@ static int g_n_in_memory; /* of which the context holds the first g_n_in_memory 
 static int load(void) {
   struct llama_model_params mp = llama_model_default_params();
   mp.n_gpu_layers = g_gpu_layers;
+  if (g_no_mmap) mp.load_mode = LLAMA_LOAD_MODE_NONE;
   g_model = llama_model_load_from_file(g_path, mp);
   if (g_model == NULL) {
     fprintf(stderr, "serve_loop: cannot load %s\n", g_path);
@@ -130,8 +140,21 @@ static int gen(int k, long long t0) {
 }
 
 int main(int argc, char** argv) {
+  const char* self = argv[0];
+  while (argc > 1 && strncmp(argv[1], "--", 2) == 0) {
+    if (strcmp(argv[1], "--no-mmap") == 0) {
+      g_no_mmap = 1;
+    } else if (strcmp(argv[1], "--llama-log") == 0) {
+      g_llama_log = 1;
+    } else {
+      fprintf(stderr, "serve_loop: unknown option '%s' (accepted: --no-mmap, --llama-log)\n", argv[1]);
+      return 2;
+    }
+    --argc;
+    ++argv;
+  }
   if (argc < 2 || argc > 3) {
-    fprintf(stderr, "usage: %s MODEL [GPU_LAYERS]\n", argv[0]);
+    fprintf(stderr, "usage: %s [--no-mmap] [--llama-log] MODEL [GPU_LAYERS]\n", self);
     return 2;
   }
   g_path = argv[1];

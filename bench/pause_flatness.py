@@ -1,0 +1,86 @@
+#!/usr/bin/env python3
+"""Is a pause shorter than the keep-alive free? The first token after a pause, plain llama.cpp
+against the same program under libresidency_preload.so (keep-alive longer than every pause), at
+the same pauses, on the same machine, in one run (issue 17 item 4: residency keep-alive should be
+within 1.10x of pause 0 for pauses shorter than the keep-alive).
+
+tests/preload/serve_loop decodes one token after each pause (with --pageout, after every mapping
+of the process was paged out from outside at the end of the pause); pauses are visited in a shuffled
+order, ROUNDS times each, one configuration after the other (never two at once). What a pause
+costs llama.cpp itself (its threads and the CPU waking) shows in the plain column; what residency
+adds is the ratio of the two columns at the same pause.
+
+  bench/pause_flatness.py --serve-loop BIN --preload SO --llama-lib DIR MODEL [--gpu-layers N]
+"""
+import argparse, os, random, statistics, sys, time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from cuda_partial_offload import Loop  # noqa: E402
+from procmem import page_out  # noqa: E402
+
+
+def measure(args, preload, pauses):
+    env = {"LD_PRELOAD": args.preload, "RESIDENCY_KEEP_ALIVE": args.keep_alive} if preload else {}
+    log = os.path.join(args.out, f"pause-{'preload' if preload else 'plain'}.log")
+    loop = Loop(args, [args.model, str(args.gpu_layers)], env, log)
+    times = {p: [] for p in pauses}
+    try:
+        loop.gen(4)  # warm: the first decode wires (preload) and faults pages in
+        order = [p for p in pauses for _ in range(args.rounds)]
+        random.Random(1).shuffle(order)
+        for p in order:
+            if loop.p.stdin is None:
+                break
+            loop.p.stdin.write("reset\n")  # same context length at every measurement
+            loop.p.stdin.flush()
+            loop.p.stdout.readline()
+            loop.gen(2)
+            time.sleep(p)
+            if args.pageout:
+                page_out(loop.p.pid)  # pressure from outside at the end of the pause (every mapping)
+            ms, _ = loop.gen(1)
+            times[p].append(ms)
+    finally:
+        loop.close()
+    return times
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--serve-loop", required=True)
+    ap.add_argument("--preload", required=True)
+    ap.add_argument("--llama-lib", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--keep-alive", default="10s")
+    ap.add_argument("--gpu-layers", type=int, default=0)
+    ap.add_argument("--rounds", type=int, default=10)
+    ap.add_argument("--pauses", default="0,0.2,0.8,1.6,3.2")
+    ap.add_argument("--pageout", action="store_true",
+                    help="page out every mapping of the process (file and anonymous) at the end of each pause")
+    ap.add_argument("model")
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    pauses = [float(x) for x in args.pauses.split(",")]
+    plain = measure(args, False, pauses)
+    pre = measure(args, True, pauses)
+    med = lambda v: statistics.median(v) if v else float("nan")
+    lines = [f"first token after a pause (ms, median of {args.rounds}, mean +/- sd); keep-alive {args.keep_alive}; "
+             f"gpu layers {args.gpu_layers}" +
+             ("; every mapping paged out (process_madvise MADV_PAGEOUT) at the end of each pause" if args.pageout else ""), "",
+             "| pause (s) | plain llama.cpp | / pause 0 | with the preload | / pause 0 | preload / plain |",
+             "|---:|---:|---:|---:|---:|---:|"]
+    for p in pauses:
+        a, b = plain[p], pre[p]
+        lines.append(f"| {p:g} | {med(a):.2f} ({statistics.mean(a):.2f} +/- {statistics.pstdev(a):.2f}) | "
+                     f"{med(a) / med(plain[pauses[0]]):.2f}x | "
+                     f"{med(b):.2f} ({statistics.mean(b):.2f} +/- {statistics.pstdev(b):.2f}) | "
+                     f"{med(b) / med(pre[pauses[0]]):.2f}x | {med(b) / med(a):.2f}x |")
+    text = "\n".join(lines) + "\n"
+    with open(os.path.join(args.out, "pause-flatness.md"), "w") as f:
+        f.write(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,41 @@
+"""What the kernel holds of a process, read and changed from outside (Linux): /proc/PID/status
+figures, and a pageout of every mapping (process_madvise MADV_PAGEOUT, Linux >= 5.10, root or
+CAP_SYS_NICE). Shared by the bench scripts."""
+import ctypes, os
+
+SYS_pidfd_open, SYS_process_madvise, MADV_PAGEOUT = 434, 440, 21  # x86-64 and arm64
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+class _Iovec(ctypes.Structure):
+    _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
+
+
+def status(pid, keys=("VmRSS", "RssAnon", "RssFile", "VmLck", "VmSwap")):
+    """{key: MiB} from /proc/PID/status."""
+    out = {}
+    for line in open(f"/proc/{pid}/status"):
+        k, _, v = line.partition(":")
+        if k in keys:
+            out[k] = int(v.split()[0]) / 1024
+    return out
+
+
+def page_out(pid):
+    """MADV_PAGEOUT over every mapping of PID, file and anonymous; returns the bytes advised.
+    One range per call: the kernel stops a vector at the first range it refuses (a locked one,
+    a CUDA process's /dev/nvidia* mappings), and that must not spare the ranges after it."""
+    pidfd = _libc.syscall(SYS_pidfd_open, pid, 0)
+    if pidfd < 0:
+        return 0
+    done = 0
+    try:
+        for line in open(f"/proc/{pid}/maps"):
+            if "[vsyscall]" in line:
+                continue
+            a, b = (int(x, 16) for x in line.split()[0].split("-"))
+            iov = _Iovec(a, b - a)
+            done += max(_libc.syscall(SYS_process_madvise, pidfd, ctypes.byref(iov), 1, MADV_PAGEOUT, 0), 0)
+    finally:
+        os.close(pidfd)
+    return done
