@@ -21,8 +21,9 @@ def status(pid, keys=("VmRSS", "RssAnon", "RssFile", "VmLck", "VmSwap")):
     return out
 
 
-def page_out(pid):
-    """MADV_PAGEOUT over every mapping of PID, file and anonymous; returns the bytes advised.
+def page_out(pid, which=None):
+    """MADV_PAGEOUT over every mapping of PID, file and anonymous (or those whose /proc/PID/maps
+    line `which(line)` accepts); returns the bytes advised.
     One range per call: the kernel stops a vector at the first range it refuses (a locked one,
     a CUDA process's /dev/nvidia* mappings), and that must not spare the ranges after it."""
     pidfd = _libc.syscall(SYS_pidfd_open, pid, 0)
@@ -31,7 +32,7 @@ def page_out(pid):
     done = 0
     try:
         for line in open(f"/proc/{pid}/maps"):
-            if "[vsyscall]" in line:
+            if "[vsyscall]" in line or (which is not None and not which(line)):
                 continue
             a, b = (int(x, 16) for x in line.split()[0].split("-"))
             iov = _Iovec(a, b - a)
