@@ -127,12 +127,18 @@ def fmt(s, k):
     return "-" if v is None else f"{v:.0f}"
 
 
+def serve_loop_parser(doc):
+    """The arguments every serve_loop harness takes: the program, the preload, llama.cpp's lib/, OUT."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    ap.add_argument("--serve-loop", required=True, help="tests/preload/serve_loop, built")
+    ap.add_argument("--preload", required=True, help="libresidency_preload.so")
+    ap.add_argument("--llama-lib", required=True, help="the lib/ directory of the llama.cpp build")
+    ap.add_argument("--out", required=True, help="directory for the results and logs")
+    return ap
+
+
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--serve-loop", required=True)
-    ap.add_argument("--preload", required=True)
-    ap.add_argument("--llama-lib", required=True)
-    ap.add_argument("--out", required=True)
+    ap = serve_loop_parser(__doc__)
     ap.add_argument("--keep-alive", default="3s")
     ap.add_argument("--idle", type=float, default=5.0)
     ap.add_argument("--layers", type=int, required=True, help="the models' layer count (half go to the GPU)")

@@ -12,10 +12,10 @@ adds is the ratio of the two columns at the same pause.
 
   bench/pause_flatness.py --serve-loop BIN --preload SO --llama-lib DIR MODEL [--gpu-layers N]
 """
-import argparse, os, random, statistics, sys, time
+import os, random, statistics, sys, time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from cuda_partial_offload import Loop  # noqa: E402
+from cuda_partial_offload import Loop, serve_loop_parser  # noqa: E402
 from procmem import page_out  # noqa: E402
 
 
@@ -46,11 +46,7 @@ def measure(args, preload, pauses):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--serve-loop", required=True)
-    ap.add_argument("--preload", required=True)
-    ap.add_argument("--llama-lib", required=True)
-    ap.add_argument("--out", required=True)
+    ap = serve_loop_parser(__doc__)
     ap.add_argument("--keep-alive", default="10s")
     ap.add_argument("--gpu-layers", type=int, default=0)
     ap.add_argument("--rounds", type=int, default=10)
