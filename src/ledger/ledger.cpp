@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstddef>
 #include <cstring>
 #include <fstream>
 #include <sstream>
@@ -65,8 +66,9 @@ struct Ledger::Shared {
   std::atomic<std::uint32_t> generation;  // futex word: bumped whenever bytes are given back
   std::atomic<std::uint32_t> retired;     // 1: unlinked by the last holder; open afresh
   char name[72];
-  alignas(64) pthread_mutex_t mutex;      // robust, process-shared
-  Slot slots[kMaxHolders];
+  // The pid that took the lock last (0: unlocked): only for the message of a wait that timed out.
+  std::atomic<std::int32_t> locker;
+  alignas(64) Slot slots[kMaxHolders];
 };
 
 namespace {
@@ -91,32 +93,93 @@ void futex_wait(std::atomic<std::uint32_t>& a, std::uint32_t expected, const tim
 
 std::string errno_text(int e) { return std::strerror(e); }
 
-// The ledger's lock, repaired when its owner died inside it.
+// The ledger's locker word, read with pread (a mapping may not be touched without the lock).
+int locker_of(int fd) {
+  std::int32_t pid = 0;
+  if (::pread(fd, &pid, sizeof pid, offsetof(Shared, locker)) != static_cast<ssize_t>(sizeof pid)) return 0;
+  return pid > 0 ? pid : 0;
+}
+
+// Set by cancel_shared_budget_waits(): every wait of this process for a ledger ends at once (the
+// process is ending). Sticky.
+std::atomic<bool> g_joins_cancelled{false};
+// How long each kind of wait for the lock may last. The lock is held for microseconds; a longer
+// wait means its owner is stopped, paused or hostile.
+constexpr Nanos kUseLockWait = std::chrono::milliseconds(10);    // acquire, release, answering: a decode may be waiting
+constexpr Nanos kLeaveLockWait = std::chrono::milliseconds(300);  // destruction and exit
+constexpr Nanos kCancelPoll = std::chrono::milliseconds(50);      // the ask wait checks for cancellation this often
+
+// The ledger's lock: an exclusive OFD lock (fcntl F_OFD_SETLK) on the whole file, owned by the
+// kernel. Nothing of it lives in the shared bytes, so a member that scribbles on the ledger can
+// make a holder's view of the table wrong, never its process; and the kernel drops it when the
+// owner dies (the last descriptor of the open file description closes). An OFD lock belongs to
+// the open file description, which the threads of this Ledger share: `local` orders them first.
+// Every wait is bounded (a holder that is SIGSTOPped, paused by a container runtime or a
+// debugger inside the lock, or hostile, must not stall another process): the lock is polled
+// with a short backoff until `bound` has passed, and then not taken, with the reason in why().
 class Lock {
  public:
-  explicit Lock(Shared* s) : s_(s) {
-    int r = ::pthread_mutex_lock(&s_->mutex);
-    if (r == EOWNERDEAD) {
-      // The holder died mid-update; every field is one word and `used` is a sum, so all that is
-      // left to repair is the dead holder's share, which reclaim() drops.
-      ::pthread_mutex_consistent(&s_->mutex);
-      r = 0;
+  Lock(int fd, std::timed_mutex& local, Shared* s, Nanos bound, bool cancellable = false) : fd_(fd), local_(local), s_(s) {
+    const auto deadline = std::chrono::steady_clock::now() + bound;
+    if (!local_.try_lock_until(deadline)) {
+      why_ = "another thread of this process held it for more than " + std::to_string(bound.count() / 1'000'000) + " ms";
+      return;
     }
-    ok_ = r == 0;
+    auto pause = std::chrono::microseconds(50);
+    for (;;) {
+      struct flock fl {};
+      fl.l_type = F_WRLCK;
+      fl.l_whence = SEEK_SET;  // l_start = l_len = 0: the whole file
+      if (::fcntl(fd_, F_OFD_SETLK, &fl) == 0) break;
+      const int e = errno;
+      const bool cancelled = cancellable && g_joins_cancelled.load(std::memory_order_acquire);
+      if ((e != EAGAIN && e != EACCES && e != EINTR) || cancelled || std::chrono::steady_clock::now() >= deadline) {
+        local_.unlock();
+        if (cancelled)
+          why_ = "cancelled (the process is ending)";
+        else if (e != EAGAIN && e != EACCES && e != EINTR)
+          why_ = "fcntl(F_OFD_SETLK) failed: " + errno_text(e);
+        else
+          why_ = "it has been held" + holder_text() + " for more than " + std::to_string(bound.count() / 1'000'000) +
+                 " ms (a process stopped inside it: SIGSTOP, a paused container, a debugger)";
+        return;
+      }
+      std::this_thread::sleep_for(std::min<std::chrono::steady_clock::duration>(pause, deadline - std::chrono::steady_clock::now()));
+      pause = std::min(pause * 2, std::chrono::microseconds(5000));
+    }
+    ok_ = true;
+    s_->locker.store(::getpid(), std::memory_order_relaxed);
   }
   ~Lock() { unlock(); }
   // Unlocks now; the ledger must still be mapped. Called before it is unmapped inside the scope.
   void unlock() {
-    if (ok_) ::pthread_mutex_unlock(&s_->mutex);
+    if (!ok_) return;
+    s_->locker.store(0, std::memory_order_relaxed);
+    struct flock fl {};
+    fl.l_type = F_UNLCK;
+    fl.l_whence = SEEK_SET;
+    ::fcntl(fd_, F_OFD_SETLK, &fl);
+    local_.unlock();
     ok_ = false;
   }
   Lock(const Lock&) = delete;
   Lock& operator=(const Lock&) = delete;
   bool ok() const { return ok_; }
+  // Why the lock was not taken (empty when it was).
+  const std::string& why() const { return why_; }
 
  private:
+  // "by process N" when the ledger names the locker (read with pread: only the lock owner may
+  // touch the mapping, and the word is a hint, written by whoever took the lock last).
+  std::string holder_text() const {
+    const int pid = locker_of(fd_);
+    return pid > 0 ? " by process " + std::to_string(pid) : "";
+  }
+  int fd_;
+  std::timed_mutex& local_;
   Shared* s_;
   bool ok_ = false;
+  std::string why_;
 };
 
 std::uint64_t used_bytes(const Shared& s) {
@@ -248,23 +311,13 @@ Result<int> create(const std::string& path, const std::string& name, std::uint64
   if (::fchmod(fd, group >= 0 ? 0660 : 0600) != 0) return fail("cannot set the mode of");
   Shared* s = map(fd, true);
   if (!s) return fail("cannot map");
-  // The file is zero-filled: every atomic and slot starts at 0 (free). Only the mutex needs work.
-  pthread_mutexattr_t a;
-  ::pthread_mutexattr_init(&a);
-  ::pthread_mutexattr_setpshared(&a, PTHREAD_PROCESS_SHARED);
-  ::pthread_mutexattr_setrobust(&a, PTHREAD_MUTEX_ROBUST);
-  const int r = ::pthread_mutex_init(&s->mutex, &a);
-  ::pthread_mutexattr_destroy(&a);
+  // The file is zero-filled: every atomic and slot starts at 0 (free), and the lock is the file's.
   s->budget = budget;
   std::snprintf(s->name, sizeof s->name, "%s", name.c_str());
   s->version = kFormatVersion;
   s->layout_size = sizeof(Shared);
   s->magic = kMagic;
   ::munmap(s, sizeof(Shared));
-  if (r != 0) {
-    errno = r;
-    return fail("cannot initialise the lock of");
-  }
   if (::link(tmp.c_str(), path.c_str()) != 0) {
     const int e = errno;
     ::unlink(tmp.c_str());
@@ -295,6 +348,14 @@ std::uint64_t process_start_time(int pid) {
   std::uint64_t start = 0;
   if (!(fields >> start)) return 0;
   return start;
+}
+
+int lock_owner(const std::string& path) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
+  if (fd < 0) return 0;
+  const int pid = locker_of(fd);
+  ::close(fd);
+  return pid;
 }
 
 bool holder_alive(int pid, std::uint64_t start_time) {
@@ -348,11 +409,12 @@ Result<std::unique_ptr<Ledger>> Ledger::attach(const AttachOptions& o) {
     l->priority_ = o.priority;
     l->owner_pid_ = self;
     {
-      Lock lock(s);
+      Lock lock(fd, l->local_, s, kJoinWait, /*cancellable=*/true);
       if (!lock.ok()) {
         l->shm_ = nullptr;  // nothing of ours is in it
         ::munmap(s, sizeof(Shared));
-        return Status(ErrorCode::backend_error, "the lock of " + path + " cannot be taken (not recoverable); remove the file");
+        return Status(ErrorCode::io_error, "cannot join the shared budget " + o.name + ": the lock of its ledger " + path +
+                                               " was not obtained: " + lock.why());
       }
       if (s->retired.load(std::memory_order_acquire)) {
         // Its last holder removed it after we opened it: open (or create) the one in place now.
@@ -405,11 +467,13 @@ bool path_is_ours(int fd, const std::string& path) {
   return ::fstat(fd, &held) == 0 && ::stat(path.c_str(), &at) == 0 && held.st_dev == at.st_dev && held.st_ino == at.st_ino;
 }
 
-void leave(Shared* s, std::uint32_t slot, const std::string& path, int fd) {
+void leave(Shared* s, std::uint32_t slot, const std::string& path, int fd, std::timed_mutex& local) {
   const int self = ::getpid();
   Slot& sl = s->slots[slot];
   const std::uint64_t self_start = sl.start_time.load(std::memory_order_relaxed);
-  Lock lock(s);
+  // Bounded: a lock stopped elsewhere costs this process its exit time, at most this long. Not
+  // obtained, our slot is still ours to clear; reclaiming the dead and retiring wait for the next.
+  Lock lock(fd, local, s, kLeaveLockWait, /*cancellable=*/true);
   sl.bytes.store(0, std::memory_order_relaxed);
   sl.ask.store(0, std::memory_order_relaxed);
   sl.used.store(0, std::memory_order_release);
@@ -428,6 +492,11 @@ void leave(Shared* s, std::uint32_t slot, const std::string& path, int fd) {
 
 bool Ledger::mine() const { return ::getpid() == owner_pid_; }
 
+std::uint64_t Ledger::lock_not_obtained(const std::string& why) {
+  problem_ = "the lock of its ledger " + path_ + " was not obtained at once: " + why;
+  return 0;
+}
+
 Ledger::~Ledger() {
   if (!mine()) {
     // A fork child: the listener thread is the parent's (it does not run here) and the slot too.
@@ -438,7 +507,7 @@ Ledger::~Ledger() {
   }
   stop_listening();
   if (!shm_) return;
-  if (!detached_) leave(shm_, slot_, path_, fd_);
+  if (!detached_) leave(shm_, slot_, path_, fd_, local_);
   ::munmap(shm_, sizeof(Shared));
   ::close(fd_);
 }
@@ -453,7 +522,7 @@ void Ledger::detach_at_exit() {
   // thread is left unjoined for a sanitizer to report).
   if (listener_.joinable() && listener_.get_id() != std::this_thread::get_id()) listener_.join();
   detached_ = true;
-  leave(shm_, slot_, path_, fd_);
+  leave(shm_, slot_, path_, fd_, local_);
 }
 
 std::uint64_t Ledger::budget() const { return shm_->budget; }
@@ -477,12 +546,13 @@ std::uint64_t Ledger::acquire(std::uint64_t bytes, Nanos wait, bool partial) {
     int pid;
   };
   std::vector<Asked> asked;
-  while (wait.count() > 0) {
+  while (wait.count() > 0 && monotonic_ns() < deadline) {
     std::uint32_t gen = 0;
     bool outstanding = false, asked_now = false;
     {
-      Lock lock(&s);
-      if (!lock.ok()) return 0;
+      Lock lock(fd_, local_, shm_, kUseLockWait);
+      if (!lock.ok()) return lock_not_obtained(lock.why());
+      problem_.clear();
       reclaim(s, self, self_start);
       const std::uint64_t used = used_bytes(s);
       if (used <= s.budget && s.budget - used >= bytes) return take(bytes);
@@ -525,13 +595,15 @@ std::uint64_t Ledger::acquire(std::uint64_t bytes, Nanos wait, bool partial) {
       gen = s.generation.load(std::memory_order_acquire);
     }
     if (!outstanding && !asked_now) break;  // nobody left to ask
-    const std::int64_t left = deadline - monotonic_ns();
-    if (left <= 0) break;
+    // In slices, so that cancel_shared_budget_waits() (a signal to the process) ends it soon.
+    const std::int64_t left = std::min<std::int64_t>(deadline - monotonic_ns(), kCancelPoll.count());
+    if (left <= 0 || g_joins_cancelled.load(std::memory_order_acquire)) break;
     const timespec ts{static_cast<time_t>(left / 1'000'000'000), static_cast<long>(left % 1'000'000'000)};
     futex_wait(s.generation, gen, &ts);
   }
-  Lock lock(&s);
-  if (!lock.ok()) return 0;
+  Lock lock(fd_, local_, shm_, kUseLockWait);
+  if (!lock.ok()) return lock_not_obtained(lock.why());
+  problem_.clear();
   reclaim(s, self, self_start);
   const std::uint64_t used = used_bytes(s);
   const std::uint64_t free = used < s.budget ? s.budget - used : 0;
@@ -544,7 +616,7 @@ void Ledger::release(std::uint64_t bytes) {
   if (bytes == 0 || detached_ || !mine()) return;
   Slot& mine = shm_->slots[slot_];
   {
-    Lock lock(shm_);  // even if it could not be taken, our own slot is ours to write
+    Lock lock(fd_, local_, shm_, kUseLockWait);  // even if it could not be taken, our own slot is ours to write
     mine.bytes.store(mine.bytes.load(std::memory_order_relaxed) - bytes, std::memory_order_relaxed);
     held_ -= bytes;
     shm_->generation.fetch_add(1, std::memory_order_release);
@@ -594,7 +666,7 @@ void Ledger::listen_loop() {
     if (v != kStopWord && on_asked_) on_asked_(static_cast<int>(v));
     asks_answered_.fetch_add(1, std::memory_order_relaxed);
     {
-      Lock lock(shm_);
+      Lock lock(fd_, local_, shm_, kUseLockWait);  // not obtained: our own word is still ours to clear
       std::uint32_t expected = v;
       mine.ask.compare_exchange_strong(expected, 0, std::memory_order_acq_rel);  // kStopWord stays
       shm_->generation.fetch_add(1, std::memory_order_release);
@@ -608,6 +680,8 @@ void Ledger::listen_loop() {
 }  // namespace residency::ledger
 
 namespace residency {
+
+void cancel_shared_budget_waits() noexcept { ledger::g_joins_cancelled.store(true, std::memory_order_release); }
 
 std::vector<SharedBudgetInfo> list_shared_budgets() {
   using namespace ledger;
@@ -671,6 +745,7 @@ std::vector<SharedBudgetInfo> list_shared_budgets() {
 struct Ledger::Shared {};
 
 std::uint64_t process_start_time(int) { return 0; }
+int lock_owner(const std::string&) { return 0; }
 bool holder_alive(int, std::uint64_t) { return false; }
 
 Result<std::unique_ptr<Ledger>> Ledger::attach(const AttachOptions&) {
@@ -695,6 +770,7 @@ void Ledger::listen_loop() {}
 }  // namespace residency::ledger
 
 namespace residency {
+void cancel_shared_budget_waits() noexcept {}
 std::vector<SharedBudgetInfo> list_shared_budgets() { return {}; }
 }  // namespace residency
 
