@@ -43,16 +43,28 @@ constexpr std::uint32_t kStopWord = 0xffffffffu;          // our own slot's ask 
 
 // One holder. Invariant: `used` is 1 exactly while pid/start_time name a holder; `bytes` is what
 // that holder has reserved. Each is one aligned word, written under the ledger's lock (last_use
-// and ask also without it: last_use by the holder's touch(), ask by askers and the listener).
+// also without it, by the holder's touch(); its own ask word too, by its stop and when it cannot
+// take the lock to answer).
+//
+// An ask has an identity and an end: `ask` holds its id (Shared::ask_serial, never 0 or
+// kStopWord), asker_pid/asker_start name the asking process and ask_deadline is when it stops
+// waiting. The asked holder gives back only for an ask that is still the one in its word, whose
+// asker is alive and whose deadline has not passed (a holder stopped while asked, continued after
+// the asker gave up, gives back to nobody); the asker withdraws its asks when it stops waiting.
 struct alignas(64) Slot {
-  std::atomic<std::uint32_t> ask;   // futex word: 0 nothing asked; else the asker's pid
+  std::atomic<std::uint32_t> ask;   // futex word: 0 nothing asked; else the ask's id
   std::atomic<std::uint32_t> used;
   std::atomic<std::int32_t> pid;
   std::atomic<std::int32_t> priority;
   std::atomic<std::uint64_t> start_time;
   std::atomic<std::uint64_t> bytes;
   std::atomic<std::int64_t> last_use;  // CLOCK_MONOTONIC ns of the last use; 0: none yet
+  std::atomic<std::int32_t> asker_pid;
+  std::uint32_t unused;
+  std::atomic<std::uint64_t> asker_start;
+  std::atomic<std::int64_t> ask_deadline;  // CLOCK_MONOTONIC ns
 };
+static_assert(sizeof(Slot) == 64, "one cache line per holder");
 static_assert(std::atomic<std::uint64_t>::is_always_lock_free, "the ledger needs lock-free 64-bit atomics");
 }  // namespace
 
@@ -68,6 +80,7 @@ struct Ledger::Shared {
   char name[72];
   // The pid that took the lock last (0: unlocked): only for the message of a wait that timed out.
   std::atomic<std::int32_t> locker;
+  std::atomic<std::uint32_t> ask_serial;  // the last ask id given out
   alignas(64) Slot slots[kMaxHolders];
 };
 
@@ -543,9 +556,17 @@ std::uint64_t Ledger::acquire(std::uint64_t bytes, Nanos wait, bool partial) {
   const std::int64_t deadline = monotonic_ns() + wait.count();
   struct Asked {
     std::uint32_t slot;
-    int pid;
+    std::uint32_t id;
   };
   std::vector<Asked> asked;
+  // Under the lock: the asks still in their holders' words are withdrawn (this wait is over).
+  auto withdraw = [&] {
+    for (const Asked& a : asked) {
+      std::uint32_t expected = a.id;
+      s.slots[a.slot].ask.compare_exchange_strong(expected, 0, std::memory_order_acq_rel);
+    }
+    asked.clear();
+  };
   while (wait.count() > 0 && monotonic_ns() < deadline) {
     std::uint32_t gen = 0;
     bool outstanding = false, asked_now = false;
@@ -555,13 +576,12 @@ std::uint64_t Ledger::acquire(std::uint64_t bytes, Nanos wait, bool partial) {
       problem_.clear();
       reclaim(s, self, self_start);
       const std::uint64_t used = used_bytes(s);
-      if (used <= s.budget && s.budget - used >= bytes) return take(bytes);
-      for (const Asked& a : asked) {
-        const Slot& sl = s.slots[a.slot];
-        if (sl.used.load(std::memory_order_relaxed) && sl.pid.load(std::memory_order_relaxed) == a.pid &&
-            sl.ask.load(std::memory_order_relaxed) != 0)
-          outstanding = true;
+      if (used <= s.budget && s.budget - used >= bytes) {
+        withdraw();
+        return take(bytes);
       }
+      for (const Asked& a : asked)
+        if (s.slots[a.slot].ask.load(std::memory_order_relaxed) == a.id) outstanding = true;
       if (!outstanding) {
         // The holder to ask: priority <= ours, idle at least kIdleBeforeAsked, holding bytes;
         // lowest priority first, then the one idle longest.
@@ -585,9 +605,14 @@ std::uint64_t Ledger::acquire(std::uint64_t bytes, Nanos wait, bool partial) {
         }
         if (best != kMaxHolders) {
           Slot& v = s.slots[best];
-          v.ask.store(static_cast<std::uint32_t>(self), std::memory_order_release);
+          std::uint32_t id = s.ask_serial.fetch_add(1, std::memory_order_relaxed) + 1;
+          if (id == 0 || id == kStopWord) id = s.ask_serial.fetch_add(2, std::memory_order_relaxed) + 2;
+          v.asker_pid.store(self, std::memory_order_relaxed);
+          v.asker_start.store(self_start, std::memory_order_relaxed);
+          v.ask_deadline.store(deadline, std::memory_order_relaxed);
+          v.ask.store(id, std::memory_order_release);
           futex_wake(v.ask, 1);
-          asked.push_back({best, v.pid.load(std::memory_order_relaxed)});
+          asked.push_back({best, id});
           asks_sent_.fetch_add(1, std::memory_order_relaxed);
           asked_now = true;
         }
@@ -602,8 +627,9 @@ std::uint64_t Ledger::acquire(std::uint64_t bytes, Nanos wait, bool partial) {
     futex_wait(s.generation, gen, &ts);
   }
   Lock lock(fd_, local_, shm_, kUseLockWait);
-  if (!lock.ok()) return lock_not_obtained(lock.why());
+  if (!lock.ok()) return lock_not_obtained(lock.why());  // the asks expire at their deadline
   problem_.clear();
+  withdraw();
   reclaim(s, self, self_start);
   const std::uint64_t used = used_bytes(s);
   const std::uint64_t free = used < s.budget ? s.budget - used : 0;
@@ -663,8 +689,20 @@ void Ledger::listen_loop() {
       futex_wait(mine.ask, 0, nullptr);
       continue;
     }
-    if (v != kStopWord && on_asked_) on_asked_(static_cast<int>(v));
-    asks_answered_.fetch_add(1, std::memory_order_relaxed);
+    // Answered only if it is still a live ask: the word unchanged, the asker alive, its wait not
+    // over. Checked under the lock; without the lock it cannot be checked and is declined.
+    int asker = 0;
+    {
+      Lock lock(fd_, local_, shm_, kUseLockWait);
+      if (lock.ok() && v != kStopWord && mine.ask.load(std::memory_order_acquire) == v) {
+        const int pid = mine.asker_pid.load(std::memory_order_relaxed);
+        if (monotonic_ns() < mine.ask_deadline.load(std::memory_order_relaxed) &&
+            holder_alive(pid, mine.asker_start.load(std::memory_order_relaxed)))
+          asker = pid;
+      }
+    }
+    if (asker != 0 && on_asked_) on_asked_(asker);
+    if (asker != 0) asks_answered_.fetch_add(1, std::memory_order_relaxed);
     {
       Lock lock(fd_, local_, shm_, kUseLockWait);  // not obtained: our own word is still ours to clear
       std::uint32_t expected = v;

@@ -12,7 +12,9 @@
 // longest among those of priority <= its own (last use >= kIdleBeforeAsked ago), writes its
 // slot's word and FUTEX_WAKEs it; that process gives its memory back if it is really idle (as
 // its keep-alive would have, early) and answers by bumping the ledger's generation word, on
-// which the asker waits a bounded time.
+// which the asker waits a bounded time. An ask carries an id, the asker's identity and the end
+// of its wait; it is answered only while all three hold (a holder stopped while asked, continued
+// after the asker gave up or died, gives back to nobody), and the asker withdraws it when done.
 //
 // The lock is the kernel's: an exclusive OFD lock (fcntl F_OFD_SETLK) on the whole ledger file.
 // The kernel drops it when its owner dies (SIGKILL, OOM kill), and nothing of it lives in the

@@ -900,3 +900,53 @@ TEST(SharedBudgetStoppedLock, ATouchThatMustRewireReturnsAtOnceUnwiredAndSaysWhy
   ::munmap(mem, kHold);
 }
 }  // namespace
+
+namespace {
+// --- a stale ask (issue 18, item 6) -----------------------------------------------------------
+
+// The asked holder is SIGSTOPped; the asker waits its ledger::kAskWait, gets nothing, and then
+// gives up and exits (`how`: normally, or SIGKILLed during its wait so that it cannot withdraw the
+// ask). When the holder continues it must not give its memory back to nobody (before: it did, and
+// its `hold` exited "asked by process N").
+void a_stopped_holder_continued_after_the_asker_left_keeps_its_memory(bool kill_asker) {
+  TempMappedFile fa(kHold), fb(kHold);
+  ASSERT_TRUE(fa.ok() && fb.ok());
+  const std::string name = unique_name(kill_asker ? "stale-killed" : "stale");
+  const std::vector<std::string> env = {env_budget(name, "6MiB")};
+  Hold a(path_of(fa), env);
+  ASSERT_TRUE(a.wait_vm_lck(kHold, 10s)) << a.all();
+  std::this_thread::sleep_for(ledger::kIdleBeforeAsked + 100ms);  // a is idle enough to be asked
+  ASSERT_EQ(::kill(a.pid, SIGSTOP), 0);
+  int st = 0;
+  ASSERT_EQ(::waitpid(a.pid, &st, WUNTRACED), a.pid);
+  ASSERT_TRUE(WIFSTOPPED(st));
+  Hold b(path_of(fb), env);
+  bool asked = false;  // b has asked a once a's slot shows the ask
+  for (int i = 0; i < 2000 && !asked; ++i) {
+    for (const auto& info : list_shared_budgets())
+      if (info.name == name)
+        for (const auto& h : info.holders) asked = asked || (h.pid == a.pid && h.asked);
+    if (!asked) std::this_thread::sleep_for(1ms);
+  }
+  ASSERT_TRUE(asked) << b.all();
+  if (kill_asker) {
+    b.kill9();
+  } else {
+    EXPECT_EQ(b.wait_exit(10s), 1) << "nothing could be wired: " << b.all();
+  }
+  if (!kill_asker) std::this_thread::sleep_for(ledger::kAskWait);  // b's deadline is long past either way
+  ASSERT_EQ(::kill(a.pid, SIGCONT), 0);
+  std::this_thread::sleep_for(500ms);
+  EXPECT_EQ(a.wait_exit(0ms), -1) << "a gave its memory back to nobody and exited: " << a.all();
+  EXPECT_EQ(a.vm_lck(), kHold) << a.all();
+  EXPECT_EQ(a.all().find("asked by"), std::string::npos) << a.all();
+}
+
+TEST(SharedBudgetProcesses, AStoppedAskedHolderContinuedAfterTheAskerGaveUpKeepsItsMemory) {
+  a_stopped_holder_continued_after_the_asker_left_keeps_its_memory(false);
+}
+
+TEST(SharedBudgetProcesses, AStoppedAskedHolderContinuedAfterTheAskerWasKilledKeepsItsMemory) {
+  a_stopped_holder_continued_after_the_asker_left_keeps_its_memory(true);
+}
+}  // namespace
