@@ -69,6 +69,12 @@ static_assert(std::atomic<std::uint64_t>::is_always_lock_free, "the ledger needs
 }  // namespace
 
 struct Ledger::Shared {
+  // The trust model: every process that may open the file (its user, or the members of its
+  // group) may deny the others budget, never corrupt their processes. So nothing here is a lock or
+  // a pointer: the lock is the kernel's (an OFD lock on the file), and every field is checked
+  // before it is used (check_table(), and the file's size, under the lock). A ledger that fails
+  // the check is an error with a message; its holders stop using it and keep their processes.
+  //
   // Fixed header: magic and version stay at these offsets in every format version, so that a
   // reader can name the version it found.
   std::uint64_t magic;
@@ -100,11 +106,41 @@ void futex_wake(std::atomic<std::uint32_t>& a, int n) {
   ::syscall(SYS_futex, word(a), FUTEX_WAKE, n, nullptr, nullptr, 0);
 }
 // Sleeps while `a` holds `expected`, at most `timeout` (nullptr: no limit).
-void futex_wait(std::atomic<std::uint32_t>& a, std::uint32_t expected, const timespec* timeout) {
-  ::syscall(SYS_futex, word(a), FUTEX_WAIT, expected, timeout, nullptr, 0);
+// Returns 0 when woken (or spuriously), else -1 with errno: EAGAIN (the word differed), ETIMEDOUT,
+// EINTR, or EFAULT (the page is gone: the file was truncated). The kernel compares the word, so
+// waiting needs no load of it from a mapping.
+long futex_wait(std::atomic<std::uint32_t>& a, std::uint32_t expected, const timespec* timeout) {
+  return ::syscall(SYS_futex, word(a), FUTEX_WAIT, expected, timeout, nullptr, 0);
 }
 
 std::string errno_text(int e) { return std::strerror(e); }
+
+// What is wrong with a ledger's bytes ("" when nothing is). Every field another process may have
+// written is read here before it is used: the header, the retired word, each slot's `used`, pid
+// and start time, and the sum of the reservations against the budget (which acquire() keeps).
+std::string check_table(const Shared& s) {
+  if (s.magic != kMagic) return "its magic number was overwritten";
+  if (s.version != kFormatVersion || s.layout_size != sizeof(Shared))
+    return "its format version or layout size was overwritten (" + std::to_string(s.version) + ", " +
+           std::to_string(s.layout_size) + ")";
+  if (s.retired.load(std::memory_order_relaxed) > 1) return "its retired word is " + std::to_string(s.retired.load());
+  if (std::memchr(s.name, 0, sizeof s.name) == nullptr) return "its name is not terminated";
+  std::uint64_t sum = 0;
+  for (std::uint32_t i = 0; i < kMaxHolders; ++i) {
+    const Slot& sl = s.slots[i];
+    const std::uint32_t used = sl.used.load(std::memory_order_relaxed);
+    if (used > 1) return "slot " + std::to_string(i) + " has used = " + std::to_string(used);
+    if (used == 0) continue;
+    if (sl.pid.load(std::memory_order_relaxed) <= 0 || sl.start_time.load(std::memory_order_relaxed) == 0)
+      return "slot " + std::to_string(i) + " names pid " + std::to_string(sl.pid.load()) + " with start time " +
+             std::to_string(sl.start_time.load());
+    const std::uint64_t b = sl.bytes.load(std::memory_order_relaxed);
+    if (b > s.budget - std::min(sum, s.budget))
+      return "its holders reserve more than its budget of " + std::to_string(s.budget) + " bytes";
+    sum += b;
+  }
+  return "";
+}
 
 // The ledger's locker word, read with pread (a mapping may not be touched without the lock).
 int locker_of(int fd) {
@@ -133,6 +169,31 @@ constexpr Nanos kCancelPoll = std::chrono::milliseconds(50);      // the ask wai
 class Lock {
  public:
   Lock(int fd, std::timed_mutex& local, Shared* s, Nanos bound, bool cancellable = false) : fd_(fd), local_(local), s_(s) {
+    take(bound, cancellable);
+    if (!ok_) return;
+    // Nothing of the mapping is touched before the file is known to cover it (a file truncated
+    // by another process would fault the access: SIGBUS) and its bytes are known to make sense.
+    struct stat st {};
+    std::string bad;
+    if (::fstat(fd_, &st) != 0)
+      bad = "cannot stat it: " + errno_text(errno);
+    else if (st.st_size != static_cast<off_t>(sizeof(Shared)))
+      bad = "it is " + std::to_string(st.st_size) + " bytes long, a ledger is " + std::to_string(sizeof(Shared)) +
+            " (another process truncated or extended it)";
+    else
+      bad = check_table(*s_);
+    if (!bad.empty()) {
+      release_file_lock();
+      ok_ = false;
+      corrupt_ = true;
+      why_ = bad;
+      return;
+    }
+    s_->locker.store(::getpid(), std::memory_order_relaxed);
+  }
+
+ private:
+  void take(Nanos bound, bool cancellable) {
     const auto deadline = std::chrono::steady_clock::now() + bound;
     if (!local_.try_lock_until(deadline)) {
       why_ = "another thread of this process held it for more than " + std::to_string(bound.count() / 1'000'000) + " ms";
@@ -161,23 +222,30 @@ class Lock {
       pause = std::min(pause * 2, std::chrono::microseconds(5000));
     }
     ok_ = true;
-    s_->locker.store(::getpid(), std::memory_order_relaxed);
   }
-  ~Lock() { unlock(); }
-  // Unlocks now; the ledger must still be mapped. Called before it is unmapped inside the scope.
-  void unlock() {
-    if (!ok_) return;
-    s_->locker.store(0, std::memory_order_relaxed);
+  void release_file_lock() {
     struct flock fl {};
     fl.l_type = F_UNLCK;
     fl.l_whence = SEEK_SET;
     ::fcntl(fd_, F_OFD_SETLK, &fl);
     local_.unlock();
+  }
+
+ public:
+  ~Lock() { unlock(); }
+  // Unlocks now; the ledger must still be mapped. Called before it is unmapped inside the scope.
+  void unlock() {
+    if (!ok_) return;
+    s_->locker.store(0, std::memory_order_relaxed);
+    release_file_lock();
     ok_ = false;
   }
   Lock(const Lock&) = delete;
   Lock& operator=(const Lock&) = delete;
+  // Taken, and the ledger's size and table are sound: the mapping may be used until unlock().
   bool ok() const { return ok_; }
+  // Not taken because the ledger is corrupt (why() says what); never becomes usable again.
+  bool corrupt() const { return corrupt_; }
   // Why the lock was not taken (empty when it was).
   const std::string& why() const { return why_; }
 
@@ -191,7 +259,7 @@ class Lock {
   int fd_;
   std::timed_mutex& local_;
   Shared* s_;
-  bool ok_ = false;
+  bool ok_ = false, corrupt_ = false;
   std::string why_;
 };
 
@@ -292,11 +360,16 @@ Status check_file(int fd, const std::string& path, long group) {
                       std::to_string(kFormatVersion) +
                       ": processes of another residency release hold this budget; use another budget name, or "
                       "stop them and the ledger goes away with its last holder");
-  if (layout != sizeof(Shared) || st.st_size != static_cast<off_t>(sizeof(Shared)))
+  if (layout != sizeof(Shared))
     return Status(ErrorCode::invalid_argument, path + " has version " + std::to_string(version) + " but a layout of " +
-                                                   std::to_string(layout) + " bytes (" + std::to_string(st.st_size) +
-                                                   " in the file); this build expects " + std::to_string(sizeof(Shared)) +
+                                                   std::to_string(layout) + " bytes; this build expects " +
+                                                   std::to_string(sizeof(Shared)) +
                                                    ": a build for another C library or ABI holds it; use another name");
+  if (st.st_size != static_cast<off_t>(sizeof(Shared)))
+    return Status(ErrorCode::invalid_argument,
+                  path + " is " + std::to_string(st.st_size) + " bytes long where its header says " + std::to_string(layout) +
+                      ": another process truncated or extended it, so it is corrupt; its holders keep their memory but "
+                      "cannot share it: remove the file (or use another budget name)");
   return {};
 }
 
@@ -423,6 +496,13 @@ Result<std::unique_ptr<Ledger>> Ledger::attach(const AttachOptions& o) {
     l->owner_pid_ = self;
     {
       Lock lock(fd, l->local_, s, kJoinWait, /*cancellable=*/true);
+      if (lock.corrupt()) {
+        l->shm_ = nullptr;
+        ::munmap(s, sizeof(Shared));
+        return Status(ErrorCode::invalid_argument, "the shared budget ledger " + path + " is corrupt: " + lock.why() +
+                                                       "; its holders keep their memory but cannot share it: remove the "
+                                                       "file (or use another budget name)");
+      }
       if (!lock.ok()) {
         l->shm_ = nullptr;  // nothing of ours is in it
         ::munmap(s, sizeof(Shared));
@@ -461,6 +541,8 @@ Result<std::unique_ptr<Ledger>> Ledger::attach(const AttachOptions& o) {
       sl.last_use.store(0, std::memory_order_relaxed);
       sl.used.store(1, std::memory_order_release);
       l->slot_ = slot;
+      l->self_start_ = self_start;
+      l->budget_ = s->budget;
       if (s->budget != o.budget) l->requested_budget_ = o.budget;
     }
     return l;
@@ -480,30 +562,59 @@ bool path_is_ours(int fd, const std::string& path) {
   return ::fstat(fd, &held) == 0 && ::stat(path.c_str(), &at) == 0 && held.st_dev == at.st_dev && held.st_ino == at.st_ino;
 }
 
-void leave(Shared* s, std::uint32_t slot, const std::string& path, int fd, std::timed_mutex& local) {
+}  // namespace
+
+bool Ledger::mine() const { return ::getpid() == owner_pid_; }
+
+// With nothing held: frees our slot, reclaims the dead, and retires + unlinks the ledger when no
+// holder is left (under the lock, so that an opener waiting for it sees `retired`).
+void Ledger::leave() {
+  if (broken_.load(std::memory_order_acquire)) return;  // nothing of a corrupt ledger is touched
+  Shared* s = shm_;
   const int self = ::getpid();
-  Slot& sl = s->slots[slot];
-  const std::uint64_t self_start = sl.start_time.load(std::memory_order_relaxed);
   // Bounded: a lock stopped elsewhere costs this process its exit time, at most this long. Not
   // obtained, our slot is still ours to clear; reclaiming the dead and retiring wait for the next.
-  Lock lock(fd, local, s, kLeaveLockWait, /*cancellable=*/true);
+  Lock lock(fd_, local_, s, kLeaveLockWait, /*cancellable=*/true);
+  if (lock.corrupt() || (!lock.ok() && !covers_mapping()) || (lock.ok() && !own_slot_sound())) {
+    broken_.store(true, std::memory_order_release);
+    return;
+  }
+  Slot& sl = s->slots[slot_];
   sl.bytes.store(0, std::memory_order_relaxed);
   sl.ask.store(0, std::memory_order_relaxed);
   sl.used.store(0, std::memory_order_release);
   if (lock.ok()) {
-    reclaim(*s, self, self_start);
+    reclaim(*s, self, self_start_);
     bool anyone = false;
     for (const Slot& o : s->slots) anyone = anyone || o.used.load(std::memory_order_relaxed) != 0;
     if (!anyone) {
       s->retired.store(1, std::memory_order_release);
-      if (path_is_ours(fd, path)) ::unlink(path.c_str());
+      if (path_is_ours(fd_, path_)) ::unlink(path_.c_str());
     }
   }
   bump(*s);
 }
-}  // namespace
 
-bool Ledger::mine() const { return ::getpid() == owner_pid_; }
+bool Ledger::covers_mapping() const {
+  struct stat st {};
+  return ::fstat(fd_, &st) == 0 && st.st_size == static_cast<off_t>(sizeof(Shared));
+}
+
+// Under the lock: our slot still names us and what we hold (only we write it).
+bool Ledger::own_slot_sound() const {
+  const Slot& sl = shm_->slots[slot_];
+  return sl.used.load(std::memory_order_relaxed) == 1 && sl.pid.load(std::memory_order_relaxed) == owner_pid_ &&
+         sl.start_time.load(std::memory_order_relaxed) == self_start_ && sl.bytes.load(std::memory_order_relaxed) == held_;
+}
+
+// The reason a lock taken for this holder cannot be used, recorded for problem(); the ledger is
+// not used again.
+std::uint64_t Ledger::corrupt(const std::string& what) {
+  broken_.store(true, std::memory_order_release);
+  problem_ = "its ledger " + path_ + " is corrupt: " + what + "; this process wires nothing more under it (remove the file " +
+             "once its holders are gone)";
+  return 0;
+}
 
 std::uint64_t Ledger::lock_not_obtained(const std::string& why) {
   problem_ = "the lock of its ledger " + path_ + " was not obtained at once: " + why;
@@ -520,34 +631,56 @@ Ledger::~Ledger() {
   }
   stop_listening();
   if (!shm_) return;
-  if (!detached_) leave(shm_, slot_, path_, fd_, local_);
+  if (!detached_) leave();
   ::munmap(shm_, sizeof(Shared));
   ::close(fd_);
 }
 
-void Ledger::detach_at_exit() {
-  if (!shm_ || detached_ || held_ != 0 || !mine()) return;
+void Ledger::tell_listener_to_stop() {
   stopping_.store(true, std::memory_order_release);
+  stop_word_.store(1, std::memory_order_release);
+  futex_wake(stop_word_, 1);  // a listener that found the ledger corrupt sleeps here
+  // One that sleeps on its ask word is woken there. If another process truncated the file, that
+  // word's page is gone (a store to it would fault): give the file its size back first (zero
+  // pages, which the corrupt check refuses from now on) so that the word exists again.
+  if (!covers_mapping() && ::ftruncate(fd_, sizeof(Shared)) != 0) return;  // (the thread is detached then)
   Slot& mine = shm_->slots[slot_];
   mine.ask.store(kStopWord, std::memory_order_release);
   futex_wake(mine.ask, 1);
+}
+
+void Ledger::detach_at_exit() {
+  if (!shm_ || detached_ || held_ != 0 || !mine()) return;
+  tell_listener_to_stop();
   // The listener returns at once now: join it, so that nothing of ours runs past exit (and no
   // thread is left unjoined for a sanitizer to report).
   if (listener_.joinable() && listener_.get_id() != std::this_thread::get_id()) listener_.join();
   detached_ = true;
-  leave(shm_, slot_, path_, fd_, local_);
+  leave();
 }
 
-std::uint64_t Ledger::budget() const { return shm_->budget; }
+std::uint64_t Ledger::budget() const { return budget_; }
 
 std::atomic<std::int64_t>& Ledger::last_use() { return shm_->slots[slot_].last_use; }
 
 std::uint64_t Ledger::acquire(std::uint64_t bytes, Nanos wait, bool partial) {
   if (bytes == 0 || detached_ || !mine()) return 0;
+  if (broken_.load(std::memory_order_acquire)) {
+    if (problem_.empty()) problem_ = "its ledger " + path_ + " was found corrupt; this process wires nothing more under it";
+    return 0;
+  }
   Shared& s = *shm_;
   const int self = ::getpid();
   Slot& mine = s.slots[slot_];
-  const std::uint64_t self_start = mine.start_time.load(std::memory_order_relaxed);
+  const std::uint64_t self_start = self_start_;
+  // Whether a lock just taken may be used; else problem() says why and nothing is granted.
+  auto usable = [&](const Lock& lock) {
+    if (lock.corrupt()) return corrupt(lock.why()), false;
+    if (!lock.ok()) return lock_not_obtained(lock.why()), false;
+    if (!own_slot_sound()) return corrupt("the slot of this process (" + std::to_string(slot_) + ") was overwritten"), false;
+    problem_.clear();
+    return true;
+  };
   auto take = [&](std::uint64_t n) {
     mine.bytes.store(mine.bytes.load(std::memory_order_relaxed) + n, std::memory_order_relaxed);
     held_ += n;
@@ -572,8 +705,7 @@ std::uint64_t Ledger::acquire(std::uint64_t bytes, Nanos wait, bool partial) {
     bool outstanding = false, asked_now = false;
     {
       Lock lock(fd_, local_, shm_, kUseLockWait);
-      if (!lock.ok()) return lock_not_obtained(lock.why());
-      problem_.clear();
+      if (!usable(lock)) return 0;
       reclaim(s, self, self_start);
       const std::uint64_t used = used_bytes(s);
       if (used <= s.budget && s.budget - used >= bytes) {
@@ -627,8 +759,7 @@ std::uint64_t Ledger::acquire(std::uint64_t bytes, Nanos wait, bool partial) {
     futex_wait(s.generation, gen, &ts);
   }
   Lock lock(fd_, local_, shm_, kUseLockWait);
-  if (!lock.ok()) return lock_not_obtained(lock.why());  // the asks expire at their deadline
-  problem_.clear();
+  if (!usable(lock)) return 0;  // the asks expire at their deadline
   withdraw();
   reclaim(s, self, self_start);
   const std::uint64_t used = used_bytes(s);
@@ -640,10 +771,21 @@ std::uint64_t Ledger::acquire(std::uint64_t bytes, Nanos wait, bool partial) {
 void Ledger::release(std::uint64_t bytes) {
   bytes = std::min(bytes, held_);
   if (bytes == 0 || detached_ || !mine()) return;
+  if (broken_.load(std::memory_order_acquire)) {  // only our own count; the ledger is not touched
+    held_ -= bytes;
+    return;
+  }
   Slot& mine = shm_->slots[slot_];
   {
-    Lock lock(fd_, local_, shm_, kUseLockWait);  // even if it could not be taken, our own slot is ours to write
-    mine.bytes.store(mine.bytes.load(std::memory_order_relaxed) - bytes, std::memory_order_relaxed);
+    // Even if the lock could not be taken, our own slot is ours to write (once the file is known
+    // to cover it).
+    Lock lock(fd_, local_, shm_, kUseLockWait);
+    if (lock.corrupt() || (!lock.ok() && !covers_mapping()) || (lock.ok() && !own_slot_sound())) {
+      broken_.store(true, std::memory_order_release);
+      held_ -= bytes;
+      return;
+    }
+    mine.bytes.store(held_ - bytes, std::memory_order_relaxed);
     held_ -= bytes;
     shm_->generation.fetch_add(1, std::memory_order_release);
   }
@@ -666,12 +808,8 @@ void Ledger::stop_listening() {
     listener_.join();
     return;
   }
-  stopping_.store(true, std::memory_order_release);
-  Slot& mine = shm_->slots[slot_];
-  mine.ask.store(kStopWord, std::memory_order_release);
-  futex_wake(mine.ask, 1);
+  tell_listener_to_stop();
   listener_.join();
-  mine.ask.store(0, std::memory_order_relaxed);
 }
 
 void Ledger::listen_loop() {
@@ -683,28 +821,42 @@ void Ledger::listen_loop() {
   listener_tid_.store(static_cast<int>(::syscall(SYS_gettid)), std::memory_order_relaxed);
   Slot& mine = shm_->slots[slot_];
   for (;;) {
-    const std::uint32_t v = mine.ask.load(std::memory_order_acquire);
     if (stopping_.load(std::memory_order_acquire)) return;
-    if (v == 0) {
-      futex_wait(mine.ask, 0, nullptr);
+    if (broken_.load(std::memory_order_acquire)) {  // the ledger is not touched again: wait to be stopped
+      futex_wait(stop_word_, 0, nullptr);
       continue;
     }
+    // The kernel compares the word with 0: nothing of the mapping is read outside the lock.
+    if (futex_wait(mine.ask, 0, nullptr) != 0 && errno == EFAULT) {
+      broken_.store(true, std::memory_order_release);  // truncated under us
+      continue;
+    }
+    if (stopping_.load(std::memory_order_acquire)) return;
     // Answered only if it is still a live ask: the word unchanged, the asker alive, its wait not
     // over. Checked under the lock; without the lock it cannot be checked and is declined.
+    std::uint32_t v = 0;
     int asker = 0;
     {
       Lock lock(fd_, local_, shm_, kUseLockWait);
-      if (lock.ok() && v != kStopWord && mine.ask.load(std::memory_order_acquire) == v) {
-        const int pid = mine.asker_pid.load(std::memory_order_relaxed);
-        if (monotonic_ns() < mine.ask_deadline.load(std::memory_order_relaxed) &&
-            holder_alive(pid, mine.asker_start.load(std::memory_order_relaxed)))
-          asker = pid;
+      if (lock.corrupt() || (!lock.ok() && !covers_mapping()) || (lock.ok() && !own_slot_sound())) {
+        broken_.store(true, std::memory_order_release);
+        continue;
       }
+      v = mine.ask.load(std::memory_order_acquire);
+      if (v == 0 || v == kStopWord) continue;  // spurious, or told to stop (stopping_ is set)
+      const int pid = mine.asker_pid.load(std::memory_order_relaxed);
+      if (lock.ok() && monotonic_ns() < mine.ask_deadline.load(std::memory_order_relaxed) &&
+          holder_alive(pid, mine.asker_start.load(std::memory_order_relaxed)))
+        asker = pid;
     }
     if (asker != 0 && on_asked_) on_asked_(asker);
     if (asker != 0) asks_answered_.fetch_add(1, std::memory_order_relaxed);
     {
       Lock lock(fd_, local_, shm_, kUseLockWait);  // not obtained: our own word is still ours to clear
+      if (lock.corrupt() || (!lock.ok() && !covers_mapping())) {
+        broken_.store(true, std::memory_order_release);
+        continue;
+      }
       std::uint32_t expected = v;
       mine.ask.compare_exchange_strong(expected, 0, std::memory_order_acq_rel);  // kStopWord stays
       shm_->generation.fetch_add(1, std::memory_order_release);
@@ -745,10 +897,19 @@ std::vector<SharedBudgetInfo> list_shared_budgets() {
       out.push_back(std::move(info));
       continue;
     }
-    const Shared* s = map(fd, false);
+    // A copy read with pread, not a mapping: another process may truncate the file meanwhile
+    // (a mapping would fault), and every field is checked before it is shown.
+    auto copy = std::make_unique<Shared>();
+    const ssize_t got = ::pread(fd, static_cast<void*>(copy.get()), sizeof(Shared), 0);
+    const int read_errno = errno;
     ::close(fd);
-    if (!s) {
-      info.error = "cannot map " + info.path + ": " + std::strerror(errno);
+    const Shared* s = copy.get();
+    std::string bad = got < 0 ? std::string("cannot read it: ") + std::strerror(read_errno)
+                      : got != static_cast<ssize_t>(sizeof(Shared))
+                          ? "it is " + std::to_string(got) + " bytes long, a ledger is " + std::to_string(sizeof(Shared))
+                          : check_table(*s);
+    if (!bad.empty()) {
+      info.error = "the ledger " + info.path + " is corrupt: " + bad;
       out.push_back(std::move(info));
       continue;
     }
@@ -768,7 +929,6 @@ std::vector<SharedBudgetInfo> list_shared_budgets() {
       info.used += h.bytes;
       info.holders.push_back(h);
     }
-    ::munmap(const_cast<Shared*>(s), sizeof(Shared));
     out.push_back(std::move(info));
   }
   ::closedir(d);

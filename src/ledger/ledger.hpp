@@ -27,6 +27,16 @@
 // decode's path): a holder stopped inside it (SIGSTOP, a paused container, a debugger) costs the
 // others their share, never their progress.
 //
+// Trust: everyone who may write the file (its user; with a group, the group's members) may deny
+// the others budget, never corrupt their processes. Nothing in the shared bytes is a lock or a
+// pointer; under the lock the file's size is checked before the mapping is touched (a truncated
+// file would fault) and every field is validated before use (header, slots, pids, the sum of the
+// reservations, this holder's own slot). A ledger that fails is an error with a message ("ledger
+// PATH is corrupt: ..."); its holders keep what they have wired, wire nothing more under it, and
+// never touch it again. One store stays outside the lock: touch() writes the holder's last use
+// into its own slot (the hot path cannot take a lock), which a truncation at that instant can
+// still fault.
+//
 // Ownership: created 0600 for its user, or 0660 for a named group, under a temporary name and
 // link()ed into place, so nobody ever opens a half-written ledger. Opening checks owner, mode,
 // size, magic and format version, and refuses anything else with a message. The last holder to
@@ -124,7 +134,7 @@ class Ledger {
   // Gives back `bytes` (at most what is held) and wakes waiting askers.
   void release(std::uint64_t bytes);
   // Why the last acquire() granted nothing for a reason other than a full budget (the lock was
-  // not obtained within its bound); empty when it took the lock.
+  // not obtained within its bound, or the ledger is corrupt); empty when it took the lock.
   const std::string& problem() const { return problem_; }
 
   // This holder's time of last use (CLOCK_MONOTONIC nanoseconds), written by the manager's
@@ -141,7 +151,12 @@ class Ledger {
  private:
   Ledger() = default;
   void listen_loop();
+  void leave();
+  void tell_listener_to_stop();
+  bool covers_mapping() const;
+  bool own_slot_sound() const;
   std::uint64_t lock_not_obtained(const std::string& why);
+  std::uint64_t corrupt(const std::string& what);
 
   std::string name_, path_;
   int fd_ = -1;
@@ -153,7 +168,11 @@ class Ledger {
   OnAsked on_asked_;
   std::thread listener_;
   std::atomic<bool> stopping_{false};
-  std::string problem_;
+  std::string problem_;  // written by acquire() only
+  // The ledger failed a check (its size, its table, our slot): it is not touched again.
+  std::atomic<bool> broken_{false};
+  std::atomic<std::uint32_t> stop_word_{0};  // the listener of a broken ledger sleeps on it
+  std::uint64_t self_start_ = 0, budget_ = 0;
   // The lock is an OFD lock on fd_, shared by this object's threads: they take this one first.
   std::timed_mutex local_;
   bool detached_ = false;  // detach_at_exit() ran: the slot is not ours any more

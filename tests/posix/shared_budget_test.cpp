@@ -22,6 +22,7 @@
 #include <dirent.h>
 #include <fcntl.h>
 #include <fstream>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -948,5 +949,111 @@ TEST(SharedBudgetProcesses, AStoppedAskedHolderContinuedAfterTheAskerGaveUpKeeps
 
 TEST(SharedBudgetProcesses, AStoppedAskedHolderContinuedAfterTheAskerWasKilledKeepsItsMemory) {
   a_stopped_holder_continued_after_the_asker_left_keeps_its_memory(true);
+}
+}  // namespace
+
+namespace {
+// --- a hostile group member (issue 18, item 4) ------------------------------------------------
+
+bool ledger_locked(const std::string& path) {
+  const int fd = ::open(path.c_str(), O_RDONLY);
+  if (fd < 0) return false;
+  struct flock fl {};
+  fl.l_type = F_WRLCK;
+  fl.l_whence = SEEK_SET;
+  const bool locked = ::fcntl(fd, F_OFD_GETLK, &fl) == 0 && fl.l_type != F_UNLCK;
+  ::close(fd);
+  return locked;
+}
+
+// Two holders use a ledger (a manager in this process, a `hold` child) when another process
+// (this test, as a member who may write the file would) damages it with `damage`. The only
+// acceptable outcomes are messages: a joining `hold` is refused with one (`join_says`), `stat`
+// names the ledger as corrupt, the manager's next re-wire wires nothing and warns once, both
+// holders end normally (no SIGBUS, no crash), and the lock is not left held.
+void a_damaged_ledger_costs_budget_never_a_process(const std::function<void(int fd)>& damage, const std::string& join_says) {
+  if (auto why = ensure_memlock(kHold)) GTEST_SKIP() << *why;
+  const std::string name = unique_name("hostile");
+  const std::string path = ledger::ledger_path(name);
+  auto backend = make_backend("posix");
+  ASSERT_TRUE(backend) << backend.message();
+  void* mem = ::mmap(nullptr, kHold, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  ASSERT_NE(mem, MAP_FAILED);
+  std::memset(mem, 1, kHold);
+  std::mutex log_mu;
+  std::vector<std::string> warnings;
+  ManagerOptions o = shared_manager_options(*backend, name, 10 * MiB);
+  o.log = [&](LogLevel l, std::string_view msg) {
+    std::lock_guard<std::mutex> g(log_mu);
+    if (l <= LogLevel::warn) warnings.emplace_back(msg);
+  };
+  TempMappedFile fb(kHold), fc(kHold);
+  ASSERT_TRUE(fb.ok() && fc.ok());
+  {
+    auto m = Manager::create(o);
+    ASSERT_TRUE(m) << m.message();
+    auto id = (*m)->register_region(mem, kHold);
+    ASSERT_TRUE(id) << id.message();
+    (*m)->release_now();  // the next touch() must take its share again
+    Hold b(path_of(fb), {env_budget(name, "10MiB")});
+    ASSERT_TRUE(b.wait_vm_lck(kHold, 10s)) << b.all();
+
+    const int fd = ::open(path.c_str(), O_RDWR);
+    ASSERT_GE(fd, 0);
+    damage(fd);
+    ::close(fd);
+
+    Hold c(path_of(fc), {env_budget(name, "10MiB")});
+    EXPECT_EQ(c.wait_exit(10s), 2) << c.all();
+    EXPECT_NE(c.err().find(join_says), std::string::npos) << c.all();
+    const std::string stat = run_stat("");
+    EXPECT_NE(stat.find(path), std::string::npos) << stat;
+    EXPECT_NE(stat.find(join_says), std::string::npos) << stat;
+
+    (*m)->touch();
+    (*m)->touch();
+    EXPECT_EQ(vm_lck(), 0u) << "nothing is wired under a corrupt ledger";
+    {
+      std::lock_guard<std::mutex> g(log_mu);
+      std::size_t said = 0;
+      for (const auto& w : warnings) said += w.find("is corrupt: ") != std::string::npos;
+      EXPECT_EQ(said, 1u) << "one warning";
+    }
+    EXPECT_EQ(b.vm_lck(), kHold) << "the other holder keeps its memory";
+    ::kill(b.pid, SIGTERM);
+    EXPECT_EQ(b.wait_exit(5s), 0) << "the hold ends normally (135 would be SIGBUS): " << b.all();
+    (void)(*m)->unregister_region(*id);
+  }  // the manager is destroyed: its listener stops, nothing of the ledger is touched
+  EXPECT_FALSE(ledger_locked(path));
+  ::unlink(path.c_str());  // a corrupt ledger is not removed by its holders (they cannot know who is left)
+  ::munmap(mem, kHold);
+}
+
+TEST(SharedBudgetHostileMember, ALedgerTruncatedWhileTwoHoldersUseItIsAnErrorNeverSigbus) {
+  a_damaged_ledger_costs_budget_never_a_process([](int fd) { ASSERT_EQ(::ftruncate(fd, 100), 0); },
+                                                "bytes long where its header says");
+}
+
+TEST(SharedBudgetHostileMember, GarbageOverTheSlotsIsAnErrorWithAMessage) {
+  a_damaged_ledger_costs_budget_never_a_process(
+      [](int fd) {
+        struct stat st {};
+        ASSERT_EQ(::fstat(fd, &st), 0);
+        std::vector<unsigned char> junk(static_cast<std::size_t>(st.st_size) - 128);
+        for (std::size_t i = 0; i < junk.size(); ++i) junk[i] = static_cast<unsigned char>(i * 37 + 11);
+        ASSERT_EQ(::pwrite(fd, junk.data(), junk.size(), 128), static_cast<ssize_t>(junk.size()));
+      },
+      "is corrupt: slot 0");
+}
+
+TEST(SharedBudgetHostileMember, GarbageOverTheHeaderAndTheSlotsIsAnErrorWithAMessage) {
+  a_damaged_ledger_costs_budget_never_a_process(
+      [](int fd) {
+        struct stat st {};
+        ASSERT_EQ(::fstat(fd, &st), 0);
+        std::vector<unsigned char> junk(static_cast<std::size_t>(st.st_size), 0xa5);
+        ASSERT_EQ(::pwrite(fd, junk.data(), junk.size(), 0), static_cast<ssize_t>(junk.size()));
+      },
+      "is not a residency ledger (wrong magic)");
 }
 }  // namespace
