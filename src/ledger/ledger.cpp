@@ -324,15 +324,29 @@ Result<gid_t> group_id(const std::string& group) {
 
 // Checks an open ledger: a regular file of this user (or of our group with mode 0660), mode
 // 0600 or 0660, magic, format version, layout size. `group`: the gid configured, or -1.
-Status check_file(int fd, const std::string& path, long group) {
+Status check_file(int fd, const std::string& path, long group, const std::string& group_name = "") {
   struct stat st {};
   if (::fstat(fd, &st) != 0) return Status(ErrorCode::io_error, "cannot stat " + path + ": " + errno_text(errno));
   if (!S_ISREG(st.st_mode))
     return Status(ErrorCode::permission_denied, path + " is not a regular file; remove it (it is not a residency ledger)");
   const unsigned mode = st.st_mode & 07777;
   if (st.st_uid != ::geteuid()) {
-    const bool group_ok = group >= 0 && mode == 0660 && st.st_gid == static_cast<gid_t>(group) && in_group(st.st_gid);
-    if (!group_ok)
+    const bool group_ledger = group >= 0 && mode == 0660 && st.st_gid == static_cast<gid_t>(group);
+    if (group_ledger && !in_group(st.st_gid))
+      return Status(ErrorCode::permission_denied,
+                    path + " is the ledger of group " + (group_name.empty() ? std::to_string(st.st_gid) : "'" + group_name + "'") +
+                        " (mode 0660, owner uid " + std::to_string(st.st_uid) + "), and this process (uid " +
+                        std::to_string(::geteuid()) + ") is not a member of that group; membership decides, for root "
+                        "too: add the user to the group, or use another budget name");
+    if (group >= 0 && !group_ledger) {
+      char m[16];
+      std::snprintf(m, sizeof m, "%04o", mode);
+      return Status(ErrorCode::permission_denied,
+                    path + " belongs to uid " + std::to_string(st.st_uid) + " with gid " + std::to_string(st.st_gid) +
+                        " and mode " + m + ", not to the group '" + group_name + "' with mode 0660 that this budget names; " +
+                        "use another budget name, or run as uid " + std::to_string(st.st_uid));
+    }
+    if (!group_ledger)
       return Status(ErrorCode::permission_denied,
                     path + " belongs to uid " + std::to_string(st.st_uid) + " (this process runs as uid " +
                         std::to_string(::geteuid()) +
@@ -380,7 +394,8 @@ Shared* map(int fd, bool writable) {
 
 // Creates a ledger under a temporary name and links it into place. Returns the descriptor, -1
 // when another process linked one first (open that), or an error.
-Result<int> create(const std::string& path, const std::string& name, std::uint64_t budget, long group) {
+Result<int> create(const std::string& path, const std::string& name, std::uint64_t budget, long group,
+                   const std::string& group_name) {
   static std::atomic<unsigned> serial{0};
   const std::string tmp = path + ".tmp-" + std::to_string(::getpid()) + "-" + std::to_string(serial++);
   const int fd = ::open(tmp.c_str(), O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
@@ -392,8 +407,14 @@ Result<int> create(const std::string& path, const std::string& name, std::uint64
     return Status(ErrorCode::io_error, what + " " + tmp + ": " + errno_text(e));
   };
   if (::ftruncate(fd, sizeof(Shared)) != 0) return fail("cannot size");
-  if (group >= 0 && ::fchown(fd, static_cast<uid_t>(-1), static_cast<gid_t>(group)) != 0)
-    return fail("cannot give the group to (are you a member of it?)");
+  if (group >= 0 && ::fchown(fd, static_cast<uid_t>(-1), static_cast<gid_t>(group)) != 0) {
+    const int e = errno;
+    ::unlink(tmp.c_str());
+    ::close(fd);
+    return Status(e == EPERM ? ErrorCode::permission_denied : ErrorCode::io_error,
+                  "cannot give " + tmp + " to the group '" + group_name + "': " + errno_text(e) +
+                      (e == EPERM ? " (a user may give a file only to a group it is a member of: add the user to the group)" : ""));
+  }
   if (::fchmod(fd, group >= 0 ? 0660 : 0600) != 0) return fail("cannot set the mode of");
   Shared* s = map(fd, true);
   if (!s) return fail("cannot map");
@@ -467,17 +488,21 @@ Result<std::unique_ptr<Ledger>> Ledger::attach(const AttachOptions& o) {
   for (int attempt = 0; attempt < kTries; ++attempt) {
     int fd = ::open(path.c_str(), O_RDWR | O_NOFOLLOW | O_CLOEXEC);
     if (fd < 0 && errno == ENOENT) {
-      auto made = create(path, o.name, o.budget, group);
+      auto made = create(path, o.name, o.budget, group, o.group);
       if (!made) return made.status();
       if (*made < 0) continue;  // another process linked its ledger first: open that one
       fd = *made;
+    } else if (fd < 0 && errno == ELOOP) {
+      return Status(ErrorCode::permission_denied,
+                    path + " is a symbolic link; a ledger must be a regular file in " + kDir +
+                        " (a link could point anywhere, it is never followed): remove it, or use another budget name");
     } else if (fd < 0) {
       const int e = errno;
       return Status(e == EACCES ? ErrorCode::permission_denied : ErrorCode::io_error,
                     "cannot open the shared budget ledger " + path + ": " + errno_text(e) +
                         (e == EACCES ? " (it belongs to another user; use another budget name)" : ""));
     }
-    if (Status st = check_file(fd, path, group); !st) {
+    if (Status st = check_file(fd, path, group, o.group); !st) {
       ::close(fd);
       return st;
     }

@@ -228,6 +228,8 @@ int run_hold(const HoldOptions& o) {
     int priority = static_cast<int>(files.size());
     for (auto& f : files) {
       auto id = (*manager)->register_region(f.data(), f.size(), RegionClass::weights, priority--);
+      if (!id && id.status().code() == ErrorCode::limit_exceeded)
+        throw BadInput("'" + printable(f.path()) + "': " + id.message() + "; hold fewer or smaller files");
       if (!id) throw BadInput("'" + printable(f.path()) + "': " + id.message());
       ids.push_back(*id);
     }
@@ -239,7 +241,11 @@ int run_hold(const HoldOptions& o) {
               format_size(s.wired_bytes).c_str(), format_size(s.tracked_bytes).c_str(), files.size(),
               config.keep_alive.to_string().c_str(), format_size(s.wired_limit).c_str(),
               config.release_on_pressure ? ", release on pressure" : "");
-  if (s.pending_bytes > 0)
+  if (s.pending_bytes > 0 && s.shared_short > 0 && config.shared_budget)
+    std::printf("residency hold: %s is not wired: the shared budget %s (%s, RESIDENCY_SHARED_BUDGET) had no room for it "
+                "(the warning above says why; `residency stat` lists its holders)\n",
+                format_size(s.pending_bytes).c_str(), config.shared_budget->name.c_str(), format_size(s.shared_budget).c_str());
+  else if (s.pending_bytes > 0)
     std::printf("residency hold: %s is not wired: over the wired limit of %s (--wired-limit, RESIDENCY_WIRED_LIMIT)\n",
                 format_size(s.pending_bytes).c_str(), format_size(s.wired_limit).c_str());
   if (s.wired_bytes < s.admitted_bytes)
