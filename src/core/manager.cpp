@@ -67,7 +67,9 @@ struct Manager::Impl {
         log(o.log ? std::move(o.log) : LogCallback(log_to_stderr), o.config.log_level),
         limits(std::move(l)),
         shared(std::move(shared_ledger)),
-        ka(o.config.keep_alive, *clock, shared ? &shared->last_use() : nullptr),
+        ka(o.config.keep_alive, *clock,
+           shared ? core::KeepAliveState::Publisher{&ledger::Ledger::publish_last_use, shared.get()}
+                  : core::KeepAliveState::Publisher{}),
         sets(*backend, core::SetLayout(o.config.layout, o.config.set_max_pct, mem.recommended_working_set, c.max_sets),
              log),
         pressure(o.config.pressure_floor ? o.config.pressure_floor->resolve(limits.initial_wired_limit()) : 0,

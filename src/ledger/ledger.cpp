@@ -686,7 +686,13 @@ void Ledger::detach_at_exit() {
 
 std::uint64_t Ledger::budget() const { return budget_; }
 
-std::atomic<std::int64_t>& Ledger::last_use() { return shm_->slots[slot_].last_use; }
+void Ledger::publish_last_use(void* ledger, std::int64_t last_use) noexcept {
+  auto* l = static_cast<Ledger*>(ledger);
+  if (!l->shm_ || l->detached_ || l->broken_.load(std::memory_order_relaxed) || !l->mine()) return;
+  const off_t at = static_cast<off_t>(offsetof(Shared, slots) + l->slot_ * sizeof(Slot) + offsetof(Slot, last_use));
+  // Failing (a file cut short or gone) costs nothing but the idle time others see.
+  if (::pwrite(l->fd_, &last_use, sizeof last_use, at) != static_cast<ssize_t>(sizeof last_use)) return;
+}
 
 std::uint64_t Ledger::acquire(std::uint64_t bytes, Nanos wait, bool partial) {
   if (bytes == 0 || detached_ || !mine()) return 0;
@@ -982,10 +988,7 @@ bool Ledger::mine() const { return true; }
 void Ledger::stop_listening() {}
 void Ledger::detach_at_exit() {}
 std::uint64_t Ledger::budget() const { return 0; }
-std::atomic<std::int64_t>& Ledger::last_use() {
-  static std::atomic<std::int64_t> none{0};
-  return none;
-}
+void Ledger::publish_last_use(void*, std::int64_t) noexcept {}
 std::uint64_t Ledger::acquire(std::uint64_t, Nanos, bool) { return 0; }
 void Ledger::release(std::uint64_t) {}
 void Ledger::listen_loop() {}

@@ -33,9 +33,10 @@
 // file would fault) and every field is validated before use (header, slots, pids, the sum of the
 // reservations, this holder's own slot). A ledger that fails is an error with a message ("ledger
 // PATH is corrupt: ..."); its holders keep what they have wired, wire nothing more under it, and
-// never touch it again. One store stays outside the lock: touch() writes the holder's last use
-// into its own slot (the hot path cannot take a lock), which a truncation at that instant can
-// still fault.
+// never touch it again. Outside the lock nothing is loaded or stored through the mapping: the
+// listener waits with the kernel comparing its word, and touch() publishes the last use with
+// pwrite(). What remains is a truncation in the microseconds between the size check and an access
+// under the lock (the kernel offers no way to pin a tmpfs file's size).
 //
 // Ownership: created 0600 for its user, or 0660 for a named group, under a temporary name and
 // link()ed into place, so nobody ever opens a half-written ledger. Opening checks owner, mode,
@@ -137,9 +138,11 @@ class Ledger {
   // not obtained within its bound, or the ledger is corrupt); empty when it took the lock.
   const std::string& problem() const { return problem_; }
 
-  // This holder's time of last use (CLOCK_MONOTONIC nanoseconds), written by the manager's
-  // touch() directly, so that askers and `residency stat` read real idle times.
-  std::atomic<std::int64_t>& last_use();
+  // Records this holder's time of last use (CLOCK_MONOTONIC nanoseconds) in its slot, so that
+  // askers and `residency stat` read real idle times; called by the manager's touch() at most once
+  // per coarse clock tick. A pwrite() of the word, not a store through the mapping: the hot path
+  // takes no lock, and a store into a file another process truncated would fault (SIGBUS).
+  static void publish_last_use(void* ledger, std::int64_t last_use) noexcept;
 
   std::uint64_t asks_sent() const { return asks_sent_.load(std::memory_order_relaxed); }
   std::uint64_t asks_answered() const { return asks_answered_.load(std::memory_order_relaxed); }
