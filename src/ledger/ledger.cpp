@@ -168,7 +168,7 @@ constexpr Nanos kCancelPoll = std::chrono::milliseconds(50);      // the ask wai
 // with a short backoff until `bound` has passed, and then not taken, with the reason in why().
 class Lock {
  public:
-  Lock(int fd, std::timed_mutex& local, Shared* s, Nanos bound, bool cancellable = false) : fd_(fd), local_(local), s_(s) {
+  Lock(int fd, std::mutex& local, Shared* s, Nanos bound, bool cancellable = false) : fd_(fd), local_(local), s_(s) {
     take(bound, cancellable);
     if (!ok_) return;
     // Nothing of the mapping is touched before the file is known to cover it (a file truncated
@@ -194,11 +194,13 @@ class Lock {
 
  private:
   void take(Nanos bound, bool cancellable) {
+    // This process's threads first, without a bound: each holds it only for a section of this
+    // file, whose wait for the file lock is bounded itself. It stays held until the Lock goes,
+    // also when the file lock was not obtained, so that the writes a holder may still make to its
+    // own slot then are ordered with its other threads.
+    local_.lock();
+    local_held_ = true;
     const auto deadline = std::chrono::steady_clock::now() + bound;
-    if (!local_.try_lock_until(deadline)) {
-      why_ = "another thread of this process held it for more than " + std::to_string(bound.count() / 1'000'000) + " ms";
-      return;
-    }
     auto pause = std::chrono::microseconds(50);
     for (;;) {
       struct flock fl {};
@@ -208,7 +210,6 @@ class Lock {
       const int e = errno;
       const bool cancelled = cancellable && g_joins_cancelled.load(std::memory_order_acquire);
       if ((e != EAGAIN && e != EACCES && e != EINTR) || cancelled || std::chrono::steady_clock::now() >= deadline) {
-        local_.unlock();
         if (cancelled)
           why_ = "cancelled (the process is ending)";
         else if (e != EAGAIN && e != EACCES && e != EINTR)
@@ -228,17 +229,19 @@ class Lock {
     fl.l_type = F_UNLCK;
     fl.l_whence = SEEK_SET;
     ::fcntl(fd_, F_OFD_SETLK, &fl);
-    local_.unlock();
   }
 
  public:
   ~Lock() { unlock(); }
   // Unlocks now; the ledger must still be mapped. Called before it is unmapped inside the scope.
   void unlock() {
-    if (!ok_) return;
-    s_->locker.store(0, std::memory_order_relaxed);
-    release_file_lock();
-    ok_ = false;
+    if (ok_) {
+      s_->locker.store(0, std::memory_order_relaxed);
+      release_file_lock();
+      ok_ = false;
+    }
+    if (local_held_) local_.unlock();
+    local_held_ = false;
   }
   Lock(const Lock&) = delete;
   Lock& operator=(const Lock&) = delete;
@@ -257,9 +260,9 @@ class Lock {
     return pid > 0 ? " by process " + std::to_string(pid) : "";
   }
   int fd_;
-  std::timed_mutex& local_;
+  std::mutex& local_;
   Shared* s_;
-  bool ok_ = false, corrupt_ = false;
+  bool ok_ = false, corrupt_ = false, local_held_ = false;
   std::string why_;
 };
 
@@ -629,7 +632,7 @@ bool Ledger::covers_mapping() const {
 bool Ledger::own_slot_sound() const {
   const Slot& sl = shm_->slots[slot_];
   return sl.used.load(std::memory_order_relaxed) == 1 && sl.pid.load(std::memory_order_relaxed) == owner_pid_ &&
-         sl.start_time.load(std::memory_order_relaxed) == self_start_ && sl.bytes.load(std::memory_order_relaxed) == held_;
+         sl.start_time.load(std::memory_order_relaxed) == self_start_ && sl.bytes.load(std::memory_order_relaxed) == held_.load(std::memory_order_relaxed);
 }
 
 // The reason a lock taken for this holder cannot be used, recorded for problem(); the ledger is
@@ -675,7 +678,7 @@ void Ledger::tell_listener_to_stop() {
 }
 
 void Ledger::detach_at_exit() {
-  if (!shm_ || detached_ || held_ != 0 || !mine()) return;
+  if (!shm_ || detached_ || held_.load() != 0 || !mine()) return;
   tell_listener_to_stop();
   // The listener returns at once now: join it, so that nothing of ours runs past exit (and no
   // thread is left unjoined for a sanitizer to report).
@@ -714,7 +717,7 @@ std::uint64_t Ledger::acquire(std::uint64_t bytes, Nanos wait, bool partial) {
   };
   auto take = [&](std::uint64_t n) {
     mine.bytes.store(mine.bytes.load(std::memory_order_relaxed) + n, std::memory_order_relaxed);
-    held_ += n;
+    held_.fetch_add(n, std::memory_order_relaxed);
     return n;
   };
   const std::int64_t deadline = monotonic_ns() + wait.count();
@@ -800,10 +803,10 @@ std::uint64_t Ledger::acquire(std::uint64_t bytes, Nanos wait, bool partial) {
 }
 
 void Ledger::release(std::uint64_t bytes) {
-  bytes = std::min(bytes, held_);
+  bytes = std::min(bytes, held_.load(std::memory_order_relaxed));
   if (bytes == 0 || detached_ || !mine()) return;
   if (broken_.load(std::memory_order_acquire)) {  // only our own count; the ledger is not touched
-    held_ -= bytes;
+    held_.fetch_sub(bytes, std::memory_order_relaxed);
     return;
   }
   Slot& mine = shm_->slots[slot_];
@@ -813,11 +816,11 @@ void Ledger::release(std::uint64_t bytes) {
     Lock lock(fd_, local_, shm_, kUseLockWait);
     if (lock.corrupt() || (!lock.ok() && !covers_mapping()) || (lock.ok() && !own_slot_sound())) {
       broken_.store(true, std::memory_order_release);
-      held_ -= bytes;
+      held_.fetch_sub(bytes, std::memory_order_relaxed);
       return;
     }
-    mine.bytes.store(held_ - bytes, std::memory_order_relaxed);
-    held_ -= bytes;
+    mine.bytes.store(held_.load(std::memory_order_relaxed) - bytes, std::memory_order_relaxed);
+    held_.fetch_sub(bytes, std::memory_order_relaxed);
     shm_->generation.fetch_add(1, std::memory_order_release);
   }
   futex_wake(shm_->generation, INT32_MAX);

@@ -124,7 +124,7 @@ class Ledger {
   const std::string& name() const { return name_; }
   const std::string& path() const { return path_; }
   std::uint64_t budget() const;
-  std::uint64_t held() const { return held_; }
+  std::uint64_t held() const { return held_.load(std::memory_order_relaxed); }
   // The budget the caller asked for, when the ledger existed with another one (else 0).
   std::uint64_t requested_budget() const { return requested_budget_; }
 
@@ -165,7 +165,8 @@ class Ledger {
   int fd_ = -1;
   Shared* shm_ = nullptr;
   std::uint32_t slot_ = 0;
-  std::uint64_t held_ = 0;  // mirror of our slot's bytes; changed only by this object's owner
+  // Mirror of our slot's bytes; changed only by this object's owner, read by the listener too.
+  std::atomic<std::uint64_t> held_{0};
   std::uint64_t requested_budget_ = 0;
   int priority_ = 0;
   OnAsked on_asked_;
@@ -177,7 +178,7 @@ class Ledger {
   std::atomic<std::uint32_t> stop_word_{0};  // the listener of a broken ledger sleeps on it
   std::uint64_t self_start_ = 0, budget_ = 0;
   // The lock is an OFD lock on fd_, shared by this object's threads: they take this one first.
-  std::timed_mutex local_;
+  std::mutex local_;
   bool detached_ = false;  // detach_at_exit() ran: the slot is not ours any more
   // The process that attached. A fork child inherits the mapping and this object but not the
   // slot: in any other process every method leaves the ledger alone (llama-server, Python and
