@@ -156,6 +156,9 @@ std::atomic<bool> g_joins_cancelled{false};
 // wait means its owner is stopped, paused or hostile.
 constexpr Nanos kUseLockWait = std::chrono::milliseconds(10);    // acquire, release, answering: a decode may be waiting
 constexpr Nanos kLeaveLockWait = std::chrono::milliseconds(300);  // destruction and exit
+// The listener (a thread of its own, nobody waits on it): the asker holds the lock while it wakes
+// it, so a decode's 10 ms would make it decline asks whenever the ledger is busy.
+constexpr Nanos kAnswerLockWait = std::chrono::milliseconds(300);
 constexpr Nanos kCancelPoll = std::chrono::milliseconds(50);      // the ask wait checks for cancellation this often
 
 // The ledger's lock: an exclusive OFD lock (fcntl F_OFD_SETLK) on the whole file, owned by the
@@ -871,7 +874,7 @@ void Ledger::listen_loop() {
     std::uint32_t v = 0;
     int asker = 0;
     {
-      Lock lock(fd_, local_, shm_, kUseLockWait);
+      Lock lock(fd_, local_, shm_, kAnswerLockWait);
       if (lock.corrupt() || (!lock.ok() && !covers_mapping()) || (lock.ok() && !own_slot_sound())) {
         broken_.store(true, std::memory_order_release);
         continue;
@@ -886,7 +889,7 @@ void Ledger::listen_loop() {
     if (asker != 0 && on_asked_) on_asked_(asker);
     if (asker != 0) asks_answered_.fetch_add(1, std::memory_order_relaxed);
     {
-      Lock lock(fd_, local_, shm_, kUseLockWait);  // not obtained: our own word is still ours to clear
+      Lock lock(fd_, local_, shm_, kAnswerLockWait);  // not obtained: our own word is still ours to clear
       if (lock.corrupt() || (!lock.ok() && !covers_mapping())) {
         broken_.store(true, std::memory_order_release);
         continue;
