@@ -542,8 +542,7 @@ Result<std::unique_ptr<Ledger>> Ledger::attach(const AttachOptions& o) {
       }
       if (s->retired.load(std::memory_order_acquire)) {
         // Its last holder removed it after we opened it: open (or create) the one in place now.
-        // Unlocked before the unmap (a mutex unlocked in unmapped memory crashes, and the robust
-        // list would point there: the kernel could never mark the owner dead).
+        // Unlocked before the unmap (unlocking writes the locker word in the mapping).
         lock.unlock();
         l->shm_ = nullptr;
         ::munmap(s, sizeof(Shared));
@@ -661,7 +660,10 @@ Ledger::~Ledger() {
     return;
   }
   stop_listening();
-  if (!shm_) return;
+  if (!shm_) {  // attach() gave up on this ledger before claiming a slot
+    if (fd_ >= 0) ::close(fd_);
+    return;
+  }
   if (!detached_) leave();
   ::munmap(shm_, sizeof(Shared));
   ::close(fd_);
