@@ -39,4 +39,9 @@ struct SharedBudgetInfo {
 // (another format version, another user's) is listed with `error` saying why.
 std::vector<SharedBudgetInfo> list_shared_budgets();
 
+// Ends every wait of this process for a shared budget's ledger at once, now and from now on: a
+// manager being created fails with a message, an acquire gives up. For a process that is ending
+// on a signal while it waits (`residency hold`); async-signal-safe.
+void cancel_shared_budget_waits() noexcept;
+
 }  // namespace residency

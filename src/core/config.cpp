@@ -326,29 +326,49 @@ std::string WiredLimit::to_string() const {
   return buf;
 }
 
-Result<WiredLimit> parse_wired_limit(std::string_view text) {
+namespace {
+// Bytes or a percent; `why` says what is wrong (empty: ok), for callers that name their own forms.
+struct LimitParse {
+  WiredLimit limit;
+  std::string why;
+};
+
+// What follows a number that is not accepted: an exponent gets its own reason (1e2 is a number,
+// only not a form accepted here).
+std::string after_number(std::string_view rest, const char* what) {
+  if (!rest.empty() && (rest.front() == 'e' || rest.front() == 'E'))
+    return "an exponent ('" + printable(rest) + "') is not accepted; write the number out (100, not 1e2)";
+  return std::string("not ") + what;
+}
+
+LimitParse parse_limit_value(std::string_view text) {
   std::string_view s = trim(text);
-  constexpr const char* forms =
-      "a whole number of bytes with a unit (8GiB, 512MB, 1073741824) or a percent of the recommended working set "
-      "(75%)";
+  LimitParse out;
   if (!s.empty() && s.back() == '%') {
     std::string_view n = trim(s.substr(0, s.size() - 1));
     Decimal d;
-    if (!take_number(n, d) || !n.empty()) return bad(text, "not a percent", forms);
+    if (!take_number(n, d) || !n.empty()) return {{}, d.whole.empty() && d.fraction.empty() ? "not a percent" : after_number(n, "a percent")};
     const double v = d.value();
-    if (d.negative && !d.zero()) return bad(text, "a percent must be above 0 and at most 100", forms);
-    if (!(v <= 100)) return bad(text, "a percent must be above 0 and at most 100", forms);
-    if (!(v >= 1e-9)) return bad(text, d.zero() ? "a percent must be above 0 and at most 100" : "too small a percent (below 1e-9 %)", forms);
-    WiredLimit w;
-    w.is_percent = true;
-    w.percent = v;
-    return w;
+    if ((d.negative && !d.zero()) || !(v <= 100) || d.zero()) return {{}, "a percent must be above 0 and at most 100"};
+    if (!(v >= 1e-9)) return {{}, "too small a percent (below 1e-9 %)"};
+    out.limit.is_percent = true;
+    out.limit.percent = v;
+    return out;
   }
   const SizeParse size = parse_size_value(s);
-  if (!size.why.empty()) return bad(text, size.why, forms);
-  WiredLimit w;
-  w.bytes = size.bytes;
-  return w;
+  out.why = size.why;
+  out.limit.bytes = size.bytes;
+  return out;
+}
+}  // namespace
+
+Result<WiredLimit> parse_wired_limit(std::string_view text) {
+  constexpr const char* forms =
+      "a whole number of bytes with a unit (8GiB, 512MB, 1073741824) or a percent of the recommended working set "
+      "(75%)";
+  LimitParse p = parse_limit_value(text);
+  if (!p.why.empty()) return bad(text, p.why, forms);
+  return p.limit;
 }
 
 namespace {
@@ -382,10 +402,10 @@ Result<SharedBudget> parse_shared_budget(std::string_view text) {
   b.name = std::string(s.substr(0, c1));
   if (!valid_name(b.name, 64)) return bad(text, "the name '" + printable(b.name) + "' is not accepted", forms);
   const std::string_view size = s.substr(c1 + 1, c2 == std::string_view::npos ? std::string_view::npos : c2 - c1 - 1);
-  auto w = parse_wired_limit(size);
-  if (!w) return bad(text, "the size '" + printable(size) + "' is not a size or a percent", forms);
-  if (!w->is_percent && w->bytes == 0) return bad(text, "the size is 0", forms);
-  b.size = *w;
+  const LimitParse w = parse_limit_value(size);
+  if (!w.why.empty()) return bad(text, "the size '" + printable(size) + "': " + w.why, forms);
+  if (!w.limit.is_percent && w.limit.bytes == 0) return bad(text, "the size is 0", forms);
+  b.size = w.limit;
   if (c2 != std::string_view::npos) {
     b.group = std::string(s.substr(c2 + 1));
     if (!valid_name(b.group, 32)) return bad(text, "the group '" + printable(b.group) + "' is not accepted", forms);
@@ -421,7 +441,8 @@ Result<bool> parse_flag(std::string_view text, const char* forms) {
 Result<double> parse_number(std::string_view text) {
   std::string_view s = trim(text);
   Decimal d;
-  if (!take_number(s, d) || !s.empty()) return bad(text, "not a number", "a decimal number such as 5 or 2.5");
+  if (!take_number(s, d)) return bad(text, "not a number", "a decimal number such as 5 or 2.5");
+  if (!s.empty()) return bad(text, after_number(s, "a number"), "a decimal number such as 5 or 2.5");
   return d.value();
 }
 

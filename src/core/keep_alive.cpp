@@ -9,13 +9,14 @@ KeepAlive::Kind effective_kind(const KeepAlive& k) {
 }
 }  // namespace
 
-KeepAliveState::KeepAliveState(const KeepAlive& policy, Clock& clock, std::atomic<std::int64_t>* published_last_use)
+KeepAliveState::KeepAliveState(const KeepAlive& policy, Clock& clock, Publisher publish)
     : clock_(clock),
       steady_(dynamic_cast<SteadyClock*>(&clock) != nullptr),
       kind_(effective_kind(policy)),
       duration_(policy.duration),
       rewires_on_use_(kind_ == KeepAlive::Kind::duration || kind_ == KeepAlive::Kind::forever),
-      use_(published_last_use ? published_last_use : &last_use_) {
+      use_(&last_use_),
+      publish_(publish) {
   enable_asymmetric_fences();
   note_use();
 }

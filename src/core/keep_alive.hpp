@@ -29,11 +29,18 @@
 
 namespace residency::core {
 
+// Called with each new time of last use (a shared budget's ledger writes it into its slot, so
+// that other processes see how long this one has been idle); at most once per tick of the coarse
+// clock from touch().
+struct LastUsePublisher {
+  void (*fn)(void* ctx, std::int64_t last_use) noexcept = nullptr;
+  void* ctx = nullptr;
+};
+
 class KeepAliveState {
  public:
-  // `published_last_use`: where the time of last use is kept instead of this object (a shared
-  // budget's ledger slot, so that other processes see how long this one has been idle).
-  KeepAliveState(const KeepAlive& policy, Clock& clock, std::atomic<std::int64_t>* published_last_use = nullptr);
+  using Publisher = LastUsePublisher;
+  KeepAliveState(const KeepAlive& policy, Clock& clock, Publisher publish = {});
 
   KeepAlive::Kind kind() const { return kind_; }
   bool managing() const { return kind_ != KeepAlive::Kind::off; }
@@ -58,7 +65,10 @@ class KeepAliveState {
   bool touch_at(std::int64_t t) noexcept {
     // Skip the store when the stamp is already current: no cache-line write per call when
     // several threads decode at once.
-    if (use_->load(std::memory_order_relaxed) != t) use_->store(t, std::memory_order_relaxed);
+    if (use_->load(std::memory_order_relaxed) != t) {
+      use_->store(t, std::memory_order_relaxed);
+      if (publish_.fn) publish_.fn(publish_.ctx, t);
+    }
     light_fence();
     return rewires_on_use_ && !resident_.load(std::memory_order_relaxed);
   }
@@ -67,7 +77,11 @@ class KeepAliveState {
   // registration stamped coarse made a 300 ms keep-alive expire 299.93 ms after it, on a 2-core VM
   // running two builds); only the lock-free touch() keeps the coarse stamp, expiry() adding the
   // resolution.
-  void note_use() noexcept { use_->store(clock_.now().count(), std::memory_order_relaxed); }
+  void note_use() noexcept {
+    const std::int64_t t = clock_.now().count();
+    use_->store(t, std::memory_order_relaxed);
+    if (publish_.fn) publish_.fn(publish_.ctx, t);
+  }
   std::int64_t last_use() const noexcept { return use_->load(std::memory_order_relaxed); }
 
   bool resident() const noexcept { return resident_.load(std::memory_order_relaxed); }
@@ -89,7 +103,8 @@ class KeepAliveState {
   const KeepAlive::Kind kind_;
   const Nanos duration_;
   const bool rewires_on_use_;
-  std::atomic<std::int64_t>* const use_;  // &last_use_, or the published word
+  std::atomic<std::int64_t>* const use_;  // &last_use_
+  const Publisher publish_;
   // On their own cache lines: every use writes last_use_, every touch() reads resident_.
   alignas(64) std::atomic<std::int64_t> last_use_{0};
   alignas(64) std::atomic<bool> resident_{false};

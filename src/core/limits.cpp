@@ -65,8 +65,8 @@ Status Limits::check_track(std::uint64_t tracked, std::uint64_t more) const {
   return Status(ErrorCode::limit_exceeded,
                 "register_region: tracking " + format_size(more) + " more would make " + format_size(tracked + more) +
                     ", above the memory limit of " + format_size(memory_limit_) +
-                    " (min(1.5 x recommended working set, 0.95 x physical memory)); unregister regions or set "
-                    "Config::memory_limit");
+                    " (min(1.5 x recommended working set, 0.95 x physical memory), unless Config::memory_limit sets "
+                    "it)");
 }
 
 void Limits::warn_if_over_recommended(std::uint64_t tracked, const LogSink& log) {

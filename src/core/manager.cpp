@@ -67,7 +67,9 @@ struct Manager::Impl {
         log(o.log ? std::move(o.log) : LogCallback(log_to_stderr), o.config.log_level),
         limits(std::move(l)),
         shared(std::move(shared_ledger)),
-        ka(o.config.keep_alive, *clock, shared ? &shared->last_use() : nullptr),
+        ka(o.config.keep_alive, *clock,
+           shared ? core::KeepAliveState::Publisher{&ledger::Ledger::publish_last_use, shared.get()}
+                  : core::KeepAliveState::Publisher{}),
         sets(*backend, core::SetLayout(o.config.layout, o.config.set_max_pct, mem.recommended_working_set, c.max_sets),
              log),
         pressure(o.config.pressure_floor ? o.config.pressure_floor->resolve(limits.initial_wired_limit()) : 0,
@@ -97,7 +99,7 @@ struct Manager::Impl {
   bool ever_released = false;
   bool prefetch_requested = false;  // prefetch(): wire on the scheduler thread
   bool warned_reserve = false;
-  bool warned_shared = false;
+  bool warned_shared = false, warned_shared_problem = false;
   bool shared_full = false;  // an acquire came back short in this call: do not ask again until flush
   bool exiting = false;      // the process is exiting (exit_release ran): nothing is wired again
   const int owner_pid = ::getpid();  // the process that made the manager (exit_release: see there)
@@ -304,6 +306,14 @@ struct Manager::Impl {
   void note_shared_short(std::uint64_t bytes) {
     ++shared_short;
     const std::uint64_t used_by_us = shared->held();
+    if (!shared->problem().empty()) {  // not full: the ledger could not be used just now
+      log(warned_shared_problem ? LogLevel::debug : LogLevel::warn,
+          "shared budget " + shared->name() + ": " + shared->problem() + "; " + core::mib(bytes) +
+              " stays tracked but unwired (this process holds " + core::mib(used_by_us) +
+              " of the budget); it is wired at a later use once the ledger answers");
+      warned_shared_problem = true;
+      return;
+    }
     log(warned_shared ? LogLevel::debug : LogLevel::warn,
         "shared budget " + shared->name() + " (" + core::mib(shared->budget()) + ") is full: " + core::mib(bytes) +
             " stays tracked but unwired (this process holds " + core::mib(used_by_us) +

@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstddef>
 #include <cstring>
 #include <fstream>
 #include <sstream>
@@ -42,20 +43,38 @@ constexpr std::uint32_t kStopWord = 0xffffffffu;          // our own slot's ask 
 
 // One holder. Invariant: `used` is 1 exactly while pid/start_time name a holder; `bytes` is what
 // that holder has reserved. Each is one aligned word, written under the ledger's lock (last_use
-// and ask also without it: last_use by the holder's touch(), ask by askers and the listener).
+// also without it, by the holder's touch(); its own ask word too, by its stop and when it cannot
+// take the lock to answer).
+//
+// An ask has an identity and an end: `ask` holds its id (Shared::ask_serial, never 0 or
+// kStopWord), asker_pid/asker_start name the asking process and ask_deadline is when it stops
+// waiting. The asked holder gives back only for an ask that is still the one in its word, whose
+// asker is alive and whose deadline has not passed (a holder stopped while asked, continued after
+// the asker gave up, gives back to nobody); the asker withdraws its asks when it stops waiting.
 struct alignas(64) Slot {
-  std::atomic<std::uint32_t> ask;   // futex word: 0 nothing asked; else the asker's pid
+  std::atomic<std::uint32_t> ask;   // futex word: 0 nothing asked; else the ask's id
   std::atomic<std::uint32_t> used;
   std::atomic<std::int32_t> pid;
   std::atomic<std::int32_t> priority;
   std::atomic<std::uint64_t> start_time;
   std::atomic<std::uint64_t> bytes;
   std::atomic<std::int64_t> last_use;  // CLOCK_MONOTONIC ns of the last use; 0: none yet
+  std::atomic<std::int32_t> asker_pid;
+  std::uint32_t unused;
+  std::atomic<std::uint64_t> asker_start;
+  std::atomic<std::int64_t> ask_deadline;  // CLOCK_MONOTONIC ns
 };
+static_assert(sizeof(Slot) == 64, "one cache line per holder");
 static_assert(std::atomic<std::uint64_t>::is_always_lock_free, "the ledger needs lock-free 64-bit atomics");
 }  // namespace
 
 struct Ledger::Shared {
+  // The trust model: every process that may open the file (its user, or the members of its
+  // group) may deny the others budget, never corrupt their processes. So nothing here is a lock or
+  // a pointer: the lock is the kernel's (an OFD lock on the file), and every field is checked
+  // before it is used (check_table(), and the file's size, under the lock). A ledger that fails
+  // the check is an error with a message; its holders stop using it and keep their processes.
+  //
   // Fixed header: magic and version stay at these offsets in every format version, so that a
   // reader can name the version it found.
   std::uint64_t magic;
@@ -65,8 +84,10 @@ struct Ledger::Shared {
   std::atomic<std::uint32_t> generation;  // futex word: bumped whenever bytes are given back
   std::atomic<std::uint32_t> retired;     // 1: unlinked by the last holder; open afresh
   char name[72];
-  alignas(64) pthread_mutex_t mutex;      // robust, process-shared
-  Slot slots[kMaxHolders];
+  // The pid that took the lock last (0: unlocked): only for the message of a wait that timed out.
+  std::atomic<std::int32_t> locker;
+  std::atomic<std::uint32_t> ask_serial;  // the last ask id given out
+  alignas(64) Slot slots[kMaxHolders];
 };
 
 namespace {
@@ -85,38 +106,167 @@ void futex_wake(std::atomic<std::uint32_t>& a, int n) {
   ::syscall(SYS_futex, word(a), FUTEX_WAKE, n, nullptr, nullptr, 0);
 }
 // Sleeps while `a` holds `expected`, at most `timeout` (nullptr: no limit).
-void futex_wait(std::atomic<std::uint32_t>& a, std::uint32_t expected, const timespec* timeout) {
-  ::syscall(SYS_futex, word(a), FUTEX_WAIT, expected, timeout, nullptr, 0);
+// Returns 0 when woken (or spuriously), else -1 with errno: EAGAIN (the word differed), ETIMEDOUT,
+// EINTR, or EFAULT (the page is gone: the file was truncated). The kernel compares the word, so
+// waiting needs no load of it from a mapping.
+long futex_wait(std::atomic<std::uint32_t>& a, std::uint32_t expected, const timespec* timeout) {
+  return ::syscall(SYS_futex, word(a), FUTEX_WAIT, expected, timeout, nullptr, 0);
 }
 
 std::string errno_text(int e) { return std::strerror(e); }
 
-// The ledger's lock, repaired when its owner died inside it.
+// What is wrong with a ledger's bytes ("" when nothing is). Every field another process may have
+// written is read here before it is used: the header, the retired word, each slot's `used`, pid
+// and start time, and the sum of the reservations against the budget (which acquire() keeps).
+std::string check_table(const Shared& s) {
+  if (s.magic != kMagic) return "its magic number was overwritten";
+  if (s.version != kFormatVersion || s.layout_size != sizeof(Shared))
+    return "its format version or layout size was overwritten (" + std::to_string(s.version) + ", " +
+           std::to_string(s.layout_size) + ")";
+  if (s.retired.load(std::memory_order_relaxed) > 1) return "its retired word is " + std::to_string(s.retired.load());
+  if (std::memchr(s.name, 0, sizeof s.name) == nullptr) return "its name is not terminated";
+  std::uint64_t sum = 0;
+  for (std::uint32_t i = 0; i < kMaxHolders; ++i) {
+    const Slot& sl = s.slots[i];
+    const std::uint32_t used = sl.used.load(std::memory_order_relaxed);
+    if (used > 1) return "slot " + std::to_string(i) + " has used = " + std::to_string(used);
+    if (used == 0) continue;
+    if (sl.pid.load(std::memory_order_relaxed) <= 0 || sl.start_time.load(std::memory_order_relaxed) == 0)
+      return "slot " + std::to_string(i) + " names pid " + std::to_string(sl.pid.load()) + " with start time " +
+             std::to_string(sl.start_time.load());
+    const std::uint64_t b = sl.bytes.load(std::memory_order_relaxed);
+    if (b > s.budget - std::min(sum, s.budget))
+      return "its holders reserve more than its budget of " + std::to_string(s.budget) + " bytes";
+    sum += b;
+  }
+  return "";
+}
+
+// The ledger's locker word, read with pread (a mapping may not be touched without the lock).
+int locker_of(int fd) {
+  std::int32_t pid = 0;
+  if (::pread(fd, &pid, sizeof pid, offsetof(Shared, locker)) != static_cast<ssize_t>(sizeof pid)) return 0;
+  return pid > 0 ? pid : 0;
+}
+
+// Set by cancel_shared_budget_waits(): every wait of this process for a ledger ends at once (the
+// process is ending). Sticky.
+std::atomic<bool> g_joins_cancelled{false};
+// How long each kind of wait for the lock may last. The lock is held for microseconds; a longer
+// wait means its owner is stopped, paused or hostile.
+constexpr Nanos kUseLockWait = std::chrono::milliseconds(10);    // acquire, release, answering: a decode may be waiting
+constexpr Nanos kLeaveLockWait = std::chrono::milliseconds(300);  // destruction and exit
+// The listener (a thread of its own, nobody waits on it): the asker holds the lock while it wakes
+// it, so a decode's 10 ms would make it decline asks whenever the ledger is busy.
+constexpr Nanos kAnswerLockWait = std::chrono::milliseconds(300);
+constexpr Nanos kCancelPoll = std::chrono::milliseconds(50);      // the ask wait checks for cancellation this often
+
+// The ledger's lock: an exclusive OFD lock (fcntl F_OFD_SETLK) on the whole file, owned by the
+// kernel. Nothing of it lives in the shared bytes, so a member that scribbles on the ledger can
+// make a holder's view of the table wrong, never its process; and the kernel drops it when the
+// owner dies (the last descriptor of the open file description closes). An OFD lock belongs to
+// the open file description, which the threads of this Ledger share: `local` orders them first.
+// Every wait is bounded (a holder that is SIGSTOPped, paused by a container runtime or a
+// debugger inside the lock, or hostile, must not stall another process): the lock is polled
+// with a short backoff until `bound` has passed, and then not taken, with the reason in why().
 class Lock {
  public:
-  explicit Lock(Shared* s) : s_(s) {
-    int r = ::pthread_mutex_lock(&s_->mutex);
-    if (r == EOWNERDEAD) {
-      // The holder died mid-update; every field is one word and `used` is a sum, so all that is
-      // left to repair is the dead holder's share, which reclaim() drops.
-      ::pthread_mutex_consistent(&s_->mutex);
-      r = 0;
+  Lock(int fd, std::mutex& local, Shared* s, Nanos bound, bool cancellable = false) : fd_(fd), local_(local), s_(s) {
+    take(bound, cancellable);
+    if (!ok_) return;
+    // Nothing of the mapping is touched before the file is known to cover it (a file truncated
+    // by another process would fault the access: SIGBUS) and its bytes are known to make sense.
+    struct stat st {};
+    std::string bad;
+    if (::fstat(fd_, &st) != 0)
+      bad = "cannot stat it: " + errno_text(errno);
+    else if (st.st_size != static_cast<off_t>(sizeof(Shared)))
+      bad = "it is " + std::to_string(st.st_size) + " bytes long, a ledger is " + std::to_string(sizeof(Shared)) +
+            " (another process truncated or extended it)";
+    else
+      bad = check_table(*s_);
+    if (!bad.empty()) {
+      release_file_lock();
+      ok_ = false;
+      corrupt_ = true;
+      why_ = bad;
+      return;
     }
-    ok_ = r == 0;
+    s_->locker.store(::getpid(), std::memory_order_relaxed);
   }
+
+ private:
+  void take(Nanos bound, bool cancellable) {
+    // This process's threads first, without a bound: each holds it only for a section of this
+    // file, whose wait for the file lock is bounded itself. It stays held until the Lock goes,
+    // also when the file lock was not obtained, so that the writes a holder may still make to its
+    // own slot then are ordered with its other threads.
+    local_.lock();
+    local_held_ = true;
+    const auto deadline = std::chrono::steady_clock::now() + bound;
+    auto pause = std::chrono::microseconds(50);
+    for (;;) {
+      struct flock fl {};
+      fl.l_type = F_WRLCK;
+      fl.l_whence = SEEK_SET;  // l_start = l_len = 0: the whole file
+      if (::fcntl(fd_, F_OFD_SETLK, &fl) == 0) break;
+      const int e = errno;
+      const bool cancelled = cancellable && g_joins_cancelled.load(std::memory_order_acquire);
+      if ((e != EAGAIN && e != EACCES && e != EINTR) || cancelled || std::chrono::steady_clock::now() >= deadline) {
+        if (cancelled)
+          why_ = "cancelled (the process is ending)";
+        else if (e != EAGAIN && e != EACCES && e != EINTR)
+          why_ = "fcntl(F_OFD_SETLK) failed: " + errno_text(e);
+        else
+          why_ = "it has been held" + holder_text() + " for more than " + std::to_string(bound.count() / 1'000'000) +
+                 " ms (a process stopped inside it: SIGSTOP, a paused container, a debugger)";
+        return;
+      }
+      std::this_thread::sleep_for(std::min<std::chrono::steady_clock::duration>(pause, deadline - std::chrono::steady_clock::now()));
+      pause = std::min(pause * 2, std::chrono::microseconds(5000));
+    }
+    ok_ = true;
+  }
+  void release_file_lock() {
+    struct flock fl {};
+    fl.l_type = F_UNLCK;
+    fl.l_whence = SEEK_SET;
+    ::fcntl(fd_, F_OFD_SETLK, &fl);
+  }
+
+ public:
   ~Lock() { unlock(); }
   // Unlocks now; the ledger must still be mapped. Called before it is unmapped inside the scope.
   void unlock() {
-    if (ok_) ::pthread_mutex_unlock(&s_->mutex);
-    ok_ = false;
+    if (ok_) {
+      s_->locker.store(0, std::memory_order_relaxed);
+      release_file_lock();
+      ok_ = false;
+    }
+    if (local_held_) local_.unlock();
+    local_held_ = false;
   }
   Lock(const Lock&) = delete;
   Lock& operator=(const Lock&) = delete;
+  // Taken, and the ledger's size and table are sound: the mapping may be used until unlock().
   bool ok() const { return ok_; }
+  // Not taken because the ledger is corrupt (why() says what); never becomes usable again.
+  bool corrupt() const { return corrupt_; }
+  // Why the lock was not taken (empty when it was).
+  const std::string& why() const { return why_; }
 
  private:
+  // "by process N" when the ledger names the locker (read with pread: only the lock owner may
+  // touch the mapping, and the word is a hint, written by whoever took the lock last).
+  std::string holder_text() const {
+    const int pid = locker_of(fd_);
+    return pid > 0 ? " by process " + std::to_string(pid) : "";
+  }
+  int fd_;
+  std::mutex& local_;
   Shared* s_;
-  bool ok_ = false;
+  bool ok_ = false, corrupt_ = false, local_held_ = false;
+  std::string why_;
 };
 
 std::uint64_t used_bytes(const Shared& s) {
@@ -180,15 +330,29 @@ Result<gid_t> group_id(const std::string& group) {
 
 // Checks an open ledger: a regular file of this user (or of our group with mode 0660), mode
 // 0600 or 0660, magic, format version, layout size. `group`: the gid configured, or -1.
-Status check_file(int fd, const std::string& path, long group) {
+Status check_file(int fd, const std::string& path, long group, const std::string& group_name = "") {
   struct stat st {};
   if (::fstat(fd, &st) != 0) return Status(ErrorCode::io_error, "cannot stat " + path + ": " + errno_text(errno));
   if (!S_ISREG(st.st_mode))
     return Status(ErrorCode::permission_denied, path + " is not a regular file; remove it (it is not a residency ledger)");
   const unsigned mode = st.st_mode & 07777;
   if (st.st_uid != ::geteuid()) {
-    const bool group_ok = group >= 0 && mode == 0660 && st.st_gid == static_cast<gid_t>(group) && in_group(st.st_gid);
-    if (!group_ok)
+    const bool group_ledger = group >= 0 && mode == 0660 && st.st_gid == static_cast<gid_t>(group);
+    if (group_ledger && !in_group(st.st_gid))
+      return Status(ErrorCode::permission_denied,
+                    path + " is the ledger of group " + (group_name.empty() ? std::to_string(st.st_gid) : "'" + group_name + "'") +
+                        " (mode 0660, owner uid " + std::to_string(st.st_uid) + "), and this process (uid " +
+                        std::to_string(::geteuid()) + ") is not a member of that group; membership decides, for root "
+                        "too: add the user to the group, or use another budget name");
+    if (group >= 0 && !group_ledger) {
+      char m[16];
+      std::snprintf(m, sizeof m, "%04o", mode);
+      return Status(ErrorCode::permission_denied,
+                    path + " belongs to uid " + std::to_string(st.st_uid) + " with gid " + std::to_string(st.st_gid) +
+                        " and mode " + m + ", not to the group '" + group_name + "' with mode 0660 that this budget names; " +
+                        "use another budget name, or run as uid " + std::to_string(st.st_uid));
+    }
+    if (!group_ledger)
       return Status(ErrorCode::permission_denied,
                     path + " belongs to uid " + std::to_string(st.st_uid) + " (this process runs as uid " +
                         std::to_string(::geteuid()) +
@@ -216,11 +380,16 @@ Status check_file(int fd, const std::string& path, long group) {
                       std::to_string(kFormatVersion) +
                       ": processes of another residency release hold this budget; use another budget name, or "
                       "stop them and the ledger goes away with its last holder");
-  if (layout != sizeof(Shared) || st.st_size != static_cast<off_t>(sizeof(Shared)))
+  if (layout != sizeof(Shared))
     return Status(ErrorCode::invalid_argument, path + " has version " + std::to_string(version) + " but a layout of " +
-                                                   std::to_string(layout) + " bytes (" + std::to_string(st.st_size) +
-                                                   " in the file); this build expects " + std::to_string(sizeof(Shared)) +
+                                                   std::to_string(layout) + " bytes; this build expects " +
+                                                   std::to_string(sizeof(Shared)) +
                                                    ": a build for another C library or ABI holds it; use another name");
+  if (st.st_size != static_cast<off_t>(sizeof(Shared)))
+    return Status(ErrorCode::invalid_argument,
+                  path + " is " + std::to_string(st.st_size) + " bytes long where its header says " + std::to_string(layout) +
+                      ": another process truncated or extended it, so it is corrupt; its holders keep their memory but "
+                      "cannot share it: remove the file (or use another budget name)");
   return {};
 }
 
@@ -231,7 +400,8 @@ Shared* map(int fd, bool writable) {
 
 // Creates a ledger under a temporary name and links it into place. Returns the descriptor, -1
 // when another process linked one first (open that), or an error.
-Result<int> create(const std::string& path, const std::string& name, std::uint64_t budget, long group) {
+Result<int> create(const std::string& path, const std::string& name, std::uint64_t budget, long group,
+                   const std::string& group_name) {
   static std::atomic<unsigned> serial{0};
   const std::string tmp = path + ".tmp-" + std::to_string(::getpid()) + "-" + std::to_string(serial++);
   const int fd = ::open(tmp.c_str(), O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
@@ -243,28 +413,24 @@ Result<int> create(const std::string& path, const std::string& name, std::uint64
     return Status(ErrorCode::io_error, what + " " + tmp + ": " + errno_text(e));
   };
   if (::ftruncate(fd, sizeof(Shared)) != 0) return fail("cannot size");
-  if (group >= 0 && ::fchown(fd, static_cast<uid_t>(-1), static_cast<gid_t>(group)) != 0)
-    return fail("cannot give the group to (are you a member of it?)");
+  if (group >= 0 && ::fchown(fd, static_cast<uid_t>(-1), static_cast<gid_t>(group)) != 0) {
+    const int e = errno;
+    ::unlink(tmp.c_str());
+    ::close(fd);
+    return Status(e == EPERM ? ErrorCode::permission_denied : ErrorCode::io_error,
+                  "cannot give " + tmp + " to the group '" + group_name + "': " + errno_text(e) +
+                      (e == EPERM ? " (a user may give a file only to a group it is a member of: add the user to the group)" : ""));
+  }
   if (::fchmod(fd, group >= 0 ? 0660 : 0600) != 0) return fail("cannot set the mode of");
   Shared* s = map(fd, true);
   if (!s) return fail("cannot map");
-  // The file is zero-filled: every atomic and slot starts at 0 (free). Only the mutex needs work.
-  pthread_mutexattr_t a;
-  ::pthread_mutexattr_init(&a);
-  ::pthread_mutexattr_setpshared(&a, PTHREAD_PROCESS_SHARED);
-  ::pthread_mutexattr_setrobust(&a, PTHREAD_MUTEX_ROBUST);
-  const int r = ::pthread_mutex_init(&s->mutex, &a);
-  ::pthread_mutexattr_destroy(&a);
+  // The file is zero-filled: every atomic and slot starts at 0 (free), and the lock is the file's.
   s->budget = budget;
   std::snprintf(s->name, sizeof s->name, "%s", name.c_str());
   s->version = kFormatVersion;
   s->layout_size = sizeof(Shared);
   s->magic = kMagic;
   ::munmap(s, sizeof(Shared));
-  if (r != 0) {
-    errno = r;
-    return fail("cannot initialise the lock of");
-  }
   if (::link(tmp.c_str(), path.c_str()) != 0) {
     const int e = errno;
     ::unlink(tmp.c_str());
@@ -297,6 +463,14 @@ std::uint64_t process_start_time(int pid) {
   return start;
 }
 
+int lock_owner(const std::string& path) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
+  if (fd < 0) return 0;
+  const int pid = locker_of(fd);
+  ::close(fd);
+  return pid;
+}
+
 bool holder_alive(int pid, std::uint64_t start_time) {
   if (pid <= 0 || start_time == 0) return false;
   if (::kill(pid, 0) != 0 && errno == ESRCH) return false;
@@ -320,17 +494,21 @@ Result<std::unique_ptr<Ledger>> Ledger::attach(const AttachOptions& o) {
   for (int attempt = 0; attempt < kTries; ++attempt) {
     int fd = ::open(path.c_str(), O_RDWR | O_NOFOLLOW | O_CLOEXEC);
     if (fd < 0 && errno == ENOENT) {
-      auto made = create(path, o.name, o.budget, group);
+      auto made = create(path, o.name, o.budget, group, o.group);
       if (!made) return made.status();
       if (*made < 0) continue;  // another process linked its ledger first: open that one
       fd = *made;
+    } else if (fd < 0 && errno == ELOOP) {
+      return Status(ErrorCode::permission_denied,
+                    path + " is a symbolic link; a ledger must be a regular file in " + kDir +
+                        " (a link could point anywhere, it is never followed): remove it, or use another budget name");
     } else if (fd < 0) {
       const int e = errno;
       return Status(e == EACCES ? ErrorCode::permission_denied : ErrorCode::io_error,
                     "cannot open the shared budget ledger " + path + ": " + errno_text(e) +
                         (e == EACCES ? " (it belongs to another user; use another budget name)" : ""));
     }
-    if (Status st = check_file(fd, path, group); !st) {
+    if (Status st = check_file(fd, path, group, o.group); !st) {
       ::close(fd);
       return st;
     }
@@ -348,16 +526,23 @@ Result<std::unique_ptr<Ledger>> Ledger::attach(const AttachOptions& o) {
     l->priority_ = o.priority;
     l->owner_pid_ = self;
     {
-      Lock lock(s);
+      Lock lock(fd, l->local_, s, kJoinWait, /*cancellable=*/true);
+      if (lock.corrupt()) {
+        l->shm_ = nullptr;
+        ::munmap(s, sizeof(Shared));
+        return Status(ErrorCode::invalid_argument, "the shared budget ledger " + path + " is corrupt: " + lock.why() +
+                                                       "; its holders keep their memory but cannot share it: remove the "
+                                                       "file (or use another budget name)");
+      }
       if (!lock.ok()) {
         l->shm_ = nullptr;  // nothing of ours is in it
         ::munmap(s, sizeof(Shared));
-        return Status(ErrorCode::backend_error, "the lock of " + path + " cannot be taken (not recoverable); remove the file");
+        return Status(ErrorCode::io_error, "cannot join the shared budget " + o.name + ": the lock of its ledger " + path +
+                                               " was not obtained: " + lock.why());
       }
       if (s->retired.load(std::memory_order_acquire)) {
         // Its last holder removed it after we opened it: open (or create) the one in place now.
-        // Unlocked before the unmap (a mutex unlocked in unmapped memory crashes, and the robust
-        // list would point there: the kernel could never mark the owner dead).
+        // Unlocked before the unmap (unlocking writes the locker word in the mapping).
         lock.unlock();
         l->shm_ = nullptr;
         ::munmap(s, sizeof(Shared));
@@ -386,6 +571,8 @@ Result<std::unique_ptr<Ledger>> Ledger::attach(const AttachOptions& o) {
       sl.last_use.store(0, std::memory_order_relaxed);
       sl.used.store(1, std::memory_order_release);
       l->slot_ = slot;
+      l->self_start_ = self_start;
+      l->budget_ = s->budget;
       if (s->budget != o.budget) l->requested_budget_ = o.budget;
     }
     return l;
@@ -405,28 +592,64 @@ bool path_is_ours(int fd, const std::string& path) {
   return ::fstat(fd, &held) == 0 && ::stat(path.c_str(), &at) == 0 && held.st_dev == at.st_dev && held.st_ino == at.st_ino;
 }
 
-void leave(Shared* s, std::uint32_t slot, const std::string& path, int fd) {
+}  // namespace
+
+bool Ledger::mine() const { return ::getpid() == owner_pid_; }
+
+// With nothing held: frees our slot, reclaims the dead, and retires + unlinks the ledger when no
+// holder is left (under the lock, so that an opener waiting for it sees `retired`).
+void Ledger::leave() {
+  if (broken_.load(std::memory_order_acquire)) return;  // nothing of a corrupt ledger is touched
+  Shared* s = shm_;
   const int self = ::getpid();
-  Slot& sl = s->slots[slot];
-  const std::uint64_t self_start = sl.start_time.load(std::memory_order_relaxed);
-  Lock lock(s);
+  // Bounded: a lock stopped elsewhere costs this process its exit time, at most this long. Not
+  // obtained, our slot is still ours to clear; reclaiming the dead and retiring wait for the next.
+  Lock lock(fd_, local_, s, kLeaveLockWait, /*cancellable=*/true);
+  if (lock.corrupt() || (!lock.ok() && !covers_mapping()) || (lock.ok() && !own_slot_sound())) {
+    broken_.store(true, std::memory_order_release);
+    return;
+  }
+  Slot& sl = s->slots[slot_];
   sl.bytes.store(0, std::memory_order_relaxed);
   sl.ask.store(0, std::memory_order_relaxed);
   sl.used.store(0, std::memory_order_release);
   if (lock.ok()) {
-    reclaim(*s, self, self_start);
+    reclaim(*s, self, self_start_);
     bool anyone = false;
     for (const Slot& o : s->slots) anyone = anyone || o.used.load(std::memory_order_relaxed) != 0;
     if (!anyone) {
       s->retired.store(1, std::memory_order_release);
-      if (path_is_ours(fd, path)) ::unlink(path.c_str());
+      if (path_is_ours(fd_, path_)) ::unlink(path_.c_str());
     }
   }
   bump(*s);
 }
-}  // namespace
 
-bool Ledger::mine() const { return ::getpid() == owner_pid_; }
+bool Ledger::covers_mapping() const {
+  struct stat st {};
+  return ::fstat(fd_, &st) == 0 && st.st_size == static_cast<off_t>(sizeof(Shared));
+}
+
+// Under the lock: our slot still names us and what we hold (only we write it).
+bool Ledger::own_slot_sound() const {
+  const Slot& sl = shm_->slots[slot_];
+  return sl.used.load(std::memory_order_relaxed) == 1 && sl.pid.load(std::memory_order_relaxed) == owner_pid_ &&
+         sl.start_time.load(std::memory_order_relaxed) == self_start_ && sl.bytes.load(std::memory_order_relaxed) == held_.load(std::memory_order_relaxed);
+}
+
+// The reason a lock taken for this holder cannot be used, recorded for problem(); the ledger is
+// not used again.
+std::uint64_t Ledger::corrupt(const std::string& what) {
+  broken_.store(true, std::memory_order_release);
+  problem_ = "its ledger " + path_ + " is corrupt: " + what + "; this process wires nothing more under it (remove the file " +
+             "once its holders are gone)";
+  return 0;
+}
+
+std::uint64_t Ledger::lock_not_obtained(const std::string& why) {
+  problem_ = "the lock of its ledger " + path_ + " was not obtained at once: " + why;
+  return 0;
+}
 
 Ledger::~Ledger() {
   if (!mine()) {
@@ -437,61 +660,99 @@ Ledger::~Ledger() {
     return;
   }
   stop_listening();
-  if (!shm_) return;
-  if (!detached_) leave(shm_, slot_, path_, fd_);
+  if (!shm_) {  // attach() gave up on this ledger before claiming a slot
+    if (fd_ >= 0) ::close(fd_);
+    return;
+  }
+  if (!detached_) leave();
   ::munmap(shm_, sizeof(Shared));
   ::close(fd_);
 }
 
-void Ledger::detach_at_exit() {
-  if (!shm_ || detached_ || held_ != 0 || !mine()) return;
+void Ledger::tell_listener_to_stop() {
   stopping_.store(true, std::memory_order_release);
+  stop_word_.store(1, std::memory_order_release);
+  futex_wake(stop_word_, 1);  // a listener that found the ledger corrupt sleeps here
+  // One that sleeps on its ask word is woken there. If another process truncated the file, that
+  // word's page is gone (a store to it would fault): give the file its size back first (zero
+  // pages, which the corrupt check refuses from now on) so that the word exists again.
+  if (!covers_mapping() && ::ftruncate(fd_, sizeof(Shared)) != 0) return;  // (the thread is detached then)
   Slot& mine = shm_->slots[slot_];
   mine.ask.store(kStopWord, std::memory_order_release);
   futex_wake(mine.ask, 1);
+}
+
+void Ledger::detach_at_exit() {
+  if (!shm_ || detached_ || held_.load() != 0 || !mine()) return;
+  tell_listener_to_stop();
   // The listener returns at once now: join it, so that nothing of ours runs past exit (and no
   // thread is left unjoined for a sanitizer to report).
   if (listener_.joinable() && listener_.get_id() != std::this_thread::get_id()) listener_.join();
   detached_ = true;
-  leave(shm_, slot_, path_, fd_);
+  leave();
 }
 
-std::uint64_t Ledger::budget() const { return shm_->budget; }
+std::uint64_t Ledger::budget() const { return budget_; }
 
-std::atomic<std::int64_t>& Ledger::last_use() { return shm_->slots[slot_].last_use; }
+void Ledger::publish_last_use(void* ledger, std::int64_t last_use) noexcept {
+  auto* l = static_cast<Ledger*>(ledger);
+  if (!l->shm_ || l->detached_ || l->broken_.load(std::memory_order_relaxed) || !l->mine()) return;
+  const off_t at = static_cast<off_t>(offsetof(Shared, slots) + l->slot_ * sizeof(Slot) + offsetof(Slot, last_use));
+  // Failing (a file cut short or gone) costs nothing but the idle time others see.
+  if (::pwrite(l->fd_, &last_use, sizeof last_use, at) != static_cast<ssize_t>(sizeof last_use)) return;
+}
 
 std::uint64_t Ledger::acquire(std::uint64_t bytes, Nanos wait, bool partial) {
   if (bytes == 0 || detached_ || !mine()) return 0;
+  if (broken_.load(std::memory_order_acquire)) {
+    if (problem_.empty()) problem_ = "its ledger " + path_ + " was found corrupt; this process wires nothing more under it";
+    return 0;
+  }
   Shared& s = *shm_;
   const int self = ::getpid();
   Slot& mine = s.slots[slot_];
-  const std::uint64_t self_start = mine.start_time.load(std::memory_order_relaxed);
+  const std::uint64_t self_start = self_start_;
+  // Whether a lock just taken may be used; else problem() says why and nothing is granted.
+  auto usable = [&](const Lock& lock) {
+    if (lock.corrupt()) return corrupt(lock.why()), false;
+    if (!lock.ok()) return lock_not_obtained(lock.why()), false;
+    if (!own_slot_sound()) return corrupt("the slot of this process (" + std::to_string(slot_) + ") was overwritten"), false;
+    problem_.clear();
+    return true;
+  };
   auto take = [&](std::uint64_t n) {
     mine.bytes.store(mine.bytes.load(std::memory_order_relaxed) + n, std::memory_order_relaxed);
-    held_ += n;
+    held_.fetch_add(n, std::memory_order_relaxed);
     return n;
   };
   const std::int64_t deadline = monotonic_ns() + wait.count();
   struct Asked {
     std::uint32_t slot;
-    int pid;
+    std::uint32_t id;
   };
   std::vector<Asked> asked;
-  while (wait.count() > 0) {
+  // Under the lock: the asks still in their holders' words are withdrawn (this wait is over).
+  auto withdraw = [&] {
+    for (const Asked& a : asked) {
+      std::uint32_t expected = a.id;
+      s.slots[a.slot].ask.compare_exchange_strong(expected, 0, std::memory_order_acq_rel);
+    }
+    asked.clear();
+  };
+  while (wait.count() > 0 && monotonic_ns() < deadline) {
     std::uint32_t gen = 0;
     bool outstanding = false, asked_now = false;
     {
-      Lock lock(&s);
-      if (!lock.ok()) return 0;
+      Lock lock(fd_, local_, shm_, kUseLockWait);
+      if (!usable(lock)) return 0;
       reclaim(s, self, self_start);
       const std::uint64_t used = used_bytes(s);
-      if (used <= s.budget && s.budget - used >= bytes) return take(bytes);
-      for (const Asked& a : asked) {
-        const Slot& sl = s.slots[a.slot];
-        if (sl.used.load(std::memory_order_relaxed) && sl.pid.load(std::memory_order_relaxed) == a.pid &&
-            sl.ask.load(std::memory_order_relaxed) != 0)
-          outstanding = true;
+      if (used <= s.budget && s.budget - used >= bytes) {
+        withdraw();
+        return take(bytes);
       }
+      for (const Asked& a : asked)
+        if (s.slots[a.slot].ask.load(std::memory_order_relaxed) == a.id) outstanding = true;
       if (!outstanding) {
         // The holder to ask: priority <= ours, idle at least kIdleBeforeAsked, holding bytes;
         // lowest priority first, then the one idle longest.
@@ -515,9 +776,14 @@ std::uint64_t Ledger::acquire(std::uint64_t bytes, Nanos wait, bool partial) {
         }
         if (best != kMaxHolders) {
           Slot& v = s.slots[best];
-          v.ask.store(static_cast<std::uint32_t>(self), std::memory_order_release);
+          std::uint32_t id = s.ask_serial.fetch_add(1, std::memory_order_relaxed) + 1;
+          if (id == 0 || id == kStopWord) id = s.ask_serial.fetch_add(2, std::memory_order_relaxed) + 2;
+          v.asker_pid.store(self, std::memory_order_relaxed);
+          v.asker_start.store(self_start, std::memory_order_relaxed);
+          v.ask_deadline.store(deadline, std::memory_order_relaxed);
+          v.ask.store(id, std::memory_order_release);
           futex_wake(v.ask, 1);
-          asked.push_back({best, v.pid.load(std::memory_order_relaxed)});
+          asked.push_back({best, id});
           asks_sent_.fetch_add(1, std::memory_order_relaxed);
           asked_now = true;
         }
@@ -525,13 +791,15 @@ std::uint64_t Ledger::acquire(std::uint64_t bytes, Nanos wait, bool partial) {
       gen = s.generation.load(std::memory_order_acquire);
     }
     if (!outstanding && !asked_now) break;  // nobody left to ask
-    const std::int64_t left = deadline - monotonic_ns();
-    if (left <= 0) break;
+    // In slices, so that cancel_shared_budget_waits() (a signal to the process) ends it soon.
+    const std::int64_t left = std::min<std::int64_t>(deadline - monotonic_ns(), kCancelPoll.count());
+    if (left <= 0 || g_joins_cancelled.load(std::memory_order_acquire)) break;
     const timespec ts{static_cast<time_t>(left / 1'000'000'000), static_cast<long>(left % 1'000'000'000)};
     futex_wait(s.generation, gen, &ts);
   }
-  Lock lock(&s);
-  if (!lock.ok()) return 0;
+  Lock lock(fd_, local_, shm_, kUseLockWait);
+  if (!usable(lock)) return 0;  // the asks expire at their deadline
+  withdraw();
   reclaim(s, self, self_start);
   const std::uint64_t used = used_bytes(s);
   const std::uint64_t free = used < s.budget ? s.budget - used : 0;
@@ -540,13 +808,24 @@ std::uint64_t Ledger::acquire(std::uint64_t bytes, Nanos wait, bool partial) {
 }
 
 void Ledger::release(std::uint64_t bytes) {
-  bytes = std::min(bytes, held_);
+  bytes = std::min(bytes, held_.load(std::memory_order_relaxed));
   if (bytes == 0 || detached_ || !mine()) return;
+  if (broken_.load(std::memory_order_acquire)) {  // only our own count; the ledger is not touched
+    held_.fetch_sub(bytes, std::memory_order_relaxed);
+    return;
+  }
   Slot& mine = shm_->slots[slot_];
   {
-    Lock lock(shm_);  // even if it could not be taken, our own slot is ours to write
-    mine.bytes.store(mine.bytes.load(std::memory_order_relaxed) - bytes, std::memory_order_relaxed);
-    held_ -= bytes;
+    // Even if the lock could not be taken, our own slot is ours to write (once the file is known
+    // to cover it).
+    Lock lock(fd_, local_, shm_, kUseLockWait);
+    if (lock.corrupt() || (!lock.ok() && !covers_mapping()) || (lock.ok() && !own_slot_sound())) {
+      broken_.store(true, std::memory_order_release);
+      held_.fetch_sub(bytes, std::memory_order_relaxed);
+      return;
+    }
+    mine.bytes.store(held_.load(std::memory_order_relaxed) - bytes, std::memory_order_relaxed);
+    held_.fetch_sub(bytes, std::memory_order_relaxed);
     shm_->generation.fetch_add(1, std::memory_order_release);
   }
   futex_wake(shm_->generation, INT32_MAX);
@@ -568,12 +847,8 @@ void Ledger::stop_listening() {
     listener_.join();
     return;
   }
-  stopping_.store(true, std::memory_order_release);
-  Slot& mine = shm_->slots[slot_];
-  mine.ask.store(kStopWord, std::memory_order_release);
-  futex_wake(mine.ask, 1);
+  tell_listener_to_stop();
   listener_.join();
-  mine.ask.store(0, std::memory_order_relaxed);
 }
 
 void Ledger::listen_loop() {
@@ -585,16 +860,42 @@ void Ledger::listen_loop() {
   listener_tid_.store(static_cast<int>(::syscall(SYS_gettid)), std::memory_order_relaxed);
   Slot& mine = shm_->slots[slot_];
   for (;;) {
-    const std::uint32_t v = mine.ask.load(std::memory_order_acquire);
     if (stopping_.load(std::memory_order_acquire)) return;
-    if (v == 0) {
-      futex_wait(mine.ask, 0, nullptr);
+    if (broken_.load(std::memory_order_acquire)) {  // the ledger is not touched again: wait to be stopped
+      futex_wait(stop_word_, 0, nullptr);
       continue;
     }
-    if (v != kStopWord && on_asked_) on_asked_(static_cast<int>(v));
-    asks_answered_.fetch_add(1, std::memory_order_relaxed);
+    // The kernel compares the word with 0: nothing of the mapping is read outside the lock.
+    if (futex_wait(mine.ask, 0, nullptr) != 0 && errno == EFAULT) {
+      broken_.store(true, std::memory_order_release);  // truncated under us
+      continue;
+    }
+    if (stopping_.load(std::memory_order_acquire)) return;
+    // Answered only if it is still a live ask: the word unchanged, the asker alive, its wait not
+    // over. Checked under the lock; without the lock it cannot be checked and is declined.
+    std::uint32_t v = 0;
+    int asker = 0;
     {
-      Lock lock(shm_);
+      Lock lock(fd_, local_, shm_, kAnswerLockWait);
+      if (lock.corrupt() || (!lock.ok() && !covers_mapping()) || (lock.ok() && !own_slot_sound())) {
+        broken_.store(true, std::memory_order_release);
+        continue;
+      }
+      v = mine.ask.load(std::memory_order_acquire);
+      if (v == 0 || v == kStopWord) continue;  // spurious, or told to stop (stopping_ is set)
+      const int pid = mine.asker_pid.load(std::memory_order_relaxed);
+      if (lock.ok() && monotonic_ns() < mine.ask_deadline.load(std::memory_order_relaxed) &&
+          holder_alive(pid, mine.asker_start.load(std::memory_order_relaxed)))
+        asker = pid;
+    }
+    if (asker != 0 && on_asked_) on_asked_(asker);
+    if (asker != 0) asks_answered_.fetch_add(1, std::memory_order_relaxed);
+    {
+      Lock lock(fd_, local_, shm_, kAnswerLockWait);  // not obtained: our own word is still ours to clear
+      if (lock.corrupt() || (!lock.ok() && !covers_mapping())) {
+        broken_.store(true, std::memory_order_release);
+        continue;
+      }
       std::uint32_t expected = v;
       mine.ask.compare_exchange_strong(expected, 0, std::memory_order_acq_rel);  // kStopWord stays
       shm_->generation.fetch_add(1, std::memory_order_release);
@@ -608,6 +909,8 @@ void Ledger::listen_loop() {
 }  // namespace residency::ledger
 
 namespace residency {
+
+void cancel_shared_budget_waits() noexcept { ledger::g_joins_cancelled.store(true, std::memory_order_release); }
 
 std::vector<SharedBudgetInfo> list_shared_budgets() {
   using namespace ledger;
@@ -633,10 +936,19 @@ std::vector<SharedBudgetInfo> list_shared_budgets() {
       out.push_back(std::move(info));
       continue;
     }
-    const Shared* s = map(fd, false);
+    // A copy read with pread, not a mapping: another process may truncate the file meanwhile
+    // (a mapping would fault), and every field is checked before it is shown.
+    auto copy = std::make_unique<Shared>();
+    const ssize_t got = ::pread(fd, static_cast<void*>(copy.get()), sizeof(Shared), 0);
+    const int read_errno = errno;
     ::close(fd);
-    if (!s) {
-      info.error = "cannot map " + info.path + ": " + std::strerror(errno);
+    const Shared* s = copy.get();
+    std::string bad = got < 0 ? std::string("cannot read it: ") + std::strerror(read_errno)
+                      : got != static_cast<ssize_t>(sizeof(Shared))
+                          ? "it is " + std::to_string(got) + " bytes long, a ledger is " + std::to_string(sizeof(Shared))
+                          : check_table(*s);
+    if (!bad.empty()) {
+      info.error = "the ledger " + info.path + " is corrupt: " + bad;
       out.push_back(std::move(info));
       continue;
     }
@@ -656,7 +968,6 @@ std::vector<SharedBudgetInfo> list_shared_budgets() {
       info.used += h.bytes;
       info.holders.push_back(h);
     }
-    ::munmap(const_cast<Shared*>(s), sizeof(Shared));
     out.push_back(std::move(info));
   }
   ::closedir(d);
@@ -671,6 +982,7 @@ std::vector<SharedBudgetInfo> list_shared_budgets() {
 struct Ledger::Shared {};
 
 std::uint64_t process_start_time(int) { return 0; }
+int lock_owner(const std::string&) { return 0; }
 bool holder_alive(int, std::uint64_t) { return false; }
 
 Result<std::unique_ptr<Ledger>> Ledger::attach(const AttachOptions&) {
@@ -684,10 +996,7 @@ bool Ledger::mine() const { return true; }
 void Ledger::stop_listening() {}
 void Ledger::detach_at_exit() {}
 std::uint64_t Ledger::budget() const { return 0; }
-std::atomic<std::int64_t>& Ledger::last_use() {
-  static std::atomic<std::int64_t> none{0};
-  return none;
-}
+void Ledger::publish_last_use(void*, std::int64_t) noexcept {}
 std::uint64_t Ledger::acquire(std::uint64_t, Nanos, bool) { return 0; }
 void Ledger::release(std::uint64_t) {}
 void Ledger::listen_loop() {}
@@ -695,6 +1004,7 @@ void Ledger::listen_loop() {}
 }  // namespace residency::ledger
 
 namespace residency {
+void cancel_shared_budget_waits() noexcept {}
 std::vector<SharedBudgetInfo> list_shared_budgets() { return {}; }
 }  // namespace residency
 

@@ -12,16 +12,31 @@
 // longest among those of priority <= its own (last use >= kIdleBeforeAsked ago), writes its
 // slot's word and FUTEX_WAKEs it; that process gives its memory back if it is really idle (as
 // its keep-alive would have, early) and answers by bumping the ledger's generation word, on
-// which the asker waits a bounded time.
+// which the asker waits a bounded time. An ask carries an id, the asker's identity and the end
+// of its wait; it is answered only while all three hold (a holder stopped while asked, continued
+// after the asker gave up or died, gives back to nobody), and the asker withdraws it when done.
 //
-// The lock is a robust, process-shared pthread mutex inside the ledger: uncontended it costs no
-// system call, and when a holder dies inside it (SIGKILL, OOM kill) the next locker gets
-// EOWNERDEAD and repairs. Repair is the same pass that runs on every lock: holders whose process
-// is gone are dropped, identity being pid + start time (/proc/PID/stat field 22), so a reused pid
-// is not mistaken for the dead holder. Every field a holder writes under the lock is one aligned
-// word, and `used` is never stored (it is the sum of the table), so a holder killed mid-update
-// leaves nothing to undo. (A kernel file lock, flock, would also be released on death, but costs
-// a system call per lock and is not reliable on every /dev/shm of the platforms we compile for.)
+// The lock is the kernel's: an exclusive OFD lock (fcntl F_OFD_SETLK) on the whole ledger file.
+// The kernel drops it when its owner dies (SIGKILL, OOM kill), and nothing of it lives in the
+// shared bytes (a process-shared mutex there would let any member write through the robust-list
+// pointers of another member's process). The next locker repairs: holders whose process is gone
+// are dropped, identity being pid + start time (/proc/PID/stat field 22), so a reused pid is not
+// mistaken for the dead holder. Every field a holder writes under the lock is one aligned word,
+// and `used` is never stored (it is the sum of the table), so a holder killed mid-update leaves
+// nothing to undo. Every wait for the lock is bounded (kJoinWait to join, milliseconds on a
+// decode's path): a holder stopped inside it (SIGSTOP, a paused container, a debugger) costs the
+// others their share, never their progress.
+//
+// Trust: everyone who may write the file (its user; with a group, the group's members) may deny
+// the others budget, never corrupt their processes. Nothing in the shared bytes is a lock or a
+// pointer; under the lock the file's size is checked before the mapping is touched (a truncated
+// file would fault) and every field is validated before use (header, slots, pids, the sum of the
+// reservations, this holder's own slot). A ledger that fails is an error with a message ("ledger
+// PATH is corrupt: ..."); its holders keep what they have wired, wire nothing more under it, and
+// never touch it again. Outside the lock nothing is loaded or stored through the mapping: the
+// listener waits with the kernel comparing its word, and touch() publishes the last use with
+// pwrite(). What remains is a truncation in the microseconds between the size check and an access
+// under the lock (the kernel offers no way to pin a tmpfs file's size).
 //
 // Ownership: created 0600 for its user, or 0660 for a named group, under a temporary name and
 // link()ed into place, so nobody ever opens a half-written ledger. Opening checks owner, mode,
@@ -29,7 +44,7 @@
 // leave (after reclaiming the dead) marks the ledger retired and unlinks it under the lock; a
 // process that opened it just before finds it retired once it has the lock and opens afresh.
 //
-// Linux only (futexes, /proc); elsewhere attach() returns `unsupported` with a message.
+// Linux only (futexes, OFD locks, /proc); elsewhere attach() returns `unsupported` with a message.
 // Processes that share a budget must share /dev/shm and a pid namespace.
 #pragma once
 
@@ -37,6 +52,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <thread>
 
@@ -50,13 +66,17 @@ namespace residency::ledger {
 // is far above that and keeps the ledger in 5 pages.
 inline constexpr std::uint32_t kMaxHolders = 64;
 // The ledger's format; a ledger of another version is refused (the message names both).
-inline constexpr std::uint32_t kFormatVersion = 1;
+inline constexpr std::uint32_t kFormatVersion = 2;  // 2: the lock is the file's (OFD), not a mutex in it
 // A holder is asked only when its last use is at least this old: longer than any pause between two
 // graph computes of a decoding engine (tens to hundreds of ms per token), so that a decoding
 // process is never asked and two busy processes never take the budget from each other per token.
 inline constexpr Nanos kIdleBeforeAsked = std::chrono::seconds(1);
 // How long an asker waits for asked holders to give back before it wires what fits.
 inline constexpr Nanos kAskWait = std::chrono::seconds(2);
+// How long attach() waits for the ledger's lock before it fails with a message naming the ledger
+// and the process that holds the lock. Other waits for the lock are shorter (ledger.cpp): a
+// decode's acquire() gives up after milliseconds and the caller goes on unwired (problem()).
+inline constexpr Nanos kJoinWait = std::chrono::seconds(3);
 
 // "/dev/shm/residency-budget-NAME".
 std::string ledger_path(const std::string& name);
@@ -66,6 +86,9 @@ std::string ledger_path(const std::string& name);
 std::uint64_t process_start_time(int pid);
 // True when `pid` is alive and is the process that started at `start_time` (not a reuse).
 bool holder_alive(int pid, std::uint64_t start_time);
+// The process that took the lock of the ledger at `path` last, as the ledger records it (0 when
+// unlocked or unknown). A hint written by whoever locks, for messages about a lock held too long.
+int lock_owner(const std::string& path);
 
 struct AttachOptions {
   std::string name;
@@ -101,7 +124,7 @@ class Ledger {
   const std::string& name() const { return name_; }
   const std::string& path() const { return path_; }
   std::uint64_t budget() const;
-  std::uint64_t held() const { return held_; }
+  std::uint64_t held() const { return held_.load(std::memory_order_relaxed); }
   // The budget the caller asked for, when the ledger existed with another one (else 0).
   std::uint64_t requested_budget() const { return requested_budget_; }
 
@@ -111,10 +134,15 @@ class Ledger {
   std::uint64_t acquire(std::uint64_t bytes, Nanos wait, bool partial);
   // Gives back `bytes` (at most what is held) and wakes waiting askers.
   void release(std::uint64_t bytes);
+  // Why the last acquire() granted nothing for a reason other than a full budget (the lock was
+  // not obtained within its bound, or the ledger is corrupt); empty when it took the lock.
+  const std::string& problem() const { return problem_; }
 
-  // This holder's time of last use (CLOCK_MONOTONIC nanoseconds), written by the manager's
-  // touch() directly, so that askers and `residency stat` read real idle times.
-  std::atomic<std::int64_t>& last_use();
+  // Records this holder's time of last use (CLOCK_MONOTONIC nanoseconds) in its slot, so that
+  // askers and `residency stat` read real idle times; called by the manager's touch() at most once
+  // per coarse clock tick. A pwrite() of the word, not a store through the mapping: the hot path
+  // takes no lock, and a store into a file another process truncated would fault (SIGBUS).
+  static void publish_last_use(void* ledger, std::int64_t last_use) noexcept;
 
   std::uint64_t asks_sent() const { return asks_sent_.load(std::memory_order_relaxed); }
   std::uint64_t asks_answered() const { return asks_answered_.load(std::memory_order_relaxed); }
@@ -126,17 +154,31 @@ class Ledger {
  private:
   Ledger() = default;
   void listen_loop();
+  void leave();
+  void tell_listener_to_stop();
+  bool covers_mapping() const;
+  bool own_slot_sound() const;
+  std::uint64_t lock_not_obtained(const std::string& why);
+  std::uint64_t corrupt(const std::string& what);
 
   std::string name_, path_;
   int fd_ = -1;
   Shared* shm_ = nullptr;
   std::uint32_t slot_ = 0;
-  std::uint64_t held_ = 0;  // mirror of our slot's bytes; changed only by this object's owner
+  // Mirror of our slot's bytes; changed only by this object's owner, read by the listener too.
+  std::atomic<std::uint64_t> held_{0};
   std::uint64_t requested_budget_ = 0;
   int priority_ = 0;
   OnAsked on_asked_;
   std::thread listener_;
   std::atomic<bool> stopping_{false};
+  std::string problem_;  // written by acquire() only
+  // The ledger failed a check (its size, its table, our slot): it is not touched again.
+  std::atomic<bool> broken_{false};
+  std::atomic<std::uint32_t> stop_word_{0};  // the listener of a broken ledger sleeps on it
+  std::uint64_t self_start_ = 0, budget_ = 0;
+  // The lock is an OFD lock on fd_, shared by this object's threads: they take this one first.
+  std::mutex local_;
   bool detached_ = false;  // detach_at_exit() ran: the slot is not ours any more
   // The process that attached. A fork child inherits the mapping and this object but not the
   // slot: in any other process every method leaves the ledger alone (llama-server, Python and

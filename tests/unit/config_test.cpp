@@ -248,8 +248,11 @@ TEST(SharedBudgetParse, NameSizeAndGroup) {
   const std::string long_name = std::string(65, 'n') + ":1G";
   for (const Bad& c : {Bad{"llm", "no ':'"}, Bad{":1G", "the name '' is not accepted"},
                        Bad{"a/b:1G", "the name 'a/b' is not accepted"}, Bad{"-x:1G", "the name '-x'"},
-                       Bad{".x:1G", "the name '.x'"}, Bad{"x:", "the size '' is not"}, Bad{"x:lots", "the size 'lots'"},
-                       Bad{"x:0", "the size is 0"}, Bad{"x:150%", "the size '150%'"},
+                       Bad{".x:1G", "the name '.x'"}, Bad{"x:", "the size '': empty"}, Bad{"x:lots", "the size 'lots'"},
+                       Bad{"x:0", "the size is 0"},
+                       Bad{"x:150%", "the size '150%': a percent must be above 0 and at most 100"},
+                       Bad{"x:18446744073709551615", "the size '18446744073709551615': too large"},
+                       Bad{"x:1e2%", "the size '1e2%': an exponent ('e2') is not accepted"},
                        Bad{"x:1G:a b", "the group 'a b' is not accepted"}, Bad{"x:1G:g:h", "more than three"},
                        Bad{long_name.c_str(), "is not accepted"}}) {
     auto r = parse_shared_budget(c.text);

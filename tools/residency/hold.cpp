@@ -23,12 +23,14 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "command.hpp"
 #include "residency/backends.hpp"
 #include "residency/config.hpp"
 #include "residency/residency.hpp"
+#include "residency/shared_budget.hpp"
 
 namespace residency::tool {
 namespace {
@@ -124,6 +126,49 @@ Config hold_config(const HoldOptions& o) {
 // The write end of a pipe the log callback signals when the manager releases.
 std::atomic<int> g_released_fd{-1};
 
+// While the manager is created and the files registered, waits that hold does not control can
+// happen (the shared budget's ledger: joining it, asking its holders). This thread takes a signal
+// meanwhile and cancels those waits, so that SIGTERM/SIGINT end hold at once through the clean
+// path (nothing wired is left, the slot is freed) instead of when the waits run out.
+class SignalsWhileStarting {
+ public:
+  explicit SignalsWhileStarting(int sfd) : sfd_(sfd) {
+    if (::pipe2(stop_, O_CLOEXEC) != 0) throw std::runtime_error(std::string("pipe: ") + std::strerror(errno));
+    thread_ = std::thread([this] {
+      pollfd fds[2] = {{sfd_, POLLIN, 0}, {stop_[0], POLLIN, 0}};
+      while (::poll(fds, 2, -1) < 0 && errno == EINTR) {
+      }
+      if (!(fds[0].revents & POLLIN)) return;
+      signalfd_siginfo si{};
+      if (::read(sfd_, &si, sizeof si) != sizeof si) return;
+      signo_.store(static_cast<int>(si.ssi_signo));
+      cancel_shared_budget_waits();
+    });
+  }
+  // Stops the thread; the signal it took, or 0.
+  int finish() {
+    if (thread_.joinable()) {
+      const char b = 1;
+      if (::write(stop_[1], &b, 1) < 0) { /* the thread has returned already */ }
+      thread_.join();
+    }
+    return signo_.load();
+  }
+  ~SignalsWhileStarting() {
+    finish();
+    ::close(stop_[0]);
+    ::close(stop_[1]);
+  }
+  SignalsWhileStarting(const SignalsWhileStarting&) = delete;
+  SignalsWhileStarting& operator=(const SignalsWhileStarting&) = delete;
+
+ private:
+  int sfd_;
+  int stop_[2] = {-1, -1};
+  std::atomic<int> signo_{0};
+  std::thread thread_;
+};
+
 int run_hold(const HoldOptions& o) {
   const Config config = hold_config(o);
   std::vector<MappedFile> files;
@@ -168,24 +213,39 @@ int run_hold(const HoldOptions& o) {
     if (!quiet || l <= LogLevel::warn)
       if (static_cast<int>(l) <= static_cast<int>(level)) log_to_stderr(l, msg);
   };
+  auto starting = std::make_unique<SignalsWhileStarting>(sfd);
   auto manager = Manager::create(mo);
-  if (!manager) throw BadInput(manager.message());
+  if (!manager) {
+    if (const int sig = starting->finish()) {
+      std::printf("residency hold: %s while joining the shared budget: exiting\n", strsignal(sig));
+      return kExitOk;
+    }
+    throw BadInput(manager.message());
+  }
   std::vector<RegionId> ids;
   {
     auto batch = (*manager)->batch();
     int priority = static_cast<int>(files.size());
     for (auto& f : files) {
       auto id = (*manager)->register_region(f.data(), f.size(), RegionClass::weights, priority--);
+      if (!id && id.status().code() == ErrorCode::limit_exceeded)
+        throw BadInput("'" + printable(f.path()) + "': " + id.message() + "; hold fewer or smaller files");
       if (!id) throw BadInput("'" + printable(f.path()) + "': " + id.message());
       ids.push_back(*id);
     }
   }
+  const int early_signal = starting->finish();
+  starting.reset();
   const Stats s = (*manager)->stats();
   std::printf("residency hold: holding %s of %s in %zu file(s) (keep-alive %s, wired limit %s%s)\n",
               format_size(s.wired_bytes).c_str(), format_size(s.tracked_bytes).c_str(), files.size(),
               config.keep_alive.to_string().c_str(), format_size(s.wired_limit).c_str(),
               config.release_on_pressure ? ", release on pressure" : "");
-  if (s.pending_bytes > 0)
+  if (s.pending_bytes > 0 && s.shared_short > 0 && config.shared_budget)
+    std::printf("residency hold: %s is not wired: the shared budget %s (%s, RESIDENCY_SHARED_BUDGET) had no room for it "
+                "(the warning above says why; `residency stat` lists its holders)\n",
+                format_size(s.pending_bytes).c_str(), config.shared_budget->name.c_str(), format_size(s.shared_budget).c_str());
+  else if (s.pending_bytes > 0)
     std::printf("residency hold: %s is not wired: over the wired limit of %s (--wired-limit, RESIDENCY_WIRED_LIMIT)\n",
                 format_size(s.pending_bytes).c_str(), format_size(s.wired_limit).c_str());
   if (s.wired_bytes < s.admitted_bytes)
@@ -194,7 +254,9 @@ int run_hold(const HoldOptions& o) {
                 format_size(s.admitted_bytes - s.wired_bytes).c_str());
   std::fflush(stdout);
   int status = kExitOk;
-  if (s.wired_bytes == 0) {
+  if (early_signal != 0) {
+    std::printf("residency hold: %s: unlocking and exiting\n", strsignal(early_signal));
+  } else if (s.wired_bytes == 0) {
     std::fprintf(stderr, "residency hold: nothing could be wired; exiting\n");
     status = kExitFailure;
   } else {

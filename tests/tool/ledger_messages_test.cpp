@@ -1,0 +1,251 @@
+// The messages `residency hold` prints about a shared budget's ledger and its configuration
+// (issue 18, item 10), run as a user runs the tool (fork + exec, real files, real users where the
+// case needs one): each says what was wrong and what is accepted, on one line, with exit status 2
+// for bad input, and none misleads (a full shared budget is not "the wired limit", a truncated
+// ledger is not "another C library", a root process that names the group is not told to name one).
+#if defined(__linux__)
+#include <fcntl.h>
+#include <grp.h>
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace {
+
+namespace fs = std::filesystem;
+using namespace std::chrono_literals;
+const std::string kTool = RESIDENCY_TOOL_PATH;
+
+std::string slurp(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(f), {});
+}
+
+bool exists(const std::string& p) {
+  struct stat st {};
+  return ::lstat(p.c_str(), &st) == 0;
+}
+
+std::string ledger_path(const std::string& name) { return "/dev/shm/residency-budget-" + name; }
+
+// A budget name of this test run only (other tests run at the same time).
+std::string unique_name(const char* what) {
+  static int n = 0;
+  return std::string("msg-") + what + "-" + std::to_string(::getpid()) + "-" + std::to_string(n++);
+}
+
+struct HoldRun {
+  int exit_code = -1;  // -1: killed by a signal
+  std::string out, err;
+};
+
+bool one_line(const std::string& s) { return !s.empty() && s.back() == '\n' && std::count(s.begin(), s.end(), '\n') == 1; }
+
+class LedgerMessages : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    char tmpl[] = "/var/tmp/residency-ledger-messages-XXXXXX";
+    ASSERT_NE(::mkdtemp(tmpl), nullptr);
+    root_ = tmpl;
+    ::chmod(root_.c_str(), 0755);  // another user's hold reads the file
+    file_ = root_ + "/model";
+    std::ofstream(file_) << std::string(1 << 20, 'x');
+    ::chmod(file_.c_str(), 0644);
+  }
+  void TearDown() override {
+    for (pid_t p : running_) {
+      ::kill(p, SIGKILL);
+      ::waitpid(p, nullptr, 0);
+    }
+    std::error_code ec;
+    fs::remove_all(root_, ec);
+  }
+  // `residency hold ARGS` with `env` added, as uid/gid `as` (-1: this user); returns its pid.
+  pid_t start(std::vector<std::string> args, std::vector<std::string> env, int as = -1, const std::string& tag = "run") {
+    const std::string out = root_ + "/" + tag + ".out", err = root_ + "/" + tag + ".err";
+    std::fflush(stdout);
+    const pid_t pid = ::fork();
+    if (pid != 0) {
+      running_.push_back(pid);
+      return pid;
+    }
+    const int o = ::open(out.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0666), e = ::open(err.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0666);
+    ::dup2(o, 1);
+    ::dup2(e, 2);
+    if (as >= 0 && (::setgroups(0, nullptr) != 0 || ::setgid(static_cast<gid_t>(as)) != 0 || ::setuid(static_cast<uid_t>(as)) != 0))
+      ::_exit(126);
+    for (const auto& kv : env) ::putenv(const_cast<char*>(kv.c_str()));
+    std::vector<char*> argv{const_cast<char*>(kTool.c_str()), const_cast<char*>("hold")};
+    for (auto& a : args) argv.push_back(a.data());
+    argv.push_back(nullptr);
+    ::execv(kTool.c_str(), argv.data());
+    ::_exit(127);
+  }
+  HoldRun finish(pid_t pid, const std::string& tag = "run") {
+    HoldRun r;
+    int st = 0;
+    const auto deadline = std::chrono::steady_clock::now() + 30s;
+    while (::waitpid(pid, &st, WNOHANG) != pid) {
+      if (std::chrono::steady_clock::now() > deadline) {
+        ::kill(pid, SIGKILL);
+        ::waitpid(pid, &st, 0);
+        ADD_FAILURE() << "hold did not finish within 30 s";
+        break;
+      }
+      std::this_thread::sleep_for(5ms);
+    }
+    running_.erase(std::remove(running_.begin(), running_.end(), pid), running_.end());
+    if (WIFEXITED(st)) r.exit_code = WEXITSTATUS(st);
+    r.out = slurp(root_ + "/" + tag + ".out");
+    r.err = slurp(root_ + "/" + tag + ".err");
+    return r;
+  }
+  HoldRun hold(std::vector<std::string> args, std::vector<std::string> env, int as = -1) {
+    return finish(start(std::move(args), std::move(env), as));
+  }
+  bool wait_for(const std::string& tag, const std::string& text) {
+    for (int i = 0; i < 2000; ++i) {
+      if (slurp(root_ + "/" + tag + ".out").find(text) != std::string::npos) return true;
+      std::this_thread::sleep_for(5ms);
+    }
+    return false;
+  }
+  std::string root_, file_;
+  std::vector<pid_t> running_;
+};
+
+// The specific reason reaches the user (before: "is not a size or a percent" for all of them,
+// and "not a number" for 1e2).
+TEST_F(LedgerMessages, SizesAndNumbersSayWhatIsWrongAndWhatIsAccepted) {
+  struct Case {
+    std::string var, says;
+  } cases[] = {
+      {"RESIDENCY_SHARED_BUDGET=x:101%", "the size '101%': a percent must be above 0 and at most 100; accepted: NAME:SIZE"},
+      {"RESIDENCY_SHARED_BUDGET=x:18446744073709551615",
+       "the size '18446744073709551615': too large: more than 2^63 bytes (8 EiB); accepted: NAME:SIZE"},
+      {"RESIDENCY_SHARED_BUDGET=x:1e2%", "the size '1e2%': an exponent ('e2') is not accepted; write the number out"},
+      {"RESIDENCY_SET_MAX_PCT=1e2",
+       "RESIDENCY_SET_MAX_PCT=\"1e2\": an exponent ('e2') is not accepted; write the number out (100, not 1e2); accepted: a "
+       "decimal number"},
+  };
+  for (const auto& c : cases) {
+    const HoldRun r = hold({file_}, {c.var});
+    EXPECT_EQ(r.exit_code, 2) << c.var << ": " << r.err;
+    EXPECT_TRUE(one_line(r.err)) << r.err;
+    EXPECT_NE(r.err.find(c.says), std::string::npos) << r.err;
+  }
+}
+
+// A ledger path that is a symbolic link (before: "Too many levels of symbolic links").
+TEST_F(LedgerMessages, ASymlinkedLedgerIsNamedAsOne) {
+  const std::string name = unique_name("symlink");
+  ASSERT_EQ(::symlink((root_ + "/elsewhere").c_str(), ledger_path(name).c_str()), 0);
+  const HoldRun r = hold({file_}, {"RESIDENCY_SHARED_BUDGET=" + name + ":8MiB"});
+  ::unlink(ledger_path(name).c_str());
+  EXPECT_EQ(r.exit_code, 2) << r.err;
+  EXPECT_TRUE(one_line(r.err)) << r.err;
+  EXPECT_NE(r.err.find(ledger_path(name) + " is a symbolic link; a ledger must be a regular file in /dev/shm"),
+            std::string::npos)
+      << r.err;
+  EXPECT_EQ(r.err.find("Too many levels"), std::string::npos) << r.err;
+}
+
+// A truncated ledger is called that (before: "a build for another C library or ABI").
+TEST_F(LedgerMessages, ATruncatedLedgerIsCalledTruncated) {
+  const std::string name = unique_name("truncated");
+  const std::string env = "RESIDENCY_SHARED_BUDGET=" + name + ":8MiB";
+  start({file_}, {env}, -1, "first");
+  ASSERT_TRUE(wait_for("first", "holding")) << slurp(root_ + "/first.err");
+  ASSERT_EQ(::truncate(ledger_path(name).c_str(), 1000), 0);
+  const HoldRun r = hold({file_}, {env});
+  EXPECT_EQ(r.exit_code, 2) << r.err;
+  EXPECT_TRUE(one_line(r.err)) << r.err;
+  EXPECT_NE(r.err.find(" is 1000 bytes long where its header says "), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("another process truncated or extended it"), std::string::npos) << r.err;
+  EXPECT_EQ(r.err.find("C library or ABI"), std::string::npos) << r.err;
+  ::kill(running_.front(), SIGTERM);
+  EXPECT_EQ(finish(running_.front(), "first").exit_code, 0) << "the first holder ends normally";
+  ::unlink(ledger_path(name).c_str());
+}
+
+// A full shared budget is named as such (before: "over the wired limit" with the local limit).
+TEST_F(LedgerMessages, AFullSharedBudgetIsNotCalledTheWiredLimit) {
+  const std::string name = unique_name("full");
+  const HoldRun r = hold({"-q", file_}, {"RESIDENCY_SHARED_BUDGET=" + name + ":512KiB"});
+  EXPECT_EQ(r.exit_code, 1) << r.err;
+  EXPECT_NE(r.out.find("1 MiB is not wired: the shared budget " + name + " (512 KiB, RESIDENCY_SHARED_BUDGET) had no room"),
+            std::string::npos)
+      << r.out;
+  EXPECT_EQ(r.out.find("over the wired limit"), std::string::npos) << r.out;
+  EXPECT_FALSE(exists(ledger_path(name)));
+}
+
+// More than the memory limit: hold's advice is hold's (before: "set Config::memory_limit").
+TEST_F(LedgerMessages, OverTheMemoryLimitHoldSaysWhatAHoldUserCanDo) {
+  const std::string big = root_ + "/big";
+  {
+    std::ofstream f(big);
+  }
+  ASSERT_EQ(::truncate(big.c_str(), 1LL << 40), 0) << "a sparse file of 1 TiB";
+  const HoldRun r = hold({"-q", big}, {});
+  EXPECT_EQ(r.exit_code, 2) << r.err;
+  EXPECT_TRUE(one_line(r.err)) << r.err;
+  EXPECT_NE(r.err.find("above the memory limit of"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("; hold fewer or smaller files"), std::string::npos) << r.err;
+  EXPECT_EQ(r.err.find("set Config::memory_limit"), std::string::npos) << r.err;
+}
+
+// Group ledgers, with real users: root that names the group but is not a member is told that
+// (before: "unless it names a group"); a user that names a group it is not a member of is told
+// which file could not be given to which group (before: the words were out of order).
+TEST_F(LedgerMessages, GroupLedgerMessagesNameTheGroupAndTheMembership) {
+  if (::geteuid() != 0) GTEST_SKIP() << "needs root (to run a hold as uid 65534)";
+  struct group* ng = ::getgrgid(65534);
+  if (!ng) GTEST_SKIP() << "no group 65534 on this machine";
+  const std::string group = ng->gr_name;
+  if (group == "root") GTEST_SKIP() << "group 65534 is root";
+  {
+    const HoldRun probe = hold({"--help"}, {}, 65534);
+    if (probe.exit_code != 0) GTEST_SKIP() << "uid 65534 cannot execute the tool (a directory above it is not searchable)";
+  }
+  // nobody creates a ledger for its group; root, not a member, names the same group.
+  const std::string name = unique_name("group");
+  const std::string env = "RESIDENCY_SHARED_BUDGET=" + name + ":8MiB:" + group;
+  start({file_}, {env}, 65534, "nobody");
+  ASSERT_TRUE(wait_for("nobody", "holding")) << slurp(root_ + "/nobody.err");
+  const HoldRun r = hold({file_}, {env});
+  EXPECT_EQ(r.exit_code, 2) << r.err;
+  EXPECT_TRUE(one_line(r.err)) << r.err;
+  EXPECT_NE(r.err.find(ledger_path(name) + " is the ledger of group '" + group + "' (mode 0660, owner uid 65534), and this "
+                       "process (uid 0) is not a member of that group"),
+            std::string::npos)
+      << r.err;
+  EXPECT_EQ(r.err.find("unless it names a group"), std::string::npos) << r.err;
+  ::kill(running_.front(), SIGTERM);
+  EXPECT_EQ(finish(running_.front(), "nobody").exit_code, 0);
+  EXPECT_FALSE(exists(ledger_path(name)));
+  // nobody names the group root, which it is not a member of.
+  const std::string other = unique_name("notmember");
+  const HoldRun n = hold({file_}, {"RESIDENCY_SHARED_BUDGET=" + other + ":8MiB:root"}, 65534);
+  EXPECT_EQ(n.exit_code, 2) << n.err;  // (after the RLIMIT_MEMLOCK clamp warning a non-root user gets)
+  EXPECT_NE(n.err.find("cannot give " + ledger_path(other) + ".tmp-"), std::string::npos) << n.err;
+  EXPECT_NE(n.err.find(" to the group 'root': Operation not permitted (a user may give a file only to a group it is a "
+                       "member of"),
+            std::string::npos)
+      << n.err;
+  EXPECT_FALSE(exists(ledger_path(other)));
+}
+
+}  // namespace
+#endif
