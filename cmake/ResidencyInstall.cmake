@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 # Installs the library with a CMake package config (find_package(residency): targets
 # residency::residency, the static library with the C and C++ API, and residency::shared,
 # libresidency.so with the C API) and pkg-config files (residency: the shared library and the C
@@ -31,3 +32,4 @@ configure_file(cmake/residency.pc.in ${CMAKE_CURRENT_BINARY_DIR}/residency.pc @O
 configure_file(cmake/residency-static.pc.in ${CMAKE_CURRENT_BINARY_DIR}/residency-static.pc @ONLY)
 install(FILES ${CMAKE_CURRENT_BINARY_DIR}/residency.pc ${CMAKE_CURRENT_BINARY_DIR}/residency-static.pc
         DESTINATION ${CMAKE_INSTALL_LIBDIR}/pkgconfig)
+install(FILES LICENSE DESTINATION ${CMAKE_INSTALL_DATADIR}/doc/residency)

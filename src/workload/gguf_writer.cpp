@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // GGUF writer and the synthetic llama model (see gguf_writer.hpp).
 #include <fcntl.h>
 #include <sys/stat.h>

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // GGUF writer, and the synthetic llama-shaped model that `residency make-model` and the idle
 // benchmark run on.
 //

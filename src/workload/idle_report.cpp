@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // residency idle's result files (see idle_report.hpp).
 #include "workload/idle_report.hpp"
 

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // residency idle's result files: JSON (everything, for scripts), CSV (one row per sample, for
 // spreadsheets) and a PNG plot of decode time against pause with one line per policy (gnuplot).
 #pragma once

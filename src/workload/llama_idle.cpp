@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 #include "workload/llama_idle.hpp"
 
 #include <fcntl.h>

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // llama-idle side by side: the real, unmodified llama-idle of llama.cpp, run as child processes in
 // several configurations, with pressure applied from outside.
 //

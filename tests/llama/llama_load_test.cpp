@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // llama.cpp itself loads and decodes what our GGUF writer produces: for every type the writer
 // makes (F32, F16, BF16, Q8_0, Q4_0) a small synthetic model (`residency make-model`'s writer) is
 // loaded through libllama's public C API, decodes one token on 2 threads, and must give finite

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* An ordinary llama.cpp program, knowing nothing about residency: loads a model, decodes greedy
  * tokens and prints them. The preload's tests run it with and without libresidency_preload.so.
  *

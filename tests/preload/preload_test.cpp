@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // libresidency_preload.so in unmodified programs: decode_loop (plain C on llama.h, linked to
 // libllama, knowing nothing about residency) and map_file (mmaps a file, no libllama), run as
 // child processes with LD_PRELOAD and observed from outside: VmLck in /proc/<pid>/status, the

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // The writer and the synthetic llama model: shapes follow one configuration and fill the size
 // asked for; files round-trip through our reader; the content is deterministic.
 #include <gtest/gtest.h>

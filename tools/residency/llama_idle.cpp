@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // residency llama-idle [MODEL.gguf]: llama.cpp's own llama-idle, unmodified, side by side in
 // several configurations (llama.cpp's mmap default, --mlock, residency through the preload with a
 // keep-alive and with 0, --no-mmap, and the linked example engine), under pressure from outside.
