@@ -222,7 +222,11 @@ int run(const Args& a) {
     IdleRunInfo info;
     info.model_path = o.model;
     info.synthetic_model = a.model.empty();
-    info.backend = "llama.cpp llama-idle";
+    info.backend = "llama.cpp " + std::string(kLlamaTag) + " llama-idle, unmodified, one process per configuration";
+    info.tool = "residency llama-idle";
+    std::error_code ec;
+    const auto bytes = fs::file_size(o.model, ec);
+    info.model_bytes = ec ? 0 : bytes;
     const std::string png = out + "/llama-idle.png";
     const std::string why = write_idle_plot(png, outcome->results, info);
     if (why.empty()) files.push_back(png);
