@@ -122,7 +122,16 @@ int run(const Args& a) {
     if (::access(o.preload.c_str(), R_OK) == 0) configs += o.pressure.kind == Pressure::Kind::hog ? ",keep-alive,pressure-aware,0" : ",keep-alive,0";
     else std::printf("note: no libresidency_preload.so at %s: the preload configurations are left out\n", printable(o.preload, 400).c_str());
     configs += ",no-mmap";
-    if (::access(o.engine.c_str(), X_OK) == 0) configs += ",engine";
+    if (::access(o.engine.c_str(), X_OK) == 0) {
+      configs += ",engine";
+    } else if (!a.engine.empty()) {
+      std::printf("note: --engine %s is not an executable: the engine configuration is left out\n",
+                  printable(o.engine, 400).c_str());
+    } else {  // an installed tool: the example is built in the build tree, not installed
+      std::printf("note: no llama_engine example at %s (it is built in the build tree, examples/llama_engine, and "
+                  "not installed): the engine configuration is left out; give --engine PATH to include it\n",
+                  printable(o.engine, 400).c_str());
+    }
   }
   std::stringstream ss(configs);
   for (std::string id; std::getline(ss, id, ',');) o.configs.push_back(id);
