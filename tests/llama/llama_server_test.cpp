@@ -4,6 +4,7 @@
 // /detokenize take text to tokens and back. (Before the synthetic vocabulary had byte tokens the
 // first text request answered 400 "unordered_map::at" and only token-id prompts worked.)
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <cstdlib>
 #include <filesystem>
@@ -21,6 +22,9 @@ constexpr std::uint64_t kMiB = 1024 * 1024;
 class LlamaServerTest : public ::testing::Test {
  protected:
   void SetUp() override {
+    if (::access(LLAMA_SERVER_PATH, X_OK) != 0) {
+      GTEST_SKIP() << "no llama-server at " << LLAMA_SERVER_PATH << " (a scripts/llama-cpp --libs-only install has none)";
+    }
     std::string error;
     dir_ = make_disk_temp_dir("residency-llama-server", error);
     ASSERT_FALSE(dir_.empty()) << error;

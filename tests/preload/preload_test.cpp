@@ -707,6 +707,9 @@ TEST_F(PreloadTest, TwoProgramsUnderOneSharedBudgetNeverLockMoreThanItAndTheIdle
 // HTTP): it answers 200 with the tokens asked for, the model is locked while it serves, given
 // back once the keep-alive (1 s) has passed with no request, and locked again by the next one.
 TEST_F(PreloadTest, LlamaServerAnswersTextAndHoldsTheModelOnlyWhileServing) {
+  if (::access(LLAMA_SERVER_PATH, X_OK) != 0) {
+    GTEST_SKIP() << "no llama-server at " << LLAMA_SERVER_PATH << " (a scripts/llama-cpp --libs-only install has none)";
+  }
   std::string error;
   auto server = residency::testing::start_llama_server(
       LLAMA_SERVER_PATH, model_, err_file("server"), error, {},
