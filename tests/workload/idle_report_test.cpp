@@ -104,22 +104,29 @@ TEST(IdlePlot, GnuplotDrawsIt) {
   std::string error;
   const std::string dir = testing::make_disk_temp_dir("residency-idle-plot", error);
   ASSERT_FALSE(dir.empty()) << error;
+  struct Remove {  // however the test ends
+    std::string dir;
+    ~Remove() {
+      std::error_code ec;
+      std::filesystem::remove_all(dir, ec);
+    }
+  } remove{dir};
   IdleRunInfo info;
   info.model_bytes = 1ull << 30;
   info.backend = "posix (mlock)";
   const std::string png = dir + "/idle.png";
   const std::string why = write_idle_plot(png, results(), info);
-  if (why.find("not installed") != std::string::npos) {
-    std::filesystem::remove_all(dir);
-    GTEST_SKIP() << why;
-  }
+  if (why.find("not installed") != std::string::npos) GTEST_SKIP() << why;
   EXPECT_EQ(why, "");
   std::ifstream f(png, std::ios::binary);
   const std::string head(std::istreambuf_iterator<char>(f), {});
   EXPECT_GT(head.size(), 1000u);
   EXPECT_EQ(head.substr(0, 8), std::string("\x89PNG\r\n\x1a\n", 8));
-  if (const char* keep = std::getenv("RESIDENCY_KEEP_PLOT"); keep && *keep) std::filesystem::copy_file(png, keep, std::filesystem::copy_options::overwrite_existing);
-  std::filesystem::remove_all(dir);
+  // RESIDENCY_KEEP_PLOT=FILE: a copy to look at.
+  if (const char* keep = std::getenv("RESIDENCY_KEEP_PLOT"); keep && *keep && !head.empty()) {
+    std::error_code ec;
+    std::filesystem::copy_file(png, keep, std::filesystem::copy_options::overwrite_existing, ec);
+  }
 }
 
 }  // namespace
