@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: MIT
 # keep-alive 2 s flatness on the AMX machine: with pageout (file + anonymous) and without pressure.
 set -u
 B=$1 P=$2 R=$3

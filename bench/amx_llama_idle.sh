@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: MIT
 # On the AMX machine: swap on, residency llama-idle on 1 GiB F16 and Q8_0 models, swap off.
 set -u
 B=$1 P=$2 R=$3

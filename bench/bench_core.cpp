@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // Core microbenchmarks. Each reports against a baseline measured in the same run:
 //   BM_Touch, BM_TouchRegion   touch() and touch(id) on the hot path (target < 10 ns), next to
 //   BM_BaselineClockRead       one steady_clock read, the floor of a precisely stamped touch, and

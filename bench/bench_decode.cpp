@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // The decode-equivalent pass reads a model at close to the speed of memory, and as fast as
 // llama.cpp's own decode.
 //

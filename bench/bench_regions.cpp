@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // A caching allocator's traffic: 10,000 regions registered and freed in random order, under a
 // wired limit that half of them fit (so half wait, and every free of a wired region promotes
 // one), and with no limit (nothing waits). Reports regions per second.

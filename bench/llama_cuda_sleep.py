@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: MIT
 """Sleep and wake a real llama.cpp (CUDA build) through libresidency_preload.so, side by side with
 staying resident and with what servers do today (unload the model when idle, load it again).
 

@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: MIT
 """What a pageout from outside, with swap on, takes from a llama.cpp program's model (issue 17's
 item 4): decode_loop (tests/preload/decode_loop.c) serves a model, with and without the preload
 (keep-alive forever), with llama.cpp's extra buffer types on and off. After its first token every

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 # Installs the library with a CMake package config (find_package(residency): targets
 # residency::residency, the static library with the C and C++ API, and residency::shared,
 # libresidency.so with the C API) and pkg-config files (residency: the shared library and the C
@@ -25,9 +26,14 @@ get_target_property(_residency_extra_libs residency RESIDENCY_PKGCONFIG_LIBS)
 if(NOT _residency_extra_libs)
   set(_residency_extra_libs "")
 endif()
+# The static library's C++ runtime and libm (src/CMakeLists.txt): in Libs, not Libs.private,
+# so that `cc main.c $(pkg-config --cflags --libs residency-static)` links from C.
+list(TRANSFORM RESIDENCY_C_LINK_RUNTIME PREPEND "-l" OUTPUT_VARIABLE _residency_runtime_flags)
+list(JOIN _residency_runtime_flags " " RESIDENCY_PC_RUNTIME)
 # Relocatable: the prefix is found from the .pc file's own location.
 file(RELATIVE_PATH RESIDENCY_PC_TO_PREFIX "/prefix/${CMAKE_INSTALL_LIBDIR}/pkgconfig" "/prefix")
 configure_file(cmake/residency.pc.in ${CMAKE_CURRENT_BINARY_DIR}/residency.pc @ONLY)
 configure_file(cmake/residency-static.pc.in ${CMAKE_CURRENT_BINARY_DIR}/residency-static.pc @ONLY)
 install(FILES ${CMAKE_CURRENT_BINARY_DIR}/residency.pc ${CMAKE_CURRENT_BINARY_DIR}/residency-static.pc
         DESTINATION ${CMAKE_INSTALL_LIBDIR}/pkgconfig)
+install(FILES LICENSE DESTINATION ${CMAKE_INSTALL_DATADIR}/doc/residency)

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 # llama.cpp, as scripts/llama-cpp builds and installs it (outside the checkout, in the cache):
 #   ${RESIDENCY_CACHE:-$HOME/.cache/residency}/llama.cpp-<tag>
 # Sets RESIDENCY_HAVE_LLAMA (the imported target `llama` exists) and RESIDENCY_LLAMA_REASON

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 # residency_warnings(target): the project's warning set; errors in CI (RESIDENCY_WERROR).
 function(residency_warnings target)
   if(CMAKE_CXX_COMPILER_ID MATCHES "GNU|Clang")

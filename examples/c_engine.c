@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* A toy inference engine in C: it maps its "weights" and a "KV cache", lets the residency
  * manager keep them locked while it serves, and releases them when idle. It shows the C API in
  * the order an engine meets it: configuration (environment first), the process's backend, a

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // A small engine on llama.cpp's public API with residency embedded: the few lines an engine
 // needs, each marked "residency:". It loads a GGUF model, finds the memory llama.cpp decodes
 // from by watching one warm-up decode through llama.cpp's eval callback (every tensor of the

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // residency: the Backend interface, everything a platform must do, in one list.
 //
 // The manager (src/core) decides *what* should be resident and *when*: set layout, budget,

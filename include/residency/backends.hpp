@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // residency: the backends this build has, by name.
 //
 // The only place that knows every backend (src/backends/registry.cpp). The core does not

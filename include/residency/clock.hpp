@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // residency: injected time.
 //
 // Every keep-alive rule depends on time, and a rule that can only be tested by sleeping is

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // residency: configuration, and the strict parsers behind RESIDENCY_* variables.
 //
 // One KeepAlive value covers every peer's policy: a duration (llama.cpp's 180 s), 0 (mlx-lm's

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* residency: the C API.
  *
  * For engines written in C, or wanting a stable ABI: the same manager as residency.hpp behind

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // residency: keep an inference engine's model memory resident while requests flow, give it
 // back after an idle keep-alive or under memory pressure, never exceed a budget.
 //

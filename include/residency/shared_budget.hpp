@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // residency: the machine-wide wired budgets (RESIDENCY_SHARED_BUDGET), as a reader sees them.
 //
 // Processes that name the same budget share one ledger in shared memory (/dev/shm on Linux):

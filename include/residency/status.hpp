@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // residency: error reporting without exceptions.
 //
 // Every call a caller can get wrong returns a Status (or a Result<T>) that says what was

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // residency: splitting a large mapping into overlapping views.
 //
 // A backend may limit how long one buffer can be (Metal's maxBufferLength): a model file

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // The composition root: the one file that knows every backend compiled into this build.
 // Each backend's CMakeLists defines RESIDENCY_HAVE_<NAME> and provides
 // make_<name>_backend() in include/residency/backends/<name>.hpp.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // The C API over the C++ API (include/residency/residency.h). No exception or abort crosses
 // this boundary; every enum a caller passes is checked as an integer first.
 #include "residency/residency.h"

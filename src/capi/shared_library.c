@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* libresidency.so is the static library's objects, linked whole; this file only gives the shared
  * target a source of its own. It checks, at build time, that the header's ABI number is the one
  * the SONAME carries (CMake passes it). */

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 #include "asymmetric_fence.hpp"
 
 #include <mutex>

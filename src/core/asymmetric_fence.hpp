@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // Asymmetric fences: a free fence on the hot path, paid for by the rare path.
 //
 // touch() and the keep-alive release form a Dekker pair: touch() stores the time of use and then

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // Defaults of the Backend interface's optional methods.
 #include "residency/backend.hpp"
 

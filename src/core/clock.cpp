@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 #include "residency/clock.hpp"
 
 #include <algorithm>

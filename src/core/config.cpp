@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // Strict parsing of keep-alive values, sizes and the RESIDENCY_* environment.
 #include "residency/config.hpp"
 

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 #include "keep_alive.hpp"
 
 namespace residency::core {

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // KeepAlive state: when the policy wants the memory resident, and the hot path that keeps it so.
 //
 // One fact, one representation: `resident_` says whether the policy currently wants the memory

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 #include "keep_alive_scheduler.hpp"
 
 namespace residency::core {

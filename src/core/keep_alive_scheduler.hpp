@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // KeepAliveScheduler: the heartbeat, without the polling.
 //
 // llama.cpp's heartbeat thread wakes every 5 ms for the life of the process, 200 times a

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // Limits: what the backend's memory allows, decided once at create and checked in one place.
 //
 // The peers' limits, kept (DESIGN.md §2): a wired limit above the recommended working set is an

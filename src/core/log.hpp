@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // LogSink: the manager's one way to speak, filtered by the configured level.
 //
 // Lines follow llama.cpp's and MLX's wording where they have one (DESIGN.md §6), so that their

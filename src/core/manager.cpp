@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // The residency manager: a thin facade that composes the concerns below, each in its own unit.
 //
 //   RegionTable     regions by id and address, lock-free last-use stamps (region_table.hpp)

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // String names of the public enums, used in logs, messages and the C API.
 #include "residency/backend.hpp"
 #include "residency/config.hpp"

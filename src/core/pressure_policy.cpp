@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 #include "pressure_policy.hpp"
 
 #include <algorithm>

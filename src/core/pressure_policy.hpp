@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // PressurePolicy: give memory back gradually under pressure, and take it again only after the
 // pressure has been quiet for a while, and then only as much as the machine has room for.
 //

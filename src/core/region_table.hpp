@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // RegionTable: the regions a manager tracks, found by id or by address, and when each was last used.
 //
 // Engines with a caching allocator register and free thousands of blocks, and an engine that

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 #include "residency_sets.hpp"
 
 #include <algorithm>

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // ResidencySets: the manager's sets as the backend holds them.
 //
 // SetLayout decides which set a region goes into; this unit turns those decisions into backend

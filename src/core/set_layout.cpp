@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 #include "set_layout.hpp"
 
 #include <algorithm>

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // SetLayout: which residency set an admitted region goes into.
 //
 // macOS decides residency per set, so when one set loses residency only that set's regions

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // The view planner: see include/residency/view_planner.hpp. Overflow-safe for any 64-bit
 // input (the fuzz target feeds it arbitrary values): every sum is checked before it is formed,
 // and the number of views is computed before any is allocated.

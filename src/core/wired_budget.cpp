@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 #include "wired_budget.hpp"
 
 #include <algorithm>

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // WiredBudget: which regions may be resident when not all fit.
 //
 // The budget is the most bytes that may be wired at once. Regions beyond it are tracked but

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // The shared-memory ledger (ledger.hpp): layout, lock, holders, reclamation, asking.
 #include "ledger.hpp"
 

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // Ledger: one machine-wide wired budget, shared by the processes that name it.
 //
 // Six MLX servers on one machine wired 464 of 512 GB with nothing coordinating them. The ledger

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 #include "buffer_plan.hpp"
 
 #include <unistd.h>

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // What of one ggml backend buffer residency registers: the decision, as a pure function of the
 // facts ggml's public API tells about the buffer, so that every layout llama.cpp makes on any CPU
 // (file-mapped, AMX, CPU_REPACK, plain CPU, a GPU's pinned host buffers, device memory) can be

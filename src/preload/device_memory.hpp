@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // The preload on CUDA builds of llama.cpp: the device memory the engine allocates goes through
 // the manager's cuda backend, at addresses that never move, so that the process can sleep (its
 // GPU memory given back after the keep-alive) and wake at the same addresses before it next

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 #include "ggml_buffers.hpp"
 
 #include <algorithm>

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // llama.cpp's memory as ggml's own backend buffers (DESIGN §13): every buffer in host memory that
 // ggml makes is followed from creation to free, and registered with the session's manager as
 // buffer_plan.hpp decides: the model's weights in whatever buffer type holds them (CPU_Mapped

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // libresidency_preload.so's exported symbols, the only ones it exports (exports.map): the
 // functions it interposes. Each forwards to the sessions (preload_session.hpp for host
 // mappings and decodes, device_memory.hpp for CUDA device memory); nothing here decides anything.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 #include "next_calls.hpp"
 
 #include <dlfcn.h>

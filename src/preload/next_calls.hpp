@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // The functions the preload interposes, as the next library in the lookup order defines them
 // (dlsym(RTLD_NEXT, ...)), and the two guards every hook runs under.
 //

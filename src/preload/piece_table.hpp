@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // Address ranges the preload tracks, in a table munmap can read without a lock: the regions it
 // registered with its manager (a buffer's pieces), or the GGUF file mappings it has seen.
 //

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 #include "preload_session.hpp"
 
 #include <pthread.h>

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // The preload's one session per process: what each interposed call does (interpose.cpp only
 // forwards to these).
 //

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // CleanupRegistry and TempDir (see cleanup.hpp).
 #include "workload/cleanup.hpp"
 

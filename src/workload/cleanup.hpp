@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // Files the benchmark creates are removed on every way out: normal return, error, exception,
 // and every signal whose default action ends the process and that a handler can catch (SIGINT,
 // SIGTERM, SIGHUP, SIGQUIT, SIGPIPE from `| head`, SIGUSR1, SIGALRM, ...). What SIGKILL (or a

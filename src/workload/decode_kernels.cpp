@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // Kernels of the decode-equivalent pass (see decode_kernels.hpp). Compiled with -O3.
 #include "workload/decode_kernels.hpp"
 

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // Matrix-vector kernels of the decode-equivalent pass, and the plain sum it is measured against.
 //
 // A decode step of a language model is memory-bound: every weight is read once and used for one

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // DecodePass (see decode_pass.hpp).
 #include "workload/decode_pass.hpp"
 

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // The decode-equivalent pass: one matrix-vector product per 2-D weight tensor of a GGUF model.
 //
 // A real decode step reads every weight of the model once (each weight matrix multiplies the

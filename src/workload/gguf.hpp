@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // GGUF reader: the model file format of llama.cpp, read so that the idle benchmark can run on
 // a real model and not on a buffer of our own making.
 //

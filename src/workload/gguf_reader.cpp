@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // GGUF reader: every read is bounds-checked against the bytes that exist (see gguf.hpp).
 #include <fcntl.h>
 #include <sys/mman.h>

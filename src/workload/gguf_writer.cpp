@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // GGUF writer and the synthetic llama model (see gguf_writer.hpp).
 #include <fcntl.h>
 #include <sys/stat.h>
@@ -364,6 +365,50 @@ std::string LlamaShape::to_string() const {
          std::to_string(n_ff);
 }
 
+SyntheticVocab synthetic_vocab(std::uint64_t n_vocab) {
+  SyntheticVocab v;
+  const auto n = static_cast<std::size_t>(n_vocab);
+  v.tokens.reserve(n);
+  v.scores.reserve(n);
+  v.types.reserve(n);
+  auto add = [&v, n](std::string text, SpmTokenType type) {
+    if (v.tokens.size() >= n) return false;
+    // Normal tokens score by position, so that the tokenizer merges the shorter ones first;
+    // the others are never merged and score 0 as in llama 2's vocabulary.
+    v.scores.push_back(type == SpmTokenType::normal ? -static_cast<double>(v.tokens.size()) : 0.0);
+    v.types.push_back(static_cast<double>(type));
+    v.tokens.push_back(std::move(text));
+    return true;
+  };
+  add("<unk>", SpmTokenType::unknown);
+  add("<s>", SpmTokenType::control);
+  add("</s>", SpmTokenType::control);
+  static constexpr char kHex[] = "0123456789ABCDEF";
+  for (unsigned b = 0; b < 256; ++b) add(std::string("<0x") + kHex[b >> 4] + kHex[b & 15] + ">", SpmTokenType::byte);
+  const std::string space = kSpmSpace;
+  add(space, SpmTokenType::normal);
+  for (char c = '!'; c <= '~'; ++c) add(std::string(1, c), SpmTokenType::normal);
+  for (char c = 'A'; c <= 'Z'; ++c) add(space + c, SpmTokenType::normal);
+  // Then lower-case words of growing length, each also as a word start: every one is a merge of
+  // two tokens already listed (a shorter word and a letter), as the tokenizer needs.
+  std::vector<std::string> words;
+  for (char c = 'a'; c <= 'z'; ++c) words.emplace_back(1, c);
+  for (const std::string& w : words) {
+    if (!add(space + w, SpmTokenType::normal)) return v;
+  }
+  while (v.tokens.size() < n) {
+    std::vector<std::string> longer;
+    for (const std::string& w : words) {
+      for (char c = 'a'; c <= 'z'; ++c) {
+        longer.push_back(w + c);
+        if (!add(longer.back(), SpmTokenType::normal) || !add(space + longer.back(), SpmTokenType::normal)) return v;
+      }
+    }
+    words = std::move(longer);
+  }
+  return v;
+}
+
 GgufBuilder llama_builder(const LlamaShape& s, std::uint64_t seed) {
   GgufBuilder b;
   using VT = GgufValueType;
@@ -389,18 +434,11 @@ GgufBuilder llama_builder(const LlamaShape& s, std::uint64_t seed) {
   b.set("llama.attention.layer_norm_rms_epsilon", GgufValue::of_float(VT::float32, 1e-5));
   b.set("llama.rope.freq_base", GgufValue::of_float(VT::float32, 10000.0));
   if (s.type == GgmlType::q8_0 || s.type == GgmlType::q4_0) b.set("general.quantization_version", u32(2));
-  std::vector<std::string> tokens;
-  std::vector<double> scores, types;
-  tokens.reserve(s.n_vocab);
-  for (std::uint64_t k = 0; k < s.n_vocab; ++k) {
-    tokens.push_back(k == 0 ? "<unk>" : k == 1 ? "<s>" : k == 2 ? "</s>" : "tok" + std::to_string(k));
-    scores.push_back(k == 0 ? 0.0 : -static_cast<double>(k));
-    types.push_back(k == 0 ? 2 : k < 3 ? 3 : 1);  // unknown, control, normal
-  }
+  SyntheticVocab vocab = synthetic_vocab(s.n_vocab);
   b.set("tokenizer.ggml.model", GgufValue::of_string("llama"));
-  b.set("tokenizer.ggml.tokens", GgufValue::of_strings(std::move(tokens)));
-  b.set("tokenizer.ggml.scores", GgufValue::of_numbers(VT::float32, scores));
-  b.set("tokenizer.ggml.token_type", GgufValue::of_numbers(VT::int32, types));
+  b.set("tokenizer.ggml.tokens", GgufValue::of_strings(std::move(vocab.tokens)));
+  b.set("tokenizer.ggml.scores", GgufValue::of_numbers(VT::float32, vocab.scores));
+  b.set("tokenizer.ggml.token_type", GgufValue::of_numbers(VT::int32, vocab.types));
   b.set("tokenizer.ggml.unknown_token_id", u32(0));
   b.set("tokenizer.ggml.bos_token_id", u32(1));
   b.set("tokenizer.ggml.eos_token_id", u32(2));
@@ -444,9 +482,10 @@ Result<LlamaShape> plan_llama_shape(std::uint64_t target, GgmlType type) {
     const std::uint64_t head_dim = (e % 128 == 0 && e >= 2048) ? 128 : 64;
     s.n_head = e / head_dim;
     s.n_head_kv = (s.n_head % 4 == 0 && s.n_head >= 8) ? s.n_head / 4 : s.n_head;
-    // Embedding + output about a quarter of the file at most.
-    s.n_vocab = std::min<std::uint64_t>(kMaxSyntheticVocab, target / 8 / std::max<std::uint64_t>(1, tb(e)) / 64 * 64);
-    if (s.n_vocab < 64) continue;
+    // Embedding + output about a quarter of the file at most, but never below the vocabulary
+    // that tokenizes any text.
+    s.n_vocab = std::clamp<std::uint64_t>(target / 8 / std::max<std::uint64_t>(1, tb(e)) / 64 * 64,
+                                          kMinSyntheticVocab, kMaxSyntheticVocab);
     const std::uint64_t ff0 = (8 * e / 3 + 63) / 64 * 64;
     const std::uint64_t attn = 2 * tb(e * e) + 2 * tb(e * s.n_embd_kv()) + 2 * 4 * e;
     const std::uint64_t fixed = 2 * tb(s.n_vocab * e) + 4 * e + header_estimate(s.n_vocab, e / 32);
@@ -465,8 +504,8 @@ Result<LlamaShape> plan_llama_shape(std::uint64_t target, GgmlType type) {
       s.n_ff -= 64;
     }
   }
-  // The smallest shape: one layer at width 64, vocabulary 64.
-  LlamaShape smallest{type, 64, 64, 1, 1, 1, 192, 4096};
+  // The smallest shape: one layer at width 64, the smallest vocabulary.
+  LlamaShape smallest{type, kMinSyntheticVocab, 64, 1, 1, 1, 192, 4096};
   const auto min_layout = llama_builder(smallest, 0).layout();
   return Status(ErrorCode::invalid_argument,
                 std::to_string(target) + " bytes is too small for a llama-shaped " +

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // GGUF writer, and the synthetic llama-shaped model that `residency make-model` and the idle
 // benchmark run on.
 //
@@ -97,6 +98,9 @@ struct LlamaShape {
 // The vocabulary never exceeds llama 2's; smaller models get a smaller one so that the embedding
 // and output matrices stay about a quarter of the file, as in real small models.
 inline constexpr std::uint64_t kMaxSyntheticVocab = 32000;
+// And never has fewer tokens than the specials, the 256 byte tokens, printable ASCII and some
+// words (see synthetic_vocab), so that any text tokenizes.
+inline constexpr std::uint64_t kMinSyntheticVocab = 384;
 // At most this many blocks (Llama 3.1 405B has 126): beyond that the feed-forward layers widen
 // instead, so that planning any size, up to 2^63 bytes, takes a few thousand tensors and well
 // under a second (2000 TiB once planned millions of blocks: 28 s and 5.7 GB before refusing).
@@ -109,6 +113,22 @@ inline constexpr std::uint64_t kSyntheticSeed = 0x5265736964656e63ull;  // "Resi
 // fill the remainder. The file is within a few percent below the target. Error (with the
 // smallest size that works) when the target is too small for even one layer.
 Result<LlamaShape> plan_llama_shape(std::uint64_t target_bytes, GgmlType type);
+
+// The vocabulary, in llama.cpp's SPM ("llama") form as llama 2's: token 0 "<unk>", 1 "<s>" (BOS),
+// 2 "</s>" (EOS), then the 256 byte tokens "<0x00>".."<0xFF>" that any text not otherwise covered
+// falls back to (llama.cpp finds its newline token, "<0x0A>", among them), then normal tokens:
+// U+2581 (the tokenizer's space), printable ASCII, U+2581 before each letter, then lower-case
+// words of growing length with and without U+2581 until n_vocab. So that text tokenizes and
+// detokenizes in llama.cpp (what the model generates is still noise). A shape with fewer than
+// 259 tokens (only tests make them) gets the first n_vocab, and text does not tokenize.
+enum class SpmTokenType : int { normal = 1, unknown = 2, control = 3, byte = 6 };  // llama.cpp's token types
+inline constexpr const char* kSpmSpace = "\xe2\x96\x81";  // U+2581, what SPM writes for a space
+struct SyntheticVocab {
+  std::vector<std::string> tokens;
+  std::vector<double> scores;  // float32 in the file
+  std::vector<double> types;   // SpmTokenType, int32 in the file
+};
+SyntheticVocab synthetic_vocab(std::uint64_t n_vocab);
 
 // The metadata and tensor list of a model of this shape.
 GgufBuilder llama_builder(const LlamaShape& shape, std::uint64_t seed);

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // Half-precision conversions (IEEE binary16 "F16" and bfloat16 "BF16") without any ISA extension.
 //
 // The decode pass and the writer need them on every machine CI may run on, so they are plain

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // The idle benchmark's schedule, run loop and text output (see idle_benchmark.hpp).
 #include "workload/idle_benchmark.hpp"
 

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // The idle benchmark: llama.cpp's llama-idle (pause, decode one token, repeat), with several
 // residency policies measured side by side in one run.
 //

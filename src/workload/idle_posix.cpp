@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // The posix idle target: the model is a read-only shared mapping of the GGUF file (as llama.cpp
 // maps weights), registered with each policy's manager over the posix backend (mlock) on real
 // time; a decode is the CPU decode-equivalent pass, and pressure is MADV_PAGEOUT or a memory hog

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // residency idle's result files (see idle_report.hpp).
 #include "workload/idle_report.hpp"
 
@@ -9,6 +10,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cmath>
 #include <cstring>
 #include <cstdio>
 #include <cstdlib>
@@ -63,52 +65,9 @@ std::string find_on_path(const std::string& program) {
 // holds no newline or other control character.
 std::string gp_quote(const std::string& s) {
   std::string out = "'";
-  for (char c : printable(s)) out += c == '\'' ? std::string("''") : std::string(1, c);
+  // (A title runs past printable()'s default of 80 bytes, which would cut it.)
+  for (char c : printable(s, 400)) out += c == '\'' ? std::string("''") : std::string(1, c);
   return out + "'";
-}
-
-std::string plot_script(const std::string& terminal, const std::string& path, const IdleResults& r,
-                        const IdleRunInfo& info) {
-  std::string s = "set terminal " + terminal + " size 1000,600 noenhanced\n";
-  s += "set output " + gp_quote(path) + "\n";
-  // Two title lines: single-quoted strings joined by gnuplot's "\n" (single quotes keep every other
-  // character literal).
-  s += "set title " + gp_quote("residency idle: decode time after a pause (" + format_size(info.model_bytes) +
-                               " model, pressure " + r.pressure.to_string() + ")") +
-       ".\"\\n\"." + gp_quote(info.backend) + "\n";
-  s += "set xlabel 'pause before the decode (ms)'\nset ylabel 'decode time (ms), mean +/- sd'\n";
-  s += "set grid\nset key top left box opaque\nset yrange [0:*]\n";
-  double max_pause = 0;
-  for (Nanos p : r.schedule.pauses) max_pause = std::max(max_pause, ms_of(p));
-  const double margin = std::max(100.0, max_pause * 0.05);
-  s += "set xrange [" + std::to_string(-margin) + ":" + std::to_string(max_pause + margin) + "]\n";
-  // Where each keep-alive expires, when the pauses reach it: the step the table shows.
-  for (const auto& p : r.policies) {
-    if (p.kind != IdlePolicy::Kind::keep_alive) continue;
-    const double at = ms_of(p.keep_alive.duration);
-    if (at > max_pause) continue;
-    s += "set arrow from " + std::to_string(at) + ", graph 0 to " + std::to_string(at) +
-         ", graph 1 nohead dashtype 2 linecolor rgb 'gray40'\n";
-    s += "set label " + gp_quote(p.name + " expires") + " at " + std::to_string(at) +
-         ", graph 0.95 offset 0.5, 0 left textcolor rgb 'gray40'\n";
-  }
-  for (std::size_t k = 0; k < r.policies.size(); ++k) {
-    s += "$p" + std::to_string(k) + " << EOD\n";
-    for (std::size_t p = 0; p < r.schedule.pauses.size(); ++p) {
-      const auto c = r.cell(k, p);
-      if (c.n == 0) continue;
-      char buf[96];
-      std::snprintf(buf, sizeof buf, "%.0f %.4f %.4f\n", ms_of(r.schedule.pauses[p]), c.mean_ms, c.sd_ms);
-      s += buf;
-    }
-    s += "EOD\n";
-  }
-  s += "plot ";
-  for (std::size_t k = 0; k < r.policies.size(); ++k) {
-    if (k) s += ", ";
-    s += "$p" + std::to_string(k) + " using 1:2:3 with yerrorlines lw 2 pt 7 ps 1.2 title " + gp_quote(r.policies[k].name);
-  }
-  return s + "\n";
 }
 
 // Runs gnuplot (`program`, a full path) in `dir` with `script` on its standard input, without a
@@ -152,6 +111,149 @@ bool run_gnuplot(const std::string& program, const std::string& dir, const std::
 }
 
 }  // namespace
+
+// The target a pause should meet: the next decode within this factor of the zero-pause one.
+constexpr double kTargetFactor = 1.10;
+
+std::string idle_plot_label(const IdlePolicy& policy) {
+  if (policy.kind == IdlePolicy::Kind::off && policy.id == "off") {
+    return policy.name + " (no residency: nothing locked, the kernel's paging alone)";
+  }
+  return policy.name;
+}
+
+namespace {
+
+std::string num(const char* format, double v) {
+  char buf[48];
+  std::snprintf(buf, sizeof buf, format, v);
+  return buf;
+}
+
+// The fastest policy's mean decode at pause 0: no pressure has been applied before it, so it is
+// what a decode costs with the model warm and nothing to wire (policy 0 re-wires even at pause 0,
+// so not every policy's pause-0 time is a baseline). 0 when the schedule has no pause 0.
+double zero_pause_baseline(const IdleResults& r) {
+  double best = 0;
+  for (std::size_t p = 0; p < r.schedule.pauses.size(); ++p) {
+    if (r.schedule.pauses[p].count() != 0) continue;
+    for (std::size_t k = 0; k < r.policies.size(); ++k) {
+      const auto c = r.cell(k, p);
+      if (c.n > 0 && c.mean_ms > 0 && (best == 0 || c.mean_ms < best)) best = c.mean_ms;
+    }
+  }
+  return best;
+}
+
+// A logarithmic y axis, so that 1.10x is the same height wherever the curves are, and a right axis
+// in multiples of the baseline: the band stays visible next to decodes 50x slower. Both axes over
+// the same range, the data's (gnuplot links no logarithmic axes); the left one ticked at 1, 2 and
+// 5 times the powers of ten (a log axis labels decades only, often one or none over a run's range).
+std::string log_axes(const IdleResults& r, double baseline) {
+  double lo = baseline, hi = baseline * kTargetFactor;
+  for (std::size_t k = 0; k < r.policies.size(); ++k) {
+    for (std::size_t p = 0; p < r.schedule.pauses.size(); ++p) {
+      const auto c = r.cell(k, p);
+      if (c.n == 0 || c.mean_ms <= 0) continue;
+      lo = std::min(lo, c.mean_ms);
+      hi = std::max(hi, c.mean_ms + c.sd_ms);
+    }
+  }
+  lo /= 1.25;
+  hi *= 1.25;
+  const std::string range = "[" + num("%.4f", lo) + ":" + num("%.4f", hi) + "]";
+  std::string s = "set logscale y\nset logscale y2\nset yrange " + range + "\nset y2range " + range + "\n";
+  s += "set ylabel 'decode time (ms, log scale), mean +/- sd'\nset y2label 'times the zero-pause baseline'\n";
+  std::string tics;
+  for (double decade = std::pow(10.0, std::floor(std::log10(lo))); decade <= hi; decade *= 10) {
+    for (double m : {1.0, 2.0, 5.0}) {
+      const double v = decade * m;
+      if (v >= lo && v <= hi) tics += (tics.empty() ? "'" : ", '") + num("%g", v) + "' " + num("%g", v);
+    }
+  }
+  s += "set ytics nomirror" + (tics.empty() ? std::string() : " (" + tics + ")") + "\n";
+  // (1x is the dotted baseline itself; its label would overlap 1.1x.)
+  std::string y2;
+  for (double m : {kTargetFactor, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0}) {
+    y2 += (y2.empty() ? "'" : ", '") + num("%g", m) + "x' " + num("%.4f", baseline * m);
+  }
+  return s + "set y2tics (" + y2 + ")\n";
+}
+
+// Policy k's points, "pause mean sd" a line. A keep-alive policy's are joined only within a
+// regime: before its expiry the model is held, after it the model was given back, so between the
+// two is a step at the expiry, not the ramp a line through both would draw; a blank line ends
+// gnuplot's line there.
+std::string data_block(const IdleResults& r, std::size_t k) {
+  const IdlePolicy& policy = r.policies[k];
+  const double expiry = policy.kind == IdlePolicy::Kind::keep_alive ? ms_of(policy.keep_alive.duration) : -1;
+  std::string s = "$p" + std::to_string(k) + " << EOD\n";
+  bool before_expiry = true, any = false;
+  for (std::size_t p = 0; p < r.schedule.pauses.size(); ++p) {
+    const auto c = r.cell(k, p);
+    if (c.n == 0) continue;
+    const double pause = ms_of(r.schedule.pauses[p]);
+    if (expiry >= 0 && before_expiry && pause >= expiry) {
+      if (any) s += "\n";
+      before_expiry = false;
+    }
+    s += num("%.0f", pause) + " " + num("%.4f", c.mean_ms) + " " + num("%.4f", c.sd_ms) + "\n";
+    any = true;
+  }
+  return s + "EOD\n";
+}
+
+}  // namespace
+
+// The plot: decode time against pause, one line per policy (data_block), the zero-pause baseline
+// and the band up to kTargetFactor times it on log axes (log_axes), so that whether a policy meets
+// the target can be read off the picture, each keep-alive's expiry as a dashed line, and the
+// legend below the plot area, never over a curve.
+std::string idle_plot_script(const std::string& terminal, const std::string& path, const IdleResults& r,
+                             const IdleRunInfo& info) {
+  std::string s = "set terminal " + terminal + " size 1000,650 noenhanced\n";
+  s += "set output " + gp_quote(path) + "\n";
+  // Two title lines: single-quoted strings joined by gnuplot's "\n" (single quotes keep every other
+  // character literal).
+  s += "set title " + gp_quote(info.tool + ": decode time after a pause (" + format_size(info.model_bytes) +
+                               " model, pressure " + r.pressure.to_string() + ")") +
+       ".\"\\n\"." + gp_quote(info.backend) + "\n";
+  s += "set xlabel 'pause before the decode (ms)'\n";
+  s += "set grid\nset key outside below center horizontal box maxrows 4\n";
+  double max_pause = 0;
+  for (Nanos p : r.schedule.pauses) max_pause = std::max(max_pause, ms_of(p));
+  const double margin = std::max(100.0, max_pause * 0.05);
+  s += "set xrange [" + std::to_string(-margin) + ":" + std::to_string(max_pause + margin) + "]\n";
+  // Where each keep-alive expires, when the pauses reach it: the step the table shows.
+  for (const auto& p : r.policies) {
+    if (p.kind != IdlePolicy::Kind::keep_alive) continue;
+    const double at = ms_of(p.keep_alive.duration);
+    if (at > max_pause) continue;
+    s += "set arrow from " + std::to_string(at) + ", graph 0 to " + std::to_string(at) +
+         ", graph 1 nohead dashtype 2 linecolor rgb 'gray40'\n";
+    s += "set label " + gp_quote(p.name + " expires") + " at " + std::to_string(at) +
+         ", graph 0.95 offset 0.5, 0 left textcolor rgb 'gray40'\n";
+  }
+  const double baseline = zero_pause_baseline(r);
+  s += baseline > 0 ? log_axes(r, baseline) : "set ylabel 'decode time (ms), mean +/- sd'\nset yrange [0:*]\n";
+  for (std::size_t k = 0; k < r.policies.size(); ++k) s += data_block(r, k);
+  s += "plot ";
+  if (baseline > 0) {
+    const std::string b = num("%.4f", baseline);
+    s += "'+' using 1:(" + b + "):(" + num("%.4f", baseline * kTargetFactor) +
+         ") with filledcurves fillcolor rgb '#cfe8cf' fillstyle solid 1.0 noborder title " +
+         gp_quote("target: within " + num("%.2f", kTargetFactor) + "x the baseline") + ", ";
+    s += b + " with lines dashtype 3 linewidth 2 linecolor rgb 'black' title " +
+         gp_quote("zero-pause baseline " + num("%.2f", baseline) + " ms (the fastest policy at pause 0)") + ", ";
+  }
+  // mean +/- sd; on the log axis a lower end at or below 0 is drawn to the bottom of the plot.
+  const std::string columns = baseline > 0 ? " using 1:2:($2 - $3 > 0 ? $2 - $3 : 1e-9):($2 + $3)" : " using 1:2:3";
+  for (std::size_t k = 0; k < r.policies.size(); ++k) {
+    if (k) s += ", ";
+    s += "$p" + std::to_string(k) + columns + " with yerrorlines lw 2 pt 7 ps 1.2 title " + gp_quote(idle_plot_label(r.policies[k]));
+  }
+  return s + "\n";
+}
 
 Status write_idle_json(const std::string& path, const IdleResults& r, const IdleRunInfo& info) {
   using nlohmann::json;
@@ -230,7 +332,7 @@ std::string write_idle_plot(const std::string& path, const IdleResults& r, const
     return "no plot: the file name '" + printable(name) + "' is not a plain name";
   }
   for (const char* terminal : {"pngcairo", "png"}) {
-    if (run_gnuplot(gnuplot, dir, plot_script(terminal, name, r, info))) return {};
+    if (run_gnuplot(gnuplot, dir, idle_plot_script(terminal, name, r, info))) return {};
   }
   std::remove(path.c_str());
   return "gnuplot failed to draw " + printable(path) + " (no png terminal?)";

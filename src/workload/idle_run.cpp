@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // `residency idle` as a library call (see idle_run.hpp).
 #include "workload/idle_run.hpp"
 

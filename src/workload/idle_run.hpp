@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // `residency idle` as a library call: what the command line asked for, checked once, then run,
 // with the results written where they are announced.
 //

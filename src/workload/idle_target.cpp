@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // The idle targets this build has, policy names, and IdleTime (see idle_target.hpp).
 #include "workload/idle_target.hpp"
 

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // IdleTarget: where `residency idle` runs its decodes, one implementation per backend.
 //
 // The idle benchmark (idle_benchmark.hpp) is llama.cpp's llama-idle: pause, decode one token,

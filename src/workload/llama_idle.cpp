@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 #include "workload/llama_idle.hpp"
 
 #include <fcntl.h>
@@ -152,9 +153,12 @@ struct ChildResult {
   std::string stderr_tail;
 };
 
+// The last n lines of `text` (all of it when it has fewer, "" when it is empty: a child that
+// wrote nothing to stderr, as llama-idle with --load-mode and a quiet load).
 std::string tail_lines(const std::string& text, int n) {
   std::size_t at = text.size();
-  for (int i = 0; i <= n && at > 0; ++i) {
+  for (int i = 0; i <= n; ++i) {
+    if (at == 0) return text;
     at = text.rfind('\n', at - 1);
     if (at == std::string::npos) return text;
   }
@@ -353,11 +357,11 @@ Result<std::vector<LlamaIdleConfig>> parse_llama_idle_configs(const std::string&
   while (std::getline(ss, id, ',')) {
     LlamaIdleConfig c{id, ""};
     if (id == "mmap") c.name = "mmap (llama.cpp default)";
-    else if (id == "mlock") c.name = "--mlock";
+    else if (id == "mlock") c.name = "--load-mode mlock";
     else if (id == "keep-alive") c.name = "residency keep-alive " + keep_alive_text(keep_alive);
     else if (id == "pressure-aware") c.name = "residency keep-alive " + keep_alive_text(keep_alive) + " + pressure";
     else if (id == "0") c.name = "residency 0";
-    else if (id == "no-mmap") c.name = "--no-mmap";
+    else if (id == "no-mmap") c.name = "--load-mode none (no mmap)";
     else if (id == "engine") c.name = "llama_engine keep-alive " + keep_alive_text(keep_alive);
     else return bad("--configs: unknown configuration '" + printable(id) + "'; accepted: " + kAccepted);
     for (const auto& o : out)
@@ -447,8 +451,10 @@ Result<LlamaIdleOutcome> run_llama_idle(const LlamaIdleOptions& o, LlamaIdleObse
       std::vector<std::string> env;
       bool warmup_line = false;
       if (o.no_repack) argv.push_back("--no-repack");
-      if (c.id == "mlock") argv.push_back("--mlock");
-      if (c.id == "no-mmap") argv.push_back("--no-mmap");
+      // llama.cpp v0.4.0 deprecates --mlock and --no-mmap (a "DEPRECATED" line at every start)
+      // for --load-mode, with the same meanings: --mlock was "mlock", --no-mmap "none".
+      if (c.id == "mlock") argv.insert(argv.end(), {"--load-mode", "mlock"});
+      if (c.id == "no-mmap") argv.insert(argv.end(), {"--load-mode", "none"});
       if (c.id == "keep-alive" || c.id == "0") env = {"LD_PRELOAD=" + o.preload, c.id == "0" ? "RESIDENCY_KEEP_ALIVE=0" : ka};
       if (c.id == "pressure-aware") env = {"LD_PRELOAD=" + o.preload, ka, "RESIDENCY_RELEASE_ON_PRESSURE=1"};
       if (c.id == "engine") {

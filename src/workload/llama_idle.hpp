@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // llama-idle side by side: the real, unmodified llama-idle of llama.cpp, run as child processes in
 // several configurations, with pressure applied from outside.
 //
@@ -8,12 +9,14 @@
 // round runs every configuration once, the order rotated from round to round, so that whatever
 // drifts on the machine hits all alike. The configurations:
 //   mmap        llama.cpp's default: the model file mapped, nothing locked
-//   mlock       llama.cpp's --mlock: locked at load, until exit
+//   mlock       llama.cpp's --load-mode mlock (what --mlock, now deprecated, means): the model
+//               read into memory and locked at load, until exit
 //   keep-alive  residency through the preload (LD_PRELOAD=libresidency_preload.so), keep-alive K
 //   pressure-aware  the same with RESIDENCY_RELEASE_ON_PRESSURE=1 (graded release on PSI events;
 //               real pressure, hog:SIZE, makes them: pageout alone stalls nobody)
 //   0           residency through the preload, keep-alive 0 (locked only inside each decode)
-//   no-mmap     llama.cpp's --no-mmap: the model read into anonymous memory
+//   no-mmap     llama.cpp's --load-mode none (the deprecated --no-mmap): the model read into
+//               anonymous memory
 //   engine      examples/llama_engine, the linked example, on the same schedule (its own threads)
 // Pressure, from outside, at the end of each pause (150 ms before its end, for pauses > 0):
 // pageout = process_madvise(MADV_PAGEOUT) over the child's mappings of the model file and its

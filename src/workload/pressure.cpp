@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // Memory pressure (see pressure.hpp).
 #include "workload/pressure.hpp"
 

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // Memory pressure for the idle benchmark, made repeatable.
 //
 // What a pause costs on Linux depends on what happens to the model's pages while the engine is

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // WorkerPool (see worker_pool.hpp).
 #include "workload/worker_pool.hpp"
 

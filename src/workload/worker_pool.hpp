@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // A fixed set of threads that run one task together and wait for the next.
 //
 // The decode pass runs once per benchmark iteration and must not pay for creating threads each

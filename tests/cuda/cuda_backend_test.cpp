@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // The cuda backend against a real device: contents survive sleep/wake, kernels in flight
 // finish before a release, a wake that meets out-of-memory loses nothing, teardown frees
 // everything, discarded classes cost no copy, host ranges are wired and unwired. Without a

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // The first sleep of a weights allocation builds its pinned host backup while it copies
 // (issue 11, item 3): the backup is exactly the allocation's size (rounded up to the host
 // page, never to a power of two as PyTorch's pinned allocator does), the contents survive it

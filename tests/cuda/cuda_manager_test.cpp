@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // The Manager over the cuda backend: device memory allocated through the manager sleeps
 // when the keep-alive expires (ManualClock + run_due, no sleeping in tests), touch() wakes
 // it at the same address with its contents, a use scope under keep-alive 0 releases after

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // Shared set-up for the cuda tests: a backend on device 0 and the pattern kernels, or a
 // GTEST_SKIP that says why there is none (no driver, no device), so that the same binaries
 // run green on CI machines without a GPU and test for real on a GPU machine.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // The GPU decode-equivalent pass (workload/cuda/gpu_decode.hpp) computes what the CPU computes,
 // for every weight type the pass accepts, on a small synthetic llama model; and the cuda idle
 // target refuses host memory pressure with a message that names the fix.

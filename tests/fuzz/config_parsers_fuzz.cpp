@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // libFuzzer target: every parser of a user's text (the RESIDENCY_* configuration, sizes, durations,
 // wired limits, the idle options) on hostile input. Accepting is fine; what may never happen is a
 // crash, a sanitizer report, a hang, or an error that is not one printable line of bounded length

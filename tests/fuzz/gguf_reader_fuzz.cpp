@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // libFuzzer target for the GGUF reader: any input either parses into a model whose every tensor
 // lies inside the input, or gives one error line naming a byte offset; never a crash, an
 // over-read (ASan) or undefined behaviour (UBSan). Inputs that parse and hold small decodable

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // Fuzz target for the view planner: arbitrary 64-bit sizes, view lengths, page sizes, view
 // limits and tensor extents. The planner must never crash, overflow (UBSan) or allocate an
 // absurd plan (ASan's allocation limit), and every plan it returns must keep its promises:

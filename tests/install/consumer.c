@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* A C program built against the installed libresidency.so: it checks the ABI it was compiled
  * for, creates a manager on the machine's backend, registers memory, touches it and reads the
  * stats back. Plain C: it needs no C++ runtime of its own. */

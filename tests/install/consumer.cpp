@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // A C++ program built against the installed static library: the C++ API.
 #include <cstdio>
 

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // llama.cpp itself loads and decodes what our GGUF writer produces: for every type the writer
 // makes (F32, F16, BF16, Q8_0, Q4_0) a small synthetic model (`residency make-model`'s writer) is
 // loaded through libllama's public C API, decodes one token on 2 threads, and must give finite
@@ -168,6 +169,48 @@ TEST_P(LlamaLoadTest, LoadsAndDecodesOneToken) {
     worst = std::max(worst, std::fabs(logits_by_layout[0][k] - logits_by_layout[1][k]));
   }
   EXPECT_LE(worst, 0.02F * scale + 1e-3F) << "the two layouts decode differently";
+}
+
+// Text goes in and comes out as a user types it: llama.cpp's SPM tokenizer turns any text
+// (ASCII, a newline, a tab, UTF-8 beyond ASCII) into our vocabulary's tokens, words through its
+// merges and the rest through the byte tokens, and detokenizes them back to the same text.
+// Before the vocabulary had byte tokens, llama.cpp found no newline token and tokenizing threw
+// (llama-server answered "unordered_map::at").
+TEST(LlamaVocab, TextTokenizesAndDetokenizesToItself) {
+  auto shape = plan_llama_shape(8 * kMiB, GgmlType::q4_0);
+  ASSERT_TRUE(shape.is_ok()) << shape.message();
+  TempDir dir;
+  const std::string path = dir.file("vocab.gguf");
+  ASSERT_TRUE(write_synthetic_model(path, *shape, kSyntheticSeed, 2).is_ok());
+  llama_model_params mparams = llama_model_default_params();
+  mparams.vocab_only = true;
+  llama_log().clear();
+  std::unique_ptr<llama_model, ModelDeleter> model(llama_model_load_from_file(path.c_str(), mparams));
+  ASSERT_NE(model, nullptr) << llama_log();
+  EXPECT_EQ(llama_log().find("newline token not found"), std::string::npos) << llama_log();
+  const llama_vocab* vocab = llama_model_get_vocab(model.get());
+  EXPECT_EQ(llama_vocab_nl(vocab), 3 + '\n') << "the newline is byte token <0x0A>";
+  EXPECT_EQ(llama_vocab_bos(vocab), 1);
+  EXPECT_EQ(llama_vocab_eos(vocab), 2);
+
+  for (const std::string text : {"Hello", "Hello, world!\nA second line\twith a tab.",
+                                 "caf\xc3\xa9 \xe6\x97\xa5\xe6\x9c\xac 42 {\"json\": [1, 2]}"}) {
+    SCOPED_TRACE(text);
+    std::vector<llama_token> tokens(text.size() + 8);
+    const std::int32_t n = llama_tokenize(vocab, text.c_str(), static_cast<std::int32_t>(text.size()), tokens.data(),
+                                          static_cast<std::int32_t>(tokens.size()), false, false);
+    ASSERT_GT(n, 0);
+    tokens.resize(static_cast<std::size_t>(n));
+    // Words merge: fewer tokens than bytes.
+    EXPECT_LT(tokens.size(), text.size() + 1);
+    for (llama_token t : tokens) EXPECT_TRUE(t > 2 && t < llama_vocab_n_tokens(vocab)) << t;
+    std::string back(text.size() * 2 + 16, '\0');
+    const std::int32_t m = llama_detokenize(vocab, tokens.data(), n, back.data(), static_cast<std::int32_t>(back.size()),
+                                            false, false);
+    ASSERT_GE(m, 0);
+    back.resize(static_cast<std::size_t>(m));
+    EXPECT_EQ(back, text);
+  }
 }
 
 // Named "llama/LlamaLoadTest...", so that `ctest -R llama` finds them.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // The metal backend on a Mac (macOS 15+, a Metal3 GPU): what the system's wired memory does
 // when residency sets are created, requested and ended, with the real manager on the real
 // clock. Skips with its reason elsewhere. Compile-checked on Linux by scripts/metal-check; it

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // The Metal bug the backend's 1-byte blit works around (llama.cpp issue 25937): in a process
 // that has run no GPU work, ended residency stays wired until the process exits. Its own
 // executable, because the condition is "no GPU work in this process": the suite next to it

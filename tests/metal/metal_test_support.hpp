@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // What the Metal tests share: the skip when residency sets do not work here, page-aligned host
 // memory, and the system's wired memory (host_statistics64 wire_count x page size, what
 // `top -l 1` shows as "wired"), which is what these tests assert on: what a user of the Mac

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // A deliberately wrong use of metal-cpp, which scripts/metal-check must refuse: a command
 // queue accepts residency sets, not buffers (a buffer is an MTL::Allocation, and the types
 // must keep them apart).

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // A deliberately wrong use of metal-cpp, which scripts/metal-check must refuse: if this file
 // compiles, the shim headers are too permissive for the check to mean anything.
 // newResidencySet takes a descriptor AND an NS::Error** (Metal reports failures through it);

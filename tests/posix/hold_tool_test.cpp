@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // `residency hold FILE...` as a user runs it: the kernel holds the file's pages locked in the
 // hold process (its VmLck), pageout from another process evicts none of them (the page cache is
 // shared), SIGTERM unlocks and exits 0, a keep-alive ends the hold by itself, and each bad input

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // Per-page lock counts: a page shared by two regions (or two sets) must stay locked until
 // the last holder lets go, because one munlock undoes every mlock of a page.
 #include <gtest/gtest.h>

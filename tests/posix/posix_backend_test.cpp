@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // The posix backend against the real kernel: mlock through sets shows in VmLck, locked pages
 // survive reclaim and unlocked ones do not, a page shared by two regions stays locked while
 // either holds it, RLIMIT_MEMLOCK refusals come back as a Status naming the limit and the fix,

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // The posix backend under the Manager, as an engine uses it: a mapped model stays resident
 // through reclaim while the keep-alive runs, is given back when it expires (virtual time, no
 // sleeping), comes back on the next touch(); and with RLIMIT_MEMLOCK low and no

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // Helpers for the posix backend's tests: a real file mapping (what an engine's mmap'd model
 // is), what the kernel says about it (VmLck, mincore), the kernel's reclaim made repeatable
 // (MADV_PAGEOUT + POSIX_FADV_DONTNEED), RLIMIT_MEMLOCK checks, and running a body in a forked

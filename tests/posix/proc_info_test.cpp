@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // The /proc and cgroup parsers on fixed texts: what real kernels print, and the ways the
 // text can be malformed. A wrong parse here becomes a wrong budget or a silent "no pressure".
 #include <gtest/gtest.h>

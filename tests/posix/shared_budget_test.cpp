@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // A wired budget shared by processes (RESIDENCY_SHARED_BUDGET), with real processes: several
 // `residency hold` children (fork + exec) under one budget, observed from outside through the
 // kernel's VmLck of each, sampled continuously; one SIGKILLed while holding; an idle holder asked

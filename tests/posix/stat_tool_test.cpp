@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // `residency stat` as a user runs it: human text with the figures named, --json with raw
 // bytes, exit 0 even where PSI is unavailable, exit 2 for a bad option.
 #include <gtest/gtest.h>

@@ -1,7 +1,8 @@
+/* SPDX-License-Identifier: MIT */
 /* An ordinary llama.cpp program, knowing nothing about residency: loads a model, decodes greedy
  * tokens and prints them. The preload's tests run it with and without libresidency_preload.so.
  *
- *   decode_loop [--no-repack] [--reads] MODEL N [PAUSE]
+ *   decode_loop [--no-repack] [--reads] [--prompt TEXT] MODEL N [PAUSE]
  *
  * --no-repack: llama.cpp's extra buffer types off (use_extra_bufts = false, llama-server's -nr):
  * the weights stay in the file mapping on every CPU. --reads: the first decode is observed through
@@ -11,8 +12,11 @@
  * llama.cpp's output buffer): what decode really reads, for the tests to compare with what
  * the kernel says is locked.
  *
- * Decodes N tokens, starting from BOS (token 1 when the vocabulary has none), each time feeding
- * back the most likely next token. Prints "loaded" once the model and context exist, then
+ * --prompt TEXT: the first decode is TEXT as a user's prompt, as llama-cli and llama-server take
+ * it: BOS and TEXT's tokens (llama_tokenize) in one batch; "prompt K" (the number of tokens) is
+ * printed after "loaded".
+ * Decodes N times, starting from BOS (token 1 when the vocabulary has none) or the prompt, each
+ * time feeding back the most likely next token. Prints "loaded" once the model and context exist, then
  * "token I ID" after each decode, then "done". PAUSE: milliseconds to sleep between decodes
  * (default 0), or "stdin": before each decode, wait for a line on stdin (the test steps it; end
  * of input stops early), and after the last one wait for the end of input before exiting. llama.cpp's own log is dropped except errors. */
@@ -87,20 +91,25 @@ static void print_reads(void) {
 
 int main(int argc, char** argv) {
   int no_repack = 0, reads = 0;
+  const char* prompt = NULL;
   while (argc > 1 && strncmp(argv[1], "--", 2) == 0) {
     if (strcmp(argv[1], "--no-repack") == 0) {
       no_repack = 1;
     } else if (strcmp(argv[1], "--reads") == 0) {
       reads = 1;
+    } else if (strcmp(argv[1], "--prompt") == 0 && argc > 2) {
+      prompt = argv[2];
+      --argc;
+      ++argv;
     } else {
-      fprintf(stderr, "decode_loop: unknown option '%s' (accepted: --no-repack, --reads)\n", argv[1]);
+      fprintf(stderr, "decode_loop: unknown option '%s' (accepted: --no-repack, --reads, --prompt TEXT)\n", argv[1]);
       return 2;
     }
     --argc;
     ++argv;
   }
   if (argc < 3) {
-    fprintf(stderr, "usage: decode_loop [--no-repack] [--reads] MODEL N [PAUSE_MS|stdin]\n");
+    fprintf(stderr, "usage: decode_loop [--no-repack] [--reads] [--prompt TEXT] MODEL N [PAUSE_MS|stdin]\n");
     return 2;
   }
   const char* path = argv[1];
@@ -144,7 +153,21 @@ int main(int argc, char** argv) {
   const int n_vocab = llama_vocab_n_tokens(vocab);
   llama_token token = llama_vocab_bos(vocab);
   if (token == LLAMA_TOKEN_NULL) token = 1;
+  /* The prompt's tokens (BOS first), or BOS alone. */
+  llama_token prompt_tokens[128];
+  int n_prompt = 1;
+  prompt_tokens[0] = token;
+  if (prompt != NULL) {
+    n_prompt = llama_tokenize(vocab, prompt, (int32_t)strlen(prompt), prompt_tokens, 100, true, false);
+    if (n_prompt <= 0) {
+      fprintf(stderr, "decode_loop: cannot tokenize the prompt (%d; at most 100 tokens)\n", n_prompt);
+      llama_free(ctx);
+      llama_model_free(model);
+      return 1;
+    }
+  }
   printf("loaded\n");
+  if (prompt != NULL) printf("prompt %d\n", n_prompt);
   fflush(stdout);
 
   int rc = 0;
@@ -155,7 +178,7 @@ int main(int argc, char** argv) {
     } else if (i > 0 && pause_ms > 0) {
       sleep_ms(pause_ms);
     }
-    struct llama_batch batch = llama_batch_get_one(&token, 1);
+    struct llama_batch batch = i == 0 ? llama_batch_get_one(prompt_tokens, n_prompt) : llama_batch_get_one(&token, 1);
     g_observing = reads && i == 0;
     const int32_t status = llama_decode(ctx, batch);
     g_observing = 0;

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* A program that reads a file through mmap, like `cat` would, and knows nothing of llama.cpp:
  * maps FILE read-only (MAP_SHARED, as llama.cpp maps its models), prints the byte count and a
  * checksum, unmaps it. With a GGUF file under the preload, llama_decode is not reachable: the

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // libresidency_preload.so in unmodified programs: decode_loop (plain C on llama.h, linked to
 // libllama, knowing nothing about residency) and map_file (mmaps a file, no libllama), run as
 // child processes with LD_PRELOAD and observed from outside: VmLck in /proc/<pid>/status, the
@@ -38,6 +39,7 @@
 #include <thread>
 #include <vector>
 
+#include "llama/llama_server.hpp"
 #include "support/child_process.hpp"
 #include "support/temp_dir.hpp"
 #include "support/strict.hpp"
@@ -50,6 +52,9 @@ namespace {
 using Clock = std::chrono::steady_clock;
 constexpr std::uint64_t kMiB = 1024 * 1024;
 constexpr int kTokens = 6;  // decodes per run
+// What decode_loop is asked, as a user asks llama.cpp: text, tokenized by llama.cpp (the first
+// decode is this prompt's tokens in one batch, the others one generated token each).
+constexpr const char* kPrompt = "Once upon a time, in a small town,\n";
 
 double seconds_since(Clock::time_point t0) {
   return std::chrono::duration<double>(Clock::now() - t0).count();
@@ -310,9 +315,10 @@ class PreloadTest : public ::testing::Test {
     }
     // The tokens without the preload, with llama.cpp's extra buffer types on and off (repacked
     // weights may round differently): what every run must print.
+    baseline_out_.clear();  // (each suite of this fixture runs this once)
     for (int nr = 0; nr < 2; ++nr) {
       SpawnOptions o;
-      o.argv = {DECODE_LOOP_PATH, model_, std::to_string(kTokens)};
+      o.argv = {DECODE_LOOP_PATH, "--prompt", kPrompt, model_, std::to_string(kTokens)};
       if (nr == 1) o.argv.insert(o.argv.begin() + 1, "--no-repack");
       Child c(o, dir_ + "/baseline.err");
       if (!c.started()) {
@@ -322,6 +328,7 @@ class PreloadTest : public ::testing::Test {
       baseline_exit_ = std::max(baseline_exit_, c.finish());
       (nr == 0 ? baseline_tokens_ : baseline_tokens_nr_) = c.tokens();
       baseline_err_ += c.stderr_text();
+      baseline_out_ += c.stdout_text();
     }
   }
   static void TearDownTestSuite() {
@@ -333,6 +340,9 @@ class PreloadTest : public ::testing::Test {
     ASSERT_EQ(baseline_exit_, 0) << "decode_loop without the preload failed:\n" << baseline_err_;
     ASSERT_EQ(baseline_tokens_.size(), static_cast<std::size_t>(kTokens)) << baseline_err_;
     ASSERT_EQ(baseline_tokens_nr_.size(), static_cast<std::size_t>(kTokens)) << baseline_err_;
+    // The prompt went in as text: BOS and more than one token of it, in both runs.
+    ASSERT_EQ(count_containing(baseline_out_, "\nprompt "), 2U) << baseline_out_ << baseline_err_;
+    ASSERT_EQ(baseline_out_.find("\nprompt 1\n"), std::string::npos) << baseline_out_;
     // The baseline itself is the engine's business; without the preload residency never speaks.
     ASSERT_TRUE(residency_lines(baseline_err_, "warn").empty()) << baseline_err_;
   }
@@ -342,7 +352,7 @@ class PreloadTest : public ::testing::Test {
   static SpawnOptions decode_loop(std::vector<std::pair<std::string, std::string>> env, bool stepped,
                                   bool no_repack = false) {
     SpawnOptions o;
-    o.argv = {DECODE_LOOP_PATH, "--reads", model_, std::to_string(kTokens)};
+    o.argv = {DECODE_LOOP_PATH, "--reads", "--prompt", kPrompt, model_, std::to_string(kTokens)};
     if (no_repack) o.argv.insert(o.argv.begin() + 1, "--no-repack");
     if (stepped) o.argv.push_back("stdin");
     o.stdin_pipe = stepped;
@@ -364,6 +374,7 @@ class PreloadTest : public ::testing::Test {
   }
   static inline bool on_tmpfs_ = false;
   static inline int baseline_exit_ = -1;
+  static inline std::string baseline_out_;
   static inline std::vector<std::string> baseline_tokens_, baseline_tokens_nr_;
 };
 
@@ -692,6 +703,34 @@ TEST_F(PreloadTest, TwoProgramsUnderOneSharedBudgetNeverLockMoreThanItAndTheIdle
   EXPECT_FALSE(std::filesystem::exists("/dev/shm/residency-budget-" + name)) << "the last holder removes the ledger";
   std::cerr << "[ measured ] model " << model_bytes << " bytes, budget " << budget << "; most locked by both at once "
             << max_sum.load() << " bytes over " << samples.load() << " samples\n";
+}
+
+// (9) An unmodified llama-server under the preload, asked as a user asks it (a text prompt over
+// HTTP): it answers 200 with the tokens asked for, the model is locked while it serves, given
+// back once the keep-alive (1 s) has passed with no request, and locked again by the next one.
+TEST_F(PreloadTest, LlamaServerAnswersTextAndHoldsTheModelOnlyWhileServing) {
+  if (::access(LLAMA_SERVER_PATH, X_OK) != 0) {
+    GTEST_SKIP() << "no llama-server at " << LLAMA_SERVER_PATH << " (a scripts/llama-cpp --libs-only install has none)";
+  }
+  std::string error;
+  auto server = residency::testing::start_llama_server(
+      LLAMA_SERVER_PATH, model_, err_file("server"), error, {},
+      {"LD_PRELOAD=" PRELOAD_PATH, "RESIDENCY_KEEP_ALIVE=1s"}, {"RESIDENCY_", "LD_PRELOAD=", "GGML_METAL_"});
+  ASSERT_TRUE(server) << error;
+  const pid_t pid = server->process->pid();
+  const std::string request = R"({"prompt":"Hello, world!\nOnce upon a time","n_predict":8,"ignore_eos":true})";
+  for (int round = 0; round < 2; ++round) {
+    SCOPED_TRACE("request " + std::to_string(round + 1));
+    const auto r = residency::testing::http_request(server->port, "/completion", request);
+    ASSERT_EQ(r.status, 200) << r.body << "\n" << server->process->stderr_text();
+    EXPECT_EQ(residency::testing::json_number(r.body, "tokens_predicted"), 8) << r.body;
+    EXPECT_GT(vm_lck(pid).value_or(0), 0U) << "nothing locked right after a request\n" << server->process->stderr_text();
+    // Given back after the keep-alive: VmLck 0 within a few seconds of the last request.
+    const auto t0 = Clock::now();
+    while (vm_lck(pid).value_or(0) != 0 && seconds_since(t0) < 10) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    EXPECT_EQ(vm_lck(pid).value_or(1), 0U) << "still locked 10 s after the last request";
+  }
+  EXPECT_TRUE(server->process->alive()) << server->process->stderr_text();
 }
 
 }  // namespace

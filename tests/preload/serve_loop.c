@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* A minimal llama.cpp server loop, knowing nothing about residency: one conversation, driven by
  * commands on stdin, answered on stdout with timings. The CUDA sleep/wake proof
  * (bench/llama_cuda_sleep.py) runs it with and without libresidency_preload.so.

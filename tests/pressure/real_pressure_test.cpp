@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // Real memory pressure, end to end: llama.cpp (tests/preload/decode_loop.c, an unmodified program
 // on libllama) serves a 2 GiB model under libresidency_preload.so, and a memory hog runs beside it
 // in the SAME memory cgroup, which this test creates, limited to what the loaded server takes plus 1 GiB (cgroup v1's memory

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // `residency idle --backend sim` in virtual time: the `off` column reproduces llama-idle's
 // published M2 Ultra figures (llama.cpp PR 10119) within 15 % at every pause, and the
 // keep-alive column stays flat for pauses shorter than the keep-alive, with and without the

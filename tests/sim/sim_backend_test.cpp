@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // The sim backend on its own: each modelled rule, observed the way a user of a Mac would see
 // it (wired bytes, the time of the next GPU pass), in virtual time.
 #include <gtest/gtest.h>

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // A real Manager driving the sim backend in virtual time: the manager's refresh and keep-alive
 // against decaying requests, the ended-set leak, the queue limit, and teardown with live sets.
 // The manager runs without its thread (start_scheduler = false); advance_with() moves the

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // Helpers shared by the sim tests: round-number profiles, fake buffer addresses and a loop
 // that advances virtual time while letting a Manager do what is due.
 #pragma once

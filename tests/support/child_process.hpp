@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // A program a test starts and talks to: stdout read line by line with a timeout, stdin written
 // a line at a time (or /dev/null), stderr into a file; killed and reaped when it goes out of
 // scope, so a failing assertion leaves no process behind. Used by the tests that run real

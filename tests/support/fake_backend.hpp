@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // FakeBackend: a Backend that keeps books instead of wiring memory, for the core's tests.
 //
 // It records what the manager asked for (sets, members, commits, requests, releases) and

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // A Manager over a FakeBackend and a ManualClock, with helpers to make regions at fake
 // addresses (the fake never dereferences them) and to step virtual time.
 #pragma once

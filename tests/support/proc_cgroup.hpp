@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // What /proc/self/cgroup says, read without the library: the tests compare the library's choice
 // of memory cgroup and pressure source against it.
 #pragma once

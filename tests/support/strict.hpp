@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // Skips that CI does not accept. A test that can only run when the machine allows it (PSI
 // writable, a cgroup to thrash in) skips with its reason on a developer's machine; in CI, where
 // the machine is known to allow it, the same condition means the library misbehaved, so the

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // A fresh directory on a disk-backed filesystem ($TMPDIR, else /var/tmp, else /tmp), for tests
 // whose files must be paged out and read back (a tmpfs file's pages cannot leave memory without
 // swap).

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // The tool under hostile input, signals and odd filesystems (issue 13): each test is one class of
 // failure an adversarial pass found, run as a user runs the tool (fork + exec, real files, real
 // signals), asserting what the user would see: exit status, one printable line, which files exist.

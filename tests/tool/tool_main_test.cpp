@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // What a new user meets first: `residency` alone, `residency --help`, a mistyped subcommand.
 #include <gtest/gtest.h>
 #include <sys/wait.h>

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // What of a ggml buffer the preload registers (src/preload/buffer_plan.hpp), for the layouts
 // llama.cpp makes on each CPU, on any machine: the AMX and CPU_REPACK layout is tested on an AMD
 // or ARM machine too, and the file-mapped one on an AMX machine.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // The C API, linked against libresidency.so (only its exported residency_* symbols): the ABI
 // calls, configuration from text, backends shared per process, a manager on the posix backend
 // checked against what the kernel holds (VmLck), scopes that are NULL on error and detached when

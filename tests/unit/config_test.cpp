@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // The strict parsers and Config::from_env over tables of good and bad values, aliases included.
 #include <gtest/gtest.h>
 

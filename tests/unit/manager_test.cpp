@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // Every rule of DESIGN.md section 2 on the fake backend with a ManualClock: layouts, budget,
 // commit batching, policies, touch, scheduler deadlines, limits, logs and teardown.
 #include <gtest/gtest.h>

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // MLX's ten residency test cases (mlx/tests: "limit 0 wires nothing" ... "full budget"),
 // restated for our manager. The tenth is changed on purpose: freeing a wired allocation
 // promotes the pending one (MLX leaves it unwired until the limit is set again).

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // The keep-alive scheduler thread, driven by a ManualClock: it sleeps until its deadline,
 // wakes zero times once the keep-alive has expired, refreshes only for backends that ask,
 // and stops at once on shutdown. Waiting here is for the thread to act, never for time.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // Threads registering, unregistering and touching while keep-alive expires and the limit
 // changes. After every step of every thread: wired <= limit and the byte accounting is exact;
 // inside every backend call: resident bytes never exceed the largest limit in force.

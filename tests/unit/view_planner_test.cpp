@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // The view planner (DESIGN.md section 5): hand-checked cases, every error, and properties over
 // thousands of generated layouts (a seeded PRNG, so a failure names a seed that reproduces it).
 #include <gtest/gtest.h>

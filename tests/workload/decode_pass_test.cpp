@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // The decode-equivalent pass computes the right matrix-vector products for every supported type,
 // with every kernel set this CPU has, whatever the thread count; it refuses other types clearly.
 #include <gtest/gtest.h>

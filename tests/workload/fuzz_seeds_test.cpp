@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // The fuzz target's seed corpus (tests/fuzz/corpus/gguf_reader) is what our writer produces: tiny
 // llama models of each type and a file with every metadata type. This test fails when the writer
 // changes and the corpus was not regenerated; RESIDENCY_UPDATE_FUZZ_SEEDS=1 rewrites it.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // Parses a GGUF file with @huggingface/gguf (a parser nobody on this project wrote) and compares
 // what it finds with what our reader found, given as JSON. Exit 0: identical; 1: differences
 // (listed); 2: usage or parse failure.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // Files we write, parsed by @huggingface/gguf (npm): every tensor's name, type, shape and offset,
 // the data offset and every metadata value must be what our reader says. The package is installed
 // by `npm ci` in tests/workload; without node or the package the test is skipped (with the reason).

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // The GGUF reader on good files and on every kind of malformation: each bad file gives one error
 // line that names the field and the byte offset, never a crash or an over-read (ASan checks the
 // latter in CI).

@@ -1,9 +1,11 @@
+// SPDX-License-Identifier: MIT
 // The writer and the synthetic llama model: shapes follow one configuration and fill the size
 // asked for; files round-trip through our reader; the content is deterministic.
 #include <gtest/gtest.h>
 
 #include <cmath>
 #include <cstring>
+#include <set>
 
 #include "workload/gguf.hpp"
 #include "workload/gguf_writer.hpp"
@@ -71,6 +73,54 @@ TEST(LlamaShape, TooSmallSaysWhatTheSmallestIs) {
   EXPECT_NE(s.message().find("10000 bytes is too small for a llama-shaped F16 model; the smallest is "), std::string::npos)
       << s.message();
   EXPECT_FALSE(plan_llama_shape(kMiB, GgmlType::q4_k).is_ok());
+}
+
+// What llama.cpp's SPM tokenizer needs (its llama-vocab.cpp): the specials at 0, 1, 2, every
+// byte as "<0xXX>" of type BYTE (the newline "<0x0A>" among them), unique token texts, scores and
+// types for every token, and every multi-character normal token a merge of two earlier tokens
+// (the tokenizer only reaches a token by merging two it already has).
+TEST(SyntheticVocab, HasWhatLlamaCppsTokenizerNeeds) {
+  for (std::uint64_t n : {kMinSyntheticVocab, std::uint64_t{1000}, kMaxSyntheticVocab}) {
+    SCOPED_TRACE(n);
+    const SyntheticVocab v = synthetic_vocab(n);
+    ASSERT_EQ(v.tokens.size(), n);
+    ASSERT_EQ(v.scores.size(), n);
+    ASSERT_EQ(v.types.size(), n);
+    EXPECT_EQ(v.tokens[0], "<unk>");
+    EXPECT_EQ(v.types[0], static_cast<double>(SpmTokenType::unknown));
+    EXPECT_EQ(v.tokens[1], "<s>");
+    EXPECT_EQ(v.tokens[2], "</s>");
+    EXPECT_EQ(v.types[1], static_cast<double>(SpmTokenType::control));
+    EXPECT_EQ(v.types[2], static_cast<double>(SpmTokenType::control));
+    EXPECT_EQ(v.tokens[3 + 0x0A], "<0x0A>");
+    EXPECT_EQ(v.tokens[3 + 0xFF], "<0xFF>");
+    std::set<std::string> seen;
+    for (std::size_t k = 0; k < n; ++k) {
+      EXPECT_TRUE(seen.insert(v.tokens[k]).second) << "duplicate " << v.tokens[k];
+      EXPECT_EQ(v.types[k] == static_cast<double>(SpmTokenType::byte), k >= 3 && k < 259) << k;
+    }
+    EXPECT_TRUE(seen.count(kSpmSpace) && seen.count("a") && seen.count("~") && seen.count(std::string(kSpmSpace) + "H"));
+    for (std::size_t k = 259; k < n; ++k) {
+      const std::string& t = v.tokens[k];
+      EXPECT_EQ(v.types[k], static_cast<double>(SpmTokenType::normal));
+      EXPECT_LT(v.scores[k], v.scores[k - 1] + (k == 259 ? 1 : 0)) << "shorter tokens merge first";
+      const std::size_t last = t.size() - 1;
+      if (t.size() > 1 && !(t.size() == 3 && t == kSpmSpace)) {
+        // A word start or word of length L is a shorter one plus its last letter.
+        EXPECT_TRUE(seen.count(t.substr(0, last)) && seen.count(t.substr(last))) << t;
+      }
+    }
+  }
+  // Tests' tiny shapes get the first tokens.
+  EXPECT_EQ(synthetic_vocab(8).tokens.back(), "<0x04>");
+}
+
+TEST(LlamaShape, VocabularyNeverBelowTheOneThatTokenizesText) {
+  for (std::uint64_t size : {1 * kMiB, 2 * kMiB, 16 * kMiB}) {
+    auto s = plan_llama_shape(size, GgmlType::q4_0);
+    ASSERT_TRUE(s.is_ok()) << s.message();
+    EXPECT_GE(s->n_vocab, kMinSyntheticVocab) << size;
+  }
 }
 
 TEST(SyntheticModel, RoundTripsThroughOurReader) {

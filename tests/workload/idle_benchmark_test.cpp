@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // The idle benchmark: its parsers, its output lines (llama-idle's format), the order of its
 // blocks, and a real run on the posix target where each policy leaves the model where it should
 // (resident or evicted) before every decode.

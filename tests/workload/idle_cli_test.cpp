@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // `residency idle` and `residency make-model` as a user runs them: bad input gives one line,
 // exit status 2 and no files; a run writes its results and removes its model; an interrupt
 // removes everything.

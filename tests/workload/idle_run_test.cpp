@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // `residency idle` as a library call: its input is checked in one place (parse_idle_options and
 // IdleRun::create), and the result files go where the run says they are, never into the current
 // directory or `/`.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // Memory pressure does what the benchmark says it does: pageout evicts unlocked model pages and
 // leaves locked ones, the hog runs in another process, and files the benchmark creates disappear
 // on every exit path, a signal included.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // Helpers shared by the workload tests: a temporary directory per test and small GGUF files
 // built in memory with every kind of metadata value.
 #pragma once

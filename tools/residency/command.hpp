@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // residency tool: how a subcommand plugs in.
 //
 // Each subcommand lives in its own file and registers itself with a static Command object:

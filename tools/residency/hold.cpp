@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // residency hold FILE...: keep files resident for whoever maps them.
 //
 // A file's page cache is shared by every process that maps it, so locking the pages here keeps

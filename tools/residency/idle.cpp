@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // residency idle: llama.cpp's llama-idle benchmark on a GGUF model, with memory pressure and the
 // residency policies measured side by side. The project's main command.
 //

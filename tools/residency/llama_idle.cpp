@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // residency llama-idle [MODEL.gguf]: llama.cpp's own llama-idle, unmodified, side by side in
 // several configurations (llama.cpp's mmap default, --mlock, residency through the preload with a
 // keep-alive and with 0, --no-mmap, and the linked example engine), under pressure from outside.
@@ -121,7 +122,16 @@ int run(const Args& a) {
     if (::access(o.preload.c_str(), R_OK) == 0) configs += o.pressure.kind == Pressure::Kind::hog ? ",keep-alive,pressure-aware,0" : ",keep-alive,0";
     else std::printf("note: no libresidency_preload.so at %s: the preload configurations are left out\n", printable(o.preload, 400).c_str());
     configs += ",no-mmap";
-    if (::access(o.engine.c_str(), X_OK) == 0) configs += ",engine";
+    if (::access(o.engine.c_str(), X_OK) == 0) {
+      configs += ",engine";
+    } else if (!a.engine.empty()) {
+      std::printf("note: --engine %s is not an executable: the engine configuration is left out\n",
+                  printable(o.engine, 400).c_str());
+    } else {  // an installed tool: the example is built in the build tree, not installed
+      std::printf("note: no llama_engine example at %s (it is built in the build tree, examples/llama_engine, and "
+                  "not installed): the engine configuration is left out; give --engine PATH to include it\n",
+                  printable(o.engine, 400).c_str());
+    }
   }
   std::stringstream ss(configs);
   for (std::string id; std::getline(ss, id, ',');) o.configs.push_back(id);
@@ -221,7 +231,11 @@ int run(const Args& a) {
     IdleRunInfo info;
     info.model_path = o.model;
     info.synthetic_model = a.model.empty();
-    info.backend = "llama.cpp llama-idle";
+    info.backend = "llama.cpp " + std::string(kLlamaTag) + " llama-idle, unmodified, one process per configuration";
+    info.tool = "residency llama-idle";
+    std::error_code ec;
+    const auto bytes = fs::file_size(o.model, ec);
+    info.model_bytes = ec ? 0 : bytes;
     const std::string png = out + "/llama-idle.png";
     const std::string why = write_idle_plot(png, outcome->results, info);
     if (why.empty()) files.push_back(png);

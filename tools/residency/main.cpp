@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // residency: the command-line tool. Subcommands register themselves (command.hpp).
 #include <algorithm>
 #include <cerrno>

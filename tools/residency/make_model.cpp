@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // residency make-model: writes a synthetic llama-shaped GGUF model.
 //
 // The idle benchmark needs a real model file and CI has no weights to download, so this writes

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // residency stat: what this machine and this process hold resident, and what limits apply.
 //
 // The first thing to run when memory does not stay resident: how much RAM there is and is

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // residency stat on macOS; see stat_apple.hpp. Built where the metal backend is (an Apple build
 // with RESIDENCY_METAL_CPP_DIR); compile-checked on Linux by scripts/metal-check.
 #if RESIDENCY_TOOL_HAVE_METAL

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // residency stat on macOS (stat_apple.cpp): the figures that decide whether a Metal model stays
 // wired, in place of Linux's /proc and PSI lines.
 #pragma once

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // residency: the cuda backend, device memory that sleeps and wakes at the link's bandwidth.
 //
 // Serving several models on one GPU needs "sleep" (give the device memory back) and a fast

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // residency: the metal backend (macOS 15+, iOS 18+), one MTL::ResidencySet per set.
 //
 // Why it exists: on Apple Silicon the OS unwires GPU memory about a second after its last use

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // residency: the POSIX backend (Linux and any POSIX host): residency is mlock.
 //
 // An inference engine on Linux usually maps its model file (MAP_SHARED, PROT_READ). Those pages

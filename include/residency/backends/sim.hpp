@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // residency: the sim backend, a deterministic model of a unified-memory OS (macOS on Apple
 // Silicon) with injected time.
 //

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // The cuda backend; see cuda_backend.hpp for the design and the residency rule.
 #include "backends/cuda/cuda_backend.hpp"
 

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // residency cuda backend: the Backend implementation (see include/residency/backends/cuda.hpp
 // for what it is for).
 //

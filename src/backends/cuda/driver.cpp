@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // Loading libcuda at run time; see driver.hpp.
 #include "backends/cuda/driver.hpp"
 

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // residency cuda backend: the CUDA driver, loaded at run time.
 //
 // The library, the tool and every test must start on a machine that has no NVIDIA driver

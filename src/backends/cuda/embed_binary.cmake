@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 # Turns a binary file (a CUDA fatbin) into a C++ source holding it as a byte array, so kernels
 # travel inside the executable and are loaded with cuModuleLoadData at run time: no file to
 # find next to the binary, no libcudart.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // residency cuda backend: a loaded CUDA module (kernels embedded in the executable).
 //
 // Kernels are compiled by nvcc at build time into a fatbin that is embedded as a byte array

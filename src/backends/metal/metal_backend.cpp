@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // The metal backend: see include/residency/backends/metal.hpp for what and why.
 //
 // Object ownership follows Cocoa's rules through NS::SharedPtr: new*/alloc+init results are

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // residency metal backend: two helpers every metal-cpp caller of the project needs (the backend,
 // the Metal decode pass). Include after <Foundation/Foundation.hpp>.
 #pragma once

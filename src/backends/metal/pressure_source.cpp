@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // The dispatch memory-pressure source; see pressure_source.hpp.
 #include "backends/metal/pressure_source.hpp"
 

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // residency metal backend: the system's memory-pressure reports, from libdispatch.
 //
 // macOS tells a process about memory pressure through a dispatch source

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // macOS memory figures: see system_info.hpp and residency/backends/metal.hpp.
 #include "backends/metal/system_info.hpp"
 

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // residency metal backend: the macOS figures the backend, the tests and `residency stat` share
 // (sysctl and Mach readers; no Metal). The public half is in residency/backends/metal.hpp.
 #pragma once

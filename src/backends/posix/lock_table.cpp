@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // residency posix backend: per-page lock counts (see lock_table.hpp).
 #include "backends/posix/lock_table.hpp"
 

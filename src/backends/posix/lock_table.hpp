@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // residency posix backend: per-page lock counts, because the kernel keeps none.
 //
 // mlock and munlock are not reference-counted: one munlock unlocks a page however many

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // residency posix backend: sets of host ranges made resident with mlock (see
 // include/residency/backends/posix.hpp for why, and lock_table.hpp for the per-page counts).
 #include <sys/mman.h>

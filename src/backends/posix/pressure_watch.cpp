@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // residency posix backend: the pressure watch thread (see pressure_watch.hpp).
 #include "backends/posix/pressure_watch.hpp"
 

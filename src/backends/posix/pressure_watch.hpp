@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // residency posix backend: one thread that sleeps until the kernel reports memory pressure.
 //
 // Two kernel sources, whichever governs the process (posix_pressure_source() chooses):

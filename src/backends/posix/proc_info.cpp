@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // residency posix backend: /proc and cgroup parsers and readers (see proc_info.hpp).
 #include "backends/posix/proc_info.hpp"
 

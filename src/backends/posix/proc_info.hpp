@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // residency posix backend: reading what Linux says about memory, locks and pressure.
 //
 // Every figure the backend and `residency stat` report comes from a few /proc and cgroup files.

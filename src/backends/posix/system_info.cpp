@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // residency posix backend: machine-level figures (see system_info.hpp) and the public
 // read_posix_system_info() behind `residency stat`.
 #include "backends/posix/system_info.hpp"

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // residency posix backend: the machine-level figures the backend and `residency stat` share.
 //
 // memory_info() and `residency stat` must agree on what RLIMIT_MEMLOCK is, whether it applies

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // The sim backend: the rules of include/residency/backends/sim.hpp over an injected clock.
 #include <algorithm>
 #include <cmath>

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // The sim's built-in profiles: an M2 Ultra running Llama-3.1-8B at three quantisations,
 // calibrated to the only published measurement of the idle penalty (llama.cpp PR 10119,
 // `llama-idle`: sleep, decode one token, repeat; no residency sets).

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // residency_cuda_idle: the idle benchmark on the GPU, on its own.
 //
 // Runs workload/idle_benchmark.hpp's schedule with the cuda idle target (idle_cuda.hpp), the

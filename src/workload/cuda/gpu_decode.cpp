@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // The GPU decode-equivalent pass; see gpu_decode.hpp.
 #include "workload/cuda/gpu_decode.hpp"
 

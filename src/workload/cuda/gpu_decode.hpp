@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // The decode-equivalent pass as a CUDA kernel (gpu_decode_kernels.cu), for `residency idle`
 // on the cuda backend.
 //

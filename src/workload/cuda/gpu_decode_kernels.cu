@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // The decode-equivalent pass on the GPU: one matrix-vector product per weight matrix of a GGUF
 // model held in device memory, all matrices in one launch (a model has hundreds of matrices;
 // one launch each would cost more in launch overhead than the pass itself on an H200).

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // The cuda idle target; see idle_cuda.hpp.
 #include "workload/cuda/idle_cuda.hpp"
 

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // The cuda idle target: `residency idle --backend cuda` (see workload/idle_target.hpp).
 //
 // The model's data section is copied into device memory allocated through

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // The metal idle target; see idle_metal.hpp.
 #include "workload/metal/idle_metal.hpp"
 

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // The metal idle target: `residency idle --backend metal` (see workload/idle_target.hpp).
 //
 // The model is the mmap'd GGUF file, as llama.cpp's Metal backend holds it: wrapped in no-copy

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // The Metal decode-equivalent pass; see metal_decode.hpp.
 #include "workload/metal/metal_decode.hpp"
 

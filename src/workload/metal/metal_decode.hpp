@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // The decode-equivalent pass as a Metal compute kernel, for `residency idle --backend metal`.
 //
 // The CPU pass (workload/decode_pass.hpp) and the CUDA pass (workload/cuda/gpu_decode.hpp) read

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // The sim idle target: see idle_sim.hpp (and idle_target.hpp for the contract).
 #include "workload/sim/idle_sim.hpp"
 

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // The sim idle target: `residency idle --backend sim` on virtual time.
 //
 // Why it exists: the idle penalty this project is about was measured once, on a Mac (llama-idle,

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // Launching the pattern kernels; see pattern.hpp.
 #include "backends/cuda/pattern/pattern.hpp"
 

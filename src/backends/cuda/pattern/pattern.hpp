@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // residency cuda backend: reproducible patterns in device memory, for tests and benchmarks.
 //
 // "Nothing lost" is only a claim until every byte is checked after every wake. These kernels

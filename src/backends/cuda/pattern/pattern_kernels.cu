@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // Kernels that write and check a reproducible pattern in device memory, for the cuda
 // backend's tests and the sleep/wake benchmark: a wake that restored the wrong bytes, a byte
 // of an odd-sized tail, or a chunk copied to the wrong offset shows up as a mismatch count.

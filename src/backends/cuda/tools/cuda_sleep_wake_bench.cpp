@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // residency_cuda_bench: how fast the cuda backend puts device memory to sleep and wakes it,
 // against a plain pinned copy of the same size measured in the same run.
 //

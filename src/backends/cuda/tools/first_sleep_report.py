@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: MIT
 """Tables of residency's cuda sleep/wake rates against PyTorch's in the same run (issue 11,
 items 3 and 4), from the JSON that residency_cuda_bench (--json) and
 torch_sleep_wake_baseline.py (--json) wrote. Markdown on stdout.

@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: MIT
 """PyTorch's own ways to put a GPU tensor to sleep in host memory and wake it, timed the way
 residency_cuda_bench times the cuda backend (issue 11, item 4), so that one run can report
 residency's rates as ratios to them.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // Shim (compile checks on Linux only; see ../README.md): the CoreFoundation names metal-cpp
 // uses.
 #pragma once

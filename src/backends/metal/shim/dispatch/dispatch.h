@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // Shim (compile checks on Linux only; see ../README.md): the libdispatch names metal-cpp passes
 // through and the backend's memory-pressure watch uses, as Apple's headers declare them for C++
 // outside Objective-C (OS_OBJECT_USE_OBJC 0): each object type derives from dispatch_object_s,

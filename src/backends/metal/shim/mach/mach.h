@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // Shim (compile checks on Linux only; see ../README.md): the mach types of
 // MTL::Resource::setOwner, and what `residency stat` and the tests read the system's wired memory
 // with (host_statistics64, as `top` and `vm_stat` do), with the types of Apple's headers.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // Shim (compile checks on Linux only; see ../README.md): the message senders. Declared
 // without prototypes, as Apple's header does by default: callers cast them to the exact
 // function type of each message.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // Shim (compile checks on Linux only; see ../README.md): the Objective-C runtime names
 // metal-cpp uses, with the types of Apple's objc4 headers.
 #pragma once

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // Shim (compile checks on Linux only; see ../README.md): sysctlbyname, as Apple's <sys/sysctl.h>
 // declares it (glibc has no <sys/sysctl.h> since 2.32).
 #pragma once
