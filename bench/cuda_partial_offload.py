@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: MIT
 """What a CUDA build of llama.cpp keeps in host memory, and what the preload wires of it (issue 17
 item 5): tests/preload/serve_loop (a plain llama.cpp program) loads a model with some or all of
 its layers on the GPU, with the file mapped or read into buffers, without and with

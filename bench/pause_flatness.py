@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: MIT
 """Is a pause shorter than the keep-alive free? The first token after a pause, plain llama.cpp
 against the same program under libresidency_preload.so (keep-alive longer than every pause), at
 the same pauses, on the same machine, in one run (issue 17 item 4: residency keep-alive should be

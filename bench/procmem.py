@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """What the kernel holds of a process, read and changed from outside (Linux): /proc/PID/status
 figures, and a pageout of every mapping (process_madvise MADV_PAGEOUT, Linux >= 5.10, root or
 CAP_SYS_NICE). Shared by the bench scripts."""

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // libFuzzer target: a live shared-budget ledger whose file another process scribbles on (issue 18,
 // item 4). Two holders use it, each with its own open file and its listener thread; one of them
 // acquires and releases in a loop on a thread of its own, the other follows the input, and the

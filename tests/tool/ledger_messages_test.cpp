@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // The messages `residency hold` prints about a shared budget's ledger and its configuration
 // (issue 18, item 10), run as a user runs the tool (fork + exec, real files, real users where the
 // case needs one): each says what was wrong and what is accepted, on one line, with exit status 2
