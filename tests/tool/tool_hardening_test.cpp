@@ -51,25 +51,26 @@ struct Spawn {
   // In the child before exec (a mount namespace, another user); returns false to give up (126).
   std::function<bool()> prepare;
   bool stdout_to_closed_pipe = false;
+  // Not null: stdout is a pipe whose read end is returned here (`| head` played by the test).
+  int* stdout_pipe_reader = nullptr;
 };
 
 pid_t start(const Spawn& s) {
   ::unlink((s.logs + "/out").c_str());  // no earlier run's output can be read as this one's
   ::unlink((s.logs + "/err").c_str());
   int pipe_fds[2] = {-1, -1};
-  if (s.stdout_to_closed_pipe && pipe(pipe_fds) != 0) return -1;
+  const bool piped = s.stdout_to_closed_pipe || s.stdout_pipe_reader != nullptr;
+  if (piped && pipe2(pipe_fds, O_CLOEXEC) != 0) return -1;
   const pid_t pid = fork();
   if (pid != 0) {
-    if (s.stdout_to_closed_pipe) {
-      close(pipe_fds[0]);  // `| head` that has gone: the tool's next write gets SIGPIPE
-      close(pipe_fds[1]);
-    }
+    if (s.stdout_to_closed_pipe) close(pipe_fds[0]);  // `| head` that has gone: the tool's next write gets EPIPE
+    if (s.stdout_pipe_reader != nullptr) *s.stdout_pipe_reader = pipe_fds[0];
+    if (piped) close(pipe_fds[1]);
     return pid;
   }
   if (s.prepare && !s.prepare()) _exit(126);
-  const int out = s.stdout_to_closed_pipe ? pipe_fds[1] : ::open((s.logs + "/out").c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  const int out = piped ? pipe_fds[1] : ::open((s.logs + "/out").c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
   const int err = ::open((s.logs + "/err").c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-  if (s.stdout_to_closed_pipe) close(pipe_fds[0]);
   dup2(out, 1);
   dup2(err, 2);
   signal(SIGPIPE, SIG_DFL);
@@ -381,13 +382,14 @@ TEST_F(ToolHardening, IdleRemovesItsModelOnEveryTerminatingSignal) {
     EXPECT_EQ(r.signal, sig) << "exit " << r.exit_code << ": " << r.err;
     EXPECT_TRUE(tmp_entries().empty()) << "left in TMPDIR after " << strsignal(sig) << ": " << tmp_entries().front();
   }
-  // `| head` that has exited: the first write after it is SIGPIPE.
+  // `| head` that has exited is not a signal death (issue 18, item 9): the write fails, the run
+  // ends with exit 1 and one message, and its files are removed all the same.
   Spawn s{{"idle", "--model-size", "4MiB", "--pauses", "0", "--iters", "1", "--policies", "off", "--no-plot"}, {}, tmp_, logs_,
           nullptr, true};
   const pid_t pid = start(s);
   const ToolRun r = finish(pid, logs_, Clock::now());
-  EXPECT_EQ(r.signal, SIGPIPE) << "exit " << r.exit_code << ": " << r.err;
-  EXPECT_TRUE(tmp_entries().empty()) << "left in TMPDIR after SIGPIPE: " << tmp_entries().front();
+  EXPECT_EQ(r.exit_code, 1) << "signal " << r.signal << ": " << r.err;
+  EXPECT_TRUE(tmp_entries().empty()) << "left in TMPDIR after a closed pipe: " << tmp_entries().front();
 }
 
 // Item 3: a killed run's directory is recognised by its owner and removed by the next run; a live
@@ -516,6 +518,98 @@ TEST_F(ToolHardening, OutputThatCannotBeWrittenIsAFailureWithAMessage) {
     EXPECT_NE(slurp(logs_ + "/full.err").find("cannot write the output: No space left on device"), std::string::npos)
         << cmd << ": " << slurp(logs_ + "/full.err");
   }
+}
+
+// Reads the pipe until a line containing `needle` has come (or 60 s have passed); what it read.
+std::string read_until(int fd, const std::string& needle) {
+  std::string got;
+  const auto deadline = Clock::now() + std::chrono::seconds(60);
+  char buf[4096];
+  while (got.find(needle) == std::string::npos || got.find('\n', got.find(needle)) == std::string::npos) {
+    if (Clock::now() > deadline) break;
+    const ssize_t n = ::read(fd, buf, sizeof buf);
+    if (n <= 0) break;
+    got.append(buf, static_cast<std::size_t>(n));
+  }
+  return got;
+}
+
+std::vector<std::string> lines_containing(const std::string& text, const std::string& needle) {
+  std::vector<std::string> out;
+  std::istringstream in(text);
+  for (std::string line; std::getline(in, line);)
+    if (line.find(needle) != std::string::npos) out.push_back(line);
+  return out;
+}
+
+std::uint64_t vm_lck_of(pid_t pid) {
+  std::ifstream f("/proc/" + std::to_string(pid) + "/status");
+  for (std::string line; std::getline(f, line);)
+    if (line.rfind("VmLck:", 0) == 0) return std::stoull(line.substr(6)) * 1024;
+  return 0;
+}
+
+// Issue 18, item 9: `RESIDENCY_SHARED_BUDGET=name:64MiB residency idle ... | head -1`. The reader
+// (this test, on a real pipe) takes the lines it wants and closes its end while the run holds a
+// share of the budget. Expected: no death by SIGPIPE, which skipped every destructor and left the
+// ledger in /dev/shm; exit 1, one message, no ledger, nothing locked, nothing in TMPDIR.
+TEST_F(ToolHardening, AClosedPipeEndsIdleAndHoldCleanlyWithoutLeavingTheLedger) {
+  if (::access("/dev/shm", W_OK) != 0) GTEST_SKIP() << "/dev/shm is not writable here";
+  const std::string name = "hardening-pipe-" + std::to_string(::getpid());
+  const std::string ledger = "/dev/shm/residency-budget-" + name;
+  const std::string budget = "RESIDENCY_SHARED_BUDGET=" + name + ":64MiB";
+  {
+    SCOPED_TRACE("idle");
+    int reader = -1;
+    Spawn s{{"idle", "--model-size", "4MiB", "--pauses", "300", "--iters", "5", "--policies", "keep-alive", "--pressure",
+             "none", "--no-plot"},
+            {budget}, tmp_, logs_, nullptr, false, &reader};
+    const pid_t pid = start(s);
+    ASSERT_GE(reader, 0);
+    const std::string got = read_until(reader, "warm-up decode");
+    EXPECT_NE(got.find("warm-up decode"), std::string::npos) << got << slurp(logs_ + "/err");
+    EXPECT_TRUE(fs::exists(ledger)) << "the keep-alive policy's manager holds a share of the budget while it runs";
+    ::close(reader);  // `head -1` has what it wanted
+    const ToolRun r = finish(pid, logs_, Clock::now());
+    EXPECT_EQ(r.exit_code, 1) << "signal " << r.signal << ": " << r.err;
+    EXPECT_EQ(lines_containing(r.err, "cannot write the output").size(), 1u) << r.err;
+    EXPECT_EQ(lines_containing(r.err, "error").size(), 1u) << "one message: " << r.err;
+    EXPECT_FALSE(fs::exists(ledger)) << "the ledger outlived its last holder";
+    EXPECT_TRUE(tmp_entries().empty()) << "left in TMPDIR: " << tmp_entries().front();
+  }
+  {
+    SCOPED_TRACE("hold");
+    const std::string file = root_ + "/held";
+    {
+      std::ofstream f(file, std::ios::binary);
+      f << std::string(2 << 20, 'x');
+    }
+    int reader = -1;
+    Spawn s{{"hold", file}, {budget}, tmp_, logs_, nullptr, false, &reader};
+    const pid_t pid = start(s);
+    ASSERT_GE(reader, 0);
+    const std::string got = read_until(reader, "holding");
+    EXPECT_NE(got.find("holding 2 MiB of 2 MiB"), std::string::npos) << got << slurp(logs_ + "/err");
+    EXPECT_EQ(vm_lck_of(pid), std::uint64_t{2} << 20);
+    EXPECT_TRUE(fs::exists(ledger));
+    ::close(reader);
+    kill(pid, SIGTERM);  // its goodbye line goes to the closed pipe
+    const ToolRun r = finish(pid, logs_, Clock::now());
+    EXPECT_EQ(r.exit_code, 1) << "signal " << r.signal << ": " << r.err;
+    EXPECT_EQ(lines_containing(r.err, "cannot write the output").size(), 1u) << r.err;
+    EXPECT_FALSE(fs::exists(ledger)) << "the ledger outlived its last holder";
+  }
+  for (const std::vector<std::string>& args :
+       {std::vector<std::string>{"stat"}, {"stat", "--json"}, {"make-model", "--size", "3MiB", root_ + "/n.gguf"},
+        {"hold", root_ + "/held"}}) {
+    SCOPED_TRACE(args[0] + " to a pipe closed before it starts");
+    Spawn s{args, {budget}, tmp_, logs_, nullptr, true};
+    const ToolRun r = finish(start(s), logs_, Clock::now(), 30);
+    EXPECT_EQ(r.exit_code, 1) << "signal " << r.signal << ": " << r.err;
+    EXPECT_EQ(lines_containing(r.err, "cannot write the output").size(), 1u) << r.err;
+    EXPECT_FALSE(fs::exists(ledger));
+  }
+  ::unlink(ledger.c_str());  // only if a failure above left it
 }
 
 // Issue 18, item 7: a file in /dev/shm whose name holds an escape sequence, a newline and bytes

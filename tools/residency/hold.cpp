@@ -197,6 +197,10 @@ int run_hold(const HoldOptions& o) {
   if (s.wired_bytes == 0) {
     std::fprintf(stderr, "residency hold: nothing could be wired; exiting\n");
     status = kExitFailure;
+  } else if (std::ferror(stdout)) {
+    // Its stdout is gone (a pipe nobody reads, a full disk): say so (main) and unlock now rather
+    // than hold for a reader that cannot learn what is held.
+    status = kExitFailure;
   } else {
     pollfd fds[2] = {{sfd, POLLIN, 0}, {released[0], POLLIN, 0}};
     for (;;) {
