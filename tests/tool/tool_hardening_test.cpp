@@ -26,6 +26,8 @@
 #include <thread>
 #include <vector>
 
+#include "backends/posix/proc_info.hpp"
+
 namespace {
 
 namespace fs = std::filesystem;
@@ -500,6 +502,25 @@ TEST_F(ToolHardening, AnUnwritableOutIsFoundBeforeTheRun) {
   if (!not_set_up.empty()) GTEST_SKIP() << "could not set up the " << not_set_up << " case(s) here (126: no private mount namespace)";
 }
 
+// Issue 18, item 10: --out is checked for what the results need (kilobytes), not a large fixed
+// margin: a 256 KiB filesystem takes a short run's results, plot included (the check once asked
+// for 256 KiB and more and refused it). The tmpfs lives in the child's mount namespace only, so
+// what it wrote is read from the list the run prints.
+TEST_F(ToolHardening, ASmallOutFilesystemTakesAShortRunsResults) {
+  if (geteuid() != 0) GTEST_SKIP() << "needs root for a private mount namespace";
+  const std::string mnt = root_ + "/small";
+  fs::create_directory(mnt);
+  Spawn s{{"idle", "--backend", "sim", "--pauses", "0,800", "--iters", "2", "--out", mnt + "/out"}, {}, tmp_, logs_, [&] {
+            return unshare(CLONE_NEWNS) == 0 && mount(nullptr, "/", nullptr, MS_REC | MS_PRIVATE, nullptr) == 0 &&
+                   mount("tmpfs", mnt.c_str(), "tmpfs", 0, "size=256k") == 0;
+          }};
+  const ToolRun r = finish(start(s), logs_, Clock::now(), 60);
+  if (r.exit_code == 126) GTEST_SKIP() << "no private mount namespace here";
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_NE(r.out.find(mnt + "/out/idle.json"), std::string::npos) << r.out << r.err;
+  EXPECT_NE(r.out.find(mnt + "/out/idle.csv"), std::string::npos) << r.out;
+}
+
 // Item 6: with the default 8 MiB RLIMIT_MEMLOCK and no CAP_IPC_LOCK, a run of eight managers says
 // the clamp and its fix once, not once per manager.
 // Issue 18, item 9: output that cannot be written is a failure with a message, not exit 0.
@@ -610,6 +631,51 @@ TEST_F(ToolHardening, AClosedPipeEndsIdleAndHoldCleanlyWithoutLeavingTheLedger) 
     EXPECT_FALSE(fs::exists(ledger));
   }
   ::unlink(ledger.c_str());  // only if a failure above left it
+}
+
+// Issue 18, item 10: a memory cgroup limit file that is missing or holds garbage is not shown as
+// "none", which reads as "no limit": stat says "missing" or "unreadable" and why. The cgroup's
+// directory is replaced, in a private mount namespace, by one without the file or with garbage.
+TEST_F(ToolHardening, StatTellsAnUnreadableCgroupLimitFromNoLimit) {
+  if (geteuid() != 0) GTEST_SKIP() << "needs root for a private mount namespace";
+  auto cg = residency::posix::find_memory_cgroup();
+  if (!cg || cg->cgroup_path == "/") GTEST_SKIP() << "this process is in no memory cgroup of its own";
+  const std::string file = cg->version == 1 ? "memory.limit_in_bytes" : "memory.max";
+  const std::string fake = root_ + "/cgroup";
+  fs::create_directory(fake);
+  struct Case {
+    const char* contents;  // null: the file is missing
+    const char* says;
+  } cases[] = {{nullptr, "missing"}, {"garbage\n", "unreadable"}};
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.says);
+    ::unlink((fake + "/" + file).c_str());
+    if (c.contents != nullptr) std::ofstream(fake + "/" + file) << c.contents;
+    const std::string dir = cg->dir;
+    Spawn s{{"stat"}, {}, tmp_, logs_, [&] {
+              return unshare(CLONE_NEWNS) == 0 && mount(nullptr, "/", nullptr, MS_REC | MS_PRIVATE, nullptr) == 0 &&
+                     mount(fake.c_str(), dir.c_str(), nullptr, MS_BIND, nullptr) == 0;
+            }};
+    const ToolRun r = finish(start(s), logs_, Clock::now(), 30);
+    if (r.exit_code == 126) GTEST_SKIP() << "no private mount namespace here";
+    ASSERT_EQ(r.exit_code, 0) << r.err;
+    const std::vector<std::string> line = lines_containing(r.out, ", " + file + " ");
+    ASSERT_EQ(line.size(), 1u) << r.out;
+    EXPECT_NE(line[0].find(", " + file + " " + c.says + " "), std::string::npos) << line[0];
+    EXPECT_EQ(line[0].find("none"), std::string::npos) << "reads as no limit: " << line[0];
+    const std::vector<std::string> note = lines_containing(r.out, "memory cgroup limit: ");
+    ASSERT_EQ(note.size(), 1u) << r.out;
+    EXPECT_NE(note[0].find(dir + "/" + file), std::string::npos) << note[0];
+    if (c.contents != nullptr) {
+      EXPECT_NE(note[0].find("'garbage'"), std::string::npos) << note[0];
+    }
+  }
+  // The real file: a size or "none (no limit)", never "missing" or "unreadable".
+  const ToolRun r = run({"stat"});
+  const std::vector<std::string> line = lines_containing(r.out, ", " + file + " ");
+  ASSERT_EQ(line.size(), 1u) << r.out;
+  EXPECT_EQ(line[0].find("missing"), std::string::npos) << line[0];
+  EXPECT_EQ(line[0].find("unreadable"), std::string::npos) << line[0];
 }
 
 // Issue 18, item 7: a file in /dev/shm whose name holds an escape sequence, a newline and bytes
