@@ -247,7 +247,8 @@ int run_hold(const HoldOptions& o) {
   ManagerOptions mo;
   mo.config = config;
   mo.backend = *backend;
-  mo.log = [&release_reason, &reason_mu, quiet = o.quiet, level = config.log_level](LogLevel l, std::string_view msg) {
+  mo.log = [&release_reason, &reason_mu, quiet = o.quiet, level = config.log_level, time = config.log_time](
+               LogLevel l, std::string_view msg) {
     // Called with the manager's lock held: only note and signal.
     if (l == LogLevel::info && msg.rfind("released ", 0) == 0) {
       {
@@ -258,7 +259,7 @@ int run_hold(const HoldOptions& o) {
       if (::write(g_released_fd.load(), &b, 1) < 0) { /* the pipe is full: a wake-up is pending already */ }
     }
     if (!quiet || l <= LogLevel::warn)
-      if (static_cast<int>(l) <= static_cast<int>(level)) log_to_stderr(l, msg);
+      if (static_cast<int>(l) <= static_cast<int>(level)) log_to_stderr(l, msg, time);
   };
   auto manager = Manager::create(mo);
   if (!manager) throw BadInput(manager.message());
