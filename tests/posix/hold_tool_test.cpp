@@ -210,4 +210,18 @@ TEST(HoldTool, FollowsAHeldFileThatIsDeletedShrinksOrGrows) {
   EXPECT_EQ(h.err(), "") << "--quiet: nothing on stderr";
 }
 
+// A file that had no name already when hold opened it (an unlinked file, through /proc/PID/fd/N)
+// is held as any other, not taken for a file deleted since.
+TEST(HoldTool, AFileUnlinkedBeforeTheStartIsHeldNotReleased) {
+  TempMappedFile model(2 * MiB);
+  ASSERT_TRUE(model.ok()) << model.error();
+  Hold h({path_of(model), "--keep-alive", "forever", "--quiet"}, ::testing::TempDir());
+  ASSERT_TRUE(h.wait_for_output("holding", 10s)) << h.out() << h.err();
+  std::this_thread::sleep_for(2500ms);  // two checks of the file
+  EXPECT_EQ(h.vm_lck(), 2 * MiB) << h.out();
+  EXPECT_EQ(h.out().find("deleted"), std::string::npos) << h.out();
+  ASSERT_EQ(::kill(h.pid, SIGTERM), 0);
+  EXPECT_EQ(h.wait_exit(5s), 0) << h.out() << h.err();
+}
+
 }  // namespace

@@ -71,6 +71,7 @@ class MappedFile {
       throw BadInput("'" + printable(path) + "' is empty; there is nothing to hold");
     }
     f.fd_ = fd;  // kept: the file is followed through it (changed())
+    f.linked_ = st.st_nlink > 0;
     f.dev_ = st.st_dev;
     f.ino_ = st.st_ino;
     if (const int err = f.map(static_cast<std::size_t>(st.st_size)); err != 0)
@@ -79,7 +80,13 @@ class MappedFile {
   }
   MappedFile() = default;
   MappedFile(MappedFile&& o) noexcept
-      : path_(std::move(o.path_)), fd_(o.fd_), data_(o.data_), size_(o.size_), dev_(o.dev_), ino_(o.ino_) {
+      : path_(std::move(o.path_)),
+        fd_(o.fd_),
+        linked_(o.linked_),
+        data_(o.data_),
+        size_(o.size_),
+        dev_(o.dev_),
+        ino_(o.ino_) {
     o.fd_ = -1;
     o.data_ = nullptr;
   }
@@ -95,7 +102,8 @@ class MappedFile {
   bool same_file(const MappedFile& o) const { return dev_ == o.dev_ && ino_ == o.ino_; }
 
   // What happened to the file since it was mapped, as its inode says (not its path: a file
-  // replaced under the same name is the old one deleted).
+  // replaced under the same name is the old one deleted). A file that had no name already when
+  // it was opened (an unlinked file reached through /proc/PID/fd/N) is not "deleted" later.
   struct Change {
     enum class Kind { none, deleted, resized } kind = Kind::none;
     std::size_t size = 0;  // resized: the length now
@@ -103,7 +111,7 @@ class MappedFile {
   Change changed() const {
     struct stat st {};
     if (fd_ < 0 || ::fstat(fd_, &st) != 0) return {};
-    if (st.st_nlink == 0) return {Change::Kind::deleted, 0};
+    if (linked_ && st.st_nlink == 0) return {Change::Kind::deleted, 0};
     if (static_cast<std::size_t>(st.st_size) != size_) return {Change::Kind::resized, static_cast<std::size_t>(st.st_size)};
     return {};
   }
@@ -129,6 +137,7 @@ class MappedFile {
 
   std::string path_;
   int fd_ = -1;
+  bool linked_ = false;  // the file had a name when it was opened
   void* data_ = nullptr;
   std::size_t size_ = 0;
   dev_t dev_ = 0;
