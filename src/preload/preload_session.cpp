@@ -284,11 +284,15 @@ void flush_buffers(Session& s, const char* why) noexcept {
                     std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
       info("wired " + format_size(after.wired_bytes - before.wired_bytes) + " in " + took + " (" + why + ")");
     }
-    // Pending for a full shared budget instead: the manager's own warning says that.
-    if (after.pending_bytes > 0 && after.wired_limit < after.tracked_bytes && !g_warned_unwired.exchange(true))
+    // Only for a limit the user set: a limit clamped to RLIMIT_MEMLOCK or over the recommended
+    // working set has its own warning from the manager, and so has a full shared budget.
+    const Startup* up = startup();
+    if (after.pending_bytes > 0 && after.wired_limit < after.tracked_bytes && up != nullptr && up->config.wired_limit &&
+        !g_warned_unwired.exchange(true))
       warn(format_size(after.pending_bytes) + " of the " + format_size(after.tracked_bytes) +
            " llama.cpp registered stays unwired: it is over the wired limit of " + format_size(after.wired_limit) +
-           " (RESIDENCY_WIRED_LIMIT, or RLIMIT_MEMLOCK without CAP_IPC_LOCK: ulimit -l); that part can be paged out");
+           " (RESIDENCY_WIRED_LIMIT=" + up->config.wired_limit->to_string() +
+           ", or RLIMIT_MEMLOCK where that is lower); that part can be paged out");
   } catch (...) {
   }
 }

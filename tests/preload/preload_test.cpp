@@ -645,7 +645,7 @@ TEST_F(PreloadTest, AWiredLimitBelowTheModelIsOneWarning) {
   const std::string err = c.stderr_text();
   const auto warns = residency_lines(err, "warn");
   ASSERT_EQ(warns.size(), 1U) << err;
-  EXPECT_NE(warns[0].find("stays unwired: it is over the wired limit of 1 MiB (RESIDENCY_WIRED_LIMIT"), std::string::npos)
+  EXPECT_NE(warns[0].find("stays unwired: it is over the wired limit of 1 MiB (RESIDENCY_WIRED_LIMIT="), std::string::npos)
       << warns[0];
 }
 
