@@ -191,12 +191,13 @@ std::string by_class_and_type(const std::vector<std::pair<RegionClass, std::pair
   for (RegionClass cls : {RegionClass::weights, RegionClass::kv_cache, RegionClass::scratch}) {
     std::vector<std::pair<std::string, std::size_t>> types;
     std::size_t total = 0;
-    for (const auto& [c, tb] : parts) {
-      if (c != cls || tb.second == 0) continue;
-      total += tb.second;
-      auto it = std::find_if(types.begin(), types.end(), [&](const auto& t) { return t.first == tb.first; });
-      if (it == types.end()) types.push_back(tb);
-      else it->second += tb.second;
+    for (const auto& part : parts) {
+      const std::size_t bytes = part.second.second;
+      if (part.first != cls || bytes == 0) continue;
+      total += bytes;
+      auto it = std::find_if(types.begin(), types.end(), [&part](const auto& t) { return t.first == part.second.first; });
+      if (it == types.end()) types.push_back(part.second);
+      else it->second += bytes;
     }
     if (total == 0) continue;
     std::sort(types.begin(), types.end(), [](const auto& a, const auto& b) { return a.second > b.second; });
