@@ -428,7 +428,8 @@ std::int32_t decode_hook(Entry which, llama_context* ctx, llama_batch batch) {
   Session* s = in_hook() ? nullptr : active_session();
   if (s == nullptr) return next(ctx, batch);
   // Buffers ggml made since the last flush (a compute buffer that grew): registered first.
-  if (s->buffers.has_pending()) with_session([](Session& session) { flush_buffers(session, "buffers made since the last decode"); });
+  if (s->buffers.has_pending())
+    with_session([](Session& session) { flush_buffers(session, "buffers made since the last decode"); });
   if (s->kind != KeepAlive::Kind::zero) {
     {
       ErrnoKeeper keep;
