@@ -149,11 +149,12 @@ def link_probe(gib):
 
 def device_transitions(log_path, file_bytes):
     """The cuda manager's sleeps and wakes from the preloaded run's log: [(kind, MiB, ms)]. Its
-    lines start "residency: info: cuda:N: "; a log written before that prefix existed has only
+    lines start "residency[PID]: info: cuda:N: " ("residency: info: cuda:N: " before the pid was in
+    the prefix); a log written before the cuda:N prefix existed has only
     unprefixed lines, and there the host manager's (the GGUF mapping: the whole file, or its
     small CPU-side remainder) are told apart by size."""
     out, legacy = [], []
-    pat = re.compile(r"residency: info: (cuda:\d+: )?(released|re-wired) ([0-9.]+) MiB in \d+ set\(s\) in ([0-9.]+) ms")
+    pat = re.compile(r"residency(?:\[\d+\])?: info: (cuda:\d+: )?(released|re-wired) ([0-9.]+) MiB in \d+ set\(s\) in ([0-9.]+) ms")
     try:
         with open(log_path) as f:
             for line in f:

@@ -9,7 +9,7 @@ before and after. Needs root (a swap file is made under /var/tmp and removed), L
 
   bench/swap_pageout_check.py DECODE_LOOP PRELOAD MODEL... > result.md
 """
-import ctypes, os, subprocess, sys, time
+import ctypes, os, re, subprocess, sys, time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from procmem import page_out, status as status_mib  # noqa: E402
@@ -41,7 +41,7 @@ def run(loop, preload, model, no_repack):
     p.stdin.close()
     err = p.stderr.read()
     p.wait()
-    lines = [l for l in err.splitlines() if l.startswith("residency: info: preload:")]
+    lines = [l for l in err.splitlines() if re.match(r"residency(\[\d+\])?: info: preload:", l)]
     return first, warm, next_s, before, after, lines
 
 def main():

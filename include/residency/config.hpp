@@ -106,6 +106,7 @@ struct Config {
   std::optional<WiredLimit> pressure_floor;  // bytes or percent of the wired limit; default 0
   Nanos pressure_quiet = std::chrono::seconds(30);
   LogLevel log_level = LogLevel::info;
+  bool log_time = false;  // RESIDENCY_LOG_TIME=1: the default log lines carry the local time
   std::optional<std::uint64_t> memory_limit;  // cap on tracked bytes; default see DESIGN.md
   // A wired budget shared with the other processes naming it; none by default. When it is full,
   // the holder idle longest among those of priority <= ours is asked to give back (see README).
@@ -118,7 +119,8 @@ struct Config {
   using EnvLookup = std::function<const char*(const char* name)>;
   // Reads RESIDENCY_KEEP_ALIVE, RESIDENCY_WIRED_LIMIT, RESIDENCY_SET_MAX_PCT,
   // RESIDENCY_LAYOUT, RESIDENCY_RELEASE_ON_PRESSURE, RESIDENCY_PRESSURE_FLOOR,
-  // RESIDENCY_PRESSURE_QUIET, RESIDENCY_SHARED_BUDGET, RESIDENCY_SHARED_PRIORITY, RESIDENCY_LOG
+  // RESIDENCY_PRESSURE_QUIET, RESIDENCY_SHARED_BUDGET, RESIDENCY_SHARED_PRIORITY, RESIDENCY_LOG,
+  // RESIDENCY_LOG_TIME
   // and the peer aliases
   // GGML_METAL_RESIDENCY_KEEP_ALIVE_S, GGML_METAL_NO_RESIDENCY, MLX_RESIDENCY_SET_MAX_PCT,
   // MLX_RESIDENCY_DEBUG. On error the message has one line per bad variable.

@@ -167,7 +167,8 @@ residency_status residency_config_set(residency_config* cfg, const char* key, co
                                      {"pressure_quiet", "RESIDENCY_PRESSURE_QUIET"},
                                      {"shared_budget", "RESIDENCY_SHARED_BUDGET"},
                                      {"shared_priority", "RESIDENCY_SHARED_PRIORITY"},
-                                     {"log", "RESIDENCY_LOG"}};
+                                     {"log", "RESIDENCY_LOG"},
+                                     {"log_time", "RESIDENCY_LOG_TIME"}};
     const char* var = nullptr;
     for (auto& n : names)
       if (k == n[0]) var = n[1];
@@ -175,7 +176,7 @@ residency_status residency_config_set(residency_config* cfg, const char* key, co
       return fail(Status(ErrorCode::invalid_argument,
                          "residency_config_set: unknown key '" + printable(k) +
                              "'; accepted: keep_alive, wired_limit, set_max_pct, layout, release_on_pressure, "
-                             "pressure_floor, pressure_quiet, shared_budget, shared_priority, log"));
+                             "pressure_floor, pressure_quiet, shared_budget, shared_priority, log, log_time"));
     // Parse exactly as the environment variable would be, then merge that one field.
     auto c = Config::from_env([&](const char* name) { return std::string(name) == var ? value : nullptr; });
     if (!c) return fail(c.status());
@@ -188,6 +189,7 @@ residency_status residency_config_set(residency_config* cfg, const char* key, co
     else if (k == "pressure_quiet") cfg->config.pressure_quiet = c->pressure_quiet;
     else if (k == "shared_budget") cfg->config.shared_budget = c->shared_budget;
     else if (k == "shared_priority") cfg->config.shared_priority = c->shared_priority;
+    else if (k == "log_time") cfg->config.log_time = c->log_time;
     else cfg->config.log_level = c->log_level;
     return RESIDENCY_OK;
   });
@@ -287,8 +289,8 @@ void residency_manager_destroy(residency_manager* m) {
       for (residency_scope* s : open) s->manager = nullptr;
     }
     if (!open.empty()) {
-      std::fprintf(stderr, "residency: warn: residency_manager_destroy: %zu use scope(s) still open; ending them now "
-                           "(residency_use_end on them only frees them)\n", open.size());
+      log_to_stderr(LogLevel::warn, "residency_manager_destroy: " + std::to_string(open.size()) +
+                                        " use scope(s) still open; ending them now (residency_use_end on them only frees them)");
       for (residency_scope* s : open) s->scope = UseScope();  // ends it: synchronize, then release
     }
     delete m;

@@ -559,6 +559,11 @@ Result<Config> Config::from_env(const EnvLookup& getenv) {
     }
   }
 
+  if (const char* v = get("RESIDENCY_LOG_TIME")) {
+    auto f = parse_flag(v, "0 or 1 (1: each log line carries the local time)");
+    if (f) c.log_time = *f; else fail("RESIDENCY_LOG_TIME", f.status());
+  }
+
   if (!errors.empty()) return Status(ErrorCode::invalid_argument, errors);
   return c;
 }

@@ -30,6 +30,9 @@ class LogSink {
   LogLevel level_;
 };
 
+// The default callback: log_to_stderr, with the time when config.log_time says so.
+LogCallback stderr_log(const Config& config);
+
 std::string mib(std::uint64_t bytes);  // "12.00 MiB"
 std::string ms(Nanos d);               // "3.10 ms"
 

@@ -65,7 +65,7 @@ struct Manager::Impl {
         backend(std::move(o.backend)),
         caps(c),
         clock(o.clock ? o.clock : &SteadyClock::instance()),
-        log(o.log ? std::move(o.log) : LogCallback(log_to_stderr), o.config.log_level),
+        log(o.log ? std::move(o.log) : core::stderr_log(o.config), o.config.log_level),
         limits(std::move(l)),
         shared(std::move(shared_ledger)),
         ka(o.config.keep_alive, *clock,
@@ -565,7 +565,7 @@ Result<std::unique_ptr<Manager>> Manager::create(ManagerOptions o) {
   const Capabilities caps = o.backend->capabilities();
   const MemoryInfo mem = o.backend->memory_info();
   const bool managing = o.config.keep_alive.kind != KeepAlive::Kind::off;
-  const core::LogSink early(o.log ? o.log : LogCallback(log_to_stderr), o.config.log_level);
+  const core::LogSink early(o.log ? o.log : core::stderr_log(o.config), o.config.log_level);
   auto limits = core::Limits::resolve(o.config, mem, caps.name, managing, early);
   if (!limits) return limits.status();
   std::unique_ptr<ledger::Ledger> shared;

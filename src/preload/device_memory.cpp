@@ -135,8 +135,8 @@ Manager* device_manager(int dev) noexcept {
     options.clock = up->clock;
     // Its lines say which device they are about (the host session's have no prefix).
     const LogLevel level = up->config.log_level;
-    options.log = [prefix = name + ": ", level](LogLevel l, std::string_view message) {
-      if (l <= level) log_to_stderr(l, prefix + std::string(message));
+    options.log = [prefix = name + ": ", level, time = up->config.log_time](LogLevel l, std::string_view message) {
+      if (l <= level) log_to_stderr(l, prefix + std::string(message), time);
     };
     auto manager = Manager::create(std::move(options));
     if (!manager) {

@@ -3,6 +3,8 @@
 
 #include <algorithm>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "next_calls.hpp"
 
@@ -164,7 +166,7 @@ void GgmlBuffers::freeing(ggml_backend_buffer_t b) noexcept {
   buffers_.erase(it);
 }
 
-void GgmlBuffers::register_buffer(ggml_backend_buffer_t b, Tracked& t) {
+GgmlBuffers::Registered GgmlBuffers::register_buffer(ggml_backend_buffer_t b, Tracked& t) {
   const auto owner = reinterpret_cast<std::uint64_t>(b);
   pieces_.remove_owner(owner);  // what changed is registered anew
   t.dirty = false;
@@ -175,7 +177,7 @@ void GgmlBuffers::register_buffer(ggml_backend_buffer_t b, Tracked& t) {
   const std::string what = type_name + " buffer of " + format_size(t.facts.size);
   if (plan.ranges.empty()) {
     if (plan.worth_a_line) info_(what + ": not managed: " + plan.not_managed);
-    return;
+    return {};
   }
   std::size_t placed = 0;
   for (const Extent& r : plan.ranges) {
@@ -188,7 +190,7 @@ void GgmlBuffers::register_buffer(ggml_backend_buffer_t b, Tracked& t) {
     if (placed + system_page_size() < t.facts.size) line += "; the rest of its range is other buffers' tensors' file pages, not wired";
   }
   if (placed < plan.registered_bytes) line += " (" + format_size(plan.registered_bytes - placed) + " left unmanaged)";
-  info_(line);
+  detail_(line);
   if (pressure_without_swap_ && !warned_anonymous_weights_ && !t.facts.from_ptr && plan.cls == RegionClass::weights &&
       placed >= (std::size_t{64} << 20)) {
     warned_anonymous_weights_ = true;
@@ -197,14 +199,52 @@ void GgmlBuffers::register_buffer(ggml_backend_buffer_t b, Tracked& t) {
           "(anonymous pages can only be reclaimed to swap). To let pressure take the model back, keep the weights in "
           "the page cache: llama.cpp's --no-repack (-nr; use_extra_bufts = false), or add swap");
   }
+  return Registered{plan.cls, type_name, placed};
 }
+
+namespace {
+
+// "weights 111.7 MiB (CPU_REPACK 103.2 MiB, CPU_Mapped 8.5 MiB), kv_cache 16 MiB (CPU)": by class
+// in RegionClass order, each with its buffer types, largest first.
+std::string by_class_and_type(const std::vector<std::pair<RegionClass, std::pair<std::string, std::size_t>>>& parts) {
+  std::string out;
+  for (RegionClass cls : {RegionClass::weights, RegionClass::kv_cache, RegionClass::scratch}) {
+    std::vector<std::pair<std::string, std::size_t>> types;
+    std::size_t total = 0;
+    for (const auto& part : parts) {
+      const std::size_t bytes = part.second.second;
+      if (part.first != cls || bytes == 0) continue;
+      total += bytes;
+      auto it = std::find_if(types.begin(), types.end(), [&part](const auto& t) { return t.first == part.second.first; });
+      if (it == types.end()) types.push_back(part.second);
+      else it->second += bytes;
+    }
+    if (total == 0) continue;
+    std::sort(types.begin(), types.end(), [](const auto& a, const auto& b) { return a.second > b.second; });
+    out += (out.empty() ? "" : ", ") + std::string(to_string(cls)) + " " + format_size(total) + " (";
+    for (std::size_t i = 0; i < types.size(); ++i)
+      out += (i ? ", " : "") + types[i].first + (types.size() > 1 ? " " + format_size(types[i].second) : "");
+    out += ")";
+  }
+  return out;
+}
+
+}  // namespace
 
 void GgmlBuffers::flush() noexcept {
   pending_.store(false, std::memory_order_release);
   try {
+    std::vector<std::pair<RegionClass, std::pair<std::string, std::size_t>>> parts;
+    std::size_t count = 0;
     for (auto& [b, t] : buffers_) {
-      if (t.dirty) register_buffer(b, t);
+      if (!t.dirty) continue;
+      Registered r = register_buffer(b, t);
+      if (r.bytes == 0) continue;
+      ++count;
+      parts.emplace_back(r.cls, std::make_pair(std::move(r.type), r.bytes));
     }
+    if (count > 0)
+      info_("registered " + std::to_string(count) + (count == 1 ? " buffer: " : " buffers: ") + by_class_and_type(parts));
   } catch (...) {
     // Out of memory while logging: what was registered stays registered.
   }

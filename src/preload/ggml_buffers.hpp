@@ -58,8 +58,13 @@ class GgmlBuffers {
   // pressure_without_swap: the configuration releases on pressure and the machine has no swap;
   // then weights in anonymous memory (a repacked copy) get one warning: unlocking them under
   // pressure frees nothing, since anonymous pages can only be reclaimed to swap.
-  GgmlBuffers(Manager& manager, Warn warn, Info info, bool pressure_without_swap)
-      : pieces_(&manager, warn, "ggml buffers"), warn_(warn), info_(info), pressure_without_swap_(pressure_without_swap) {}
+  // info: the summary of each flush; detail: one line per buffer (debug level).
+  GgmlBuffers(Manager& manager, Warn warn, Info info, Info detail, bool pressure_without_swap)
+      : pieces_(&manager, warn, "ggml buffers"),
+        warn_(warn),
+        info_(info),
+        detail_(detail),
+        pressure_without_swap_(pressure_without_swap) {}
 
   void created(ggml_backend_buffer_t b, bool from_ptr) noexcept;
   void tensor_placed(ggml_backend_buffer_t b, const struct ggml_tensor* t, const void* addr) noexcept;
@@ -72,7 +77,9 @@ class GgmlBuffers {
   bool is_from_ptr(ggml_backend_buffer_t b) const noexcept;
   // Lock-free: whether a buffer waits for registration.
   bool has_pending() const noexcept { return pending_.load(std::memory_order_acquire); }
-  // Registers every buffer that changed since the last flush (one info line each).
+  // Registers every buffer that changed since the last flush: one info line for them all, by
+  // class and buffer type ("registered 3 buffers: weights 111.7 MiB (CPU_REPACK 103.2 MiB,
+  // CPU_Mapped 8.5 MiB), kv_cache 16 MiB (CPU), scratch 4 MiB (CPU)"), one debug line each.
   void flush() noexcept;
   // The registered pieces of buffers over memory that is not ggml's, sorted by address.
   std::vector<Extent> from_ptr_runs() const;
@@ -85,13 +92,20 @@ class GgmlBuffers {
     BufferFacts facts;
     bool dirty = true;  // changed since it was last registered
   };
-  void register_buffer(ggml_backend_buffer_t b, Tracked& t);
+  // What one registration placed: its class, buffer type and bytes (0: nothing registered).
+  struct Registered {
+    RegionClass cls = RegionClass::weights;
+    std::string type;
+    std::size_t bytes = 0;
+  };
+  Registered register_buffer(ggml_backend_buffer_t b, Tracked& t);
   void remember_from_ptr(ggml_backend_buffer_t b) noexcept;
   void forget_from_ptr(ggml_backend_buffer_t b) noexcept;
 
   PieceTable pieces_;
   Warn warn_;
   Info info_;
+  Info detail_;
   bool pressure_without_swap_;
   bool warned_anonymous_weights_ = false;
   std::unordered_map<ggml_backend_buffer_t, Tracked> buffers_;

@@ -8,6 +8,8 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
+#include <cstdio>
 #include <cstring>
 #include <memory>
 #include <mutex>
@@ -39,7 +41,7 @@ struct Session {
       : manager(std::move(m)),
         kind(k),
         synchronize(s),
-        buffers(*manager, w, &info, pressure_without_swap),
+        buffers(*manager, w, &info, &debug, pressure_without_swap),
         gguf(nullptr, w, "GGUF mappings") {}
   std::unique_ptr<Manager> manager;
   KeepAlive::Kind kind;
@@ -55,6 +57,9 @@ constinit std::atomic<int> g_state{kIdle};
 constinit std::atomic<Session*> g_session{nullptr};  // leaked on purpose (see the header)
 constinit std::atomic<bool> g_warn_enabled{true};   // RESIDENCY_LOG=error silences our warnings
 constinit std::atomic<bool> g_info_enabled{false};  // RESIDENCY_LOG=info or debug
+constinit std::atomic<bool> g_debug_enabled{false};  // RESIDENCY_LOG=debug
+constinit std::atomic<bool> g_log_time{false};      // RESIDENCY_LOG_TIME=1
+constinit std::atomic<bool> g_warned_unwired{false};  // the wired limit left registered memory unwired
 constinit std::atomic<bool> g_warned_no_decode{false};
 constinit std::atomic<bool> g_forked{false};         // a fork child: nothing but pass-through
 constinit std::atomic<const Startup*> g_startup{nullptr};
@@ -100,6 +105,8 @@ const Startup* make_startup() noexcept {
     }
     g_warn_enabled.store(config->log_level >= LogLevel::warn, std::memory_order_relaxed);
     g_info_enabled.store(config->log_level >= LogLevel::info, std::memory_order_relaxed);
+    g_debug_enabled.store(config->log_level >= LogLevel::debug, std::memory_order_relaxed);
+    g_log_time.store(config->log_time, std::memory_order_relaxed);
     const SynchronizeFn sync = next_llama_synchronize();
     if (next_llama_decode() == nullptr || sync == nullptr) {
       warn(std::string("llama_decode is not reachable behind the preload (the program does not load libllama, or "
@@ -262,6 +269,35 @@ void give_back_unread_file_pages(Session& s) noexcept {
   }
 }
 
+// With g_mu held: registers what changed (GgmlBuffers::flush: one summary line), then says what
+// that wired and how long it took ("wired 131.7 MiB in 12.30 ms (model loaded)"), and, once per
+// process, warns when the wired limit left part of it unwired: without that a limit below the
+// model wires nothing and only a debug line would say so.
+void flush_buffers(Session& s, const char* why) noexcept {
+  try {
+    const Stats before = s.manager->stats();
+    const auto t0 = std::chrono::steady_clock::now();
+    s.buffers.flush();
+    const Stats after = s.manager->stats();
+    if (after.wired_bytes > before.wired_bytes) {
+      char took[32];
+      std::snprintf(took, sizeof took, "%.2f ms",
+                    std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+      info("wired " + format_size(after.wired_bytes - before.wired_bytes) + " in " + took + " (" + why + ")");
+    }
+    // Only for a limit the user set: a limit clamped to RLIMIT_MEMLOCK or over the recommended
+    // working set has its own warning from the manager, and so has a full shared budget.
+    const Startup* up = startup();
+    if (after.pending_bytes > 0 && after.wired_limit < after.tracked_bytes && up != nullptr && up->config.wired_limit &&
+        !g_warned_unwired.exchange(true))
+      warn(format_size(after.pending_bytes) + " of the " + format_size(after.tracked_bytes) +
+           " llama.cpp registered stays unwired: it is over the wired limit of " + format_size(after.wired_limit) +
+           " (RESIDENCY_WIRED_LIMIT=" + up->config.wired_limit->to_string() +
+           ", or RLIMIT_MEMLOCK where that is lower); that part can be paged out");
+  } catch (...) {
+  }
+}
+
 // `f(session)` with the preload's lock held, errno kept and re-entry marked; nothing when the
 // session is not active or this thread is inside a hook already.
 template <class F>
@@ -279,7 +315,15 @@ void with_session(F&& f) noexcept {
 void info(const std::string& message) noexcept {
   if (!g_info_enabled.load(std::memory_order_relaxed)) return;
   try {
-    log_to_stderr(LogLevel::info, "preload: " + one_line(message));
+    log_to_stderr(LogLevel::info, "preload: " + one_line(message), g_log_time.load(std::memory_order_relaxed));
+  } catch (...) {
+  }
+}
+
+void debug(const std::string& message) noexcept {
+  if (!g_debug_enabled.load(std::memory_order_relaxed)) return;
+  try {
+    log_to_stderr(LogLevel::debug, "preload: " + one_line(message), g_log_time.load(std::memory_order_relaxed));
   } catch (...) {
   }
 }
@@ -287,7 +331,7 @@ void info(const std::string& message) noexcept {
 void warn(const std::string& message) noexcept {
   if (!g_warn_enabled.load(std::memory_order_relaxed)) return;
   try {
-    log_to_stderr(LogLevel::warn, "preload: " + one_line(message));
+    log_to_stderr(LogLevel::warn, "preload: " + one_line(message), g_log_time.load(std::memory_order_relaxed));
   } catch (...) {
   }
 }
@@ -385,7 +429,8 @@ std::int32_t decode_hook(Entry which, llama_context* ctx, llama_batch batch) {
   Session* s = in_hook() ? nullptr : active_session();
   if (s == nullptr) return next(ctx, batch);
   // Buffers ggml made since the last flush (a compute buffer that grew): registered first.
-  if (s->buffers.has_pending()) with_session([](Session& session) { session.buffers.flush(); });
+  if (s->buffers.has_pending())
+    with_session([](Session& session) { flush_buffers(session, "buffers made since the last decode"); });
   if (s->kind != KeepAlive::Kind::zero) {
     {
       ErrnoKeeper keep;
@@ -447,13 +492,13 @@ void buffer_free_hook(ggml_backend_buffer_t b) noexcept {
 void model_loaded_hook(const llama_model* model) noexcept {
   if (model == nullptr) return;
   with_session([](Session& s) {
-    s.buffers.flush();
+    flush_buffers(s, "model loaded");
     give_back_unread_file_pages(s);
   });
 }
 
 void context_made_hook(const llama_context* ctx) noexcept {
-  if (ctx != nullptr) with_session([](Session& s) { s.buffers.flush(); });
+  if (ctx != nullptr) with_session([](Session& s) { flush_buffers(s, "context made"); });
 }
 
 }  // namespace residency::preload

@@ -40,10 +40,12 @@ struct Startup {
 };
 const Startup* startup() noexcept;
 bool forked_child() noexcept;
-// One "residency: warn: preload: ..." line (unless RESIDENCY_LOG silences warnings).
+// One "residency[PID]: warn: preload: ..." line (unless RESIDENCY_LOG silences warnings).
 void warn(const std::string& message) noexcept;
-// One "residency: info: preload: ..." line (RESIDENCY_LOG=info or debug).
+// One "residency[PID]: info: preload: ..." line (RESIDENCY_LOG=info or debug).
 void info(const std::string& message) noexcept;
+// One "residency[PID]: debug: preload: ..." line (RESIDENCY_LOG=debug).
+void debug(const std::string& message) noexcept;
 
 // mmap / mmap64: the real call, then a GGUF file mapping (regular file whose first 4 bytes are
 // "GGUF", mapped readable and not writable) is remembered (not registered: what is registered is

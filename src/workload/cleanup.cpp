@@ -39,8 +39,23 @@ Slot g_slots[kSlots];
 std::atomic<pid_t> g_child{0};
 std::once_flag g_install_once;
 
-// Async-signal-safe only: kill, unlink, rmdir, signal, raise; errno as it was found.
-extern "C" void remove_on_signal(int sig) {
+// Whether `si` is the SIGPIPE the kernel raises in a thread of this process whose write met a
+// pipe or socket with no reader (`| head` that has exited): it sends it as if by kill() from the
+// writer itself (SI_USER, our own pid). A SIGPIPE from another process (kill -PIPE) or raise()
+// (SI_TKILL) is not one.
+bool own_broken_pipe(int sig, const siginfo_t* si) {
+  return sig == SIGPIPE && si != nullptr && si->si_code == SI_USER && si->si_pid == getpid();
+}
+
+// Async-signal-safe only: kill, unlink, rmdir, signal, raise, getpid; errno as it was found.
+//
+// A write to a closed pipe is not a reason to die here: dying skips every destructor, so a
+// shared-budget ledger in /dev/shm would outlive its last holder. That SIGPIPE is ignored, the
+// write fails with EPIPE and the caller reports it and ends through its normal path (managers
+// destroyed, ledger removed, files cleaned, one message, a non-zero exit). Every other caught
+// signal, a SIGPIPE sent by someone else included, still removes the files and ends the process.
+extern "C" void remove_on_signal(int sig, siginfo_t* si, void*) {
+  if (own_broken_pipe(sig, si)) return;
   const int saved_errno = errno;  // the interrupted code may be about to read it
   const pid_t child = g_child.load();
   if (child > 0) kill(child, SIGKILL);
@@ -62,7 +77,7 @@ extern "C" void remove_on_signal(int sig) {
 
 const std::vector<int>& CleanupRegistry::signals() {
   // Every signal whose default action ends the process without a core dump, and SIGQUIT: the
-  // ways a user, a pipe (`| head`) or a job controller ends a run. Crash signals (SIGSEGV, SIGBUS,
+  // ways a user, kill or a job controller ends a run (a closed pipe does not: own_broken_pipe). Crash signals (SIGSEGV, SIGBUS,
   // SIGABRT ...) are left to their defaults and sanitizers: the next run removes what they leave.
   static const std::vector<int> s = {SIGINT,  SIGTERM,   SIGHUP,  SIGQUIT, SIGPIPE, SIGUSR1, SIGUSR2,
                                      SIGALRM, SIGVTALRM, SIGPROF, SIGXCPU, SIGXFSZ, SIGIO};
@@ -77,7 +92,8 @@ void CleanupRegistry::install_signal_handlers() {
       if (old.sa_handler == SIG_IGN) continue;  // e.g. nohup: the user asked not to be interrupted
       if (old.sa_handler != SIG_DFL) continue;  // someone else's handler (a test framework, an engine)
       struct sigaction sa {};
-      sa.sa_handler = remove_on_signal;
+      sa.sa_sigaction = remove_on_signal;
+      sa.sa_flags = SA_SIGINFO;
       sigemptyset(&sa.sa_mask);
       sigaction(sig, &sa, nullptr);
     }
@@ -87,7 +103,8 @@ void CleanupRegistry::install_signal_handlers() {
 void CleanupRegistry::reset_signals_in_child() {
   for (int sig : signals()) {
     struct sigaction old {};
-    if (sigaction(sig, nullptr, &old) == 0 && old.sa_handler == remove_on_signal) signal(sig, SIG_DFL);
+    if (sigaction(sig, nullptr, &old) == 0 && (old.sa_flags & SA_SIGINFO) != 0 && old.sa_sigaction == remove_on_signal)
+      signal(sig, SIG_DFL);
   }
 }
 

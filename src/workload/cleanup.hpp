@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: MIT
 // Files the benchmark creates are removed on every way out: normal return, error, exception,
 // and every signal whose default action ends the process and that a handler can catch (SIGINT,
-// SIGTERM, SIGHUP, SIGQUIT, SIGPIPE from `| head`, SIGUSR1, SIGALRM, ...). What SIGKILL (or a
+// SIGTERM, SIGHUP, SIGQUIT, SIGPIPE from kill, SIGUSR1, SIGALRM, ...). What SIGKILL (or a
 // crash) leaves is recognised by its name, which carries its owner (pid and start time), and
 // removed by the next run once that owner is gone.
 //
@@ -10,7 +10,11 @@
 // async-signal-safe calls. So the paths to remove are copied into fixed slots up front, and the
 // handler does nothing but unlink()/rmdir() those slots (newest first: files before their
 // directory), kill() a child the benchmark is waiting for (the memory hog), then re-raise the
-// signal with its default action, so the exit status still says "killed by SIGINT".
+// signal with its default action, so the exit status still says "killed by SIGINT". The one
+// exception is the SIGPIPE the kernel raises for this process's own write to a closed pipe: the
+// handler ignores it, so that the write fails with EPIPE and the program ends through its normal
+// path (a shared-budget ledger is only removed there); a SIGPIPE another process sends is caught
+// like the rest.
 #pragma once
 
 #include <sys/types.h>

@@ -221,6 +221,12 @@ Result<IdleSample> pause(IdleTarget& target, PolicyBlock& block, Nanos duration,
   return s;
 }
 
+// Whether the observer wants the run to end (its output is gone): the reason as an error.
+Status stopped(const IdleObserver& obs) {
+  std::string why = obs.stop_reason();
+  return why.empty() ? Status::ok() : Status(ErrorCode::io_error, std::move(why));
+}
+
 }  // namespace
 
 Result<IdleResults> run_idle_benchmark(IdleTarget& target, const IdleBenchmarkOptions& o, IdleObserver* observer) {
@@ -244,6 +250,7 @@ Result<IdleResults> run_idle_benchmark(IdleTarget& target, const IdleBenchmarkOp
       const std::size_t pol = (k + p) % policies.size();  // rotate the order from pause to pause
       const IdlePolicy& policy = policies[pol];
       obs.block_start(r, pol, p, block_index++, blocks);
+      if (auto st = stopped(obs); !st.is_ok()) return st;
       std::optional<PolicyBlock> block;
       {
         auto started = PolicyBlock::start(target, policy, o);
@@ -273,6 +280,7 @@ Result<IdleResults> run_idle_benchmark(IdleTarget& target, const IdleBenchmarkOp
       if (!warm) return warm.status();
       r.warmups.push_back({pol, p, ms(warm->elapsed)});
       obs.warmup(r, r.warmups.back());
+      if (auto st = stopped(obs); !st.is_ok()) return st;
       for (int it = 0; it < schedule.iters; ++it) {
         obs.pausing(r, pol, p, it);
         auto s = pause(target, *block, schedule.pauses[p], o.pressure);
@@ -285,9 +293,11 @@ Result<IdleResults> run_idle_benchmark(IdleTarget& target, const IdleBenchmarkOp
         s->decode_ms = ms(d->elapsed);
         r.samples.push_back(*s);
         obs.sample(r, r.samples.back());
+        if (auto st = stopped(obs); !st.is_ok()) return st;
       }
       block.reset();  // the policy's manager is gone before the next one starts
       obs.block_end(r, pol, p);
+      if (auto st = stopped(obs); !st.is_ok()) return st;
     }
   }
   r.wall_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - wall0).count();

@@ -91,6 +91,9 @@ class IdleObserver {
   virtual void pausing(const IdleResults&, std::size_t /*policy*/, std::size_t /*pause*/, int /*iter*/) {}
   virtual void sample(const IdleResults&, const IdleSample&) {}
   virtual void block_end(const IdleResults&, std::size_t /*policy*/, std::size_t /*pause*/) {}
+  // Non-empty: why the run must stop now (its output cannot be written: a `| head` that has
+  // exited); asked after each call above, and the run returns it as an io_error.
+  virtual std::string stop_reason() const { return {}; }
 };
 
 struct IdleBenchmarkOptions {

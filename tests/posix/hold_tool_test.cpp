@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 #include <signal.h>
 #include <sys/wait.h>
+#include <unistd.h>
 
 #include <chrono>
 #include <cstdio>
@@ -161,6 +162,67 @@ TEST(HoldTool, BadInputIsOneLineAndExitStatus2) {
     EXPECT_LE(std::count(err.begin(), err.end(), '\n'), 2) << err;  // the line (+ CLI11's hint)
     EXPECT_EQ(h.out(), "");
   }
+}
+
+// A held file that is deleted, shrinks or grows, with real files under a real name: what the
+// kernel holds (the hold process's VmLck) follows the file within a few seconds, each change is
+// said once, touching nothing past a shrunk file's end (no SIGBUS), and hold ends by itself
+// (exit 0) once no file is left.
+TEST(HoldTool, FollowsAHeldFileThatIsDeletedShrinksOrGrows) {
+  const std::string dir = ::testing::TempDir();
+  const std::string a = dir + "/residency-hold-follow-a-" + std::to_string(::getpid());
+  const std::string b = dir + "/residency-hold-follow-b-" + std::to_string(::getpid());
+  auto write_file = [](const std::string& path, std::size_t size) {
+    std::ofstream f(path, std::ios::binary | std::ios::trunc);
+    f << std::string(size, 'x');
+  };
+  write_file(a, 4 * MiB);
+  write_file(b, 2 * MiB);
+  Hold h({a, b, "--keep-alive", "forever", "--quiet"}, dir);
+  ASSERT_GT(h.pid, 0);
+  ASSERT_TRUE(h.wait_for_output("holding", 10s)) << h.out() << h.err();
+  EXPECT_EQ(h.vm_lck(), 6 * MiB);
+  const auto wait_for_lck = [&](std::uint64_t bytes) {
+    for (int i = 0; i < 500 && h.vm_lck() != bytes; ++i) std::this_thread::sleep_for(10ms);
+    return h.vm_lck();
+  };
+
+  ASSERT_EQ(::unlink(a.c_str()), 0);
+  ASSERT_TRUE(h.wait_for_output("was deleted", 5s)) << h.out() << h.err();
+  EXPECT_EQ(wait_for_lck(2 * MiB), 2 * MiB) << "the deleted file is unlocked";
+  std::this_thread::sleep_for(2500ms);  // two more checks: said once
+  const std::string out = h.out();
+  EXPECT_EQ(std::count(out.begin(), out.end(), '\n') - 1, 1) << "one line for the deletion:\n" << out;
+  EXPECT_NE(out.find("'" + a + "' was deleted: released its 4 MiB"), std::string::npos) << out;
+
+  ASSERT_EQ(::truncate(b.c_str(), 1 * MiB), 0);
+  ASSERT_TRUE(h.wait_for_output("shrank", 5s)) << h.out() << h.err();
+  EXPECT_EQ(wait_for_lck(1 * MiB), 1 * MiB) << "held at its new length";
+  EXPECT_NE(h.out().find("'" + b + "' shrank from 2 MiB to 1 MiB"), std::string::npos) << h.out();
+
+  ASSERT_EQ(::truncate(b.c_str(), 3 * MiB), 0);
+  ASSERT_TRUE(h.wait_for_output("grew", 5s)) << h.out() << h.err();
+  EXPECT_EQ(wait_for_lck(3 * MiB), 3 * MiB) << "the grown file is held whole";
+  EXPECT_NE(h.out().find("'" + b + "' grew from 1 MiB to 3 MiB"), std::string::npos) << h.out();
+
+  ASSERT_EQ(::unlink(b.c_str()), 0);
+  EXPECT_EQ(h.wait_exit(5s), 0) << "ends once no file is left (not SIGBUS: 128 + 7)\n" << h.out() << h.err();
+  EXPECT_NE(h.out().find("none of the files is left to hold; exiting"), std::string::npos) << h.out();
+  EXPECT_EQ(h.err(), "") << "--quiet: nothing on stderr";
+}
+
+// A file that had no name already when hold opened it (an unlinked file, through /proc/PID/fd/N)
+// is held as any other, not taken for a file deleted since.
+TEST(HoldTool, AFileUnlinkedBeforeTheStartIsHeldNotReleased) {
+  TempMappedFile model(2 * MiB);
+  ASSERT_TRUE(model.ok()) << model.error();
+  Hold h({path_of(model), "--keep-alive", "forever", "--quiet"}, ::testing::TempDir());
+  ASSERT_TRUE(h.wait_for_output("holding", 10s)) << h.out() << h.err();
+  std::this_thread::sleep_for(2500ms);  // two checks of the file
+  EXPECT_EQ(h.vm_lck(), 2 * MiB) << h.out();
+  EXPECT_EQ(h.out().find("deleted"), std::string::npos) << h.out();
+  ASSERT_EQ(::kill(h.pid, SIGTERM), 0);
+  EXPECT_EQ(h.wait_exit(5s), 0) << h.out() << h.err();
 }
 
 }  // namespace

@@ -34,6 +34,7 @@
 #include <fstream>
 #include <iostream>
 #include <optional>
+#include <regex>
 #include <sstream>
 #include <string>
 #include <thread>
@@ -68,10 +69,14 @@ std::vector<std::string> lines_of(const std::string& text) {
   return out;
 }
 
+// Residency's lines start "residency[PID]: " (and, with RESIDENCY_LOG_TIME=1, the time).
+const std::regex kResidencyLine(R"(^residency\[[0-9]+\]: (?:[0-9]{4}-[0-9]{2}-[0-9]{2} [0-9]{2}:[0-9]{2}:[0-9]{2}\.[0-9]{3} )?([a-z]+): )");
+
 std::vector<std::string> residency_lines(const std::string& err, const std::string& level) {
   std::vector<std::string> out;
+  std::smatch m;
   for (auto& l : lines_of(err))
-    if (l.rfind("residency: " + level + ":", 0) == 0) out.push_back(l);
+    if (std::regex_search(l, m, kResidencyLine) && m[1] == level) out.push_back(l);
   return out;
 }
 
@@ -592,8 +597,69 @@ TEST_F(PreloadTest, KeepAliveZeroLocksOnlyDuringEachDecode) {
   const std::string err = c.stderr_text();
   EXPECT_TRUE(residency_lines(err, "warn").empty()) << err;
   // Each decode wired (the first one wires for the first time, the others re-wire) and released.
-  EXPECT_EQ(count_containing(err, "residency: info: released "), static_cast<std::size_t>(kTokens)) << err;
+  EXPECT_EQ(count_containing(err, "]: info: released "), static_cast<std::size_t>(kTokens)) << err;
   EXPECT_EQ(count_containing(err, "(use scope)"), static_cast<std::size_t>(kTokens - 1)) << err;
+}
+
+// At info, the load is told before anything is released: one summary line per registration
+// (how much of each class, in which buffer types) and one line per wire, each line of
+// residency's starting with "residency[PID]: " on a line of its own (stderr is a file here, so
+// a host's unfinished line is seen and ended first); RESIDENCY_LOG_TIME=1 adds the local time.
+TEST_F(PreloadTest, AtInfoTheLoadIsOneSummaryAndOneWireLineWithThePidOnFreshLines) {
+  for (const bool with_time : {false, true}) {
+    SCOPED_TRACE(with_time ? "RESIDENCY_LOG_TIME=1" : "without time");
+    std::vector<std::pair<std::string, std::string>> env = {{"RESIDENCY_KEEP_ALIVE", "forever"}};
+    if (with_time) env.emplace_back("RESIDENCY_LOG_TIME", "1");
+    Child c(decode_loop(env, false), err_file(with_time ? "summary-time" : "summary"));
+    ASSERT_TRUE(c.started());
+    EXPECT_EQ(c.finish(), 0);
+    EXPECT_EQ(c.tokens(), baseline_tokens_);
+    const std::string err = c.stderr_text();
+    const std::vector<std::string> info = residency_lines(err, "info");
+    const std::string pid = "residency[" + std::to_string(c.pid()) + "]: ";
+    std::size_t summaries = 0, wires = 0;
+    for (const std::string& l : info) {
+      EXPECT_EQ(l.rfind(pid, 0), 0U) << "the pid of the process: " << l;
+      if (with_time) {
+        EXPECT_TRUE(std::regex_search(l, std::regex(R"(^residency\[[0-9]+\]: 20[0-9]{2}-[0-9]{2}-[0-9]{2} [0-9:]{8}\.[0-9]{3} info: )")))
+            << l;
+      }
+      if (l.find("preload: registered ") != std::string::npos) {
+        ++summaries;
+        EXPECT_TRUE(std::regex_search(l, std::regex(R"(preload: registered [0-9]+ buffers?: (weights|kv_cache|scratch) [0-9.]+ [KMG]iB \()")))
+            << l;
+      }
+      if (l.find("preload: wired ") != std::string::npos) {
+        ++wires;
+        EXPECT_TRUE(std::regex_search(l, std::regex(R"(preload: wired [0-9.]+ [KMG]iB in [0-9.]+ ms \((model loaded|context made)\))"))) << l;
+      }
+    }
+    EXPECT_GE(summaries, 2U) << "the model, then the context:\n" << err;
+    EXPECT_LE(summaries, 3U) << err;
+    EXPECT_EQ(wires, summaries) << "forever wires what each registration added:\n" << err;
+    EXPECT_NE(err.find("registered "), std::string::npos);
+    EXPECT_NE(err.find("weights "), std::string::npos) << err;
+    EXPECT_NE(err.find("kv_cache "), std::string::npos) << err;
+    // Never glued to someone else's line.
+    for (const std::string& l : lines_of(err)) EXPECT_TRUE(l.find("residency[") == std::string::npos || l.rfind("residency[", 0) == 0) << l;
+  }
+}
+
+// A wired limit below the model wires nothing of it, and says so once, at warn.
+TEST_F(PreloadTest, AWiredLimitBelowTheModelIsOneWarning) {
+  Child c(decode_loop({{"RESIDENCY_KEEP_ALIVE", "forever"}, {"RESIDENCY_WIRED_LIMIT", "1MiB"}, {"RESIDENCY_LOG", "warn"}}, true),
+          err_file("below-limit"));
+  ASSERT_TRUE(c.started());
+  ASSERT_TRUE(c.wait_for("loaded")) << c.stderr_text();
+  for (int i = 0; i < kTokens; ++i) ASSERT_TRUE(c.send_line());
+  ASSERT_TRUE(c.wait_for("token " + std::to_string(kTokens - 1))) << c.stderr_text();
+  EXPECT_LE(vm_lck(c.pid()).value_or(0), std::uint64_t{1} << 20) << "at most the 1 MiB limit is locked";
+  EXPECT_EQ(c.finish(), 0);
+  const std::string err = c.stderr_text();
+  const auto warns = residency_lines(err, "warn");
+  ASSERT_EQ(warns.size(), 1U) << err;
+  EXPECT_NE(warns[0].find("stays unwired: it is over the wired limit of 1 MiB (RESIDENCY_WIRED_LIMIT="), std::string::npos)
+      << warns[0];
 }
 
 // (6) A bad RESIDENCY_KEEP_ALIVE: one warning naming it, then pass-through.

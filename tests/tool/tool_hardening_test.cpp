@@ -27,6 +27,8 @@
 #include <thread>
 #include <vector>
 
+#include "backends/posix/proc_info.hpp"
+
 namespace {
 
 namespace fs = std::filesystem;
@@ -52,25 +54,26 @@ struct Spawn {
   // In the child before exec (a mount namespace, another user); returns false to give up (126).
   std::function<bool()> prepare;
   bool stdout_to_closed_pipe = false;
+  // Not null: stdout is a pipe whose read end is returned here (`| head` played by the test).
+  int* stdout_pipe_reader = nullptr;
 };
 
 pid_t start(const Spawn& s) {
   ::unlink((s.logs + "/out").c_str());  // no earlier run's output can be read as this one's
   ::unlink((s.logs + "/err").c_str());
   int pipe_fds[2] = {-1, -1};
-  if (s.stdout_to_closed_pipe && pipe(pipe_fds) != 0) return -1;
+  const bool piped = s.stdout_to_closed_pipe || s.stdout_pipe_reader != nullptr;
+  if (piped && pipe2(pipe_fds, O_CLOEXEC) != 0) return -1;
   const pid_t pid = fork();
   if (pid != 0) {
-    if (s.stdout_to_closed_pipe) {
-      close(pipe_fds[0]);  // `| head` that has gone: the tool's next write gets SIGPIPE
-      close(pipe_fds[1]);
-    }
+    if (s.stdout_to_closed_pipe) close(pipe_fds[0]);  // `| head` that has gone: the tool's next write gets EPIPE
+    if (s.stdout_pipe_reader != nullptr) *s.stdout_pipe_reader = pipe_fds[0];
+    if (piped) close(pipe_fds[1]);
     return pid;
   }
   if (s.prepare && !s.prepare()) _exit(126);
-  const int out = s.stdout_to_closed_pipe ? pipe_fds[1] : ::open((s.logs + "/out").c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  const int out = piped ? pipe_fds[1] : ::open((s.logs + "/out").c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
   const int err = ::open((s.logs + "/err").c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-  if (s.stdout_to_closed_pipe) close(pipe_fds[0]);
   dup2(out, 1);
   dup2(err, 2);
   signal(SIGPIPE, SIG_DFL);
@@ -382,13 +385,14 @@ TEST_F(ToolHardening, IdleRemovesItsModelOnEveryTerminatingSignal) {
     EXPECT_EQ(r.signal, sig) << "exit " << r.exit_code << ": " << r.err;
     EXPECT_TRUE(tmp_entries().empty()) << "left in TMPDIR after " << strsignal(sig) << ": " << tmp_entries().front();
   }
-  // `| head` that has exited: the first write after it is SIGPIPE.
+  // `| head` that has exited is not a signal death (issue 18, item 9): the write fails, the run
+  // ends with exit 1 and one message, and its files are removed all the same.
   Spawn s{{"idle", "--model-size", "4MiB", "--pauses", "0", "--iters", "1", "--policies", "off", "--no-plot"}, {}, tmp_, logs_,
           nullptr, true};
   const pid_t pid = start(s);
   const ToolRun r = finish(pid, logs_, Clock::now());
-  EXPECT_EQ(r.signal, SIGPIPE) << "exit " << r.exit_code << ": " << r.err;
-  EXPECT_TRUE(tmp_entries().empty()) << "left in TMPDIR after SIGPIPE: " << tmp_entries().front();
+  EXPECT_EQ(r.exit_code, 1) << "signal " << r.signal << ": " << r.err;
+  EXPECT_TRUE(tmp_entries().empty()) << "left in TMPDIR after a closed pipe: " << tmp_entries().front();
 }
 
 // Item 3: a killed run's directory is recognised by its owner and removed by the next run; a live
@@ -499,6 +503,25 @@ TEST_F(ToolHardening, AnUnwritableOutIsFoundBeforeTheRun) {
   if (!not_set_up.empty()) GTEST_SKIP() << "could not set up the " << not_set_up << " case(s) here (126: no private mount namespace)";
 }
 
+// Issue 18, item 10: --out is checked for what the results need (kilobytes), not a large fixed
+// margin: a 256 KiB filesystem takes a short run's results, plot included (the check once asked
+// for 256 KiB and more and refused it). The tmpfs lives in the child's mount namespace only, so
+// what it wrote is read from the list the run prints.
+TEST_F(ToolHardening, ASmallOutFilesystemTakesAShortRunsResults) {
+  if (geteuid() != 0) GTEST_SKIP() << "needs root for a private mount namespace";
+  const std::string mnt = root_ + "/small";
+  fs::create_directory(mnt);
+  Spawn s{{"idle", "--backend", "sim", "--pauses", "0,800", "--iters", "2", "--out", mnt + "/out"}, {}, tmp_, logs_, [&] {
+            return unshare(CLONE_NEWNS) == 0 && mount(nullptr, "/", nullptr, MS_REC | MS_PRIVATE, nullptr) == 0 &&
+                   mount("tmpfs", mnt.c_str(), "tmpfs", 0, "size=256k") == 0;
+          }};
+  const ToolRun r = finish(start(s), logs_, Clock::now(), 60);
+  if (r.exit_code == 126) GTEST_SKIP() << "no private mount namespace here";
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_NE(r.out.find(mnt + "/out/idle.json"), std::string::npos) << r.out << r.err;
+  EXPECT_NE(r.out.find(mnt + "/out/idle.csv"), std::string::npos) << r.out;
+}
+
 // Item 6: with the default 8 MiB RLIMIT_MEMLOCK and no CAP_IPC_LOCK, a run of eight managers says
 // the clamp and its fix once, not once per manager.
 // Issue 18, item 9: output that cannot be written is a failure with a message, not exit 0.
@@ -517,6 +540,143 @@ TEST_F(ToolHardening, OutputThatCannotBeWrittenIsAFailureWithAMessage) {
     EXPECT_NE(slurp(logs_ + "/full.err").find("cannot write the output: No space left on device"), std::string::npos)
         << cmd << ": " << slurp(logs_ + "/full.err");
   }
+}
+
+// Reads the pipe until a line containing `needle` has come (or 60 s have passed); what it read.
+std::string read_until(int fd, const std::string& needle) {
+  std::string got;
+  const auto deadline = Clock::now() + std::chrono::seconds(60);
+  char buf[4096];
+  while (got.find(needle) == std::string::npos || got.find('\n', got.find(needle)) == std::string::npos) {
+    if (Clock::now() > deadline) break;
+    const ssize_t n = ::read(fd, buf, sizeof buf);
+    if (n <= 0) break;
+    got.append(buf, static_cast<std::size_t>(n));
+  }
+  return got;
+}
+
+std::vector<std::string> lines_containing(const std::string& text, const std::string& needle) {
+  std::vector<std::string> out;
+  std::istringstream in(text);
+  for (std::string line; std::getline(in, line);)
+    if (line.find(needle) != std::string::npos) out.push_back(line);
+  return out;
+}
+
+std::uint64_t vm_lck_of(pid_t pid) {
+  std::ifstream f("/proc/" + std::to_string(pid) + "/status");
+  for (std::string line; std::getline(f, line);)
+    if (line.rfind("VmLck:", 0) == 0) return std::stoull(line.substr(6)) * 1024;
+  return 0;
+}
+
+// Issue 18, item 9: `RESIDENCY_SHARED_BUDGET=name:64MiB residency idle ... | head -1`. The reader
+// (this test, on a real pipe) takes the lines it wants and closes its end while the run holds a
+// share of the budget. Expected: no death by SIGPIPE, which skipped every destructor and left the
+// ledger in /dev/shm; exit 1, one message, no ledger, nothing locked, nothing in TMPDIR.
+TEST_F(ToolHardening, AClosedPipeEndsIdleAndHoldCleanlyWithoutLeavingTheLedger) {
+  if (::access("/dev/shm", W_OK) != 0) GTEST_SKIP() << "/dev/shm is not writable here";
+  const std::string name = "hardening-pipe-" + std::to_string(::getpid());
+  const std::string ledger = "/dev/shm/residency-budget-" + name;
+  const std::string budget = "RESIDENCY_SHARED_BUDGET=" + name + ":64MiB";
+  {
+    SCOPED_TRACE("idle");
+    int reader = -1;
+    Spawn s{{"idle", "--model-size", "4MiB", "--pauses", "300", "--iters", "5", "--policies", "keep-alive", "--pressure",
+             "none", "--no-plot"},
+            {budget}, tmp_, logs_, nullptr, false, &reader};
+    const pid_t pid = start(s);
+    ASSERT_GE(reader, 0);
+    const std::string got = read_until(reader, "warm-up decode");
+    EXPECT_NE(got.find("warm-up decode"), std::string::npos) << got << slurp(logs_ + "/err");
+    EXPECT_TRUE(fs::exists(ledger)) << "the keep-alive policy's manager holds a share of the budget while it runs";
+    ::close(reader);  // `head -1` has what it wanted
+    const ToolRun r = finish(pid, logs_, Clock::now());
+    EXPECT_EQ(r.exit_code, 1) << "signal " << r.signal << ": " << r.err;
+    EXPECT_EQ(lines_containing(r.err, "cannot write the output").size(), 1u) << r.err;
+    EXPECT_EQ(lines_containing(r.err, "error").size(), 1u) << "one message: " << r.err;
+    EXPECT_FALSE(fs::exists(ledger)) << "the ledger outlived its last holder";
+    EXPECT_TRUE(tmp_entries().empty()) << "left in TMPDIR: " << tmp_entries().front();
+  }
+  {
+    SCOPED_TRACE("hold");
+    const std::string file = root_ + "/held";
+    {
+      std::ofstream f(file, std::ios::binary);
+      f << std::string(2 << 20, 'x');
+    }
+    int reader = -1;
+    Spawn s{{"hold", file}, {budget}, tmp_, logs_, nullptr, false, &reader};
+    const pid_t pid = start(s);
+    ASSERT_GE(reader, 0);
+    const std::string got = read_until(reader, "holding");
+    EXPECT_NE(got.find("holding 2 MiB of 2 MiB"), std::string::npos) << got << slurp(logs_ + "/err");
+    EXPECT_EQ(vm_lck_of(pid), std::uint64_t{2} << 20);
+    EXPECT_TRUE(fs::exists(ledger));
+    ::close(reader);
+    kill(pid, SIGTERM);  // its goodbye line goes to the closed pipe
+    const ToolRun r = finish(pid, logs_, Clock::now());
+    EXPECT_EQ(r.exit_code, 1) << "signal " << r.signal << ": " << r.err;
+    EXPECT_EQ(lines_containing(r.err, "cannot write the output").size(), 1u) << r.err;
+    EXPECT_FALSE(fs::exists(ledger)) << "the ledger outlived its last holder";
+  }
+  for (const std::vector<std::string>& args :
+       {std::vector<std::string>{"stat"}, {"stat", "--json"}, {"make-model", "--size", "3MiB", root_ + "/n.gguf"},
+        {"hold", root_ + "/held"}}) {
+    SCOPED_TRACE(args[0] + " to a pipe closed before it starts");
+    Spawn s{args, {budget}, tmp_, logs_, nullptr, true};
+    const ToolRun r = finish(start(s), logs_, Clock::now(), 30);
+    EXPECT_EQ(r.exit_code, 1) << "signal " << r.signal << ": " << r.err;
+    EXPECT_EQ(lines_containing(r.err, "cannot write the output").size(), 1u) << r.err;
+    EXPECT_FALSE(fs::exists(ledger));
+  }
+  ::unlink(ledger.c_str());  // only if a failure above left it
+}
+
+// Issue 18, item 10: a memory cgroup limit file that is missing or holds garbage is not shown as
+// "none", which reads as "no limit": stat says "missing" or "unreadable" and why. The cgroup's
+// directory is replaced, in a private mount namespace, by one without the file or with garbage.
+TEST_F(ToolHardening, StatTellsAnUnreadableCgroupLimitFromNoLimit) {
+  if (geteuid() != 0) GTEST_SKIP() << "needs root for a private mount namespace";
+  auto cg = residency::posix::find_memory_cgroup();
+  if (!cg || cg->cgroup_path == "/") GTEST_SKIP() << "this process is in no memory cgroup of its own";
+  const std::string file = cg->version == 1 ? "memory.limit_in_bytes" : "memory.max";
+  const std::string fake = root_ + "/cgroup";
+  fs::create_directory(fake);
+  struct Case {
+    const char* contents;  // null: the file is missing
+    const char* says;
+  } cases[] = {{nullptr, "missing"}, {"garbage\n", "unreadable"}};
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.says);
+    ::unlink((fake + "/" + file).c_str());
+    if (c.contents != nullptr) std::ofstream(fake + "/" + file) << c.contents;
+    const std::string dir = cg->dir;
+    Spawn s{{"stat"}, {}, tmp_, logs_, [&] {
+              return unshare(CLONE_NEWNS) == 0 && mount(nullptr, "/", nullptr, MS_REC | MS_PRIVATE, nullptr) == 0 &&
+                     mount(fake.c_str(), dir.c_str(), nullptr, MS_BIND, nullptr) == 0;
+            }};
+    const ToolRun r = finish(start(s), logs_, Clock::now(), 30);
+    if (r.exit_code == 126) GTEST_SKIP() << "no private mount namespace here";
+    ASSERT_EQ(r.exit_code, 0) << r.err;
+    const std::vector<std::string> line = lines_containing(r.out, ", " + file + " ");
+    ASSERT_EQ(line.size(), 1u) << r.out;
+    EXPECT_NE(line[0].find(", " + file + " " + c.says + " "), std::string::npos) << line[0];
+    EXPECT_EQ(line[0].find("none"), std::string::npos) << "reads as no limit: " << line[0];
+    const std::vector<std::string> note = lines_containing(r.out, "memory cgroup limit: ");
+    ASSERT_EQ(note.size(), 1u) << r.out;
+    EXPECT_NE(note[0].find(dir + "/" + file), std::string::npos) << note[0];
+    if (c.contents != nullptr) {
+      EXPECT_NE(note[0].find("'garbage'"), std::string::npos) << note[0];
+    }
+  }
+  // The real file: a size or "none (no limit)", never "missing" or "unreadable".
+  const ToolRun r = run({"stat"});
+  const std::vector<std::string> line = lines_containing(r.out, ", " + file + " ");
+  ASSERT_EQ(line.size(), 1u) << r.out;
+  EXPECT_EQ(line[0].find("missing"), std::string::npos) << line[0];
+  EXPECT_EQ(line[0].find("unreadable"), std::string::npos) << line[0];
 }
 
 // Issue 18, item 7: a file in /dev/shm whose name holds an escape sequence, a newline and bytes

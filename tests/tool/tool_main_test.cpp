@@ -44,3 +44,21 @@ TEST(ToolMain, HelpExits0) {
   EXPECT_EQ(r.status, 0);
   EXPECT_NE(r.output.find("Usage: residency"), std::string::npos) << r.output;
 }
+
+// hold's help says what it really listens to (PSI or cgroup v1 memory.pressure_level, as `stat`
+// shows) and from when its keep-alive counts (the start: hold cannot see other readers).
+TEST(ToolMain, HoldHelpNamesBothPressureSourcesAndWhenTheKeepAliveCounts) {
+  const ToolRun r = run_tool("hold --help");
+  EXPECT_EQ(r.status, 0);
+  std::string help;  // CLI11 wraps long descriptions: compare with the line breaks folded
+  for (char c : r.output) {
+    if (c == '\n' || c == ' ') {
+      if (!help.empty() && help.back() != ' ') help += ' ';
+    } else {
+      help += c;
+    }
+  }
+  EXPECT_NE(help.find("memory.pressure_level"), std::string::npos) << r.output;
+  EXPECT_NE(help.find("PSI"), std::string::npos) << r.output;
+  EXPECT_NE(help.find("counted from the start"), std::string::npos) << r.output;
+}

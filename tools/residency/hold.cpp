@@ -6,9 +6,13 @@
 // vmtouch's `-l`, under the library's policy, budget and pressure settings. The files are mapped
 // read-only and registered as weights (earlier files first when the budget must choose), on the
 // posix backend. It holds until SIGINT/SIGTERM/SIGHUP (then unlocks everything and exits 0), or
-// until the memory is released: the keep-alive expired (hold itself never uses the files, so a
-// duration means "hold for this long") or memory pressure with --release-on-pressure; then it
-// says why and exits 0. Waiting costs nothing: one poll() on a signalfd and a pipe.
+// until the memory is released: the keep-alive expired (hold itself never uses the files, and it
+// cannot see other processes' reads of the page cache without privileges (fanotify is root's), so
+// a duration means "hold for this long from the start") or memory pressure with
+// --release-on-pressure (the backend's pressure source: PSI or cgroup v1 memory.pressure_level); then it
+// says why and exits 0. Waiting costs next to nothing: one poll() on a signalfd and a pipe, and
+// once a second an fstat() of each held file (follow_files: a deleted file is released, a file
+// whose length changed is held at its new length).
 #include <fcntl.h>
 #include <poll.h>
 #include <signal.h>
@@ -23,6 +27,7 @@
 #include <cstring>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -68,37 +73,133 @@ class MappedFile {
       ::close(fd);
       throw BadInput("'" + printable(path) + "' is empty; there is nothing to hold");
     }
-    f.size_ = static_cast<std::size_t>(st.st_size);
+    f.fd_ = fd;  // kept: the file is followed through it (changed())
+    f.linked_ = st.st_nlink > 0;
     f.dev_ = st.st_dev;
     f.ino_ = st.st_ino;
-    void* p = ::mmap(nullptr, f.size_, PROT_READ, MAP_SHARED, fd, 0);
-    const int err = errno;
-    ::close(fd);
-    if (p == MAP_FAILED) throw BadInput("cannot map '" + printable(path) + "': " + std::strerror(err));
-    f.data_ = p;
+    if (const int err = f.map(static_cast<std::size_t>(st.st_size)); err != 0)
+      throw BadInput("cannot map '" + printable(path) + "': " + std::strerror(err));
     return f;
   }
   MappedFile() = default;
   MappedFile(MappedFile&& o) noexcept
-      : path_(std::move(o.path_)), data_(o.data_), size_(o.size_), dev_(o.dev_), ino_(o.ino_) {
+      : path_(std::move(o.path_)),
+        fd_(o.fd_),
+        linked_(o.linked_),
+        data_(o.data_),
+        size_(o.size_),
+        dev_(o.dev_),
+        ino_(o.ino_) {
+    o.fd_ = -1;
     o.data_ = nullptr;
   }
   MappedFile& operator=(MappedFile&&) = delete;
   ~MappedFile() {
-    if (data_) ::munmap(data_, size_);
+    unmap();
+    if (fd_ >= 0) ::close(fd_);
   }
   void* data() const { return data_; }
   std::size_t size() const { return size_; }
+  bool mapped() const { return data_ != nullptr; }
   const std::string& path() const { return path_; }
   bool same_file(const MappedFile& o) const { return dev_ == o.dev_ && ino_ == o.ino_; }
 
+  // What happened to the file since it was mapped, as its inode says (not its path: a file
+  // replaced under the same name is the old one deleted). A file that had no name already when
+  // it was opened (an unlinked file reached through /proc/PID/fd/N) is not "deleted" later.
+  struct Change {
+    enum class Kind { none, deleted, resized } kind = Kind::none;
+    std::size_t size = 0;  // resized: the length now
+  };
+  Change changed() const {
+    struct stat st {};
+    if (fd_ < 0 || ::fstat(fd_, &st) != 0) return {};
+    if (linked_ && st.st_nlink == 0) return {Change::Kind::deleted, 0};
+    if (static_cast<std::size_t>(st.st_size) != size_) return {Change::Kind::resized, static_cast<std::size_t>(st.st_size)};
+    return {};
+  }
+  // The mapping replaced by one of `size` bytes (0: none); 0 or the errno of mmap.
+  int remap(std::size_t size) {
+    unmap();
+    return size == 0 ? 0 : map(size);
+  }
+  void unmap() {
+    if (data_) ::munmap(data_, size_);
+    data_ = nullptr;
+    size_ = 0;
+  }
+
  private:
+  int map(std::size_t size) {
+    void* p = ::mmap(nullptr, size, PROT_READ, MAP_SHARED, fd_, 0);
+    if (p == MAP_FAILED) return errno;
+    data_ = p;
+    size_ = size;
+    return 0;
+  }
+
   std::string path_;
+  int fd_ = -1;
+  bool linked_ = false;  // the file had a name when it was opened
   void* data_ = nullptr;
   std::size_t size_ = 0;
   dev_t dev_ = 0;
   ino_t ino_ = 0;
 };
+
+// How often hold looks at its files (fstat of each): a deleted, truncated or extended file is
+// noticed within this time.
+constexpr int kFileCheckMs = 1000;
+
+// Follows the held files: a deleted file is released (unlocked and unmapped) and said once; a
+// file whose length changed is mapped again at its new length and registered anew (a shrunk file
+// is never locked past its end: the pages beyond it are gone, and touching them would be SIGBUS;
+// a grown file is held whole, as a new hold of it would). False: no file is left to hold.
+bool follow_files(Manager& manager, std::vector<MappedFile>& files, std::vector<std::optional<RegionId>>& ids) {
+  bool any = false;
+  for (std::size_t i = 0; i < files.size(); ++i) {
+    MappedFile& f = files[i];
+    if (!ids[i]) continue;
+    const MappedFile::Change c = f.changed();
+    if (c.kind == MappedFile::Change::Kind::none) {
+      any = true;
+      continue;
+    }
+    const std::size_t was = f.size();
+    (void)manager.unregister_region(*ids[i]);  // unlocks
+    ids[i].reset();
+    if (c.kind == MappedFile::Change::Kind::deleted) {
+      f.unmap();
+      std::printf("residency hold: '%s' was deleted: released its %s\n", printable(f.path()).c_str(), format_size(was).c_str());
+      continue;
+    }
+    if (const int err = f.remap(c.size); err != 0) {
+      std::printf("residency hold: '%s' changed from %s to %s and cannot be mapped again (%s): released it\n",
+                  printable(f.path()).c_str(), format_size(was).c_str(), format_size(c.size).c_str(), std::strerror(err));
+      continue;
+    }
+    if (!f.mapped()) {
+      std::printf("residency hold: '%s' was truncated to 0 bytes: released it\n", printable(f.path()).c_str());
+      continue;
+    }
+    auto id = manager.register_region(f.data(), f.size(), RegionClass::weights, static_cast<int>(files.size() - i));
+    const char* how = c.size < was ? "shrank" : "grew";
+    if (!id) {
+      std::printf("residency hold: '%s' %s from %s to %s and cannot be held again (%s): released it\n",
+                  printable(f.path()).c_str(), how, format_size(was).c_str(), format_size(c.size).c_str(), id.message().c_str());
+      f.unmap();
+      continue;
+    }
+    ids[i] = *id;
+    any = true;
+    const Stats s = manager.stats();
+    std::printf("residency hold: '%s' %s from %s to %s: holding it at its new length (%s of %s wired in all)\n",
+                printable(f.path()).c_str(), how, format_size(was).c_str(), format_size(c.size).c_str(),
+                format_size(s.wired_bytes).c_str(), format_size(s.tracked_bytes).c_str());
+  }
+  std::fflush(stdout);
+  return any;
+}
 
 Config hold_config(const HoldOptions& o) {
   auto c = Config::from_env();
@@ -201,7 +302,8 @@ int run_hold(const HoldOptions& o) {
   ManagerOptions mo;
   mo.config = config;
   mo.backend = *backend;
-  mo.log = [&release_reason, &reason_mu, quiet = o.quiet, level = config.log_level](LogLevel l, std::string_view msg) {
+  mo.log = [&release_reason, &reason_mu, quiet = o.quiet, level = config.log_level, time = config.log_time](
+               LogLevel l, std::string_view msg) {
     // Called with the manager's lock held: only note and signal.
     if (l == LogLevel::info && msg.rfind("released ", 0) == 0) {
       {
@@ -212,7 +314,7 @@ int run_hold(const HoldOptions& o) {
       if (::write(g_released_fd.load(), &b, 1) < 0) { /* the pipe is full: a wake-up is pending already */ }
     }
     if (!quiet || l <= LogLevel::warn)
-      if (static_cast<int>(l) <= static_cast<int>(level)) log_to_stderr(l, msg);
+      if (static_cast<int>(l) <= static_cast<int>(level)) log_to_stderr(l, msg, time);
   };
   auto starting = std::make_unique<SignalsWhileStarting>(sfd);
   auto manager = Manager::create(mo);
@@ -223,7 +325,7 @@ int run_hold(const HoldOptions& o) {
     }
     throw BadInput(manager.message());
   }
-  std::vector<RegionId> ids;
+  std::vector<std::optional<RegionId>> ids;
   {
     auto batch = (*manager)->batch();
     int priority = static_cast<int>(files.size());
@@ -232,7 +334,7 @@ int run_hold(const HoldOptions& o) {
       if (!id && id.status().code() == ErrorCode::limit_exceeded)
         throw BadInput("'" + printable(f.path()) + "': " + id.message() + "; hold fewer or smaller files");
       if (!id) throw BadInput("'" + printable(f.path()) + "': " + id.message());
-      ids.push_back(*id);
+      ids.emplace_back(*id);
     }
   }
   const int early_signal = starting->finish();
@@ -260,12 +362,24 @@ int run_hold(const HoldOptions& o) {
   } else if (s.wired_bytes == 0) {
     std::fprintf(stderr, "residency hold: nothing could be wired; exiting\n");
     status = kExitFailure;
+  } else if (std::ferror(stdout)) {
+    // Its stdout is gone (a pipe nobody reads, a full disk): say so (main) and unlock now rather
+    // than hold for a reader that cannot learn what is held.
+    status = kExitFailure;
   } else {
     pollfd fds[2] = {{sfd, POLLIN, 0}, {released[0], POLLIN, 0}};
     for (;;) {
-      if (::poll(fds, 2, -1) < 0) {
+      const int ready = ::poll(fds, 2, kFileCheckMs);
+      if (ready < 0) {
         if (errno == EINTR) continue;
         break;
+      }
+      if (ready == 0) {
+        if (!follow_files(**manager, files, ids)) {
+          std::printf("residency hold: none of the files is left to hold; exiting\n");
+          break;
+        }
+        continue;
       }
       if (fds[0].revents & POLLIN) {
         signalfd_siginfo si{};
@@ -281,7 +395,8 @@ int run_hold(const HoldOptions& o) {
     }
   }
   std::fflush(stdout);
-  for (RegionId id : ids) (void)(*manager)->unregister_region(id);  // unlocks
+  for (const auto& id : ids)
+    if (id) (void)(*manager)->unregister_region(*id);  // unlocks
   manager->reset();
   g_released_fd = -1;
   ::close(released[0]);
@@ -296,18 +411,24 @@ const Command cmd{"hold", "keep files resident (locked) for every process that m
                     app.add_option("FILE", o->files, "files to hold (a model, its shards); earlier files win when the budget must choose")
                         ->required();
                     add_text_option(app, "--keep-alive", o->keep_alive,
-                                   "how long to hold: a duration (500ms, 30m, 2h) or forever; default RESIDENCY_KEEP_ALIVE, "
-                                   "else forever");
+                                   "how long to hold, counted from the start (not from the last read of the files: "
+                                   "hold cannot see other processes' reads): a duration (500ms, 30m, 2h) or forever; "
+                                   "default RESIDENCY_KEEP_ALIVE, else forever");
                     add_text_option(app, "--wired-limit", o->wired_limit,
                                    "most to lock: bytes (8GiB) or a percent of the recommended working set (50%); default "
                                    "RESIDENCY_WIRED_LIMIT, else the recommended working set");
                     app.add_flag("--release-on-pressure", o->release_on_pressure,
-                                 "give everything back when the kernel reports memory pressure (PSI), then exit");
+                                 "give everything back when the kernel reports memory pressure, then exit: PSI (this process's "
+                                 "cgroup v2 memory.pressure, else /proc/pressure/memory) or, in a cgroup v1 memory cgroup, "
+                                 "its memory.pressure_level; `residency stat` shows which on its 'pressure watch' line");
                     app.add_flag("-q,--quiet", o->quiet, "only warnings and errors from the library");
                     app.footer(
                         "Stops on SIGINT, SIGTERM or SIGHUP (unlocking everything), or when the keep-alive expires or "
-                        "memory pressure releases the files; exit status 0. Bad input: exit 2. Nothing could be wired: "
-                        "exit 1. Also honours RESIDENCY_* (the options win).");
+                        "memory pressure releases the files, or when every file was deleted; exit status 0. Bad input: "
+                        "exit 2. Nothing could be wired, or stdout cannot be written: exit 1. Files are checked once a "
+                        "second: a deleted file (its last name removed, or replaced by another file) is released and said "
+                        "once; a file that shrank or grew is held at its new length (never past its end). Also honours "
+                        "RESIDENCY_* (the options win).");
                     return [o] { return run_hold(*o); };
                   }};
 

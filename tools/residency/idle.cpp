@@ -10,9 +10,11 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -55,9 +57,17 @@ class Console final : public IdleReporter {
   void out(const std::string& line) {
     std::lock_guard<std::mutex> g(m_);
     clear_bar();
-    std::fputs((line + "\n").c_str(), stdout);
-    std::fflush(stdout);
+    errno = 0;
+    if ((std::fputs((line + "\n").c_str(), stdout) < 0 || std::fflush(stdout) != 0) && output_error_.empty()) {
+      // A closed pipe (`| head` that has exited), a full disk: the rest of the run would print
+      // to nobody. The benchmark stops at its next step (stop_reason) and main says it once.
+      output_error_ = std::string("cannot write the output: ") + (errno != 0 ? std::strerror(errno) : "write error");
+    }
     draw_bar();
+  }
+  std::string stop_reason() const override {
+    std::lock_guard<std::mutex> g(m_);
+    return output_error_;
   }
   void log(LogLevel level, std::string_view message) override {
     if (level > (verbose_ ? LogLevel::info : LogLevel::warn)) return;
@@ -120,7 +130,8 @@ class Console final : public IdleReporter {
     drawn_ = true;
   }
 
-  std::mutex m_;
+  mutable std::mutex m_;
+  std::string output_error_;  // the first failed write to stdout; empty while writes succeed
   bool progress_, verbose_;
   bool drawn_ = false;
   std::size_t total_ = 0, done_ = 0;

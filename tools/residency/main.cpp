@@ -2,6 +2,7 @@
 // residency: the command-line tool. Subcommands register themselves (command.hpp).
 #include <algorithm>
 #include <cerrno>
+#include <csignal>
 #include <cstdio>
 #include <cstring>
 #include <map>
@@ -9,6 +10,9 @@
 #include <vector>
 
 #include "command.hpp"
+#if defined(RESIDENCY_HAVE_WORKLOAD)
+#include "workload/cleanup.hpp"
+#endif
 
 namespace residency::tool {
 namespace {
@@ -29,6 +33,16 @@ Command::Command(std::string name, std::string help, Setup setup) {
 
 int main(int argc, char** argv) {
   using namespace residency::tool;
+  // A closed stdout (`| head` that has exited) is a write error, not death by SIGPIPE: dying
+  // skips the destructors, which unlock, leave a shared budget's ledger and remove temporary
+  // files. Every subcommand then ends through output_ok below (exit 1, one message) or stops at
+  // its next write (idle). The cleanup handlers ignore only the SIGPIPE of our own write; one
+  // sent with kill still ends the process (after removing idle's files).
+#if defined(RESIDENCY_HAVE_WORKLOAD)
+  residency::workload::CleanupRegistry::install_signal_handlers();
+#else
+  std::signal(SIGPIPE, SIG_IGN);  // no child processes without the workload library
+#endif
   CLI::App app{"residency: keep model memory resident while requests flow, and measure what idle costs"};
   app.name("residency");
   app.require_subcommand(1);

@@ -69,6 +69,11 @@ nlohmann::json backends_json(const BackendsHere& b) {
 
 using Row = std::pair<std::string, std::string>;
 
+// The cgroup limit that could not be read: never shown as "none", which would read as "no limit".
+std::string limit_unknown_text(const PosixSystemInfo& info) {
+  return info.cgroup_memory_max_unknown + " (the limit is unknown, not absent; see the note)";
+}
+
 // The machine-wide budgets (RESIDENCY_SHARED_BUDGET) this user can read: the library reads the
 // ledgers; here they are only formatted.
 [[maybe_unused]] std::string idle_text(const std::optional<Nanos>& idle) {
@@ -216,7 +221,10 @@ int run_stat(bool json) {
     j["recommended_working_set"] = recommended;
     j["cgroup"] = {{"path", info.cgroup_path.empty() ? nlohmann::json(nullptr) : nlohmann::json(info.cgroup_path)},
                    {"version", info.cgroup_version == 0 ? nlohmann::json(nullptr) : nlohmann::json(info.cgroup_version)},
-                   {"memory_max", bytes_or_null(info.cgroup_memory_max)}};
+                   {"memory_max", bytes_or_null(info.cgroup_memory_max)},
+                   {"memory_max_unknown", info.cgroup_memory_max_unknown.empty()
+                                              ? nlohmann::json(nullptr)
+                                              : nlohmann::json(info.cgroup_memory_max_unknown)}};
     j["psi_memory"] = pressure_json(info.system_pressure);
     j["psi_memory_cgroup"] = info.cgroup_pressure ? pressure_json(*info.cgroup_pressure) : nlohmann::json(nullptr);
     j["pressure_watch"] = pressure_source_json(info.pressure_watch);
@@ -251,7 +259,9 @@ int run_stat(bool json) {
     const bool v1 = info.cgroup_version == 1;
     rows.emplace_back(v1 ? "cgroup (v1 memory)" : "cgroup (v2)",
                       info.cgroup_path + (v1 ? ", memory.limit_in_bytes " : ", memory.max ") +
-                          (info.cgroup_memory_max ? format_size(*info.cgroup_memory_max) : std::string("none")));
+                          (info.cgroup_memory_max              ? format_size(*info.cgroup_memory_max)
+                           : info.cgroup_memory_max_unknown.empty() ? std::string("none (no limit)")
+                                                                    : limit_unknown_text(info)));
   }
   pressure_rows(rows, "PSI memory", info.system_pressure);
   if (info.cgroup_pressure) pressure_rows(rows, "PSI memory (cgroup)", *info.cgroup_pressure);

@@ -122,6 +122,9 @@ struct PosixSystemInfo {
   std::optional<std::uint64_t> mlocked;        // /proc/meminfo Mlocked (whole system)
   std::optional<std::uint64_t> vm_lck;         // /proc/self/status VmLck (this process)
   std::optional<std::uint64_t> cgroup_memory_max;  // the memory cgroup's limit (v1 memory.limit_in_bytes, v2 memory.max); nullopt = none
+  // Non-empty: the limit could not be read (cgroup_memory_max is then nullopt, which does not
+  // mean "no limit"): "missing" when the file is not there, else "unreadable"; the detail is in problems.
+  std::string cgroup_memory_max_unknown;
   std::uint64_t memlock_soft = 0;  // RLIMIT_MEMLOCK, bytes or kUnlimited
   std::uint64_t memlock_hard = 0;
   bool cap_ipc_lock = false;       // effective CAP_IPC_LOCK: RLIMIT_MEMLOCK does not apply

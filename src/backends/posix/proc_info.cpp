@@ -468,11 +468,22 @@ Result<MemoryCgroup> find_memory_cgroup() {
   return MemoryCgroup{2, v2->cgroup_path, v2->dir};
 }
 
-std::optional<std::uint64_t> memory_cgroup_limit(const MemoryCgroup& cg) {
-  if (cg.cgroup_path == "/") return std::nullopt;  // the root cgroup has no limit of its own
-  auto text = read_text_file(cg.dir + (cg.version == 1 ? "/memory.limit_in_bytes" : "/memory.max"));
-  if (!text) return std::nullopt;
+Result<std::optional<std::uint64_t>> read_memory_cgroup_limit(const MemoryCgroup& cg) {
+  if (cg.cgroup_path == "/") return std::optional<std::uint64_t>();  // the root cgroup has no limit of its own
+  const std::string path = cg.dir + (cg.version == 1 ? "/memory.limit_in_bytes" : "/memory.max");
+  int err = 0;
+  auto text = read_file_errno(path, err);
+  if (!text) {
+    if (err == ENOENT) return Status(ErrorCode::not_found, path + " is missing");
+    return Status(ErrorCode::io_error, "cannot read " + path + ": " + errno_text(err));
+  }
   auto v = cg.version == 1 ? parse_memory_limit_v1(*text) : parse_memory_max(*text);
+  if (!v) return Status(ErrorCode::io_error, path + ": " + v.message());
+  return *v;
+}
+
+std::optional<std::uint64_t> memory_cgroup_limit(const MemoryCgroup& cg) {
+  auto v = read_memory_cgroup_limit(cg);
   if (!v) return std::nullopt;
   return *v;
 }

@@ -104,6 +104,9 @@ struct MemoryCgroup {
 Result<MemoryCgroup> find_memory_cgroup();
 // The memory cgroup's limit (v1 memory.limit_in_bytes, v2 memory.max); nullopt: none.
 std::optional<std::uint64_t> memory_cgroup_limit(const MemoryCgroup& cg);
+// The same, telling "no limit" (nullopt) from a limit that could not be read: the file is missing
+// (not_found) or unreadable or holds no byte count (io_error); the message names the file.
+Result<std::optional<std::uint64_t>> read_memory_cgroup_limit(const MemoryCgroup& cg);
 // One "<key> <bytes>" line of a cgroup's memory.stat (v1 "total_inactive_file", v2
 // "inactive_file"); nullopt when absent or not a number.
 std::optional<std::uint64_t> parse_memory_stat_value(std::string_view text, std::string_view key);

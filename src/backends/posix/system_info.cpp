@@ -228,7 +228,12 @@ PosixSystemInfo read_posix_system_info() {
     info.cgroup_version = cg->version;
     if (cg->cgroup_path != "/") {
       if (cg->version == 2) info.cgroup_pressure = posix::read_pressure(cg->dir + "/memory.pressure");
-      info.cgroup_memory_max = posix::memory_cgroup_limit(*cg);
+      if (auto max = posix::read_memory_cgroup_limit(*cg)) {
+        info.cgroup_memory_max = *max;
+      } else {
+        info.cgroup_memory_max_unknown = max.status().code() == ErrorCode::not_found ? "missing" : "unreadable";
+        info.problems.push_back("memory cgroup limit: " + max.message());
+      }
     }
   } else {
     info.problems.push_back("memory cgroup: " + cg.message());

@@ -124,9 +124,7 @@ int main(int argc, char** argv) {
     bench.schedule.iters = iters;
     bench.policies = *pol;
     bench.log_level = LogLevel::warn;
-    bench.log = [](LogLevel level, std::string_view msg) {
-      std::fprintf(stderr, "residency: %s: %.*s\n", to_string(level), static_cast<int>(msg.size()), msg.data());
-    };
+    bench.log = [](LogLevel level, std::string_view msg) { log_to_stderr(level, msg); };
     Printer printer;
     auto res = run_idle_benchmark(**target, bench, &printer);
     if (!res) {
