@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // The default log line as a user reads it on stderr: "residency[PID]: level: message", with the
 // local time after the pid under RESIDENCY_LOG_TIME=1, and on a fresh line after a host
 // program's unfinished line when stderr is a file. Each case runs in a child process whose
