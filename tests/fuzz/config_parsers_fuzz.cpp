@@ -46,7 +46,7 @@ void check(const R& r) {
 const char* const kVars[] = {"RESIDENCY_SHARED_BUDGET", "RESIDENCY_SHARED_PRIORITY", "RESIDENCY_KEEP_ALIVE", "RESIDENCY_WIRED_LIMIT", "RESIDENCY_SET_MAX_PCT",
                              "RESIDENCY_LAYOUT",           "RESIDENCY_RELEASE_ON_PRESSURE", "RESIDENCY_PRESSURE_FLOOR",
                              "RESIDENCY_PRESSURE_QUIET",   "RESIDENCY_LOG",           "GGML_METAL_RESIDENCY_KEEP_ALIVE_S",
-                             "GGML_METAL_NO_RESIDENCY",    "MLX_RESIDENCY_SET_MAX_PCT", "MLX_RESIDENCY_DEBUG"};
+                             "GGML_METAL_NO_RESIDENCY",    "MLX_RESIDENCY_SET_MAX_PCT", "MLX_RESIDENCY_DEBUG", "RESIDENCY_STATE_FILE"};
 constexpr std::size_t kVarCount = sizeof kVars / sizeof kVars[0];
 
 }  // namespace
