@@ -99,6 +99,7 @@ void remove_state_files_at_exit() {
 
 StateFile::StateFile()
     : owner_pid_(::getpid()),
+      start_time_(process_start_time(owner_pid_)),
       path_(std::string(kStateDir) + "/" + name_for(next_manager_number())),
       tmp_(std::string(kStateDir) + "/." + path_.substr(std::strlen(kStateDir) + 1) + ".tmp") {}
 
@@ -121,7 +122,7 @@ std::string StateFile::why_not() {
 
 bool StateFile::publish(const std::string& body) {
   if (::getpid() != owner_pid_) return false;  // a fork child: the file is the parent's
-  const auto start = process_start_time(owner_pid_);
+  const auto& start = start_time_;
   const double now = std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
   char updated[32];
   std::snprintf(updated, sizeof updated, "%.3f", now);
@@ -246,7 +247,7 @@ std::vector<StateFileRead> read_state_files(int pid, uid_t owner_uid, std::optio
 
 #else  // no /proc, no /dev/shm: nothing is published
 
-StateFile::StateFile() : owner_pid_(0) {}
+StateFile::StateFile() : owner_pid_(0), start_time_(std::nullopt) {}
 StateFile::~StateFile() = default;
 void StateFile::remove() {}
 std::string StateFile::why_not() { return {}; }

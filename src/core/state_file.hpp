@@ -61,6 +61,7 @@ class StateFile {
  private:
   void remove();
   const int owner_pid_;
+  const std::optional<std::uint64_t> start_time_;  // the owner's, read once
   const std::string path_, tmp_;
   bool failed_ = false, written_ = false;
   std::string why_not_;

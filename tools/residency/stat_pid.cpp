@@ -345,11 +345,13 @@ nlohmann::json manager_json(const core::StateFileRead& s) {
   if (!s.error.empty()) j["error"] = printable(s.error, 400);
   nlohmann::json st = nlohmann::json::object();
   for (const auto& [k, v] : s.fields) {
-    const bool whole = !v.empty() && v.size() < 20 && v.find_first_not_of("0123456789") == std::string::npos;
+    const std::string digits = !v.empty() && v[0] == '-' ? v.substr(1) : v;
+    const bool whole = !digits.empty() && digits.size() < 19 && digits.find_first_not_of("0123456789") == std::string::npos;
     char* end = nullptr;
     const double d = std::strtod(v.c_str(), &end);
-    const bool real = !v.empty() && end == v.c_str() + v.size() && v.find_first_not_of("0123456789.") == std::string::npos;
-    if (whole) st[printable(k)] = std::strtoull(v.c_str(), nullptr, 10);
+    const bool real = !digits.empty() && end == v.c_str() + v.size() && digits.find_first_not_of("0123456789.") == std::string::npos;
+    if (whole && digits.size() == v.size()) st[printable(k)] = std::strtoull(v.c_str(), nullptr, 10);
+    else if (whole) st[printable(k)] = std::strtoll(v.c_str(), nullptr, 10);
     else if (real) st[printable(k)] = d;
     else st[printable(k)] = printable(v, 400);
   }
