@@ -197,7 +197,7 @@ TEST(StatPid, HoldChildLockedBytesManagerStateAndSharedBudget) {
 // --- children that run a Manager --------------------------------------------------------
 
 // The manager a child leaks on purpose (reachable from here: no leak report at its exit).
-residency::Manager* g_leaked = nullptr;
+residency::Manager* volatile g_leaked = nullptr;  // volatile: a store nobody reads is kept
 
 // How the child ends once the parent writes a byte to its pipe.
 enum class End { destroy, exit_without_destroy, fork_child_exits_then_destroy };
