@@ -273,6 +273,7 @@ std::vector<StateFileRead> read_state_files(int pid, uid_t owner_uid, std::optio
 
 #else  // no /proc, no /dev/shm: nothing is published
 
+void remove_state_files_at_exit() {}
 StateFile::StateFile() : owner_pid_(0), start_time_(std::nullopt) {}
 StateFile::~StateFile() = default;
 void StateFile::remove() {}
