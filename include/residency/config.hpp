@@ -112,6 +112,9 @@ struct Config {
   // the holder idle longest among those of priority <= ours is asked to give back (see README).
   std::optional<SharedBudget> shared_budget;
   int shared_priority = 0;  // higher: asked later, and never by a holder of lower priority
+  // Publish this manager's state for `residency stat --pid` (a 0600 file in /dev/shm, Linux;
+  // src/core/state_file.hpp).
+  bool state_file = true;
   // Notes made while reading the environment (a peer alias used, a variable overriding
   // another); the manager logs them at start-up.
   std::vector<std::string> notes;
@@ -119,8 +122,8 @@ struct Config {
   using EnvLookup = std::function<const char*(const char* name)>;
   // Reads RESIDENCY_KEEP_ALIVE, RESIDENCY_WIRED_LIMIT, RESIDENCY_SET_MAX_PCT,
   // RESIDENCY_LAYOUT, RESIDENCY_RELEASE_ON_PRESSURE, RESIDENCY_PRESSURE_FLOOR,
-  // RESIDENCY_PRESSURE_QUIET, RESIDENCY_SHARED_BUDGET, RESIDENCY_SHARED_PRIORITY, RESIDENCY_LOG,
-  // RESIDENCY_LOG_TIME
+  // RESIDENCY_PRESSURE_QUIET, RESIDENCY_SHARED_BUDGET, RESIDENCY_SHARED_PRIORITY, RESIDENCY_STATE_FILE,
+  // RESIDENCY_LOG, RESIDENCY_LOG_TIME
   // and the peer aliases
   // GGML_METAL_RESIDENCY_KEEP_ALIVE_S, GGML_METAL_NO_RESIDENCY, MLX_RESIDENCY_SET_MAX_PCT,
   // MLX_RESIDENCY_DEBUG. On error the message has one line per bad variable.

@@ -167,6 +167,7 @@ residency_status residency_config_set(residency_config* cfg, const char* key, co
                                      {"pressure_quiet", "RESIDENCY_PRESSURE_QUIET"},
                                      {"shared_budget", "RESIDENCY_SHARED_BUDGET"},
                                      {"shared_priority", "RESIDENCY_SHARED_PRIORITY"},
+                                     {"state_file", "RESIDENCY_STATE_FILE"},
                                      {"log", "RESIDENCY_LOG"},
                                      {"log_time", "RESIDENCY_LOG_TIME"}};
     const char* var = nullptr;
@@ -176,7 +177,7 @@ residency_status residency_config_set(residency_config* cfg, const char* key, co
       return fail(Status(ErrorCode::invalid_argument,
                          "residency_config_set: unknown key '" + printable(k) +
                              "'; accepted: keep_alive, wired_limit, set_max_pct, layout, release_on_pressure, "
-                             "pressure_floor, pressure_quiet, shared_budget, shared_priority, log, log_time"));
+                             "pressure_floor, pressure_quiet, shared_budget, shared_priority, state_file, log, log_time"));
     // Parse exactly as the environment variable would be, then merge that one field.
     auto c = Config::from_env([&](const char* name) { return std::string(name) == var ? value : nullptr; });
     if (!c) return fail(c.status());
@@ -190,6 +191,7 @@ residency_status residency_config_set(residency_config* cfg, const char* key, co
     else if (k == "shared_budget") cfg->config.shared_budget = c->shared_budget;
     else if (k == "shared_priority") cfg->config.shared_priority = c->shared_priority;
     else if (k == "log_time") cfg->config.log_time = c->log_time;
+    else if (k == "state_file") cfg->config.state_file = c->state_file;
     else cfg->config.log_level = c->log_level;
     return RESIDENCY_OK;
   });

@@ -544,6 +544,10 @@ Result<Config> Config::from_env(const EnvLookup& getenv) {
                                             "an integer from -1000 to 1000; default 0, higher keeps its share longer"));
     }
   }
+  if (const char* v = get("RESIDENCY_STATE_FILE")) {
+    auto f = parse_flag(v, "1 (publish this process's state for `residency stat --pid`, the default) or 0");
+    if (f) c.state_file = *f; else fail("RESIDENCY_STATE_FILE", f.status());
+  }
   const char* log = get("RESIDENCY_LOG");
   const char* mlx_debug = get("MLX_RESIDENCY_DEBUG");
   if (log) {

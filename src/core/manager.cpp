@@ -9,6 +9,7 @@
 //   KeepAliveState  what the policy wants now, and touch()'s hot path (keep_alive.hpp)
 //   KeepAliveScheduler  the heartbeat that sleeps until its deadline (keep_alive_scheduler.hpp)
 //   ledger::Ledger  this manager's share of a machine-wide budget (src/ledger/ledger.hpp)
+//   StateFile       what `residency stat --pid` reads: a snapshot per state change (state_file.hpp)
 //
 // Shared budget rule: the ledger holds at least what the backend has wired, plus what is about to
 // be: bytes are reserved there before a commit or request can wire them (admit(), wire()) and
@@ -37,6 +38,7 @@
 #include "residency/residency.hpp"
 #include "residency_sets.hpp"
 #include "set_layout.hpp"
+#include "state_file.hpp"
 #include "wired_budget.hpp"
 
 namespace residency {
@@ -109,6 +111,13 @@ struct Manager::Impl {
   std::uint64_t releases = 0, rewires = 0, wire_failures = 0, release_failures = 0, pressure_releases = 0,
                 pressure_restores = 0;
   Nanos rewire_time{0};
+  // For the state file: the last release and re-wire, in wall-clock seconds (0: none yet).
+  double last_release_at = 0, last_rewire_at = 0;
+  std::string last_release_reason;
+  Nanos last_rewire_dt{0};
+  std::uint64_t last_rewire_bytes = 0;
+  std::string pressure_src;  // what release on pressure watches, if it does
+  std::unique_ptr<core::StateFile> state;  // config.state_file: published on state changes
   std::unique_ptr<KeepAliveScheduler> scheduler;
   std::optional<PressureWatchId> pressure_watch;
 
@@ -273,6 +282,76 @@ struct Manager::Impl {
     sets.flush(ka.resident(), [this](const SetOutcome& o, const char* w) { on_failure(o, w); });
     settle_shared();
     shared_full = false;
+    publish_state();
+  }
+
+  // --- state file -------------------------------------------------------------------------
+
+  static double wall_now() {
+    return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
+  }
+
+  // Writes the snapshot `residency stat --pid` shows (state_file.hpp). Under mu, after a change
+  // of membership, residency or budget: never from touch()'s fast path.
+  void publish_state() {
+    if (!state) return;
+    std::uint64_t tracked[3] = {0, 0, 0}, wired[3] = {0, 0, 0};
+    const bool requested = sets.requested_bytes() > 0;
+    regions.for_each([&](Region& r) {
+      const auto c = static_cast<std::size_t>(r.desc.cls);
+      if (c >= 3) return;
+      tracked[c] += r.desc.size;
+      if (r.admitted && requested) wired[c] += r.desc.size;
+    });
+    std::string b;
+    auto put = [&b](const char* k, const std::string& v) {
+      std::string line = v;
+      for (char& ch : line)
+        if (ch == '\n' || ch == '\r') ch = ' ';
+      b += std::string(k) + "=" + line + "\n";
+    };
+    auto num = [&](const char* k, std::uint64_t v) { put(k, std::to_string(v)); };
+    auto secs = [&](const char* k, double v) {
+      char buf[32];
+      std::snprintf(buf, sizeof buf, "%.3f", v);
+      put(k, buf);
+    };
+    put("backend", caps.name);
+    put("keep_alive", config.keep_alive.to_string());
+    num("resident", ka.resident() ? 1 : 0);
+    put("wired_limit", budget.limit() == UINT64_MAX ? std::string("unlimited") : std::to_string(budget.limit()));
+    num("wired_bytes", sets.requested_bytes());
+    num("tracked_bytes", regions.tracked_bytes());
+    num("admitted_bytes", budget.admitted());
+    num("regions", regions.size());
+    for (std::size_t c = 0; c < 3; ++c) {
+      const std::string cls = to_string(static_cast<RegionClass>(c));
+      put(("tracked." + cls).c_str(), std::to_string(tracked[c]));
+      put(("wired." + cls).c_str(), std::to_string(wired[c]));
+    }
+    num("releases", releases);
+    num("rewires", rewires);
+    num("wire_failures", wire_failures);
+    if (last_release_at > 0) {
+      secs("last_release_at", last_release_at);
+      put("last_release_reason", last_release_reason);
+    }
+    if (last_rewire_at > 0) {
+      secs("last_rewire_at", last_rewire_at);
+      secs("last_rewire_ms", std::chrono::duration<double, std::milli>(last_rewire_dt).count());
+      num("last_rewire_bytes", last_rewire_bytes);
+    }
+    num("release_on_pressure", config.release_on_pressure ? 1 : 0);
+    if (!pressure_src.empty()) put("pressure_source", pressure_src);
+    if (budget.cap() != UINT64_MAX) num("pressure_cap", budget.cap());
+    if (shared) {
+      put("shared_budget", shared->name());
+      num("shared_budget_size", shared->budget());
+      num("shared_held", shared->held());
+      put("shared_priority", std::to_string(config.shared_priority));
+    }
+    if (!state->publish(b))
+      if (std::string why = state->why_not(); !why.empty()) log(LogLevel::warn, why);
   }
 
   // --- shared budget ----------------------------------------------------------------------
@@ -400,9 +479,13 @@ struct Manager::Impl {
       const Nanos dt = clock->now() - t0;
       ++rewires;
       rewire_time += dt;
+      last_rewire_at = wall_now();
+      last_rewire_dt = dt;
+      last_rewire_bytes = bytes;
       log(LogLevel::info, "re-wired " + core::mib(bytes) + " in " + std::to_string(n) + " set(s) in " + core::ms(dt) + " (" +
                               why + ")");
     }
+    if (ever_released && n > 0) publish_state();  // flush() published before the re-wire was counted
     if (scheduler) scheduler->wake_locked();
   }
 
@@ -414,14 +497,18 @@ struct Manager::Impl {
     if (r.sets > 0) backend->after_release();
     settle_shared();
     ever_released = true;
+    last_release_at = wall_now();
+    last_release_reason = why;
     if (r.failed == 0) {
       ++releases;
+      publish_state();
       log(LogLevel::info, "released " + core::mib(r.bytes) + " in " + std::to_string(r.sets) + " set(s) in " +
                               core::ms(clock->now() - t0) + " (" + why + ")");
       return;
     }
     ++release_failures;
     if (r.sets > 0) ++releases;
+    publish_state();
     log(LogLevel::warn, "could not release " + std::to_string(r.failed) + " set(s) (" + why + "): " + r.status.message() + "; " +
                             core::mib(sets.requested_bytes()) + " stay wired, " + core::mib(r.bytes) + " released");
   }
@@ -626,11 +713,19 @@ Result<std::unique_ptr<Manager>> Manager::create(ManagerOptions o) {
     auto id = m.backend->watch_pressure([self] { self->notify_memory_pressure(); });
     if (id) {
       m.pressure_watch = *id;
-      if (std::string src = m.backend->pressure_source(); !src.empty())
+      if (std::string src = m.backend->pressure_source(); !src.empty()) {
         m.log(LogLevel::info, "watching memory pressure: " + src);
+        std::lock_guard<std::mutex> g(m.mu);
+        m.pressure_src = src;
+      }
     } else {
       m.log(LogLevel::warn, "release_on_pressure is set but " + id.message() + "; call notify_memory_pressure() yourself");
     }
+  }
+  if (m.config.state_file) {
+    std::lock_guard<std::mutex> g(m.mu);
+    m.state = std::make_unique<core::StateFile>();
+    m.publish_state();
   }
   return mgr;
 }
@@ -658,6 +753,7 @@ Manager::~Manager() {
   if (any_requested) m.backend->after_release();
   if (m.budget.admitted() > 0) m.backend->unreserve_wired(m.budget.admitted());
   if (m.shared) m.shared->release(m.shared->held());  // after the sets are gone: nothing is wired
+  m.state.reset();  // removes the file
 }
 
 Result<RegionId> Manager::register_region(void* base, std::size_t size, RegionClass cls, int priority,

@@ -48,7 +48,8 @@ const char* const kVars[] = {"RESIDENCY_SHARED_BUDGET", "RESIDENCY_SHARED_PRIORI
                              "RESIDENCY_LAYOUT",           "RESIDENCY_RELEASE_ON_PRESSURE", "RESIDENCY_PRESSURE_FLOOR",
                              "RESIDENCY_PRESSURE_QUIET",   "RESIDENCY_LOG",           "RESIDENCY_LOG_TIME",
                              "GGML_METAL_RESIDENCY_KEEP_ALIVE_S",
-                             "GGML_METAL_NO_RESIDENCY",    "MLX_RESIDENCY_SET_MAX_PCT", "MLX_RESIDENCY_DEBUG"};
+                             "GGML_METAL_NO_RESIDENCY",    "MLX_RESIDENCY_SET_MAX_PCT", "MLX_RESIDENCY_DEBUG",
+                             "RESIDENCY_STATE_FILE"};
 constexpr std::size_t kVarCount = sizeof kVars / sizeof kVars[0];
 
 }  // namespace

@@ -16,6 +16,7 @@
 #include <thread>
 
 #include "posix_test_support.hpp"
+#include "support/state_files.hpp"
 
 #ifndef RESIDENCY_TOOL_PATH
 #error "RESIDENCY_TOOL_PATH must name the residency binary (tests/posix/CMakeLists.txt)"
@@ -94,6 +95,7 @@ struct Hold {
     if (pid > 0) {
       ::kill(pid, SIGKILL);
       ::waitpid(pid, nullptr, 0);
+      residency::testing::remove_state_files_of(pid);
     }
     std::remove(out_path.c_str());
     std::remove(err_path.c_str());

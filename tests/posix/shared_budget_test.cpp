@@ -35,6 +35,7 @@
 #include "residency/backends.hpp"
 #include "residency/residency.hpp"
 #include "residency/shared_budget.hpp"
+#include "support/state_files.hpp"
 
 #ifndef RESIDENCY_TOOL_PATH
 #error "RESIDENCY_TOOL_PATH must name the residency binary (tests/posix/CMakeLists.txt)"
@@ -125,6 +126,7 @@ struct Hold {
   void kill9() {
     ::kill(pid, SIGKILL);
     ::waitpid(pid, nullptr, 0);
+    residency::testing::remove_state_files_of(pid);
     pid = -1;
   }
   ~Hold() {

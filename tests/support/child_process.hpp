@@ -23,6 +23,8 @@
 #include <utility>
 #include <vector>
 
+#include "support/state_files.hpp"
+
 extern char** environ;
 
 namespace residency::testing {
@@ -149,6 +151,7 @@ class ChildProcess {
         ::kill(pid_, SIGKILL);
         while (::waitpid(pid_, &status, 0) < 0 && errno == EINTR) {
         }
+        remove_state_files_of(pid_);
         break;
       }
       std::this_thread::sleep_for(std::chrono::milliseconds(10));
@@ -164,6 +167,7 @@ class ChildProcess {
       ::kill(pid_, SIGKILL);
       while (::waitpid(pid_, nullptr, 0) < 0 && errno == EINTR) {
       }
+      remove_state_files_of(pid_);
       reaped_ = true;
     }
     close_fds();

@@ -28,6 +28,7 @@
 #include <vector>
 
 #include "backends/posix/proc_info.hpp"
+#include "support/state_files.hpp"
 
 namespace {
 
@@ -382,6 +383,7 @@ TEST_F(ToolHardening, IdleRemovesItsModelOnEveryTerminatingSignal) {
     EXPECT_FALSE(tmp_entries().empty());
     kill(pid, sig);
     const ToolRun r = finish(pid, logs_, Clock::now());
+    residency::testing::remove_state_files_of(pid);  // death by a signal runs no exit handler
     EXPECT_EQ(r.signal, sig) << "exit " << r.exit_code << ": " << r.err;
     EXPECT_TRUE(tmp_entries().empty()) << "left in TMPDIR after " << strsignal(sig) << ": " << tmp_entries().front();
   }
@@ -391,6 +393,7 @@ TEST_F(ToolHardening, IdleRemovesItsModelOnEveryTerminatingSignal) {
           nullptr, true};
   const pid_t pid = start(s);
   const ToolRun r = finish(pid, logs_, Clock::now());
+  residency::testing::remove_state_files_of(pid);
   EXPECT_EQ(r.exit_code, 1) << "signal " << r.signal << ": " << r.err;
   EXPECT_TRUE(tmp_entries().empty()) << "left in TMPDIR after a closed pipe: " << tmp_entries().front();
 }
@@ -402,6 +405,7 @@ TEST_F(ToolHardening, AKilledRunsLeftoversAreRemovedByTheNextRun) {
   const pid_t pid = start_until(s, "warm-up decode");
   kill(pid, SIGKILL);
   finish(pid, logs_, Clock::now());
+  residency::testing::remove_state_files_of(pid);  // its managers' files: no exit handler ran
   ASSERT_EQ(tmp_entries().size(), 1u);
   const std::string dead = tmp_entries().front();
   EXPECT_TRUE(fs::exists(tmp_ + "/" + dead + "/model.gguf"));

@@ -79,6 +79,10 @@ TEST(CApi, ConfigSetParsesStrictlyAndNamesTheVariable) {
   EXPECT_EQ(residency_config_set(cfg, "wired_limit", "50%"), RESIDENCY_OK);
   EXPECT_EQ(residency_config_set(cfg, "shared_budget", "llm:8GiB:video"), RESIDENCY_OK);
   EXPECT_EQ(residency_config_set(cfg, "shared_priority", "2"), RESIDENCY_OK);
+  EXPECT_EQ(residency_config_set(cfg, "state_file", "0"), RESIDENCY_OK);
+  EXPECT_EQ(residency_config_set(cfg, "state_file", "maybe"), RESIDENCY_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(residency_last_error()).find("RESIDENCY_STATE_FILE=\"maybe\""), std::string::npos)
+      << residency_last_error();
   EXPECT_EQ(residency_config_set(cfg, "shared_budget", "llm"), RESIDENCY_INVALID_ARGUMENT);
   EXPECT_NE(std::string(residency_last_error()).find("RESIDENCY_SHARED_BUDGET=\"llm\": no ':'"), std::string::npos)
       << residency_last_error();

@@ -279,6 +279,17 @@ TEST(ConfigFromEnv, SharedBudgetAndPriority) {
   EXPECT_EQ(std::count(bad.message().begin(), bad.message().end(), '\n'), 1);
 }
 
+TEST(ConfigFromEnv, StateFileIsOnByDefaultAndTurnsOff) {
+  EXPECT_TRUE(Config::from_env(env({}))->state_file);
+  auto off = Config::from_env(env({{"RESIDENCY_STATE_FILE", "0"}}));
+  ASSERT_TRUE(off) << off.message();
+  EXPECT_FALSE(off->state_file);
+  auto bad = Config::from_env(env({{"RESIDENCY_STATE_FILE", "sometimes"}}));
+  ASSERT_FALSE(bad);
+  EXPECT_NE(bad.message().find("RESIDENCY_STATE_FILE=\"sometimes\""), std::string::npos) << bad.message();
+  EXPECT_NE(bad.message().find("or 0"), std::string::npos) << "names what is accepted: " << bad.message();
+}
+
 // Issue 13, items 1 and 7: every echoed value is printable and short; errors say why.
 TEST(Printable, EscapesControlCharactersAndKeepsText) {
   EXPECT_EQ(printable("model.gguf"), "model.gguf");

@@ -18,6 +18,7 @@
 #include "residency/backends.hpp"
 #include "residency/config.hpp"
 #include "residency/shared_budget.hpp"
+#include "stat_pid.hpp"
 
 #if RESIDENCY_TOOL_HAVE_METAL  // macOS with the metal backend: stat_apple.cpp
 #include "stat_apple.hpp"
@@ -302,8 +303,13 @@ const Command stat_command{
     "stat", "what this machine and process hold resident (memory, locks, limits, pressure)",
     [](CLI::App& app) {
       auto json = std::make_shared<bool>(false);
+      auto pid = std::make_shared<int>(0);  // 0: not given (the option takes 1 and above)
       app.add_flag("--json", *json, "print JSON with raw byte values");
-      return [json] { return run_stat(*json); };
+      add_whole_number(app, "--pid", *pid, 1, 4194304,
+                       "report on that process instead: what it holds locked and resident, its residency "
+                       "managers' state, what it holds on its GPUs",
+                       "a process id, 1 to 4194304");
+      return [json, pid] { return *pid ? run_stat_pid(*pid, *json) : run_stat(*json); };
     }};
 
 }  // namespace

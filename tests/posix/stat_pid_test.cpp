@@ -1,0 +1,436 @@
+// `residency stat --pid PID` of real processes: a `residency hold` child (what the kernel says it
+// locked, its manager's state, its shared budget, as text and JSON) and children that run a
+// Manager with a short keep-alive (the release and its reason; the state file removed at
+// destruction and at exit, kept by a fork child's exit, left by a SIGKILL and then reported stale
+// and removed). Bad pids exit 2 with a message; a file in the process's name owned by another
+// user or readable by others is never read. Every /dev/shm file a test makes is removed.
+#include <gtest/gtest.h>
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <nlohmann/json.hpp>
+
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "core/state_file.hpp"
+#include "residency/backends.hpp"
+#include "residency/residency.hpp"
+
+#ifndef RESIDENCY_TOOL_PATH
+#error "RESIDENCY_TOOL_PATH must name the residency binary (tests/posix/CMakeLists.txt)"
+#endif
+
+namespace {
+
+using namespace std::chrono_literals;
+
+struct ToolRun {
+  int exit_code = -1;
+  std::string out;  // stdout and stderr
+};
+
+ToolRun run_tool(const std::string& args) {
+  ToolRun r;
+  const std::string cmd = std::string("'") + RESIDENCY_TOOL_PATH + "' " + args + " 2>&1";
+  FILE* p = ::popen(cmd.c_str(), "r");
+  if (p == nullptr) return r;
+  char buf[4096];
+  std::size_t n = 0;
+  while ((n = std::fread(buf, 1, sizeof buf, p)) > 0) r.out.append(buf, n);
+  const int status = ::pclose(p);
+  if (WIFEXITED(status)) r.exit_code = WEXITSTATUS(status);
+  return r;
+}
+
+std::uint64_t status_kb(pid_t pid, const char* key) {
+  std::ifstream f("/proc/" + std::to_string(pid) + "/status");
+  std::string line;
+  while (std::getline(f, line))
+    if (line.rfind(key, 0) == 0) return std::stoull(line.substr(std::strlen(key))) * 1024;
+  return UINT64_MAX;
+}
+
+bool exists(const std::string& p) {
+  struct stat st {};
+  return ::lstat(p.c_str(), &st) == 0;
+}
+
+std::string state_path(pid_t pid, unsigned n = 0) {
+  return std::string(residency::core::kStateDir) + "/" + residency::core::kStatePrefix + std::to_string(::getuid()) + "." +
+         std::to_string(pid) + "." + std::to_string(n);
+}
+
+// Waits until `pred` holds (polled every 20 ms), at most `limit`.
+template <typename F>
+bool eventually(F pred, std::chrono::milliseconds limit = 10s) {
+  const auto end = std::chrono::steady_clock::now() + limit;
+  while (std::chrono::steady_clock::now() < end) {
+    if (pred()) return true;
+    std::this_thread::sleep_for(20ms);
+  }
+  return pred();
+}
+
+void kill_and_reap(pid_t pid) {
+  if (pid <= 0) return;
+  ::kill(pid, SIGKILL);
+  ::waitpid(pid, nullptr, 0);
+}
+
+// A pid that names no process: a child's, once reaped (the kernel does not reuse it at once).
+pid_t dead_pid() {
+  const pid_t c = ::fork();
+  if (c == 0) ::_exit(0);
+  ::waitpid(c, nullptr, 0);
+  return c;
+}
+
+// --- a `residency hold` child --------------------------------------------------------------
+
+constexpr std::size_t kHoldSize = 2u << 20;  // under the default 8 MiB RLIMIT_MEMLOCK
+
+struct HoldChild {
+  pid_t pid = -1;
+  std::string file, budget;
+  ~HoldChild() {
+    if (pid > 0) {
+      ::kill(pid, SIGTERM);  // hold unlocks and leaves the ledger on SIGTERM
+      int st = 0;
+      ::waitpid(pid, &st, 0);
+    }
+    if (!file.empty()) ::unlink(file.c_str());
+    if (!budget.empty()) ::unlink(("/dev/shm/residency-budget-" + budget).c_str());  // only if a holder died
+  }
+};
+
+void start_hold(HoldChild& h) {
+  h.file = "/tmp/residency-statpid-" + std::to_string(::getpid()) + ".bin";
+  h.budget = "statpid-" + std::to_string(::getpid());
+  {
+    std::ofstream f(h.file, std::ios::binary);
+    std::vector<char> data(kHoldSize, 'x');
+    f.write(data.data(), static_cast<std::streamsize>(data.size()));
+  }
+  const std::string sb = "RESIDENCY_SHARED_BUDGET=" + h.budget + ":64MiB";
+  h.pid = ::fork();
+  if (h.pid == 0) {
+    ::setenv("RESIDENCY_SHARED_BUDGET", (h.budget + ":64MiB").c_str(), 1);
+    ::unsetenv("RESIDENCY_STATE_FILE");
+    const int devnull = ::open("/dev/null", O_WRONLY);
+    ::dup2(devnull, 1);
+    ::dup2(devnull, 2);
+    ::execl(RESIDENCY_TOOL_PATH, RESIDENCY_TOOL_PATH, "hold", "--keep-alive", "forever", h.file.c_str(),
+            static_cast<char*>(nullptr));
+    ::_exit(127);
+  }
+}
+
+TEST(StatPid, HoldChildLockedBytesManagerStateAndSharedBudget) {
+  HoldChild h;
+  start_hold(h);
+  ASSERT_GT(h.pid, 0);
+  ASSERT_TRUE(eventually([&] { return status_kb(h.pid, "VmLck:") >= kHoldSize; }))
+      << "hold never locked its file (VmLck " << status_kb(h.pid, "VmLck:") << ")";
+  ASSERT_TRUE(eventually([&] { return exists(state_path(h.pid)); })) << state_path(h.pid);
+
+  struct stat st {};
+  ASSERT_EQ(::stat(state_path(h.pid).c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 07777, 0600u) << "a state file is for its user only";
+  EXPECT_EQ(st.st_uid, ::getuid());
+
+  const ToolRun j = run_tool("stat --pid " + std::to_string(h.pid) + " --json");
+  ASSERT_EQ(j.exit_code, 0) << j.out;
+  const auto doc = nlohmann::json::parse(j.out, nullptr, /*allow_exceptions=*/false);
+  ASSERT_FALSE(doc.is_discarded()) << j.out;
+  EXPECT_EQ(doc["pid"], h.pid);
+  EXPECT_EQ(doc["vm_lck"].get<std::uint64_t>(), status_kb(h.pid, "VmLck:")) << "what /proc says it holds locked";
+  EXPECT_EQ(doc["vm_rss"].is_number(), true);
+  bool file_listed = false;
+  for (const auto& m : doc["locked_mappings"])
+    if (m["mapping"] == "file " + h.file) file_listed = m["locked"].get<std::uint64_t>() == kHoldSize;
+  EXPECT_TRUE(file_listed) << "the held file, locked whole, among the locked mappings:\n" << j.out;
+  ASSERT_EQ(doc["managers"].size(), 1u) << j.out;
+  const auto& m = doc["managers"][0];
+  EXPECT_FALSE(m["stale"].get<bool>());
+  const auto& s = m["state"];
+  EXPECT_EQ(s["backend"], "posix");
+  EXPECT_EQ(s["keep_alive"], "forever");
+  EXPECT_EQ(s["resident"], 1);
+  EXPECT_EQ(s["wired_bytes"], kHoldSize);
+  EXPECT_EQ(s["tracked.weights"], kHoldSize);
+  EXPECT_EQ(s["wired.weights"], kHoldSize);
+  EXPECT_EQ(s["tracked.kv_cache"], 0);
+  EXPECT_EQ(s["regions"], 1);
+  EXPECT_EQ(s["shared_budget"], h.budget);
+  EXPECT_EQ(s["shared_budget_size"], 64u << 20);
+  EXPECT_EQ(s["shared_held"], kHoldSize);
+  EXPECT_EQ(s["pid"], h.pid);
+  EXPECT_FALSE(doc["gpu"]["available"].get<bool>() && doc["gpu"]["processes"].size() > 0)
+      << "hold has no GPU context";
+
+  const ToolRun t = run_tool("stat --pid " + std::to_string(h.pid));
+  ASSERT_EQ(t.exit_code, 0) << t.out;
+  for (const std::string& want : std::vector<std::string>{"VmLck", "2 MiB of 2 MiB resident: file " + h.file, "manager 0", "posix, keep-alive forever, resident",
+                                 "weights 2 MiB (2 MiB wired)", "shared budget", h.budget + ": holds 2 MiB of 64 MiB",
+                                 "none yet", "GPU"})
+    EXPECT_NE(t.out.find(want), std::string::npos) << "missing '" << want << "' in:\n" << t.out;
+
+  ::kill(h.pid, SIGTERM);
+  int status = 0;
+  ASSERT_EQ(::waitpid(h.pid, &status, 0), h.pid);
+  const pid_t was = h.pid;
+  h.pid = -1;
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+  EXPECT_FALSE(exists(state_path(was))) << "hold's manager removed its state file at exit";
+}
+
+// --- children that run a Manager --------------------------------------------------------
+
+// The manager a child leaks on purpose (reachable from here: no leak report at its exit).
+residency::Manager* volatile g_leaked = nullptr;  // volatile: a store nobody reads is kept
+
+// How the child ends once the parent writes a byte to its pipe.
+enum class End { destroy, exit_without_destroy, fork_child_exits_then_destroy };
+
+// A child with a Manager (posix, keep-alive 300 ms) over 1 MiB of anonymous memory; it writes
+// "r" to `ready` once the keep-alive has released it, then waits for a byte on `go`.
+pid_t start_manager_child(End end, int ready_w, int go_r, bool state_file = true) {
+  const pid_t c = ::fork();
+  if (c != 0) return c;
+  auto backend = residency::make_backend("posix");
+  if (!backend) ::_exit(10);
+  residency::ManagerOptions o;
+  o.config.keep_alive = residency::KeepAlive::after(300ms);
+  o.config.state_file = state_file;
+  o.config.log_level = residency::LogLevel::error;
+  o.backend = *backend;
+  auto mgr = residency::Manager::create(std::move(o));
+  if (!mgr) ::_exit(11);
+  constexpr std::size_t kSize = 1u << 20;
+  void* p = ::mmap(nullptr, kSize, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (p == MAP_FAILED) ::_exit(12);
+  std::memset(p, 1, kSize);
+  if (!(*mgr)->register_region(p, kSize, residency::RegionClass::kv_cache)) ::_exit(13);
+  (*mgr)->touch();
+  for (int i = 0; i < 500 && (*mgr)->stats().releases == 0; ++i) std::this_thread::sleep_for(10ms);
+  if ((*mgr)->stats().releases == 0) ::_exit(14);
+  if (::write(ready_w, "r", 1) != 1) ::_exit(15);
+  char b = 0;
+  if (::read(go_r, &b, 1) != 1) ::_exit(16);
+  if (end == End::exit_without_destroy) {
+    g_leaked = mgr->release();  // leaked as the preload leaks its managers: only the exit handler is left
+    std::exit(0);
+  }
+  if (end == End::fork_child_exits_then_destroy) {
+    const pid_t g = ::fork();
+    if (g == 0) std::exit(0);  // runs the exit handlers in a copy of this process
+    ::waitpid(g, nullptr, 0);
+    if (::access(state_path(::getpid()).c_str(), F_OK) != 0) ::_exit(20);  // the child removed our file
+  }
+  mgr->reset();
+  ::_exit(0);
+}
+
+struct ManagerChild {
+  int ready[2] = {-1, -1}, go[2] = {-1, -1};
+  pid_t pid = -1;
+  explicit ManagerChild(End end, bool state_file = true) {
+    if (::pipe(ready) != 0 || ::pipe(go) != 0) return;
+    pid = start_manager_child(end, ready[1], go[0], state_file);
+    ::close(ready[1]);
+    ::close(go[0]);
+    ready[1] = go[0] = -1;
+  }
+  bool wait_ready() {
+    char b = 0;
+    return ::read(ready[0], &b, 1) == 1 && b == 'r';
+  }
+  // Lets the child end; its exit status (-1 if it did not exit).
+  int finish() {
+    if (::write(go[1], "g", 1) != 1) return -1;
+    int st = 0;
+    if (::waitpid(pid, &st, 0) != pid) return -1;
+    pid = -1;
+    return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+  }
+  ~ManagerChild() {
+    kill_and_reap(pid);
+    if (pid > 0) ::unlink(state_path(pid).c_str());
+    for (int fd : {ready[0], ready[1], go[0], go[1]})
+      if (fd >= 0) ::close(fd);
+  }
+};
+
+TEST(StatPid, ShowsTheKeepAlivesReleaseAndItsReasonThenTheFileGoesWithTheManager) {
+  ManagerChild c(End::destroy);
+  ASSERT_GT(c.pid, 0);
+  ASSERT_TRUE(c.wait_ready()) << "the child's manager never released";
+  const ToolRun t = run_tool("stat --pid " + std::to_string(c.pid));
+  ASSERT_EQ(t.exit_code, 0) << t.out;
+  for (const char* want : {"keep-alive 300 ms, released", "kv_cache 1 MiB (0 B wired)", "(keep-alive 300 ms expired); 1 release(s)"})
+    EXPECT_NE(t.out.find(want), std::string::npos) << "missing '" << want << "' in:\n" << t.out;
+  const ToolRun j = run_tool("stat --pid " + std::to_string(c.pid) + " --json");
+  ASSERT_EQ(j.exit_code, 0) << j.out;
+  const auto doc = nlohmann::json::parse(j.out, nullptr, false);
+  ASSERT_FALSE(doc.is_discarded()) << j.out;
+  ASSERT_EQ(doc["managers"].size(), 1u) << j.out;
+  const auto& s = doc["managers"][0]["state"];
+  EXPECT_EQ(s["resident"], 0);
+  EXPECT_EQ(s["wired_bytes"], 0);
+  EXPECT_EQ(s["releases"], 1);
+  EXPECT_EQ(s["last_release_reason"], "keep-alive 300 ms expired");
+  EXPECT_TRUE(s["last_release_at"].is_number());
+  EXPECT_EQ(doc["vm_lck"], 0u) << "released: nothing locked";
+  const pid_t was = c.pid;
+  ASSERT_TRUE(exists(state_path(was)));
+  EXPECT_EQ(c.finish(), 0);
+  EXPECT_FALSE(exists(state_path(was))) << "the manager's destruction removes its state file";
+}
+
+TEST(StatPid, ALeakedManagersFileIsRemovedAtExitAndAForkChildsExitLeavesItsParents) {
+  {
+    ManagerChild c(End::exit_without_destroy);
+    ASSERT_TRUE(c.wait_ready());
+    const pid_t was = c.pid;
+    ASSERT_TRUE(exists(state_path(was)));
+    EXPECT_EQ(c.finish(), 0);
+    EXPECT_FALSE(exists(state_path(was))) << "exit() removes the state file of a manager never destroyed";
+  }
+  {
+    ManagerChild c(End::fork_child_exits_then_destroy);
+    ASSERT_TRUE(c.wait_ready());
+    const pid_t was = c.pid;
+    EXPECT_EQ(c.finish(), 0) << "20: a fork child's exit removed its parent's state file";
+    EXPECT_FALSE(exists(state_path(was)));
+  }
+}
+
+TEST(StatPid, StateFileOffPublishesNothing) {
+  ManagerChild c(End::destroy, /*state_file=*/false);
+  ASSERT_TRUE(c.wait_ready());
+  EXPECT_FALSE(exists(state_path(c.pid)));
+  const ToolRun t = run_tool("stat --pid " + std::to_string(c.pid));
+  EXPECT_EQ(t.exit_code, 0) << t.out;
+  EXPECT_NE(t.out.find("no state file"), std::string::npos) << t.out;
+  EXPECT_EQ(c.finish(), 0);
+}
+
+TEST(StatPid, AKilledProcesssFileIsReportedStaleAndRemoved) {
+  ManagerChild c(End::destroy);
+  ASSERT_TRUE(c.wait_ready());
+  const pid_t was = c.pid;
+  const std::string path = state_path(was);
+  kill_and_reap(c.pid);
+  c.pid = -1;
+  ASSERT_TRUE(exists(path)) << "SIGKILL runs no exit handler: the file stays";
+  const ToolRun t = run_tool("stat --pid " + std::to_string(was));
+  EXPECT_EQ(t.exit_code, 2) << t.out;
+  EXPECT_NE(t.out.find("--pid " + std::to_string(was) + ": no such process"), std::string::npos) << t.out;
+  // Another process of this user that starts a manager meanwhile (a concurrent test) sweeps it
+  // first (the next test): then stat has nothing left to remove.
+  if (t.out.find("removed its stale state file " + path) == std::string::npos)
+    std::printf("the file was swept by another process before stat ran:\n%s", t.out.c_str());
+  EXPECT_FALSE(exists(path)) << t.out;
+}
+
+// Nobody runs stat: the next process of this user that publishes removes what the killed one left.
+TEST(StatPid, TheNextManagerOfThisUserSweepsADeadProcesssFile) {
+  std::string path;
+  {
+    ManagerChild killed(End::destroy);
+    ASSERT_TRUE(killed.wait_ready());
+    path = state_path(killed.pid);
+    kill_and_reap(killed.pid);
+    killed.pid = -1;
+  }
+  ASSERT_TRUE(exists(path));
+  ManagerChild next(End::destroy);
+  ASSERT_TRUE(next.wait_ready());
+  const bool swept = !exists(path);
+  ::unlink(path.c_str());
+  EXPECT_TRUE(swept) << path << " is still there after another manager of this user started";
+  EXPECT_EQ(next.finish(), 0);
+}
+
+// A file of this uid for a live process, with the start time of another (a reused pid).
+TEST(StatPid, AFileOfAReusedPidIsStale) {
+  const std::string path = state_path(::getpid(), 9);
+  {
+    const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL, 0600);
+    ASSERT_GE(fd, 0) << path << ": " << std::strerror(errno);
+    const std::string text = std::string(residency::core::kStateHeader) + "\npid=" + std::to_string(::getpid()) +
+                             "\nstart_time=1\nbackend=posix\n";
+    ASSERT_EQ(::write(fd, text.data(), text.size()), static_cast<ssize_t>(text.size()));
+    ::close(fd);
+  }
+  const ToolRun t = run_tool("stat --pid " + std::to_string(::getpid()));
+  ::unlink(path.c_str());
+  EXPECT_EQ(t.exit_code, 0) << t.out;
+  EXPECT_NE(t.out.find(path + ": stale (its process is gone or the pid was reused); removed"), std::string::npos) << t.out;
+}
+
+TEST(StatPid, BadPidsExit2WithTheMessage) {
+  const pid_t gone = dead_pid();
+  const ToolRun t = run_tool("stat --pid " + std::to_string(gone));
+  EXPECT_EQ(t.exit_code, 2) << t.out;
+  EXPECT_NE(t.out.find("residency stat: --pid " + std::to_string(gone) + ": no such process"), std::string::npos) << t.out;
+  EXPECT_NE(t.out.find("give the pid of a running process"), std::string::npos) << t.out;
+  for (const char* bad : {"0", "abc", "-5", "99999999999"}) {
+    const ToolRun b = run_tool(std::string("stat --pid ") + bad);
+    EXPECT_EQ(b.exit_code, 2) << bad << ": " << b.out;
+    EXPECT_NE(b.out.find("a process id, 1 to 4194304"), std::string::npos) << bad << ": " << b.out;
+  }
+}
+
+// Files in a live process's name that are not its user's own 0600 file are never read.
+TEST(StatPid, AFileOfAnotherOwnerOrModeIsNeverRead) {
+  ManagerChild c(End::destroy);
+  ASSERT_TRUE(c.wait_ready());
+  const auto start = residency::core::process_start_time(c.pid);
+  ASSERT_TRUE(start);
+  const std::string text = std::string(residency::core::kStateHeader) + "\npid=" + std::to_string(c.pid) +
+                           "\nstart_time=" + std::to_string(*start) + "\nbackend=FORGED\n";
+  auto make = [&](unsigned n, mode_t mode, uid_t owner) {
+    const std::string p = state_path(c.pid, n);
+    const int fd = ::open(p.c_str(), O_WRONLY | O_CREAT | O_EXCL, 0600);
+    if (fd < 0) return std::string();
+    bool ok = ::write(fd, text.data(), text.size()) == static_cast<ssize_t>(text.size()) && ::fchmod(fd, mode) == 0;
+    if (owner != ::getuid()) ok = ok && ::fchown(fd, owner, static_cast<gid_t>(-1)) == 0;
+    ::close(fd);
+    if (!ok) {
+      ::unlink(p.c_str());
+      return std::string();
+    }
+    return p;
+  };
+  const std::string open_mode = make(7, 0644, ::getuid());
+  ASSERT_FALSE(open_mode.empty());
+  const std::string other = ::geteuid() == 0 ? make(8, 0600, 65534) : std::string();
+  const ToolRun t = run_tool("stat --pid " + std::to_string(c.pid));
+  const ToolRun j = run_tool("stat --pid " + std::to_string(c.pid) + " --json");
+  ::unlink(open_mode.c_str());
+  if (!other.empty()) ::unlink(other.c_str());
+  EXPECT_EQ(t.exit_code, 0) << t.out;
+  EXPECT_EQ(t.out.find("FORGED"), std::string::npos) << t.out;
+  EXPECT_EQ(j.out.find("FORGED"), std::string::npos) << j.out;
+  EXPECT_NE(t.out.find(open_mode + ": not read: mode 0644"), std::string::npos) << t.out;
+  EXPECT_NE(t.out.find("posix, keep-alive 300 ms"), std::string::npos) << "its own file is still read:\n" << t.out;
+  if (other.empty()) {
+    std::printf("not root: the file owned by uid 65534 is not tried\n");
+  } else {
+    EXPECT_NE(t.out.find(other + ": not read: owned by uid 65534, not by the process's user"), std::string::npos) << t.out;
+  }
+  EXPECT_EQ(c.finish(), 0);
+}
+
+}  // namespace
