@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // State files: what a running manager publishes for `residency stat --pid PID`.
 //
 // Why a file per manager in /dev/shm, not the ledger: most processes have no shared budget (no

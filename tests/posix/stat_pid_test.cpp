@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // `residency stat --pid PID` of real processes: a `residency hold` child (what the kernel says it
 // locked, its manager's state, its shared budget, as text and JSON) and children that run a
 // Manager with a short keep-alive (the release and its reason; the state file removed at

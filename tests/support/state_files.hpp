@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // What a test does after it SIGKILLs a child that may run a residency manager: no exit handler
 // ran, so the child's state files (src/core/state_file.hpp) are left in /dev/shm; remove them
 // as `residency stat --pid` would, so that no test leaves a file behind.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // residency stat --pid PID: what that process holds locked and resident, what its residency
 // managers say about themselves, and what it holds on its GPUs.
 //

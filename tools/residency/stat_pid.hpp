@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // residency stat --pid PID (stat_pid.cpp): what another process holds, as the kernel, its
 // residency managers and its GPU driver see it.
 #pragma once
