@@ -610,6 +610,72 @@ TEST(SharedBudgetProcesses, AForkChildThatExitsLeavesItsParentsShareAndTheLedger
                                    "7: the child removed the ledger, 8: the child freed the parent's slot, "
                                    "9/10: the budget was split, 11: the last holder left the ledger behind";
 }
+
+// Issue 18, item 2, the other half: a fork child that outlives its parent, exiting after the
+// parent's slot went to another holder, must not free that holder's share (its inherited at-exit
+// handler once freed whatever slot had the parent's index).
+TEST(SharedBudgetProcesses, AForkChildThatOutlivesItsParentLeavesTheNextHolderOfItsSlotAlone) {
+  const std::string name = unique_name("orphan");
+  // Pipes: ready (holder -> test: joined, child forked), leave (test -> holder), go (test ->
+  // child: exit now), gone (the child holds its write end: EOF when it has exited).
+  int ready[2], leave[2], go[2], gone[2];
+  ASSERT_EQ(::pipe(ready), 0);
+  ASSERT_EQ(::pipe(leave), 0);
+  ASSERT_EQ(::pipe(go), 0);
+  ASSERT_EQ(::pipe(gone), 0);
+  std::fflush(stdout);
+  // Forked before this process attaches anything (no thread of ours runs in it yet), so that
+  // the holder may start threads under TSan.
+  const pid_t holder = ::fork();
+  if (holder == 0) {
+    void* mem = nullptr;
+    auto m = holder_in_child(name, &mem);
+    if (::fork() == 0) {  // the child: waits for the word, then exit() with the inherited handler
+      char c = 0;
+      if (::read(go[0], &c, 1) != 1) ::_exit(2);
+      std::exit(0);  // its gone[1] closes: the test sees EOF
+    }
+    ::close(gone[1]);
+    char c = 0;
+    if (::write(ready[1], "r", 1) != 1 || ::read(leave[0], &c, 1) != 1) ::_exit(6);
+    m.reset();  // the holder leaves: its slot and share are free for the next one
+    ::munmap(mem, kHold);
+    ::_exit(0);
+  }
+  ::close(gone[1]);
+  char c = 0;
+  ASSERT_EQ(::read(ready[0], &c, 1), 1) << "the holder did not join";
+  auto keeper = ledger::Ledger::attach({name, 6 * MiB, "", 0});  // keeps the ledger while the holder goes
+  ASSERT_TRUE(keeper) << keeper.message();
+  ASSERT_EQ(::write(leave[1], "l", 1), 1);
+  int st = 0;
+  ASSERT_EQ(::waitpid(holder, &st, 0), holder);
+  ASSERT_TRUE(WIFEXITED(st));
+  ASSERT_EQ(WEXITSTATUS(st), 0) << "3: no backend/memory, 4/5: create/register failed, 6: pipes";
+  auto next = ledger::Ledger::attach({name, 6 * MiB, "", 0});  // takes the freed slot
+  ASSERT_TRUE(next) << next.message();
+  ASSERT_EQ((*next)->acquire(kHold, std::chrono::nanoseconds(0), false), kHold);
+  ASSERT_EQ(::write(go[1], "x", 1), 1);  // the orphan exits now
+  while (::read(gone[0], &c, 1) > 0) {
+  }
+  for (int fd : {ready[0], ready[1], leave[0], leave[1], go[0], go[1], gone[0]}) ::close(fd);
+  std::uint64_t listed = 0;
+  int holders = 0;
+  for (const SharedBudgetInfo& b : list_shared_budgets()) {
+    if (b.name != name) continue;
+    for (const SharedBudgetHolder& h : b.holders) {
+      ++holders;
+      listed += h.pid == ::getpid() ? h.bytes : 0;
+    }
+  }
+  EXPECT_EQ(holders, 2) << "the keeper and the next holder, both this process";
+  EXPECT_EQ(listed, kHold) << "the orphan's exit freed or changed the next holder's share";
+  EXPECT_TRUE(exists(ledger::ledger_path(name)));
+  (*next)->release(kHold);
+  next->reset();
+  keeper->reset();
+  EXPECT_FALSE(exists(ledger::ledger_path(name))) << "the last holder removes the ledger";
+}
 }  // namespace
 
 namespace {
@@ -856,6 +922,26 @@ TEST(SharedBudgetStoppedLock, SigtermEndsAHoldWaitingForTheLockAtOnce) {
 // A decode's touch() that must re-wire under the shared budget never waits for another process:
 // with the lock held by a stopped holder it returns within milliseconds, the memory stays
 // unwired, and one warning says why (before: the touch waited for the lock, 7.5 s in the report).
+// The warnings a manager logs, collected from its threads.
+class Warnings {
+ public:
+  LogCallback sink() {
+    return [this](LogLevel l, std::string_view msg) {
+      std::lock_guard<std::mutex> g(mu_);
+      if (l <= LogLevel::warn) lines_.emplace_back(msg);
+    };
+  }
+  std::size_t containing(const std::string& part) const {
+    std::lock_guard<std::mutex> g(mu_);
+    return static_cast<std::size_t>(
+        std::count_if(lines_.begin(), lines_.end(), [&](const std::string& w) { return w.find(part) != std::string::npos; }));
+  }
+
+ private:
+  mutable std::mutex mu_;
+  std::vector<std::string> lines_;
+};
+
 TEST(SharedBudgetStoppedLock, ATouchThatMustRewireReturnsAtOnceUnwiredAndSaysWhyOnce) {
   if (auto why = ensure_memlock(kHold)) GTEST_SKIP() << *why;
   const std::string name = unique_name("stopped-touch");
@@ -865,13 +951,9 @@ TEST(SharedBudgetStoppedLock, ATouchThatMustRewireReturnsAtOnceUnwiredAndSaysWhy
   void* mem = ::mmap(nullptr, kHold, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
   ASSERT_NE(mem, MAP_FAILED);
   std::memset(mem, 1, kHold);
-  std::mutex log_mu;
-  std::vector<std::string> warnings;
+  Warnings warnings;
   ManagerOptions o = shared_manager_options(*backend, name, 8 * MiB);
-  o.log = [&](LogLevel l, std::string_view msg) {
-    std::lock_guard<std::mutex> g(log_mu);
-    if (l <= LogLevel::warn) warnings.emplace_back(msg);
-  };
+  o.log = warnings.sink();
   {
     auto m = Manager::create(o);
     ASSERT_TRUE(m) << m.message();
@@ -890,14 +972,8 @@ TEST(SharedBudgetStoppedLock, ATouchThatMustRewireReturnsAtOnceUnwiredAndSaysWhy
     }
     EXPECT_LT(longest, 200ms) << "a touch() waited for the stopped process";
     EXPECT_EQ(vm_lck(), 0u) << "nothing is wired without the ledger";
-    {
-      std::lock_guard<std::mutex> g(log_mu);
-      std::size_t said = 0;
-      for (const auto& w : warnings)
-        if (w.find("was not obtained at once: it has been held by process " + std::to_string(locker.pid())) != std::string::npos)
-          ++said;
-      EXPECT_EQ(said, 1u) << "one warning, naming the process";
-    }
+    EXPECT_EQ(warnings.containing("was not obtained at once: it has been held by process " + std::to_string(locker.pid())), 1u)
+        << "one warning, naming the process";
     locker.resume();
     (void)(*m)->unregister_region(*id);
   }
@@ -983,13 +1059,9 @@ void a_damaged_ledger_costs_budget_never_a_process(const std::function<void(int 
   void* mem = ::mmap(nullptr, kHold, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
   ASSERT_NE(mem, MAP_FAILED);
   std::memset(mem, 1, kHold);
-  std::mutex log_mu;
-  std::vector<std::string> warnings;
+  Warnings warnings;
   ManagerOptions o = shared_manager_options(*backend, name, 10 * MiB);
-  o.log = [&](LogLevel l, std::string_view msg) {
-    std::lock_guard<std::mutex> g(log_mu);
-    if (l <= LogLevel::warn) warnings.emplace_back(msg);
-  };
+  o.log = warnings.sink();
   TempMappedFile fb(kHold), fc(kHold);
   ASSERT_TRUE(fb.ok() && fc.ok());
   {
@@ -1016,12 +1088,7 @@ void a_damaged_ledger_costs_budget_never_a_process(const std::function<void(int 
     (*m)->touch();
     (*m)->touch();
     EXPECT_EQ(vm_lck(), 0u) << "nothing is wired under a corrupt ledger";
-    {
-      std::lock_guard<std::mutex> g(log_mu);
-      std::size_t said = 0;
-      for (const auto& w : warnings) said += w.find("is corrupt: ") != std::string::npos;
-      EXPECT_EQ(said, 1u) << "one warning";
-    }
+    EXPECT_EQ(warnings.containing("is corrupt: "), 1u) << "one warning";
     EXPECT_EQ(b.vm_lck(), kHold) << "the other holder keeps its memory";
     ::kill(b.pid, SIGTERM);
     EXPECT_EQ(b.wait_exit(5s), 0) << "the hold ends normally (135 would be SIGBUS): " << b.all();

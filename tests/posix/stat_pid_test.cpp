@@ -25,33 +25,16 @@
 
 #include "core/state_file.hpp"
 #include "residency/backends.hpp"
+#include "support/tool_run.hpp"
 #include "residency/residency.hpp"
 
-#ifndef RESIDENCY_TOOL_PATH
-#error "RESIDENCY_TOOL_PATH must name the residency binary (tests/posix/CMakeLists.txt)"
-#endif
 
 namespace {
 
 using namespace std::chrono_literals;
 
-struct ToolRun {
-  int exit_code = -1;
-  std::string out;  // stdout and stderr
-};
-
-ToolRun run_tool(const std::string& args) {
-  ToolRun r;
-  const std::string cmd = std::string("'") + RESIDENCY_TOOL_PATH + "' " + args + " 2>&1";
-  FILE* p = ::popen(cmd.c_str(), "r");
-  if (p == nullptr) return r;
-  char buf[4096];
-  std::size_t n = 0;
-  while ((n = std::fread(buf, 1, sizeof buf, p)) > 0) r.out.append(buf, n);
-  const int status = ::pclose(p);
-  if (WIFEXITED(status)) r.exit_code = WEXITSTATUS(status);
-  return r;
-}
+using residency::testing::run_tool;
+using residency::testing::ToolRun;
 
 std::uint64_t status_kb(pid_t pid, const char* key) {
   std::ifstream f("/proc/" + std::to_string(pid) + "/status");

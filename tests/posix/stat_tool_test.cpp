@@ -12,32 +12,15 @@
 #include "backends/posix/proc_info.hpp"
 #include "backends/posix/system_info.hpp"
 #include "residency/backends.hpp"
+#include "support/tool_run.hpp"
 #include "support/proc_cgroup.hpp"
 #include "residency/backends/posix.hpp"
 
-#ifndef RESIDENCY_TOOL_PATH
-#error "RESIDENCY_TOOL_PATH must name the residency binary (tests/posix/CMakeLists.txt)"
-#endif
 
 namespace {
 
-struct ToolRun {
-  int exit_code = -1;
-  std::string out;
-};
-
-ToolRun run_tool(const std::string& args) {
-  ToolRun r;
-  const std::string cmd = std::string("'") + RESIDENCY_TOOL_PATH + "' " + args + " 2>&1";
-  FILE* p = ::popen(cmd.c_str(), "r");
-  if (p == nullptr) return r;
-  char buf[4096];
-  std::size_t n = 0;
-  while ((n = std::fread(buf, 1, sizeof buf, p)) > 0) r.out.append(buf, n);
-  const int status = ::pclose(p);
-  if (WIFEXITED(status)) r.exit_code = WEXITSTATUS(status);
-  return r;
-}
+using residency::testing::run_tool;
+using residency::testing::ToolRun;
 
 TEST(StatTool, PrintsEveryFigureWithAlignedColumns) {
   const ToolRun r = run_tool("stat");
