@@ -118,6 +118,13 @@ struct Manager::Impl {
   std::uint64_t last_rewire_bytes = 0;
   std::string pressure_src;  // what release on pressure watches, if it does
   std::unique_ptr<core::StateFile> state;  // config.state_file: published on state changes
+  // A change other than a release or a re-wire (a registration, a limit) is written at most once
+  // per kStateCoalesce, by the scheduler: an engine that registers 10,000 regions writes a few
+  // snapshots, not 10,000 (each one visits every region and renames a file).
+  static constexpr Nanos kStateCoalesce = std::chrono::milliseconds(50);
+  bool state_dirty = false;
+  Nanos state_due{0};
+  std::optional<Nanos> state_written;
   std::unique_ptr<KeepAliveScheduler> scheduler;
   std::optional<PressureWatchId> pressure_watch;
 
@@ -282,7 +289,23 @@ struct Manager::Impl {
     sets.flush(ka.resident(), [this](const SetOutcome& o, const char* w) { on_failure(o, w); });
     settle_shared();
     shared_full = false;
-    publish_state();
+    state_changed();
+  }
+
+  // Under mu: the snapshot is out of date. With a scheduler it is written within
+  // kStateCoalesce; without one, now if the last write is that old, else at a later change.
+  void state_changed() {
+    if (!state) return;
+    const Nanos now = clock->now();
+    if (scheduler) {
+      if (state_dirty) return;
+      state_dirty = true;
+      state_due = now + kStateCoalesce;
+      scheduler->wake_locked();  // due() writes it at state_due
+      return;
+    }
+    state_dirty = true;
+    if (!state_written || now - *state_written >= kStateCoalesce) publish_state();
   }
 
   // --- state file -------------------------------------------------------------------------
@@ -295,6 +318,8 @@ struct Manager::Impl {
   // of membership, residency or budget: never from touch()'s fast path.
   void publish_state() {
     if (!state) return;
+    state_dirty = false;
+    state_written = clock->now();
     std::uint64_t tracked[3] = {0, 0, 0}, wired[3] = {0, 0, 0};
     const bool requested = sets.requested_bytes() > 0;
     regions.for_each([&](Region& r) {
@@ -531,6 +556,8 @@ struct Manager::Impl {
     const std::optional<Nanos> lift = pressure.lifts_at();
     auto next = residency_due();
     if (lift) next = next ? std::min(*next, *lift) : *lift;
+    if (state_dirty && clock->now() >= state_due) publish_state();
+    if (state_dirty) next = next ? std::min(*next, state_due) : state_due;
     return next;
   }
 

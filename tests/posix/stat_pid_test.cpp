@@ -19,6 +19,7 @@
 #include <cstdio>
 #include <cstring>
 #include <fstream>
+#include <iterator>
 #include <string>
 #include <thread>
 #include <vector>
@@ -126,6 +127,12 @@ TEST(StatPid, HoldChildLockedBytesManagerStateAndSharedBudget) {
   ASSERT_TRUE(eventually([&] { return status_kb(h.pid, "VmLck:") >= kHoldSize; }))
       << "hold never locked its file (VmLck " << status_kb(h.pid, "VmLck:") << ")";
   ASSERT_TRUE(eventually([&] { return exists(state_path(h.pid)); })) << state_path(h.pid);
+  // A registration is published within 50 ms (coalesced), after the snapshot made at creation.
+  ASSERT_TRUE(eventually([&] {
+    std::ifstream f(state_path(h.pid));
+    std::string text((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+    return text.find("\nregions=1\n") != std::string::npos;
+  })) << "the state file never showed the held file's region";
 
   struct stat st {};
   ASSERT_EQ(::stat(state_path(h.pid).c_str(), &st), 0);
