@@ -479,14 +479,20 @@ std::uint64_t switches_of(int tid) {
   return n;
 }
 
+// Anonymous memory of `bytes`, every page touched (resident, lockable); MAP_FAILED if the map fails.
+void* touched_anonymous(std::size_t bytes) {
+  void* mem = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (mem != MAP_FAILED) std::memset(mem, 1, bytes);
+  return mem;
+}
+
 TEST(SharedBudgetProcesses, AnIdleHolderWakesZeroTimesUntilAskedThenGivesBack) {
   if (auto why = ensure_memlock(4 * MiB)) GTEST_SKIP() << *why;
   const std::string name = unique_name("wake");
   auto backend = make_backend("posix");
   ASSERT_TRUE(backend) << backend.message();
-  void* mem = ::mmap(nullptr, kHold, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  void* mem = touched_anonymous(kHold);
   ASSERT_NE(mem, MAP_FAILED);
-  std::memset(mem, 1, kHold);
   {
     auto m = Manager::create(shared_manager_options(*backend, name, 6 * MiB));
     ASSERT_TRUE(m) << m.message();
@@ -535,9 +541,8 @@ namespace {
 std::unique_ptr<Manager> holder_in_child(const std::string& name, void** mem_out) {
   auto backend = make_backend("posix");
   if (!backend) ::_exit(3);
-  void* mem = ::mmap(nullptr, kHold, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  void* mem = touched_anonymous(kHold);
   if (mem == MAP_FAILED) ::_exit(3);
-  std::memset(mem, 1, kHold);
   auto m = Manager::create(shared_manager_options(*backend, name, 6 * MiB));
   if (!m || !(*m)->register_region(mem, kHold)) ::_exit(4);
   if ((*m)->stats().shared_held != kHold) ::_exit(5);
@@ -693,9 +698,8 @@ TEST(SharedBudgetProcesses, ARewireThatDoesNotFitWiresWhatFitsAndNeverMore) {
   const std::string name = unique_name("partial");
   auto backend = make_backend("posix");
   ASSERT_TRUE(backend) << backend.message();
-  void* mem = ::mmap(nullptr, 2 * kRegion, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  void* mem = touched_anonymous(2 * kRegion);
   ASSERT_NE(mem, MAP_FAILED);
-  std::memset(mem, 1, 2 * kRegion);
   ManagerOptions o = shared_manager_options(*backend, name, kBudget);
   o.config.set_max_pct = 100;  // sharded, one set for both: the partial case is within a set
   auto m = Manager::create(o);
@@ -948,9 +952,8 @@ TEST(SharedBudgetStoppedLock, ATouchThatMustRewireReturnsAtOnceUnwiredAndSaysWhy
   StoppedInsideTheLock locker(name, 8 * MiB);
   auto backend = make_backend("posix");
   ASSERT_TRUE(backend) << backend.message();
-  void* mem = ::mmap(nullptr, kHold, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  void* mem = touched_anonymous(kHold);
   ASSERT_NE(mem, MAP_FAILED);
-  std::memset(mem, 1, kHold);
   Warnings warnings;
   ManagerOptions o = shared_manager_options(*backend, name, 8 * MiB);
   o.log = warnings.sink();
@@ -1056,9 +1059,8 @@ void a_damaged_ledger_costs_budget_never_a_process(const std::function<void(int 
   const std::string path = ledger::ledger_path(name);
   auto backend = make_backend("posix");
   ASSERT_TRUE(backend) << backend.message();
-  void* mem = ::mmap(nullptr, kHold, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  void* mem = touched_anonymous(kHold);
   ASSERT_NE(mem, MAP_FAILED);
-  std::memset(mem, 1, kHold);
   Warnings warnings;
   ManagerOptions o = shared_manager_options(*backend, name, 10 * MiB);
   o.log = warnings.sink();
