@@ -39,7 +39,13 @@ struct KeepAlive {
   Kind kind = Kind::duration;
   Nanos duration = std::chrono::seconds(180);
 
-  static KeepAlive after(Nanos d) { return {d.count() == 0 ? Kind::zero : Kind::duration, d}; }
+  // The policy a value means: a duration of 0 (or less) is the 0 policy. The one place that says so.
+  Kind in_effect() const { return kind == Kind::duration && duration.count() <= 0 ? Kind::zero : kind; }
+  static KeepAlive after(Nanos d) {
+    KeepAlive k{Kind::duration, d};
+    k.kind = k.in_effect();
+    return k;
+  }
   static KeepAlive zero() { return {Kind::zero, Nanos(0)}; }
   static KeepAlive forever() { return {Kind::forever, Nanos(0)}; }
   static KeepAlive off() { return {Kind::off, Nanos(0)}; }
@@ -129,6 +135,12 @@ struct Config {
   // MLX_RESIDENCY_DEBUG. On error the message has one line per bad variable.
   static Result<Config> from_env();
   static Result<Config> from_env(const EnvLookup& getenv);
+
+  // The configuration of a manager of one GPU's memory, made from the process's: the device's
+  // memory is its budget (the wired limit, memory limit, pressure and shared budget settings are
+  // about RAM), each allocation is its own set (llama.cpp's buffers), and the notes are logged by
+  // the process's host manager.
+  Config for_device_memory() const;
 };
 
 }  // namespace residency

@@ -163,6 +163,18 @@ class Manager {
   // recently used regions are the engine's real ones. Lock-free; an unknown id only counts as
   // touch().
   void touch(RegionId id) noexcept;
+  // Around one engine call (a decode, a graph compute): begin_call() before it, end_call() after.
+  // This is the one entry the preload (host and device memory) and use scopes go through, so that
+  // every policy is decided here. Duration and forever: a use at both ends (the keep-alive counts
+  // from the end of the last call and never expires during one), lock-free while resident, and a
+  // synchronous re-wire at the start when the memory was released. 0: resident from the first
+  // begin to the last end, then released, after `synchronize(ctx)` has waited for the device
+  // (called only under 0). Off: nothing. Every begin_call() needs one end_call().
+  void begin_call() noexcept;
+  void end_call(void (*synchronize)(void* ctx) = nullptr, void* ctx = nullptr) noexcept;
+  // A use of the memory outside a call (an upload before the decode that reads it): a use under a
+  // duration or forever; under 0, resident from now until the end of the next call.
+  void access() noexcept;
   // Asks for the memory to be wired again in the background (on the scheduler thread) and
   // returns at once: call it when a request arrives, before tokenizing, so that the re-wire
   // overlaps work the engine does anyway; the touch() before the first compute then finds it

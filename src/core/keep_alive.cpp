@@ -3,17 +3,10 @@
 
 namespace residency::core {
 
-namespace {
-KeepAlive::Kind effective_kind(const KeepAlive& k) {
-  if (k.kind == KeepAlive::Kind::duration && k.duration.count() <= 0) return KeepAlive::Kind::zero;
-  return k.kind;
-}
-}  // namespace
-
 KeepAliveState::KeepAliveState(const KeepAlive& policy, Clock& clock, Publisher publish)
     : clock_(clock),
       steady_(dynamic_cast<SteadyClock*>(&clock) != nullptr),
-      kind_(effective_kind(policy)),
+      kind_(policy.in_effect()),
       duration_(policy.duration),
       rewires_on_use_(kind_ == KeepAlive::Kind::duration || kind_ == KeepAlive::Kind::forever),
       use_(&last_use_),
@@ -25,7 +18,7 @@ KeepAliveState::KeepAliveState(const KeepAlive& policy, Clock& clock, Publisher 
 bool KeepAliveState::begin_release_unless_used(std::int64_t seen_last_use) noexcept {
   resident_.store(false, std::memory_order_relaxed);
   heavy_fence();
-  if (use_->load(std::memory_order_relaxed) != seen_last_use) {
+  if (use_->load(std::memory_order_relaxed) != seen_last_use || calls_.load(std::memory_order_relaxed) > 0) {
     resident_.store(true, std::memory_order_relaxed);
     return false;
   }

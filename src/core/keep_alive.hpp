@@ -92,11 +92,22 @@ class KeepAliveState {
   // When the keep-alive expires for a last use at `last_use` (duration policy only).
   Nanos expiry(std::int64_t last_use) const { return Nanos(last_use) + duration_ + clock_.coarse_resolution(); }
   // The release half of the protocol, with the manager's mutex held: marks the memory as
-  // released unless a use arrived after `seen_last_use`. False: a use won, the memory stays.
+  // released unless a use arrived after `seen_last_use` or a call is in flight. False: the use
+  // won, the memory stays.
   bool begin_release_unless_used(std::int64_t seen_last_use) noexcept;
 
-  // Use scopes open now (with the manager's mutex held).
-  int scopes = 0;
+  // Engine calls and use scopes in flight (Manager::begin_call() to end_call(), use()): the
+  // keep-alive never expires and nothing is released while one is open. Lock-free under a duration
+  // or forever (the decode's path); under 0 changed with the manager's mutex held.
+  void call_began() noexcept { calls_.fetch_add(1, std::memory_order_relaxed); }
+  // Returns the calls still open (a stray end is ignored: never below 0).
+  int call_ended() noexcept {
+    int n = calls_.load(std::memory_order_relaxed);
+    while (n > 0 && !calls_.compare_exchange_weak(n, n - 1, std::memory_order_relaxed)) {
+    }
+    return n > 0 ? n - 1 : 0;
+  }
+  int calls() const noexcept { return calls_.load(std::memory_order_relaxed); }
 
  private:
   Clock& clock_;
@@ -109,6 +120,7 @@ class KeepAliveState {
   // On their own cache lines: every use writes last_use_, every touch() reads resident_.
   alignas(64) std::atomic<std::int64_t> last_use_{0};
   alignas(64) std::atomic<bool> resident_{false};
+  alignas(64) std::atomic<int> calls_{0};  // written per call, not per touch()
 };
 
 }  // namespace residency::core

@@ -30,7 +30,7 @@ void KeepAliveScheduler::stop() {
 void KeepAliveScheduler::loop() {
   std::unique_lock<std::mutex> lock(mutex_);
   while (!stop_) {
-    const std::optional<Nanos> next = due_();
+    const std::optional<Nanos> next = due_(lock);
     if (stop_) break;
     clock_.wait_until(lock, cv_, next);
     wakeups_.fetch_add(1, std::memory_order_relaxed);

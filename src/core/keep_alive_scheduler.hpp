@@ -21,9 +21,10 @@ namespace residency::core {
 
 class KeepAliveScheduler {
  public:
-  // `due` runs with `mutex` held: it does what is due now and returns the next deadline
-  // (nullopt: sleep until woken).
-  using Due = std::function<std::optional<Nanos>()>;
+  // `due` runs with `mutex` held by the lock it is given: it does what is due now and returns the
+  // next deadline (nullopt: sleep until woken). It may release the lock for a while (to wait on
+  // another process) and must hold it again when it returns.
+  using Due = std::function<std::optional<Nanos>(std::unique_lock<std::mutex>&)>;
   KeepAliveScheduler(Clock& clock, std::mutex& mutex, Due due);
   ~KeepAliveScheduler();  // stops
   KeepAliveScheduler(const KeepAliveScheduler&) = delete;

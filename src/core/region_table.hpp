@@ -31,7 +31,7 @@ struct Region {
   RegionDesc desc;
   int priority = 0;
   bool admitted = false;  // in a set (within the wired budget)
-  std::uint32_t set_slot = 0;  // the SetLayout slot, when admitted
+  std::uint32_t layout_slot = 0;  // the SetLayout slot of its set, when admitted
   bool eligible = true;   // false after the backend failed to wire it, until the limit changes
 };
 
@@ -75,6 +75,10 @@ class RegionTable {
   template <typename F>
   void for_each(F&& f) {
     for (auto& [id, r] : regions_) f(r);
+  }
+  template <typename F>
+  void for_each(F&& f) const {
+    for (const auto& [id, r] : regions_) f(r);
   }
 
  private:

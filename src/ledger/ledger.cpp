@@ -642,13 +642,23 @@ bool Ledger::own_slot_sound() const {
 // not used again.
 std::uint64_t Ledger::corrupt(const std::string& what) {
   broken_.store(true, std::memory_order_release);
-  problem_ = "its ledger " + path_ + " is corrupt: " + what + "; this process wires nothing more under it (remove the file " +
-             "once its holders are gone)";
+  set_problem("its ledger " + path_ + " is corrupt: " + what + "; this process wires nothing more under it (remove the file " +
+              "once its holders are gone)");
   return 0;
 }
 
+void Ledger::set_problem(std::string p) {
+  std::lock_guard<std::mutex> g(problem_mu_);
+  problem_ = std::move(p);
+}
+
+std::string Ledger::problem() const {
+  std::lock_guard<std::mutex> g(problem_mu_);
+  return problem_;
+}
+
 std::uint64_t Ledger::lock_not_obtained(const std::string& why) {
-  problem_ = "the lock of its ledger " + path_ + " was not obtained at once: " + why;
+  set_problem("the lock of its ledger " + path_ + " was not obtained at once: " + why);
   return 0;
 }
 
@@ -706,7 +716,7 @@ void Ledger::publish_last_use(void* ledger, std::int64_t last_use) noexcept {
 std::uint64_t Ledger::acquire(std::uint64_t bytes, Nanos wait, bool partial) {
   if (bytes == 0 || detached_ || !mine()) return 0;
   if (broken_.load(std::memory_order_acquire)) {
-    if (problem_.empty()) problem_ = "its ledger " + path_ + " was found corrupt; this process wires nothing more under it";
+    if (problem().empty()) set_problem("its ledger " + path_ + " was found corrupt; this process wires nothing more under it");
     return 0;
   }
   Shared& s = *shm_;
@@ -718,7 +728,7 @@ std::uint64_t Ledger::acquire(std::uint64_t bytes, Nanos wait, bool partial) {
     if (lock.corrupt()) return corrupt(lock.why()), false;
     if (!lock.ok()) return lock_not_obtained(lock.why()), false;
     if (!own_slot_sound()) return corrupt("the slot of this process (" + std::to_string(slot_) + ") was overwritten"), false;
-    problem_.clear();
+    set_problem({});
     return true;
   };
   auto take = [&](std::uint64_t n) {

@@ -137,7 +137,7 @@ class Ledger {
   void release(std::uint64_t bytes);
   // Why the last acquire() granted nothing for a reason other than a full budget (the lock was
   // not obtained within its bound, or the ledger is corrupt); empty when it took the lock.
-  const std::string& problem() const { return problem_; }
+  std::string problem() const;
 
   // Records this holder's time of last use (CLOCK_MONOTONIC nanoseconds) in its slot, so that
   // askers and `residency stat` read real idle times; called by the manager's touch() at most once
@@ -173,7 +173,11 @@ class Ledger {
   OnAsked on_asked_;
   std::thread listener_;
   std::atomic<bool> stopping_{false};
-  std::string problem_;  // written by acquire() only
+  // Written by acquire(), which may run on two threads of the owner at once (one under the
+  // manager's lock, one waiting for room without it).
+  mutable std::mutex problem_mu_;
+  std::string problem_;
+  void set_problem(std::string p);
   // The ledger failed a check (its size, its table, our slot): it is not touched again.
   std::atomic<bool> broken_{false};
   std::atomic<std::uint32_t> stop_word_{0};  // the listener of a broken ledger sleeps on it

@@ -40,13 +40,9 @@ enum DeviceState : int { kUntried = 0, kActive = 1, kPassThrough = 2 };
 struct Device {
   std::atomic<int> state{kUntried};
   std::atomic<Manager*> manager{nullptr};  // leaked on purpose, like the host session's
-  // Keep-alive 0: the use that keeps the memory awake, from the first access (a decode, or any
-  // other access) until the end of the decode that follows; `decodes` counts those running.
-  std::optional<UseScope> held;
-  int decodes = 0;
 };
 
-// Guards starting devices, `routed` and the keep-alive 0 uses. Lock order: this, then a manager's.
+// Guards starting devices and `routed`. Lock order: this, then a manager's.
 constinit std::mutex g_mu;
 Device g_devices[kMaxDevices];
 constinit std::atomic<int> g_active_count{0};  // devices with a manager (hooks skip all when 0)
@@ -56,7 +52,6 @@ constinit std::atomic<bool> g_warned_small_limit{false};
 std::unordered_map<void*, int>* g_routed = nullptr;
 
 [[gnu::tls_model("initial-exec")]] thread_local int t_compute_depth = 0;
-[[gnu::tls_model("initial-exec")]] thread_local int t_decode_depth = 0;
 
 CudaMallocFn next_cuda_malloc() noexcept {
   static std::atomic<CudaMallocFn> cache{nullptr};
@@ -106,12 +101,12 @@ Manager* device_manager(int dev) noexcept {
   try {
     const Startup* up = startup();
     if (up == nullptr) return nullptr;
-    if (up->kind == KeepAlive::Kind::off) return nullptr;  // residency off: nothing to manage
+    if (up->config.keep_alive.kind == KeepAlive::Kind::off) return nullptr;  // residency off: nothing to manage
     const std::string name = "cuda:" + std::to_string(dev);
 #if RESIDENCY_PRELOAD_CUDA
     CudaBackendOptions co;
     co.device = dev;
-    co.backup = backup_mode(up->kind);
+    co.backup = backup_mode(up->config.keep_alive.in_effect());
     auto backend = make_cuda_backend(co);
 #else
     auto backend = make_backend(name);  // an error naming the backends this build has
@@ -121,16 +116,7 @@ Manager* device_manager(int dev) noexcept {
       return nullptr;
     }
     ManagerOptions options;
-    options.config = up->config;
-    // The device's memory is the budget: the host's wired limit, memory limit, pressure and
-    // shared budget settings are about RAM. Each allocation is its own set (llama.cpp's buffers).
-    options.config.wired_limit.reset();
-    options.config.memory_limit.reset();
-    options.config.release_on_pressure = false;
-    options.config.pressure_floor.reset();
-    options.config.shared_budget.reset();  // RESIDENCY_SHARED_BUDGET is a budget of RAM as well
-    options.config.layout = Layout::per_buffer;
-    options.config.notes.clear();  // the host session logs them
+    options.config = up->config.for_device_memory();
     options.backend = *backend;
     options.clock = up->clock;
     // Its lines say which device they are about (the host session's have no prefix).
@@ -162,11 +148,6 @@ void for_each_manager(F&& f) noexcept {
     if (d.state.load(std::memory_order_acquire) != kActive) continue;
     if (Manager* m = d.manager.load(std::memory_order_acquire)) f(d, *m);
   }
-}
-
-bool zero_kind() noexcept {
-  const Startup* up = startup();
-  return up != nullptr && up->kind == KeepAlive::Kind::zero;
 }
 
 }  // namespace
@@ -223,67 +204,27 @@ void device_access() noexcept {
   if (g_active_count.load(std::memory_order_acquire) == 0 || in_hook()) return;
   HookScope hook;
   ErrnoKeeper keep;
-  if (!zero_kind()) {
-    for_each_manager([](Device&, Manager& m) { m.touch(); });
-    return;
-  }
-  if (t_decode_depth > 0) return;  // the decode holds it
-  std::lock_guard<std::mutex> lock(g_mu);
-  for_each_manager([](Device& d, Manager& m) {
-    if (d.held) return;
-    try {
-      d.held.emplace(m.use());
-    } catch (...) {
-    }
-  });
+  for_each_manager([](Device&, Manager& m) { m.access(); });
 }
 
 ComputeAllocationScope::ComputeAllocationScope() noexcept { ++t_compute_depth; }
 ComputeAllocationScope::~ComputeAllocationScope() { --t_compute_depth; }
 
-DeviceDecodeScope::DeviceDecodeScope(llama_context* ctx, SynchronizeFn synchronize) noexcept {
-  (void)ctx;
-  (void)synchronize;
-  ++t_decode_depth;
+DeviceDecodeScope::DeviceDecodeScope(llama_context* ctx) noexcept : ctx_(ctx) {
   if (g_active_count.load(std::memory_order_acquire) == 0 || in_hook()) return;
   active_ = true;
   HookScope hook;
   ErrnoKeeper keep;
-  zero_ = zero_kind();
-  if (!zero_) {
-    for_each_manager([](Device&, Manager& m) { m.touch(); });
-    return;
-  }
-  std::lock_guard<std::mutex> lock(g_mu);
-  for_each_manager([](Device& d, Manager& m) {
-    ++d.decodes;
-    if (d.held) return;
-    try {
-      d.held.emplace(m.use());
-    } catch (...) {
-    }
-  });
-  ctx_ = ctx;
-  synchronize_ = synchronize;
+  for_each_manager([](Device&, Manager& m) { m.begin_call(); });
 }
 
 DeviceDecodeScope::~DeviceDecodeScope() {
-  --t_decode_depth;
   if (!active_) return;
   HookScope hook;
   ErrnoKeeper keep;
-  if (!zero_) {
-    // The use lasted until now: the keep-alive counts from the end of the decode.
-    for_each_manager([](Device&, Manager& m) { m.touch(); });
-    return;
-  }
-  // The GPU may still be running the decode's kernels: wait for them before the memory goes
-  // (the backend also synchronizes the device before it unmaps).
-  if (synchronize_ != nullptr) synchronize_(ctx_);
-  std::lock_guard<std::mutex> lock(g_mu);
-  for_each_manager([](Device& d, Manager&) {
-    if (d.decodes > 0 && --d.decodes == 0) d.held.reset();
-  });
+  // Under keep-alive 0 the manager waits for the decode's kernels before the memory goes (the
+  // backend also synchronizes the device before it unmaps).
+  for_each_manager([this](Device&, Manager& m) { m.end_call(&synchronize_context, ctx_); });
 }
 
 }  // namespace residency::preload

@@ -54,20 +54,18 @@ class ComputeAllocationScope {
   ComputeAllocationScope& operator=(const ComputeAllocationScope&) = delete;
 };
 
-// Around llama_decode / llama_encode: the device memory is awake for the call (a touch before
-// and after it, or under keep-alive 0 a use scope that ends once the context has synchronized).
+// Around llama_decode / llama_encode: the device memory is awake for the call (one engine call,
+// Manager::begin_call() to end_call(), on each device's manager).
 class DeviceDecodeScope {
  public:
-  DeviceDecodeScope(llama_context* ctx, SynchronizeFn synchronize) noexcept;
+  explicit DeviceDecodeScope(llama_context* ctx) noexcept;
   ~DeviceDecodeScope();
   DeviceDecodeScope(const DeviceDecodeScope&) = delete;
   DeviceDecodeScope& operator=(const DeviceDecodeScope&) = delete;
 
  private:
   bool active_ = false;
-  bool zero_ = false;
   llama_context* ctx_ = nullptr;
-  SynchronizeFn synchronize_ = nullptr;
 };
 
 }  // namespace residency::preload

@@ -37,15 +37,11 @@ enum State : int {
 };
 
 struct Session {
-  Session(std::unique_ptr<Manager> m, KeepAlive::Kind k, SynchronizeFn s, PieceTable::Warn w, bool pressure_without_swap)
+  Session(std::unique_ptr<Manager> m, PieceTable::Warn w, bool pressure_without_swap)
       : manager(std::move(m)),
-        kind(k),
-        synchronize(s),
         buffers(*manager, w, &info, &debug, pressure_without_swap),
         gguf(nullptr, w, "GGUF mappings") {}
   std::unique_ptr<Manager> manager;
-  KeepAlive::Kind kind;
-  SynchronizeFn synchronize;
   // What is registered: llama.cpp's buffers in host memory.
   GgmlBuffers buffers;
   // The GGUF file mappings (not registered): where the file ranges no buffer reads lie.
@@ -119,13 +115,9 @@ const Startup* make_startup() noexcept {
       warn(std::string("pthread_atfork failed (") + std::strerror(err) + ")" + kWithout);
       return nullptr;
     }
-    // A duration of 0 is the 0 policy (as the manager reads it): use scopes, not touch().
-    const KeepAlive& ka = config->keep_alive;
-    const KeepAlive::Kind kind =
-        ka.kind == KeepAlive::Kind::duration && ka.duration.count() <= 0 ? KeepAlive::Kind::zero : ka.kind;
     // A clock of our own, never destroyed like the managers: SteadyClock::instance() is a static
     // that exit() destroys while a scheduler thread may still read it.
-    return new Startup{*config, kind, sync, new SteadyClock};
+    return new Startup{*config, sync, new SteadyClock};
   } catch (...) {
     return nullptr;  // out of memory while starting: pass through
   }
@@ -170,8 +162,7 @@ void start() noexcept {
       warn(manager.message() + kWithout);
       return;
     }
-    auto* session = new Session(std::move(*manager), up->kind, up->synchronize, &warn,
-                                up->config.release_on_pressure && !machine_has_swap());
+    auto* session = new Session(std::move(*manager), &warn, up->config.release_on_pressure && !machine_has_swap());
     g_session.store(session, std::memory_order_release);
     g_state.store(kActive, std::memory_order_release);
   } catch (...) {
@@ -425,46 +416,28 @@ std::int32_t decode_hook(Entry which, llama_context* ctx, llama_batch batch) {
     return -1;
   }
   // Device memory (CUDA builds) is awake for the call; a no-op where none is routed.
-  DeviceDecodeScope device(ctx, next_llama_synchronize());
+  DeviceDecodeScope device(ctx);
   Session* s = in_hook() ? nullptr : active_session();
   if (s == nullptr) return next(ctx, batch);
   // Buffers ggml made since the last flush (a compute buffer that grew): registered first.
   if (s->buffers.has_pending())
     with_session([](Session& session) { flush_buffers(session, "buffers made since the last decode"); });
-  if (s->kind != KeepAlive::Kind::zero) {
-    {
-      ErrnoKeeper keep;
-      HookScope hook;
-      s->manager->touch();  // lock-free while resident; re-wires when the keep-alive released it
-    }
-    const std::int32_t r = next(ctx, batch);
-    // The use lasted until now: the keep-alive counts from the end of the decode, so that a
-    // decode longer than the keep-alive is not followed by a release at once.
-    {
-      ErrnoKeeper keep;
-      HookScope hook;
-      s->manager->touch();
-    }
-    return r;
-  }
-  // Keep-alive 0: resident for the call; released after the context finished its work.
-  std::optional<UseScope> scope;
   {
     ErrnoKeeper keep;
     HookScope hook;
-    try {
-      const SynchronizeFn sync = s->synchronize;
-      scope.emplace(s->manager->use([sync, ctx] { sync(ctx); }));
-    } catch (...) {
-    }
+    s->manager->begin_call();  // lock-free while resident; re-wires when the keep-alive released it
   }
   const std::int32_t r = next(ctx, batch);
   {
     ErrnoKeeper keep;
     HookScope hook;
-    scope.reset();
+    s->manager->end_call(&synchronize_context, ctx);
   }
   return r;
+}
+
+void synchronize_context(void* ctx) noexcept {
+  if (const SynchronizeFn sync = next_llama_synchronize()) sync(static_cast<llama_context*>(ctx));
 }
 
 void buffer_created_hook(ggml_backend_buffer_t b, bool from_ptr) noexcept {

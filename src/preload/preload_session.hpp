@@ -28,13 +28,15 @@ namespace residency::preload {
 enum class Entry { decode, encode };
 
 // What both sessions (host mappings here, device memory in device_memory.hpp) start from, made
-// once per process on first need: the configuration (Config::from_env), the keep-alive kind as
-// the hooks use it, llama_synchronize behind the preload, and a clock that is never destroyed.
+// once per process on first need: the configuration (Config::from_env), llama_synchronize behind
+// the preload, and a clock that is never destroyed.
 // Null when the preload must pass through: a bad variable, no libllama behind the preload (each
 // is one warning), or a fork child.
+// llama_synchronize(ctx), as Manager::end_call() calls it.
+void synchronize_context(void* ctx) noexcept;
+
 struct Startup {
   Config config;
-  KeepAlive::Kind kind;
   SynchronizeFn synchronize;
   Clock* clock;
 };
@@ -55,9 +57,8 @@ void* map_hook(void* addr, std::size_t len, int prot, int flags, int fd, off64_t
 // munmap: tracked pieces it touches are unregistered before the real call; what is left of them
 // is registered again after it.
 int unmap_hook(void* addr, std::size_t len) noexcept;
-// llama_decode / llama_encode: a use. Keep-alive durations and forever: touch() before the real
-// call (re-wires if released) and after it (the keep-alive counts from the end of the decode);
-// keep-alive 0: a use scope around it, whose end waits for llama_synchronize(ctx).
+// llama_decode / llama_encode: one engine call (Manager::begin_call() before the real call,
+// end_call() after it, with llama_synchronize(ctx) for the manager to wait on under keep-alive 0).
 std::int32_t decode_hook(Entry which, llama_context* ctx, llama_batch batch);
 
 // After ggml made buffer `b` (ggml_backend_buft_alloc_buffer; from_ptr: over memory that is not

@@ -1,0 +1,283 @@
+// SPDX-License-Identifier: MIT
+#include "admission.hpp"
+
+#include <algorithm>
+#include <cstdio>
+
+#include "ledger/ledger.hpp"
+
+namespace residency::core {
+
+Admission::Admission(Backend& backend, const LogSink& log, const KeepAliveState& ka, Limits limits, SetLayout layout,
+                     std::unique_ptr<ledger::Ledger> shared, int shared_priority)
+    : backend_(backend),
+      log_(log),
+      ka_(ka),
+      limits_(std::move(limits)),
+      sets_(backend, std::move(layout), log),
+      shared_(std::move(shared)),
+      shared_priority_(shared_priority) {
+  budget_.set_limit(limits_.initial_wired_limit());
+}
+
+Admission::~Admission() = default;
+
+Result<std::unique_ptr<ledger::Ledger>> Admission::join_shared_budget(const Config& config, const MemoryInfo& mem,
+                                                                      const std::string& backend) {
+  if (!config.shared_budget) return std::unique_ptr<ledger::Ledger>();
+  const SharedBudget& sb = *config.shared_budget;
+  if (sb.size.is_percent && mem.physical == 0)
+    return Status(ErrorCode::invalid_argument, "RESIDENCY_SHARED_BUDGET=" + sb.to_string() + ": a percent of RAM, but the " +
+                                                   backend + " backend does not know the physical memory; give bytes");
+  ledger::AttachOptions ao;
+  ao.name = sb.name;
+  ao.budget = sb.size.resolve(mem.physical);
+  ao.group = sb.group;
+  ao.priority = config.shared_priority;
+  return ledger::Ledger::attach(ao);
+}
+
+Result<Region*> Admission::track(const RegionDesc& d, int priority, std::int64_t now) {
+  if (Status s = limits_.check_track(regions_.tracked_bytes(), d.size); !s) return s;
+  auto inserted = regions_.insert(d, priority, now);
+  if (!inserted) return inserted.status();
+  Region& r = **inserted;
+  if (log_.enabled(LogLevel::debug)) {
+    char buf[160];
+    std::snprintf(buf, sizeof buf, "allocated buffer, size = %8.2f MiB, (%8.2f / %8.2f)",
+                  static_cast<double>(d.size) / (1024.0 * 1024.0),
+                  static_cast<double>(regions_.tracked_bytes()) / (1024.0 * 1024.0),
+                  static_cast<double>(limits_.recommended()) / (1024.0 * 1024.0));
+    log_(LogLevel::debug, buf);
+  }
+  limits_.warn_if_over_recommended(regions_.tracked_bytes(), log_);
+  if (ka_.managing() && !admit(r)) {
+    budget_.add_pending(r.desc.id);
+    if (log_.enabled(LogLevel::debug))
+      log_(LogLevel::debug, "region " + std::to_string(r.desc.id) + " (" + mib(d.size) + ") is over the wired limit " +
+                                mib(budget_.limit()) + " (" + mib(budget_.admitted()) + " admitted): tracked but not wired");
+  }
+  return &r;
+}
+
+void Admission::untrack(Region& r) {
+  open_batch();
+  if (r.desc.backend_allocated) backend_.deallocate(r.desc.base);
+  evict(r);
+  budget_.forget(r.desc.id);
+  regions_.erase(r.desc.id);
+  promote();  // unlike MLX, freeing wired memory makes room for what waits
+  close_batch();
+}
+
+void Admission::set_limit(std::uint64_t bytes) {
+  open_batch();
+  budget_.set_limit(bytes);
+  regions_.for_each([](Region& r) { r.eligible = true; });  // a new limit: try again what failed
+  shrink_to_limit();
+  promote();
+  close_batch();
+}
+
+bool Admission::admit(Region& r) {
+  if (r.admitted || !budget_.fits(r.desc.size)) return false;
+  if (!reserve_shared(r.desc.size)) return false;
+  if (Status s = backend_.reserve_wired(r.desc.size); !s) {
+    log_(warned_reserve_ ? LogLevel::debug : LogLevel::warn,
+         "region " + std::to_string(r.desc.id) + " (" + mib(r.desc.size) + ") stays tracked but unwired: " + s.message());
+    warned_reserve_ = true;
+    return false;
+  }
+  auto slot = sets_.add(r.desc);
+  if (!slot) {
+    backend_.unreserve_wired(r.desc.size);
+    log_(LogLevel::warn, slot.message() + "; the region stays tracked but unwired");
+    r.eligible = false;
+    return false;
+  }
+  r.admitted = true;
+  r.layout_slot = *slot;
+  budget_.admitted_region(r.desc.id, r.desc.size);
+  return true;
+}
+
+void Admission::evict(Region& r) {
+  if (!r.admitted) return;
+  sets_.remove(r.layout_slot, r.desc);
+  backend_.unreserve_wired(r.desc.size);
+  budget_.evicted_region(r.desc.id, r.desc.size);
+  r.admitted = false;
+}
+
+std::vector<BudgetEntry> Admission::entries_of(bool admitted) {
+  std::vector<BudgetEntry> v;
+  auto add = [&](Region& r) {
+    v.push_back({r.desc.id, r.desc.size, r.priority, regions_.last_use(r), r.admitted, r.eligible, r.desc.cls});
+  };
+  if (admitted) {
+    regions_.for_each([&](Region& r) {
+      if (r.admitted) add(r);
+    });
+  } else {
+    for (RegionId id : budget_.pending())
+      if (Region* r = regions_.find(id)) add(*r);
+  }
+  return v;
+}
+
+void Admission::promote() {
+  if (!ka_.managing() || budget_.pending().empty()) return;
+  const auto entries = entries_of(false);
+  for (RegionId id : choose_promotions(entries, budget_.admitted(), budget_.effective_limit()))
+    if (Region* r = regions_.find(id)) admit(*r);
+}
+
+std::uint64_t Admission::shrink_to_limit(bool by_class, std::uint64_t floor) {
+  if (budget_.admitted() <= budget_.effective_limit()) return 0;
+  const std::uint64_t before = budget_.admitted();
+  const auto entries = entries_of(true);
+  for (RegionId id : choose_evictions(entries, budget_.admitted(), budget_.effective_limit(), by_class, floor))
+    if (Region* r = regions_.find(id)) evict(*r);
+  return before - budget_.admitted();
+}
+
+// Regions the backend could not wire leave their set and wait, out of the budget's way.
+void Admission::on_failure(const SetOutcome& out, const char* what) {
+  std::uint64_t bytes = 0;
+  for (RegionId id : out.failed) {
+    Region* r = regions_.find(id);
+    if (!r) continue;
+    bytes += r->desc.size;
+    evict(*r);
+    r->eligible = false;
+  }
+  wire_failures_ += out.failed.size();
+  std::string msg = std::string(what) + " failed";
+  if (!out.failed.empty())
+    msg += " for " + std::to_string(out.failed.size()) + " region(s), " + mib(bytes) +
+           "; they stay tracked but unwired and the process goes on";
+  if (!out.status.is_ok()) msg += ": " + out.status.message();
+  log_(LogLevel::warn, msg);
+}
+
+std::pair<std::uint64_t, std::uint32_t> Admission::request_all() { return sets_.request_all(failure_handler()); }
+ResidencySets::Released Admission::end_all() { return sets_.end_all(); }
+void Admission::refresh_all() { sets_.refresh_all(failure_handler()); }
+
+void Admission::flush() {
+  if (batch_depth_ > 0) return;
+  sets_.flush(ka_.resident(), failure_handler());
+  settle();
+  shared_full_ = false;
+  if (on_change_) on_change_();
+}
+
+void Admission::teardown() {
+  if (regions_.size() != 0) {
+    log_(LogLevel::warn, std::to_string(regions_.size()) + " region(s), " + mib(regions_.tracked_bytes()) +
+                             ", still registered at teardown; releasing them (not an error)");
+  }
+  regions_.for_each([&](const Region& r) {
+    if (r.desc.backend_allocated) backend_.deallocate(r.desc.base);
+  });
+  const bool any_requested = sets_.requested_bytes() > 0;
+  if (Status s = sets_.destroy_all(); !s) log_(LogLevel::warn, "at teardown: " + s.message());
+  if (any_requested) backend_.after_release();
+  if (budget_.admitted() > 0) backend_.unreserve_wired(budget_.admitted());
+  if (shared_) shared_->release(shared_->held());  // after the sets are gone: nothing is wired
+}
+
+bool Admission::holds_backend_memory() const {
+  bool device = false;
+  regions_.for_each([&](const Region& r) { device = device || r.desc.backend_allocated; });
+  return device;
+}
+
+Status Admission::unwired_status() const {
+  const std::uint64_t tracked = regions_.tracked_bytes(), wired = sets_.requested_bytes();
+  if (wired >= tracked) return {};
+  return Status(ErrorCode::limit_exceeded, format_size(tracked - wired) + " of " + format_size(tracked) +
+                                               " tracked is not wired (over the wired limit of " +
+                                               format_size(budget_.limit()) + " or refused by the backend)");
+}
+
+// --- the shared budget --------------------------------------------------------------------
+
+// What the ledger must hold for this manager now: while the policy wants the memory resident,
+// everything admitted (wired, or wired at the next commit); otherwise what the backend still has.
+std::uint64_t Admission::shared_needed() const {
+  const std::uint64_t requested = sets_.requested_bytes();
+  return ka_.resident() ? std::max(budget_.admitted(), requested) : requested;
+}
+
+// Reserves room for `more` bytes on top of what is needed, before they can be wired. False: the
+// region must wait (and room_wanted() says what to ask the other holders for).
+bool Admission::reserve_shared(std::uint64_t more) {
+  if (!shared_ || !ka_.resident()) return true;
+  if (exiting_) return false;
+  const std::uint64_t target = shared_needed() + more;
+  if (shared_->held() >= target) return true;
+  const std::uint64_t need = target - shared_->held();
+  if (!shared_full_ && shared_->acquire(need, Nanos(0), /*partial=*/false) == need) return true;
+  shared_full_ = true;
+  short_by(need, more);
+  return false;
+}
+
+void Admission::settle() {
+  if (!shared_) return;
+  const std::uint64_t need = shared_needed();
+  if (shared_->held() > need) shared_->release(shared_->held() - need);
+}
+
+void Admission::short_by(std::uint64_t need, std::uint64_t bytes) {
+  if (first_attempt_ && !exiting_ && shared_->problem().empty()) {  // full: ask the others first (retry())
+    room_wanted_ += need;
+    return;
+  }
+  ++shared_short_;
+  const std::uint64_t ours = shared_->held();
+  if (const std::string problem = shared_->problem(); !problem.empty()) {  // not full: the ledger could not be used
+    log_(warned_shared_problem_ ? LogLevel::debug : LogLevel::warn,
+         "shared budget " + shared_->name() + ": " + problem + "; " + mib(bytes) +
+             " stays tracked but unwired (this process holds " + mib(ours) +
+             " of the budget); it is wired at a later use once the ledger answers");
+    warned_shared_problem_ = true;
+    return;
+  }
+  log_(warned_shared_ ? LogLevel::debug : LogLevel::warn,
+       "shared budget " + shared_->name() + " (" + mib(shared_->budget()) + ") is full: " + mib(bytes) +
+           " stays tracked but unwired (this process holds " + mib(ours) + " of it; no idle holder of priority <= " +
+           std::to_string(shared_priority_) +
+           " could give back). It is wired at the next use after room appears; `residency stat` lists the holders");
+  warned_shared_ = true;
+}
+
+void Admission::reserve_for_wire() {
+  if (!shared_) return;
+  const std::uint64_t need = budget_.admitted();
+  if (shared_->held() >= need) return;
+  if (!exiting_ && !shared_full_) shared_->acquire(need - shared_->held(), Nanos(0), /*partial=*/true);
+  if (shared_->held() >= need) return;
+  shared_full_ = true;
+  const std::uint64_t missing = need - shared_->held();
+  const std::uint64_t before = budget_.admitted();
+  const auto entries = entries_of(true);
+  for (RegionId id : choose_evictions(entries, budget_.admitted(), shared_->held()))
+    if (Region* r = regions_.find(id)) evict(*r);
+  // Commit the removals now, before request_all(): a backend requests what a set holds as
+  // committed, and would lock the regions just evicted until the next commit.
+  sets_.flush(/*request=*/false, failure_handler());
+  short_by(missing, before - budget_.admitted());
+}
+
+void Admission::retry() {
+  first_attempt_ = false;
+  shared_full_ = false;
+  room_wanted_ = 0;
+  open_batch();
+  promote();
+  close_batch();
+}
+
+}  // namespace residency::core

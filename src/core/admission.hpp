@@ -1,0 +1,168 @@
+// SPDX-License-Identifier: MIT
+// Admission: which tracked regions are inside a set, under every budget that applies.
+//
+// A region may be wired only while it fits four limits at once: the manager's wired budget (its
+// limit, lowered for a while by memory pressure), the backend's hard limit (RLIMIT_MEMLOCK, shared
+// by the managers of a process), the layout's sets, and, with a shared budget, this manager's
+// reservation in the machine-wide ledger. This unit is the one place a region enters or leaves a
+// set, so those four books can only change together: admit() and evict() are the only writers of
+// Region::admitted, the budget's admitted bytes and pending ids, the backend's reservation and the
+// sets' membership. It decides *which* regions are in; ResidencyCycle decides *when* what is in is
+// wired.
+//
+// Invariants (every field is guarded by the manager's mutex):
+//   - A region is admitted exactly when it is in a set (at Region::layout_slot), its bytes are counted
+//     in budget().admitted() and reserved with the backend; otherwise its id is in
+//     budget().pending(). Regions never overlap; tracked bytes stay within the memory limit.
+//   - After each public call of the manager: budget().admitted() <= budget().effective_limit().
+//   - Shared budget: the ledger holds at least what the backend has wired (sets().requested_bytes())
+//     and, while the policy wants the memory resident, at least what is admitted: bytes are
+//     reserved there before a commit or a request can wire them (admit(), reserve_for_wire()) and
+//     given back after the backend unwired them (settle(), after every flush and release).
+//   - Nothing here waits on another process: the ledger is asked with a wait of 0 under the mutex.
+//     When it comes back short, room_wanted() says how much; the manager asks the other holders
+//     and waits for them with its mutex released, then calls retry (manager.cpp, with_room()).
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "keep_alive.hpp"
+#include "limits.hpp"
+#include "log.hpp"
+#include "region_table.hpp"
+#include "residency/backend.hpp"
+#include "residency_sets.hpp"
+#include "set_layout.hpp"
+#include "wired_budget.hpp"
+
+namespace residency::ledger {
+class Ledger;
+}
+
+namespace residency::core {
+
+class Admission {
+ public:
+  Admission(Backend& backend, const LogSink& log, const KeepAliveState& ka, Limits limits, SetLayout layout,
+            std::unique_ptr<ledger::Ledger> shared, int shared_priority);
+  ~Admission();
+  // This manager's share of the machine-wide budget, if Config::shared_budget names one (null if not).
+  static Result<std::unique_ptr<ledger::Ledger>> join_shared_budget(const Config& config, const MemoryInfo& mem,
+                                                                    const std::string& backend);
+  Admission(const Admission&) = delete;
+  Admission& operator=(const Admission&) = delete;
+
+  // Called after every flush (the state file is out of date).
+  void on_change(std::function<void()> f) { on_change_ = std::move(f); }
+
+  // --- regions ----------------------------------------------------------------------------
+  // Tracks a region (the memory limit checked first) and, when residency is managed, admits it if
+  // it fits, else leaves it pending. The pointer is valid until untrack().
+  Result<Region*> track(const RegionDesc& desc, int priority, std::int64_t now);
+  // Frees backend memory first (leaving the set first would make a backend copy device weights
+  // out just before they are thrown away), then evicts, forgets and promotes what waits.
+  void untrack(Region& r);
+  // A new limit: what failed is tried again, the least valuable leave, what now fits comes in.
+  void set_limit(std::uint64_t bytes);
+  // Admits pending regions that fit, most valuable first (no-op when residency is not managed).
+  void promote();
+  // Evicts until admitted bytes fit the effective limit; returns the bytes evicted. Under pressure
+  // (by_class) scratch goes first, then kv_cache, then weights, and nothing that would take the
+  // admitted bytes below `floor`.
+  std::uint64_t shrink_to_limit(bool by_class = false, std::uint64_t floor = 0);
+
+  // --- wiring (for ResidencyCycle) --------------------------------------------------------
+  // Before the sets are requested: reserves what is admitted in the shared budget; what it cannot
+  // give leaves the sets, least valuable first, and waits as over a local limit.
+  void reserve_for_wire();
+  // Requests every admitted set; returns bytes and sets requested.
+  std::pair<std::uint64_t, std::uint32_t> request_all();
+  ResidencySets::Released end_all();
+  void refresh_all();
+  // Commits what changed, unless a batch is open, and gives back the shared budget no longer needed.
+  void flush();
+  // Gives back to the shared budget what is no longer needed.
+  void settle();
+  // Batches: membership changes are committed once, when the outermost one ends.
+  void open_batch() { ++batch_depth_; }
+  void close_batch() {
+    if (--batch_depth_ == 0) flush();
+  }
+  int batch_depth() const { return batch_depth_; }
+
+  // --- the shared budget ------------------------------------------------------------------
+  ledger::Ledger* shared() const { return shared_.get(); }
+  // Bytes a short reservation of this call wanted (0: none), taken once. A first attempt that comes
+  // back short because the budget is full says nothing yet: the manager asks the other holders for
+  // this much without its lock, then calls retry(), which says what still does not fit.
+  std::uint64_t take_room_wanted() {
+    const std::uint64_t b = room_wanted_;
+    room_wanted_ = 0;
+    return b;
+  }
+  void retry();
+  // The call is over: the next one starts with a first attempt.
+  void end_call() {
+    room_wanted_ = 0;
+    first_attempt_ = true;
+  }
+  // The process is exiting: nothing more is reserved (and so nothing more wired).
+  void begin_exit() { exiting_ = true; }
+  std::uint64_t shared_short() const { return shared_short_; }
+
+  // At the manager's destruction: backend memory freed first (no pointless copy-out of device
+  // weights), then every set destroyed and every reservation given back. Warns about regions
+  // still registered.
+  void teardown();
+  bool holds_backend_memory() const;
+  // ok when everything tracked is wired; else what is not, and why it may be.
+  Status unwired_status() const;
+
+  // --- what the books say -----------------------------------------------------------------
+  RegionTable& regions() { return regions_; }
+  const RegionTable& regions() const { return regions_; }
+  const WiredBudget& budget() const { return budget_; }
+  WiredBudget& budget() { return budget_; }
+  const ResidencySets& sets() const { return sets_; }
+  ResidencySets& sets() { return sets_; }
+  Limits& limits() { return limits_; }
+  std::uint64_t wire_failures() const { return wire_failures_; }
+
+ private:
+  bool admit(Region& r);
+  void evict(Region& r);
+  std::vector<BudgetEntry> entries_of(bool admitted);
+  void on_failure(const SetOutcome& out, const char* what);
+  auto failure_handler() {
+    return [this](const SetOutcome& o, const char* w) { on_failure(o, w); };
+  }
+  std::uint64_t shared_needed() const;
+  bool reserve_shared(std::uint64_t more);
+  // Short by `bytes`: on a first attempt at a full budget, remembered as room to ask for; else said.
+  void short_by(std::uint64_t bytes, std::uint64_t unwired);
+
+  Backend& backend_;
+  const LogSink& log_;
+  const KeepAliveState& ka_;
+  Limits limits_;  // its warn-once flags change here
+  RegionTable regions_;
+  WiredBudget budget_;
+  ResidencySets sets_;
+  const std::unique_ptr<ledger::Ledger> shared_;
+  const int shared_priority_;
+  std::function<void()> on_change_;
+  int batch_depth_ = 0;
+  bool warned_reserve_ = false, warned_shared_ = false, warned_shared_problem_ = false;
+  // A reservation came back short in this call: no further ask until the next flush.
+  bool shared_full_ = false;
+  bool exiting_ = false;
+  bool first_attempt_ = true;  // no holder has been asked in this call yet
+  std::uint64_t room_wanted_ = 0;
+  std::uint64_t wire_failures_ = 0, shared_short_ = 0;
+};
+
+}  // namespace residency::core

@@ -1,0 +1,272 @@
+// SPDX-License-Identifier: MIT
+#include "residency_cycle.hpp"
+
+#include <algorithm>
+#include <chrono>
+
+#include "ledger/ledger.hpp"
+
+namespace residency::core {
+
+namespace {
+double wall_now() {
+  return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
+}
+}  // namespace
+
+ResidencyCycle::ResidencyCycle(const Config& config, const Capabilities& caps, Clock& clock, const LogSink& log,
+                               KeepAliveState& ka, Admission& admission, Backend& backend, std::uint64_t pressure_floor)
+    : config_(config),
+      caps_(caps),
+      clock_(clock),
+      log_(log),
+      ka_(ka),
+      adm_(admission),
+      backend_(backend),
+      pressure_(pressure_floor, config.pressure_quiet) {}
+
+// --- engine events ------------------------------------------------------------------------
+
+void ResidencyCycle::begin_call(const char* why) {
+  if (ka_.kind() != KeepAlive::Kind::zero) {
+    rewire(why);
+    return;
+  }
+  ka_.call_began();
+  ka_.note_use();
+  if (!ka_.resident()) wire(why);
+  adm_.limits().warn_if_scope_large(adm_.budget().admitted(), log_);
+}
+
+void ResidencyCycle::end_call() {
+  int left = ka_.call_ended();
+  ka_.note_use();
+  if (access_held() && left == 1) {  // only the access's hold is left: it ends with this call
+    access_held_.store(false, std::memory_order_relaxed);
+    left = ka_.call_ended();
+  }
+  if (left == 0 && ka_.resident()) {
+    release_now("end of use (keep_alive = 0)");
+  } else {
+    wake_scheduler();
+  }
+}
+
+void ResidencyCycle::access() {
+  if (access_held()) return;
+  access_held_.store(true, std::memory_order_relaxed);
+  ka_.call_began();
+  ka_.note_use();
+  if (!ka_.resident()) wire("access outside a call");
+}
+
+// --- wiring and releasing -----------------------------------------------------------------
+
+void ResidencyCycle::wire(const char* why) {
+  const Nanos t0 = clock_.now();
+  ka_.set_resident(true);
+  adm_.reserve_for_wire();
+  // What waits may fit now: another manager of the process may have given back its share of
+  // the hard limit since.
+  adm_.promote();
+  const auto [bytes, n] = adm_.request_all();
+  adm_.flush();
+  next_refresh_ = clock_.now() + caps_.refresh_period;
+  if (ever_released_ && n > 0) {  // memory that had been given back was asked for again
+    const Nanos dt = clock_.now() - t0;
+    ++counters_.rewires;
+    counters_.rewire_time += dt;
+    counters_.last_rewire_at = wall_now();
+    counters_.last_rewire_dt = dt;
+    counters_.last_rewire_bytes = bytes;
+    log_(LogLevel::info,
+         "re-wired " + mib(bytes) + " in " + std::to_string(n) + " set(s) in " + ms(dt) + " (" + why + ")");
+    if (publish_) publish_();  // flush() published before the re-wire was counted
+  }
+  wake_scheduler();
+}
+
+// Gives the sets back; the caller has already marked the memory as not resident.
+void ResidencyCycle::release(const char* why) {
+  const Nanos t0 = clock_.now();
+  const auto r = adm_.end_all();
+  if (r.sets > 0) backend_.after_release();
+  adm_.settle();
+  ever_released_ = true;
+  counters_.last_release_at = wall_now();
+  counters_.last_release_reason = why;
+  if (r.failed == 0) {
+    ++counters_.releases;
+    if (publish_) publish_();
+    log_(LogLevel::info, "released " + mib(r.bytes) + " in " + std::to_string(r.sets) + " set(s) in " +
+                             ms(clock_.now() - t0) + " (" + why + ")");
+    return;
+  }
+  ++counters_.release_failures;
+  if (r.sets > 0) ++counters_.releases;
+  if (publish_) publish_();
+  log_(LogLevel::warn, "could not release " + std::to_string(r.failed) + " set(s) (" + why + "): " + r.status.message() +
+                           "; " + mib(adm_.sets().requested_bytes()) + " stay wired, " + mib(r.bytes) + " released");
+}
+
+// A release the policy did not time (pressure, the engine's request, the end of a 0 call).
+void ResidencyCycle::release_now(const char* why) {
+  ka_.set_resident(false);
+  heavy_fence();  // a touch() in flight either sees it and re-wires, or is already past
+  release(why);
+}
+
+bool ResidencyCycle::release_by_engine() {
+  if (!ka_.managing() || !ka_.resident()) return true;
+  if (ka_.calls() > 0) {
+    log_(LogLevel::warn, "release_now: " + std::to_string(ka_.calls()) + " call(s) or use scope(s) still open; not releasing");
+    return false;
+  }
+  release_now("asked by the engine");
+  return true;
+}
+
+bool ResidencyCycle::give_back_if_idle(int asker, Nanos idle_before_asked) {
+  const Nanos idle = Nanos(ka_.now_coarse() - ka_.last_use());
+  if (!ka_.managing() || ka_.calls() > 0 || !ka_.resident() || idle < idle_before_asked) {
+    adm_.settle();
+    return false;
+  }
+  ++counters_.shared_gave_back;
+  release_now(("asked by process " + std::to_string(asker) + ": shared budget " + adm_.shared()->name() +
+               " is full; idle for " + ms(idle) + "; the next use wires it again")
+                  .c_str());
+  return true;
+}
+
+void ResidencyCycle::release_at_exit(bool device_memory) {
+  exiting_ = true;
+  adm_.begin_exit();
+  if (!device_memory && adm_.sets().requested_bytes() > 0) {
+    ka_.set_resident(false);
+    heavy_fence();
+    release("the process is exiting");
+  }
+  adm_.settle();
+}
+
+// --- memory pressure ----------------------------------------------------------------------
+
+void ResidencyCycle::on_pressure() {
+  if (!config_.release_on_pressure) {
+    log_(LogLevel::debug, "memory pressure reported; release_on_pressure is off, keeping residency");
+    return;
+  }
+  if (!ka_.managing() || ka_.calls() > 0) return;
+  pressure_step();
+}
+
+// One step of graded release (see pressure_policy.hpp).
+void ResidencyCycle::pressure_step() {
+  WiredBudget& budget = adm_.budget();
+  std::uint64_t cap = pressure_.on_pressure(clock_.now(), budget.admitted());
+  budget.set_cap(cap);
+  adm_.open_batch();
+  const std::uint64_t released = adm_.shrink_to_limit(/*by_class=*/true, pressure_.floor());
+  adm_.close_batch();
+  // Regions are released whole: when the next one would cross the floor the cap is not met,
+  // and the budget holds at what stays (so that no later eviction for the cap crosses it).
+  if (budget.admitted() > cap) {
+    cap = budget.admitted();
+    budget.set_cap(cap);
+  }
+  if (released == 0) {
+    log_(LogLevel::debug, "memory pressure: nothing more to give back (" + mib(budget.admitted()) + " wired, floor " +
+                              mib(pressure_.floor()) + ")");
+  } else {
+    ++counters_.pressure_releases;
+    log_(LogLevel::info, "released " + mib(released) + " under memory pressure (scratch, then kv_cache, then weights); " +
+                             mib(budget.admitted()) + " stay wired (floor " + mib(pressure_.floor()) +
+                             "); the budget stays at " + mib(cap) + " until pressure has been quiet for " +
+                             KeepAlive::after(pressure_.quiet()).to_string());
+  }
+  wake_scheduler();  // the cap's lift is a deadline now
+}
+
+// After a quiet period the cap rises: entirely when the machine has room for everything (or
+// the backend cannot tell), else to what is admitted plus what is available less a headroom,
+// the rest after further quiet periods (pressure_policy.hpp). What waits is admitted (and
+// wired, if resident) again.
+void ResidencyCycle::lift_pressure_cap_if_quiet(Nanos now) {
+  if (!pressure_.quiet_at(now)) return;
+  WiredBudget& budget = adm_.budget();
+  const std::uint64_t before = budget.admitted();
+  const std::uint64_t wanted = std::min(adm_.regions().tracked_bytes(), budget.limit());
+  const std::optional<std::uint64_t> avail = wanted > before ? backend_.memory_available() : std::nullopt;
+  const std::uint64_t room = avail ? (*avail > kLiftHeadroom ? *avail - kLiftHeadroom : 0) : UINT64_MAX;
+  const bool all = room >= wanted - std::min(wanted, before);
+  if (all) {
+    pressure_.lift();
+    budget.set_cap(UINT64_MAX);
+  } else {
+    pressure_.raise_to(before + room, now);
+    budget.set_cap(pressure_.cap());
+  }
+  adm_.open_batch();
+  adm_.promote();
+  adm_.close_batch();
+  if (all) {
+    ++counters_.pressure_restores;
+    log_(LogLevel::info, "memory pressure has been quiet: the budget is back to " + mib(budget.limit()) + ", " +
+                             mib(budget.admitted() - before) + " admitted again");
+  } else {
+    // Once per change, not once per quiet period while the other program keeps its memory.
+    log_(budget.admitted() > before ? LogLevel::info : LogLevel::debug,
+         "memory pressure has been quiet, but only " + mib(avail.value_or(0)) + " is available: " +
+             mib(budget.admitted() - before) + " admitted again, " + mib(budget.admitted()) + " of " + mib(wanted) +
+             " wired; the rest when memory allows (checked every " + KeepAlive::after(pressure_.quiet()).to_string() +
+             ")");
+  }
+}
+
+// --- the scheduler ------------------------------------------------------------------------
+
+std::optional<Nanos> ResidencyCycle::due() {
+  if (prefetch_requested_) {
+    prefetch_requested_ = false;
+    if (ka_.rewires_on_use()) rewire("prefetch");
+  }
+  lift_pressure_cap_if_quiet(clock_.now());
+  const std::optional<Nanos> lift = pressure_.lifts_at();
+  auto next = residency_due();
+  if (lift) next = next ? std::min(*next, *lift) : *lift;
+  return next;
+}
+
+std::optional<Nanos> ResidencyCycle::residency_due() {
+  if (!ka_.managing() || !ka_.resident()) return std::nullopt;
+  const Nanos now = clock_.now();
+  std::optional<Nanos> next;
+  if (ka_.kind() == KeepAlive::Kind::duration) {
+    const std::int64_t lu = ka_.last_use();
+    const Nanos expiry = ka_.expiry(lu);
+    if (ka_.calls() > 0) {
+      next = std::max(expiry, ka_.expiry(now.count()));  // a call is open: look again one keep-alive later
+    } else if (now >= expiry) {
+      if (ka_.begin_release_unless_used(lu)) {
+        release(("keep-alive " + config_.keep_alive.to_string() + " expired").c_str());
+        return std::nullopt;  // nothing scheduled until the next use: zero wake-ups
+      }
+      // A use won (expire a keep-alive after it), or a call began just now (look again later).
+      return ka_.last_use() != lu ? ka_.expiry(ka_.last_use()) : ka_.expiry(now.count());
+    } else {
+      next = expiry;
+    }
+  }
+  if (caps_.needs_refresh && caps_.refresh_period.count() > 0) {
+    if (now >= next_refresh_) {
+      adm_.refresh_all();
+      adm_.flush();
+      next_refresh_ = now + caps_.refresh_period;
+    }
+    next = next ? std::min(*next, next_refresh_) : next_refresh_;
+  }
+  return next;
+}
+
+}  // namespace residency::core

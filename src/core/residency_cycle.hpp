@@ -1,0 +1,128 @@
+// SPDX-License-Identifier: MIT
+// ResidencyCycle: when what is admitted is wired, and when it is given back.
+//
+// Admission decides which regions are in the sets; this unit decides when the sets are resident:
+// wired at a use after a release (touch(), an engine call, a use scope, prefetch), released when
+// the keep-alive expires, when the last call ends under keep-alive 0, when the engine asks, when
+// another process asks through the shared budget and this one is idle, or step by step under
+// memory pressure (and admitted again once pressure has been quiet). Every residency rule of the
+// library is decided here, once: the preload, the C API and the tool only report engine events
+// (begin_call(), end_call(), access()).
+//
+// Invariants (guarded by the manager's mutex, but the atomics of KeepAliveState):
+//   - KeepAliveState::resident() is what the policy wants; the sets follow it at the end of each
+//     call (wire() requests every admitted set, release() ends them all). A set the backend could
+//     not give back stays requested, and the log says so.
+//   - Nothing is released while a call or use scope is open (KeepAliveState::calls() > 0): not by
+//     the keep-alive, not under pressure, not when asked by another process or by release_now().
+//   - ever_released_: some memory has been given back, so the next wire is a re-wire (counted,
+//     timed and logged); before the first release a wire is the load.
+//   - access_held_: under keep-alive 0, an access outside a call (an upload) holds the memory as
+//     one call until the end of the next call; it is counted in calls().
+//   - The pressure cap (PressurePolicy) is in the budget's cap while in force, and lifted by due().
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <optional>
+#include <string>
+
+#include "admission.hpp"
+#include "keep_alive.hpp"
+#include "keep_alive_scheduler.hpp"
+#include "log.hpp"
+#include "pressure_policy.hpp"
+#include "residency/backend.hpp"
+#include "residency/config.hpp"
+
+namespace residency::core {
+
+class ResidencyCycle {
+ public:
+  ResidencyCycle(const Config& config, const Capabilities& caps, Clock& clock, const LogSink& log, KeepAliveState& ka,
+                 Admission& admission, Backend& backend, std::uint64_t pressure_floor);
+  void set_scheduler(KeepAliveScheduler* s) { scheduler_ = s; }
+  void wake_scheduler() {
+    if (scheduler_) scheduler_->wake_locked();
+  }
+
+  // --- engine events (the slow paths; the lock-free fast paths are in Manager) ---------------
+  // A call begins: under 0 it is counted and the memory wired; otherwise the memory was released
+  // and is wired again (`why` names the event in the log).
+  void begin_call(const char* why);
+  // A call ended (the caller synchronized already): under 0 the last one releases.
+  void end_call();
+  // An access outside a call under 0: resident until the end of the next call.
+  void access();
+  // A use after a release under a duration or forever (touch(), a registration, prefetch).
+  void rewire(const char* why) {
+    if (!ka_.resident()) wire(why);
+  }
+  void request_prefetch() {
+    prefetch_requested_ = true;
+    wake_scheduler();
+  }
+
+  // --- releases ---------------------------------------------------------------------------
+  // Gives residency back now unless a call is open (the engine going to sleep); false: refused.
+  bool release_by_engine();
+  // Memory pressure: one step of graded release, unless a call is open.
+  void on_pressure();
+  // Another process asks through the shared budget: gives everything back if this manager is
+  // really idle (no call open, no use for `idle_before_asked`). True: it gave back.
+  bool give_back_if_idle(int asker, Nanos idle_before_asked);
+  // At exit: nothing is wired again; host memory is given back (device memory is left to the
+  // driver: ending its residency would copy it out).
+  void release_at_exit(bool device_memory);
+
+  // The scheduler's work at `now`: prefetch, the pressure cap's lift, expiry and refresh. Returns
+  // the next deadline.
+  std::optional<Nanos> due();
+
+  // --- what it did ------------------------------------------------------------------------
+  struct Counters {
+    std::uint64_t releases = 0, rewires = 0, release_failures = 0, pressure_releases = 0, pressure_restores = 0;
+    std::uint64_t shared_gave_back = 0;  // releases asked for by another process
+    Nanos rewire_time{0};
+    // The last release and re-wire, for the state file (wall-clock seconds; 0: none yet).
+    double last_release_at = 0, last_rewire_at = 0;
+    std::string last_release_reason;
+    Nanos last_rewire_dt{0};
+    std::uint64_t last_rewire_bytes = 0;
+  };
+  const Counters& counters() const { return counters_; }
+  const PressurePolicy& pressure() const { return pressure_; }
+  // Called after a release or a re-wire (the state file is written at once).
+  void on_published(std::function<void()> f) { publish_ = std::move(f); }
+
+ private:
+  void wire(const char* why);
+  void release(const char* why);
+  void release_now(const char* why);
+  void pressure_step();
+  void lift_pressure_cap_if_quiet(Nanos now);
+  std::optional<Nanos> residency_due();
+
+  const Config& config_;
+  const Capabilities& caps_;
+  Clock& clock_;
+  const LogSink& log_;
+  KeepAliveState& ka_;
+  Admission& adm_;
+  Backend& backend_;
+  KeepAliveScheduler* scheduler_ = nullptr;
+  PressurePolicy pressure_;
+  std::function<void()> publish_;
+  bool ever_released_ = false;
+  bool prefetch_requested_ = false;
+  bool exiting_ = false;
+  // Read without the lock by Manager::access() (only to skip the lock when already held).
+  std::atomic<bool> access_held_{false};
+  Nanos next_refresh_{0};
+  Counters counters_;
+
+ public:
+  bool access_held() const noexcept { return access_held_.load(std::memory_order_relaxed); }
+};
+
+}  // namespace residency::core
