@@ -11,10 +11,10 @@
 #include <mutex>
 #include <set>
 #include <sstream>
-
-#include "platform/proc_stat.hpp"
 #include <thread>
 #include <utility>
+
+#include "platform/proc_stat.hpp"
 
 #if defined(__linux__)
 #include <dirent.h>

@@ -18,7 +18,6 @@
 #include <cstring>
 #include <filesystem>
 #include <mutex>
-
 #include <random>
 
 #include "platform/proc_stat.hpp"
