@@ -102,6 +102,9 @@ typedef struct residency_stats {
 } residency_stats;
 #define RESIDENCY_STATS_INIT {sizeof(residency_stats), 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0}
 
+/* The fields after `kind` are each for one backend; the library hands them as they are to its
+ * backend registry (residency/backends.hpp, BackendOptions), the one place that knows which
+ * backend takes what. Left at their defaults, every backend kind accepts them. */
 typedef struct residency_backend_options {
   size_t struct_size; /* sizeof(residency_backend_options) */
   const char* kind;   /* "auto" (NULL), "posix", "cuda", "metal", "sim" */

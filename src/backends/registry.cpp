@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: MIT
-// The composition root: the one file that knows every backend compiled into this build.
-// Each backend's CMakeLists defines RESIDENCY_HAVE_<NAME> and provides
-// make_<name>_backend() in include/residency/backends/<name>.hpp.
+// The composition root: the one file that knows every backend compiled into this build, and
+// which backend takes which BackendOptions field. Each backend's CMakeLists defines
+// RESIDENCY_HAVE_<NAME> and provides make_<name>_backend() in include/residency/backends/<name>.hpp.
 #include "residency/backends.hpp"
 
 #include "residency/config.hpp"
@@ -99,6 +99,44 @@ Result<std::shared_ptr<Backend>> make_backend(std::string_view name) {
     reasons += "\n  " + n + ": " + b.message();
   }
   return Status(ErrorCode::unsupported, "no backend works on this machine:" + reasons);
+}
+
+Result<std::shared_ptr<Backend>> make_backend(std::string_view name, const BackendOptions& options) {
+  if (options == BackendOptions{}) return make_backend(name);
+  if (name == "cuda") {
+#if RESIDENCY_HAVE_CUDA
+    CudaBackendOptions o;
+    o.device = options.cuda_device;
+    return make_cuda_backend(o);
+#else
+    return Status(ErrorCode::unsupported, "this build has no cuda backend");
+#endif
+  }
+  if (name == "metal") {
+#if RESIDENCY_HAVE_METAL
+    MetalOptions o;
+    o.device = options.metal_device;
+    o.attach_to_queues = options.metal_attach_to_queues;
+    auto b = make_metal_backend(o);
+    if (!b) return b.status();
+    return std::shared_ptr<Backend>(std::move(b).value());
+#else
+    return Status(ErrorCode::unsupported, "this build has no metal backend");
+#endif
+  }
+  return Status(ErrorCode::invalid_argument,
+                "cuda_device, metal_device and metal_attach_to_queues apply to the cuda and metal backends only; kind "
+                "is '" + printable(name) + "'");
+}
+
+Status add_command_queue(Backend& backend, void* queue) {
+#if RESIDENCY_HAVE_METAL
+  if (auto* metal = dynamic_cast<MetalBackend*>(&backend)) return metal->add_command_queue(queue);
+#else
+  (void)queue;
+#endif
+  return Status(ErrorCode::unsupported,
+                "the " + backend.capabilities().name + " backend has no command queues (metal only)");
 }
 
 }  // namespace residency

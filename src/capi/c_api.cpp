@@ -13,12 +13,6 @@
 
 #include "residency/backends.hpp"
 #include "residency/residency.hpp"
-#if RESIDENCY_HAVE_CUDA
-#include "residency/backends/cuda.hpp"
-#endif
-#if RESIDENCY_HAVE_METAL
-#include "residency/backends/metal.hpp"
-#endif
 
 using namespace residency;
 
@@ -207,35 +201,14 @@ residency_status residency_backend_create(const residency_backend_options* optio
   o.struct_size = sizeof o;
   return guarded("residency_backend_create", [&] {
     const std::string kind = o.kind ? o.kind : "auto";
-    Result<std::shared_ptr<Backend>> b = Status(ErrorCode::unsupported, "");
-    const bool defaults = o.cuda_device == 0 && o.metal_device == nullptr && o.metal_attach_to_queues == 0;
-    if (defaults) {
-      b = make_backend(kind);
-    } else if (kind == "cuda") {
-#if RESIDENCY_HAVE_CUDA
-      CudaBackendOptions co;
-      co.device = o.cuda_device;
-      b = make_cuda_backend(co);
-#else
-      b = Status(ErrorCode::unsupported, "residency_backend_create: this build has no cuda backend");
-#endif
-    } else if (kind == "metal") {
-#if RESIDENCY_HAVE_METAL
-      MetalOptions mo;
-      mo.device = o.metal_device;
-      mo.attach_to_queues = o.metal_attach_to_queues != 0;
-      auto mb = make_metal_backend(mo);
-      if (mb) b = std::shared_ptr<Backend>(*mb);
-      else b = mb.status();
-#else
-      b = Status(ErrorCode::unsupported, "residency_backend_create: this build has no metal backend");
-#endif
-    } else {
-      b = Status(ErrorCode::invalid_argument,
-                 "residency_backend_create: cuda_device, metal_device and metal_attach_to_queues apply to the cuda "
-                 "and metal backends only; kind is '" + kind + "'");
-    }
-    if (!b) return fail(b.status());
+    // The backend-specific fields go to the registry as they are: it alone knows who takes them.
+    BackendOptions bo;
+    bo.cuda_device = o.cuda_device;
+    bo.metal_device = o.metal_device;
+    bo.metal_attach_to_queues = o.metal_attach_to_queues != 0;
+    auto b = make_backend(kind, bo);
+    if (!b && bo == BackendOptions{}) return fail(b.status());
+    if (!b) return fail(Status(b.status().code(), "residency_backend_create: " + b.message()));
     auto* h = new residency_backend;
     h->name = (*b)->capabilities().name;
     h->backend = std::move(*b);
@@ -252,11 +225,9 @@ residency_status residency_backend_add_command_queue(residency_backend* backend,
   if (!backend) return null_arg("residency_backend_add_command_queue", "backend");
   if (!queue) return null_arg("residency_backend_add_command_queue", "queue");
   return guarded("residency_backend_add_command_queue", [&] {
-#if RESIDENCY_HAVE_METAL
-    if (auto* mb = dynamic_cast<MetalBackend*>(backend->backend.get())) return ok_or(mb->add_command_queue(queue));
-#endif
-    return fail(Status(ErrorCode::unsupported, "residency_backend_add_command_queue: the " + backend->name +
-                                                   " backend has no command queues (metal only)"));
+    const Status st = add_command_queue(*backend->backend, queue);
+    if (st || st.code() != ErrorCode::unsupported) return ok_or(st);
+    return fail(Status(st.code(), "residency_backend_add_command_queue: " + st.message()));
   });
 }
 

@@ -35,7 +35,6 @@ class KeepAliveScheduler {
   void stop();
   // Makes the thread re-evaluate its deadline. Call with `mutex` held.
   void wake_locked() { cv_.notify_all(); }
-  bool running() const { return thread_.joinable(); }
   std::uint64_t wakeups() const { return wakeups_.load(std::memory_order_relaxed); }
 
  private:

@@ -44,7 +44,6 @@ class SetLayout {
   bool remove(SetId set, std::uint64_t bytes);
 
   std::uint64_t cap_bytes() const { return cap_; }  // UINT64_MAX: no cap (one set)
-  std::uint32_t max_sets() const { return max_sets_; }
   std::uint32_t live_sets() const;
   std::uint64_t set_bytes(SetId set) const { return set < sets_.size() ? sets_[set].bytes : 0; }
   bool exists(SetId set) const { return set < sets_.size() && sets_[set].exists; }

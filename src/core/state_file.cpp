@@ -8,12 +8,13 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <fstream>
 #include <mutex>
 #include <set>
 #include <sstream>
 #include <thread>
 #include <utility>
+
+#include "platform/proc_stat.hpp"
 
 #if defined(__linux__)
 #include <dirent.h>
@@ -25,26 +26,9 @@
 namespace residency::core {
 
 std::optional<std::uint64_t> process_start_time(int pid) {
-#if defined(__linux__)
-  std::ifstream f("/proc/" + std::to_string(pid) + "/stat");
-  std::string s;
-  if (!f || !std::getline(f, s)) return std::nullopt;
-  // Field 2 (comm) is in parentheses and may hold spaces or ')': count from the last ')'.
-  const auto close = s.rfind(')');
-  if (close == std::string::npos) return std::nullopt;
-  std::istringstream rest(s.substr(close + 1));
-  std::string field;
-  for (int i = 3; i <= 22; ++i)
-    if (!(rest >> field)) return std::nullopt;
-  char* end = nullptr;
-  errno = 0;
-  const unsigned long long v = std::strtoull(field.c_str(), &end, 10);
-  if (errno != 0 || end == field.c_str() || *end != '\0') return std::nullopt;
-  return static_cast<std::uint64_t>(v);
-#else
-  (void)pid;
-  return std::nullopt;
-#endif
+  const auto stat = platform::read_proc_stat(pid);
+  if (!stat) return std::nullopt;
+  return stat->start_time;
 }
 
 #if defined(__linux__)

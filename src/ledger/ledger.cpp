@@ -6,9 +6,9 @@
 #include <cerrno>
 #include <cstddef>
 #include <cstring>
-#include <fstream>
-#include <sstream>
 #include <vector>
+
+#include "platform/proc_stat.hpp"
 
 #if defined(__linux__) && !defined(RESIDENCY_LEDGER_UNSUPPORTED)
 #define RESIDENCY_LEDGER_LINUX 1
@@ -446,22 +446,8 @@ Result<int> create(const std::string& path, const std::string& name, std::uint64
 }  // namespace
 
 std::uint64_t process_start_time(int pid) {
-  if (pid <= 0) return 0;
-  std::ifstream in("/proc/" + std::to_string(pid) + "/stat");
-  std::string line;
-  if (!std::getline(in, line)) return 0;
-  const std::size_t close = line.rfind(')');
-  if (close == std::string::npos) return 0;
-  std::istringstream fields(line.substr(close + 1));
-  std::string state;
-  fields >> state;  // field 3
-  if (state == "Z" || state == "X" || state == "x") return 0;
-  std::string f;
-  for (int i = 4; i < 22 && fields >> f; ++i) {
-  }
-  std::uint64_t start = 0;
-  if (!(fields >> start)) return 0;
-  return start;
+  const auto stat = platform::read_proc_stat(pid);
+  return stat && !stat->gone() ? stat->start_time : 0;
 }
 
 int lock_owner(const std::string& path) {

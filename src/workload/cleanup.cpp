@@ -13,15 +13,15 @@
 
 #include <atomic>
 #include <cerrno>
+#include <charconv>
 #include <climits>
 #include <cstring>
 #include <filesystem>
-#include <fstream>
 #include <mutex>
-
-#include "residency/config.hpp"
 #include <random>
-#include <sstream>
+
+#include "platform/proc_stat.hpp"
+#include "residency/config.hpp"
 
 namespace residency::workload {
 namespace {
@@ -129,26 +129,6 @@ void CleanupRegistry::set_child(pid_t pid) { g_child.store(pid); }
 
 namespace {
 
-// Field 22 of /proc/<pid>/stat (after the command name, which may hold spaces and parentheses).
-std::optional<unsigned long long> start_time(const std::string& pid) {
-  std::ifstream f("/proc/" + pid + "/stat");
-  if (!f) return std::nullopt;
-  std::string line;
-  std::getline(f, line);
-  const std::size_t close = line.rfind(')');
-  if (close == std::string::npos) return std::nullopt;
-  std::istringstream in(line.substr(close + 1));
-  std::string field;
-  for (int i = 3; i <= 22; ++i) {
-    if (!(in >> field)) return std::nullopt;
-  }
-  try {
-    return std::stoull(field);
-  } catch (...) {
-    return std::nullopt;
-  }
-}
-
 bool all_digits(std::string_view s) {
   return !s.empty() && s.size() <= 20 && s.find_first_not_of("0123456789") == std::string_view::npos;
 }
@@ -157,8 +137,8 @@ bool all_digits(std::string_view s) {
 
 std::string owner_tag() {
   const std::string pid = std::to_string(getpid());
-  const auto start = start_time("self");
-  return pid + "." + (start ? std::to_string(*start) : std::string("0"));
+  const auto own = platform::read_own_proc_stat();
+  return pid + "." + (own ? std::to_string(own->start_time) : std::string("0"));
 }
 
 std::optional<std::string> owner_tag_in(std::string_view name) {
@@ -184,9 +164,13 @@ bool owner_alive(std::string_view tag) {
     }
     return n > 0 && n <= INT_MAX && (kill(static_cast<pid_t>(n), 0) == 0 || errno == EPERM);
   }
-  const auto start = start_time(pid);
-  if (!start) return false;  // no such process
-  return std::to_string(*start) == tag.substr(dot + 1);
+  // /proc names a process by its pid without leading zeros; anything else names none.
+  int n = 0;
+  const auto [end, ec] = std::from_chars(pid.data(), pid.data() + pid.size(), n);
+  const bool named = ec == std::errc() && end == pid.data() + pid.size() && n > 0 && pid[0] != '0';
+  const auto stat = named ? platform::read_proc_stat(n) : std::nullopt;
+  if (!stat) return false;  // no such process
+  return std::to_string(stat->start_time) == tag.substr(dot + 1);
 }
 
 int remove_dead_leftovers(const std::string& parent, const std::string& prefix) {

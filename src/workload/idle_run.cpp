@@ -1,5 +1,12 @@
 // SPDX-License-Identifier: MIT
 // `residency idle` as a library call (see idle_run.hpp).
+//
+// One request, followed from the tool's run_idle down to the backend, goes back to reading the
+// user's text twice, both name look-ups the tool cannot do without knowing every target: here,
+// make_idle_target(options.backend) picks the target by the name the tool checked against
+// idle_backends(); in the sim target, make_sim_idle_target looks up --profile (sim_profile()).
+// Everything else (environment, policies, keep-alive, pauses, pressure, model size and type)
+// arrives as values from tools/residency/idle_options.cpp, each read once.
 #include "workload/idle_run.hpp"
 
 #include <unistd.h>
@@ -22,10 +29,6 @@ namespace {
 
 namespace fs = std::filesystem;
 
-// A synthetic model's size when none is given: 1 GiB reads long enough for pressure to show; the
-// sim models its own model, so its placeholder file only needs to exist.
-constexpr const char* kDefaultModelSize = "1GiB";
-constexpr const char* kDefaultSimModelSize = "16MiB";
 constexpr const char* kTempPrefix = "residency-idle-";
 
 Status bad(std::string message) { return Status(ErrorCode::invalid_argument, std::move(message)); }
@@ -112,125 +115,6 @@ class OutputDir {
 };
 
 }  // namespace
-
-IdleRequest idle_demo_request() {
-  IdleRequest r;
-  r.keep_alive_default = "2s";
-  r.policies = "off,keep-alive";
-  return r;
-}
-
-Result<IdleOptions> parse_idle_options(const IdleRequest& a) {
-  IdleOptions o;
-  // The environment first: a bad RESIDENCY_* value is bad input even where an option overrides it.
-  Config base;
-  auto env_set = [&a](std::initializer_list<const char*> names) {
-    if (!a.env) return false;
-    for (const char* n : names)
-      if (a.env(n) != nullptr) return true;
-    return false;
-  };
-  if (a.env) {
-    auto c = Config::from_env(a.env);
-    if (!c) return bad(c.message());
-    base = std::move(c).value();
-  }
-  const auto backends = idle_backends();
-  if (std::find(backends.begin(), backends.end(), a.backend) == backends.end()) {
-    std::string accepted;
-    for (const auto& b : backends) accepted += (accepted.empty() ? "" : ", ") + b;
-    return bad("unknown backend '" + printable(a.backend) + "'; this build accepts: " + accepted);
-  }
-  o.backend = a.backend;
-  // The keep-alive policy's duration: --keep-alive, else the environment's, else the default.
-  const bool env_keep_alive = env_set({"RESIDENCY_KEEP_ALIVE", "GGML_METAL_RESIDENCY_KEEP_ALIVE_S", "GGML_METAL_NO_RESIDENCY"});
-  auto policies = parse_policies(a.policies, std::chrono::seconds(1));  // names first; the duration below
-  if (!policies) return bad("--policies: " + policies.message());
-  const bool uses_keep_alive = std::any_of(policies->begin(), policies->end(),
-                                           [](const IdlePolicy& p) { return p.kind == IdlePolicy::Kind::keep_alive; });
-  KeepAlive ka;
-  if (a.keep_alive) {
-    auto k = parse_keep_alive(*a.keep_alive);
-    if (!k) return bad("--keep-alive: " + k.message());
-    if (k->kind != KeepAlive::Kind::duration) {
-      return bad("--keep-alive '" + printable(*a.keep_alive) +
-                 "': the keep-alive policy needs a duration above 0 (e.g. 2s, 180s); policies 0, forever and off are "
-                 "named in --policies");
-    }
-    if (!uses_keep_alive) o.notes.push_back("--keep-alive is not used: --policies names no keep-alive or pressure-aware policy");
-    ka = *k;
-  } else if (env_keep_alive && uses_keep_alive) {
-    if (base.keep_alive.kind != KeepAlive::Kind::duration) {
-      return bad("the environment's keep-alive (RESIDENCY_KEEP_ALIVE or its alias) is " + base.keep_alive.to_string() +
-                 ": the keep-alive policy needs a duration above 0; give --keep-alive (policies 0, forever and off are "
-                 "named in --policies)");
-    }
-    ka = base.keep_alive;
-  } else {
-    auto k = parse_keep_alive(a.keep_alive_default);
-    if (!k || k->kind != KeepAlive::Kind::duration) return bad("keep-alive default '" + printable(a.keep_alive_default) + "' is not a duration");
-    ka = *k;
-  }
-  policies = parse_policies(a.policies, ka.duration);
-  if (!policies) return bad("--policies: " + policies.message());
-  o.benchmark.policies = std::move(policies).value();
-  if (env_set({"RESIDENCY_RELEASE_ON_PRESSURE"})) {
-    o.notes.push_back("RESIDENCY_RELEASE_ON_PRESSURE is not used: each column sets its own (the pressure-aware policy "
-                      "releases under pressure, the others do not)");
-  }
-  o.benchmark.schedule = llama_idle_schedule();
-  if (a.pauses) {
-    if (a.pauses->find_first_not_of(" \t") == std::string::npos) {
-      return bad("--pauses '" + printable(*a.pauses) +
-                 "': empty; give pauses in milliseconds (e.g. 0,800,1600), or leave the option out for llama-idle's "
-                 "schedule");
-    }
-    auto pauses = parse_pauses(*a.pauses);
-    if (!pauses) return bad(pauses.message());
-    o.benchmark.schedule.pauses = *pauses;
-  }
-  if (a.iters < 1 || a.iters > kIdleMaxIters) {
-    return bad("--iters " + std::to_string(a.iters) + ": accepted 1 to " + std::to_string(kIdleMaxIters));
-  }
-  o.benchmark.schedule.iters = a.iters;
-  if (a.threads > kIdleMaxThreads) {
-    return bad("--threads " + std::to_string(a.threads) + ": accepted 0 (one per core) to " + std::to_string(kIdleMaxThreads));
-  }
-  if (a.backend != "sim" && (!a.profile.empty() || a.decaying_requests)) {
-    return bad("--profile and --decaying-requests apply to --backend sim only");
-  }
-  o.pressure_text = a.pressure ? *a.pressure : (a.backend == "posix" ? "pageout" : "none");
-  auto pressure = parse_pressure(o.pressure_text);
-  if (!pressure) return bad("--pressure: " + pressure.message());
-  o.benchmark.pressure = *pressure;
-  const bool env_log = env_set({"RESIDENCY_LOG", "MLX_RESIDENCY_DEBUG"});
-  o.benchmark.log_level = a.verbose ? std::max(LogLevel::info, env_log ? base.log_level : LogLevel::info)
-                                    : (env_log ? base.log_level : LogLevel::warn);
-  o.benchmark.config = base;
-  for (const auto& note : base.notes) o.notes.push_back(note);
-  o.target.threads = a.threads;
-  o.target.sim_profile = a.profile;
-  o.target.sim_decaying_requests = a.decaying_requests;
-  if (!a.model.empty()) {
-    if (a.model_size || a.type) {
-      return bad(std::string(a.model_size ? "--model-size" : "--type") +
-                 " describes the synthetic model, but MODEL was given (" + printable(a.model) +
-                 "); leave out one or the other");
-    }
-    o.model_path = a.model;
-  } else {
-    auto size = parse_size(a.model_size ? *a.model_size : (a.backend == "sim" ? kDefaultSimModelSize : kDefaultModelSize));
-    if (!size) return bad("--model-size: " + size.message());
-    auto type = parse_model_type(a.type ? *a.type : "f16");
-    if (!type) return bad("--type: " + type.message());
-    auto shape = plan_llama_shape(*size, *type);
-    if (!shape) return bad("--model-size: " + shape.message());
-    o.synthetic = *shape;
-  }
-  o.out_dir = a.out;
-  o.plot = a.plot;
-  return o;
-}
 
 IdleRun::~IdleRun() = default;
 

@@ -1,11 +1,11 @@
 // SPDX-License-Identifier: MIT
-// `residency idle` as a library call: what the command line asked for, checked once, then run,
-// with the results written where they are announced.
+// `residency idle` as a library call: one request, given as values, then run, with the results
+// written where they are announced.
 //
-// The subcommand (tools/residency/idle.cpp) only parses its command line into an IdleRequest and
-// prints; everything else is here, in three steps that keep bad input apart from failures:
-//   parse_idle_options(request)   every text field checked, in this one place: an error is bad
-//                                 input (one line, the tool exits 2).
+// The subcommand (tools/residency/idle.cpp) reads its command line once into an IdleOptions
+// (tools/residency/idle_options.hpp: every text field checked there, an error is bad input, one
+// line, the tool exits 2) and prints; nothing here parses the user's text again. The rest is here,
+// in two steps that keep bad input apart from failures:
 //   IdleRun::create(options)      what the machine must allow, still before anything is
 //                                 created: the backend starts, the model file opens and its types
 //                                 are decoded, the pressure fits the target, a synthetic model
@@ -36,44 +36,8 @@
 
 namespace residency::workload {
 
-// What the user asked for, as typed. Defaults are the command line's. An optional field that is
-// empty was not given; given, even as "", it is checked (never silently read as "not given").
-struct IdleRequest {
-  std::string model;  // GGUF file; empty: a synthetic llama-shaped model
-  std::string backend = "posix";
-  std::string policies = "off,keep-alive,0,forever";
-  // The keep-alive policy's duration. Not given: the environment's (RESIDENCY_KEEP_ALIVE or its
-  // aliases), else keep_alive_default.
-  std::optional<std::string> keep_alive;
-  std::string keep_alive_default = "180s";
-  std::optional<std::string> pressure;  // not given: pageout on posix, none elsewhere (a posix notion)
-  std::optional<std::string> pauses;    // not given: llama-idle's
-  int iters = 3;
-  std::string out;  // result directory; empty: a new temporary directory
-  // The synthetic model's size and type; refused with a MODEL. Not given: 1 GiB (16 MiB for
-  // --backend sim, which models its own size), f16.
-  std::optional<std::string> model_size;
-  std::optional<std::string> type;
-  std::string profile;             // --backend sim only
-  bool decaying_requests = false;  // --backend sim only
-  unsigned threads = 0;
-  bool plot = true;
-  bool verbose = false;  // also the managers' info lines (each release and re-wire)
-  // Where the RESIDENCY_* configuration comes from (Config::from_env): what the fields above do
-  // not set (wired limit, layout, set cap, pressure floor and quiet, log level, the keep-alive's
-  // duration). The tool passes the process environment; empty: none, the library's defaults.
-  Config::EnvLookup env;
-};
-
-// The accepted ranges of IdleRequest::iters (1 to this) and ::threads (0 = one per core, to this).
-inline constexpr int kIdleMaxIters = 1000;
-inline constexpr unsigned kIdleMaxThreads = 1024;
-
-// The no-argument demonstration: keep-alive 2 s against `off`, short enough that the default
-// pauses (up to 4 s) cross it, so one run shows both sides of it.
-IdleRequest idle_demo_request();
-
-// An IdleRequest checked: nothing in it needs checking again.
+// One request, as values: what the command line asked for, read once by the tool
+// (tools/residency/idle_options.hpp). Nothing in it is parsed again.
 struct IdleOptions {
   std::string backend;
   IdleTargetOptions target;
@@ -87,8 +51,6 @@ struct IdleOptions {
   // ("RESIDENCY_RELEASE_ON_PRESSURE is not used: ...").
   std::vector<std::string> notes;
 };
-
-Result<IdleOptions> parse_idle_options(const IdleRequest& request);
 
 // Where a run reports to. Lines and warnings come from the calling thread; log() may also come
 // from the managers' scheduler threads.

@@ -87,11 +87,9 @@ Result<std::vector<IdlePolicy>> parse_policies(std::string_view list, Nanos keep
     if (item == "off") {
       p = {IdlePolicy::Kind::off, KeepAlive::off(), "off", "off"};
     } else if (item == "keep-alive") {
-      const KeepAlive ka = KeepAlive::after(keep_alive);
-      p = {IdlePolicy::Kind::keep_alive, ka, "keep-alive", "keep-alive " + ka.to_string()};
+      p = {IdlePolicy::Kind::keep_alive, {}, "keep-alive", {}};
     } else if (item == "pressure-aware") {
-      const KeepAlive ka = KeepAlive::after(keep_alive);
-      p = {IdlePolicy::Kind::keep_alive, ka, "pressure-aware", "keep-alive " + ka.to_string() + " + pressure", true};
+      p = {IdlePolicy::Kind::keep_alive, {}, "pressure-aware", {}, true};
     } else if (item == "0") {
       p = {IdlePolicy::Kind::zero, KeepAlive::zero(), "0", "0"};
     } else if (item == "forever") {
@@ -110,7 +108,16 @@ Result<std::vector<IdlePolicy>> parse_policies(std::string_view list, Nanos keep
     if (comma == std::string_view::npos) break;
     start = comma + 1;
   }
+  set_keep_alive(out, keep_alive);
   return out;
+}
+
+void set_keep_alive(std::vector<IdlePolicy>& policies, Nanos keep_alive) {
+  for (IdlePolicy& p : policies) {
+    if (p.kind != IdlePolicy::Kind::keep_alive) continue;
+    p.keep_alive = KeepAlive::after(keep_alive);
+    p.name = "keep-alive " + p.keep_alive.to_string() + (p.release_on_pressure ? " + pressure" : "");
+  }
 }
 
 }  // namespace residency::workload

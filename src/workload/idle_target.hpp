@@ -63,6 +63,10 @@ struct IdlePolicy {
 // (keep-alive with graded release under memory pressure), 0, forever.
 // `keep_alive` is the duration of the keep-alive policy (must be > 0).
 Result<std::vector<IdlePolicy>> parse_policies(std::string_view list, Nanos keep_alive);
+// Gives the keep-alive policies among `policies` (keep-alive, pressure-aware) the duration
+// `keep_alive` (> 0), and the name that says it: for a caller that reads the list before it
+// knows the duration, so that the list is read once.
+void set_keep_alive(std::vector<IdlePolicy>& policies, Nanos keep_alive);
 
 // How time passes during one policy's block. On real time, pass() waits on the clock. On virtual
 // time (IdleTarget::virtual_clock()) it advances the clock itself, stopping at every deadline

@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: MIT
-// `residency idle` as a library call: its input is checked in one place (parse_idle_options and
-// IdleRun::create), and the result files go where the run says they are, never into the current
-// directory or `/`.
+// `residency idle` as a library call: its input is checked in one place (the tool's
+// parse_idle_options, then IdleRun::create for what the machine must allow), and the result files
+// go where the run says they are, never into the current directory or `/`.
 #include <gtest/gtest.h>
 #include <unistd.h>
 
@@ -10,12 +10,17 @@
 #include <mutex>
 #include <set>
 
+#include "idle_options.hpp"
 #include "workload/gguf_writer.hpp"
 #include "workload/idle_run.hpp"
 #include "workload_test_util.hpp"
 
 namespace residency::workload {
 namespace {
+
+using tool::idle_demo_request;
+using tool::IdleRequest;
+using tool::parse_idle_options;
 
 namespace fs = std::filesystem;
 

@@ -5,8 +5,9 @@
 // With no arguments it is a self-contained demonstration: it writes a 1 GiB synthetic llama model
 // to a temporary directory, compares keep-alive 2 s with `off` under `pageout` pressure, prints
 // llama-idle's lines and a table, writes JSON, CSV and a PNG plot, removes the model and says
-// where the results are. This file is the command line only: it fills an IdleRequest, and the
-// library (workload/idle_run.hpp) checks it, runs and writes the files; here they are printed.
+// where the results are. This file is the command line only: it fills an IdleRequest, reads it
+// once into the library's typed request (idle_options.hpp), and the library (workload/idle_run.hpp)
+// checks what the machine must allow, runs and writes the files; here they are printed.
 #include <unistd.h>
 
 #include <algorithm>
@@ -20,6 +21,7 @@
 #include <string>
 
 #include "command.hpp"
+#include "idle_options.hpp"
 #include "residency/backends/sim.hpp"
 #include "residency/config.hpp"
 #include "workload/idle_benchmark.hpp"
@@ -139,7 +141,7 @@ class Console final : public IdleReporter {
   std::string label_;
 };
 
-// parse -> checked options -> run (model, target, benchmark, files) -> print.
+// parse (once, here) -> typed options -> run (model, target, benchmark, files) -> print.
 int run_idle(const IdleRequest& request) {
   auto options = parse_idle_options(request);
   if (!options) throw BadInput(options.message());

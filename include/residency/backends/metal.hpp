@@ -92,9 +92,10 @@ class MetalBackend final : public Backend {
   MetalBackend& operator=(const MetalBackend&) = delete;
 
   Capabilities capabilities() const override;
-  // recommended_working_set = recommendedMaxWorkingSetSize, allocated = currentAllocatedSize,
-  // available = their difference, 0 when over (never underflows, unlike llama.cpp's),
-  // wired = the allocated size of every set whose residency is requested.
+  // physical = the host's RAM (NSProcessInfo physicalMemory), recommended_working_set = the
+  // device's recommendedMaxWorkingSetSize, no hard limit (Metal states none). What is allocated
+  // and wired the manager counts itself (its Stats); currentAllocatedSize is read only for
+  // `residency stat` (read_metal_device_info below).
   MemoryInfo memory_info() override;
   Status create_set(SetId set, std::uint64_t capacity_bytes) override;
   Status destroy_set(SetId set) override;

@@ -30,10 +30,7 @@
 #pragma once
 
 #include <cstdint>
-#include <map>
 #include <memory>
-#include <mutex>
-#include <set>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -190,49 +187,14 @@ class SimBackend final : public Backend {
   const SimOptions& options() const { return options_; }
 
  private:
-  struct Buffer {
-    std::uint64_t size = 0;
-    std::uint64_t wired = 0;   // invariant: wired <= size
-    bool used = false;         // a GPU operation has used it
-    Nanos last_use{0};         // end of the last GPU use, when used
-    bool leaked = false;       // in an ended set while no GPU operation has run
-    std::uint32_t set_refs = 0;  // committed memberships (a buffer in no set may still be wired)
-  };
-  struct Set {
-    std::map<RegionId, const void*> members;   // committed: region -> buffer base
-    std::map<RegionId, RegionDesc> staged_add;
-    std::set<RegionId> staged_remove;
-    bool requested = false;    // request_residency called and end_residency not since
-    Nanos last_request{0};     // last request or refresh
-    Nanos last_use{0};         // end of the last GPU use of any member (decay counts from
-                               // here too); 0 when never used, as the request is later anyway
-  };
-
+  // The modelled machine (buffers, sets, queues, the collector's progress, the counters, the
+  // mutex that guards them): src/backends/sim/sim_backend.cpp.
+  struct State;
   friend Result<std::shared_ptr<SimBackend>> make_sim_backend(SimOptions options);
   explicit SimBackend(SimOptions options);
 
-  // All private methods are called with mu_ held.
-  Nanos now() const { return clock_->now(); }
-  void advance_locked(Nanos to);
-  bool request_live(const Set& s, Nanos t) const;
-  Nanos request_end(const Set& s) const;  // when a live request decays (max for no decay)
-  SetOutcome request_locked(SetId set, bool is_refresh);
-  std::uint64_t wire_locked(Buffer& b);  // wires it all; returns the bytes newly wired
-  Nanos cost_of(std::uint64_t bytes) const;
-  void misuse(std::string message);
-  Status attach_locked(QueueId queue, SetId set);
-
   const SimOptions options_;
-  Clock* const clock_;
-  mutable std::mutex mu_;
-  Nanos modelled_until_{0};       // the collector has been replayed up to this time
-  double collector_credit_ = 0;   // fractional bytes carried between replay steps
-  std::map<const void*, Buffer> buffers_;
-  std::map<SetId, Set> sets_;
-  std::vector<std::vector<SetId>> queues_;  // queue id -> attached sets
-  std::uint64_t next_command_buffer_ = 1;
-  Stats stats_;
-  std::string last_error_;
+  const std::unique_ptr<State> state_;
 };
 
 // The backend with the default profile on the SteadyClock (what make_backend("sim") gives).

@@ -1,8 +1,12 @@
 // SPDX-License-Identifier: MIT
-// The sim backend: the rules of include/residency/backends/sim.hpp over an injected clock.
+// The sim backend: the rules of include/residency/backends/sim.hpp over an injected clock. The
+// modelled machine's state (SimBackend::State) lives here, not in the public header.
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <map>
+#include <mutex>
+#include <set>
 #include <utility>
 
 #include "residency/backends/sim.hpp"
@@ -26,15 +30,121 @@ std::string set_name(SetId set) { return "residency set " + std::to_string(set);
 
 }  // namespace
 
-SimBackend::SimBackend(SimOptions options)
-    : options_(std::move(options)),
-      clock_(options_.clock != nullptr ? options_.clock : &SteadyClock::instance()) {
-  modelled_until_ = clock_->now();
-}
+// The modelled machine behind a SimBackend: what the OS knows of each buffer and set, the queues,
+// how far the collector has been replayed, and the counters. The backend's methods forward here;
+// each public one takes mu_, and every other is called with it held.
+struct SimBackend::State {
+  // A buffer the sim knows. Invariant: wired <= size.
+  struct Buffer {
+    std::uint64_t size = 0;
+    std::uint64_t wired = 0;
+    bool used = false;         // a GPU operation has used it
+    Nanos last_use{0};         // end of the last GPU use, when used
+    bool leaked = false;       // in an ended set while no GPU operation has run
+    std::uint32_t set_refs = 0;  // committed memberships (a buffer in no set may still be wired)
+  };
+  struct Set {
+    std::map<RegionId, const void*> members;   // committed: region -> buffer base
+    std::map<RegionId, RegionDesc> staged_add;
+    std::set<RegionId> staged_remove;
+    bool requested = false;    // request_residency called and end_residency not since
+    Nanos last_request{0};     // last request or refresh
+    Nanos last_use{0};         // end of the last GPU use of any member (decay counts from
+                               // here too); 0 when never used, as the request is later anyway
+  };
+
+  explicit State(const SimOptions& options)
+      : options_(options), clock_(options_.clock != nullptr ? options_.clock : &SteadyClock::instance()) {
+    modelled_until_ = clock_->now();
+  }
+
+  // What SimBackend's methods of the same names do (see sim.hpp).
+  Capabilities capabilities() const;
+  MemoryInfo memory_info();
+  Status create_set(SetId set, std::uint64_t capacity_bytes);
+  Status destroy_set(SetId set);
+  void add_region(SetId set, const RegionDesc& region);
+  void remove_region(SetId set, RegionId region);
+  SetOutcome commit(SetId set);
+  SetOutcome request_residency(SetId set);
+  Status end_residency(SetId set);
+  SetOutcome refresh(SetId set);
+  void after_release();
+  Result<QueueId> add_queue();
+  Status attach_set(QueueId queue, SetId set);
+  Status detach_set(QueueId queue, SetId set);
+  std::vector<SetId> queue_sets(QueueId queue) const;
+  Result<CommandBuffer> commit_command_buffer(QueueId queue, std::vector<GpuBuffer> uses, Nanos compute);
+  Result<Nanos> execute(const CommandBuffer& cb);
+  void gpu_operation();
+  std::uint64_t wired_bytes();
+  std::uint64_t wired_bytes(const void* base);
+  std::uint64_t allocated_bytes() const;
+  std::uint32_t live_sets() const;
+  bool residency_requested(SetId set);
+  Stats stats() const;
+  std::string last_error() const;
+
+  // Called with mu_ held.
+  Nanos now() const { return clock_->now(); }
+  void advance_locked(Nanos to);
+  bool request_live(const Set& s, Nanos t) const;
+  Nanos request_end(const Set& s) const;  // when a live request decays (max for no decay)
+  SetOutcome request_locked(SetId set, bool is_refresh);
+  std::uint64_t wire_locked(Buffer& b);  // wires it all; returns the bytes newly wired
+  Nanos cost_of(std::uint64_t bytes) const;
+  void misuse(std::string message);
+  Status attach_locked(QueueId queue, SetId set);
+
+  const SimOptions& options_;  // the backend's
+  Clock* const clock_;
+  mutable std::mutex mu_;
+  Nanos modelled_until_{0};       // the collector has been replayed up to this time
+  double collector_credit_ = 0;   // fractional bytes carried between replay steps
+  std::map<const void*, Buffer> buffers_;
+  std::map<SetId, Set> sets_;
+  std::vector<std::vector<SetId>> queues_;  // queue id -> attached sets
+  std::uint64_t next_command_buffer_ = 1;
+  Stats stats_;
+  std::string last_error_;
+};
+
+SimBackend::SimBackend(SimOptions options) : options_(std::move(options)), state_(std::make_unique<State>(options_)) {}
 
 SimBackend::~SimBackend() = default;
 
-Capabilities SimBackend::capabilities() const {
+// ---- the Backend interface and the GPU side: each forwards to the model --------------------
+
+Capabilities SimBackend::capabilities() const { return state_->capabilities(); }
+MemoryInfo SimBackend::memory_info() { return state_->memory_info(); }
+Status SimBackend::create_set(SetId set, std::uint64_t capacity_bytes) { return state_->create_set(set, capacity_bytes); }
+Status SimBackend::destroy_set(SetId set) { return state_->destroy_set(set); }
+void SimBackend::add_region(SetId set, const RegionDesc& region) { state_->add_region(set, region); }
+void SimBackend::remove_region(SetId set, RegionId region) { state_->remove_region(set, region); }
+SetOutcome SimBackend::commit(SetId set) { return state_->commit(set); }
+SetOutcome SimBackend::request_residency(SetId set) { return state_->request_residency(set); }
+Status SimBackend::end_residency(SetId set) { return state_->end_residency(set); }
+SetOutcome SimBackend::refresh(SetId set) { return state_->refresh(set); }
+void SimBackend::after_release() { state_->after_release(); }
+Result<SimBackend::QueueId> SimBackend::add_queue() { return state_->add_queue(); }
+Status SimBackend::attach_set(QueueId queue, SetId set) { return state_->attach_set(queue, set); }
+Status SimBackend::detach_set(QueueId queue, SetId set) { return state_->detach_set(queue, set); }
+std::vector<SetId> SimBackend::queue_sets(QueueId queue) const { return state_->queue_sets(queue); }
+Result<SimBackend::CommandBuffer> SimBackend::commit_command_buffer(QueueId queue, std::vector<GpuBuffer> uses,
+                                                                    Nanos compute) {
+  return state_->commit_command_buffer(queue, std::move(uses), compute);
+}
+Result<Nanos> SimBackend::execute(const CommandBuffer& cb) { return state_->execute(cb); }
+void SimBackend::gpu_operation() { state_->gpu_operation(); }
+std::uint64_t SimBackend::wired_bytes() { return state_->wired_bytes(); }
+std::uint64_t SimBackend::wired_bytes(const void* base) { return state_->wired_bytes(base); }
+std::uint64_t SimBackend::allocated_bytes() const { return state_->allocated_bytes(); }
+std::uint32_t SimBackend::live_sets() const { return state_->live_sets(); }
+bool SimBackend::residency_requested(SetId set) { return state_->residency_requested(set); }
+SimBackend::Stats SimBackend::stats() const { return state_->stats(); }
+std::string SimBackend::last_error() const { return state_->last_error(); }
+
+Capabilities SimBackend::State::capabilities() const {
   Capabilities c;
   c.name = "sim";
   c.needs_refresh = options_.decaying_requests;
@@ -43,7 +153,7 @@ Capabilities SimBackend::capabilities() const {
   return c;
 }
 
-MemoryInfo SimBackend::memory_info() {
+MemoryInfo SimBackend::State::memory_info() {
   std::lock_guard<std::mutex> lock(mu_);
   advance_locked(now());
   MemoryInfo m;
@@ -54,12 +164,12 @@ MemoryInfo SimBackend::memory_info() {
 
 // ---- the collector --------------------------------------------------------------------
 
-Nanos SimBackend::request_end(const Set& s) const {
+Nanos SimBackend::State::request_end(const Set& s) const {
   if (!options_.decaying_requests) return kForever;
   return add_saturating(std::max(s.last_request, s.last_use), options_.request_decay);
 }
 
-bool SimBackend::request_live(const Set& s, Nanos t) const {
+bool SimBackend::State::request_live(const Set& s, Nanos t) const {
   return s.requested && t < request_end(s);
 }
 
@@ -68,7 +178,7 @@ bool SimBackend::request_live(const Set& s, Nanos t) const {
 // collector delay, or a decaying request's end). The replay goes from one such time to the
 // next; within each step the collector unwires collector_rate bytes per second from the
 // unprotected wired buffers, least recently used first.
-void SimBackend::advance_locked(Nanos to) {
+void SimBackend::State::advance_locked(Nanos to) {
   Nanos t = modelled_until_;
   while (t < to) {
     // When each buffer covered by a live request stops being covered.
@@ -140,25 +250,25 @@ void SimBackend::advance_locked(Nanos to) {
   }
 }
 
-std::uint64_t SimBackend::wire_locked(Buffer& b) {
+std::uint64_t SimBackend::State::wire_locked(Buffer& b) {
   const std::uint64_t newly = b.size - b.wired;
   b.wired = b.size;
   stats_.rewired_bytes += newly;
   return newly;
 }
 
-Nanos SimBackend::cost_of(std::uint64_t bytes) const {
+Nanos SimBackend::State::cost_of(std::uint64_t bytes) const {
   return Nanos(std::llround(static_cast<double>(bytes) / options_.profile.rewire_rate * 1e9));
 }
 
-void SimBackend::misuse(std::string message) {
+void SimBackend::State::misuse(std::string message) {
   ++stats_.misuse;
   last_error_ = std::move(message);
 }
 
 // ---- sets -------------------------------------------------------------------------------
 
-Status SimBackend::create_set(SetId set, std::uint64_t /*capacity_bytes: a hint*/) {
+Status SimBackend::State::create_set(SetId set, std::uint64_t /*capacity_bytes: a hint*/) {
   std::lock_guard<std::mutex> lock(mu_);
   advance_locked(now());
   if (sets_.count(set) != 0) {
@@ -183,7 +293,7 @@ Status SimBackend::create_set(SetId set, std::uint64_t /*capacity_bytes: a hint*
   return Status::ok();
 }
 
-Status SimBackend::destroy_set(SetId set) {
+Status SimBackend::State::destroy_set(SetId set) {
   std::lock_guard<std::mutex> lock(mu_);
   advance_locked(now());
   auto it = sets_.find(set);
@@ -205,7 +315,7 @@ Status SimBackend::destroy_set(SetId set) {
   return Status::ok();
 }
 
-void SimBackend::add_region(SetId set, const RegionDesc& region) {
+void SimBackend::State::add_region(SetId set, const RegionDesc& region) {
   std::lock_guard<std::mutex> lock(mu_);
   auto it = sets_.find(set);
   if (it == sets_.end()) {
@@ -216,7 +326,7 @@ void SimBackend::add_region(SetId set, const RegionDesc& region) {
   it->second.staged_add[region.id] = region;
 }
 
-void SimBackend::remove_region(SetId set, RegionId region) {
+void SimBackend::State::remove_region(SetId set, RegionId region) {
   std::lock_guard<std::mutex> lock(mu_);
   auto it = sets_.find(set);
   if (it == sets_.end()) {
@@ -227,7 +337,7 @@ void SimBackend::remove_region(SetId set, RegionId region) {
   it->second.staged_remove.insert(region);
 }
 
-SetOutcome SimBackend::commit(SetId set) {
+SetOutcome SimBackend::State::commit(SetId set) {
   std::lock_guard<std::mutex> lock(mu_);
   const Nanos t = now();
   advance_locked(t);
@@ -280,7 +390,7 @@ SetOutcome SimBackend::commit(SetId set) {
   return out;
 }
 
-SetOutcome SimBackend::request_locked(SetId set, bool is_refresh) {
+SetOutcome SimBackend::State::request_locked(SetId set, bool is_refresh) {
   const Nanos t = now();
   advance_locked(t);
   ++(is_refresh ? stats_.refreshes : stats_.requests);
@@ -301,19 +411,19 @@ SetOutcome SimBackend::request_locked(SetId set, bool is_refresh) {
   return out;
 }
 
-SetOutcome SimBackend::request_residency(SetId set) {
+SetOutcome SimBackend::State::request_residency(SetId set) {
   std::lock_guard<std::mutex> lock(mu_);
   return request_locked(set, false);
 }
 
 // A refresh is a repeated request: it renews a decaying request and re-wires whatever the
 // collector took after a lapse.
-SetOutcome SimBackend::refresh(SetId set) {
+SetOutcome SimBackend::State::refresh(SetId set) {
   std::lock_guard<std::mutex> lock(mu_);
   return request_locked(set, true);
 }
 
-Status SimBackend::end_residency(SetId set) {
+Status SimBackend::State::end_residency(SetId set) {
   std::lock_guard<std::mutex> lock(mu_);
   advance_locked(now());
   auto it = sets_.find(set);
@@ -330,13 +440,13 @@ Status SimBackend::end_residency(SetId set) {
   return Status::ok();
 }
 
-void SimBackend::after_release() {
+void SimBackend::State::after_release() {
   if (options_.after_release_gpu_op) gpu_operation();
 }
 
 // ---- queues and GPU work ----------------------------------------------------------------
 
-Status SimBackend::attach_locked(QueueId queue, SetId set) {
+Status SimBackend::State::attach_locked(QueueId queue, SetId set) {
   if (queue >= queues_.size()) {
     return Status(ErrorCode::not_found, "sim: no command queue " + std::to_string(queue) +
                                             "; add one with add_queue()");
@@ -354,7 +464,7 @@ Status SimBackend::attach_locked(QueueId queue, SetId set) {
   return Status::ok();
 }
 
-Result<SimBackend::QueueId> SimBackend::add_queue() {
+Result<SimBackend::QueueId> SimBackend::State::add_queue() {
   std::lock_guard<std::mutex> lock(mu_);
   if (options_.attach_new_sets && sets_.size() > options_.queue_set_limit) {
     return Status(ErrorCode::limit_exceeded,
@@ -371,12 +481,12 @@ Result<SimBackend::QueueId> SimBackend::add_queue() {
   return id;
 }
 
-Status SimBackend::attach_set(QueueId queue, SetId set) {
+Status SimBackend::State::attach_set(QueueId queue, SetId set) {
   std::lock_guard<std::mutex> lock(mu_);
   return attach_locked(queue, set);
 }
 
-Status SimBackend::detach_set(QueueId queue, SetId set) {
+Status SimBackend::State::detach_set(QueueId queue, SetId set) {
   std::lock_guard<std::mutex> lock(mu_);
   if (queue >= queues_.size()) {
     return Status(ErrorCode::not_found, "sim: no command queue " + std::to_string(queue));
@@ -391,13 +501,13 @@ Status SimBackend::detach_set(QueueId queue, SetId set) {
   return Status::ok();
 }
 
-std::vector<SetId> SimBackend::queue_sets(QueueId queue) const {
+std::vector<SetId> SimBackend::State::queue_sets(QueueId queue) const {
   std::lock_guard<std::mutex> lock(mu_);
   if (queue >= queues_.size()) return {};
   return queues_[queue];
 }
 
-Result<SimBackend::CommandBuffer> SimBackend::commit_command_buffer(QueueId queue,
+Result<SimBackend::CommandBuffer> SimBackend::State::commit_command_buffer(QueueId queue,
                                                                     std::vector<GpuBuffer> uses,
                                                                     Nanos compute) {
   std::lock_guard<std::mutex> lock(mu_);
@@ -438,7 +548,7 @@ Result<SimBackend::CommandBuffer> SimBackend::commit_command_buffer(QueueId queu
   return cb;
 }
 
-Result<Nanos> SimBackend::execute(const CommandBuffer& cb) {
+Result<Nanos> SimBackend::State::execute(const CommandBuffer& cb) {
   std::lock_guard<std::mutex> lock(mu_);
   const Nanos t = now();
   advance_locked(t);
@@ -491,7 +601,7 @@ Result<Nanos> SimBackend::run_command_buffer(QueueId queue, std::vector<GpuBuffe
   return execute(*cb);
 }
 
-void SimBackend::gpu_operation() {
+void SimBackend::State::gpu_operation() {
   std::lock_guard<std::mutex> lock(mu_);
   advance_locked(now());
   ++stats_.gpu_operations;
@@ -500,7 +610,7 @@ void SimBackend::gpu_operation() {
 
 // ---- observations -----------------------------------------------------------------------
 
-std::uint64_t SimBackend::wired_bytes() {
+std::uint64_t SimBackend::State::wired_bytes() {
   std::lock_guard<std::mutex> lock(mu_);
   advance_locked(now());
   std::uint64_t total = 0;
@@ -508,26 +618,26 @@ std::uint64_t SimBackend::wired_bytes() {
   return total;
 }
 
-std::uint64_t SimBackend::wired_bytes(const void* base) {
+std::uint64_t SimBackend::State::wired_bytes(const void* base) {
   std::lock_guard<std::mutex> lock(mu_);
   advance_locked(now());
   auto it = buffers_.find(base);
   return it == buffers_.end() ? 0 : it->second.wired;
 }
 
-std::uint64_t SimBackend::allocated_bytes() const {
+std::uint64_t SimBackend::State::allocated_bytes() const {
   std::lock_guard<std::mutex> lock(mu_);
   std::uint64_t total = 0;
   for (const auto& [base, b] : buffers_) total += b.size;
   return total;
 }
 
-std::uint32_t SimBackend::live_sets() const {
+std::uint32_t SimBackend::State::live_sets() const {
   std::lock_guard<std::mutex> lock(mu_);
   return static_cast<std::uint32_t>(sets_.size());
 }
 
-bool SimBackend::residency_requested(SetId set) {
+bool SimBackend::State::residency_requested(SetId set) {
   std::lock_guard<std::mutex> lock(mu_);
   const Nanos t = now();
   advance_locked(t);
@@ -535,12 +645,12 @@ bool SimBackend::residency_requested(SetId set) {
   return it != sets_.end() && request_live(it->second, t);
 }
 
-SimBackend::Stats SimBackend::stats() const {
+SimBackend::Stats SimBackend::State::stats() const {
   std::lock_guard<std::mutex> lock(mu_);
   return stats_;
 }
 
-std::string SimBackend::last_error() const {
+std::string SimBackend::State::last_error() const {
   std::lock_guard<std::mutex> lock(mu_);
   return last_error_;
 }

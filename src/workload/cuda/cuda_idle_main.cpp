@@ -97,13 +97,9 @@ int main(int argc, char** argv) {
   if (model_path.empty()) {
     auto bytes = parse_size(size_text);
     if (!bytes) die("--model-size: " + bytes.message(), 2);
-    GgmlType type = GgmlType::f16;
-    if (type_text == "f32") type = GgmlType::f32;
-    else if (type_text == "bf16") type = GgmlType::bf16;
-    else if (type_text == "q8_0") type = GgmlType::q8_0;
-    else if (type_text == "q4_0") type = GgmlType::q4_0;
-    else if (type_text != "f16") die("--type: accepted f16, bf16, q8_0, q4_0, f32", 2);
-    auto shape = plan_llama_shape(*bytes, type);
+    auto type = parse_model_type(type_text);
+    if (!type) die("--type: " + type.message(), 2);
+    auto shape = plan_llama_shape(*bytes, *type);
     if (!shape) die(shape.message(), 2);
     const char* base = std::getenv("TMPDIR");
     std::string templ = std::string(base ? base : "/tmp") + "/residency-cuda-idle-XXXXXX";
