@@ -48,13 +48,6 @@ struct KeepAlive {
   bool operator==(const KeepAlive&) const = default;
 };
 
-// A value the user gave (a variable's value, an argument, a path) as messages quote it: control
-// characters escaped (\n, \t, \x1B; also DEL, the C1 controls and bytes that are not UTF-8, and
-// the backslash itself), so that no value can split a message into several lines or drive the
-// terminal; a value longer than `max_bytes` (default 80) is shortened to its start and end, with its
-// length. Every message of the library and the tool that echoes a user's value goes through this.
-std::string printable(std::string_view value, std::size_t max_bytes = 80);
-
 // Accepted: a number with unit ns, us, ms, s, m, h (e.g. "500ms", "180s", "3m", "1.5h"); a
 // bare number = seconds; "0"; "forever" or any negative number; "off". Durations up to 100
 // years, in whole nanoseconds (computed exactly: 0.000...1 s is an error, not 0); no overflow.
@@ -64,8 +57,6 @@ Result<KeepAlive> parse_keep_alive(std::string_view text);
 // (powers of 1024), KB, MB, GB, TB (powers of 1000), K, M, G, T (= KiB...). Up to 2^63 bytes.
 // The value must be a whole number of bytes, computed exactly: 1.5GiB is, 0.5 (B) is not.
 Result<std::uint64_t> parse_size(std::string_view text);
-// "1.5 GiB", "512 MiB", "4 KiB", "100 B": the form used in logs and messages.
-std::string format_size(std::uint64_t bytes);
 
 struct WiredLimit {
   bool is_percent = false;

@@ -13,6 +13,7 @@
 
 #include "residency/backends.hpp"
 #include "residency/residency.hpp"
+#include "residency/text.hpp"
 #if RESIDENCY_HAVE_CUDA
 #include "residency/backends/cuda.hpp"
 #endif

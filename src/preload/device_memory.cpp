@@ -12,6 +12,7 @@
 #include "preload_session.hpp"
 #include "residency/backends.hpp"
 #include "residency/residency.hpp"
+#include "residency/text.hpp"
 #if RESIDENCY_PRELOAD_CUDA
 #include "residency/backends/cuda.hpp"
 #endif

@@ -20,6 +20,7 @@
 #include <mutex>
 
 #include "residency/config.hpp"
+#include "residency/text.hpp"
 #include <random>
 #include <sstream>
 

@@ -13,6 +13,7 @@
 #include <string_view>
 
 #include "residency/config.hpp"
+#include "residency/text.hpp"
 #include "workload/gguf.hpp"
 #include "workload/idle_benchmark.hpp"
 #include "workload/idle_target.hpp"

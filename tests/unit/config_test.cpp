@@ -6,6 +6,7 @@
 #include <map>
 
 #include "residency/config.hpp"
+#include "residency/text.hpp"
 
 using namespace residency;
 using namespace std::chrono_literals;

@@ -37,6 +37,7 @@
 #include "residency/config.hpp"
 #include "residency/residency.hpp"
 #include "residency/shared_budget.hpp"
+#include "residency/text.hpp"
 
 namespace residency::tool {
 namespace {

@@ -22,6 +22,7 @@
 #include "command.hpp"
 #include "residency/backends/sim.hpp"
 #include "residency/config.hpp"
+#include "residency/text.hpp"
 #include "workload/idle_benchmark.hpp"
 #include "workload/idle_run.hpp"
 

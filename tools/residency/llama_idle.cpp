@@ -22,6 +22,7 @@
 
 #include "command.hpp"
 #include "residency/config.hpp"
+#include "residency/text.hpp"
 #include "workload/cleanup.hpp"
 #include "workload/gguf_writer.hpp"
 #include "workload/idle_report.hpp"
