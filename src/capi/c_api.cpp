@@ -108,6 +108,12 @@ bool sized_copy(const char* fn, const T* in, T* out) {
   return true;
 }
 
+// A Stats member as its residency_stats field (residency/stats_fields.h: TYPE per language).
+std::uint64_t to_c(std::uint64_t v) { return v; }
+std::uint32_t to_c(std::uint32_t v) { return v; }
+int to_c(bool v) { return v ? 1 : 0; }
+std::uint64_t to_c(Nanos v) { return static_cast<std::uint64_t>(v.count()); }
+
 LogCallback c_log(residency_log_fn log, void* user) {
   if (!log) return {};
   return [log, user](LogLevel level, std::string_view msg) {
@@ -434,12 +440,11 @@ residency_status residency_get_stats(residency_manager* m, residency_stats* out)
                                                         std::to_string(out->struct_size) +
                                                         "; set it to sizeof(residency_stats) (RESIDENCY_STATS_INIT)"));
   const Stats s = m->manager->stats();
-  residency_stats full{sizeof(residency_stats), s.tracked_bytes, s.admitted_bytes, s.wired_bytes, s.pending_bytes,
-                       s.wired_limit, s.regions, s.sets, s.resident ? 1 : 0, s.commits, s.residency_requests,
-                       s.releases, s.rewires, static_cast<uint64_t>(s.rewire_time.count()), s.scheduler_wakeups,
-                       s.wire_failures, s.release_failures, s.pressure_releases, s.pressure_restores,
-                       s.pressure_cap, s.shared_budget, s.shared_held, s.shared_asks, s.shared_gave_back,
-                       s.shared_short};
+  residency_stats full{};
+  // Field by field, from the one list (residency/stats_fields.h), converted per TYPE.
+#define RESIDENCY_STATS_TO_C_(TYPE, name, cpp_default) full.RESIDENCY_STATS_C_NAME_##TYPE(name) = to_c(s.name);
+  RESIDENCY_STATS_FIELDS(RESIDENCY_STATS_TO_C_)
+#undef RESIDENCY_STATS_TO_C_
   const std::size_t n = std::min(out->struct_size, sizeof full);
   full.struct_size = n;
   std::memcpy(out, &full, n);
