@@ -85,6 +85,15 @@ Result<SharedBudget> parse_shared_budget(std::string_view text);
 Result<Layout> parse_layout(std::string_view text);       // "per_buffer" | "sharded"
 Result<LogLevel> parse_log_level(std::string_view text);  // "error" | "warn" | "info" | "debug"
 
+// When the preload makes the pinned host backup of a CUDA device's weights
+// (CudaBackendOptions::Backup; RESIDENCY_CUDA_BACKUP, read by the preload only).
+enum class CudaBackup : std::uint8_t {
+  automatic,         // not set: after_allocation, unless the keep-alive is forever (nothing sleeps)
+  after_allocation,  // a background thread pins the backup right after allocation
+  at_first_sleep,    // no host memory until the first sleep, which pins as it copies
+};
+Result<CudaBackup> parse_cuda_backup(std::string_view text);  // "after-allocation" | "at-first-sleep"
+
 struct Config {
   KeepAlive keep_alive;                    // default 180 s
   std::optional<WiredLimit> wired_limit;   // default: the recommended working set
@@ -106,18 +115,15 @@ struct Config {
   // Publish this manager's state for `residency stat --pid` (a 0600 file in /dev/shm, Linux;
   // src/core/state_file.hpp).
   bool state_file = true;
+  CudaBackup cuda_backup = CudaBackup::automatic;  // the preload's CUDA devices only
   // Notes made while reading the environment (a peer alias used, a variable overriding
   // another); the manager logs them at start-up.
   std::vector<std::string> notes;
 
   using EnvLookup = std::function<const char*(const char* name)>;
-  // Reads RESIDENCY_KEEP_ALIVE, RESIDENCY_WIRED_LIMIT, RESIDENCY_SET_MAX_PCT,
-  // RESIDENCY_LAYOUT, RESIDENCY_RELEASE_ON_PRESSURE, RESIDENCY_PRESSURE_FLOOR,
-  // RESIDENCY_PRESSURE_QUIET, RESIDENCY_SHARED_BUDGET, RESIDENCY_SHARED_PRIORITY, RESIDENCY_STATE_FILE,
-  // RESIDENCY_LOG, RESIDENCY_LOG_TIME
-  // and the peer aliases
-  // GGML_METAL_RESIDENCY_KEEP_ALIVE_S, GGML_METAL_NO_RESIDENCY, MLX_RESIDENCY_SET_MAX_PCT,
-  // MLX_RESIDENCY_DEBUG. On error the message has one line per bad variable.
+  // Reads every RESIDENCY_* variable and the peer aliases of the key table (src/core/config_keys.cpp,
+  // the README's configuration table), in its order. On error the message has one line per bad
+  // variable.
   static Result<Config> from_env();
   static Result<Config> from_env(const EnvLookup& getenv);
 };
