@@ -1,5 +1,6 @@
 // SPDX-License-Identifier: MIT
-// Strict parsing of keep-alive values, sizes and the RESIDENCY_* environment.
+// Strict parsing of keep-alive values, sizes, limits and names (the RESIDENCY_* environment is read
+// by the key table, config_keys.cpp, with these parsers).
 #include "residency/config.hpp"
 #include "residency/text.hpp"
 
