@@ -54,13 +54,6 @@ struct KeepAlive {
   bool operator==(const KeepAlive&) const = default;
 };
 
-// A value the user gave (a variable's value, an argument, a path) as messages quote it: control
-// characters escaped (\n, \t, \x1B; also DEL, the C1 controls and bytes that are not UTF-8, and
-// the backslash itself), so that no value can split a message into several lines or drive the
-// terminal; a value longer than `max_bytes` (default 80) is shortened to its start and end, with its
-// length. Every message of the library and the tool that echoes a user's value goes through this.
-std::string printable(std::string_view value, std::size_t max_bytes = 80);
-
 // Accepted: a number with unit ns, us, ms, s, m, h (e.g. "500ms", "180s", "3m", "1.5h"); a
 // bare number = seconds; "0"; "forever" or any negative number; "off". Durations up to 100
 // years, in whole nanoseconds (computed exactly: 0.000...1 s is an error, not 0); no overflow.
@@ -70,8 +63,6 @@ Result<KeepAlive> parse_keep_alive(std::string_view text);
 // (powers of 1024), KB, MB, GB, TB (powers of 1000), K, M, G, T (= KiB...). Up to 2^63 bytes.
 // The value must be a whole number of bytes, computed exactly: 1.5GiB is, 0.5 (B) is not.
 Result<std::uint64_t> parse_size(std::string_view text);
-// "1.5 GiB", "512 MiB", "4 KiB", "100 B": the form used in logs and messages.
-std::string format_size(std::uint64_t bytes);
 
 struct WiredLimit {
   bool is_percent = false;
@@ -100,6 +91,15 @@ Result<SharedBudget> parse_shared_budget(std::string_view text);
 Result<Layout> parse_layout(std::string_view text);       // "per_buffer" | "sharded"
 Result<LogLevel> parse_log_level(std::string_view text);  // "error" | "warn" | "info" | "debug"
 
+// When the preload makes the pinned host backup of a CUDA device's weights
+// (CudaBackendOptions::Backup; RESIDENCY_CUDA_BACKUP, read by the preload only).
+enum class CudaBackup : std::uint8_t {
+  automatic,         // not set: after_allocation, unless the keep-alive is forever (nothing sleeps)
+  after_allocation,  // a background thread pins the backup right after allocation
+  at_first_sleep,    // no host memory until the first sleep, which pins as it copies
+};
+Result<CudaBackup> parse_cuda_backup(std::string_view text);  // "after-allocation" | "at-first-sleep"
+
 struct Config {
   KeepAlive keep_alive;                    // default 180 s
   std::optional<WiredLimit> wired_limit;   // default: the recommended working set
@@ -121,18 +121,15 @@ struct Config {
   // Publish this manager's state for `residency stat --pid` (a 0600 file in /dev/shm, Linux;
   // src/core/state_file.hpp).
   bool state_file = true;
+  CudaBackup cuda_backup = CudaBackup::automatic;  // the preload's CUDA devices only
   // Notes made while reading the environment (a peer alias used, a variable overriding
   // another); the manager logs them at start-up.
   std::vector<std::string> notes;
 
   using EnvLookup = std::function<const char*(const char* name)>;
-  // Reads RESIDENCY_KEEP_ALIVE, RESIDENCY_WIRED_LIMIT, RESIDENCY_SET_MAX_PCT,
-  // RESIDENCY_LAYOUT, RESIDENCY_RELEASE_ON_PRESSURE, RESIDENCY_PRESSURE_FLOOR,
-  // RESIDENCY_PRESSURE_QUIET, RESIDENCY_SHARED_BUDGET, RESIDENCY_SHARED_PRIORITY, RESIDENCY_STATE_FILE,
-  // RESIDENCY_LOG, RESIDENCY_LOG_TIME
-  // and the peer aliases
-  // GGML_METAL_RESIDENCY_KEEP_ALIVE_S, GGML_METAL_NO_RESIDENCY, MLX_RESIDENCY_SET_MAX_PCT,
-  // MLX_RESIDENCY_DEBUG. On error the message has one line per bad variable.
+  // Reads every RESIDENCY_* variable and the peer aliases of the key table (src/core/config_keys.cpp,
+  // the README's configuration table), in its order. On error the message has one line per bad
+  // variable.
   static Result<Config> from_env();
   static Result<Config> from_env(const EnvLookup& getenv);
 

@@ -38,6 +38,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "residency/stats_fields.h"
+
 #if defined(_WIN32)
 #define RESIDENCY_API
 #else
@@ -87,20 +89,17 @@ typedef struct residency_scope residency_scope;
  * releases); must not call back into the manager. NULL: lines go to stderr. */
 typedef void (*residency_log_fn)(residency_log_level level, const char* message, void* user);
 
+/* The manager's statistics. The fields and what each means: residency/stats_fields.h (one list,
+ * from which residency::Stats is made too). Set struct_size before residency_get_stats, with
+ * RESIDENCY_STATS_INIT or to sizeof(residency_stats). */
 typedef struct residency_stats {
   size_t struct_size; /* set to sizeof(residency_stats) before the call */
-  uint64_t tracked_bytes, admitted_bytes, wired_bytes, pending_bytes, wired_limit;
-  uint32_t regions, sets;
-  int resident;
-  uint64_t commits, residency_requests, releases, rewires, rewire_time_ns, scheduler_wakeups,
-      wire_failures, release_failures;
-  uint64_t pressure_releases, pressure_restores; /* graded release steps; budgets restored after quiet */
-  uint64_t pressure_cap;                         /* the reduced budget in force; UINT64_MAX: none */
-  /* Shared budget (key shared_budget); all 0 without one: the budget, this manager's share, asks
-   * sent to other holders, times it gave back when asked, times memory stayed unwired (full). */
-  uint64_t shared_budget, shared_held, shared_asks, shared_gave_back, shared_short;
+#define RESIDENCY_STATS_C_FIELD_(TYPE, name, cpp_default) RESIDENCY_STATS_C_TYPE_##TYPE RESIDENCY_STATS_C_NAME_##TYPE(name);
+  RESIDENCY_STATS_FIELDS(RESIDENCY_STATS_C_FIELD_)
+#undef RESIDENCY_STATS_C_FIELD_
 } residency_stats;
-#define RESIDENCY_STATS_INIT {sizeof(residency_stats), 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0}
+#define RESIDENCY_STATS_INIT_ZERO_(TYPE, name, cpp_default) 0,
+#define RESIDENCY_STATS_INIT {sizeof(residency_stats), RESIDENCY_STATS_FIELDS(RESIDENCY_STATS_INIT_ZERO_)}
 
 /* The fields after `kind` are each for one backend; the library hands them as they are to its
  * backend registry (residency/backends.hpp, BackendOptions), the one place that knows which

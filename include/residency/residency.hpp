@@ -24,6 +24,7 @@
 #include "residency/backend.hpp"
 #include "residency/clock.hpp"
 #include "residency/config.hpp"
+#include "residency/stats_fields.h"
 #include "residency/status.hpp"
 
 namespace residency {
@@ -46,32 +47,21 @@ struct ManagerOptions {
   bool start_scheduler = true;       // false: nothing runs on its own; call run_due() (tests)
 };
 
+// The manager's statistics: one member per field of residency/stats_fields.h (the list the C
+// struct residency_stats is made from too; there each field's meaning). In C++ the flag is a bool
+// and rewire_time a Nanos (the C struct's rewire_time_ns); pressure_cap starts at UINT64_MAX (none).
 struct Stats {
-  std::uint64_t tracked_bytes = 0;   // every registered region
-  std::uint64_t admitted_bytes = 0;  // regions inside a set (within the wired budget)
-  std::uint64_t wired_bytes = 0;     // admitted bytes whose residency is requested now
-  std::uint64_t pending_bytes = 0;   // tracked but left out of every set (over the budget)
-  std::uint64_t wired_limit = 0;     // the budget in bytes
-  std::uint32_t regions = 0;
-  std::uint32_t sets = 0;
-  bool resident = false;             // residency currently requested
-  std::uint64_t commits = 0;         // Backend::commit calls
-  std::uint64_t residency_requests = 0;  // Backend::request_residency + refresh calls
-  std::uint64_t releases = 0;        // times residency was given back (keep-alive, pressure, scope)
-  std::uint64_t rewires = 0;         // times released memory was made resident again
-  Nanos rewire_time{0};              // total time spent in those re-wires
-  std::uint64_t scheduler_wakeups = 0;  // times the scheduler thread returned from a wait
-  std::uint64_t wire_failures = 0;   // regions the backend could not make resident
-  std::uint64_t release_failures = 0;  // releases in which the backend could not give a set back
-  std::uint64_t pressure_releases = 0;  // pressure events that gave memory back (one step each)
-  std::uint64_t pressure_restores = 0;  // times the budget came back after pressure was quiet
-  std::uint64_t pressure_cap = UINT64_MAX;  // the reduced budget in force; UINT64_MAX: none
-  // Shared budget (Config::shared_budget); all 0 without one.
-  std::uint64_t shared_budget = 0;      // the machine-wide budget, bytes
-  std::uint64_t shared_held = 0;        // this manager's share of it now
-  std::uint64_t shared_asks = 0;        // times this manager asked another holder to give back
-  std::uint64_t shared_gave_back = 0;   // times it gave its memory back when asked
-  std::uint64_t shared_short = 0;       // times the budget was full and memory stayed unwired
+#define RESIDENCY_STATS_CPP_TYPE_U64 std::uint64_t
+#define RESIDENCY_STATS_CPP_TYPE_U32 std::uint32_t
+#define RESIDENCY_STATS_CPP_TYPE_FLAG bool
+#define RESIDENCY_STATS_CPP_TYPE_NS Nanos
+#define RESIDENCY_STATS_CPP_FIELD_(TYPE, name, cpp_default) RESIDENCY_STATS_CPP_TYPE_##TYPE name{cpp_default};
+  RESIDENCY_STATS_FIELDS(RESIDENCY_STATS_CPP_FIELD_)
+#undef RESIDENCY_STATS_CPP_FIELD_
+#undef RESIDENCY_STATS_CPP_TYPE_U64
+#undef RESIDENCY_STATS_CPP_TYPE_U32
+#undef RESIDENCY_STATS_CPP_TYPE_FLAG
+#undef RESIDENCY_STATS_CPP_TYPE_NS
 };
 
 class Manager;

@@ -3,6 +3,7 @@
 // which backend takes which BackendOptions field. Each backend's CMakeLists defines
 // RESIDENCY_HAVE_<NAME> and provides make_<name>_backend() in include/residency/backends/<name>.hpp.
 #include "residency/backends.hpp"
+#include "residency/text.hpp"
 
 #include "residency/config.hpp"
 

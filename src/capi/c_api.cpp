@@ -11,8 +11,10 @@
 #include <set>
 #include <string>
 
+#include "core/config_keys.hpp"
 #include "residency/backends.hpp"
 #include "residency/residency.hpp"
+#include "residency/text.hpp"
 
 using namespace residency;
 
@@ -101,6 +103,12 @@ bool sized_copy(const char* fn, const T* in, T* out) {
   return true;
 }
 
+// A Stats member as its residency_stats field (residency/stats_fields.h: TYPE per language).
+std::uint64_t to_c(std::uint64_t v) { return v; }
+std::uint32_t to_c(std::uint32_t v) { return v; }
+int to_c(bool v) { return v ? 1 : 0; }
+std::uint64_t to_c(Nanos v) { return static_cast<std::uint64_t>(v.count()); }
+
 LogCallback c_log(residency_log_fn log, void* user) {
   if (!log) return {};
   return [log, user](LogLevel level, std::string_view msg) {
@@ -109,8 +117,8 @@ LogCallback c_log(residency_log_fn log, void* user) {
   };
 }
 
-residency_status create_manager(const char* fn, const residency_config* cfg, std::shared_ptr<Backend> backend,
-                                residency_log_fn log, void* log_user, residency_manager** out) {
+residency_status create_manager(const residency_config* cfg, std::shared_ptr<Backend> backend, residency_log_fn log,
+                                void* log_user, residency_manager** out) {
   ManagerOptions o;
   o.config = cfg ? cfg->config : Config{};
   o.backend = std::move(backend);
@@ -120,7 +128,6 @@ residency_status create_manager(const char* fn, const residency_config* cfg, std
   auto* h = new residency_manager;
   h->manager = std::move(*m);
   *out = h;
-  (void)fn;
   return RESIDENCY_OK;
 }
 
@@ -151,43 +158,13 @@ residency_status residency_config_set(residency_config* cfg, const char* key, co
   if (!key) return null_arg("residency_config_set", "key");
   if (!value) return null_arg("residency_config_set", "value");
   return guarded("residency_config_set", [&] {
-    const std::string k = key;
-    static const char* names[][2] = {{"keep_alive", "RESIDENCY_KEEP_ALIVE"},
-                                     {"wired_limit", "RESIDENCY_WIRED_LIMIT"},
-                                     {"set_max_pct", "RESIDENCY_SET_MAX_PCT"},
-                                     {"layout", "RESIDENCY_LAYOUT"},
-                                     {"release_on_pressure", "RESIDENCY_RELEASE_ON_PRESSURE"},
-                                     {"pressure_floor", "RESIDENCY_PRESSURE_FLOOR"},
-                                     {"pressure_quiet", "RESIDENCY_PRESSURE_QUIET"},
-                                     {"shared_budget", "RESIDENCY_SHARED_BUDGET"},
-                                     {"shared_priority", "RESIDENCY_SHARED_PRIORITY"},
-                                     {"state_file", "RESIDENCY_STATE_FILE"},
-                                     {"log", "RESIDENCY_LOG"},
-                                     {"log_time", "RESIDENCY_LOG_TIME"}};
-    const char* var = nullptr;
-    for (auto& n : names)
-      if (k == n[0]) var = n[1];
-    if (!var)
-      return fail(Status(ErrorCode::invalid_argument,
-                         "residency_config_set: unknown key '" + printable(k) +
-                             "'; accepted: keep_alive, wired_limit, set_max_pct, layout, release_on_pressure, "
-                             "pressure_floor, pressure_quiet, shared_budget, shared_priority, state_file, log, log_time"));
-    // Parse exactly as the environment variable would be, then merge that one field.
-    auto c = Config::from_env([&](const char* name) { return std::string(name) == var ? value : nullptr; });
-    if (!c) return fail(c.status());
-    if (k == "keep_alive") cfg->config.keep_alive = c->keep_alive;
-    else if (k == "wired_limit") cfg->config.wired_limit = c->wired_limit;
-    else if (k == "set_max_pct") cfg->config.set_max_pct = c->set_max_pct;
-    else if (k == "layout") cfg->config.layout = c->layout;
-    else if (k == "release_on_pressure") cfg->config.release_on_pressure = c->release_on_pressure;
-    else if (k == "pressure_floor") cfg->config.pressure_floor = c->pressure_floor;
-    else if (k == "pressure_quiet") cfg->config.pressure_quiet = c->pressure_quiet;
-    else if (k == "shared_budget") cfg->config.shared_budget = c->shared_budget;
-    else if (k == "shared_priority") cfg->config.shared_priority = c->shared_priority;
-    else if (k == "log_time") cfg->config.log_time = c->log_time;
-    else if (k == "state_file") cfg->config.state_file = c->state_file;
-    else cfg->config.log_level = c->log_level;
-    return RESIDENCY_OK;
+    // The key table (src/core/config_keys.cpp): the value is parsed exactly as its environment
+    // variable would be, and only that key's field changes.
+    const core::ConfigKey* k = core::find_config_key(key);
+    if (!k)
+      return fail(Status(ErrorCode::invalid_argument, "residency_config_set: unknown key '" + printable(key) +
+                                                          "'; accepted: " + core::config_key_names()));
+    return ok_or(k->set(cfg->config, value));
   });
 }
 
@@ -238,7 +215,7 @@ residency_status residency_manager_create(const residency_config* cfg, const cha
   return guarded("residency_manager_create", [&] {
     auto b = make_backend(backend ? backend : "auto");
     if (!b) return fail(b.status());
-    return create_manager("residency_manager_create", cfg, std::move(*b), log, log_user, out);
+    return create_manager(cfg, std::move(*b), log, log_user, out);
   });
 }
 
@@ -248,7 +225,7 @@ residency_status residency_manager_create_with_backend(const residency_config* c
   *out = nullptr;
   if (!backend) return null_arg("residency_manager_create_with_backend", "backend");
   return guarded("residency_manager_create_with_backend", [&] {
-    return create_manager("residency_manager_create_with_backend", cfg, backend->backend, log, log_user, out);
+    return create_manager(cfg, backend->backend, log, log_user, out);
   });
 }
 
@@ -404,12 +381,11 @@ residency_status residency_get_stats(residency_manager* m, residency_stats* out)
                                                         std::to_string(out->struct_size) +
                                                         "; set it to sizeof(residency_stats) (RESIDENCY_STATS_INIT)"));
   const Stats s = m->manager->stats();
-  residency_stats full{sizeof(residency_stats), s.tracked_bytes, s.admitted_bytes, s.wired_bytes, s.pending_bytes,
-                       s.wired_limit, s.regions, s.sets, s.resident ? 1 : 0, s.commits, s.residency_requests,
-                       s.releases, s.rewires, static_cast<uint64_t>(s.rewire_time.count()), s.scheduler_wakeups,
-                       s.wire_failures, s.release_failures, s.pressure_releases, s.pressure_restores,
-                       s.pressure_cap, s.shared_budget, s.shared_held, s.shared_asks, s.shared_gave_back,
-                       s.shared_short};
+  residency_stats full{};
+  // Field by field, from the one list (residency/stats_fields.h), converted per TYPE.
+#define RESIDENCY_STATS_TO_C_(TYPE, name, cpp_default) full.RESIDENCY_STATS_C_NAME_##TYPE(name) = to_c(s.name);
+  RESIDENCY_STATS_FIELDS(RESIDENCY_STATS_TO_C_)
+#undef RESIDENCY_STATS_TO_C_
   const std::size_t n = std::min(out->struct_size, sizeof full);
   full.struct_size = n;
   std::memcpy(out, &full, n);

@@ -1,10 +1,11 @@
 // SPDX-License-Identifier: MIT
-// Strict parsing of keep-alive values, sizes and the RESIDENCY_* environment.
+// Strict parsing of keep-alive values, sizes, limits and names (the RESIDENCY_* environment is read
+// by the key table, config_keys.cpp, with these parsers).
 #include "residency/config.hpp"
+#include "residency/text.hpp"
 
 #include <algorithm>
 #include <cctype>
-#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <limits>
@@ -152,6 +153,10 @@ SizeParse parse_size_value(std::string_view text) {
   return {static_cast<std::uint64_t>(bytes), ""};
 }
 
+}  // namespace
+
+namespace core {
+
 // Keep-alive text; `forms` names what the variable being read accepts.
 Result<KeepAlive> parse_keep_alive_as(std::string_view text, const char* forms) {
   std::string_view s = trim(text);
@@ -212,7 +217,7 @@ Result<KeepAlive> parse_keep_alive_as(std::string_view text, const char* forms) 
   return KeepAlive{KeepAlive::Kind::duration, Nanos(static_cast<std::int64_t>(total_ns))};
 }
 
-}  // namespace
+}  // namespace core
 
 std::string KeepAlive::to_string() const {
   switch (kind) {
@@ -233,86 +238,12 @@ std::string KeepAlive::to_string() const {
   return buf;
 }
 
-Result<KeepAlive> parse_keep_alive(std::string_view text) { return parse_keep_alive_as(text, kKeepAliveForms); }
+Result<KeepAlive> parse_keep_alive(std::string_view text) { return core::parse_keep_alive_as(text, kKeepAliveForms); }
 
 Result<std::uint64_t> parse_size(std::string_view text) {
   const SizeParse p = parse_size_value(text);
   if (!p.why.empty()) return bad(text, p.why, kSizeForms);
   return p.bytes;
-}
-
-std::string format_size(std::uint64_t bytes) {
-  static const char* units[] = {"KiB", "MiB", "GiB", "TiB", "PiB"};
-  if (bytes < 1024) return std::to_string(bytes) + " B";
-  double v = static_cast<double>(bytes) / 1024;
-  int u = 0;
-  while (v >= 1024 && u < 4) v /= 1024, ++u;
-  char buf[32];
-  if (v >= 100 || std::fabs(v - std::round(v)) < 0.05) {
-    std::snprintf(buf, sizeof buf, "%.0f %s", v, units[u]);
-  } else {
-    std::snprintf(buf, sizeof buf, "%.1f %s", v, units[u]);
-  }
-  return buf;
-}
-
-std::string printable(std::string_view value, std::size_t max_bytes) {
-  // Each input character becomes one piece of output; pieces are never split when shortening.
-  std::vector<std::string> pieces;
-  pieces.reserve(value.size());
-  auto hex = [](unsigned char c) {
-    char buf[8];
-    std::snprintf(buf, sizeof buf, "\\x%02X", c);
-    return std::string(buf);
-  };
-  for (std::size_t i = 0; i < value.size();) {
-    const auto c = static_cast<unsigned char>(value[i]);
-    if (c == '\n') pieces.emplace_back("\\n"), ++i;
-    else if (c == '\r') pieces.emplace_back("\\r"), ++i;
-    else if (c == '\t') pieces.emplace_back("\\t"), ++i;
-    else if (c == '\\') pieces.emplace_back("\\\\"), ++i;
-    else if (c < 0x20 || c == 0x7f) pieces.push_back(hex(c)), ++i;
-    else if (c < 0x80) pieces.emplace_back(1, static_cast<char>(c)), ++i;
-    else {
-      // UTF-8: a well-formed sequence passes, except the C1 controls (U+0080-U+009F: a terminal may
-      // read U+009B as an escape sequence); anything else is escaped byte by byte.
-      const std::size_t n = c >= 0xF0 && c <= 0xF4 ? 4 : c >= 0xE0 && c <= 0xEF ? 3 : c >= 0xC2 && c <= 0xDF ? 2 : 0;
-      bool ok = n != 0 && i + n <= value.size();
-      for (std::size_t k = 1; ok && k < n; ++k) ok = (static_cast<unsigned char>(value[i + k]) & 0xC0) == 0x80;
-      if (ok && n == 2 && c == 0xC2 && static_cast<unsigned char>(value[i + 1]) < 0xA0) ok = false;  // C1
-      if (ok && n == 3 && c == 0xE0 && static_cast<unsigned char>(value[i + 1]) < 0xA0) ok = false;  // overlong
-      if (ok && n == 3 && c == 0xED && static_cast<unsigned char>(value[i + 1]) >= 0xA0) ok = false;  // surrogate
-      if (ok && n == 4 && c == 0xF0 && static_cast<unsigned char>(value[i + 1]) < 0x90) ok = false;  // overlong
-      if (ok && n == 4 && c == 0xF4 && static_cast<unsigned char>(value[i + 1]) >= 0x90) ok = false;  // > U+10FFFF
-      if (ok) {
-        pieces.emplace_back(value.substr(i, n));
-        i += n;
-      } else {
-        pieces.push_back(hex(c));
-        ++i;
-      }
-    }
-  }
-  std::size_t total = 0;
-  for (const auto& p : pieces) total += p.size();
-  max_bytes = std::max<std::size_t>(max_bytes, 24);
-  if (total <= max_bytes) {
-    std::string out;
-    for (const auto& p : pieces) out += p;
-    return out;
-  }
-  // Long: the start and the end (where a path's file name is), and how long it was.
-  std::string head, tail;
-  std::size_t front = 0, back = pieces.size();
-  while (front < back && head.size() + pieces[front].size() <= max_bytes * 2 / 3) head += pieces[front++];
-  std::vector<std::string> end_pieces;
-  std::size_t tail_size = 0;
-  while (back > front && tail_size + pieces[back - 1].size() <= max_bytes / 3 - 3) {
-    tail_size += pieces[back - 1].size();
-    end_pieces.push_back(pieces[--back]);
-  }
-  for (auto it = end_pieces.rbegin(); it != end_pieces.rend(); ++it) tail += *it;
-  return head + "..." + tail + " (" + std::to_string(value.size()) + " bytes)";
 }
 
 std::uint64_t WiredLimit::resolve(std::uint64_t recommended) const {
@@ -430,7 +361,16 @@ Result<LogLevel> parse_log_level(std::string_view text) {
   return bad(text, "unknown log level", "error, warn, info, debug");
 }
 
-namespace {
+Result<CudaBackup> parse_cuda_backup(std::string_view text) {
+  const std::string l = lower(trim(text));
+  if (l == "after-allocation") return CudaBackup::after_allocation;
+  if (l == "at-first-sleep") return CudaBackup::at_first_sleep;
+  return bad(text, "unknown backup mode", "after-allocation, at-first-sleep");
+}
+
+namespace core {
+
+Status bad_value(std::string_view text, const std::string& what, const char* forms) { return bad(text, what, forms); }
 
 Result<bool> parse_flag(std::string_view text, const char* forms) {
   const std::string l = lower(trim(text));
@@ -447,129 +387,5 @@ Result<double> parse_number(std::string_view text) {
   return d.value();
 }
 
-}  // namespace
-
-Result<Config> Config::from_env() {
-  return from_env([](const char* name) { return std::getenv(name); });
-}
-
-Result<Config> Config::from_env(const EnvLookup& getenv) {
-  Config c;
-  std::string errors;
-  auto fail = [&](const char* var, const Status& st) {
-    errors += (errors.empty() ? "" : "\n") + std::string(var) + "=" + st.message();
-  };
-  auto get = [&](const char* name) -> const char* { return getenv ? getenv(name) : nullptr; };
-
-  // Keep-alive: ours wins over the aliases; each alias is parsed strictly.
-  const char* ka = get("RESIDENCY_KEEP_ALIVE");
-  const char* ggml_ka = get("GGML_METAL_RESIDENCY_KEEP_ALIVE_S");
-  const char* ggml_off = get("GGML_METAL_NO_RESIDENCY");
-  if (ka) {
-    auto v = parse_keep_alive(ka);
-    if (v) c.keep_alive = *v; else fail("RESIDENCY_KEEP_ALIVE", v.status());
-    if (ggml_ka) c.notes.push_back("GGML_METAL_RESIDENCY_KEEP_ALIVE_S is ignored: RESIDENCY_KEEP_ALIVE is set");
-    if (ggml_off) c.notes.push_back("GGML_METAL_NO_RESIDENCY is ignored: RESIDENCY_KEEP_ALIVE is set");
-  } else {
-    bool off = false;
-    if (ggml_off) {
-      auto v = parse_flag(*ggml_off ? ggml_off : "1", "set (empty, 1, true, yes, on) to turn residency off; 0, false, no, off to keep it");
-      if (!v) fail("GGML_METAL_NO_RESIDENCY", v.status());
-      else if (*v) {
-        off = true;
-        c.keep_alive = KeepAlive::off();
-        c.notes.push_back("GGML_METAL_NO_RESIDENCY is set: keep_alive = off (alias of RESIDENCY_KEEP_ALIVE=off)");
-      }
-    }
-    if (ggml_ka && !off) {
-      // llama.cpp reads whole seconds with atoi; we accept a number of seconds, strictly.
-      constexpr const char* forms = "a number of seconds (0 = release after each use, negative = forever)";
-      if (!parse_number(ggml_ka)) {
-        fail("GGML_METAL_RESIDENCY_KEEP_ALIVE_S", bad(ggml_ka, "not a number of seconds", forms));
-      } else if (auto v = parse_keep_alive_as(ggml_ka, forms)) {
-        c.keep_alive = *v;
-        c.notes.push_back("GGML_METAL_RESIDENCY_KEEP_ALIVE_S=" + printable(ggml_ka) + " read as RESIDENCY_KEEP_ALIVE=" +
-                          v->to_string() + " (unlike llama.cpp, 0 means 0 and text is an error)");
-      } else {
-        fail("GGML_METAL_RESIDENCY_KEEP_ALIVE_S", v.status());
-      }
-    } else if (ggml_ka) {
-      c.notes.push_back("GGML_METAL_RESIDENCY_KEEP_ALIVE_S is ignored: GGML_METAL_NO_RESIDENCY is set");
-    }
-  }
-
-  if (const char* v = get("RESIDENCY_WIRED_LIMIT")) {
-    auto w = parse_wired_limit(v);
-    if (w) c.wired_limit = *w; else fail("RESIDENCY_WIRED_LIMIT", w.status());
-  }
-
-  const char* pct = get("RESIDENCY_SET_MAX_PCT");
-  const char* mlx_pct = get("MLX_RESIDENCY_SET_MAX_PCT");
-  if (pct || mlx_pct) {
-    const char* var = pct ? "RESIDENCY_SET_MAX_PCT" : "MLX_RESIDENCY_SET_MAX_PCT";
-    auto n = parse_number(pct ? pct : mlx_pct);
-    if (n) c.set_max_pct = *n; else fail(var, n.status());
-    if (pct && mlx_pct) c.notes.push_back("MLX_RESIDENCY_SET_MAX_PCT is ignored: RESIDENCY_SET_MAX_PCT is set");
-    else if (!pct && n) c.notes.push_back("MLX_RESIDENCY_SET_MAX_PCT read as RESIDENCY_SET_MAX_PCT");
-  }
-
-  if (const char* v = get("RESIDENCY_LAYOUT")) {
-    auto l = parse_layout(v);
-    if (l) c.layout = *l; else fail("RESIDENCY_LAYOUT", l.status());
-  }
-  if (const char* v = get("RESIDENCY_RELEASE_ON_PRESSURE")) {
-    auto f = parse_flag(v, "0 or 1");
-    if (f) c.release_on_pressure = *f; else fail("RESIDENCY_RELEASE_ON_PRESSURE", f.status());
-  }
-  if (const char* v = get("RESIDENCY_PRESSURE_FLOOR")) {
-    auto w = parse_wired_limit(v);
-    if (w) c.pressure_floor = *w; else fail("RESIDENCY_PRESSURE_FLOOR", w.status());
-  }
-  if (const char* v = get("RESIDENCY_PRESSURE_QUIET")) {
-    constexpr const char* forms = "a duration above 0 with unit (10s, 2m), or a bare number of seconds";
-    auto k = parse_keep_alive_as(v, forms);
-    if (k && k->kind == KeepAlive::Kind::duration) c.pressure_quiet = k->duration;
-    else fail("RESIDENCY_PRESSURE_QUIET", k ? bad(v, "not a duration above 0", forms) : k.status());
-  }
-  if (const char* v = get("RESIDENCY_SHARED_BUDGET")) {
-    auto b = parse_shared_budget(v);
-    if (b) c.shared_budget = *b; else fail("RESIDENCY_SHARED_BUDGET", b.status());
-  }
-  if (const char* v = get("RESIDENCY_SHARED_PRIORITY")) {
-    auto n = parse_number(v);
-    if (n && *n == std::floor(*n) && *n >= -1000 && *n <= 1000) {
-      c.shared_priority = static_cast<int>(*n);
-    } else {
-      fail("RESIDENCY_SHARED_PRIORITY", bad(v, "not an integer from -1000 to 1000",
-                                            "an integer from -1000 to 1000; default 0, higher keeps its share longer"));
-    }
-  }
-  if (const char* v = get("RESIDENCY_STATE_FILE")) {
-    auto f = parse_flag(v, "1 (publish this process's state for `residency stat --pid`, the default) or 0");
-    if (f) c.state_file = *f; else fail("RESIDENCY_STATE_FILE", f.status());
-  }
-  const char* log = get("RESIDENCY_LOG");
-  const char* mlx_debug = get("MLX_RESIDENCY_DEBUG");
-  if (log) {
-    auto l = parse_log_level(log);
-    if (l) c.log_level = *l; else fail("RESIDENCY_LOG", l.status());
-    if (mlx_debug) c.notes.push_back("MLX_RESIDENCY_DEBUG is ignored: RESIDENCY_LOG is set");
-  } else if (mlx_debug) {
-    auto f = parse_flag(mlx_debug, "1 (debug log) or 0");
-    if (!f) fail("MLX_RESIDENCY_DEBUG", f.status());
-    else if (*f) {
-      c.log_level = LogLevel::debug;
-      c.notes.push_back("MLX_RESIDENCY_DEBUG=1 read as RESIDENCY_LOG=debug");
-    }
-  }
-
-  if (const char* v = get("RESIDENCY_LOG_TIME")) {
-    auto f = parse_flag(v, "0 or 1 (1: each log line carries the local time)");
-    if (f) c.log_time = *f; else fail("RESIDENCY_LOG_TIME", f.status());
-  }
-
-  if (!errors.empty()) return Status(ErrorCode::invalid_argument, errors);
-  return c;
-}
-
+}  // namespace core
 }  // namespace residency

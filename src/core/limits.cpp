@@ -4,6 +4,8 @@
 #include <algorithm>
 #include <atomic>
 
+#include "residency/text.hpp"
+
 namespace residency::core {
 
 namespace {

@@ -87,17 +87,5 @@ LogCallback stderr_log(const Config& config) {
   return [](LogLevel level, std::string_view message) { log_to_stderr(level, message, true); };
 }
 
-std::string mib(std::uint64_t bytes) {
-  char buf[32];
-  std::snprintf(buf, sizeof buf, "%.2f MiB", static_cast<double>(bytes) / (1024.0 * 1024.0));
-  return buf;
-}
-
-std::string ms(Nanos d) {
-  char buf[32];
-  std::snprintf(buf, sizeof buf, "%.2f ms", static_cast<double>(d.count()) / 1e6);
-  return buf;
-}
-
 }  // namespace core
 }  // namespace residency

@@ -11,6 +11,7 @@
 
 #include "residency/clock.hpp"
 #include "residency/config.hpp"
+#include "core/text.hpp"  // mib(), ms(): the numbers in the log lines
 #include "residency/residency.hpp"
 
 namespace residency::core {
@@ -32,8 +33,5 @@ class LogSink {
 
 // The default callback: log_to_stderr, with the time when config.log_time says so.
 LogCallback stderr_log(const Config& config);
-
-std::string mib(std::uint64_t bytes);  // "12.00 MiB"
-std::string ms(Nanos d);               // "3.10 ms"
 
 }  // namespace residency::core

@@ -2,8 +2,6 @@
 #include "device_memory.hpp"
 
 #include <atomic>
-#include <cstdlib>
-#include <cstring>
 #include <mutex>
 #include <optional>
 #include <string>
@@ -70,25 +68,21 @@ CudaGetDeviceFn next_cuda_get_device() noexcept {
 }
 
 #if RESIDENCY_PRELOAD_CUDA
-// RESIDENCY_CUDA_BACKUP: when the pinned host backup of the weights is made (see
-// CudaBackendOptions::Backup): "after-allocation" or "at-first-sleep". Default: after-allocation
-// when the keep-alive will put the GPU to sleep (a duration or 0), so that the first sleep only
-// copies and a request that comes during it waits a copy's time, not a pinning's (on the H200 the
-// first sleep pinning as it copied ran at 4.3-25.7 GB/s, one pinned beforehand at 54 GB/s); the
-// host memory it takes is what the first sleep would take anyway. Under forever nothing sleeps:
-// no backup is made before a sleep.
-CudaBackendOptions::Backup backup_mode(KeepAlive::Kind kind) noexcept {
+// When the pinned host backup of the weights is made (CudaBackendOptions::Backup), from
+// RESIDENCY_CUDA_BACKUP (Config::cuda_backup, read by Config::from_env like every variable).
+// Not set: after-allocation when the keep-alive will put the GPU to sleep (a duration or 0), so
+// that the first sleep only copies and a request that comes during it waits a copy's time, not a
+// pinning's (on the H200 the first sleep pinning as it copied ran at 4.3-25.7 GB/s, one pinned
+// beforehand at 54 GB/s); the host memory it takes is what the first sleep would take anyway.
+// Under forever nothing sleeps: no backup is made before a sleep.
+CudaBackendOptions::Backup backup_mode(CudaBackup configured, KeepAlive::Kind kind) noexcept {
   using B = CudaBackendOptions::Backup;
-  const B fallback = kind == KeepAlive::Kind::forever ? B::at_first_sleep : B::after_allocation;
-  const char* v = std::getenv("RESIDENCY_CUDA_BACKUP");
-  if (v == nullptr) return fallback;
-  if (std::strcmp(v, "at-first-sleep") == 0) return B::at_first_sleep;
-  if (std::strcmp(v, "after-allocation") == 0) return B::after_allocation;
-  static std::atomic<bool> warned{false};
-  if (!warned.exchange(true))
-    warn("RESIDENCY_CUDA_BACKUP: " + printable(v) + " is not accepted (accepted: after-allocation, at-first-sleep); using " +
-         (fallback == B::after_allocation ? "after-allocation" : "at-first-sleep"));
-  return fallback;
+  switch (configured) {
+    case CudaBackup::after_allocation: return B::after_allocation;
+    case CudaBackup::at_first_sleep: return B::at_first_sleep;
+    case CudaBackup::automatic: break;
+  }
+  return kind == KeepAlive::Kind::forever ? B::at_first_sleep : B::after_allocation;
 }
 #endif
 
@@ -106,7 +100,7 @@ Manager* device_manager(int dev) noexcept {
 #if RESIDENCY_PRELOAD_CUDA
     CudaBackendOptions co;
     co.device = dev;
-    co.backup = backup_mode(up->config.keep_alive.in_effect());
+    co.backup = backup_mode(up->config.cuda_backup, up->config.keep_alive.in_effect());
     auto backend = make_cuda_backend(co);
 #else
     auto backend = make_backend(name);  // an error naming the backends this build has

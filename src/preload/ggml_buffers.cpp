@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "next_calls.hpp"
+#include "residency/text.hpp"
 
 namespace residency::preload {
 

@@ -4,6 +4,8 @@
 #include <algorithm>
 #include <string>
 
+#include "residency/text.hpp"
+
 namespace residency::preload {
 
 bool PieceTable::overlaps(std::uintptr_t begin, std::uintptr_t end) const noexcept {

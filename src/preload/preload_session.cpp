@@ -25,6 +25,7 @@
 #include "backends/posix/proc_info.hpp"
 #include "residency/backends.hpp"
 #include "residency/residency.hpp"
+#include "residency/text.hpp"
 
 namespace residency::preload {
 

@@ -22,6 +22,7 @@
 
 #include "platform/proc_stat.hpp"
 #include "residency/config.hpp"
+#include "residency/text.hpp"
 
 namespace residency::workload {
 namespace {

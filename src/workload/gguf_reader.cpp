@@ -14,6 +14,7 @@
 #include <utility>
 
 #include "residency/config.hpp"
+#include "residency/text.hpp"
 #include "workload/gguf.hpp"
 
 namespace residency::workload {

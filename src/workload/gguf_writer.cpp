@@ -17,6 +17,7 @@
 #include "workload/gguf_writer.hpp"
 
 #include "residency/config.hpp"
+#include "residency/text.hpp"
 #include "workload/cleanup.hpp"
 #include "workload/half.hpp"
 

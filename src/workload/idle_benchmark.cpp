@@ -8,6 +8,8 @@
 #include <cstdio>
 #include <optional>
 
+#include "residency/text.hpp"
+
 namespace residency::workload {
 namespace {
 

@@ -20,6 +20,7 @@
 #include <thread>
 
 #include "residency/config.hpp"
+#include "residency/text.hpp"
 #include "workload/pressure.hpp"
 
 namespace residency::workload {

@@ -20,6 +20,7 @@
 
 #include "residency/backends/sim.hpp"
 #include "residency/config.hpp"
+#include "residency/text.hpp"
 #include "workload/cleanup.hpp"
 #include "workload/decode_pass.hpp"
 #include "workload/pressure.hpp"

@@ -3,6 +3,7 @@
 #include "workload/idle_target.hpp"
 
 #include "residency/config.hpp"
+#include "residency/text.hpp"
 
 #include <condition_variable>
 #include <mutex>

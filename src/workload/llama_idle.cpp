@@ -25,6 +25,7 @@
 #include <sstream>
 
 #include "residency/config.hpp"
+#include "residency/text.hpp"
 #include "workload/cleanup.hpp"
 #include "workload/gguf.hpp"
 

@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "residency/config.hpp"
+#include "residency/text.hpp"
 #include "workload/cleanup.hpp"
 
 #ifndef MADV_PAGEOUT

@@ -11,8 +11,11 @@
 #include <cstdlib>
 #include <string>
 #include <string_view>
+#include <vector>
 
+#include "core/config_keys.hpp"
 #include "residency/config.hpp"
+#include "residency/text.hpp"
 #include "workload/gguf.hpp"
 #include "workload/idle_benchmark.hpp"
 #include "workload/idle_target.hpp"
@@ -44,13 +47,19 @@ void check(const R& r) {
   if (!r.is_ok()) check_line(r.message());
 }
 
-const char* const kVars[] = {"RESIDENCY_SHARED_BUDGET", "RESIDENCY_SHARED_PRIORITY", "RESIDENCY_KEEP_ALIVE", "RESIDENCY_WIRED_LIMIT", "RESIDENCY_SET_MAX_PCT",
-                             "RESIDENCY_LAYOUT",           "RESIDENCY_RELEASE_ON_PRESSURE", "RESIDENCY_PRESSURE_FLOOR",
-                             "RESIDENCY_PRESSURE_QUIET",   "RESIDENCY_LOG",           "RESIDENCY_LOG_TIME",
-                             "GGML_METAL_RESIDENCY_KEEP_ALIVE_S",
-                             "GGML_METAL_NO_RESIDENCY",    "MLX_RESIDENCY_SET_MAX_PCT", "MLX_RESIDENCY_DEBUG",
-                             "RESIDENCY_STATE_FILE"};
-constexpr std::size_t kVarCount = sizeof kVars / sizeof kVars[0];
+// Every variable Config::from_env reads: the key table's, and each key's peer aliases.
+const std::vector<const char*>& variables() {
+  static const std::vector<const char*> all = [] {
+    std::vector<const char*> v;
+    for (const auto& key : core::config_keys()) {
+      v.push_back(key.variable);
+      for (const char* alias : key.aliases)
+        if (alias) v.push_back(alias);
+    }
+    return v;
+  }();
+  return all;
+}
 
 }  // namespace
 
@@ -79,17 +88,18 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   check(workload::parse_model_type(value));
 
   // The environment: the value in one to three variables chosen by the selector bytes.
-  bool set[kVarCount] = {};
+  const std::vector<const char*>& vars = variables();
+  std::vector<bool> set(vars.size(), false);
   std::size_t chosen = 0;
   for (std::size_t i = 0; i < selector.size() && i < 3; ++i) {
-    const std::size_t k = static_cast<unsigned char>(selector[i]) % kVarCount;
+    const std::size_t k = static_cast<unsigned char>(selector[i]) % vars.size();
     if (!set[k]) ++chosen;
     set[k] = true;
   }
   if (chosen == 0) set[0] = true, chosen = 1;
   auto c = Config::from_env([&](const char* name) -> const char* {
-    for (std::size_t k = 0; k < kVarCount; ++k)
-      if (set[k] && std::string_view(name) == kVars[k]) return value.c_str();
+    for (std::size_t k = 0; k < vars.size(); ++k)
+      if (set[k] && std::string_view(name) == vars[k]) return value.c_str();
     return nullptr;
   });
   if (!c.is_ok()) check_line(c.message(), chosen);

@@ -10,6 +10,7 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <cstddef>
 #include <cstdio>
 #include <cstring>
 #include <string>
@@ -122,6 +123,70 @@ TEST(CApi, NullsBadStructSizesAndUnknownBackendsAreErrorsNotCrashes) {
   bad.cuda_device = 1;
   EXPECT_EQ(residency_backend_create(&bad, &b), RESIDENCY_INVALID_ARGUMENT);
   EXPECT_EQ(b, nullptr);
+}
+
+// residency_stats is made from residency/stats_fields.h: the layout is still ABI 1's, field by
+// field (LP64), its initialiser sets the size and zeros, and a caller built against fewer fields
+// gets only those, with struct_size saying how much was written.
+TEST(CApi, StatsKeepTheirAbiLayoutAndFillOnlyWhatTheCallerKnows) {
+#if defined(__LP64__)
+  EXPECT_EQ(sizeof(residency_stats), 192u);
+  EXPECT_EQ(offsetof(residency_stats, struct_size), 0u);
+  EXPECT_EQ(offsetof(residency_stats, tracked_bytes), 8u);
+  EXPECT_EQ(offsetof(residency_stats, admitted_bytes), 16u);
+  EXPECT_EQ(offsetof(residency_stats, wired_bytes), 24u);
+  EXPECT_EQ(offsetof(residency_stats, pending_bytes), 32u);
+  EXPECT_EQ(offsetof(residency_stats, wired_limit), 40u);
+  EXPECT_EQ(offsetof(residency_stats, regions), 48u);
+  EXPECT_EQ(offsetof(residency_stats, sets), 52u);
+  EXPECT_EQ(offsetof(residency_stats, resident), 56u);
+  EXPECT_EQ(offsetof(residency_stats, commits), 64u);
+  EXPECT_EQ(offsetof(residency_stats, residency_requests), 72u);
+  EXPECT_EQ(offsetof(residency_stats, releases), 80u);
+  EXPECT_EQ(offsetof(residency_stats, rewires), 88u);
+  EXPECT_EQ(offsetof(residency_stats, rewire_time_ns), 96u);
+  EXPECT_EQ(offsetof(residency_stats, scheduler_wakeups), 104u);
+  EXPECT_EQ(offsetof(residency_stats, wire_failures), 112u);
+  EXPECT_EQ(offsetof(residency_stats, release_failures), 120u);
+  EXPECT_EQ(offsetof(residency_stats, pressure_releases), 128u);
+  EXPECT_EQ(offsetof(residency_stats, pressure_restores), 136u);
+  EXPECT_EQ(offsetof(residency_stats, pressure_cap), 144u);
+  EXPECT_EQ(offsetof(residency_stats, shared_budget), 152u);
+  EXPECT_EQ(offsetof(residency_stats, shared_held), 160u);
+  EXPECT_EQ(offsetof(residency_stats, shared_asks), 168u);
+  EXPECT_EQ(offsetof(residency_stats, shared_gave_back), 176u);
+  EXPECT_EQ(offsetof(residency_stats, shared_short), 184u);
+#endif
+  const residency_stats init = RESIDENCY_STATS_INIT;
+  EXPECT_EQ(init.struct_size, sizeof(residency_stats));
+  EXPECT_EQ(init.tracked_bytes, 0u);
+  EXPECT_EQ(init.resident, 0);
+  EXPECT_EQ(init.pressure_cap, 0u);
+  EXPECT_EQ(init.shared_short, 0u);
+  if (!has_posix()) GTEST_SKIP() << "this build has no posix backend";
+  residency_manager* m = make_manager("forever");
+  ASSERT_NE(m, nullptr) << residency_last_error();
+  Mapping map(256 << 10);
+  ASSERT_NE(map.p, MAP_FAILED);
+  ASSERT_EQ(residency_register(m, map.p, map.size, RESIDENCY_WEIGHTS, 0, nullptr), RESIDENCY_OK) << residency_last_error();
+  residency_stats full = RESIDENCY_STATS_INIT;
+  ASSERT_EQ(residency_get_stats(m, &full), RESIDENCY_OK);
+  EXPECT_EQ(full.struct_size, sizeof(residency_stats));
+  EXPECT_EQ(full.tracked_bytes, map.size);
+  EXPECT_EQ(full.regions, 1u);
+  EXPECT_EQ(full.resident, 1) << "forever: resident from registration";
+  EXPECT_EQ(full.pressure_cap, UINT64_MAX) << "no reduced budget: the C++ default, converted";
+  // An older caller's struct ends before pressure_releases: nothing after it is written.
+  residency_stats old;
+  std::memset(&old, 0xAB, sizeof old);
+  old.struct_size = offsetof(residency_stats, pressure_releases);
+  ASSERT_EQ(residency_get_stats(m, &old), RESIDENCY_OK);
+  EXPECT_EQ(old.struct_size, offsetof(residency_stats, pressure_releases));
+  EXPECT_EQ(old.tracked_bytes, map.size);
+  EXPECT_EQ(old.release_failures, full.release_failures);
+  EXPECT_EQ(old.pressure_releases, 0xABABABABABABABABull) << "past the caller's size: untouched";
+  EXPECT_EQ(old.shared_short, 0xABABABABABABABABull);
+  residency_manager_destroy(m);
 }
 
 TEST(CApi, BackendsOfOneKindAreSharedAndKeptAliveByTheirManagers) {

@@ -6,6 +6,7 @@
 #include <map>
 
 #include "residency/config.hpp"
+#include "residency/text.hpp"
 
 using namespace residency;
 using namespace std::chrono_literals;
@@ -288,6 +289,26 @@ TEST(ConfigFromEnv, StateFileIsOnByDefaultAndTurnsOff) {
   ASSERT_FALSE(bad);
   EXPECT_NE(bad.message().find("RESIDENCY_STATE_FILE=\"sometimes\""), std::string::npos) << bad.message();
   EXPECT_NE(bad.message().find("or 0"), std::string::npos) << "names what is accepted: " << bad.message();
+}
+
+// RESIDENCY_CUDA_BACKUP goes through Config like every variable (the preload reads the field):
+// unset is automatic (after-allocation unless the keep-alive is forever, decided by the preload),
+// a bad value is one line naming the variable, the value and the two modes.
+TEST(ConfigFromEnv, CudaBackupIsAConfigField) {
+  EXPECT_EQ(Config::from_env(env({}))->cuda_backup, CudaBackup::automatic);
+  auto after = Config::from_env(env({{"RESIDENCY_CUDA_BACKUP", "after-allocation"}}));
+  ASSERT_TRUE(after) << after.message();
+  EXPECT_EQ(after->cuda_backup, CudaBackup::after_allocation);
+  auto first = Config::from_env(env({{"RESIDENCY_CUDA_BACKUP", "at-first-sleep"}}));
+  ASSERT_TRUE(first) << first.message();
+  EXPECT_EQ(first->cuda_backup, CudaBackup::at_first_sleep);
+  auto bad = Config::from_env(env({{"RESIDENCY_CUDA_BACKUP", "eventually\n"}, {"RESIDENCY_LOG", "loud"}}));
+  ASSERT_FALSE(bad);
+  EXPECT_NE(bad.message().find("RESIDENCY_CUDA_BACKUP=\"eventually\\n\": unknown backup mode; accepted: "
+                               "after-allocation, at-first-sleep"),
+            std::string::npos)
+      << bad.message();
+  EXPECT_EQ(std::count(bad.message().begin(), bad.message().end(), '\n'), 1) << "two lines: " << bad.message();
 }
 
 // Issue 13, items 1 and 7: every echoed value is printable and short; errors say why.

@@ -15,6 +15,7 @@
 #include <string>
 
 #include "residency/config.hpp"
+#include "residency/text.hpp"
 
 namespace residency::tool {
 

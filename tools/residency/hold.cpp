@@ -33,10 +33,12 @@
 #include <vector>
 
 #include "command.hpp"
+#include "core/config_keys.hpp"
 #include "residency/backends.hpp"
 #include "residency/config.hpp"
 #include "residency/residency.hpp"
 #include "residency/shared_budget.hpp"
+#include "residency/text.hpp"
 
 namespace residency::tool {
 namespace {
@@ -209,8 +211,7 @@ Config hold_config(const HoldOptions& o) {
     auto k = parse_keep_alive(*o.keep_alive);
     if (!k) throw BadInput("--keep-alive: " + k.message());
     config.keep_alive = *k;
-  } else if (std::getenv("RESIDENCY_KEEP_ALIVE") == nullptr && std::getenv("GGML_METAL_RESIDENCY_KEEP_ALIVE_S") == nullptr &&
-             std::getenv("GGML_METAL_NO_RESIDENCY") == nullptr) {
+  } else if (!core::config_key_set("keep_alive", [](const char* n) { return std::getenv(n); })) {
     config.keep_alive = KeepAlive::forever();  // vmtouch -l holds until stopped
   }
   if (config.keep_alive.kind == KeepAlive::Kind::zero || config.keep_alive.kind == KeepAlive::Kind::off)

@@ -24,6 +24,7 @@
 #include "idle_options.hpp"
 #include "residency/backends/sim.hpp"
 #include "residency/config.hpp"
+#include "residency/text.hpp"
 #include "workload/idle_benchmark.hpp"
 #include "workload/idle_run.hpp"
 

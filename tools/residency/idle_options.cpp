@@ -6,6 +6,8 @@
 #include <initializer_list>
 #include <utility>
 
+#include "core/config_keys.hpp"
+#include "residency/text.hpp"
 #include "workload/gguf_writer.hpp"
 #include "workload/idle_benchmark.hpp"
 #include "workload/idle_target.hpp"
@@ -36,12 +38,6 @@ Result<IdleOptions> parse_idle_options(const IdleRequest& a) {
   IdleOptions o;
   // The environment first: a bad RESIDENCY_* value is bad input even where an option overrides it.
   Config base;
-  auto env_set = [&a](std::initializer_list<const char*> names) {
-    if (!a.env) return false;
-    for (const char* n : names)
-      if (a.env(n) != nullptr) return true;
-    return false;
-  };
   if (a.env) {
     auto c = Config::from_env(a.env);
     if (!c) return bad(c.message());
@@ -61,7 +57,7 @@ Result<IdleOptions> parse_idle_options(const IdleRequest& a) {
   const bool uses_keep_alive = std::any_of(policies->begin(), policies->end(),
                                            [](const IdlePolicy& p) { return p.kind == IdlePolicy::Kind::keep_alive; });
   // The keep-alive policy's duration: --keep-alive, else the environment's, else the default.
-  const bool env_keep_alive = env_set({"RESIDENCY_KEEP_ALIVE", "GGML_METAL_RESIDENCY_KEEP_ALIVE_S", "GGML_METAL_NO_RESIDENCY"});
+  const bool env_keep_alive = core::config_key_set("keep_alive", a.env);  // RESIDENCY_KEEP_ALIVE or an alias
   KeepAlive ka;
   if (a.keep_alive) {
     auto k = parse_keep_alive(*a.keep_alive);
@@ -86,7 +82,7 @@ Result<IdleOptions> parse_idle_options(const IdleRequest& a) {
   }
   set_keep_alive(*policies, ka.duration);
   o.benchmark.policies = std::move(policies).value();
-  if (env_set({"RESIDENCY_RELEASE_ON_PRESSURE"})) {
+  if (core::config_key_set("release_on_pressure", a.env)) {
     o.notes.push_back("RESIDENCY_RELEASE_ON_PRESSURE is not used: each column sets its own (the pressure-aware policy "
                       "releases under pressure, the others do not)");
   }
@@ -115,7 +111,7 @@ Result<IdleOptions> parse_idle_options(const IdleRequest& a) {
   auto pressure = parse_pressure(o.pressure_text);
   if (!pressure) return bad("--pressure: " + pressure.message());
   o.benchmark.pressure = *pressure;
-  const bool env_log = env_set({"RESIDENCY_LOG", "MLX_RESIDENCY_DEBUG"});
+  const bool env_log = core::config_key_set("log", a.env);  // RESIDENCY_LOG or MLX_RESIDENCY_DEBUG
   o.benchmark.log_level = a.verbose ? std::max(LogLevel::info, env_log ? base.log_level : LogLevel::info)
                                     : (env_log ? base.log_level : LogLevel::warn);
   o.benchmark.config = base;

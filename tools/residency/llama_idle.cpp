@@ -21,7 +21,9 @@
 #include <vector>
 
 #include "command.hpp"
+#include "core/config_keys.hpp"
 #include "residency/config.hpp"
+#include "residency/text.hpp"
 #include "workload/cleanup.hpp"
 #include "workload/gguf_writer.hpp"
 #include "workload/idle_report.hpp"
@@ -94,8 +96,7 @@ int run(const Args& a) {
   // RESIDENCY_* (except what each configuration sets); --keep-alive defaults to its keep-alive.
   auto env = Config::from_env();
   if (!env) throw BadInput(env.message());
-  const bool env_keep_alive = std::getenv("RESIDENCY_KEEP_ALIVE") || std::getenv("GGML_METAL_RESIDENCY_KEEP_ALIVE_S") ||
-                              std::getenv("GGML_METAL_NO_RESIDENCY");
+  const bool env_keep_alive = core::config_key_set("keep_alive", [](const char* n) { return std::getenv(n); });
   if (a.keep_alive) {
     auto ka = parse_keep_alive(*a.keep_alive);
     if (!ka) throw BadInput("--keep-alive: " + ka.message());

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "command.hpp"
+#include "residency/text.hpp"
 #if defined(RESIDENCY_HAVE_WORKLOAD)
 #include "workload/cleanup.hpp"
 #endif

@@ -13,6 +13,7 @@
 
 #include "command.hpp"
 #include "residency/config.hpp"
+#include "residency/text.hpp"
 #include "workload/cleanup.hpp"
 #include "workload/gguf_writer.hpp"
 

@@ -18,6 +18,7 @@
 #include "residency/backends.hpp"
 #include "residency/config.hpp"
 #include "residency/shared_budget.hpp"
+#include "residency/text.hpp"
 #include "stat_pid.hpp"
 
 #if RESIDENCY_TOOL_HAVE_METAL  // macOS with the metal backend: stat_apple.cpp

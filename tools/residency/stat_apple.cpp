@@ -13,6 +13,7 @@
 #include "command.hpp"
 #include "residency/backends/metal.hpp"
 #include "residency/config.hpp"
+#include "residency/text.hpp"
 
 namespace residency::tool {
 namespace {

@@ -28,6 +28,7 @@
 
 #include "command.hpp"
 #include "residency/config.hpp"
+#include "residency/text.hpp"
 
 #if defined(__linux__)
 #include <fcntl.h>

@@ -18,6 +18,7 @@
 #include <thread>
 
 #include "residency/config.hpp"
+#include "residency/text.hpp"
 
 namespace residency::cuda {
 namespace {

@@ -32,6 +32,7 @@
 #include "backends/metal/pressure_source.hpp"
 #include "residency/backends/metal.hpp"
 #include "residency/config.hpp"
+#include "residency/text.hpp"
 #include "residency/view_planner.hpp"
 
 namespace residency {

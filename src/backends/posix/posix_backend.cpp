@@ -25,6 +25,7 @@
 #include "backends/posix/system_info.hpp"
 #include "residency/backends/posix.hpp"
 #include "residency/config.hpp"
+#include "residency/text.hpp"
 
 namespace residency {
 namespace {

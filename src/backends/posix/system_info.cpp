@@ -19,6 +19,7 @@
 #include "backends/posix/proc_info.hpp"
 #include "residency/backends/posix.hpp"
 #include "residency/config.hpp"
+#include "residency/text.hpp"
 
 namespace residency {
 namespace posix {

@@ -35,6 +35,7 @@
 
 #include "residency/backends/sim.hpp"
 #include "residency/config.hpp"
+#include "residency/text.hpp"
 
 namespace residency {
 namespace {

@@ -14,6 +14,7 @@
 #include <filesystem>
 #include <string>
 
+#include "residency/text.hpp"
 #include "workload/cuda/idle_cuda.hpp"
 #include "workload/gguf_writer.hpp"
 #include "workload/idle_benchmark.hpp"

@@ -5,6 +5,7 @@
 #include <cstring>
 
 #include "backends/cuda/cuda_backend.hpp"
+#include "residency/text.hpp"
 #include "workload/cuda/gpu_decode.hpp"
 
 namespace residency::workload {

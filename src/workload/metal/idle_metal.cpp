@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "residency/backends/metal.hpp"
+#include "residency/text.hpp"
 #include "workload/metal/metal_decode.hpp"
 #include "workload/pressure.hpp"
 
