@@ -23,7 +23,7 @@ Admission::Admission(Backend& backend, const LogSink& log, const KeepAliveState&
 Admission::~Admission() = default;
 
 Result<std::unique_ptr<ledger::Ledger>> Admission::join_shared_budget(const Config& config, const MemoryInfo& mem,
-                                                                      const std::string& backend) {
+                                                                      const std::string& backend, Clock& clock) {
   if (!config.shared_budget) return std::unique_ptr<ledger::Ledger>();
   const SharedBudget& sb = *config.shared_budget;
   if (sb.size.is_percent && mem.physical == 0)
@@ -34,6 +34,7 @@ Result<std::unique_ptr<ledger::Ledger>> Admission::join_shared_budget(const Conf
   ao.budget = sb.size.resolve(mem.physical);
   ao.group = sb.group;
   ao.priority = config.shared_priority;
+  ao.clock = &clock;
   return ledger::Ledger::attach(ao);
 }
 

@@ -52,7 +52,7 @@ class Admission {
   ~Admission();
   // This manager's share of the machine-wide budget, if Config::shared_budget names one (null if not).
   static Result<std::unique_ptr<ledger::Ledger>> join_shared_budget(const Config& config, const MemoryInfo& mem,
-                                                                    const std::string& backend);
+                                                                    const std::string& backend, Clock& clock);
   Admission(const Admission&) = delete;
   Admission& operator=(const Admission&) = delete;
 

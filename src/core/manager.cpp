@@ -202,7 +202,9 @@ Result<std::unique_ptr<Manager>> Manager::create(ManagerOptions o) {
   const core::LogSink early(o.log ? o.log : core::stderr_log(o.config), o.config.log_level);
   auto limits = core::Limits::resolve(o.config, mem, caps.name, managing, early);
   if (!limits) return limits.status();
-  auto shared = managing ? core::Admission::join_shared_budget(o.config, mem, caps.name) : std::unique_ptr<ledger::Ledger>();
+  Clock& clock = o.clock ? *o.clock : SteadyClock::instance();
+  auto shared =
+      managing ? core::Admission::join_shared_budget(o.config, mem, caps.name, clock) : std::unique_ptr<ledger::Ledger>();
   if (!shared) return shared.status();
   const std::uint64_t floor = o.config.pressure_floor ? o.config.pressure_floor->resolve(limits->initial_wired_limit()) : 0;
   auto impl = std::make_unique<Impl>(o, caps, std::move(*limits), mem, std::move(*shared), floor);

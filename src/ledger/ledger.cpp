@@ -511,6 +511,7 @@ Result<std::unique_ptr<Ledger>> Ledger::attach(const AttachOptions& o) {
     l->fd_ = fd;
     l->shm_ = s;
     l->priority_ = o.priority;
+    l->clock_ = o.clock ? o.clock : &SteadyClock::instance();
     l->owner_pid_ = self;
     {
       Lock lock(fd, l->local_, s, kJoinWait, /*cancellable=*/true);
@@ -753,7 +754,7 @@ std::uint64_t Ledger::acquire(std::uint64_t bytes, Nanos wait, bool partial) {
       if (!outstanding) {
         // The holder to ask: priority <= ours, idle at least kIdleBeforeAsked, holding bytes;
         // lowest priority first, then the one idle longest.
-        const std::int64_t idle_before = monotonic_ns() - kIdleBeforeAsked.count();
+        const std::int64_t idle_before = clock_->now().count() - kIdleBeforeAsked.count();
         std::uint32_t best = kMaxHolders;
         for (std::uint32_t i = 0; i < kMaxHolders; ++i) {
           const Slot& sl = s.slots[i];

@@ -96,6 +96,11 @@ struct AttachOptions {
   std::uint64_t budget = 0;  // bytes; a ledger that exists keeps its own (the caller is told)
   std::string group;         // "": 0600; else 0660 for this group
   int priority = 0;
+  // The clock of the holder's last uses (the manager's; a test's ManualClock): idle times are
+  // measured on it, so that a holder's published last use and the asker's "now" are one time line.
+  // Bounds on waiting (for the lock, for an answer, an ask's deadline that the asked process reads)
+  // are real time, CLOCK_MONOTONIC, whatever the clock. Default: SteadyClock::instance().
+  Clock* clock = nullptr;
 };
 
 class Ledger {
@@ -170,6 +175,7 @@ class Ledger {
   std::atomic<std::uint64_t> held_{0};
   std::uint64_t requested_budget_ = 0;
   int priority_ = 0;
+  Clock* clock_ = nullptr;  // AttachOptions::clock
   OnAsked on_asked_;
   std::thread listener_;
   std::atomic<bool> stopping_{false};

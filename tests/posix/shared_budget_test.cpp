@@ -734,7 +734,7 @@ TEST(SharedBudgetProcesses, ARewireThatDoesNotFitWiresWhatFitsAndNeverMore) {
   EXPECT_EQ(other.vm_lck(), kHold) << "the higher priority holder was not asked";
   ASSERT_TRUE((*m)->unregister_region(*hi));
   ASSERT_TRUE((*m)->unregister_region(*lo));
-  m->reset();
+  (*m).reset();
   ::munmap(mem, 2 * kRegion);
 }
 }  // namespace
@@ -1023,6 +1023,56 @@ void a_stopped_holder_continued_after_the_asker_left_keeps_its_memory(bool kill_
   EXPECT_EQ(a.wait_exit(0ms), -1) << "a gave its memory back to nobody and exited: " << a.all();
   EXPECT_EQ(a.vm_lck(), kHold) << a.all();
   EXPECT_EQ(a.all().find("asked by"), std::string::npos) << a.all();
+}
+
+// A manager whose registration waits for an asked holder that never answers (stopped) holds no
+// lock meanwhile: its other callers (stats(), a decode's touch()) go on at once, instead of
+// waiting the whole kAskWait behind the manager's mutex (issue 19: "no lock is held while
+// waiting on another process"). What the asked holder does not give back stays unwired.
+TEST(SharedBudgetProcesses, WaitingForAnAskedHolderBlocksNoOtherCallOfTheManager) {
+  if (auto why = ensure_memlock(kHold)) GTEST_SKIP() << *why;
+  TempMappedFile fa(kHold);
+  ASSERT_TRUE(fa.ok());
+  const std::string name = unique_name("nolock");
+  Hold a(path_of(fa), {env_budget(name, "6MiB")});
+  ASSERT_TRUE(a.wait_vm_lck(kHold, 10s)) << a.all();
+  std::this_thread::sleep_for(ledger::kIdleBeforeAsked + 100ms);  // a is idle enough to be asked
+  ASSERT_EQ(::kill(a.pid, SIGSTOP), 0);
+  int st = 0;
+  ASSERT_EQ(::waitpid(a.pid, &st, WUNTRACED), a.pid);
+  auto backend = make_backend("posix");
+  ASSERT_TRUE(backend) << backend.message();
+  auto m = Manager::create(shared_manager_options(*backend, name, 6 * MiB));
+  ASSERT_TRUE(m) << m.message();
+  void* mem = touched_anonymous(kHold);
+  ASSERT_NE(mem, MAP_FAILED);
+  std::atomic<bool> registered{false};
+  std::thread t([&] {
+    auto id = (*m)->register_region(mem, kHold);  // 4 of 6 MiB taken by a: asks a, waits for it
+    EXPECT_TRUE(id) << id.message();
+    registered = true;
+  });
+  bool asked = false;  // the registration is waiting once a's slot shows the ask
+  for (int i = 0; i < 2000 && !asked; ++i) {
+    for (const auto& info : list_shared_budgets())
+      if (info.name == name)
+        for (const auto& h : info.holders) asked = asked || (h.pid == a.pid && h.asked);
+    if (!asked) std::this_thread::sleep_for(1ms);
+  }
+  EXPECT_TRUE(asked);
+  const auto t0 = std::chrono::steady_clock::now();
+  const Stats s = (*m)->stats();
+  (*m)->touch();
+  const auto dt = std::chrono::steady_clock::now() - t0;
+  EXPECT_FALSE(registered.load()) << "the registration was still waiting for the asked holder";
+  EXPECT_LT(dt, 500ms) << "stats() and touch() waited behind the registration's wait for another process";
+  EXPECT_EQ(s.wired_bytes, 0u);
+  t.join();
+  EXPECT_EQ((*m)->stats().wired_bytes, 0u) << "a never answered: nothing fits";
+  EXPECT_EQ(vm_lck_of(::getpid()), 0u);
+  ASSERT_EQ(::kill(a.pid, SIGCONT), 0);
+  (*m).reset();
+  ::munmap(mem, kHold);
 }
 
 TEST(SharedBudgetProcesses, AStoppedAskedHolderContinuedAfterTheAskerGaveUpKeepsItsMemory) {
