@@ -84,6 +84,40 @@ void BM_Touch(benchmark::State& state) {
 }
 BENCHMARK(BM_Touch)->ThreadRange(1, 2)->Teardown([](const benchmark::State&) {});
 
+// One engine call (what the preload does around each llama_decode): begin_call() + end_call()
+// while resident, against two touch() (what it did before the call entry): the difference is the
+// count of calls in flight, one atomic add and one compare-exchange.
+void BM_Call(benchmark::State& state) {
+  static std::unique_ptr<Manager> m;
+  static std::shared_ptr<FakeBackend> fake;
+  if (state.thread_index() == 0) {
+    fake = std::make_shared<FakeBackend>();
+    m = make_manager(fake);
+    (void)m->register_region(reinterpret_cast<void*>(std::uintptr_t(1) << 40), 64 << 20);
+  }
+  for (auto _ : state) {
+    m->begin_call();
+    m->end_call();
+  }
+  if (state.thread_index() == 0) state.counters["backend_calls"] = fake->total_requests;
+}
+BENCHMARK(BM_Call)->ThreadRange(1, 2);
+
+void BM_BaselineTwoTouches(benchmark::State& state) {
+  static std::unique_ptr<Manager> m;
+  static std::shared_ptr<FakeBackend> fake;
+  if (state.thread_index() == 0) {
+    fake = std::make_shared<FakeBackend>();
+    m = make_manager(fake);
+    (void)m->register_region(reinterpret_cast<void*>(std::uintptr_t(1) << 40), 64 << 20);
+  }
+  for (auto _ : state) {
+    m->touch();
+    m->touch();
+  }
+}
+BENCHMARK(BM_BaselineTwoTouches)->ThreadRange(1, 2);
+
 void BM_RegisterUnregister(benchmark::State& state) {
   auto fake = std::make_shared<FakeBackend>();
   fake->physical = 1ull << 40;

@@ -47,7 +47,7 @@ enum class RegionClass : std::uint8_t {
 const char* to_string(RegionClass c) noexcept;
 
 using RegionId = std::uint64_t;  // 0 is never a valid id
-using SetId = std::uint32_t;     // chosen by the manager, dense from 0
+using SetId = std::uint32_t;     // chosen by the manager, unique among the managers of a process
 
 // A region as the backend sees it.
 struct RegionDesc {

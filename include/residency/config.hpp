@@ -135,8 +135,8 @@ struct Config {
 
   // The configuration of a manager of one GPU's memory, made from the process's: the device's
   // memory is its budget (the wired limit, memory limit, pressure and shared budget settings are
-  // about RAM), each allocation is its own set (llama.cpp's buffers), and the notes are logged by
-  // the process's host manager.
+  // about RAM), each allocation is its own set (llama.cpp's buffers), the notes are logged by the
+  // process's host manager, and cuda_backup is never `automatic` (config_device.cpp says why).
   Config for_device_memory() const;
 };
 

@@ -167,7 +167,7 @@ void Admission::refresh_all() { sets_.refresh_all(failure_handler()); }
 
 void Admission::flush() {
   if (batch_depth_ > 0) return;
-  sets_.flush(ka_.resident(), failure_handler());
+  sets_.flush(ka_.wants_resident(), failure_handler());
   settle();
   shared_full_ = false;
   if (on_change_) on_change_();
@@ -208,13 +208,13 @@ Status Admission::unwired_status() const {
 // everything admitted (wired, or wired at the next commit); otherwise what the backend still has.
 std::uint64_t Admission::shared_needed() const {
   const std::uint64_t requested = sets_.requested_bytes();
-  return ka_.resident() ? std::max(budget_.admitted(), requested) : requested;
+  return ka_.wants_resident() ? std::max(budget_.admitted(), requested) : requested;
 }
 
 // Reserves room for `more` bytes on top of what is needed, before they can be wired. False: the
 // region must wait (and room_wanted() says what to ask the other holders for).
 bool Admission::reserve_shared(std::uint64_t more) {
-  if (!shared_ || !ka_.resident()) return true;
+  if (!shared_ || !ka_.wants_resident()) return true;
   if (exiting_) return false;
   const std::uint64_t target = shared_needed() + more;
   if (shared_->held() >= target) return true;

@@ -85,9 +85,10 @@ class KeepAliveState {
   }
   std::int64_t last_use() const noexcept { return use_->load(std::memory_order_relaxed); }
 
-  bool resident() const noexcept { return resident_.load(std::memory_order_relaxed); }
+  // What the policy wants (Stats::resident is what the backend holds: wired bytes > 0).
+  bool wants_resident() const noexcept { return resident_.load(std::memory_order_relaxed); }
   // With the manager's mutex held.
-  void set_resident(bool r) noexcept { resident_.store(r, std::memory_order_relaxed); }
+  void set_wants_resident(bool r) noexcept { resident_.store(r, std::memory_order_relaxed); }
 
   // When the keep-alive expires for a last use at `last_use` (duration policy only).
   Nanos expiry(std::int64_t last_use) const { return Nanos(last_use) + duration_ + clock_.coarse_resolution(); }

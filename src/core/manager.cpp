@@ -209,7 +209,7 @@ Result<std::unique_ptr<Manager>> Manager::create(ManagerOptions o) {
   const std::uint64_t floor = o.config.pressure_floor ? o.config.pressure_floor->resolve(limits->initial_wired_limit()) : 0;
   auto impl = std::make_unique<Impl>(o, caps, std::move(*limits), mem, std::move(*shared), floor);
   Impl& m = *impl;
-  m.ka.set_resident(m.ka.rewires_on_use());
+  m.ka.set_wants_resident(m.ka.rewires_on_use());
   m.report.log_start(managing);
 
   if (ledger::Ledger* l = m.adm.shared()) {
@@ -364,9 +364,9 @@ void Manager::access() noexcept {
 void Manager::prefetch() noexcept {
   Impl& m = *impl_;
   m.ka.note_use();
-  if (!m.ka.rewires_on_use() || m.ka.resident()) return;
+  if (!m.ka.rewires_on_use() || m.ka.wants_resident()) return;
   std::lock_guard<std::mutex> g(m.mu);
-  if (!m.ka.resident()) m.cycle.request_prefetch();
+  if (!m.ka.wants_resident()) m.cycle.request_prefetch();
 }
 
 UseScope Manager::use(std::function<void()> synchronize) {

@@ -86,7 +86,7 @@ void ManagerReport::publish() {
   };
   put("backend", caps_.name);
   put("keep_alive", config_.keep_alive.to_string());
-  num("resident", ka_.resident() ? 1 : 0);
+  num("resident", ka_.wants_resident() ? 1 : 0);
   put("wired_limit", budget.limit() == UINT64_MAX ? std::string("unlimited") : std::to_string(budget.limit()));
   num("wired_bytes", adm_.sets().requested_bytes());
   num("tracked_bytes", regions.tracked_bytes());

@@ -34,7 +34,7 @@ void ResidencyCycle::begin_call(const char* why) {
   }
   ka_.call_began();
   ka_.note_use();
-  if (!ka_.resident()) wire(why);
+  if (!ka_.wants_resident()) wire(why);
   adm_.limits().warn_if_scope_large(adm_.budget().admitted(), log_);
 }
 
@@ -45,7 +45,7 @@ void ResidencyCycle::end_call() {
     access_held_.store(false, std::memory_order_relaxed);
     left = ka_.call_ended();
   }
-  if (left == 0 && ka_.resident()) {
+  if (left == 0 && ka_.wants_resident()) {
     release_now("end of use (keep_alive = 0)");
   } else {
     wake_scheduler();
@@ -57,14 +57,14 @@ void ResidencyCycle::access() {
   access_held_.store(true, std::memory_order_relaxed);
   ka_.call_began();
   ka_.note_use();
-  if (!ka_.resident()) wire("access outside a call");
+  if (!ka_.wants_resident()) wire("access outside a call");
 }
 
 // --- wiring and releasing -----------------------------------------------------------------
 
 void ResidencyCycle::wire(const char* why) {
   const Nanos t0 = clock_.now();
-  ka_.set_resident(true);
+  ka_.set_wants_resident(true);
   adm_.reserve_for_wire();
   // What waits may fit now: another manager of the process may have given back its share of
   // the hard limit since.
@@ -111,13 +111,13 @@ void ResidencyCycle::release(const char* why) {
 
 // A release the policy did not time (pressure, the engine's request, the end of a 0 call).
 void ResidencyCycle::release_now(const char* why) {
-  ka_.set_resident(false);
+  ka_.set_wants_resident(false);
   heavy_fence();  // a touch() in flight either sees it and re-wires, or is already past
   release(why);
 }
 
 bool ResidencyCycle::release_by_engine() {
-  if (!ka_.managing() || !ka_.resident()) return true;
+  if (!ka_.managing() || !ka_.wants_resident()) return true;
   if (ka_.calls() > 0) {
     log_(LogLevel::warn, "release_now: " + std::to_string(ka_.calls()) + " call(s) or use scope(s) still open; not releasing");
     return false;
@@ -128,7 +128,7 @@ bool ResidencyCycle::release_by_engine() {
 
 bool ResidencyCycle::give_back_if_idle(int asker, Nanos idle_before_asked) {
   const Nanos idle = Nanos(ka_.now_coarse() - ka_.last_use());
-  if (!ka_.managing() || ka_.calls() > 0 || !ka_.resident() || idle < idle_before_asked) {
+  if (!ka_.managing() || ka_.calls() > 0 || !ka_.wants_resident() || idle < idle_before_asked) {
     adm_.settle();
     return false;
   }
@@ -143,7 +143,7 @@ void ResidencyCycle::release_at_exit(bool device_memory) {
   exiting_ = true;
   adm_.begin_exit();
   if (!device_memory && adm_.sets().requested_bytes() > 0) {
-    ka_.set_resident(false);
+    ka_.set_wants_resident(false);
     heavy_fence();
     release("the process is exiting");
   }
@@ -239,7 +239,7 @@ std::optional<Nanos> ResidencyCycle::due() {
 }
 
 std::optional<Nanos> ResidencyCycle::residency_due() {
-  if (!ka_.managing() || !ka_.resident()) return std::nullopt;
+  if (!ka_.managing() || !ka_.wants_resident()) return std::nullopt;
   const Nanos now = clock_.now();
   std::optional<Nanos> next;
   if (ka_.kind() == KeepAlive::Kind::duration) {

@@ -10,7 +10,7 @@
 // (begin_call(), end_call(), access()).
 //
 // Invariants (guarded by the manager's mutex, but the atomics of KeepAliveState):
-//   - KeepAliveState::resident() is what the policy wants; the sets follow it at the end of each
+//   - KeepAliveState::wants_resident() is what the policy wants; the sets follow it at the end of each
 //     call (wire() requests every admitted set, release() ends them all). A set the backend could
 //     not give back stays requested, and the log says so.
 //   - Nothing is released while a call or use scope is open (KeepAliveState::calls() > 0): not by
@@ -56,7 +56,7 @@ class ResidencyCycle {
   void access();
   // A use after a release under a duration or forever (touch(), a registration, prefetch).
   void rewire(const char* why) {
-    if (!ka_.resident()) wire(why);
+    if (!ka_.wants_resident()) wire(why);
   }
   void request_prefetch() {
     prefetch_requested_ = true;

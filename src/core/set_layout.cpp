@@ -25,31 +25,31 @@ SetLayout::SetLayout(Layout layout, double set_max_pct, std::uint64_t recommende
 }
 
 std::uint32_t SetLayout::live_sets() const {
-  return static_cast<std::uint32_t>(std::count_if(sets_.begin(), sets_.end(), [](const Slot& s) { return s.exists; }));
+  return static_cast<std::uint32_t>(std::count_if(sets_.begin(), sets_.end(), [](const SetRecord& s) { return s.exists; }));
 }
 
-std::vector<SetId> SetLayout::live_set_ids() const {
-  std::vector<SetId> ids;
-  for (SetId i = 0; i < sets_.size(); ++i)
+std::vector<LayoutSlot> SetLayout::live_set_ids() const {
+  std::vector<LayoutSlot> ids;
+  for (LayoutSlot i = 0; i < sets_.size(); ++i)
     if (sets_[i].exists) ids.push_back(i);
   return ids;
 }
 
-SetId SetLayout::create() {
-  for (SetId i = 0; i < sets_.size(); ++i) {
+LayoutSlot SetLayout::create() {
+  for (LayoutSlot i = 0; i < sets_.size(); ++i) {
     if (!sets_[i].exists) {
-      sets_[i] = Slot{true, 0, 0};
+      sets_[i] = SetRecord{true, 0, 0};
       return i;
     }
   }
-  sets_.push_back(Slot{true, 0, 0});
-  return static_cast<SetId>(sets_.size() - 1);
+  sets_.push_back(SetRecord{true, 0, 0});
+  return static_cast<LayoutSlot>(sets_.size() - 1);
 }
 
-SetId SetLayout::emptiest() const {
-  SetId best = 0;
+LayoutSlot SetLayout::emptiest() const {
+  LayoutSlot best = 0;
   bool found = false;
-  for (SetId i = 0; i < sets_.size(); ++i) {
+  for (LayoutSlot i = 0; i < sets_.size(); ++i) {
     if (!sets_[i].exists) continue;
     if (!found || sets_[i].bytes < sets_[best].bytes) best = i, found = true;
   }
@@ -64,13 +64,13 @@ SetLayout::Placement SetLayout::place(std::uint64_t bytes) {
     else p = {emptiest(), false};
   } else if (bytes > cap_) {
     // Larger than any set may be: reuse an emptied set, else a new one, else the emptiest.
-    auto it = std::find_if(sets_.begin(), sets_.end(), [](const Slot& s) { return s.exists && s.regions == 0; });
-    if (it != sets_.end()) p = {static_cast<SetId>(it - sets_.begin()), false};
+    auto it = std::find_if(sets_.begin(), sets_.end(), [](const SetRecord& s) { return s.exists && s.regions == 0; });
+    if (it != sets_.end()) p = {static_cast<LayoutSlot>(it - sets_.begin()), false};
     else if (can_create) p = {create(), true};
     else p = {emptiest(), false};
   } else {
     bool fitted = false;
-    for (SetId i = 0; i < sets_.size(); ++i) {
+    for (LayoutSlot i = 0; i < sets_.size(); ++i) {
       if (sets_[i].exists && sets_[i].bytes + bytes <= cap_) {
         p = {i, false};
         fitted = true;
@@ -87,13 +87,13 @@ SetLayout::Placement SetLayout::place(std::uint64_t bytes) {
   return p;
 }
 
-bool SetLayout::remove(SetId set, std::uint64_t bytes) {
+bool SetLayout::remove(LayoutSlot set, std::uint64_t bytes) {
   if (set >= sets_.size() || !sets_[set].exists) return false;
-  Slot& s = sets_[set];
+  SetRecord& s = sets_[set];
   s.bytes -= std::min(s.bytes, bytes);
   if (s.regions > 0) s.regions -= 1;
   if (layout_ == Layout::per_buffer && s.regions == 0) {
-    s = Slot{};
+    s = SetRecord{};
     return true;
   }
   return false;

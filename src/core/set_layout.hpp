@@ -26,6 +26,10 @@ namespace residency::core {
 // many tiny sets (MLX's floor).
 inline constexpr std::uint64_t kMinSetCapBytes = 64ull << 20;
 
+// A set's place in the layout: an index into its table, dense from 0 and reused (per_buffer).
+// Not the backend's id for the set (LayoutSlot), which is process-wide (residency_sets.hpp).
+using LayoutSlot = std::uint32_t;
+
 class SetLayout {
  public:
   // `backend_max_sets`: Capabilities::max_sets (0 = none). The limit is the backend's to state
@@ -34,33 +38,33 @@ class SetLayout {
             std::uint32_t backend_max_sets);
 
   struct Placement {
-    SetId set;
+    LayoutSlot set;
     bool created;  // the caller must create_set() it before adding
   };
   // Chooses the set for a region of `bytes` and accounts it there.
   Placement place(std::uint64_t bytes);
   // Takes a region of `bytes` out of `set`. Returns true when the set must be destroyed now
   // (per_buffer: its region is gone).
-  bool remove(SetId set, std::uint64_t bytes);
+  bool remove(LayoutSlot set, std::uint64_t bytes);
 
   std::uint64_t cap_bytes() const { return cap_; }  // UINT64_MAX: no cap (one set)
   std::uint32_t live_sets() const;
-  std::uint64_t set_bytes(SetId set) const { return set < sets_.size() ? sets_[set].bytes : 0; }
-  bool exists(SetId set) const { return set < sets_.size() && sets_[set].exists; }
-  std::vector<SetId> live_set_ids() const;
+  std::uint64_t set_bytes(LayoutSlot set) const { return set < sets_.size() ? sets_[set].bytes : 0; }
+  bool exists(LayoutSlot set) const { return set < sets_.size() && sets_[set].exists; }
+  std::vector<LayoutSlot> live_set_ids() const;
 
  private:
-  struct Slot {
+  struct SetRecord {
     bool exists = false;
     std::uint64_t bytes = 0;
     std::uint32_t regions = 0;
   };
-  SetId create();
-  SetId emptiest() const;
+  LayoutSlot create();
+  LayoutSlot emptiest() const;
   Layout layout_;
   std::uint64_t cap_;
   std::uint32_t max_sets_;
-  std::vector<Slot> sets_;  // index = SetId; destroyed per_buffer slots are reused
+  std::vector<SetRecord> sets_;  // index = LayoutSlot; destroyed per_buffer slots are reused
 };
 
 }  // namespace residency::core

@@ -42,7 +42,7 @@ namespace {
 constexpr std::uint64_t kMagic = 0x5245444752444c52ULL;  // "RLDRGDER" little-endian: residency ledger
 constexpr std::uint32_t kStopWord = 0xffffffffu;          // our own slot's ask word: the listener stops
 
-// One holder. Invariant: `used` is 1 exactly while pid/start_time name a holder; `bytes` is what
+// One holder. Invariant: `occupied` is 1 exactly while pid/start_time name a holder; `bytes` is what
 // that holder has reserved. Each is one aligned word, written under the ledger's lock (last_use
 // also without it, by the holder's touch(); its own ask word too, by its stop and when it cannot
 // take the lock to answer).
@@ -54,7 +54,7 @@ constexpr std::uint32_t kStopWord = 0xffffffffu;          // our own slot's ask 
 // the asker gave up, gives back to nobody); the asker withdraws its asks when it stops waiting.
 struct alignas(64) Slot {
   std::atomic<std::uint32_t> ask;   // futex word: 0 nothing asked; else the ask's id
-  std::atomic<std::uint32_t> used;
+  std::atomic<std::uint32_t> occupied;
   std::atomic<std::int32_t> pid;
   std::atomic<std::int32_t> priority;
   std::atomic<std::uint64_t> start_time;
@@ -117,7 +117,7 @@ long futex_wait(std::atomic<std::uint32_t>& a, std::uint32_t expected, const tim
 std::string errno_text(int e) { return std::strerror(e); }
 
 // What is wrong with a ledger's bytes ("" when nothing is). Every field another process may have
-// written is read here before it is used: the header, the retired word, each slot's `used`, pid
+// written is read here before it is used: the header, the retired word, each slot's `occupied`, pid
 // and start time, and the sum of the reservations against the budget (which acquire() keeps).
 std::string check_table(const Shared& s) {
   if (s.magic != kMagic) return "its magic number was overwritten";
@@ -129,9 +129,9 @@ std::string check_table(const Shared& s) {
   std::uint64_t sum = 0;
   for (std::uint32_t i = 0; i < kMaxHolders; ++i) {
     const Slot& sl = s.slots[i];
-    const std::uint32_t used = sl.used.load(std::memory_order_relaxed);
-    if (used > 1) return "slot " + std::to_string(i) + " has used = " + std::to_string(used);
-    if (used == 0) continue;
+    const std::uint32_t occupied = sl.occupied.load(std::memory_order_relaxed);
+    if (occupied > 1) return "slot " + std::to_string(i) + " has occupied = " + std::to_string(occupied);
+    if (occupied == 0) continue;
     if (sl.pid.load(std::memory_order_relaxed) <= 0 || sl.start_time.load(std::memory_order_relaxed) == 0)
       return "slot " + std::to_string(i) + " names pid " + std::to_string(sl.pid.load()) + " with start time " +
              std::to_string(sl.start_time.load());
@@ -273,7 +273,7 @@ class Lock {
 std::uint64_t used_bytes(const Shared& s) {
   std::uint64_t sum = 0;
   for (const Slot& sl : s.slots)
-    if (sl.used.load(std::memory_order_relaxed)) sum += sl.bytes.load(std::memory_order_relaxed);
+    if (sl.occupied.load(std::memory_order_relaxed)) sum += sl.bytes.load(std::memory_order_relaxed);
   return sum;
 }
 
@@ -287,7 +287,7 @@ std::uint64_t reclaim(Shared& s, int self_pid, std::uint64_t self_start) {
   std::uint64_t freed = 0;
   bool any = false;
   for (Slot& sl : s.slots) {
-    if (!sl.used.load(std::memory_order_relaxed)) continue;
+    if (!sl.occupied.load(std::memory_order_relaxed)) continue;
     const int pid = sl.pid.load(std::memory_order_relaxed);
     const std::uint64_t start = sl.start_time.load(std::memory_order_relaxed);
     if (pid == self_pid && start == self_start) continue;
@@ -295,7 +295,7 @@ std::uint64_t reclaim(Shared& s, int self_pid, std::uint64_t self_start) {
     freed += sl.bytes.load(std::memory_order_relaxed);
     sl.bytes.store(0, std::memory_order_relaxed);
     sl.ask.store(0, std::memory_order_relaxed);
-    sl.used.store(0, std::memory_order_release);
+    sl.occupied.store(0, std::memory_order_release);
     any = true;
   }
   if (any) bump(s);
@@ -539,7 +539,7 @@ Result<std::unique_ptr<Ledger>> Ledger::attach(const AttachOptions& o) {
       reclaim(*s, self, self_start);
       std::uint32_t slot = kMaxHolders;
       for (std::uint32_t i = 0; i < kMaxHolders; ++i)
-        if (!s->slots[i].used.load(std::memory_order_relaxed)) {
+        if (!s->slots[i].occupied.load(std::memory_order_relaxed)) {
           slot = i;
           break;
         }
@@ -557,7 +557,7 @@ Result<std::unique_ptr<Ledger>> Ledger::attach(const AttachOptions& o) {
       sl.priority.store(o.priority, std::memory_order_relaxed);
       sl.bytes.store(0, std::memory_order_relaxed);
       sl.last_use.store(0, std::memory_order_relaxed);
-      sl.used.store(1, std::memory_order_release);
+      sl.occupied.store(1, std::memory_order_release);
       l->slot_ = slot;
       l->self_start_ = self_start;
       l->budget_ = s->budget;
@@ -600,11 +600,11 @@ void Ledger::leave() {
   Slot& sl = s->slots[slot_];
   sl.bytes.store(0, std::memory_order_relaxed);
   sl.ask.store(0, std::memory_order_relaxed);
-  sl.used.store(0, std::memory_order_release);
+  sl.occupied.store(0, std::memory_order_release);
   if (lock.ok()) {
     reclaim(*s, self, self_start_);
     bool anyone = false;
-    for (const Slot& o : s->slots) anyone = anyone || o.used.load(std::memory_order_relaxed) != 0;
+    for (const Slot& o : s->slots) anyone = anyone || o.occupied.load(std::memory_order_relaxed) != 0;
     if (!anyone) {
       s->retired.store(1, std::memory_order_release);
       if (path_is_ours(fd_, path_)) ::unlink(path_.c_str());
@@ -621,7 +621,7 @@ bool Ledger::covers_mapping() const {
 // Under the lock: our slot still names us and what we hold (only we write it).
 bool Ledger::own_slot_sound() const {
   const Slot& sl = shm_->slots[slot_];
-  return sl.used.load(std::memory_order_relaxed) == 1 && sl.pid.load(std::memory_order_relaxed) == owner_pid_ &&
+  return sl.occupied.load(std::memory_order_relaxed) == 1 && sl.pid.load(std::memory_order_relaxed) == owner_pid_ &&
          sl.start_time.load(std::memory_order_relaxed) == self_start_ && sl.bytes.load(std::memory_order_relaxed) == held_.load(std::memory_order_relaxed);
 }
 
@@ -758,7 +758,7 @@ std::uint64_t Ledger::acquire(std::uint64_t bytes, Nanos wait, bool partial) {
         std::uint32_t best = kMaxHolders;
         for (std::uint32_t i = 0; i < kMaxHolders; ++i) {
           const Slot& sl = s.slots[i];
-          if (i == slot_ || !sl.used.load(std::memory_order_relaxed) || sl.bytes.load(std::memory_order_relaxed) == 0 ||
+          if (i == slot_ || !sl.occupied.load(std::memory_order_relaxed) || sl.bytes.load(std::memory_order_relaxed) == 0 ||
               sl.ask.load(std::memory_order_relaxed) != 0 || sl.priority.load(std::memory_order_relaxed) > priority_ ||
               sl.last_use.load(std::memory_order_relaxed) > idle_before)
             continue;
@@ -855,7 +855,6 @@ void Ledger::listen_loop() {
   sigfillset(&all);
   ::pthread_sigmask(SIG_BLOCK, &all, nullptr);
   ::pthread_setname_np(::pthread_self(), "residency-ask");
-  listener_tid_.store(static_cast<int>(::syscall(SYS_gettid)), std::memory_order_relaxed);
   Slot& mine = shm_->slots[slot_];
   for (;;) {
     if (stopping_.load(std::memory_order_acquire)) return;
@@ -887,7 +886,6 @@ void Ledger::listen_loop() {
         asker = pid;
     }
     if (asker != 0 && on_asked_) on_asked_(asker);
-    if (asker != 0) asks_answered_.fetch_add(1, std::memory_order_relaxed);
     {
       Lock lock(fd_, local_, shm_, kAnswerLockWait);  // not obtained: our own word is still ours to clear
       if (lock.corrupt() || (!lock.ok() && !covers_mapping())) {
@@ -953,7 +951,7 @@ std::vector<SharedBudgetInfo> list_shared_budgets() {
     info.size = s->budget;
     const std::int64_t now = monotonic_ns();
     for (const Slot& sl : s->slots) {
-      if (!sl.used.load(std::memory_order_acquire)) continue;
+      if (!sl.occupied.load(std::memory_order_acquire)) continue;
       SharedBudgetHolder h;
       h.pid = sl.pid.load(std::memory_order_relaxed);
       h.bytes = sl.bytes.load(std::memory_order_relaxed);

@@ -151,9 +151,6 @@ class Ledger {
   static void publish_last_use(void* ledger, std::int64_t last_use) noexcept;
 
   std::uint64_t asks_sent() const { return asks_sent_.load(std::memory_order_relaxed); }
-  std::uint64_t asks_answered() const { return asks_answered_.load(std::memory_order_relaxed); }
-  // The thread answering asks (for tests that count its wake-ups); 0 before listen().
-  int listener_tid() const { return listener_tid_.load(std::memory_order_relaxed); }
 
   struct Shared;  // the layout in shared memory (ledger.cpp)
 
@@ -196,8 +193,7 @@ class Ledger {
   // shells fork, and a child that calls exit() would otherwise free its parent's slot).
   int owner_pid_ = 0;
   bool mine() const;
-  std::atomic<int> listener_tid_{0};
-  std::atomic<std::uint64_t> asks_sent_{0}, asks_answered_{0};
+  std::atomic<std::uint64_t> asks_sent_{0};
 };
 
 }  // namespace residency::ledger

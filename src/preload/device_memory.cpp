@@ -68,21 +68,11 @@ CudaGetDeviceFn next_cuda_get_device() noexcept {
 }
 
 #if RESIDENCY_PRELOAD_CUDA
-// When the pinned host backup of the weights is made (CudaBackendOptions::Backup), from
-// RESIDENCY_CUDA_BACKUP (Config::cuda_backup, read by Config::from_env like every variable).
-// Not set: after-allocation when the keep-alive will put the GPU to sleep (a duration or 0), so
-// that the first sleep only copies and a request that comes during it waits a copy's time, not a
-// pinning's (on the H200 the first sleep pinning as it copied ran at 4.3-25.7 GB/s, one pinned
-// beforehand at 54 GB/s); the host memory it takes is what the first sleep would take anyway.
-// Under forever nothing sleeps: no backup is made before a sleep.
-CudaBackendOptions::Backup backup_mode(CudaBackup configured, KeepAlive::Kind kind) noexcept {
-  using B = CudaBackendOptions::Backup;
-  switch (configured) {
-    case CudaBackup::after_allocation: return B::after_allocation;
-    case CudaBackup::at_first_sleep: return B::at_first_sleep;
-    case CudaBackup::automatic: break;
-  }
-  return kind == KeepAlive::Kind::forever ? B::at_first_sleep : B::after_allocation;
+// The backend's form of Config::cuda_backup (RESIDENCY_CUDA_BACKUP; Config::for_device_memory()
+// decides what `automatic` means).
+CudaBackendOptions::Backup backup_mode(CudaBackup configured) noexcept {
+  return configured == CudaBackup::at_first_sleep ? CudaBackendOptions::Backup::at_first_sleep
+                                                  : CudaBackendOptions::Backup::after_allocation;
 }
 #endif
 
@@ -97,10 +87,11 @@ Manager* device_manager(int dev) noexcept {
     if (up == nullptr) return nullptr;
     if (up->config.keep_alive.kind == KeepAlive::Kind::off) return nullptr;  // residency off: nothing to manage
     const std::string name = "cuda:" + std::to_string(dev);
+    const Config device_config = up->config.for_device_memory();
 #if RESIDENCY_PRELOAD_CUDA
     CudaBackendOptions co;
     co.device = dev;
-    co.backup = backup_mode(up->config.cuda_backup, up->config.keep_alive.in_effect());
+    co.backup = backup_mode(device_config.cuda_backup);
     auto backend = make_cuda_backend(co);
 #else
     auto backend = make_backend(name);  // an error naming the backends this build has
@@ -110,7 +101,7 @@ Manager* device_manager(int dev) noexcept {
       return nullptr;
     }
     ManagerOptions options;
-    options.config = up->config.for_device_memory();
+    options.config = device_config;
     options.backend = *backend;
     options.clock = up->clock;
     // Its lines say which device they are about (the host session's have no prefix).
