@@ -5,7 +5,7 @@
 // graph names its ggml buffer: the weights in whatever buffer type holds them, CPU_Mapped file
 // ranges, AMX or CPU_REPACK copies, plain CPU; the KV cache; the compute buffers), registers
 // that memory with a residency manager, then serves "requests": prefetch() when a request
-// arrives, touch() before every decode, greedy decoding.
+// arrives, begin_call()/end_call() around every decode, greedy decoding.
 //
 // Why not the GGUF mapping: on Intel Xeons with AMX, and for Q4_0 on ARM and AVX2 x86, llama.cpp
 // copies most weights into anonymous buffers at load and decodes from those; the mapping then has
@@ -239,9 +239,11 @@ int main(int argc, char** argv) {
     std::string out;
     double first_ms = 0;
     for (long i = 0; i < tokens; ++i) {
-      (*manager)->touch();  // residency: once per decode, before the compute (lock-free)
       llama_batch batch = llama_batch_get_one(&tok, 1);
-      if (llama_decode(ctx, batch) != 0) {
+      (*manager)->begin_call();  // residency: around each decode (lock-free while resident)
+      const int32_t rc = llama_decode(ctx, batch);
+      (*manager)->end_call();
+      if (rc != 0) {
         std::fprintf(stderr, "llama_engine: llama_decode failed at token %ld of request %ld\n", i, r);
         status = 1;
         break;
