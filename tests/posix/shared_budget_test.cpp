@@ -991,6 +991,18 @@ namespace {
 // gives up and exits (`how`: normally, or SIGKILLed during its wait so that it cannot withdraw the
 // ask). When the holder continues it must not give its memory back to nobody (before: it did, and
 // its `hold` exited "asked by process N").
+// Whether the holder `pid` of ledger `name` shows an ask within 2 s (`residency stat`'s view).
+bool wait_until_asked(const std::string& name, int pid) {
+  for (int i = 0; i < 2000; ++i) {
+    for (const auto& info : list_shared_budgets())
+      if (info.name == name)
+        for (const auto& h : info.holders)
+          if (h.pid == pid && h.asked) return true;
+    std::this_thread::sleep_for(1ms);
+  }
+  return false;
+}
+
 void a_stopped_holder_continued_after_the_asker_left_keeps_its_memory(bool kill_asker) {
   TempMappedFile fa(kHold), fb(kHold);
   ASSERT_TRUE(fa.ok() && fb.ok());
@@ -1004,14 +1016,7 @@ void a_stopped_holder_continued_after_the_asker_left_keeps_its_memory(bool kill_
   ASSERT_EQ(::waitpid(a.pid, &st, WUNTRACED), a.pid);
   ASSERT_TRUE(WIFSTOPPED(st));
   Hold b(path_of(fb), env);
-  bool asked = false;  // b has asked a once a's slot shows the ask
-  for (int i = 0; i < 2000 && !asked; ++i) {
-    for (const auto& info : list_shared_budgets())
-      if (info.name == name)
-        for (const auto& h : info.holders) asked = asked || (h.pid == a.pid && h.asked);
-    if (!asked) std::this_thread::sleep_for(1ms);
-  }
-  ASSERT_TRUE(asked) << b.all();
+  ASSERT_TRUE(wait_until_asked(name, a.pid)) << "b has asked a once a's slot shows the ask: " << b.all();
   if (kill_asker) {
     b.kill9();
   } else {
@@ -1052,14 +1057,7 @@ TEST(SharedBudgetProcesses, WaitingForAnAskedHolderBlocksNoOtherCallOfTheManager
     EXPECT_TRUE(id) << id.message();
     registered = true;
   });
-  bool asked = false;  // the registration is waiting once a's slot shows the ask
-  for (int i = 0; i < 2000 && !asked; ++i) {
-    for (const auto& info : list_shared_budgets())
-      if (info.name == name)
-        for (const auto& h : info.holders) asked = asked || (h.pid == a.pid && h.asked);
-    if (!asked) std::this_thread::sleep_for(1ms);
-  }
-  EXPECT_TRUE(asked);
+  EXPECT_TRUE(wait_until_asked(name, a.pid)) << "the registration is waiting once a's slot shows the ask";
   const auto t0 = std::chrono::steady_clock::now();
   const Stats s = (*m)->stats();
   (*m)->touch();
