@@ -71,6 +71,29 @@ void Admission::untrack(Region& r) {
   close_batch();
 }
 
+Status Admission::untrack_id(RegionId id) {
+  Region* r = regions_.find(id);
+  if (!r) return Status(ErrorCode::not_found, "unregister_region: no region with id " + std::to_string(id) + " is tracked");
+  untrack(*r);
+  return {};
+}
+
+Status Admission::untrack_address(const void* base) {
+  Region* r = regions_.find_address(base);
+  if (!r) return Status(ErrorCode::not_found, "unregister_address: no tracked region starts at this address");
+  untrack(*r);
+  return {};
+}
+
+Status Admission::untrack_allocation(const void* ptr) {
+  Region* r = regions_.find_address(ptr);
+  if (!r || !r->desc.backend_allocated)
+    return Status(ErrorCode::not_found, std::string("deallocate: this pointer was not returned by allocate()") +
+                                            (r ? "; it is a registered region: use unregister_address()" : ""));
+  untrack(*r);
+  return {};
+}
+
 void Admission::set_limit(std::uint64_t bytes) {
   open_batch();
   budget_.set_limit(bytes);

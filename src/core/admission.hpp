@@ -66,6 +66,11 @@ class Admission {
   // Frees backend memory first (leaving the set first would make a backend copy device weights
   // out just before they are thrown away), then evicts, forgets and promotes what waits.
   void untrack(Region& r);
+  // The same, for a region found by id, by its start address, or by a pointer allocate() returned;
+  // not_found with a message naming what was wrong.
+  Status untrack_id(RegionId id);
+  Status untrack_address(const void* base);
+  Status untrack_allocation(const void* ptr);
   // A new limit: what failed is tried again, the least valuable leave, what now fits comes in.
   void set_limit(std::uint64_t bytes);
   // Admits pending regions that fit, most valuable first (no-op when residency is not managed).

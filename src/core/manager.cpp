@@ -81,32 +81,33 @@ struct Manager::Impl {
   // waits is admitted again. Every call that may admit or wire goes through here.
   template <class F>
   auto with_room(std::unique_lock<std::mutex>& g, F&& f) {
-    struct EndCall {
-      core::Admission& a;
-      ~EndCall() { a.end_call(); }
-    } end{adm};
-    if constexpr (std::is_void_v<decltype(f())>) {
-      f();
-      make_room(g);
-    } else {
-      auto r = f();
-      make_room(g);
-      return r;
-    }
+    struct After {  // runs once f's result is made
+      Impl& m;
+      std::unique_lock<std::mutex>& g;
+      ~After() { m.make_room(g); }
+    } after{*this, g};
+    return f();
   }
   template <class F>
   auto locked(F&& f) {
     std::unique_lock<std::mutex> g(mu);
     return with_room(g, std::forward<F>(f));
   }
-  void make_room(std::unique_lock<std::mutex>& g) {
+  void make_room(std::unique_lock<std::mutex>& g) noexcept {
     const std::uint64_t want = adm.take_room_wanted();  // this call's: another thread may run meanwhile
-    if (want == 0) return;
-    ledger::Ledger* shared = adm.shared();
-    g.unlock();
-    shared->acquire(want, ledger::kAskWait, /*partial=*/false);  // what it gets, retry() keeps
-    g.lock();
-    adm.retry();
+    if (want != 0) {
+      g.unlock();
+      try {
+        adm.shared()->acquire(want, ledger::kAskWait, /*partial=*/false);  // what it gets, retry() keeps
+      } catch (...) {  // out of memory: nothing more is admitted
+      }
+      g.lock();
+      try {
+        adm.retry();
+      } catch (...) {
+      }
+    }
+    adm.end_call();
   }
 
   Result<RegionId> register_locked(const RegionDesc& d, int priority) {
@@ -122,35 +123,6 @@ struct Manager::Impl {
     return (*r)->desc.id;
   }
 
-  // A call begins (Manager::begin_call, use()): lock-free under a duration or forever while
-  // resident; under 0 counted with the lock.
-  void begin_call(const char* why) noexcept {
-    if (ka.rewires_on_use()) {
-      ka.call_began();
-      if (ka.touch()) rewire(why ? why : "touch after release");
-      return;
-    }
-    if (!ka.managing()) return;
-    try {
-      locked([&] { cycle.begin_call(why ? why : "use scope"); });
-    } catch (...) {  // out of memory building a log line: the call goes on
-    }
-  }
-  void end_call(void (*synchronize)(void*), void* ctx) noexcept {
-    if (ka.rewires_on_use()) {
-      // The use lasted until now: the keep-alive counts from the end of the call.
-      if (ka.touch()) rewire("touch after release");
-      ka.call_ended();
-      return;
-    }
-    if (!ka.managing()) return;
-    // The GPU may still be reading: wait for it before anything can be released.
-    if (synchronize) synchronize(ctx);
-    try {
-      locked([&] { cycle.end_call(); });
-    } catch (...) {
-    }
-  }
   // The slow path of touch(): the memory was released; wire it again before the caller computes.
   [[gnu::noinline]] void rewire(const char* why) noexcept {
     try {
@@ -163,8 +135,11 @@ struct Manager::Impl {
   // rides out a stats() or a brief call.
   void on_asked(int asker) {
     std::unique_lock<std::mutex> g(mu, std::defer_lock);
-    for (int i = 0; i < 20 && !g.try_lock(); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(1));
-    if (g.owns_lock()) cycle.give_back_if_idle(asker, ledger::kIdleBeforeAsked);
+    if (try_lock_for(g, 20)) cycle.give_back_if_idle(asker, ledger::kIdleBeforeAsked);
+  }
+  static bool try_lock_for(std::unique_lock<std::mutex>& g, int ms) {
+    for (int i = 0; i < ms && !g.try_lock(); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    return g.owns_lock();
   }
 
   // At exit, for a manager nobody destroyed (the preload leaks its own on purpose): unwire, give
@@ -176,8 +151,7 @@ struct Manager::Impl {
     Impl& m = *static_cast<Impl*>(self);
     if (::getpid() != m.owner_pid) return;
     std::unique_lock<std::mutex> g(m.mu, std::defer_lock);
-    for (int i = 0; i < 100 && !g.try_lock(); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(1));
-    if (!g.owns_lock()) return;
+    if (!try_lock_for(g, 100)) return;
     m.cycle.release_at_exit(m.adm.holds_backend_memory());
     m.adm.shared()->detach_at_exit();
   }
@@ -192,7 +166,6 @@ struct Manager::Impl {
 // ------------------------------------------------------------------------------------------
 
 Manager::Manager(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
-
 
 Result<std::unique_ptr<Manager>> Manager::create(ManagerOptions o) {
   if (!o.backend) return Status(ErrorCode::invalid_argument, "ManagerOptions::backend is null; pass make_backend(\"auto\")");
@@ -260,11 +233,7 @@ Manager::~Manager() {
 
 Result<RegionId> Manager::register_region(void* base, std::size_t size, RegionClass cls, int priority,
                                           void* backend_object) {
-  RegionDesc d;
-  d.base = base;
-  d.size = size;
-  d.cls = cls;
-  d.backend_object = backend_object;
+  const RegionDesc d{0, base, size, cls, /*backend_allocated=*/false, backend_object};
   return impl_->locked([&] { return impl_->register_locked(d, priority); });
 }
 
@@ -274,12 +243,7 @@ Result<Allocation> Manager::allocate(std::size_t size, RegionClass cls, int prio
   return m.locked([&]() -> Result<Allocation> {
     Result<void*> p = m.backend->allocate(size, cls);
     if (!p) return p.status();
-    RegionDesc d;
-    d.base = *p;
-    d.size = size;
-    d.cls = cls;
-    d.backend_allocated = true;
-    auto id = m.register_locked(d, priority);
+    auto id = m.register_locked(RegionDesc{0, *p, size, cls, /*backend_allocated=*/true, nullptr}, priority);
     if (!id) {
       m.backend->deallocate(*p);
       return id.status();
@@ -289,32 +253,15 @@ Result<Allocation> Manager::allocate(std::size_t size, RegionClass cls, int prio
 }
 
 Status Manager::unregister_region(RegionId id) {
-  return impl_->locked([&]() -> Status {
-    Region* r = impl_->adm.regions().find(id);
-    if (!r) return Status(ErrorCode::not_found, "unregister_region: no region with id " + std::to_string(id) + " is tracked");
-    impl_->adm.untrack(*r);
-    return {};
-  });
+  return impl_->locked([&] { return impl_->adm.untrack_id(id); });
 }
 
 Status Manager::unregister_address(void* base) {
-  return impl_->locked([&]() -> Status {
-    Region* r = impl_->adm.regions().find_address(base);
-    if (!r) return Status(ErrorCode::not_found, "unregister_address: no tracked region starts at this address");
-    impl_->adm.untrack(*r);
-    return {};
-  });
+  return impl_->locked([&] { return impl_->adm.untrack_address(base); });
 }
 
 Status Manager::deallocate(void* ptr) {
-  return impl_->locked([&]() -> Status {
-    Region* r = impl_->adm.regions().find_address(ptr);
-    if (!r || !r->desc.backend_allocated)
-      return Status(ErrorCode::not_found, std::string("deallocate: this pointer was not returned by allocate()") +
-                                              (r ? "; it is a registered region: use unregister_address()" : ""));
-    impl_->adm.untrack(*r);
-    return {};
-  });
+  return impl_->locked([&] { return impl_->adm.untrack_allocation(ptr); });
 }
 
 Status Manager::set_wired_limit(std::uint64_t bytes) {
@@ -344,9 +291,37 @@ void Manager::touch(RegionId id) noexcept {
   if (m.ka.touch_at(t)) m.rewire("touch after release");
 }
 
-void Manager::begin_call() noexcept { impl_->begin_call(nullptr); }
+// Lock-free under a duration or forever while resident; under 0 counted with the lock.
+void Manager::begin_call() noexcept {
+  Impl& m = *impl_;
+  if (m.ka.rewires_on_use()) {
+    m.ka.call_began();
+    if (m.ka.touch()) m.rewire("touch after release");
+    return;
+  }
+  if (!m.ka.managing()) return;
+  try {
+    m.locked([&] { m.cycle.begin_call("use scope"); });
+  } catch (...) {  // out of memory building a log line: the call goes on
+  }
+}
 
-void Manager::end_call(void (*synchronize)(void*), void* ctx) noexcept { impl_->end_call(synchronize, ctx); }
+void Manager::end_call(void (*synchronize)(void*), void* ctx) noexcept {
+  Impl& m = *impl_;
+  if (m.ka.rewires_on_use()) {
+    // The use lasted until now: the keep-alive counts from the end of the call.
+    if (m.ka.touch()) m.rewire("touch after release");
+    m.ka.call_ended();
+    return;
+  }
+  if (!m.ka.managing()) return;
+  // The GPU may still be reading: wait for it before anything can be released.
+  if (synchronize) synchronize(ctx);
+  try {
+    m.locked([&] { m.cycle.end_call(); });
+  } catch (...) {
+  }
+}
 
 void Manager::access() noexcept {
   Impl& m = *impl_;
@@ -372,7 +347,7 @@ void Manager::prefetch() noexcept {
 UseScope Manager::use(std::function<void()> synchronize) {
   Impl& m = *impl_;
   if (!m.ka.managing()) return UseScope(this, std::move(synchronize), Status());
-  m.begin_call("use scope");
+  begin_call();
   std::lock_guard<std::mutex> g(m.mu);
   return UseScope(this, std::move(synchronize), m.adm.unwired_status());
 }
