@@ -20,6 +20,18 @@ from cuda_partial_offload import Loop, serve_loop_parser  # noqa: E402
 from procmem import page_out  # noqa: E402
 
 
+def _anonymous(line):
+    """A /proc/PID/maps line of anonymous memory: no path ([heap], [stack], [anon:...] or nothing)."""
+    f = line.split(maxsplit=5)
+    return len(f) < 6 or not f[5].startswith("/")
+
+
+# Which mappings --pageout pages out: all of them, only anonymous memory (the heap, stacks, what
+# malloc mapped: with the preload, the registered buffers are locked and refused), or only file
+# mappings (the program's and the libraries' code and data, the GGUF file).
+PAGEOUT_WHICH = {"all": None, "anon": _anonymous, "file": lambda line: not _anonymous(line)}
+
+
 def measure(args, preload, pauses):
     env = {"LD_PRELOAD": args.preload, "RESIDENCY_KEEP_ALIVE": args.keep_alive} if preload else {}
     log = os.path.join(args.out, f"pause-{'preload' if preload else 'plain'}.log")
@@ -38,7 +50,7 @@ def measure(args, preload, pauses):
             loop.gen(2)
             time.sleep(p)
             if args.pageout:
-                page_out(loop.p.pid)  # pressure from outside at the end of the pause (every mapping)
+                page_out(loop.p.pid, PAGEOUT_WHICH[args.pageout_which])  # pressure from outside at the end of the pause
             ms, _ = loop.gen(1)
             times[p].append(ms)
     finally:
@@ -54,6 +66,8 @@ def main():
     ap.add_argument("--pauses", default="0,0.2,0.8,1.6,3.2")
     ap.add_argument("--pageout", action="store_true",
                     help="page out every mapping of the process (file and anonymous) at the end of each pause")
+    ap.add_argument("--pageout-which", choices=sorted(PAGEOUT_WHICH), default="all",
+                    help="with --pageout: all mappings, only anonymous ones, or only file mappings")
     ap.add_argument("model")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
@@ -63,7 +77,8 @@ def main():
     med = lambda v: statistics.median(v) if v else float("nan")
     lines = [f"first token after a pause (ms, median of {args.rounds}, mean +/- sd); keep-alive {args.keep_alive}; "
              f"gpu layers {args.gpu_layers}" +
-             ("; every mapping paged out (process_madvise MADV_PAGEOUT) at the end of each pause" if args.pageout else ""), "",
+             (f"; {'every' if args.pageout_which == 'all' else args.pageout_which} mapping paged out (process_madvise "
+              "MADV_PAGEOUT) at the end of each pause" if args.pageout else ""), "",
              "| pause (s) | plain llama.cpp | / pause 0 | with the preload | / pause 0 | preload / plain |",
              "|---:|---:|---:|---:|---:|---:|"]
     for p in pauses:
