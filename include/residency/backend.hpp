@@ -65,6 +65,9 @@ struct Capabilities {
   bool needs_refresh = false;    // residency requests decay and must be repeated while in use
   Nanos refresh_period{0};       // how often, when needs_refresh
   std::uint32_t max_sets = 0;    // most sets of one manager at once (Metal: 32 per queue); 0 = no limit
+  // A GPU's UUID as nvidia-smi prints it ("GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx"): what names
+  // its budget (Config::gpu_budget), never its index. Empty for host memory, or when unknown.
+  std::string device_uuid;
 };
 
 // Sizes in bytes, for the budget, limits and warnings. 0 means "unknown" for every field but

@@ -122,6 +122,10 @@ struct Config {
   // src/core/state_file.hpp).
   bool state_file = true;
   CudaBackup cuda_backup = CudaBackup::automatic;  // the preload's CUDA devices only
+  // One budget per GPU, shared by the device managers of every process that names it (the
+  // preload's): the ledger of a GPU is NAME.<its UUID>, its SIZE bytes or a percent of that GPU's
+  // memory. Empty: GPU memory is not budgeted.
+  std::optional<SharedBudget> gpu_budget;
   // Notes made while reading the environment (a peer alias used, a variable overriding
   // another); the manager logs them at start-up.
   std::vector<std::string> notes;
@@ -137,7 +141,9 @@ struct Config {
   // memory is its budget (the wired limit, memory limit, pressure and shared budget settings are
   // about RAM), each allocation is its own set (llama.cpp's buffers), the notes are logged by the
   // process's host manager, and cuda_backup is never `automatic` (config_device.cpp says why).
-  Config for_device_memory() const;
+  // With gpu_budget and the GPU's `device_uuid` (Capabilities::device_uuid), the device's manager
+  // shares the GPU's budget: shared_budget is NAME.UUID with gpu_budget's size and group.
+  Config for_device_memory(std::string_view device_uuid = {}) const;
 };
 
 }  // namespace residency

@@ -105,7 +105,7 @@ void Admission::set_limit(std::uint64_t bytes) {
 
 bool Admission::admit(Region& r) {
   if (r.admitted || !budget_.fits(r.desc.size)) return false;
-  if (!reserve_shared(r.desc.size)) return false;
+  if (!reserve_shared(r.desc.size, r.desc.backend_allocated)) return false;
   if (Status s = backend_.reserve_wired(r.desc.size); !s) {
     log_(warned_reserve_ ? LogLevel::debug : LogLevel::warn,
          "region " + std::to_string(r.desc.id) + " (" + mib(r.desc.size) + ") stays tracked but unwired: " + s.message());
@@ -236,7 +236,7 @@ std::uint64_t Admission::shared_needed() const {
 
 // Reserves room for `more` bytes on top of what is needed, before they can be wired. False: the
 // region must wait (and room_wanted() says what to ask the other holders for).
-bool Admission::reserve_shared(std::uint64_t more) {
+bool Admission::reserve_shared(std::uint64_t more, bool device) {
   if (!shared_ || !ka_.wants_resident()) return true;
   if (exiting_) return false;
   const std::uint64_t target = shared_needed() + more;
@@ -244,8 +244,29 @@ bool Admission::reserve_shared(std::uint64_t more) {
   const std::uint64_t need = target - shared_->held();
   if (!shared_full_ && shared_->acquire(need, Nanos(0), /*partial=*/false) == need) return true;
   shared_full_ = true;
+  if (device && !asking()) return over_budget(need);
   short_by(need, more);
   return false;
+}
+
+bool Admission::asking() const { return first_attempt_ && !exiting_ && shared_->problem().empty(); }
+
+// Device memory the ledger could not make room for after the others were asked: awake over the
+// budget (it is awake whether or not it is in a set: the backend wakes what it allocates), in the
+// ledger's books so that the others find it full. False: not even that could be reserved.
+bool Admission::over_budget(std::uint64_t bytes) {
+  if (shared_->take_over_budget(bytes) != bytes) {
+    short_by(bytes, bytes);
+    return false;
+  }
+  ++shared_over_;
+  log_(warned_over_ ? LogLevel::debug : LogLevel::warn,
+       "shared budget " + shared_->name() + " (" + mib(shared_->budget()) + ") is full: " + mib(bytes) +
+           " of device memory is awake over it (this process holds " + mib(shared_->held()) +
+           "; no idle holder of priority <= " + std::to_string(shared_priority_) +
+           " could sleep, and device memory a decode reads cannot wait). `residency stat` lists the holders");
+  warned_over_ = true;
+  return true;
 }
 
 void Admission::settle() {
@@ -255,7 +276,7 @@ void Admission::settle() {
 }
 
 void Admission::short_by(std::uint64_t need, std::uint64_t bytes) {
-  if (first_attempt_ && !exiting_ && shared_->problem().empty()) {  // full: ask the others first (retry())
+  if (asking()) {  // full: ask the others first (retry())
     room_wanted_ += need;
     return;
   }
@@ -277,14 +298,24 @@ void Admission::short_by(std::uint64_t need, std::uint64_t bytes) {
   warned_shared_ = true;
 }
 
-void Admission::reserve_for_wire() {
-  if (!shared_) return;
+bool Admission::reserve_for_wire() {
+  if (!shared_) return true;
   const std::uint64_t need = budget_.admitted();
-  if (shared_->held() >= need) return;
+  if (shared_->held() >= need) return true;
   if (!exiting_ && !shared_full_) shared_->acquire(need - shared_->held(), Nanos(0), /*partial=*/true);
-  if (shared_->held() >= need) return;
+  if (shared_->held() >= need) return true;
   shared_full_ = true;
   const std::uint64_t missing = need - shared_->held();
+  if (holds_backend_memory()) {
+    // Device memory sleeps until there is room: the others are asked first, then it wakes, over
+    // the budget if nobody could give way.
+    if (asking()) {
+      room_wanted_ += missing;
+      return false;
+    }
+    if (!exiting_) (void)over_budget(missing);  // not reserved even so: short_by() said why
+    return true;
+  }
   const std::uint64_t before = budget_.admitted();
   const auto entries = entries_of(true);
   for (RegionId id : choose_evictions(entries, budget_.admitted(), shared_->held()))
@@ -293,15 +324,13 @@ void Admission::reserve_for_wire() {
   // committed, and would lock the regions just evicted until the next commit.
   sets_.flush(/*request=*/false, failure_handler());
   short_by(missing, before - budget_.admitted());
+  return true;
 }
 
-void Admission::retry() {
+void Admission::begin_retry() {
   first_attempt_ = false;
   shared_full_ = false;
   room_wanted_ = 0;
-  open_batch();
-  promote();
-  close_batch();
 }
 
 }  // namespace residency::core

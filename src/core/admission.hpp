@@ -82,8 +82,10 @@ class Admission {
 
   // --- wiring (for ResidencyCycle) --------------------------------------------------------
   // Before the sets are requested: reserves what is admitted in the shared budget; what it cannot
-  // give leaves the sets, least valuable first, and waits as over a local limit.
-  void reserve_for_wire();
+  // give leaves the sets, least valuable first, and waits as over a local limit. Device memory
+  // never leaves them: on a first attempt the wire waits (false: do not request; the others are
+  // asked, then the wire is tried again), after it the device memory wakes over the budget.
+  bool reserve_for_wire();
   // Requests every admitted set; returns bytes and sets requested.
   std::pair<std::uint64_t, std::uint32_t> request_all();
   ResidencySets::Released end_all();
@@ -103,13 +105,14 @@ class Admission {
   ledger::Ledger* shared() const { return shared_.get(); }
   // Bytes a short reservation of this call wanted (0: none), taken once. A first attempt that comes
   // back short because the budget is full says nothing yet: the manager asks the other holders for
-  // this much without its lock, then calls retry(), which says what still does not fit.
+  // this much without its lock, then tries again after begin_retry() (ResidencyCycle::retry()),
+  // and that attempt says what still does not fit.
   std::uint64_t take_room_wanted() {
     const std::uint64_t b = room_wanted_;
     room_wanted_ = 0;
     return b;
   }
-  void retry();
+  void begin_retry();
   // The call is over: the next one starts with a first attempt.
   void end_call() {
     room_wanted_ = 0;
@@ -118,6 +121,7 @@ class Admission {
   // The process is exiting: nothing more is reserved (and so nothing more wired).
   void begin_exit() { exiting_ = true; }
   std::uint64_t shared_short() const { return shared_short_; }
+  std::uint64_t shared_over() const { return shared_over_; }
 
   // At the manager's destruction: backend memory freed first (no pointless copy-out of device
   // weights), then every set destroyed and every reservation given back. Warns about regions
@@ -146,7 +150,9 @@ class Admission {
     return [this](const SetOutcome& o, const char* w) { on_failure(o, w); };
   }
   std::uint64_t shared_needed() const;
-  bool reserve_shared(std::uint64_t more);
+  bool reserve_shared(std::uint64_t more, bool device);
+  bool asking() const;  // a first attempt at a full budget: the others are asked before anything else
+  bool over_budget(std::uint64_t bytes);
   // Short by `bytes`: on a first attempt at a full budget, remembered as room to ask for; else said.
   void short_by(std::uint64_t bytes, std::uint64_t unwired);
 
@@ -161,13 +167,13 @@ class Admission {
   const int shared_priority_;
   std::function<void()> on_change_;
   int batch_depth_ = 0;
-  bool warned_reserve_ = false, warned_shared_ = false, warned_shared_problem_ = false;
+  bool warned_reserve_ = false, warned_shared_ = false, warned_shared_problem_ = false, warned_over_ = false;
   // A reservation came back short in this call: no further ask until the next flush.
   bool shared_full_ = false;
   bool exiting_ = false;
   bool first_attempt_ = true;  // no holder has been asked in this call yet
   std::uint64_t room_wanted_ = 0;
-  std::uint64_t wire_failures_ = 0, shared_short_ = 0;
+  std::uint64_t wire_failures_ = 0, shared_short_ = 0, shared_over_ = 0;
 };
 
 }  // namespace residency::core

@@ -3,13 +3,15 @@
 
 namespace residency {
 
-Config Config::for_device_memory() const {
+Config Config::for_device_memory(std::string_view device_uuid) const {
   Config c = *this;
   c.wired_limit.reset();
   c.memory_limit.reset();
   c.release_on_pressure = false;
   c.pressure_floor.reset();
   c.shared_budget.reset();  // RESIDENCY_SHARED_BUDGET is a budget of RAM
+  if (gpu_budget && !device_uuid.empty())
+    c.shared_budget = SharedBudget{gpu_budget->name + "." + std::string(device_uuid), gpu_budget->size, gpu_budget->group};
   c.layout = Layout::per_buffer;
   c.notes.clear();
   // Not set: after-allocation when the keep-alive will put the GPU to sleep (a duration or 0), so

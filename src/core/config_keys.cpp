@@ -118,6 +118,18 @@ void read_shared_priority(const ConfigKey& key, EnvReader& env, Config& c) {
   }
 }
 
+// As RESIDENCY_SHARED_BUDGET, with a name short enough for NAME.GPU-UUID to fit the ledger's name.
+void read_gpu_budget(const ConfigKey& key, EnvReader& env, Config& c) {
+  const char* v = env.get(key.variable);
+  if (!v) return;
+  auto b = parse_shared_budget(v);
+  if (b && b->name.size() > 31)
+    b = bad_value(v, "the name '" + printable(b->name) + "' is longer than 31 characters",
+                  "NAME:SIZE or NAME:SIZE:GROUP, NAME up to 31 characters (the ledger of a GPU is NAME.GPU-UUID)");
+  if (b) c.gpu_budget = *b;
+  else env.fail(key.variable, b.status());
+}
+
 void read_log(const ConfigKey& key, EnvReader& env, Config& c) {
   const char* log = env.get(key.variable);
   const char* mlx_debug = env.get("MLX_RESIDENCY_DEBUG");
@@ -176,6 +188,13 @@ constexpr ConfigKey kKeys[] = {
      read_log, copy_field<&Config::log_level>},
     {"log_time", "RESIDENCY_LOG_TIME", {}, "each log line carries the local time after the pid",
      "`0` (default) or `1`", read_flag<&Config::log_time, kLogTimeForms>, copy_field<&Config::log_time>},
+    // No C API key: a device manager of the C API names its budget as shared_budget.
+    {nullptr, "RESIDENCY_GPU_BUDGET", {},
+     "the preload only (CUDA builds): one budget per GPU shared by the llama.cpp processes naming it; a wake that "
+     "does not fit first asks the idlest holder to sleep",
+     "`NAME:SIZE` or `NAME:SIZE:GROUP` as `RESIDENCY_SHARED_BUDGET`, NAME up to 31 characters, SIZE bytes or a "
+     "percent of each GPU's memory; the ledger of a GPU is `NAME.GPU-UUID`",
+     read_gpu_budget, copy_field<&Config::gpu_budget>},
     // No C API key: the C API's backends are made by residency_backend_create, with their own options.
     {nullptr, "RESIDENCY_CUDA_BACKUP", {},
      "the preload only (CUDA builds): when the pinned host backup of GPU weights is made",

@@ -103,7 +103,7 @@ struct Manager::Impl {
       }
       g.lock();
       try {
-        adm.retry();
+        cycle.retry();
       } catch (...) {
       }
     }

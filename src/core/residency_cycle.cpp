@@ -65,7 +65,13 @@ void ResidencyCycle::access() {
 void ResidencyCycle::wire(const char* why) {
   const Nanos t0 = clock_.now();
   ka_.set_wants_resident(true);
-  adm_.reserve_for_wire();
+  if (!adm_.reserve_for_wire()) {
+    // Device memory waits for room: not resident yet (a touch() in flight takes the slow path and
+    // waits too), tried again by retry() once the others were asked.
+    ka_.set_wants_resident(false);
+    deferred_why_ = why;
+    return;
+  }
   // What waits may fit now: another manager of the process may have given back its share of
   // the hard limit since.
   adm_.promote();
@@ -84,6 +90,19 @@ void ResidencyCycle::wire(const char* why) {
     if (publish_) publish_();  // flush() published before the re-wire was counted
   }
   wake_scheduler();
+}
+
+void ResidencyCycle::retry() {
+  adm_.begin_retry();
+  if (deferred_why_) {
+    const char* why = deferred_why_;
+    deferred_why_ = nullptr;
+    if (!ka_.wants_resident()) wire(why);
+    return;
+  }
+  adm_.open_batch();
+  adm_.promote();
+  adm_.close_batch();
 }
 
 // Gives the sets back; the caller has already marked the memory as not resident.

@@ -58,6 +58,9 @@ class ResidencyCycle {
   void rewire(const char* why) {
     if (!ka_.wants_resident()) wire(why);
   }
+  // After the others were asked for room (Admission::room_wanted()), without the lock: what waits
+  // is admitted again, and a wire that waited for room is done.
+  void retry();
   void request_prefetch() {
     prefetch_requested_ = true;
     wake_scheduler();
@@ -115,6 +118,7 @@ class ResidencyCycle {
   std::function<void()> publish_;
   bool ever_released_ = false;
   bool prefetch_requested_ = false;
+  const char* deferred_why_ = nullptr;  // a wire waiting for room in the shared budget (its reason)
   bool exiting_ = false;
   // Read without the lock by Manager::access() (only to skip the lock when already held).
   std::atomic<bool> access_held_{false};

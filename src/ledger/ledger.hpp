@@ -138,6 +138,11 @@ class Ledger {
   // give back and waits at most `wait` for them; then takes what is free (all of `bytes` unless
   // `partial`). Returns the bytes reserved.
   std::uint64_t acquire(std::uint64_t bytes, Nanos wait, bool partial);
+  // Reserves `bytes` more even past the budget: for memory that is in use whatever the ledger says
+  // (a GPU's memory is awake while a decode needs it; it cannot wait unwired as host memory can).
+  // The others then find the ledger full and ask. Returns the bytes reserved (0: the lock was not
+  // obtained, or the ledger is corrupt; problem() says why).
+  std::uint64_t take_over_budget(std::uint64_t bytes);
   // Gives back `bytes` (at most what is held) and wakes waiting askers.
   void release(std::uint64_t bytes);
   // Why the last acquire() granted nothing for a reason other than a full budget (the lock was

@@ -100,8 +100,13 @@ Manager* device_manager(int dev) noexcept {
       warn("CUDA device " + std::to_string(dev) + ": " + backend.message() + kWithout);
       return nullptr;
     }
+    // The GPU's budget is named by its UUID (the same GPU has other indices in other processes).
+    const std::string uuid = (*backend)->capabilities().device_uuid;
+    if (up->config.gpu_budget && uuid.empty())
+      warn("CUDA device " + std::to_string(dev) + ": its UUID is unknown, so RESIDENCY_GPU_BUDGET=" +
+           up->config.gpu_budget->to_string() + " cannot name its budget; its memory is not budgeted");
     ManagerOptions options;
-    options.config = device_config;
+    options.config = up->config.for_device_memory(uuid);
     options.backend = *backend;
     options.clock = up->clock;
     // Its lines say which device they are about (the host session's have no prefix).

@@ -121,6 +121,18 @@ Result<std::shared_ptr<CudaBackend>> CudaBackend::create(const CudaBackendOption
   CUdevice dev = 0;
   r = d.cuDeviceGet(&dev, o.device);
   if (r != CUDA_SUCCESS) return d.error(r, "opening device " + std::to_string(o.device), "cuDeviceGet");
+  std::string uuid;  // as nvidia-smi names the device; empty if the driver does not say
+  CUuuid u{};
+  if (d.cuDeviceGetUuid != nullptr && d.cuDeviceGetUuid(&u, dev) == CUDA_SUCCESS) {
+    static constexpr char kHex[] = "0123456789abcdef";
+    uuid = "GPU-";
+    for (int i = 0; i < 16; ++i) {
+      if (i == 4 || i == 6 || i == 8 || i == 10) uuid += '-';
+      const auto byte = static_cast<unsigned char>(u.bytes[i]);
+      uuid += kHex[byte >> 4];
+      uuid += kHex[byte & 15];
+    }
+  }
   int vmm = 0;
   r = d.cuDeviceGetAttribute(&vmm, CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, dev);
   if (r != CUDA_SUCCESS || vmm == 0) {
@@ -140,6 +152,7 @@ Result<std::shared_ptr<CudaBackend>> CudaBackend::create(const CudaBackendOption
   if (r != CUDA_SUCCESS) return d.error(r, "retaining the primary context", "cuDevicePrimaryCtxRetain");
 
   std::shared_ptr<CudaBackend> b(new CudaBackend(&d, dev, ctx, o, granularity));
+  b->uuid_ = std::move(uuid);
   Status st = b->init_streams();
   if (!st) return st;  // the destructor releases the context and any stream made
   return b;
@@ -201,6 +214,7 @@ Capabilities CudaBackend::capabilities() const {
   c.name = "cuda";
   c.needs_refresh = false;    // device mappings do not decay
   c.max_sets = 0;             // no limit: a set is only a list here
+  c.device_uuid = uuid_;
   return c;
 }
 

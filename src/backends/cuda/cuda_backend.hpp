@@ -165,6 +165,7 @@ class CudaBackend final : public Backend {
 
   const Driver* d_;
   CUdevice dev_;
+  std::string uuid_;  // Capabilities::device_uuid
   CUcontext ctx_;
   std::size_t granularity_;
   std::size_t chunk_;

@@ -38,6 +38,7 @@ namespace residency::cuda {
   X(cuDeviceGetCount, 2000)                      \
   X(cuDeviceGet, 2000)                           \
   X(cuDeviceGetName, 2000)                       \
+  X(cuDeviceGetUuid, 11040)                      \
   X(cuDeviceGetAttribute, 2000)                  \
   X(cuDeviceTotalMem, 3020)                      \
   X(cuDevicePrimaryCtxRetain, 7000)              \

@@ -1,0 +1,144 @@
+// SPDX-License-Identifier: MIT
+// A shared budget over device memory (issue 20, item 1: the preload's RESIDENCY_GPU_BUDGET gives
+// each GPU's device managers one ledger): two managers of backend-allocated memory (a GPU's, as
+// the CUDA backend makes it; here the fake backend's) in one process, each a holder of a real
+// ledger in /dev/shm, on one ManualClock. What the backends hold is asserted, and the ledger's
+// books as `residency stat` reads them.
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <string>
+
+#include "ledger/ledger.hpp"
+#include "residency/shared_budget.hpp"
+#include "support/manager_fixture.hpp"
+
+using namespace residency;
+using namespace residency::testing;
+using namespace std::chrono_literals;
+
+namespace {
+
+class DeviceBudgetTest : public ::testing::Test {
+ protected:
+  ManualClock clock{Nanos(std::chrono::hours(1))};
+  std::string name = "unit-device-" + std::to_string(::getpid()) + "-" + std::to_string(serial()++);
+  struct Device {
+    std::shared_ptr<FakeBackend> fake = std::make_shared<FakeBackend>();
+    LogCapture logs;
+    std::unique_ptr<Manager> m;
+  };
+
+  static std::atomic<int>& serial() {
+    static std::atomic<int> n{0};
+    return n;
+  }
+  void start(Device& d, std::uint64_t budget) {
+    ManagerOptions o;
+    o.config.keep_alive = KeepAlive::after(10s);
+    o.config.layout = Layout::per_buffer;
+    o.config.shared_budget = SharedBudget{name, WiredLimit{false, budget, 0}, ""};
+    o.config.state_file = false;
+    o.backend = d.fake;
+    o.clock = &clock;
+    o.log = d.logs.callback();
+    o.start_scheduler = false;
+    auto m = Manager::create(std::move(o));
+    ASSERT_TRUE(m) << m.message();
+    d.m = std::move(*m);
+  }
+  std::uint64_t used() {
+    for (const auto& info : list_shared_budgets())
+      if (info.name == name) return info.used;
+    return 0;
+  }
+};
+
+// A device allocation that does not fit asks the idle holder to sleep, and only then is it
+// admitted: the asked manager's memory is given back (its set released), the asker's is awake.
+TEST_F(DeviceBudgetTest, AnAllocationThatDoesNotFitPutsTheIdleHolderToSleepFirst) {
+  Device a, b;
+  start(a, 8 * MiB);
+  start(b, 8 * MiB);
+  auto pa = a.m->allocate(6 * MiB);
+  ASSERT_TRUE(pa) << pa.message();
+  EXPECT_TRUE(a.fake->is_resident(pa->id));
+  clock.advance(2s);  // a is idle for longer than ledger::kIdleBeforeAsked
+  auto pb = b.m->allocate(4 * MiB);
+  ASSERT_TRUE(pb) << pb.message();
+  EXPECT_FALSE(a.fake->is_resident(pa->id)) << "the idle holder sleeps";
+  EXPECT_TRUE(b.fake->is_resident(pb->id)) << "then the asker's memory is admitted and awake";
+  EXPECT_TRUE(a.logs.contains(LogLevel::info, "asked by process " + std::to_string(::getpid()) + ": shared budget " + name));
+  EXPECT_EQ(used(), 4 * MiB);
+  EXPECT_EQ(b.m->stats().shared_held, 4 * MiB);
+  EXPECT_FALSE(b.logs.contains(LogLevel::warn, "over it")) << "nothing woke over the budget";
+  // The sleeper's next call wakes it, and it puts the other (idle now) to sleep first.
+  clock.advance(2s);
+  a.m->begin_call();
+  EXPECT_TRUE(a.fake->is_resident(pa->id));
+  EXPECT_FALSE(b.fake->is_resident(pb->id)) << "the holder idle longest slept so that the call could wake";
+  a.m->end_call();
+  EXPECT_EQ(used(), 6 * MiB);
+}
+
+// A holder inside a call is never put to sleep; when nobody can give way, device memory (which a
+// decode reads, and cannot wait unwired as host memory can) wakes over the budget, with one
+// warning, and the ledger's books say so.
+TEST_F(DeviceBudgetTest, WhenNoHolderCanSleepTheWakeGoesOverTheBudgetAndSaysSo) {
+  Device a, b;
+  start(a, 8 * MiB);
+  start(b, 8 * MiB);
+  auto pa = a.m->allocate(6 * MiB);
+  ASSERT_TRUE(pa) << pa.message();
+  a.m->begin_call();  // a decode is running
+  clock.advance(2s);
+  auto pb = b.m->allocate(4 * MiB);
+  ASSERT_TRUE(pb) << pb.message();
+  EXPECT_TRUE(a.fake->is_resident(pa->id)) << "a holder inside a call is not put to sleep";
+  EXPECT_TRUE(b.fake->is_resident(pb->id));
+  EXPECT_TRUE(b.logs.contains(LogLevel::warn, "of device memory is awake over it"));
+  EXPECT_EQ(used(), 10 * MiB) << "the books show the 2 MiB over the budget";
+  a.m->end_call();
+}
+
+// Host memory under the same budget keeps its rule: what does not fit stays tracked but unwired.
+TEST_F(DeviceBudgetTest, HostMemoryThatDoesNotFitStaysUnwiredAsBefore) {
+  Device a, b;
+  start(a, 8 * MiB);
+  start(b, 8 * MiB);
+  auto pa = a.m->allocate(6 * MiB);
+  ASSERT_TRUE(pa) << pa.message();
+  a.m->begin_call();
+  std::vector<char> host(4 * MiB);
+  auto id = b.m->register_region(host.data(), host.size());
+  ASSERT_TRUE(id) << id.message();
+  EXPECT_FALSE(b.fake->is_resident(*id));
+  EXPECT_EQ(b.m->stats().pending_bytes, 4 * MiB);
+  EXPECT_EQ(used(), 6 * MiB);
+  a.m->end_call();
+  (void)b.m->unregister_region(*id);
+}
+
+TEST(DeviceConfig, AGpuBudgetIsNamedByTheDevicesUuid) {
+  auto c = Config::from_env([](const char* n) -> const char* {
+    return std::string(n) == "RESIDENCY_GPU_BUDGET" ? "models:80%" : nullptr;
+  });
+  ASSERT_TRUE(c) << c.message();
+  const Config d = c->for_device_memory("GPU-0123abcd-0000-1111-2222-333344445555");
+  ASSERT_TRUE(d.shared_budget);
+  EXPECT_EQ(d.shared_budget->name, "models.GPU-0123abcd-0000-1111-2222-333344445555");
+  EXPECT_TRUE(d.shared_budget->size.is_percent);
+  EXPECT_FALSE(c->for_device_memory().shared_budget) << "no UUID, no budget";
+  Config host = *c;
+  host.shared_budget = SharedBudget{"ram", WiredLimit{false, 1 << 20, 0}, ""};
+  EXPECT_FALSE(host.for_device_memory().shared_budget) << "RESIDENCY_SHARED_BUDGET is a budget of RAM";
+  auto bad = Config::from_env([](const char* n) -> const char* {
+    return std::string(n) == "RESIDENCY_GPU_BUDGET" ? "a-name-longer-than-thirty-one-chars:1GiB" : nullptr;
+  });
+  ASSERT_FALSE(bad);
+  EXPECT_NE(bad.message().find("RESIDENCY_GPU_BUDGET="), std::string::npos) << bad.message();
+  EXPECT_NE(bad.message().find("longer than 31 characters"), std::string::npos) << bad.message();
+}
+
+}  // namespace
