@@ -48,6 +48,16 @@ class DeviceBudgetTest : public ::testing::Test {
     ASSERT_TRUE(m) << m.message();
     d.m = std::move(*m);
   }
+  // Two device managers under an 8 MiB budget; `a` holds 6 MiB of device memory, awake.
+  Allocation two_holders_a_with_6_mib() {
+    start(a, 8 * MiB);
+    start(b, 8 * MiB);
+    auto pa = a.m->allocate(6 * MiB);
+    EXPECT_TRUE(pa) << pa.message();
+    EXPECT_TRUE(pa && a.fake->is_resident(pa->id));
+    return pa ? *pa : Allocation{};
+  }
+  Device a, b;
   std::uint64_t used() {
     for (const auto& info : list_shared_budgets())
       if (info.name == name) return info.used;
@@ -58,16 +68,11 @@ class DeviceBudgetTest : public ::testing::Test {
 // A device allocation that does not fit asks the idle holder to sleep, and only then is it
 // admitted: the asked manager's memory is given back (its set released), the asker's is awake.
 TEST_F(DeviceBudgetTest, AnAllocationThatDoesNotFitPutsTheIdleHolderToSleepFirst) {
-  Device a, b;
-  start(a, 8 * MiB);
-  start(b, 8 * MiB);
-  auto pa = a.m->allocate(6 * MiB);
-  ASSERT_TRUE(pa) << pa.message();
-  EXPECT_TRUE(a.fake->is_resident(pa->id));
+  const Allocation pa = two_holders_a_with_6_mib();
   clock.advance(2s);  // a is idle for longer than ledger::kIdleBeforeAsked
   auto pb = b.m->allocate(4 * MiB);
   ASSERT_TRUE(pb) << pb.message();
-  EXPECT_FALSE(a.fake->is_resident(pa->id)) << "the idle holder sleeps";
+  EXPECT_FALSE(a.fake->is_resident(pa.id)) << "the idle holder sleeps";
   EXPECT_TRUE(b.fake->is_resident(pb->id)) << "then the asker's memory is admitted and awake";
   EXPECT_TRUE(a.logs.contains(LogLevel::info, "asked by process " + std::to_string(::getpid()) + ": shared budget " + name));
   EXPECT_EQ(used(), 4 * MiB);
@@ -76,7 +81,7 @@ TEST_F(DeviceBudgetTest, AnAllocationThatDoesNotFitPutsTheIdleHolderToSleepFirst
   // The sleeper's next call wakes it, and it puts the other (idle now) to sleep first.
   clock.advance(2s);
   a.m->begin_call();
-  EXPECT_TRUE(a.fake->is_resident(pa->id));
+  EXPECT_TRUE(a.fake->is_resident(pa.id));
   EXPECT_FALSE(b.fake->is_resident(pb->id)) << "the holder idle longest slept so that the call could wake";
   a.m->end_call();
   EXPECT_EQ(used(), 6 * MiB);
@@ -86,16 +91,12 @@ TEST_F(DeviceBudgetTest, AnAllocationThatDoesNotFitPutsTheIdleHolderToSleepFirst
 // decode reads, and cannot wait unwired as host memory can) wakes over the budget, with one
 // warning, and the ledger's books say so.
 TEST_F(DeviceBudgetTest, WhenNoHolderCanSleepTheWakeGoesOverTheBudgetAndSaysSo) {
-  Device a, b;
-  start(a, 8 * MiB);
-  start(b, 8 * MiB);
-  auto pa = a.m->allocate(6 * MiB);
-  ASSERT_TRUE(pa) << pa.message();
+  const Allocation pa = two_holders_a_with_6_mib();
   a.m->begin_call();  // a decode is running
   clock.advance(2s);
   auto pb = b.m->allocate(4 * MiB);
   ASSERT_TRUE(pb) << pb.message();
-  EXPECT_TRUE(a.fake->is_resident(pa->id)) << "a holder inside a call is not put to sleep";
+  EXPECT_TRUE(a.fake->is_resident(pa.id)) << "a holder inside a call is not put to sleep";
   EXPECT_TRUE(b.fake->is_resident(pb->id));
   EXPECT_TRUE(b.logs.contains(LogLevel::warn, "of device memory is awake over it"));
   EXPECT_EQ(used(), 10 * MiB) << "the books show the 2 MiB over the budget";
@@ -104,11 +105,7 @@ TEST_F(DeviceBudgetTest, WhenNoHolderCanSleepTheWakeGoesOverTheBudgetAndSaysSo) 
 
 // Host memory under the same budget keeps its rule: what does not fit stays tracked but unwired.
 TEST_F(DeviceBudgetTest, HostMemoryThatDoesNotFitStaysUnwiredAsBefore) {
-  Device a, b;
-  start(a, 8 * MiB);
-  start(b, 8 * MiB);
-  auto pa = a.m->allocate(6 * MiB);
-  ASSERT_TRUE(pa) << pa.message();
+  two_holders_a_with_6_mib();
   a.m->begin_call();
   std::vector<char> host(4 * MiB);
   auto id = b.m->register_region(host.data(), host.size());
