@@ -38,12 +38,12 @@ namespace residency {
 using core::Region;
 
 struct Manager::Impl {
-  Impl(ManagerOptions& o, const Capabilities& c, core::Limits limits, const MemoryInfo& mem,
+  Impl(ManagerOptions& o, Clock& clk, const Capabilities& c, core::Limits limits, const MemoryInfo& mem,
        std::unique_ptr<ledger::Ledger> shared, std::uint64_t pressure_floor)
       : config(o.config),
         backend(std::move(o.backend)),
         caps(c),
-        clock(o.clock ? o.clock : &SteadyClock::instance()),
+        clock(&clk),
         log(o.log ? std::move(o.log) : core::stderr_log(o.config), o.config.log_level),
         ka(o.config.keep_alive, *clock,
            shared ? core::KeepAliveState::Publisher{&ledger::Ledger::publish_last_use, shared.get()}
@@ -180,7 +180,7 @@ Result<std::unique_ptr<Manager>> Manager::create(ManagerOptions o) {
       managing ? core::Admission::join_shared_budget(o.config, mem, caps.name, clock) : std::unique_ptr<ledger::Ledger>();
   if (!shared) return shared.status();
   const std::uint64_t floor = o.config.pressure_floor ? o.config.pressure_floor->resolve(limits->initial_wired_limit()) : 0;
-  auto impl = std::make_unique<Impl>(o, caps, std::move(*limits), mem, std::move(*shared), floor);
+  auto impl = std::make_unique<Impl>(o, clock, caps, std::move(*limits), mem, std::move(*shared), floor);
   Impl& m = *impl;
   m.ka.set_wants_resident(m.ka.rewires_on_use());
   m.report.log_start(managing);

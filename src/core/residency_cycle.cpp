@@ -159,7 +159,6 @@ bool ResidencyCycle::give_back_if_idle(int asker, Nanos idle_before_asked) {
 }
 
 void ResidencyCycle::release_at_exit(bool device_memory) {
-  exiting_ = true;
   adm_.begin_exit();
   if (!device_memory && adm_.sets().requested_bytes() > 0) {
     ka_.set_wants_resident(false);

@@ -119,7 +119,6 @@ class ResidencyCycle {
   bool ever_released_ = false;
   bool prefetch_requested_ = false;
   const char* deferred_why_ = nullptr;  // a wire waiting for room in the shared budget (its reason)
-  bool exiting_ = false;
   // Read without the lock by Manager::access() (only to skip the lock when already held).
   std::atomic<bool> access_held_{false};
   Nanos next_refresh_{0};
