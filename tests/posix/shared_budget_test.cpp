@@ -20,6 +20,7 @@
 #include <chrono>
 #include <cstring>
 #include <cstdio>
+#include <cstdlib>
 #include <dirent.h>
 #include <fcntl.h>
 #include <fstream>
@@ -854,7 +855,16 @@ class StoppedInsideTheLock {
   std::unique_ptr<ledger::Ledger> companion_;
 };
 
+// Whether `hold` (pid) has the ledger at path open. Between fork and exec the child still has this
+// process's descriptors, the companion holder's ledger among them (closed at exec by O_CLOEXEC),
+// so a descriptor counts only once the child runs the tool.
 bool has_open(pid_t pid, const std::string& path) {
+  char exe[4096];
+  const ssize_t len = ::readlink(("/proc/" + std::to_string(pid) + "/exe").c_str(), exe, sizeof exe - 1);
+  char* tool = ::realpath(RESIDENCY_TOOL_PATH, nullptr);
+  const bool exec_done = len > 0 && tool && std::string(exe, static_cast<std::size_t>(len)) == tool;
+  std::free(tool);
+  if (!exec_done) return false;
   const std::string dir = "/proc/" + std::to_string(pid) + "/fd";
   DIR* d = ::opendir(dir.c_str());
   if (!d) return false;
