@@ -17,7 +17,7 @@ import os, random, statistics, sys, time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from cuda_partial_offload import Loop, serve_loop_parser  # noqa: E402
-from procmem import page_out  # noqa: E402
+from procmem import page_out, read_back, smaps  # noqa: E402
 
 
 def _anonymous(line):
@@ -37,6 +37,7 @@ def measure(args, preload, pauses):
     log = os.path.join(args.out, f"pause-{'preload' if preload else 'plain'}.log")
     loop = Loop(args, [args.model, str(args.gpu_layers)], env, log)
     times = {p: [] for p in pauses}
+    back = {}  # mapping name -> (Rss kB gained, swap kB read back), summed over the timed tokens
     try:
         loop.gen(4)  # warm: the first decode wires (preload) and faults pages in
         order = [p for p in pauses for _ in range(args.rounds)]
@@ -51,11 +52,16 @@ def measure(args, preload, pauses):
             time.sleep(p)
             if args.pageout:
                 page_out(loop.p.pid, PAGEOUT_WHICH[args.pageout_which])  # pressure from outside at the end of the pause
+            before = smaps(loop.p.pid) if args.pageout else None
             ms, _ = loop.gen(1)
             times[p].append(ms)
+            if before is not None:  # what the timed token read back, by mapping
+                for name, (gained, swapped_in) in read_back(before, smaps(loop.p.pid)).items():
+                    g, s = back.get(name, (0, 0))
+                    back[name] = (g + gained, s + swapped_in)
     finally:
         loop.close()
-    return times
+    return times, back
 
 
 def main():
@@ -72,8 +78,8 @@ def main():
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     pauses = [float(x) for x in args.pauses.split(",")]
-    plain = measure(args, False, pauses)
-    pre = measure(args, True, pauses)
+    plain, plain_back = measure(args, False, pauses)
+    pre, pre_back = measure(args, True, pauses)
     med = lambda v: statistics.median(v) if v else float("nan")
     lines = [f"first token after a pause (ms, median of {args.rounds}, mean +/- sd); keep-alive {args.keep_alive}; "
              f"gpu layers {args.gpu_layers}" +
@@ -87,6 +93,13 @@ def main():
                      f"{med(a) / med(plain[pauses[0]]):.2f}x | "
                      f"{med(b):.2f} ({statistics.mean(b):.2f} +/- {statistics.pstdev(b):.2f}) | "
                      f"{med(b) / med(pre[pauses[0]]):.2f}x | {med(b) / med(a):.2f}x |")
+    if args.pageout:  # what each timed token read back after the pageout (major faults), per token
+        n = max(1, len(pauses) * args.rounds)
+        for title, back in (("plain llama.cpp", plain_back), ("with the preload", pre_back)):
+            lines += ["", f"{title}: what one timed token read back after the pageout (mean kB per token, by mapping)", "",
+                      "| mapping | pages back (kB) | of which from swap (kB) |", "|---|---:|---:|"]
+            lines += [f"| {name} | {g / n:.0f} | {s / n:.0f} |"
+                      for name, (g, s) in sorted(back.items(), key=lambda kv: -kv[1][0])[:12]]
     text = "\n".join(lines) + "\n"
     with open(os.path.join(args.out, "pause-flatness.md"), "w") as f:
         f.write(text)

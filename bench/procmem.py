@@ -41,3 +41,36 @@ def page_out(pid, which=None):
     finally:
         os.close(pidfd)
     return done
+
+
+def _mapping_name(header):
+    """A /proc/PID/smaps header line's mapping, as a reader names it: the file's base name, or
+    [heap], [stack], [anon:NAME], or [anon] for nameless anonymous memory."""
+    f = header.split(maxsplit=5)
+    if len(f) < 6:
+        return "[anon]"
+    return os.path.basename(f[5]) if f[5].startswith("/") else f[5]
+
+
+def smaps(pid):
+    """{mapping name: {"Rss": kB, "Swap": kB, "Locked": kB}}, summed over the mappings of one name."""
+    out, cur = {}, None
+    for line in open(f"/proc/{pid}/smaps"):
+        key = line.split(":", 1)[0]
+        if "-" in line.split(" ", 1)[0] and not key.endswith(("Rss", "Swap", "Locked")):
+            cur = out.setdefault(_mapping_name(line.rstrip("\n")), {"Rss": 0, "Swap": 0, "Locked": 0})
+        elif cur is not None and key in ("Rss", "Swap", "Locked"):
+            cur[key] += int(line.split()[1])
+    return out
+
+
+def read_back(before, after):
+    """What came back between two smaps() snapshots: {name: (Rss gained kB, Swap read back kB)},
+    only the mappings that gained pages, largest first."""
+    out = {}
+    for name, a in after.items():
+        b = before.get(name, {"Rss": 0, "Swap": 0})
+        gained, swapped_in = a["Rss"] - b["Rss"], b["Swap"] - a["Swap"]
+        if gained > 0 or swapped_in > 0:
+            out[name] = (gained, swapped_in)
+    return dict(sorted(out.items(), key=lambda kv: -kv[1][0]))
