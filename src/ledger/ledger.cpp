@@ -645,6 +645,20 @@ std::string Ledger::problem() const {
   return problem_;
 }
 
+// Our file is not the ledger at our path any more: removed from outside (rm, systemd-logind's
+// RemoveIPC=yes, a cleanup script), and the processes that join now share a new one. Taking more
+// under the old one would split the budget (the old file's holders and the new one's would each
+// have all of it), so nothing more is taken; what is held stays held until it is given back.
+std::uint64_t Ledger::removed() {
+  removed_.store(true, std::memory_order_release);
+  set_problem("its ledger " + path_ + " was removed while this process held it (rm, systemd-logind's RemoveIPC=yes, a "
+              "cleanup script), and the processes that join the budget now share a new one; so as not to split the budget "
+              "this process wires nothing more under it (restart it to share the budget again)");
+  return 0;
+}
+
+bool Ledger::usable() const { return !broken_.load(std::memory_order_acquire) && !removed_.load(std::memory_order_acquire); }
+
 std::uint64_t Ledger::lock_not_obtained(const std::string& why) {
   set_problem("the lock of its ledger " + path_ + " was not obtained at once: " + why);
   return 0;
@@ -707,6 +721,7 @@ std::uint64_t Ledger::acquire(std::uint64_t bytes, Nanos wait, bool partial) {
     if (problem().empty()) set_problem("its ledger " + path_ + " was found corrupt; this process wires nothing more under it");
     return 0;
   }
+  if (removed_.load(std::memory_order_acquire)) return 0;  // problem() says so still
   Shared& s = *shm_;
   const int self = ::getpid();
   Slot& mine = s.slots[slot_];
@@ -716,6 +731,7 @@ std::uint64_t Ledger::acquire(std::uint64_t bytes, Nanos wait, bool partial) {
     if (lock.corrupt()) return corrupt(lock.why()), false;
     if (!lock.ok()) return lock_not_obtained(lock.why()), false;
     if (!own_slot_sound()) return corrupt("the slot of this process (" + std::to_string(slot_) + ") was overwritten"), false;
+    if (!path_is_ours(fd_, path_)) return removed(), false;
     set_problem({});
     return true;
   };
@@ -807,12 +823,13 @@ std::uint64_t Ledger::acquire(std::uint64_t bytes, Nanos wait, bool partial) {
 }
 
 std::uint64_t Ledger::take_over_budget(std::uint64_t bytes) {
-  if (bytes == 0 || detached_ || !mine() || broken_.load(std::memory_order_acquire)) return 0;
+  if (bytes == 0 || detached_ || !mine() || !usable()) return 0;
   Shared& s = *shm_;
   Lock lock(fd_, local_, shm_, kUseLockWait);
   if (lock.corrupt()) return corrupt(lock.why());
   if (!lock.ok()) return lock_not_obtained(lock.why());
   if (!own_slot_sound()) return corrupt("the slot of this process (" + std::to_string(slot_) + ") was overwritten");
+  if (!path_is_ours(fd_, path_)) return removed();
   set_problem({});
   reclaim(s, ::getpid(), self_start_);
   Slot& mine = s.slots[slot_];
@@ -1012,6 +1029,7 @@ void Ledger::publish_last_use(void*, std::int64_t) noexcept {}
 std::uint64_t Ledger::acquire(std::uint64_t, Nanos, bool) { return 0; }
 std::uint64_t Ledger::take_over_budget(std::uint64_t) { return 0; }
 std::string Ledger::problem() const { return {}; }
+bool Ledger::usable() const { return false; }
 void Ledger::release(std::uint64_t) {}
 void Ledger::listen_loop() {}
 
