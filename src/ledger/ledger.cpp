@@ -478,8 +478,16 @@ Result<std::unique_ptr<Ledger>> Ledger::attach(const AttachOptions& o) {
   if (self_start == 0)
     return Status(ErrorCode::io_error, "shared budget: cannot read this process's start time from /proc/" +
                                            std::to_string(self) + "/stat (is /proc mounted?)");
-  constexpr int kTries = 16;  // each retry means another process created or retired it just now
-  for (int attempt = 0; attempt < kTries; ++attempt) {
+  // Each retry means another process created or retired the ledger just now. Two processes that
+  // join and leave in turn can meet that way many times in a row, so the retries are bounded by
+  // the join's time (kJoinWait), not a count, and each waits a little longer (their timing parts).
+  const auto give_up = std::chrono::steady_clock::now() + kJoinWait;
+  int attempt = 0;
+  for (;; ++attempt) {
+    if (attempt > 0) {
+      if (std::chrono::steady_clock::now() >= give_up || g_joins_cancelled.load(std::memory_order_acquire)) break;
+      std::this_thread::sleep_for(std::chrono::microseconds(10 * std::min(attempt, 100)));
+    }
     int fd = ::open(path.c_str(), O_RDWR | O_NOFOLLOW | O_CLOEXEC);
     if (fd < 0 && errno == ENOENT) {
       auto made = create(path, o.name, o.budget, group, o.group);
@@ -567,7 +575,8 @@ Result<std::unique_ptr<Ledger>> Ledger::attach(const AttachOptions& o) {
     return l;
   }
   return Status(ErrorCode::io_error, "could not open the shared budget ledger " + path + " after " +
-                                         std::to_string(kTries) + " tries (other processes keep creating and removing it)");
+                                         std::to_string(attempt) + " tries in " + std::to_string(kJoinWait.count() / 1'000'000) +
+                                         " ms (other processes keep creating and removing it)");
 }
 
 namespace {
