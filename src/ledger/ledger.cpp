@@ -330,6 +330,15 @@ Result<gid_t> group_id(const std::string& group) {
   }
 }
 
+// The name of group `gid`, or its number when it has none.
+std::string group_name_of(gid_t gid) {
+  std::vector<char> buf(16384);
+  struct group gr {};
+  struct group* out = nullptr;
+  if (::getgrgid_r(gid, &gr, buf.data(), buf.size(), &out) == 0 && out != nullptr) return out->gr_name;
+  return std::to_string(gid);
+}
+
 // Checks an open ledger: a regular file of this user (or of our group with mode 0660), mode
 // 0600 or 0660, magic, format version, layout size. `group`: the gid configured, or -1.
 Status check_file(int fd, const std::string& path, long group, const std::string& group_name = "") {
@@ -354,6 +363,11 @@ Status check_file(int fd, const std::string& path, long group, const std::string
                         " and mode " + m + ", not to the group '" + group_name + "' with mode 0660 that this budget names; " +
                         "use another budget name, or run as uid " + std::to_string(st.st_uid));
     }
+    if (!group_ledger && group < 0 && mode == 0660)
+      return Status(ErrorCode::permission_denied,
+                    path + " is the ledger of group '" + group_name_of(st.st_gid) + "' (mode 0660, owner uid " +
+                        std::to_string(st.st_uid) + "), and this budget names no group; to share it, name the group: " +
+                        "NAME:SIZE:" + group_name_of(st.st_gid) + " (as a member of it), or use another budget name");
     if (!group_ledger)
       return Status(ErrorCode::permission_denied,
                     path + " belongs to uid " + std::to_string(st.st_uid) + " (this process runs as uid " +
