@@ -285,8 +285,8 @@ void Admission::short_by(std::uint64_t need, std::uint64_t bytes) {
   if (const std::string problem = shared_->problem(); !problem.empty()) {  // not full: the ledger could not be used
     log_(warned_shared_problem_ ? LogLevel::debug : LogLevel::warn,
          "shared budget " + shared_->name() + ": " + problem + "; " + mib(bytes) +
-             " stays tracked but unwired (this process holds " + mib(ours) +
-             " of the budget); it is wired at a later use once the ledger answers");
+             " stays tracked but unwired (this process holds " + mib(ours) + " of the budget)" +
+             (shared_->usable() ? "; it is wired at a later use once the ledger answers" : ""));
     warned_shared_problem_ = true;
     return;
   }

@@ -330,6 +330,15 @@ Result<gid_t> group_id(const std::string& group) {
   }
 }
 
+// The name of group `gid`, or its number when it has none.
+std::string group_name_of(gid_t gid) {
+  std::vector<char> buf(16384);
+  struct group gr {};
+  struct group* out = nullptr;
+  if (::getgrgid_r(gid, &gr, buf.data(), buf.size(), &out) == 0 && out != nullptr) return out->gr_name;
+  return std::to_string(gid);
+}
+
 // Checks an open ledger: a regular file of this user (or of our group with mode 0660), mode
 // 0600 or 0660, magic, format version, layout size. `group`: the gid configured, or -1.
 Status check_file(int fd, const std::string& path, long group, const std::string& group_name = "") {
@@ -354,6 +363,11 @@ Status check_file(int fd, const std::string& path, long group, const std::string
                         " and mode " + m + ", not to the group '" + group_name + "' with mode 0660 that this budget names; " +
                         "use another budget name, or run as uid " + std::to_string(st.st_uid));
     }
+    if (!group_ledger && group < 0 && mode == 0660)
+      return Status(ErrorCode::permission_denied,
+                    path + " is the ledger of group '" + group_name_of(st.st_gid) + "' (mode 0660, owner uid " +
+                        std::to_string(st.st_uid) + "), and this budget names no group; to share it, name the group: " +
+                        "NAME:SIZE:" + group_name_of(st.st_gid) + " (as a member of it), or use another budget name");
     if (!group_ledger)
       return Status(ErrorCode::permission_denied,
                     path + " belongs to uid " + std::to_string(st.st_uid) + " (this process runs as uid " +
@@ -478,8 +492,16 @@ Result<std::unique_ptr<Ledger>> Ledger::attach(const AttachOptions& o) {
   if (self_start == 0)
     return Status(ErrorCode::io_error, "shared budget: cannot read this process's start time from /proc/" +
                                            std::to_string(self) + "/stat (is /proc mounted?)");
-  constexpr int kTries = 16;  // each retry means another process created or retired it just now
-  for (int attempt = 0; attempt < kTries; ++attempt) {
+  // Each retry means another process created or retired the ledger just now. Two processes that
+  // join and leave in turn can meet that way many times in a row, so the retries are bounded by
+  // the join's time (kJoinWait), not a count, and each waits a little longer (their timing parts).
+  const auto give_up = std::chrono::steady_clock::now() + kJoinWait;
+  int attempt = 0;
+  for (;; ++attempt) {
+    if (attempt > 0) {
+      if (std::chrono::steady_clock::now() >= give_up || g_joins_cancelled.load(std::memory_order_acquire)) break;
+      std::this_thread::sleep_for(std::chrono::microseconds(10 * std::min(attempt, 100)));
+    }
     int fd = ::open(path.c_str(), O_RDWR | O_NOFOLLOW | O_CLOEXEC);
     if (fd < 0 && errno == ENOENT) {
       auto made = create(path, o.name, o.budget, group, o.group);
@@ -567,7 +589,8 @@ Result<std::unique_ptr<Ledger>> Ledger::attach(const AttachOptions& o) {
     return l;
   }
   return Status(ErrorCode::io_error, "could not open the shared budget ledger " + path + " after " +
-                                         std::to_string(kTries) + " tries (other processes keep creating and removing it)");
+                                         std::to_string(attempt) + " tries in " + std::to_string(kJoinWait.count() / 1'000'000) +
+                                         " ms (other processes keep creating and removing it)");
 }
 
 namespace {
@@ -645,6 +668,20 @@ std::string Ledger::problem() const {
   return problem_;
 }
 
+// Our file is not the ledger at our path any more: removed from outside (rm, systemd-logind's
+// RemoveIPC=yes, a cleanup script), and the processes that join now share a new one. Taking more
+// under the old one would split the budget (the old file's holders and the new one's would each
+// have all of it), so nothing more is taken; what is held stays held until it is given back.
+std::uint64_t Ledger::removed() {
+  removed_.store(true, std::memory_order_release);
+  set_problem("its ledger " + path_ + " was removed while this process held it (rm, systemd-logind's RemoveIPC=yes, a "
+              "cleanup script), and the processes that join the budget now share a new one; so as not to split the budget "
+              "this process wires nothing more under it (restart it to share the budget again)");
+  return 0;
+}
+
+bool Ledger::usable() const { return !broken_.load(std::memory_order_acquire) && !removed_.load(std::memory_order_acquire); }
+
 std::uint64_t Ledger::lock_not_obtained(const std::string& why) {
   set_problem("the lock of its ledger " + path_ + " was not obtained at once: " + why);
   return 0;
@@ -707,6 +744,7 @@ std::uint64_t Ledger::acquire(std::uint64_t bytes, Nanos wait, bool partial) {
     if (problem().empty()) set_problem("its ledger " + path_ + " was found corrupt; this process wires nothing more under it");
     return 0;
   }
+  if (removed_.load(std::memory_order_acquire)) return 0;  // problem() says so still
   Shared& s = *shm_;
   const int self = ::getpid();
   Slot& mine = s.slots[slot_];
@@ -716,6 +754,7 @@ std::uint64_t Ledger::acquire(std::uint64_t bytes, Nanos wait, bool partial) {
     if (lock.corrupt()) return corrupt(lock.why()), false;
     if (!lock.ok()) return lock_not_obtained(lock.why()), false;
     if (!own_slot_sound()) return corrupt("the slot of this process (" + std::to_string(slot_) + ") was overwritten"), false;
+    if (!path_is_ours(fd_, path_)) return removed(), false;
     set_problem({});
     return true;
   };
@@ -807,12 +846,13 @@ std::uint64_t Ledger::acquire(std::uint64_t bytes, Nanos wait, bool partial) {
 }
 
 std::uint64_t Ledger::take_over_budget(std::uint64_t bytes) {
-  if (bytes == 0 || detached_ || !mine() || broken_.load(std::memory_order_acquire)) return 0;
+  if (bytes == 0 || detached_ || !mine() || !usable()) return 0;
   Shared& s = *shm_;
   Lock lock(fd_, local_, shm_, kUseLockWait);
   if (lock.corrupt()) return corrupt(lock.why());
   if (!lock.ok()) return lock_not_obtained(lock.why());
   if (!own_slot_sound()) return corrupt("the slot of this process (" + std::to_string(slot_) + ") was overwritten");
+  if (!path_is_ours(fd_, path_)) return removed();
   set_problem({});
   reclaim(s, ::getpid(), self_start_);
   Slot& mine = s.slots[slot_];
@@ -1012,6 +1052,7 @@ void Ledger::publish_last_use(void*, std::int64_t) noexcept {}
 std::uint64_t Ledger::acquire(std::uint64_t, Nanos, bool) { return 0; }
 std::uint64_t Ledger::take_over_budget(std::uint64_t) { return 0; }
 std::string Ledger::problem() const { return {}; }
+bool Ledger::usable() const { return false; }
 void Ledger::release(std::uint64_t) {}
 void Ledger::listen_loop() {}
 

@@ -44,6 +44,10 @@
 // size, magic and format version, and refuses anything else with a message. The last holder to
 // leave (after reclaiming the dead) marks the ledger retired and unlinks it under the lock; a
 // process that opened it just before finds it retired once it has the lock and opens afresh.
+// A ledger removed from outside while held (rm, RemoveIPC) is noticed under the lock at the next
+// reservation (the path no longer names our file): nothing more is taken under it, so that its
+// holders and those of a new ledger at the path never each have the whole budget; and a holder
+// unlinks the path only while it names its own file.
 //
 // Linux only (futexes, OFD locks, /proc); elsewhere attach() returns `unsupported` with a message.
 // Processes that share a budget must share /dev/shm and a pid namespace.
@@ -148,6 +152,9 @@ class Ledger {
   // Why the last acquire() granted nothing for a reason other than a full budget (the lock was
   // not obtained within its bound, or the ledger is corrupt); empty when it took the lock.
   std::string problem() const;
+  // False once the ledger is not used again by this process: found corrupt, or removed from
+  // /dev/shm while held (problem() says which); acquire() grants nothing from then on.
+  bool usable() const;
 
   // Records this holder's time of last use (CLOCK_MONOTONIC nanoseconds) in its slot, so that
   // askers and `residency stat` read real idle times; called by the manager's touch() at most once
@@ -168,6 +175,7 @@ class Ledger {
   bool own_slot_sound() const;
   std::uint64_t lock_not_obtained(const std::string& why);
   std::uint64_t corrupt(const std::string& what);
+  std::uint64_t removed();
 
   std::string name_, path_;
   int fd_ = -1;
@@ -188,6 +196,8 @@ class Ledger {
   void set_problem(std::string p);
   // The ledger failed a check (its size, its table, our slot): it is not touched again.
   std::atomic<bool> broken_{false};
+  // The file at path_ is not ours any more (removed from outside): nothing more is taken under it.
+  std::atomic<bool> removed_{false};
   std::atomic<std::uint32_t> stop_word_{0};  // the listener of a broken ledger sleeps on it
   std::uint64_t self_start_ = 0, budget_ = 0;
   // The lock is an OFD lock on fd_, shared by this object's threads: they take this one first.

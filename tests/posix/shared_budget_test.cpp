@@ -1149,6 +1149,7 @@ void a_damaged_ledger_costs_budget_never_a_process(const std::function<void(int 
     (*m)->touch();
     EXPECT_EQ(vm_lck(), 0u) << "nothing is wired under a corrupt ledger";
     EXPECT_EQ(warnings.containing("is corrupt: "), 1u) << "one warning";
+    EXPECT_EQ(warnings.containing("once the ledger answers"), 0u) << "a corrupt ledger is not used again: no promise";
     EXPECT_EQ(b.vm_lck(), kHold) << "the other holder keeps its memory";
     ::kill(b.pid, SIGTERM);
     EXPECT_EQ(b.wait_exit(5s), 0) << "the hold ends normally (135 would be SIGBUS): " << b.all();
@@ -1185,5 +1186,139 @@ TEST(SharedBudgetHostileMember, GarbageOverTheHeaderAndTheSlotsIsAnErrorWithAMes
         ASSERT_EQ(::pwrite(fd, junk.data(), junk.size(), 0), static_cast<ssize_t>(junk.size()));
       },
       "is not a residency ledger (wrong magic)");
+}
+}  // namespace
+
+namespace {
+// --- crowding, retiring, removal, signals while asking (issue 18, items 1, 3 and 5) ------------
+
+// Item 1 with a real process: the 65th holder is a `hold`, which gets the documented message and
+// exit status 2 (before: SIGSEGV, then every later joiner hung), and the 64 holders go on.
+TEST(SharedBudgetProcesses, AHoldPastTheLastSlotExitsWithTheMessageAndTheHoldersGoOn) {
+  const std::string name = unique_name("crowd");
+  std::vector<std::unique_ptr<ledger::Ledger>> holders;
+  for (std::uint32_t i = 0; i < ledger::kMaxHolders; ++i) {
+    auto h = ledger::Ledger::attach({name, 64 * MiB, "", 0});
+    ASSERT_TRUE(h) << "holder " << i << ": " << h.message();
+    holders.push_back(std::move(*h));
+  }
+  TempMappedFile f(kHold);
+  ASSERT_TRUE(f.ok());
+  for (int round = 0; round < 2; ++round) {
+    Hold h(path_of(f), {env_budget(name, "64MiB")});
+    EXPECT_EQ(h.wait_exit(10s), 2) << "139 would be SIGSEGV, -1 a hang: " << h.all();
+    const std::string err = h.err();
+    EXPECT_NE(err.find("the shared budget " + name + " has 64 holders already"), std::string::npos) << err;
+    EXPECT_EQ(std::count(err.begin(), err.end(), '\n'), 1) << "one line: " << err;
+  }
+  EXPECT_EQ(holders[7]->acquire(MiB, 0ns, false), MiB) << "the ledger's lock still works";
+  holders[7]->release(MiB);
+  holders.pop_back();
+  Hold h(path_of(f), {env_budget(name, "64MiB")});
+  EXPECT_TRUE(h.wait_vm_lck(kHold, 10s)) << "a freed slot is taken again: " << h.all();
+  ::kill(h.pid, SIGTERM);
+  EXPECT_EQ(h.wait_exit(5s), 0) << h.all();
+  holders.clear();
+  EXPECT_FALSE(exists(ledger::ledger_path(name))) << "the last holder removes the ledger";
+}
+
+// Item 1's other path: two processes that join and leave one budget over and over, so that one
+// often opens the ledger just as the other, its last holder, retires it (before: the opener
+// unmapped it with the lock live and crashed, 3 rounds of 3).
+TEST(SharedBudgetProcesses, TwoProcessesJoiningAndLeavingOneBudgetNeverCrash) {
+  const std::string name = unique_name("retire");
+  constexpr int kRounds = 2000;
+  std::fflush(stdout);
+  std::vector<pid_t> children;
+  for (int c = 0; c < 2; ++c) {
+    const pid_t pid = ::fork();
+    if (pid == 0) {
+      for (int i = 0; i < kRounds; ++i) {
+        auto l = ledger::Ledger::attach({name, 8 * MiB, "", 0});
+        if (!l) {
+          std::fprintf(stderr, "round %d: %s\n", i, l.message().c_str());
+          ::_exit(3);
+        }
+        if ((*l)->acquire(MiB, 0ns, false) == MiB) (*l)->release(MiB);
+      }
+      ::_exit(0);
+    }
+    children.push_back(pid);
+  }
+  for (pid_t pid : children) {
+    int st = 0;
+    ASSERT_EQ(::waitpid(pid, &st, 0), pid);
+    EXPECT_TRUE(WIFEXITED(st) && WEXITSTATUS(st) == 0)
+        << (WIFSIGNALED(st) ? "killed by " + std::string(strsignal(WTERMSIG(st))) : "exit " + std::to_string(WEXITSTATUS(st)));
+  }
+  EXPECT_FALSE(exists(ledger::ledger_path(name))) << "the last holder removes the ledger";
+}
+
+// Item 3: a holder whose ledger is removed (rm, systemd's RemoveIPC) while another process makes
+// a new one must not take more under the old one: the old file's holders and the new one's would
+// each have the whole budget. Its next re-wire wires nothing and says why once; the sum of what
+// the two processes lock stays within the budget (before: 8 MiB under a 6 MiB budget).
+TEST(SharedBudgetProcesses, AHolderOfARemovedLedgerWiresNothingMoreUnderItAndTheBudgetIsNotSplit) {
+  if (auto why = ensure_memlock(kHold)) GTEST_SKIP() << *why;
+  const std::string name = unique_name("removed-mid-use");
+  const std::string path = ledger::ledger_path(name);
+  auto backend = make_backend("posix");
+  ASSERT_TRUE(backend) << backend.message();
+  void* mem = touched_anonymous(kHold);
+  ASSERT_NE(mem, MAP_FAILED);
+  Warnings warnings;
+  ManagerOptions o = shared_manager_options(*backend, name, 6 * MiB);
+  o.log = warnings.sink();
+  TempMappedFile f(kHold);
+  ASSERT_TRUE(f.ok());
+  {
+    auto m = Manager::create(o);
+    ASSERT_TRUE(m) << m.message();
+    auto id = (*m)->register_region(mem, kHold);
+    ASSERT_TRUE(id) << id.message();
+    ASSERT_EQ(vm_lck(), kHold);
+    (*m)->release_now();
+    ASSERT_EQ(vm_lck(), 0u);
+    ASSERT_EQ(::unlink(path.c_str()), 0);
+    Hold b(path_of(f), {env_budget(name, "6MiB")});  // makes a new ledger and takes 4 of its 6 MiB
+    ASSERT_TRUE(b.wait_vm_lck(kHold, 10s)) << b.all();
+    (*m)->touch();
+    (*m)->touch();
+    EXPECT_EQ(vm_lck(), 0u) << "wired under the removed ledger: the budget was split";
+    EXPECT_LE(vm_lck() + b.vm_lck(), 6 * MiB);
+    EXPECT_EQ(warnings.containing("was removed while this process held it"), 1u) << "one warning";
+    EXPECT_EQ(warnings.containing("once the ledger answers"), 0u) << "it never will: no promise";
+    EXPECT_EQ(b.vm_lck(), kHold);
+    (void)(*m)->unregister_region(*id);
+    (*m).reset();
+    EXPECT_TRUE(exists(path)) << "the new ledger was removed by the old one's last holder";
+  }
+  ::munmap(mem, kHold);
+}
+
+// Item 5, a signal during the other wait of a starting `hold`: for an asked holder that does not
+// answer (stopped). SIGINT ends it at once, through the clean path (before: after kAskWait).
+TEST(SharedBudgetStoppedLock, SigintEndsAHoldWaitingForAStoppedAskedHolderAtOnce) {
+  TempMappedFile fa(kHold), fb(kHold);
+  ASSERT_TRUE(fa.ok() && fb.ok());
+  const std::string name = unique_name("ask-int");
+  Hold a(path_of(fa), {env_budget(name, "6MiB")});
+  ASSERT_TRUE(a.wait_vm_lck(kHold, 10s)) << a.all();
+  std::this_thread::sleep_for(ledger::kIdleBeforeAsked + 100ms);  // a is idle enough to be asked
+  ASSERT_EQ(::kill(a.pid, SIGSTOP), 0);
+  int st = 0;
+  ASSERT_EQ(::waitpid(a.pid, &st, WUNTRACED), a.pid);
+  Hold b(path_of(fb), {env_budget(name, "6MiB")});
+  ASSERT_TRUE(wait_until_asked(name, a.pid)) << b.all();
+  const auto t0 = SteadyTime::now();
+  ::kill(b.pid, SIGINT);
+  const int rc = b.wait_exit(5s);
+  const auto took = SteadyTime::now() - t0;
+  ::kill(a.pid, SIGCONT);
+  EXPECT_EQ(rc, 0) << b.all();
+  EXPECT_LT(took, ledger::kAskWait / 2) << b.all();
+  EXPECT_NE(b.out().find("Interrupt: unlocking and exiting"), std::string::npos) << b.all();
+  EXPECT_EQ(b.vm_lck(), 0u);
+  EXPECT_EQ(a.vm_lck(), kHold) << "a was never given an answer to give back for";
 }
 }  // namespace

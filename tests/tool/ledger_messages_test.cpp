@@ -238,6 +238,16 @@ TEST_F(LedgerMessages, GroupLedgerMessagesNameTheGroupAndTheMembership) {
             std::string::npos)
       << r.err;
   EXPECT_EQ(r.err.find("unless it names a group"), std::string::npos) << r.err;
+  // Root that names no group is told that the ledger is a group's and how to name it (before:
+  // "private to the user who created it unless it names a group", of a ledger that is a group's).
+  const HoldRun u = hold({file_}, {"RESIDENCY_SHARED_BUDGET=" + name + ":8MiB"});
+  EXPECT_EQ(u.exit_code, 2) << u.err;
+  EXPECT_TRUE(one_line(u.err)) << u.err;
+  EXPECT_NE(u.err.find(ledger_path(name) + " is the ledger of group '" + group + "' (mode 0660, owner uid 65534), and "
+                       "this budget names no group; to share it, name the group: NAME:SIZE:" + group),
+            std::string::npos)
+      << u.err;
+  EXPECT_EQ(u.err.find("private to the user"), std::string::npos) << u.err;
   ::kill(running_.front(), SIGTERM);
   EXPECT_EQ(finish(running_.front(), "nobody").exit_code, 0);
   EXPECT_FALSE(exists(ledger_path(name)));
