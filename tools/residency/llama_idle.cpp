@@ -246,7 +246,7 @@ int run(const Args& a) {
   return kExitOk;
 }
 
-const Command cmd{"llama-idle", "run llama.cpp's own llama-idle side by side: mmap, --mlock, residency (preload), --no-mmap, the linked engine",
+const Command cmd{"llama-idle", "run llama.cpp's own llama-idle side by side: mmap, --load-mode mlock, residency (preload), --load-mode none, the linked engine",
                   [](CLI::App& app) {
                     auto a = std::make_shared<Args>();
                     app.add_option("MODEL", a->model, "GGUF model; default: a synthetic llama-shaped F16 model of --model-size");
