@@ -105,27 +105,29 @@ void ResidencyCycle::retry() {
   adm_.close_batch();
 }
 
-// Gives the sets back; the caller has already marked the memory as not resident.
+// Gives the sets back; the caller has already marked the memory as not resident. The line is
+// logged before the share goes back to a shared budget, so that a process let in by this release
+// logs after it (a reader of both logs sees the release first).
 void ResidencyCycle::release(const char* why) {
   const Nanos t0 = clock_.now();
   const auto r = adm_.end_all();
   if (r.sets > 0) backend_.after_release();
-  adm_.settle();
   ever_released_ = true;
   counters_.last_release_at = wall_now();
   counters_.last_release_reason = why;
   if (r.failed == 0) {
     ++counters_.releases;
-    if (publish_) publish_();
     log_(LogLevel::info, "released " + mib(r.bytes) + " in " + std::to_string(r.sets) + " set(s) in " +
                              ms(clock_.now() - t0) + " (" + why + ")");
-    return;
+  } else {
+    ++counters_.release_failures;
+    if (r.sets > 0) ++counters_.releases;
+    log_(LogLevel::warn, "could not release " + std::to_string(r.failed) + " set(s) (" + why + "): " +
+                             r.status.message() + "; " + mib(adm_.sets().requested_bytes()) + " stay wired, " +
+                             mib(r.bytes) + " released");
   }
-  ++counters_.release_failures;
-  if (r.sets > 0) ++counters_.releases;
+  adm_.settle();
   if (publish_) publish_();
-  log_(LogLevel::warn, "could not release " + std::to_string(r.failed) + " set(s) (" + why + "): " + r.status.message() +
-                           "; " + mib(adm_.sets().requested_bytes()) + " stay wired, " + mib(r.bytes) + " released");
 }
 
 // A release the policy did not time (pressure, the engine's request, the end of a 0 call).
