@@ -167,6 +167,10 @@ void GgmlBuffers::freeing(ggml_backend_buffer_t b) noexcept {
   buffers_.erase(it);
 }
 
+bool GgmlBuffers::holds_weights() const noexcept {
+  return std::any_of(buffers_.begin(), buffers_.end(), [](const auto& kv) { return kv.second.facts.usage == BufferUsage::weights; });
+}
+
 GgmlBuffers::Registered GgmlBuffers::register_buffer(ggml_backend_buffer_t b, Tracked& t) {
   const auto owner = reinterpret_cast<std::uint64_t>(b);
   pieces_.remove_owner(owner);  // what changed is registered anew

@@ -81,6 +81,8 @@ class GgmlBuffers {
   // class and buffer type ("registered 3 buffers: weights 111.7 MiB (CPU_REPACK 103.2 MiB,
   // CPU_Mapped 8.5 MiB), kv_cache 16 MiB (CPU), scratch 4 MiB (CPU)"), one debug line each.
   void flush() noexcept;
+  // Whether a buffer llama.cpp marked as weights is still there (a model is loaded).
+  bool holds_weights() const noexcept;
   // The registered pieces of buffers over memory that is not ggml's, sorted by address.
   std::vector<Extent> from_ptr_runs() const;
 

@@ -19,6 +19,7 @@
 
 #include "device_memory.hpp"
 #include "buffer_plan.hpp"
+#include "engine_code.hpp"
 #include "ggml_buffers.hpp"
 #include "piece_table.hpp"
 #include "next_calls.hpp"
@@ -41,10 +42,13 @@ struct Session {
   Session(std::unique_ptr<Manager> m, PieceTable::Warn w, bool pressure_without_swap)
       : manager(std::move(m)),
         buffers(*manager, w, &info, &debug, pressure_without_swap),
+        code(*manager, w, &info),
         gguf(nullptr, w, "GGUF mappings") {}
   std::unique_ptr<Manager> manager;
-  // What is registered: llama.cpp's buffers in host memory.
+  // What is registered: llama.cpp's buffers in host memory, and while a model is loaded the
+  // engine's read-only code (engine_code.hpp).
   GgmlBuffers buffers;
+  EngineCode code;
   // The GGUF file mappings (not registered): where the file ranges no buffer reads lie.
   PieceTable gguf;
 };
@@ -205,18 +209,19 @@ void track(void* addr, std::size_t size) noexcept {
 }
 
 bool tracked(const Session& s, std::uintptr_t b, std::uintptr_t e) noexcept {
-  return s.buffers.pieces().overlaps(b, e) || s.gguf.overlaps(b, e);
+  return s.buffers.pieces().overlaps(b, e) || s.code.pieces().overlaps(b, e) || s.gguf.overlaps(b, e);
 }
 
 // With g_mu held, around an unmap of [b, e) (or a MAP_FIXED mapping over it).
 struct Cuts {
-  PieceTable::Cut regions, mappings;
+  PieceTable::Cut regions, code, mappings;
 };
 Cuts cut_all(Session& s, std::uintptr_t b, std::uintptr_t e) noexcept {
-  return Cuts{s.buffers.pieces().cut(b, e), s.gguf.cut(b, e)};
+  return Cuts{s.buffers.pieces().cut(b, e), s.code.pieces().cut(b, e), s.gguf.cut(b, e)};
 }
 void after_unmap_all(Session& s, const Cuts& c, std::uintptr_t b, std::uintptr_t e, bool unmapped) noexcept {
   s.buffers.pieces().after_unmap(c.regions, b, e, unmapped);
+  s.code.pieces().after_unmap(c.code, b, e, unmapped);
   s.gguf.after_unmap(c.mappings, b, e, unmapped);
 }
 
@@ -261,15 +266,17 @@ void give_back_unread_file_pages(Session& s) noexcept {
   }
 }
 
-// With g_mu held: registers what changed (GgmlBuffers::flush: one summary line), then says what
-// that wired and how long it took ("wired 131.7 MiB in 12.30 ms (model loaded)"), and, once per
-// process, warns when the wired limit left part of it unwired: without that a limit below the
-// model wires nothing and only a debug line would say so.
-void flush_buffers(Session& s, const char* why) noexcept {
+// With g_mu held: registers what changed (GgmlBuffers::flush: one summary line), and once a
+// model is loaded the engine's code (EngineCode), then says what that wired and how long it took
+// ("wired 131.7 MiB in 12.30 ms (model loaded)"), and, once per process, warns when the wired
+// limit left part of it unwired: without that a limit below the model wires nothing and only a
+// debug line would say so.
+void flush_buffers(Session& s, const char* why, bool model_loaded = false) noexcept {
   try {
     const Stats before = s.manager->stats();
     const auto t0 = std::chrono::steady_clock::now();
     s.buffers.flush();
+    if (model_loaded) s.code.register_once();
     const Stats after = s.manager->stats();
     if (after.wired_bytes > before.wired_bytes) {
       char took[32];
@@ -460,13 +467,18 @@ void buffer_usage_hook(ggml_backend_buffer_t b, enum ggml_backend_buffer_usage u
 }
 
 void buffer_free_hook(ggml_backend_buffer_t b) noexcept {
-  if (b != nullptr) with_session([&](Session& s) { s.buffers.freeing(b); });
+  if (b == nullptr) return;
+  with_session([&](Session& s) {
+    s.buffers.freeing(b);
+    // The last model's weights are gone: so is the reason to hold the engine's code.
+    if (s.code.registered() && !s.buffers.holds_weights()) s.code.unregister();
+  });
 }
 
 void model_loaded_hook(const llama_model* model) noexcept {
   if (model == nullptr) return;
   with_session([](Session& s) {
-    flush_buffers(s, "model loaded");
+    flush_buffers(s, "model loaded", /*model_loaded=*/true);
     give_back_unread_file_pages(s);
   });
 }

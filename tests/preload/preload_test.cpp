@@ -161,6 +161,54 @@ std::vector<std::pair<std::uintptr_t, std::uintptr_t>> locked_vmas(pid_t pid) {
   return out;
 }
 
+// The engine's own libraries in `pid`'s smaps (libllama*, libggml*, and libgomp, the C and C++
+// runtimes and the preload, which the preload holds with them: src/preload/engine_code.hpp): the
+// executable mappings of libllama and ggml
+// (what a decode executes), how much of those is locked and resident (Rss), and the locked bytes
+// of all their mappings (what the preload adds to VmLck besides llama.cpp's buffers).
+struct EngineVmas {
+  std::uint64_t code = 0, code_locked = 0, code_rss = 0, locked = 0;
+  std::vector<std::pair<std::uintptr_t, std::size_t>> code_ranges;  // for a pageout
+};
+EngineVmas engine_vmas(pid_t pid) {
+  auto engine = [](const std::string& path, bool with_ours) {
+    const std::string name = path.substr(path.rfind('/') + 1);
+    for (const char* prefix : {"libllama", "libggml"})
+      if (name.rfind(prefix, 0) == 0) return true;
+    if (!with_ours) return false;
+    for (const char* prefix : {"libgomp", "libresidency_preload", "libstdc++.", "libc.", "libc-"})
+      if (name.rfind(prefix, 0) == 0) return true;
+    return false;
+  };
+  EngineVmas v;
+  std::ifstream in("/proc/" + std::to_string(pid) + "/smaps");
+  bool any = false, code = false;
+  std::uintptr_t b = 0, e = 0;
+  for (std::string line; std::getline(in, line);) {
+    const auto dash = line.find('-');
+    if (dash != std::string::npos && dash > 0 && std::isxdigit(static_cast<unsigned char>(line[0])) && line.find(' ') > dash) {
+      std::istringstream ls(line);
+      std::string range, perms, offset, dev, inode, path;
+      ls >> range >> perms >> offset >> dev >> inode >> path;
+      b = std::stoull(range.substr(0, dash), nullptr, 16);
+      e = std::stoull(range.substr(dash + 1), nullptr, 16);
+      any = !path.empty() && engine(path, true) && perms.size() >= 2 && perms[1] != 'w';  // never a writable one
+      code = !path.empty() && engine(path, false) && perms.size() >= 3 && perms[2] == 'x';
+      if (code) {
+        v.code += e - b;
+        v.code_ranges.emplace_back(b, e - b);
+      }
+    } else if (line.rfind("VmFlags:", 0) == 0 && (line + " ").find(" lo ") != std::string::npos) {
+      // The whole VMA, as VmLck counts it ("Locked:" divides pages shared with other processes).
+      if (any) v.locked += e - b;
+      if (code) v.code_locked += e - b;
+    } else if (code && line.rfind("Rss:", 0) == 0) {
+      v.code_rss += std::stoull(line.substr(4)) * 1024;
+    }
+  }
+  return v;
+}
+
 // Bytes of [b, e) not inside the sorted ranges.
 std::uint64_t uncovered(std::uintptr_t b, std::uintptr_t e, const std::vector<std::pair<std::uintptr_t, std::uintptr_t>>& r) {
   std::uint64_t missing = 0;
@@ -177,11 +225,13 @@ std::uint64_t uncovered(std::uintptr_t b, std::uintptr_t e, const std::vector<st
 }
 
 // What the kernel holds locked against what decode read, from outside the process: every byte
-// decode read from host memory is in a locked mapping (`unlocked_read` 0), and VmLck is at most
-// what decode reads: the pages of the tensors read from the model file's mapping, and whole
-// buffers elsewhere (a repacked copy of the weights, the KV cache, the compute buffers).
+// decode read from host memory is in a locked mapping (`unlocked_read` 0), so is the code of
+// libllama and ggml that it executes, and VmLck is at most what decode reads: the pages of the
+// tensors read from the model file's mapping, whole buffers elsewhere (a repacked copy of the
+// weights, the KV cache, the compute buffers), and the engine libraries' read-only segments.
 struct LockCheck {
   std::uint64_t vm_lck = 0, read_bytes = 0, unlocked_read = 0, bound = 0, file_read = 0, other_buffers = 0;
+  EngineVmas engine;
   std::size_t reads = 0;
   std::string buffers;  // "CPU_REPACK weights 51.0 MiB, ..." for the log
 };
@@ -217,7 +267,8 @@ LockCheck check_locks(pid_t pid, const std::vector<Read>& reads, const std::stri
     if (e > from) c.file_read += e - from;
     at = std::max(at, e);
   }
-  c.bound = c.file_read + c.other_buffers;
+  c.engine = engine_vmas(pid);
+  c.bound = c.file_read + c.other_buffers + c.engine.locked;
   c.vm_lck = vm_lck(pid).value_or(0);
   return c;
 }
@@ -225,6 +276,8 @@ LockCheck check_locks(pid_t pid, const std::vector<Read>& reads, const std::stri
   do {                                                                                                    \
     EXPECT_GT((c).reads, 0U) << "decode_loop --reads printed nothing";                                    \
     EXPECT_EQ((c).unlocked_read, 0U) << "bytes decode read that are not locked";                           \
+    EXPECT_GT((c).engine.code, 0U) << "no executable mapping of libllama or libggml in the child";          \
+    EXPECT_EQ((c).engine.code_locked, (c).engine.code) << "libllama's and ggml's code is not all locked";   \
     EXPECT_LE((c).vm_lck, (c).bound) << "VmLck above what decode reads (file pages " << (c).file_read      \
                                      << ", buffers " << (c).other_buffers << ": " << (c).buffers << ")";   \
   } while (0)
@@ -487,6 +540,11 @@ TEST_P(PreloadLayoutTest, PageoutFromOutsideEvictsNothingOfTheResidentModel) {
       iovec one{reinterpret_cast<void*>(p.addr), p.len};
       if (::syscall(SYS_process_madvise, pidfd, &one, 1, MADV_PAGEOUT, 0U) < 0 && *madvise_errno == 0) *madvise_errno = errno;
     }
+    // The engine's code too (a pageout of every mapping, as under pressure).
+    for (auto& [addr, len] : engine_vmas(c.pid()).code_ranges) {
+      iovec one{reinterpret_cast<void*>(addr), len};
+      (void)::syscall(SYS_process_madvise, pidfd, &one, 1, MADV_PAGEOUT, 0U);
+    }
     ::posix_fadvise(fd, 0, static_cast<off_t>(size), POSIX_FADV_DONTNEED);
     double resident = 0, total = 0;
     for (auto& [off, len] : live) {
@@ -505,6 +563,9 @@ TEST_P(PreloadLayoutTest, PageoutFromOutsideEvictsNothingOfTheResidentModel) {
   ASSERT_GT(locked_before, 0U);
   ASSERT_EQ(locked_after, locked_before) << "the keep-alive ran out during the check: it proves nothing";
   EXPECT_EQ(kept, 1.0) << "resident fraction of what decode reads from the file after a pageout from outside";
+  const EngineVmas code_kept = engine_vmas(c.pid());
+  EXPECT_GT(code_kept.code, 0U);
+  EXPECT_EQ(code_kept.code_rss, code_kept.code) << "libllama's and ggml's code was paged out while the model was resident";
 
   // Control: once released, the same pageout evicts.
   const auto t0 = Clock::now();
@@ -518,6 +579,9 @@ TEST_P(PreloadLayoutTest, PageoutFromOutsideEvictsNothingOfTheResidentModel) {
   }
   EXPECT_LT(left, 0.5) << "a pageout of the released model evicted little (process_madvise: "
                        << std::strerror(err_released) << "): the locked check above proves nothing";
+  // Not asserted: the kernel skips pages another process maps too (a llama.cpp program of a test
+  // running beside this one maps the same libraries).
+  const EngineVmas code_left = engine_vmas(c.pid());
 
   // The next decode wires it again: everything resident.
   ASSERT_TRUE(c.send_line());
@@ -530,7 +594,9 @@ TEST_P(PreloadLayoutTest, PageoutFromOutsideEvictsNothingOfTheResidentModel) {
   ::munmap(ours, size);
   ::close(fd);
   std::cerr << "[ measured ] resident after pageout: locked " << kept << " (process_madvise: "
-            << (err_locked ? std::strerror(err_locked) : "ok") << "), released " << left << "\n";
+            << (err_locked ? std::strerror(err_locked) : "ok") << "), released " << left << "; engine code resident "
+            << code_kept.code_rss << " of " << code_kept.code << " bytes while locked, " << code_left.code_rss
+            << " once released\n";
 #endif
 }
 
