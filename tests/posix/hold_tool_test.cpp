@@ -1,8 +1,8 @@
 // SPDX-License-Identifier: MIT
 // `residency hold FILE...` as a user runs it: the kernel holds the file's pages locked in the
 // hold process (its VmLck), pageout from another process evicts none of them (the page cache is
-// shared), SIGTERM unlocks and exits 0, a keep-alive ends the hold by itself, and each bad input
-// is one line and exit status 2.
+// shared), SIGTERM and SIGHUP unlock and exit 0, a keep-alive ends the hold by itself, and each bad
+// input is one line and exit status 2.
 #include <gtest/gtest.h>
 #include <signal.h>
 #include <sys/wait.h>
@@ -15,6 +15,7 @@
 #include <string>
 #include <thread>
 
+#include "ledger/ledger.hpp"
 #include "posix_test_support.hpp"
 #include "support/state_files.hpp"
 
@@ -32,11 +33,12 @@ std::string path_of(const TempMappedFile& f) {
   return "/proc/" + std::to_string(::getpid()) + "/fd/" + std::to_string(f.fd());
 }
 
-// A child running `residency hold ARGS` with stdout and stderr in files.
+// A child running `residency hold ARGS` with stdout and stderr in files and `env` (NAME=VALUE)
+// added to its environment.
 struct Hold {
   pid_t pid = -1;
   std::string out_path, err_path;
-  explicit Hold(const std::vector<std::string>& args, const std::string& dir) {
+  explicit Hold(const std::vector<std::string>& args, const std::string& dir, std::vector<std::string> env = {}) {
     // Names of their own: a file left by an earlier run must not be mistaken for this one's.
     static int serial = 0;
     const std::string stem = dir + "/residency-hold-test-" + std::to_string(::getpid()) + "-" + std::to_string(serial++);
@@ -48,6 +50,7 @@ struct Hold {
     if (pid == 0) {
       std::freopen(out_path.c_str(), "w", stdout);
       std::freopen(err_path.c_str(), "w", stderr);
+      for (auto& e : env) ::putenv(e.data());
       std::vector<char*> argv;
       argv.push_back(const_cast<char*>(RESIDENCY_TOOL_PATH));
       argv.push_back(const_cast<char*>("hold"));
@@ -124,6 +127,35 @@ TEST(HoldTool, HoldsAFileAgainstPageoutFromAnotherProcessUntilSigterm) {
   // Unlocked: pageout takes the pages now.
   model.page_out();
   EXPECT_LT(model.resident_fraction(), 0.10);
+}
+
+// SIGHUP, what hold gets when the terminal it was started from closes, ends it as SIGTERM does:
+// through the clean path, exit 0 (129 would be death by the signal), the file unlocked (pageout
+// from this process takes its pages), and its share of a shared budget given back: as the last
+// holder it removes the ledger, which a process killed by the signal leaves in /dev/shm.
+TEST(HoldTool, SighupEndsTheHoldAsSigtermDoes) {
+  constexpr std::size_t kSize = 4 * MiB;  // within a non-root user's default 8 MiB RLIMIT_MEMLOCK
+  TempMappedFile model(kSize);
+  ASSERT_TRUE(model.ok()) << model.error();
+  model.touch_all();
+  const std::string name = "hold-sighup-" + std::to_string(::getpid());
+  const std::string ledger = residency::ledger::ledger_path(name);
+  Hold h({path_of(model), "--keep-alive", "forever"}, ::testing::TempDir(), {"RESIDENCY_SHARED_BUDGET=" + name + ":8MiB"});
+  ASSERT_GT(h.pid, 0);
+  ASSERT_TRUE(h.wait_for_output("holding", 10s)) << h.out() << h.err();
+  EXPECT_EQ(h.vm_lck(), kSize) << "the hold process locks the whole file";
+  EXPECT_EQ(::access(ledger.c_str(), F_OK), 0) << "the hold holds a share of the budget " << name;
+  ASSERT_EQ(::kill(h.pid, SIGHUP), 0);
+  EXPECT_EQ(h.wait_exit(5s), 0) << h.out() << h.err();
+  EXPECT_NE(h.out().find("residency hold: Hangup: unlocking and exiting"), std::string::npos) << h.out();
+  EXPECT_NE(::access(ledger.c_str(), F_OK), 0) << "the ledger outlived its only holder: its share was not given back";
+  if (auto why = pageout_unsupported_reason()) {
+    std::printf("not checked by pageout: %s\n", why->c_str());
+  } else {
+    model.page_out();
+    EXPECT_LT(model.resident_fraction(), 0.10) << "the pages are still locked";
+  }
+  ::unlink(ledger.c_str());  // only if a failure above left it
 }
 
 TEST(HoldTool, AKeepAliveEndsTheHoldByItself) {
