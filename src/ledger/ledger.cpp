@@ -415,26 +415,30 @@ Shared* map(int fd, bool writable) {
 }
 
 // Creates a ledger under a temporary name and links it into place. Returns the descriptor, -1
-// when another process linked one first (open that), or an error.
+// when another process linked one first (open that), or an error. The errors name the ledger's
+// path, never the temporary name: that file is removed before the error is returned, and the path
+// is what a user can look for in /dev/shm.
 Result<int> create(const std::string& path, const std::string& name, std::uint64_t budget, long group,
                    const std::string& group_name) {
   static std::atomic<unsigned> serial{0};
   const std::string tmp = path + ".tmp-" + std::to_string(::getpid()) + "-" + std::to_string(serial++);
   const int fd = ::open(tmp.c_str(), O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
-  if (fd < 0) return Status(ErrorCode::io_error, "cannot create " + tmp + ": " + errno_text(errno) + " (is /dev/shm mounted and writable?)");
+  if (fd < 0)
+    return Status(ErrorCode::io_error,
+                  "cannot create the ledger " + path + ": " + errno_text(errno) + " (is /dev/shm mounted and writable?)");
   auto fail = [&](const std::string& what) {
     const int e = errno;
     ::unlink(tmp.c_str());
     ::close(fd);
-    return Status(ErrorCode::io_error, what + " " + tmp + ": " + errno_text(e));
+    return Status(ErrorCode::io_error, what + " the new ledger " + path + ": " + errno_text(e));
   };
-  if (::ftruncate(fd, sizeof(Shared)) != 0) return fail("cannot size");
+  if (::ftruncate(fd, sizeof(Shared)) != 0) return fail("cannot set the size of");
   if (group >= 0 && ::fchown(fd, static_cast<uid_t>(-1), static_cast<gid_t>(group)) != 0) {
     const int e = errno;
     ::unlink(tmp.c_str());
     ::close(fd);
     return Status(e == EPERM ? ErrorCode::permission_denied : ErrorCode::io_error,
-                  "cannot give " + tmp + " to the group '" + group_name + "': " + errno_text(e) +
+                  "cannot give the new ledger " + path + " to the group '" + group_name + "': " + errno_text(e) +
                       (e == EPERM ? " (a user may give a file only to a group it is a member of: add the user to the group)" : ""));
   }
   if (::fchmod(fd, group >= 0 ? 0660 : 0600) != 0) return fail("cannot set the mode of");

@@ -1,8 +1,8 @@
 // SPDX-License-Identifier: MIT
 // `residency hold FILE...` as a user runs it: the kernel holds the file's pages locked in the
 // hold process (its VmLck), pageout from another process evicts none of them (the page cache is
-// shared), SIGTERM unlocks and exits 0, a keep-alive ends the hold by itself, and each bad input
-// is one line and exit status 2.
+// shared), SIGTERM and SIGHUP unlock and exit 0, a keep-alive ends the hold by itself, and each bad
+// input is one line and exit status 2.
 #include <gtest/gtest.h>
 #include <signal.h>
 #include <sys/wait.h>
@@ -12,9 +12,11 @@
 #include <cstdio>
 #include <algorithm>
 #include <fstream>
+#include <functional>
 #include <string>
 #include <thread>
 
+#include "ledger/ledger.hpp"
 #include "posix_test_support.hpp"
 #include "support/state_files.hpp"
 
@@ -32,11 +34,13 @@ std::string path_of(const TempMappedFile& f) {
   return "/proc/" + std::to_string(::getpid()) + "/fd/" + std::to_string(f.fd());
 }
 
-// A child running `residency hold ARGS` with stdout and stderr in files.
+// A child running `residency hold ARGS` with stdout and stderr in files, `env` (NAME=VALUE) added
+// to its environment and `in_child` run just before the exec.
 struct Hold {
   pid_t pid = -1;
   std::string out_path, err_path;
-  explicit Hold(const std::vector<std::string>& args, const std::string& dir) {
+  explicit Hold(const std::vector<std::string>& args, const std::string& dir, std::vector<std::string> env = {},
+                const std::function<void()>& in_child = {}) {
     // Names of their own: a file left by an earlier run must not be mistaken for this one's.
     static int serial = 0;
     const std::string stem = dir + "/residency-hold-test-" + std::to_string(::getpid()) + "-" + std::to_string(serial++);
@@ -48,6 +52,8 @@ struct Hold {
     if (pid == 0) {
       std::freopen(out_path.c_str(), "w", stdout);
       std::freopen(err_path.c_str(), "w", stderr);
+      for (auto& e : env) ::putenv(e.data());
+      if (in_child) in_child();
       std::vector<char*> argv;
       argv.push_back(const_cast<char*>(RESIDENCY_TOOL_PATH));
       argv.push_back(const_cast<char*>("hold"));
@@ -83,6 +89,9 @@ struct Hold {
     }
     return -1;
   }
+  // Sends `sig` to the child while it runs; false once it has been reaped (pid -1: kill(-1, sig)
+  // would signal every process this user may signal).
+  bool signal(int sig) const { return pid > 0 && ::kill(pid, sig) == 0; }
   bool wait_for_output(const std::string& needle, std::chrono::milliseconds limit) const {
     const auto t0 = std::chrono::steady_clock::now();
     while (std::chrono::steady_clock::now() - t0 < limit) {
@@ -124,6 +133,58 @@ TEST(HoldTool, HoldsAFileAgainstPageoutFromAnotherProcessUntilSigterm) {
   // Unlocked: pageout takes the pages now.
   model.page_out();
   EXPECT_LT(model.resident_fraction(), 0.10);
+}
+
+// SIGHUP, what hold gets when the terminal it was started from closes, ends it as SIGTERM does:
+// through the clean path, exit 0 (129 would be death by the signal), the file unlocked (pageout
+// from this process takes its pages), and its share of a shared budget given back: as the last
+// holder it removes the ledger, which a process killed by the signal leaves in /dev/shm.
+TEST(HoldTool, SighupEndsTheHoldAsSigtermDoes) {
+  constexpr std::size_t kSize = 4 * MiB;  // within a non-root user's default 8 MiB RLIMIT_MEMLOCK
+  TempMappedFile model(kSize);
+  ASSERT_TRUE(model.ok()) << model.error();
+  model.touch_all();
+  const std::string name = "hold-sighup-" + std::to_string(::getpid());
+  const std::string ledger = residency::ledger::ledger_path(name);
+  Hold h({path_of(model), "--keep-alive", "forever"}, ::testing::TempDir(), {"RESIDENCY_SHARED_BUDGET=" + name + ":8MiB"},
+         [] { ::signal(SIGHUP, SIG_DFL); });  // not ignored, even where this test runs under nohup
+  ASSERT_GT(h.pid, 0);
+  ASSERT_TRUE(h.wait_for_output("holding", 10s)) << h.out() << h.err();
+  EXPECT_EQ(h.vm_lck(), kSize) << "the hold process locks the whole file";
+  EXPECT_EQ(::access(ledger.c_str(), F_OK), 0) << "the hold holds a share of the budget " << name;
+  ASSERT_TRUE(h.signal(SIGHUP));
+  EXPECT_EQ(h.wait_exit(5s), 0) << h.out() << h.err();
+  EXPECT_NE(h.out().find("residency hold: Hangup: unlocking and exiting"), std::string::npos) << h.out();
+  EXPECT_NE(::access(ledger.c_str(), F_OK), 0) << "the ledger outlived its only holder: its share was not given back";
+  if (auto why = pageout_unsupported_reason()) {
+    std::printf("not checked by pageout: %s\n", why->c_str());
+  } else {
+    model.page_out();
+    EXPECT_LT(model.resident_fraction(), 0.10) << "the pages are still locked";
+  }
+  ::unlink(ledger.c_str());  // only if a failure above left it
+}
+
+// `nohup residency hold FILE`: a SIGHUP ignored when hold starts stays ignored (before: hold's
+// signalfd took it anyway, since a blocked signal is queued whatever its disposition, and the hold
+// ended with the terminal). SIGTERM still ends it through the clean path.
+TEST(HoldTool, UnderNohupSighupIsIgnoredAndTheHoldGoesOn) {
+  constexpr std::size_t kSize = 4 * MiB;
+  TempMappedFile model(kSize);
+  ASSERT_TRUE(model.ok()) << model.error();
+  model.touch_all();
+  Hold h({path_of(model), "--keep-alive", "forever"}, ::testing::TempDir(), {},
+         [] { ::signal(SIGHUP, SIG_IGN); });  // what nohup does before it runs the command
+  ASSERT_GT(h.pid, 0);
+  ASSERT_TRUE(h.wait_for_output("holding", 10s)) << h.out() << h.err();
+  ASSERT_EQ(h.vm_lck(), kSize);
+  ASSERT_TRUE(h.signal(SIGHUP));
+  ASSERT_EQ(h.wait_exit(500ms), -1) << "SIGHUP ended a hold that had it ignored: " << h.out() << h.err();
+  EXPECT_EQ(h.vm_lck(), kSize) << "still holding the whole file";
+  EXPECT_EQ(h.out().find("Hangup"), std::string::npos) << h.out();
+  ASSERT_TRUE(h.signal(SIGTERM));
+  EXPECT_EQ(h.wait_exit(5s), 0) << h.out() << h.err();
+  EXPECT_NE(h.out().find("Terminated: unlocking and exiting"), std::string::npos) << h.out();
 }
 
 TEST(HoldTool, AKeepAliveEndsTheHoldByItself) {

@@ -933,9 +933,6 @@ TEST(SharedBudgetStoppedLock, SigtermEndsAHoldWaitingForTheLockAtOnce) {
   EXPECT_FALSE(listed);
 }
 
-// A decode's touch() that must re-wire under the shared budget never waits for another process:
-// with the lock held by a stopped holder it returns within milliseconds, the memory stays
-// unwired, and one warning says why (before: the touch waited for the lock, 7.5 s in the report).
 // The warnings a manager logs, collected from its threads.
 class Warnings {
  public:
@@ -956,41 +953,81 @@ class Warnings {
   std::vector<std::string> lines_;
 };
 
-TEST(SharedBudgetStoppedLock, ATouchThatMustRewireReturnsAtOnceUnwiredAndSaysWhyOnce) {
-  if (auto why = ensure_memlock(kHold)) GTEST_SKIP() << *why;
-  const std::string name = unique_name("stopped-touch");
-  StoppedInsideTheLock locker(name, 8 * MiB);
-  auto backend = make_backend("posix");
-  ASSERT_TRUE(backend) << backend.message();
-  void* mem = touched_anonymous(kHold);
-  ASSERT_NE(mem, MAP_FAILED);
-  Warnings warnings;
-  ManagerOptions o = shared_manager_options(*backend, name, 8 * MiB);
-  o.log = warnings.sink();
-  {
+// This process as a holder of the shared budget `name` of `budget` bytes, for the tests that
+// watch their own manager meet a ledger in trouble (a stopped locker, a damaged or a removed
+// ledger): a manager on the posix backend (shared_manager_options, its warnings collected) with
+// kHold of touched anonymous memory registered, which the kernel showed wired (VmLck) and then
+// released (VmLck 0), so that its next touch() must take its share from the ledger again.
+// start() skips the test when RLIMIT_MEMLOCK leaves no room and fails it when a step does not
+// hold; either way started() is false and the test returns:
+//   HolderHere here;
+//   here.start(name, 8 * MiB);
+//   if (!here.started()) return;
+// The manager is destroyed before the memory is unmapped; a test that checks what the manager's
+// destruction leaves resets `manager` itself.
+class HolderHere {
+ public:
+  HolderHere() = default;
+  HolderHere(const HolderHere&) = delete;  // the log sink points at `warnings`
+  HolderHere& operator=(const HolderHere&) = delete;
+  ~HolderHere() {
+    manager.reset();
+    if (mem_ != MAP_FAILED) ::munmap(mem_, kHold);
+  }
+  void start(const std::string& name, std::uint64_t budget) {
+    if (auto why = ensure_memlock(kHold)) GTEST_SKIP() << *why;
+    auto backend = make_backend("posix");
+    ASSERT_TRUE(backend) << backend.message();
+    mem_ = touched_anonymous(kHold);
+    ASSERT_NE(mem_, MAP_FAILED);
+    ManagerOptions o = shared_manager_options(*backend, name, budget);
+    o.log = warnings.sink();
     auto m = Manager::create(o);
     ASSERT_TRUE(m) << m.message();
-    auto id = (*m)->register_region(mem, kHold);
+    manager = std::move(*m);
+    auto id = manager->register_region(mem_, kHold);
     ASSERT_TRUE(id) << id.message();
+    region = *id;
     ASSERT_EQ(vm_lck(), kHold);
-    (*m)->release_now();
+    manager->release_now();
     ASSERT_EQ(vm_lck(), 0u);
-    locker.start();
-    ASSERT_TRUE(locker.stop_inside());
-    Nanos longest{0};
-    for (int i = 0; i < 3; ++i) {
-      const auto t0 = SteadyTime::now();
-      (*m)->touch();
-      longest = std::max(longest, Nanos(SteadyTime::now() - t0));
-    }
-    EXPECT_LT(longest, 200ms) << "a touch() waited for the stopped process";
-    EXPECT_EQ(vm_lck(), 0u) << "nothing is wired without the ledger";
-    EXPECT_EQ(warnings.containing("was not obtained at once: it has been held by process " + std::to_string(locker.pid())), 1u)
-        << "one warning, naming the process";
-    locker.resume();
-    (void)(*m)->unregister_region(*id);
+    started_ = true;
   }
-  ::munmap(mem, kHold);
+  bool started() const { return started_; }
+
+  Warnings warnings;
+  std::unique_ptr<Manager> manager;
+  RegionId region = 0;
+
+ private:
+  void* mem_ = MAP_FAILED;
+  bool started_ = false;
+};
+
+// A decode's touch() that must re-wire under the shared budget never waits for another process:
+// with the lock held by a stopped holder it returns within milliseconds, the memory stays
+// unwired, and one warning says why (before: the touch waited for the lock, 7.5 s in the report).
+TEST(SharedBudgetStoppedLock, ATouchThatMustRewireReturnsAtOnceUnwiredAndSaysWhyOnce) {
+  const std::string name = unique_name("stopped-touch");
+  StoppedInsideTheLock locker(name, 8 * MiB);
+  HolderHere here;
+  here.start(name, 8 * MiB);
+  if (!here.started()) return;
+  locker.start();
+  ASSERT_TRUE(locker.stop_inside());
+  Nanos longest{0};
+  for (int i = 0; i < 3; ++i) {
+    const auto t0 = SteadyTime::now();
+    here.manager->touch();
+    longest = std::max(longest, Nanos(SteadyTime::now() - t0));
+  }
+  EXPECT_LT(longest, 200ms) << "a touch() waited for the stopped process";
+  EXPECT_EQ(vm_lck(), 0u) << "nothing is wired without the ledger";
+  EXPECT_EQ(here.warnings.containing("was not obtained at once: it has been held by process " + std::to_string(locker.pid())),
+            1u)
+      << "one warning, naming the process";
+  locker.resume();
+  (void)here.manager->unregister_region(here.region);
 }
 }  // namespace
 
@@ -1112,24 +1149,14 @@ bool ledger_locked(const std::string& path) {
 // names the ledger as corrupt, the manager's next re-wire wires nothing and warns once, both
 // holders end normally (no SIGBUS, no crash), and the lock is not left held.
 void a_damaged_ledger_costs_budget_never_a_process(const std::function<void(int fd)>& damage, const std::string& join_says) {
-  if (auto why = ensure_memlock(kHold)) GTEST_SKIP() << *why;
   const std::string name = unique_name("hostile");
   const std::string path = ledger::ledger_path(name);
-  auto backend = make_backend("posix");
-  ASSERT_TRUE(backend) << backend.message();
-  void* mem = touched_anonymous(kHold);
-  ASSERT_NE(mem, MAP_FAILED);
-  Warnings warnings;
-  ManagerOptions o = shared_manager_options(*backend, name, 10 * MiB);
-  o.log = warnings.sink();
+  HolderHere here;
+  here.start(name, 10 * MiB);  // released: the next touch() must take its share again
+  if (!here.started()) return;
   TempMappedFile fb(kHold), fc(kHold);
   ASSERT_TRUE(fb.ok() && fc.ok());
   {
-    auto m = Manager::create(o);
-    ASSERT_TRUE(m) << m.message();
-    auto id = (*m)->register_region(mem, kHold);
-    ASSERT_TRUE(id) << id.message();
-    (*m)->release_now();  // the next touch() must take its share again
     Hold b(path_of(fb), {env_budget(name, "10MiB")});
     ASSERT_TRUE(b.wait_vm_lck(kHold, 10s)) << b.all();
 
@@ -1145,19 +1172,19 @@ void a_damaged_ledger_costs_budget_never_a_process(const std::function<void(int 
     EXPECT_NE(stat.find(path), std::string::npos) << stat;
     EXPECT_NE(stat.find(join_says), std::string::npos) << stat;
 
-    (*m)->touch();
-    (*m)->touch();
+    here.manager->touch();
+    here.manager->touch();
     EXPECT_EQ(vm_lck(), 0u) << "nothing is wired under a corrupt ledger";
-    EXPECT_EQ(warnings.containing("is corrupt: "), 1u) << "one warning";
-    EXPECT_EQ(warnings.containing("once the ledger answers"), 0u) << "a corrupt ledger is not used again: no promise";
+    EXPECT_EQ(here.warnings.containing("is corrupt: "), 1u) << "one warning";
+    EXPECT_EQ(here.warnings.containing("once the ledger answers"), 0u) << "a corrupt ledger is not used again: no promise";
     EXPECT_EQ(b.vm_lck(), kHold) << "the other holder keeps its memory";
     ::kill(b.pid, SIGTERM);
     EXPECT_EQ(b.wait_exit(5s), 0) << "the hold ends normally (135 would be SIGBUS): " << b.all();
-    (void)(*m)->unregister_region(*id);
-  }  // the manager is destroyed: its listener stops, nothing of the ledger is touched
+    (void)here.manager->unregister_region(here.region);
+  }
+  here.manager.reset();  // the manager is destroyed: its listener stops, nothing of the ledger is touched
   EXPECT_FALSE(ledger_locked(path));
   ::unlink(path.c_str());  // a corrupt ledger is not removed by its holders (they cannot know who is left)
-  ::munmap(mem, kHold);
 }
 
 TEST(SharedBudgetHostileMember, ALedgerTruncatedWhileTwoHoldersUseItIsAnErrorNeverSigbus) {
@@ -1259,41 +1286,26 @@ TEST(SharedBudgetProcesses, TwoProcessesJoiningAndLeavingOneBudgetNeverCrash) {
 // each have the whole budget. Its next re-wire wires nothing and says why once; the sum of what
 // the two processes lock stays within the budget (before: 8 MiB under a 6 MiB budget).
 TEST(SharedBudgetProcesses, AHolderOfARemovedLedgerWiresNothingMoreUnderItAndTheBudgetIsNotSplit) {
-  if (auto why = ensure_memlock(kHold)) GTEST_SKIP() << *why;
   const std::string name = unique_name("removed-mid-use");
   const std::string path = ledger::ledger_path(name);
-  auto backend = make_backend("posix");
-  ASSERT_TRUE(backend) << backend.message();
-  void* mem = touched_anonymous(kHold);
-  ASSERT_NE(mem, MAP_FAILED);
-  Warnings warnings;
-  ManagerOptions o = shared_manager_options(*backend, name, 6 * MiB);
-  o.log = warnings.sink();
+  HolderHere here;
+  here.start(name, 6 * MiB);
+  if (!here.started()) return;
   TempMappedFile f(kHold);
   ASSERT_TRUE(f.ok());
-  {
-    auto m = Manager::create(o);
-    ASSERT_TRUE(m) << m.message();
-    auto id = (*m)->register_region(mem, kHold);
-    ASSERT_TRUE(id) << id.message();
-    ASSERT_EQ(vm_lck(), kHold);
-    (*m)->release_now();
-    ASSERT_EQ(vm_lck(), 0u);
-    ASSERT_EQ(::unlink(path.c_str()), 0);
-    Hold b(path_of(f), {env_budget(name, "6MiB")});  // makes a new ledger and takes 4 of its 6 MiB
-    ASSERT_TRUE(b.wait_vm_lck(kHold, 10s)) << b.all();
-    (*m)->touch();
-    (*m)->touch();
-    EXPECT_EQ(vm_lck(), 0u) << "wired under the removed ledger: the budget was split";
-    EXPECT_LE(vm_lck() + b.vm_lck(), 6 * MiB);
-    EXPECT_EQ(warnings.containing("was removed while this process held it"), 1u) << "one warning";
-    EXPECT_EQ(warnings.containing("once the ledger answers"), 0u) << "it never will: no promise";
-    EXPECT_EQ(b.vm_lck(), kHold);
-    (void)(*m)->unregister_region(*id);
-    (*m).reset();
-    EXPECT_TRUE(exists(path)) << "the new ledger was removed by the old one's last holder";
-  }
-  ::munmap(mem, kHold);
+  ASSERT_EQ(::unlink(path.c_str()), 0);
+  Hold b(path_of(f), {env_budget(name, "6MiB")});  // makes a new ledger and takes 4 of its 6 MiB
+  ASSERT_TRUE(b.wait_vm_lck(kHold, 10s)) << b.all();
+  here.manager->touch();
+  here.manager->touch();
+  EXPECT_EQ(vm_lck(), 0u) << "wired under the removed ledger: the budget was split";
+  EXPECT_LE(vm_lck() + b.vm_lck(), 6 * MiB);
+  EXPECT_EQ(here.warnings.containing("was removed while this process held it"), 1u) << "one warning";
+  EXPECT_EQ(here.warnings.containing("once the ledger answers"), 0u) << "it never will: no promise";
+  EXPECT_EQ(b.vm_lck(), kHold);
+  (void)here.manager->unregister_region(here.region);
+  here.manager.reset();
+  EXPECT_TRUE(exists(path)) << "the new ledger was removed by the old one's last holder";
 }
 
 // Item 5, a signal during the other wait of a starting `hold`: for an asked holder that does not

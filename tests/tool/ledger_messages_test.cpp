@@ -9,6 +9,7 @@
 #include <grp.h>
 #include <gtest/gtest.h>
 #include <signal.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -39,6 +40,17 @@ bool exists(const std::string& p) {
 }
 
 std::string ledger_path(const std::string& name) { return "/dev/shm/residency-budget-" + name; }
+
+// The entries of /dev/shm that belong to the ledger of `name`: the ledger and any temporary file
+// it was being made as (`NAME.tmp-PID-N`).
+std::vector<std::string> shm_entries_of(const std::string& name) {
+  std::vector<std::string> found;
+  std::error_code ec;
+  for (const auto& e : fs::directory_iterator("/dev/shm", ec))
+    if (const std::string p = e.path().string(); p == ledger_path(name) || p.rfind(ledger_path(name) + ".tmp-", 0) == 0)
+      found.push_back(p);
+  return found;
+}
 
 // A budget name of this test run only (other tests run at the same time).
 std::string unique_name(const char* what) {
@@ -72,8 +84,10 @@ class LedgerMessages : public ::testing::Test {
     std::error_code ec;
     fs::remove_all(root_, ec);
   }
-  // `residency hold ARGS` with `env` added, as uid/gid `as` (-1: this user); returns its pid.
-  pid_t start(std::vector<std::string> args, std::vector<std::string> env, int as = -1, const std::string& tag = "run") {
+  // `residency hold ARGS` with `env` added, as uid/gid `as` (-1: this user), after `in_child` (run
+  // in the child just before exec); returns its pid.
+  pid_t start(std::vector<std::string> args, std::vector<std::string> env, int as = -1, const std::string& tag = "run",
+              const std::function<void()>& in_child = {}) {
     const std::string out = root_ + "/" + tag + ".out", err = root_ + "/" + tag + ".err";
     std::fflush(stdout);
     const pid_t pid = ::fork();
@@ -87,6 +101,7 @@ class LedgerMessages : public ::testing::Test {
     if (as >= 0 && (::setgroups(0, nullptr) != 0 || ::setgid(static_cast<gid_t>(as)) != 0 || ::setuid(static_cast<uid_t>(as)) != 0))
       ::_exit(126);
     for (const auto& kv : env) ::putenv(const_cast<char*>(kv.c_str()));
+    if (in_child) in_child();
     std::vector<char*> argv{const_cast<char*>(kTool.c_str()), const_cast<char*>("hold")};
     for (auto& a : args) argv.push_back(a.data());
     argv.push_back(nullptr);
@@ -112,8 +127,9 @@ class LedgerMessages : public ::testing::Test {
     r.err = slurp(root_ + "/" + tag + ".err");
     return r;
   }
-  HoldRun hold(std::vector<std::string> args, std::vector<std::string> env, int as = -1) {
-    return finish(start(std::move(args), std::move(env), as));
+  HoldRun hold(std::vector<std::string> args, std::vector<std::string> env, int as = -1,
+               const std::function<void()>& in_child = {}) {
+    return finish(start(std::move(args), std::move(env), as, "run", in_child));
   }
   bool wait_for(const std::string& tag, const std::string& text) {
     for (int i = 0; i < 2000; ++i) {
@@ -214,7 +230,8 @@ TEST_F(LedgerMessages, OverTheMemoryLimitHoldSaysWhatAHoldUserCanDo) {
 
 // Group ledgers, with real users: root that names the group but is not a member is told that
 // (before: "unless it names a group"); a user that names a group it is not a member of is told
-// which file could not be given to which group (before: the words were out of order).
+// which ledger could not be given to which group (before: the words were out of order, then the
+// file named was the temporary `.tmp-` one, gone by the time the message is read).
 TEST_F(LedgerMessages, GroupLedgerMessagesNameTheGroupAndTheMembership) {
   if (::geteuid() != 0) GTEST_SKIP() << "needs root (to run a hold as uid 65534)";
   struct group* ng = ::getgrgid(65534);
@@ -255,12 +272,37 @@ TEST_F(LedgerMessages, GroupLedgerMessagesNameTheGroupAndTheMembership) {
   const std::string other = unique_name("notmember");
   const HoldRun n = hold({file_}, {"RESIDENCY_SHARED_BUDGET=" + other + ":8MiB:root"}, 65534);
   EXPECT_EQ(n.exit_code, 2) << n.err;  // (after the RLIMIT_MEMLOCK clamp warning a non-root user gets)
-  EXPECT_NE(n.err.find("cannot give " + ledger_path(other) + ".tmp-"), std::string::npos) << n.err;
-  EXPECT_NE(n.err.find(" to the group 'root': Operation not permitted (a user may give a file only to a group it is a "
+  EXPECT_NE(n.err.find("cannot give the new ledger " + ledger_path(other) +
+                       " to the group 'root': Operation not permitted (a user may give a file only to a group it is a "
                        "member of"),
             std::string::npos)
       << n.err;
+  EXPECT_EQ(n.err.find(".tmp-"), std::string::npos) << "names the temporary file: " << n.err;
   EXPECT_FALSE(exists(ledger_path(other)));
+  EXPECT_TRUE(shm_entries_of(other).empty()) << "left in /dev/shm: " << shm_entries_of(other).front();
+}
+
+// A ledger that cannot be made (here: RLIMIT_FSIZE below its size, so that sizing the new file
+// fails with EFBIG; SIGXFSZ is ignored, as a shell's `trap '' XFSZ` would) is named by its path
+// (before: by the `.tmp-` file it was being made as, which is removed before the message is
+// read), and nothing of it is left in /dev/shm.
+TEST_F(LedgerMessages, ALedgerThatCannotBeMadeIsNamedByItsPath) {
+  const std::string name = unique_name("fsize");
+  // 1 KiB: below a ledger's 64 slots of 64 bytes and more, above the one line hold writes to its
+  // stderr file (RLIMIT_FSIZE holds for those files too).
+  const rlim_t limit = 1024;
+  const HoldRun r = hold({file_}, {"RESIDENCY_SHARED_BUDGET=" + name + ":8MiB"}, -1, [limit] {
+    ::signal(SIGXFSZ, SIG_IGN);  // kept across exec: ignored signals stay ignored
+    const rlimit rl{limit, limit};
+    if (::setrlimit(RLIMIT_FSIZE, &rl) != 0) ::_exit(125);
+  });
+  EXPECT_EQ(r.exit_code, 2) << r.err;
+  EXPECT_TRUE(one_line(r.err)) << r.err;
+  EXPECT_NE(r.err.find("cannot set the size of the new ledger " + ledger_path(name) + ": File too large"), std::string::npos)
+      << r.err;
+  EXPECT_EQ(r.err.find(".tmp-"), std::string::npos) << "names the temporary file: " << r.err;
+  EXPECT_FALSE(exists(ledger_path(name)));
+  EXPECT_TRUE(shm_entries_of(name).empty()) << "left in /dev/shm: " << shm_entries_of(name).front();
 }
 
 }  // namespace

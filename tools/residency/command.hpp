@@ -10,6 +10,7 @@
 
 #include <CLI/CLI.hpp>
 #include <cstdint>
+#include <cstring>
 #include <functional>
 #include <optional>
 #include <string>
@@ -66,6 +67,15 @@ CLI::Option* add_whole_number(CLI::App& app, const std::string& name, T& target,
         target = static_cast<T>(n);
       },
       help);
+}
+
+// What a subcommand says when its output could not be written (a closed pipe, a full disk), after
+// "error: ". `err` is the errno of the failed write or flush; 0 when there is none to give: the
+// stream's error flag was set by an earlier write whose errno is gone (hold flushes its own lines,
+// so main's final flush finds nothing left to write).
+inline std::string output_error_text(int err) {
+  return std::string("cannot write the output to stdout: ") +
+         (err != 0 ? std::strerror(err) : "the reason is unknown (the C library gave no error number)");
 }
 
 struct Command {

@@ -5,10 +5,11 @@
 // a model resident for a llama.cpp server that maps the same file, without touching the server:
 // vmtouch's `-l`, under the library's policy, budget and pressure settings. The files are mapped
 // read-only and registered as weights (earlier files first when the budget must choose), on the
-// posix backend. It holds until SIGINT/SIGTERM/SIGHUP (then unlocks everything and exits 0), or
-// until the memory is released: the keep-alive expired (hold itself never uses the files, and it
-// cannot see other processes' reads of the page cache without privileges (fanotify is root's), so
-// a duration means "hold for this long from the start") or memory pressure with
+// posix backend. It holds until SIGINT/SIGTERM/SIGHUP (then unlocks everything and exits 0; a
+// SIGHUP ignored at the start, as under nohup, stays ignored), or until the memory is released:
+// the keep-alive expired (hold itself never uses the files, and it cannot see other processes'
+// reads of the page cache without privileges (fanotify is root's), so a duration means "hold for
+// this long from the start") or memory pressure with
 // --release-on-pressure (the backend's pressure source: PSI or cgroup v1 memory.pressure_level); then it
 // says why and exits 0. Waiting costs next to nothing: one poll() on a signalfd and a pipe, and
 // once a second an fstat() of each held file (follow_files: a deleted file is released, a file
@@ -288,10 +289,18 @@ int run_hold(const HoldOptions& o) {
   if (!backend) throw std::runtime_error(backend.message());
 
   // Signals are taken through a signalfd: block them before any thread exists, so the manager's
-  // threads inherit the mask and the process only ends through the clean path below.
+  // threads inherit the mask and the process only ends through the clean path below. A SIGHUP
+  // ignored when hold starts (`nohup residency hold ...`: the user asked it to outlive the
+  // terminal) stays ignored, as the other subcommands leave it (CleanupRegistry): blocked and read
+  // from the signalfd it would be taken all the same, since a blocked signal is queued whatever
+  // its disposition.
   sigset_t mask;
   sigemptyset(&mask);
-  for (int s : {SIGINT, SIGTERM, SIGHUP}) sigaddset(&mask, s);
+  for (int s : {SIGINT, SIGTERM, SIGHUP}) {
+    struct sigaction old {};
+    if (s == SIGHUP && ::sigaction(s, nullptr, &old) == 0 && old.sa_handler == SIG_IGN) continue;
+    sigaddset(&mask, s);
+  }
   if (pthread_sigmask(SIG_BLOCK, &mask, nullptr) != 0) throw std::runtime_error("cannot block signals");
   const int sfd = ::signalfd(-1, &mask, SFD_CLOEXEC);
   int released[2] = {-1, -1};
@@ -424,7 +433,8 @@ const Command cmd{"hold", "keep files resident (locked) for every process that m
                                  "its memory.pressure_level; `residency stat` shows which on its 'pressure watch' line");
                     app.add_flag("-q,--quiet", o->quiet, "only warnings and errors from the library");
                     app.footer(
-                        "Stops on SIGINT, SIGTERM or SIGHUP (unlocking everything), or when the keep-alive expires or "
+                        "Stops on SIGINT, SIGTERM or SIGHUP (unlocking everything; a SIGHUP ignored at the start, as "
+                        "under nohup, stays ignored), or when the keep-alive expires or "
                         "memory pressure releases the files, or when every file was deleted; exit status 0. Bad input: "
                         "exit 2. Nothing could be wired, or stdout cannot be written: exit 1. Files are checked once a "
                         "second: a deleted file (its last name removed, or replaced by another file) is released and said "

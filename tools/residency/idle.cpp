@@ -64,7 +64,7 @@ class Console final : public IdleReporter {
     if ((std::fputs((line + "\n").c_str(), stdout) < 0 || std::fflush(stdout) != 0) && output_error_.empty()) {
       // A closed pipe (`| head` that has exited), a full disk: the rest of the run would print
       // to nobody. The benchmark stops at its next step (stop_reason) and main says it once.
-      output_error_ = std::string("cannot write the output: ") + (errno != 0 ? std::strerror(errno) : "write error");
+      output_error_ = output_error_text(errno);
     }
     draw_bar();
   }

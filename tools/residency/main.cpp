@@ -89,8 +89,7 @@ int main(int argc, char** argv) {
     errno = 0;
     if (std::fflush(stdout) == 0 && !std::ferror(stdout)) return code;
     const int err = errno;
-    std::fprintf(stderr, "residency %s: error: cannot write the output: %s\n", name.c_str(),
-                 err != 0 ? std::strerror(err) : "write error");
+    std::fprintf(stderr, "residency %s: error: %s\n", name.c_str(), output_error_text(err).c_str());
     return code == 0 ? kExitFailure : code;
   };
   for (auto& [sub, run] : runners) {

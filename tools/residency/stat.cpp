@@ -1,10 +1,12 @@
 // SPDX-License-Identifier: MIT
-// residency stat: what this machine and this process hold resident, and what limits apply.
+// residency stat: what this machine holds resident, and what limits apply to what it starts.
 //
 // The first thing to run when memory does not stay resident: how much RAM there is and is
-// available, how much is locked system-wide and by this process, the RLIMIT_MEMLOCK that
-// caps mlock (and whether CAP_IPC_LOCK lifts it), the PSI memory pressure lines, and the
-// backends this build has. Human text by default; --json gives the raw byte values.
+// available, how much is locked system-wide, the RLIMIT_MEMLOCK that caps mlock for a process
+// started from here (and whether CAP_IPC_LOCK lifts it), the PSI memory pressure lines, and the
+// backends this build has. Not this process's own VmLck: stat locks nothing, so it would always
+// read 0 and be taken for someone else's (--pid PID reports another process). Human text by
+// default; --json gives the raw byte values.
 #include <nlohmann/json.hpp>
 
 #include <chrono>
@@ -214,7 +216,7 @@ int run_stat(bool json) {
     j["mem_total"] = bytes_or_null(info.mem_total);
     j["mem_available"] = bytes_or_null(info.mem_available);
     j["mlocked"] = bytes_or_null(info.mlocked);
-    j["vm_lck"] = bytes_or_null(info.vm_lck);
+    // No vm_lck: it would be this stat process's own, which locks nothing (see the file's top).
     j["rlimit_memlock"] = {{"soft", limit_json(info.memlock_soft)},
                            {"hard", limit_json(info.memlock_hard)},
                            {"soft_unlimited", info.memlock_soft == PosixSystemInfo::kUnlimited},
@@ -243,7 +245,7 @@ int run_stat(bool json) {
   rows.emplace_back("MemTotal", size_or_unknown(info.mem_total));
   rows.emplace_back("MemAvailable", size_or_unknown(info.mem_available));
   rows.emplace_back("Mlocked (system)", size_or_unknown(info.mlocked));
-  rows.emplace_back("VmLck (this process)", size_or_unknown(info.vm_lck));
+  // No VmLck line: it would be this stat process's own, always 0 (see the file's top).
   rows.emplace_back("RLIMIT_MEMLOCK",
                     "soft " + limit_text(info.memlock_soft) + ", hard " + limit_text(info.memlock_hard));
   if (info.cap_ipc_lock) {
@@ -301,7 +303,7 @@ int run_stat(bool json) {
 #endif
 
 const Command stat_command{
-    "stat", "what this machine and process hold resident (memory, locks, limits, pressure)",
+    "stat", "what this machine holds resident and what a process started here may lock (memory, locks, limits, pressure)",
     [](CLI::App& app) {
       auto json = std::make_shared<bool>(false);
       auto pid = std::make_shared<int>(0);  // 0: not given (the option takes 1 and above)
