@@ -26,7 +26,7 @@ namespace {
 // Accepts everything at no cost: what remains is the manager's own work.
 class NullBackend final : public Backend {
  public:
-  Capabilities capabilities() const override { return Capabilities{"null", false, Nanos(0), 0, {}}; }
+  Capabilities capabilities() const override { return Capabilities{"null", false, Nanos(0), 0, {}, 1}; }
   MemoryInfo memory_info() override {
     MemoryInfo m;
     m.physical = 1ull << 44;

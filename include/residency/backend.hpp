@@ -68,6 +68,10 @@ struct Capabilities {
   // A GPU's UUID as nvidia-smi prints it ("GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx"): what names
   // its budget (Config::gpu_budget), never its index. Empty for host memory, or when unknown.
   std::string device_uuid;
+  // The unit the backend wires in (posix: the page size, since mlock locks whole pages): a region
+  // is charged to the wired limit and a shared budget as the whole units it touches, so that what
+  // the kernel holds (VmLck) never exceeds them. 1: exactly its bytes. A power of two.
+  std::uint64_t wire_granularity = 1;
 };
 
 // Sizes in bytes, for the budget, limits and warnings. 0 means "unknown" for every field but

@@ -20,8 +20,9 @@
 
 #define RESIDENCY_STATS_FIELDS(X)                                                                        \
   X(U64, tracked_bytes, 0)      /* every registered region */                                           \
-  X(U64, admitted_bytes, 0)     /* regions inside a set (within the wired budget) */                    \
-  X(U64, wired_bytes, 0)        /* admitted bytes whose residency is requested now */                   \
+  X(U64, admitted_bytes, 0)     /* regions inside a set (within the wired budget); charged as whole  */ \
+                                /* pages on posix (what mlock locks), so >= their bytes               */ \
+  X(U64, wired_bytes, 0)        /* admitted bytes whose residency is requested now (charged alike)     */ \
   X(U64, pending_bytes, 0)      /* tracked but left out of every set (over the budget) */               \
   X(U64, wired_limit, 0)        /* the budget in bytes */                                               \
   X(U32, regions, 0)            /* regions registered */                                                \

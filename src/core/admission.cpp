@@ -17,7 +17,18 @@ Admission::Admission(Backend& backend, const LogSink& log, const KeepAliveState&
       sets_(backend, std::move(layout), log),
       shared_(std::move(shared)),
       shared_priority_(shared_priority) {
+  const std::uint64_t g = backend.capabilities().wire_granularity;
+  granularity_ = g > 1 && (g & (g - 1)) == 0 ? g : 1;
   budget_.set_limit(limits_.initial_wired_limit());
+}
+
+std::uint64_t Admission::charge(const RegionDesc& d) const {
+  if (granularity_ == 1) return d.size;
+  const auto b = reinterpret_cast<std::uintptr_t>(d.base);
+  const std::uint64_t lo = b & ~(granularity_ - 1);
+  const std::uint64_t end = std::uint64_t{b} + d.size;  // no wrap: register_region refuses one
+  const std::uint64_t hi = end > UINT64_MAX - (granularity_ - 1) ? UINT64_MAX : (end + granularity_ - 1) & ~(granularity_ - 1);
+  return hi - lo;
 }
 
 Admission::~Admission() = default;
@@ -104,39 +115,41 @@ void Admission::set_limit(std::uint64_t bytes) {
 }
 
 bool Admission::admit(Region& r) {
-  if (r.admitted || !budget_.fits(r.desc.size)) return false;
-  if (!reserve_shared(r.desc.size, r.desc.backend_allocated)) return false;
-  if (Status s = backend_.reserve_wired(r.desc.size); !s) {
+  const std::uint64_t bytes = charge(r.desc);
+  if (r.admitted || !budget_.fits(bytes)) return false;
+  if (!reserve_shared(bytes, r.desc.backend_allocated)) return false;
+  if (Status s = backend_.reserve_wired(bytes); !s) {
     log_(warned_reserve_ ? LogLevel::debug : LogLevel::warn,
          "region " + std::to_string(r.desc.id) + " (" + mib(r.desc.size) + ") stays tracked but unwired: " + s.message());
     warned_reserve_ = true;
     return false;
   }
-  auto slot = sets_.add(r.desc);
+  auto slot = sets_.add(r.desc, bytes);
   if (!slot) {
-    backend_.unreserve_wired(r.desc.size);
+    backend_.unreserve_wired(bytes);
     log_(LogLevel::warn, slot.message() + "; the region stays tracked but unwired");
     r.eligible = false;
     return false;
   }
   r.admitted = true;
   r.layout_slot = *slot;
-  budget_.admitted_region(r.desc.id, r.desc.size);
+  budget_.admitted_region(r.desc.id, bytes);
   return true;
 }
 
 void Admission::evict(Region& r) {
   if (!r.admitted) return;
-  sets_.remove(r.layout_slot, r.desc);
-  backend_.unreserve_wired(r.desc.size);
-  budget_.evicted_region(r.desc.id, r.desc.size);
+  const std::uint64_t bytes = charge(r.desc);
+  sets_.remove(r.layout_slot, r.desc, bytes);
+  backend_.unreserve_wired(bytes);
+  budget_.evicted_region(r.desc.id, bytes);
   r.admitted = false;
 }
 
 std::vector<BudgetEntry> Admission::entries_of(bool admitted) {
   std::vector<BudgetEntry> v;
   auto add = [&](Region& r) {
-    v.push_back({r.desc.id, r.desc.size, r.priority, regions_.last_use(r), r.admitted, r.eligible, r.desc.cls});
+    v.push_back({r.desc.id, charge(r.desc), r.priority, regions_.last_use(r), r.admitted, r.eligible, r.desc.cls});
   };
   if (admitted) {
     regions_.for_each([&](Region& r) {

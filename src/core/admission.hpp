@@ -142,6 +142,9 @@ class Admission {
   std::uint64_t wire_failures() const { return wire_failures_; }
 
  private:
+  // What a region costs the wired limit and a shared budget: its bytes rounded out to the
+  // backend's wire granularity (whole pages for mlock).
+  std::uint64_t charge(const RegionDesc& d) const;
   bool admit(Region& r);
   void evict(Region& r);
   std::vector<BudgetEntry> entries_of(bool admitted);
@@ -157,6 +160,7 @@ class Admission {
   void short_by(std::uint64_t bytes, std::uint64_t unwired);
 
   Backend& backend_;
+  std::uint64_t granularity_ = 1;  // Capabilities::wire_granularity
   const LogSink& log_;
   const KeepAliveState& ka_;
   Limits limits_;  // its warn-once flags change here

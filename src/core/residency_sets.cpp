@@ -18,14 +18,14 @@ ResidencySets::SetState& ResidencySets::state(std::uint32_t slot) {
   return sets_[slot];
 }
 
-Result<std::uint32_t> ResidencySets::add(const RegionDesc& r) {
-  const auto p = layout_.place(r.size);
+Result<std::uint32_t> ResidencySets::add(const RegionDesc& r, std::uint64_t bytes) {
+  const auto p = layout_.place(bytes);
   if (p.created) {
     const SetId id = g_next_set_id.fetch_add(1, std::memory_order_relaxed);
-    const std::uint64_t cap = layout_.cap_bytes() == UINT64_MAX ? r.size : layout_.cap_bytes();
+    const std::uint64_t cap = layout_.cap_bytes() == UINT64_MAX ? bytes : layout_.cap_bytes();
     Status s = backend_.create_set(id, cap);
     if (!s) {
-      layout_.remove(p.set, r.size);
+      layout_.remove(p.set, bytes);
       return Status(s.code(), "could not create residency set " + std::to_string(p.set) + ": " + s.message());
     }
     state(p.set) = SetState{id, false};
@@ -34,20 +34,20 @@ Result<std::uint32_t> ResidencySets::add(const RegionDesc& r) {
                                 (layout_.cap_bytes() == UINT64_MAX ? std::string("unlimited") : mib(layout_.cap_bytes())) + ")");
   }
   backend_.add_region(state(p.set).backend_id, r);
-  dirty_[p.set] += static_cast<std::int64_t>(r.size);
+  dirty_[p.set] += static_cast<std::int64_t>(bytes);
   return p.set;
 }
 
-void ResidencySets::remove(std::uint32_t slot, const RegionDesc& r) {
+void ResidencySets::remove(std::uint32_t slot, const RegionDesc& r, std::uint64_t bytes) {
   SetState& st = state(slot);
-  if (layout_.remove(slot, r.size)) {
+  if (layout_.remove(slot, bytes)) {
     Status s = backend_.destroy_set(st.backend_id);
     if (!s) log_(LogLevel::warn, "destroying residency set " + std::to_string(slot) + " failed: " + s.message());
     st = SetState{};
     dirty_.erase(slot);
   } else {
     backend_.remove_region(st.backend_id, r.id);
-    dirty_[slot] -= static_cast<std::int64_t>(r.size);
+    dirty_[slot] -= static_cast<std::int64_t>(bytes);
   }
 }
 

@@ -28,11 +28,12 @@ class ResidencySets {
  public:
   ResidencySets(Backend& backend, SetLayout layout, const LogSink& log);
 
-  // Puts a region into a set, creating the set if the layout says so. Returns the slot, or the
+  // Puts a region into a set, creating the set if the layout says so; `bytes` is what the region
+  // is charged (Admission::charge), which the sets' sizes count. Returns the slot, or the
   // backend's error (the region then stays pending).
-  Result<std::uint32_t> add(const RegionDesc& region);
+  Result<std::uint32_t> add(const RegionDesc& region, std::uint64_t bytes);
   // Takes a region out of its set (destroying a per_buffer set with it).
-  void remove(std::uint32_t slot, const RegionDesc& region);
+  void remove(std::uint32_t slot, const RegionDesc& region, std::uint64_t bytes);
 
   // Commits every touched set once, most shrinking first; with `request` set, also requests the
   // residency of sets that hold regions and are not yet requested. Each outcome that is not ok

@@ -225,6 +225,44 @@ TEST(PosixManager, TwoManagersOverOverlappingPagesNeverUndoEachOther) {
   EXPECT_EQ(vm_lck(), before);
 }
 
+// mlock locks whole pages, so a region that starts inside a page is charged every page it
+// touches: under a wired limit of 3 pages, two regions of 1.5 pages that start mid-page (2 pages
+// each to the kernel) are not both wired, and VmLck stays within the limit. Counting their bytes
+// (3 pages together) would wire both: 4 pages locked under a limit of 3.
+TEST(PosixManager, ARegionIsChargedTheWholePagesItTouchesAndVmLckStaysUnderTheLimit) {
+  const std::size_t page = static_cast<std::size_t>(::sysconf(_SC_PAGESIZE));
+  if (auto why = ensure_memlock(16 * page)) GTEST_SKIP() << *why;
+  TempMappedFile model(16 * page);
+  ASSERT_TRUE(model.ok()) << model.error();
+  model.touch_all();
+  Fixture f;
+  ManagerOptions o;
+  auto backend = make_posix_backend();
+  ASSERT_TRUE(backend) << backend.message();
+  o.config.keep_alive = KeepAlive::forever();
+  o.config.wired_limit = WiredLimit{false, 3 * page, 0};
+  o.backend = *backend;
+  o.clock = &f.clock;
+  o.log = f.logs.callback();
+  o.start_scheduler = false;
+  auto m = Manager::create(std::move(o));
+  ASSERT_TRUE(m) << m.message();
+  const std::uint64_t before = vm_lck();
+  const std::size_t len = page + page / 2;
+  auto r1 = (*m)->register_region(model.data() + page / 2, len);             // pages 0-1
+  auto r2 = (*m)->register_region(model.data() + 4 * page + page / 2, len);  // pages 4-5
+  ASSERT_TRUE(r1 && r2) << r1.message() << r2.message();
+  EXPECT_EQ(vm_lck() - before, 2 * page) << "the first region's two pages, and not the second's";
+  const Stats st = (*m)->stats();
+  EXPECT_EQ(st.wired_bytes, 2 * page) << "charged as the two pages it touches";
+  EXPECT_EQ(st.tracked_bytes, 2 * len);
+  EXPECT_EQ(st.pending_bytes, len) << "the second region's own bytes wait";
+  ASSERT_TRUE((*m)->unregister_region(*r1));
+  EXPECT_EQ(vm_lck() - before, 2 * page) << "freeing the first lets the second in";
+  m->reset();
+  EXPECT_EQ(vm_lck(), before);
+}
+
 // Two managers under one RLIMIT_MEMLOCK: it is split between them, not counted twice.
 TEST(PosixManager, TwoManagersSplitRlimitMemlock) {
   TempMappedFile model(16 * MiB);

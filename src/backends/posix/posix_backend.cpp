@@ -106,6 +106,7 @@ class PosixBackend final : public Backend {
     c.name = "posix";
     c.needs_refresh = false;  // mlock holds until munlock: nothing decays
     c.max_sets = 0;           // a set is our own bookkeeping: no system limit on their number
+    c.wire_granularity = page_;  // mlock locks whole pages: two pages for a region that straddles one
     // munlock only makes pages evictable again; it cannot drop a caller's data. Discarding a
     // KV cache would mean MADV_DONTNEED / MADV_FREE on memory the engine owns and may still
     // read (zeroed anonymous pages, or nothing at all for a shared file mapping), which is the
