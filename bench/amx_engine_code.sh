@@ -29,5 +29,12 @@ for t in f16 q8_0; do
     echo "$t $pr rc=$?" >> "$out/status.txt"
   done
 done
+# Which half of the pageout the remaining time comes from (F16): file mappings only, anonymous only.
+for w in file anon; do
+  python3 bench/pause_flatness.py --serve-loop "$B/tests/preload/preload_serve_loop" --preload "$B/src/preload/libresidency_preload.so" \
+    --llama-lib "$prefix/lib" --rounds 6 --pauses 0,0.8 --pageout --pageout-which $w --out "$out/f16-pageout-$w" \
+    /var/tmp/ec-f16.gguf > "$out/f16-pageout-$w.txt" 2>&1
+  echo "f16 pageout-$w rc=$?" >> "$out/status.txt"
+done
 free -m >> "$out/status.txt"
 echo done >> "$out/status.txt"

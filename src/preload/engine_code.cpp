@@ -22,7 +22,7 @@ std::string_view file_name(std::string_view path) noexcept {
 bool is_engine_object(std::string_view path) noexcept {
   const std::string_view name = file_name(path);
   for (const std::string_view prefix : {"libllama", "libggml", "libgomp", "libresidency_preload", "libstdc++.", "libc.",
-                                        "libc-"})
+                                        "libc-", "libm.", "libm-"})
     if (name.substr(0, prefix.size()) == prefix) return true;
   return false;
 }

@@ -6,7 +6,7 @@
 // (bench/results/2026-12-02-amx-pageout-read-back.md). So while a model is loaded the read-only
 // segments of the engine's libraries are registered as weights (they never change, and
 // releasing them is only munlock): libllama*, libggml* (base, CPU variants, GPU backends),
-// libgomp (ggml's OpenMP thread pool), the C and C++ runtimes a decode calls (libc, libstdc++)
+// libgomp (ggml's OpenMP thread pool), the C and C++ runtimes a decode calls (libc, libm, libstdc++)
 // and the preload itself, as the dynamic loader lists them (dl_iterate_phdr). The
 // runtimes' pages are shared with other processes; locking them in one only keeps them in memory. Writable segments are never registered (locking a private writable mapping
 // would copy its pages), and a segment over kMaxSegment is left out: that is a GPU backend's
@@ -37,7 +37,7 @@ struct LoadedSegment {
 };
 
 // Whether an object of this path belongs to the engine: its file name starts with libllama,
-// libggml, libgomp or libresidency_preload, or is libc or libstdc++ (libc.so.6, libc-2.36.so).
+// libggml, libgomp or libresidency_preload, or is libc, libm or libstdc++ (libc.so.6, libc-2.36.so).
 bool is_engine_object(std::string_view path) noexcept;
 
 struct CodePlan {

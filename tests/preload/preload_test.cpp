@@ -176,7 +176,7 @@ EngineVmas engine_vmas(pid_t pid) {
     for (const char* prefix : {"libllama", "libggml"})
       if (name.rfind(prefix, 0) == 0) return true;
     if (!with_ours) return false;
-    for (const char* prefix : {"libgomp", "libresidency_preload", "libstdc++.", "libc.", "libc-"})
+    for (const char* prefix : {"libgomp", "libresidency_preload", "libstdc++.", "libc.", "libc-", "libm.", "libm-"})
       if (name.rfind(prefix, 0) == 0) return true;
     return false;
   };

@@ -19,10 +19,10 @@ TEST(EngineCode, TheEnginesLibrariesAreKnownByTheirFileNames) {
   for (const char* p : {"/opt/llama/lib/libllama.so", "libllama.so.0", "/usr/lib/libggml-base.so", "/x/libggml-cpu-haswell.so",
                         "/x/libggml-cuda.so", "/usr/lib/x86_64-linux-gnu/libgomp.so.1", "/usr/local/lib/libresidency_preload.so",
                         "libggml.so", "/usr/lib/x86_64-linux-gnu/libc.so.6", "/lib/libc-2.36.so",
-                        "/usr/lib/x86_64-linux-gnu/libstdc++.so.6"})
+                        "/usr/lib/x86_64-linux-gnu/libm.so.6", "/usr/lib/x86_64-linux-gnu/libstdc++.so.6"})
     EXPECT_TRUE(is_engine_object(p)) << p;
   for (const char* p : {"", "/usr/bin/llama-server", "/opt/libllama/libcurl.so.4", "/usr/lib/libcuda.so.1",
-                        "/usr/lib/libcrypto.so.3", "/usr/lib/x86_64-linux-gnu/libm.so.6", "linux-vdso.so.1", "/x/mylibggml.so"})
+                        "/usr/lib/libcrypto.so.3", "/usr/lib/libmvec.so.1", "linux-vdso.so.1", "/x/mylibggml.so"})
     EXPECT_FALSE(is_engine_object(p)) << p;
 }
 
