@@ -2,15 +2,17 @@
 // The engine's own code, held with the model (DESIGN §13: residency holds the memory a decode
 // reads). A decode executes libllama's and ggml's code and reads their constant tables; after a
 // pageout from outside (process_madvise, or reclaim under pressure) every decode faults those
-// pages back in from the library files, which measured 2.4-3.9x the token time on a 1 GiB model
-// (bench/results/2026-12-02-amx-pageout-read-back.md). So while a model is loaded the read-only
-// segments of the engine's libraries are registered as weights (they never change, and
+// pages back in from the library files: 2.4 MiB per token on the Xeon host
+// (bench/results/2026-12-02-amx-pageout-read-back.md; on that machine's fast disk they cost
+// little time, bench/results/2026-12-02-amx-engine-code.md). So while a model is loaded the
+// read-only segments of the engine's libraries are registered as weights (they never change, and
 // releasing them is only munlock): libllama*, libggml* (base, CPU variants, GPU backends),
-// libgomp (ggml's OpenMP thread pool), the C and C++ runtimes a decode calls (libc, libm, libstdc++)
-// and the preload itself, as the dynamic loader lists them (dl_iterate_phdr). The
-// runtimes' pages are shared with other processes; locking them in one only keeps them in memory. Writable segments are never registered (locking a private writable mapping
-// would copy its pages), and a segment over kMaxSegment is left out: that is a GPU backend's
-// device code (libggml-cuda's fatbin, hundreds of MiB), which the CPU never reads at decode.
+// libgomp (ggml's OpenMP thread pool), the C and C++ runtimes a decode calls (libc, libm,
+// libstdc++) and the preload itself, as the dynamic loader lists them (dl_iterate_phdr). The
+// runtimes' pages are shared with other processes; locking them in one only keeps them in
+// memory. Writable segments are never registered (locking a private writable mapping would copy
+// its pages), and a segment over kMaxSegment is left out: that is a GPU backend's device code
+// (libggml-cuda's fatbin, hundreds of MiB), which the CPU never reads at decode.
 //
 // The pieces are registered at the end of the model's load and unregistered when the last weights
 // buffer is freed: a library is not unloaded while a model it decodes is loaded (an unload
