@@ -276,7 +276,8 @@ void flush_buffers(Session& s, const char* why, bool model_loaded = false) noexc
     const Stats before = s.manager->stats();
     const auto t0 = std::chrono::steady_clock::now();
     s.buffers.flush();
-    if (model_loaded) s.code.register_once();
+    // Only for a model with weights: llama-server first loads one without (its vocabulary).
+    if (model_loaded && s.buffers.holds_weights()) s.code.register_once();
     const Stats after = s.manager->stats();
     if (after.wired_bytes > before.wired_bytes) {
       char took[32];

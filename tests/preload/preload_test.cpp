@@ -863,6 +863,10 @@ TEST_F(PreloadTest, LlamaServerAnswersTextAndHoldsTheModelOnlyWhileServing) {
     EXPECT_EQ(vm_lck(pid).value_or(1), 0U) << "still locked 10 s after the last request";
   }
   EXPECT_TRUE(server->process->alive()) << server->process->stderr_text();
+  // llama-server loads a model without weights first (its vocabulary): the engine's code is held
+  // with the model that has them, once.
+  const std::string err = server->process->stderr_text();
+  EXPECT_EQ(count_containing(err, "preload: engine code: "), 1U) << err;
 }
 
 }  // namespace
