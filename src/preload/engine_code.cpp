@@ -29,29 +29,21 @@ bool is_engine_object(std::string_view path) noexcept {
 
 CodePlan plan_engine_code(const std::vector<LoadedSegment>& segments, std::size_t page_size, std::uint64_t max_segment) {
   CodePlan plan;
-  const std::uintptr_t page = page_size;
-  std::vector<Extent> ranges;
+  std::vector<Extent> kept;
   for (const LoadedSegment& s : segments) {
     if (s.writable || s.end <= s.begin || !is_engine_object(s.object)) continue;
-    const std::uintptr_t b = s.begin & ~(page - 1);
-    const std::uintptr_t e = s.end > UINTPTR_MAX - (page - 1) ? (UINTPTR_MAX & ~(page - 1)) : (s.end + page - 1) & ~(page - 1);
-    if (e <= b) continue;  // the last page of the address space: nothing a library maps
-    if (e - b > max_segment) {
-      plan.left_out += e - b;
+    const std::vector<Extent> pages = page_runs({{s.begin, s.end}}, s.begin, s.end, page_size);
+    if (pages.empty()) continue;  // the last page of the address space: nothing a library maps
+    const std::uint64_t size = pages.front().end - pages.front().begin;
+    if (size > max_segment) {
+      plan.left_out += size;
       continue;
     }
-    ranges.push_back({b, e});
+    kept.push_back(pages.front());
     const std::string name(file_name(s.object));
     if (std::find(plan.objects.begin(), plan.objects.end(), name) == plan.objects.end()) plan.objects.push_back(name);
   }
-  std::sort(ranges.begin(), ranges.end(), [](const Extent& x, const Extent& y) { return x.begin < y.begin; });
-  for (const Extent& r : ranges) {
-    if (!plan.ranges.empty() && r.begin <= plan.ranges.back().end) {
-      plan.ranges.back().end = std::max(plan.ranges.back().end, r.end);
-    } else {
-      plan.ranges.push_back(r);
-    }
-  }
+  plan.ranges = page_runs(std::move(kept), 0, UINTPTR_MAX, page_size);
   for (const Extent& r : plan.ranges) plan.bytes += r.end - r.begin;
   return plan;
 }
