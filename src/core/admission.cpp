@@ -134,6 +134,7 @@ bool Admission::admit(Region& r) {
   r.admitted = true;
   r.layout_slot = *slot;
   budget_.admitted_region(r.desc.id, bytes);
+  admitted_size_ += r.desc.size;
   return true;
 }
 
@@ -143,6 +144,7 @@ void Admission::evict(Region& r) {
   sets_.remove(r.layout_slot, r.desc, bytes);
   backend_.unreserve_wired(bytes);
   budget_.evicted_region(r.desc.id, bytes);
+  admitted_size_ -= r.desc.size;
   r.admitted = false;
 }
 

@@ -135,6 +135,8 @@ class Admission {
   RegionTable& regions() { return regions_; }
   const RegionTable& regions() const { return regions_; }
   const WiredBudget& budget() const { return budget_; }
+  // The admitted regions' own bytes (budget().admitted() is what they are charged).
+  std::uint64_t admitted_size() const { return admitted_size_; }
   WiredBudget& budget() { return budget_; }
   const ResidencySets& sets() const { return sets_; }
   ResidencySets& sets() { return sets_; }
@@ -161,6 +163,7 @@ class Admission {
 
   Backend& backend_;
   std::uint64_t granularity_ = 1;  // Capabilities::wire_granularity
+  std::uint64_t admitted_size_ = 0;
   const LogSink& log_;
   const KeepAliveState& ka_;
   Limits limits_;  // its warn-once flags change here

@@ -128,10 +128,7 @@ Stats ManagerReport::stats() const {
   s.tracked_bytes = adm_.regions().tracked_bytes();
   s.admitted_bytes = adm_.budget().admitted();
   s.wired_bytes = adm_.sets().requested_bytes();
-  // The regions' own bytes (admitted_bytes is charged whole pages on posix).
-  adm_.regions().for_each([&](const Region& r) {
-    if (!r.admitted) s.pending_bytes += r.desc.size;
-  });
+  s.pending_bytes = s.tracked_bytes - adm_.admitted_size();  // own bytes; admitted_bytes is charged
   s.wired_limit = adm_.budget().limit();
   s.regions = static_cast<std::uint32_t>(adm_.regions().size());
   s.sets = adm_.sets().live_sets();
