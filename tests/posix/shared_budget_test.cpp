@@ -247,17 +247,22 @@ TEST(SharedBudgetLedger, CreatedForItsUserOnlyAndRemovedByTheLastHolder) {
   ::closedir(d);
 }
 
+// kMaxHolders holders of the 64 MiB budget `name`, in this process: its ledger has no slot left.
+void fill_every_slot(const std::string& name, std::vector<std::unique_ptr<ledger::Ledger>>& holders) {
+  for (std::uint32_t i = 0; i < ledger::kMaxHolders; ++i) {
+    auto h = ledger::Ledger::attach({name, 64 * MiB, "", 0});
+    ASSERT_TRUE(h) << "holder " << i << ": " << h.message();
+    holders.push_back(std::move(*h));
+  }
+}
+
 // Issue 18, item 1: the 65th holder of one budget got the documented message instead of a
 // SIGSEGV (the ledger was unmapped while its lock was held), and the ledger stays usable: the 64
 // holders still reserve and give back, and a slot freed is taken again.
 TEST(SharedBudgetLedger, TheHolderPastTheLastSlotGetsTheMessageAndTheLedgerStaysUsable) {
   const std::string name = unique_name("full");
   std::vector<std::unique_ptr<ledger::Ledger>> holders;
-  for (std::uint32_t i = 0; i < ledger::kMaxHolders; ++i) {
-    auto h = ledger::Ledger::attach({name, 64 * MiB, "", 0});
-    ASSERT_TRUE(h) << "holder " << i << ": " << h.message();
-    holders.push_back(std::move(*h));
-  }
+  ASSERT_NO_FATAL_FAILURE(fill_every_slot(name, holders));
   for (int round = 0; round < 3; ++round) {
     auto extra = ledger::Ledger::attach({name, 64 * MiB, "", 0});
     ASSERT_FALSE(extra);
@@ -1224,11 +1229,7 @@ namespace {
 TEST(SharedBudgetProcesses, AHoldPastTheLastSlotExitsWithTheMessageAndTheHoldersGoOn) {
   const std::string name = unique_name("crowd");
   std::vector<std::unique_ptr<ledger::Ledger>> holders;
-  for (std::uint32_t i = 0; i < ledger::kMaxHolders; ++i) {
-    auto h = ledger::Ledger::attach({name, 64 * MiB, "", 0});
-    ASSERT_TRUE(h) << "holder " << i << ": " << h.message();
-    holders.push_back(std::move(*h));
-  }
+  ASSERT_NO_FATAL_FAILURE(fill_every_slot(name, holders));
   TempMappedFile f(kHold);
   ASSERT_TRUE(f.ok());
   for (int round = 0; round < 2; ++round) {
