@@ -140,6 +140,17 @@ struct Hold {
   }
 };
 
+// `a` holds its file, stays idle long enough to be asked (ledger::kIdleBeforeAsked), then is
+// stopped (SIGSTOP, seen stopped): an asked holder that never answers.
+void idle_then_stopped(Hold& a) {
+  ASSERT_TRUE(a.wait_vm_lck(kHold, 10s)) << a.all();
+  std::this_thread::sleep_for(ledger::kIdleBeforeAsked + 100ms);
+  ASSERT_EQ(::kill(a.pid, SIGSTOP), 0);
+  int st = 0;
+  ASSERT_EQ(::waitpid(a.pid, &st, WUNTRACED), a.pid);
+  ASSERT_TRUE(WIFSTOPPED(st));
+}
+
 // Samples the VmLck of every process given, continuously, on its own thread. Each sample reads
 // the processes forward then backward and keeps each one's smaller reading, so that memory moving
 // from one process to another during a sweep is not counted twice; a real excess (two processes
@@ -1061,12 +1072,7 @@ void a_stopped_holder_continued_after_the_asker_left_keeps_its_memory(bool kill_
   const std::string name = unique_name(kill_asker ? "stale-killed" : "stale");
   const std::vector<std::string> env = {env_budget(name, "6MiB")};
   Hold a(path_of(fa), env);
-  ASSERT_TRUE(a.wait_vm_lck(kHold, 10s)) << a.all();
-  std::this_thread::sleep_for(ledger::kIdleBeforeAsked + 100ms);  // a is idle enough to be asked
-  ASSERT_EQ(::kill(a.pid, SIGSTOP), 0);
-  int st = 0;
-  ASSERT_EQ(::waitpid(a.pid, &st, WUNTRACED), a.pid);
-  ASSERT_TRUE(WIFSTOPPED(st));
+  ASSERT_NO_FATAL_FAILURE(idle_then_stopped(a));
   Hold b(path_of(fb), env);
   ASSERT_TRUE(wait_until_asked(name, a.pid)) << "b has asked a once a's slot shows the ask: " << b.all();
   if (kill_asker) {
@@ -1092,11 +1098,7 @@ TEST(SharedBudgetProcesses, WaitingForAnAskedHolderBlocksNoOtherCallOfTheManager
   ASSERT_TRUE(fa.ok());
   const std::string name = unique_name("nolock");
   Hold a(path_of(fa), {env_budget(name, "6MiB")});
-  ASSERT_TRUE(a.wait_vm_lck(kHold, 10s)) << a.all();
-  std::this_thread::sleep_for(ledger::kIdleBeforeAsked + 100ms);  // a is idle enough to be asked
-  ASSERT_EQ(::kill(a.pid, SIGSTOP), 0);
-  int st = 0;
-  ASSERT_EQ(::waitpid(a.pid, &st, WUNTRACED), a.pid);
+  ASSERT_NO_FATAL_FAILURE(idle_then_stopped(a));
   auto backend = make_backend("posix");
   ASSERT_TRUE(backend) << backend.message();
   auto m = Manager::create(shared_manager_options(*backend, name, 6 * MiB));
@@ -1316,11 +1318,7 @@ TEST(SharedBudgetStoppedLock, SigintEndsAHoldWaitingForAStoppedAskedHolderAtOnce
   ASSERT_TRUE(fa.ok() && fb.ok());
   const std::string name = unique_name("ask-int");
   Hold a(path_of(fa), {env_budget(name, "6MiB")});
-  ASSERT_TRUE(a.wait_vm_lck(kHold, 10s)) << a.all();
-  std::this_thread::sleep_for(ledger::kIdleBeforeAsked + 100ms);  // a is idle enough to be asked
-  ASSERT_EQ(::kill(a.pid, SIGSTOP), 0);
-  int st = 0;
-  ASSERT_EQ(::waitpid(a.pid, &st, WUNTRACED), a.pid);
+  ASSERT_NO_FATAL_FAILURE(idle_then_stopped(a));
   Hold b(path_of(fb), {env_budget(name, "6MiB")});
   ASSERT_TRUE(wait_until_asked(name, a.pid)) << b.all();
   const auto t0 = SteadyTime::now();
