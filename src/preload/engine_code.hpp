@@ -3,8 +3,8 @@
 // reads). A decode executes libllama's and ggml's code and reads their constant tables; after a
 // pageout from outside (process_madvise, or reclaim under pressure) every decode faults those
 // pages back in from the library files: 2.4 MiB per token on the Xeon host
-// (bench/results/2026-12-02-amx-pageout-read-back.md; on that machine's fast disk they cost
-// little time, bench/results/2026-12-02-amx-engine-code.md). So while a model is loaded the
+// (bench/results/2026-12-02-amx-pageout-read-back.md; there they cost no measurable time,
+// bench/results/2026-12-02-amx-engine-code.md). So while a model is loaded the
 // read-only segments of the engine's libraries are registered as weights (they never change, and
 // releasing them is only munlock): libllama* (llama-server's libllama-common and
 // libllama-server-impl too: they run at every token), libggml* (base, CPU variants, GPU backends),
