@@ -7,7 +7,7 @@
 // bench/results/2026-12-02-amx-engine-code.md). So while a model is loaded the
 // read-only segments of the engine's libraries are registered as weights (they never change, and
 // releasing them is only munlock): libllama* (llama-server's libllama-common and
-// libllama-server-impl too: they run at every token), libggml* (base, CPU variants, GPU backends),
+// libllama-server-impl match too; what of them a request runs was not measured), libggml* (base, CPU variants, GPU backends),
 // libgomp (ggml's OpenMP thread pool), the C and C++ runtimes a decode calls (libc, libm,
 // libstdc++) and the preload itself, as the dynamic loader lists them (dl_iterate_phdr). The
 // runtimes' pages are shared with other processes; locking them in one only keeps them in
