@@ -165,6 +165,12 @@ class Manager {
   // A use of the memory outside a call (an upload before the decode that reads it): a use under a
   // duration or forever; under 0, resident from now until the end of the next call.
   void access() noexcept;
+  // Lock-free: whether the keep-alive holds the memory now. False after a release (the keep-alive
+  // expired, pressure, another process asked, release_now()) until a use wires it again, and
+  // always under keep-alive 0 and off. An engine whose registered memory may have changed while
+  // released (memory it does not allocate itself) refreshes it when this is false, before the
+  // call that wires it.
+  bool wants_resident() const noexcept;
   // Asks for the memory to be wired again in the background (on the scheduler thread) and
   // returns at once: call it when a request arrives, before tokenizing, so that the re-wire
   // overlaps work the engine does anyway; the touch() before the first compute then finds it

@@ -323,6 +323,8 @@ void Manager::end_call(void (*synchronize)(void*), void* ctx) noexcept {
   }
 }
 
+bool Manager::wants_resident() const noexcept { return impl_->ka.wants_resident(); }
+
 void Manager::access() noexcept {
   Impl& m = *impl_;
   if (m.ka.rewires_on_use()) {

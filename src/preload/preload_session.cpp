@@ -20,6 +20,7 @@
 #include "device_memory.hpp"
 #include "buffer_plan.hpp"
 #include "engine_code.hpp"
+#include "engine_memory.hpp"
 #include "ggml_buffers.hpp"
 #include "piece_table.hpp"
 #include "next_calls.hpp"
@@ -43,14 +44,24 @@ struct Session {
       : manager(std::move(m)),
         buffers(*manager, w, &info, &debug, pressure_without_swap),
         code(*manager, w, &info),
-        gguf(nullptr, w, "GGUF mappings") {}
+        memory(*manager, w, &info, &debug),
+        gguf(nullptr, w, "GGUF mappings"),
+        holds_between_calls(manager->config().keep_alive.in_effect() == KeepAlive::Kind::duration ||
+                            manager->config().keep_alive.in_effect() == KeepAlive::Kind::forever) {}
   std::unique_ptr<Manager> manager;
   // What is registered: llama.cpp's buffers in host memory, and while a model is loaded the
-  // engine's read-only code (engine_code.hpp).
+  // engine's read-only code (engine_code.hpp) and its anonymous working memory (engine_memory.hpp).
   GgmlBuffers buffers;
   EngineCode code;
+  EngineMemory memory;
   // The GGUF file mappings (not registered): where the file ranges no buffer reads lie.
   PieceTable gguf;
+  // Under a duration or forever the memory stays between decodes, and so does the engine's working
+  // memory; under keep-alive 0 (wired around each decode) it is not held.
+  const bool holds_between_calls;
+  // Decodes since the memory was last wired by a decode (or since the engine memory was dropped):
+  // its snapshot is taken after the 1st, 2nd, 4th, ... 64th.
+  std::atomic<std::uint32_t> decodes_since_wire{0};
 };
 
 // Constant-initialized: loading the library runs no code.
@@ -209,20 +220,40 @@ void track(void* addr, std::size_t size) noexcept {
 }
 
 bool tracked(const Session& s, std::uintptr_t b, std::uintptr_t e) noexcept {
-  return s.buffers.pieces().overlaps(b, e) || s.code.pieces().overlaps(b, e) || s.gguf.overlaps(b, e);
+  return s.buffers.pieces().overlaps(b, e) || s.code.pieces().overlaps(b, e) || s.memory.pieces().overlaps(b, e) ||
+         s.gguf.overlaps(b, e);
 }
 
 // With g_mu held, around an unmap of [b, e) (or a MAP_FIXED mapping over it).
 struct Cuts {
-  PieceTable::Cut regions, code, mappings;
+  PieceTable::Cut regions, code, memory, mappings;
 };
 Cuts cut_all(Session& s, std::uintptr_t b, std::uintptr_t e) noexcept {
-  return Cuts{s.buffers.pieces().cut(b, e), s.code.pieces().cut(b, e), s.gguf.cut(b, e)};
+  return Cuts{s.buffers.pieces().cut(b, e), s.code.pieces().cut(b, e), s.memory.pieces().cut(b, e), s.gguf.cut(b, e)};
 }
 void after_unmap_all(Session& s, const Cuts& c, std::uintptr_t b, std::uintptr_t e, bool unmapped) noexcept {
   s.buffers.pieces().after_unmap(c.regions, b, e, unmapped);
   s.code.pieces().after_unmap(c.code, b, e, unmapped);
+  s.memory.pieces().after_unmap(c.memory, b, e, unmapped);
   s.gguf.after_unmap(c.mappings, b, e, unmapped);
+}
+
+// With g_mu held: what is registered besides the engine memory (llama.cpp's buffers, the engine's
+// code), sorted, disjoint.
+std::vector<Extent> held_extents(const Session& s) {
+  std::vector<Extent> held;
+  for (const PieceTable* t : {&s.buffers.pieces(), &s.code.pieces()})
+    for (const PieceTable::Piece& p : t->pieces()) held.push_back({p.begin, p.end});
+  std::sort(held.begin(), held.end(), [](const Extent& a, const Extent& b) { return a.begin < b.begin; });
+  return held;
+}
+
+// With g_mu held: the engine memory is dropped (before buffers are registered, which may lie where
+// freed heap memory was, and before a decode wires again what may have been unmapped since), and
+// its snapshots start over after the next decode.
+void drop_engine_memory(Session& s) noexcept {
+  s.memory.unregister();
+  s.decodes_since_wire.store(0, std::memory_order_relaxed);
 }
 
 // Pages of [b, e) in memory now (mincore), bytes.
@@ -275,6 +306,7 @@ void flush_buffers(Session& s, const char* why, bool model_loaded = false) noexc
   try {
     const Stats before = s.manager->stats();
     const auto t0 = std::chrono::steady_clock::now();
+    drop_engine_memory(s);
     s.buffers.flush();
     // Only for a model with weights: llama-server first loads one without (its vocabulary).
     if (model_loaded && s.buffers.holds_weights()) s.code.register_once();
@@ -431,6 +463,10 @@ std::int32_t decode_hook(Entry which, llama_context* ctx, llama_batch batch) {
   // Buffers ggml made since the last flush (a compute buffer that grew): registered first.
   if (s->buffers.has_pending())
     with_session([](Session& session) { flush_buffers(session, "buffers made since the last decode"); });
+  // This decode wires what was released: the engine memory is snapshot again after it, not wired
+  // as it was (part of it may be unmapped since).
+  if (s->holds_between_calls && !s->manager->wants_resident())
+    with_session([](Session& session) { drop_engine_memory(session); });
   {
     ErrnoKeeper keep;
     HookScope hook;
@@ -441,6 +477,14 @@ std::int32_t decode_hook(Entry which, llama_context* ctx, llama_batch batch) {
     ErrnoKeeper keep;
     HookScope hook;
     s->manager->end_call(&synchronize_context, ctx);
+  }
+  if (s->holds_between_calls) {
+    const std::uint32_t n = s->decodes_since_wire.fetch_add(1, std::memory_order_relaxed) + 1;
+    if (n <= 64 && (n & (n - 1)) == 0)
+      with_session([n](Session& session) {
+        if (session.buffers.holds_weights() && session.manager->wants_resident())
+          session.memory.snapshot(held_extents(session), n == 1 ? "after a decode" : "after more decodes");
+      });
   }
   return r;
 }
@@ -470,6 +514,10 @@ void buffer_usage_hook(ggml_backend_buffer_t b, enum ggml_backend_buffer_usage u
 void buffer_free_hook(ggml_backend_buffer_t b) noexcept {
   if (b == nullptr) return;
   with_session([&](Session& s) {
+    // llama.cpp frees buffers when it frees a context or a model, or grows a compute buffer: the
+    // heap changes with them (dropped first, so that the room the buffer leaves never wires a
+    // piece of it that is gone), and the next decodes take the engine memory's snapshot again.
+    drop_engine_memory(s);
     s.buffers.freeing(b);
     // The last model's weights are gone: so is the reason to hold the engine's code.
     if (s.code.registered() && !s.buffers.holds_weights()) s.code.unregister();

@@ -1,0 +1,185 @@
+// SPDX-License-Identifier: MIT
+#include "engine_memory.hpp"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <charconv>
+
+#include "engine_code.hpp"
+#include "residency/text.hpp"
+
+namespace residency::preload {
+
+namespace {
+
+bool parse_hex(std::string_view s, std::uint64_t& out) noexcept {
+  const auto r = std::from_chars(s.data(), s.data() + s.size(), out, 16);
+  return r.ec == std::errc{} && r.ptr == s.data() + s.size();
+}
+
+// The next space-separated field of `s` from `at` (spaces before it skipped); empty at the end.
+std::string_view field(std::string_view s, std::size_t& at) noexcept {
+  while (at < s.size() && s[at] == ' ') ++at;
+  const std::size_t b = at;
+  while (at < s.size() && s[at] != ' ') ++at;
+  return s.substr(b, at - b);
+}
+
+// The whole of /proc/self/maps; empty when it cannot be read.
+std::string read_own_maps() {
+  std::string text;
+  const int fd = ::open("/proc/self/maps", O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return text;
+  char buf[16384];
+  for (;;) {
+    const ssize_t n = ::read(fd, buf, sizeof buf);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) break;
+    text.append(buf, static_cast<std::size_t>(n));
+  }
+  ::close(fd);
+  return text;
+}
+
+}  // namespace
+
+std::vector<MapsEntry> parse_maps(std::string_view text) {
+  std::vector<MapsEntry> out;
+  std::size_t b = 0;
+  while (b < text.size()) {
+    std::size_t e = text.find('\n', b);
+    if (e == std::string_view::npos) e = text.size();
+    const std::string_view line = text.substr(b, e - b);
+    b = e + 1;
+    std::size_t at = 0;
+    const std::string_view range = field(line, at), perms = field(line, at);
+    field(line, at);  // offset
+    field(line, at);  // device
+    const std::string_view inode = field(line, at);
+    const std::size_t dash = range.find('-');
+    std::uint64_t lo = 0, hi = 0, ino = 0;
+    if (dash == std::string_view::npos || perms.size() < 4 || !parse_hex(range.substr(0, dash), lo) ||
+        !parse_hex(range.substr(dash + 1), hi) || hi <= lo)
+      continue;
+    if (std::from_chars(inode.data(), inode.data() + inode.size(), ino).ec != std::errc{}) continue;
+    while (at < line.size() && line[at] == ' ') ++at;
+    MapsEntry m;
+    m.begin = static_cast<std::uintptr_t>(lo);
+    m.end = static_cast<std::uintptr_t>(hi);
+    m.readable = perms[0] == 'r';
+    m.writable = perms[1] == 'w';
+    m.executable = perms[2] == 'x';
+    m.is_private = perms[3] == 'p';
+    m.inode = ino;
+    m.path = std::string(line.substr(at));
+    out.push_back(std::move(m));
+  }
+  return out;
+}
+
+bool is_private_anonymous(const MapsEntry& m) noexcept {
+  if (!m.is_private || !m.readable || !m.writable || m.inode != 0) return false;
+  const std::string_view p = m.path;
+  return p.empty() || p == "[heap]" || p == "[stack]" || p.substr(0, 6) == "[anon:";
+}
+
+bool is_engine_data(const MapsEntry& m) noexcept {
+  return m.is_private && m.readable && !m.executable && m.inode != 0 && is_engine_object(m.path);
+}
+
+MemoryPlan plan_engine_memory(const std::vector<MapsEntry>& maps, const std::vector<Extent>& held,
+                              std::size_t page_size, std::uint64_t max_mapping) {
+  MemoryPlan plan;
+  std::vector<Extent> kept;
+  for (const MapsEntry& m : maps) {
+    if (!is_private_anonymous(m) && !is_engine_data(m)) continue;
+    if (m.end - m.begin > max_mapping) {
+      plan.left_out += m.end - m.begin;
+      continue;
+    }
+    // The mapping minus what is held, in whole pages (maps' bounds are pages already).
+    for (const Extent& g : page_gaps(m.begin, m.end, held, page_size)) kept.push_back(g);
+  }
+  plan.ranges = page_runs(std::move(kept), 0, UINTPTR_MAX, page_size);
+  for (const Extent& r : plan.ranges) plan.bytes += r.end - r.begin;
+  return plan;
+}
+
+std::vector<Extent> resident_runs(const Extent& range, const std::vector<unsigned char>& resident, std::size_t page_size,
+                                  std::size_t max_gap) {
+  std::vector<Extent> runs;
+  const std::size_t pages = std::min<std::size_t>(resident.size(), (range.end - range.begin) / page_size);
+  for (std::size_t i = 0; i < pages;) {
+    if ((resident[i] & 1U) == 0) {
+      ++i;
+      continue;
+    }
+    std::size_t j = i;
+    while (j < pages && (resident[j] & 1U) != 0) ++j;
+    const Extent run{range.begin + i * page_size, range.begin + j * page_size};
+    if (!runs.empty() && run.begin - runs.back().end <= max_gap * page_size)
+      runs.back().end = run.end;
+    else
+      runs.push_back(run);
+    i = j;
+  }
+  return runs;
+}
+
+std::vector<Extent> largest_runs(std::vector<Extent> runs, std::size_t max_runs) {
+  if (runs.size() <= max_runs) return runs;
+  std::stable_sort(runs.begin(), runs.end(),
+                   [](const Extent& a, const Extent& b) { return a.end - a.begin > b.end - b.begin; });
+  runs.resize(max_runs);
+  std::sort(runs.begin(), runs.end(), [](const Extent& a, const Extent& b) { return a.begin < b.begin; });
+  return runs;
+}
+
+void EngineMemory::snapshot(const std::vector<Extent>& held, const char* why) noexcept {
+  try {
+    // One batch for the old pieces and the new: an old piece that waited over the wired limit
+    // (and may be unmapped since) is never wired because another one left room.
+    Batch batch = manager_->batch();
+    unregister();
+    const std::size_t page = system_page_size();
+    const MemoryPlan plan = plan_engine_memory(parse_maps(read_own_maps()), held, page, kMaxMapping);
+    std::vector<Extent> runs;
+    std::vector<unsigned char> vec;
+    for (const Extent& r : plan.ranges) {
+      vec.assign((r.end - r.begin) / page, 0);
+      if (::mincore(reinterpret_cast<void*>(r.begin), r.end - r.begin, vec.data()) != 0) continue;  // unmapped since
+      for (const Extent& run : resident_runs(r, vec, page, kMaxGapPages)) runs.push_back(run);
+    }
+    const std::size_t found = runs.size();
+    runs = largest_runs(std::move(runs), kMaxRuns);
+    for (const Extent& r : runs)
+      if (pieces_.add(r.begin, r.end, RegionClass::scratch, /*owner=*/1)) bytes_ += r.end - r.begin;
+    std::string line = "engine memory: " + format_size(bytes_) + " in " + std::to_string(runs.size()) +
+                       " range(s) of the heap, stacks, other anonymous memory and the engine libraries' data, held with the model (" + why + ")";
+    if (found > runs.size())
+      line += "; " + std::to_string(found - runs.size()) + " smaller range(s) left out (at most " +
+              std::to_string(kMaxRuns) + ")";
+    if (plan.left_out > 0) line += "; " + format_size(plan.left_out) + " of anonymous mappings over 1 GiB left out";
+    (said_ ? detail_ : info_)(line);
+    said_ = true;
+  } catch (...) {
+    // Out of memory: what was registered stays.
+  }
+}
+
+void EngineMemory::unregister() noexcept {
+  if (bytes_ == 0) return;
+  bytes_ = 0;
+  try {
+    Batch batch = manager_->batch();  // as in snapshot(): nothing of it is wired on the way out
+    pieces_.remove_owner(1);
+  } catch (...) {
+    pieces_.remove_owner(1);
+  }
+}
+
+}  // namespace residency::preload

@@ -1,0 +1,112 @@
+// SPDX-License-Identifier: MIT
+// The engine's own working memory, held with the model (DESIGN §13: residency holds the memory a
+// decode reads). Besides llama.cpp's buffers and its code (engine_code.hpp), a decode writes and
+// reads memory that is no ggml buffer: the graph's metadata (llama.cpp's buf_compute_meta), ggml's
+// scheduler and graph-allocator tables, the CPU backend's work buffer, the stacks of the decoding
+// thread and of the OpenMP workers. That is anonymous memory (the heap, malloc's mapped chunks,
+// thread stacks): with swap, pressure moves it out, and the next token reads it back page by page.
+// Measured on the Xeon host with everything else held, after a pageout of every mapping: about
+// 0.8 MiB a token, F16 77-125 ms against 32-43 ms at pause 0
+// (bench/results/2026-12-02-amx-engine-code.md).
+//
+// Which pages a decode touches cannot be read from the kernel without privilege or soft-dirty bits
+// (absent on the kernels seen here and on arm64), so what is held is a snapshot: the pages of the
+// process's private anonymous memory that are in memory after a decode and are not registered
+// already. Taken again at the first decode after each wire, after 2, 4, ... 64 decodes since (the
+// working set of a new prompt length), and whenever llama.cpp makes buffers (a new buffer may lie
+// where freed heap memory was). A snapshot also holds what the program keeps in memory beside the
+// engine (a server's vocabulary and request state): the log line says how much is held. A mapping
+// over kMaxMapping is left out (an arena or a reservation, not working memory), and so is
+// everything when there are more resident runs than kMaxRuns after merging close ones.
+//
+// The allocator changes this memory without any call the preload sees (glibc's free() unmaps and
+// trims through internal system calls), so a held piece may stop being mapped: its lock goes
+// with the mapping, munlock of it fails harmlessly, and the next snapshot, taken before any wire,
+// drops it.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "buffer_plan.hpp"
+#include "piece_table.hpp"
+
+namespace residency::preload {
+
+// One line of /proc/self/maps.
+struct MapsEntry {
+  std::uintptr_t begin = 0;
+  std::uintptr_t end = 0;
+  bool readable = false;
+  bool writable = false;
+  bool executable = false;
+  bool is_private = false;
+  std::uint64_t inode = 0;
+  std::string path;  // "", "[heap]", "[stack]", "[anon:name]", a file's path, ...
+};
+
+// The lines of a /proc/PID/maps text; a line that does not parse is skipped.
+std::vector<MapsEntry> parse_maps(std::string_view text);
+
+// Private anonymous memory a program reads and writes: private, readable and writable, no file,
+// and either unnamed, the heap, a stack or a named anonymous mapping ([anon:...]).
+bool is_private_anonymous(const MapsEntry& m) noexcept;
+
+// The engine's own data: a private mapping of an engine object (is_engine_object), readable, not
+// executable: its .data and, once relocated, its read-only GOT and relocated tables (RELRO), whose
+// written pages are private copies that only swap can take. (Its read-only segments are held as
+// code already; engine_code.hpp.)
+bool is_engine_data(const MapsEntry& m) noexcept;
+
+struct MemoryPlan {
+  std::vector<Extent> ranges;  // whole pages, sorted, disjoint: the candidates to look at
+  std::uint64_t bytes = 0;
+  std::uint64_t left_out = 0;  // bytes of private anonymous mappings over max_mapping
+};
+
+// Pure: the private anonymous memory and the engine's data of `maps` minus `held` (sorted, disjoint: what is registered
+// already), in whole pages; mappings over max_mapping are left out.
+MemoryPlan plan_engine_memory(const std::vector<MapsEntry>& maps, const std::vector<Extent>& held,
+                              std::size_t page_size, std::uint64_t max_mapping);
+
+// Pure: the runs of resident pages of `range` (bit 0 of resident[i]: page i is in memory, as
+// mincore says), two runs at most max_gap pages apart merged (mlock faults the gap in).
+std::vector<Extent> resident_runs(const Extent& range, const std::vector<unsigned char>& resident, std::size_t page_size,
+                                  std::size_t max_gap);
+
+// Pure: at most max_runs of `runs` (sorted), the largest, still sorted.
+std::vector<Extent> largest_runs(std::vector<Extent> runs, std::size_t max_runs);
+
+class EngineMemory {
+ public:
+  static constexpr std::uint64_t kMaxMapping = 1ULL << 30;
+  static constexpr std::size_t kMaxRuns = 256;
+  static constexpr std::size_t kMaxGapPages = 4;
+  using Info = void (*)(const std::string& message);
+
+  EngineMemory(Manager& manager, PieceTable::Warn warn, Info info, Info detail)
+      : manager_(&manager), pieces_(&manager, warn, "engine memory"), info_(info), detail_(detail) {}
+
+  // With the preload's lock held: what is registered becomes the resident pages of the process's
+  // private anonymous memory outside `held` (sorted, disjoint), now. `why` goes into the log.
+  void snapshot(const std::vector<Extent>& held, const char* why) noexcept;
+  // With the preload's lock held: nothing of it stays registered.
+  void unregister() noexcept;
+  bool registered() const noexcept { return bytes_ > 0; }
+
+  PieceTable& pieces() noexcept { return pieces_; }
+  const PieceTable& pieces() const noexcept { return pieces_; }
+
+ private:
+  Manager* manager_;
+  PieceTable pieces_;
+  Info info_;
+  Info detail_;
+  std::uint64_t bytes_ = 0;
+  bool said_ = false;  // the first snapshot's line is info, the later ones debug
+};
+
+}  // namespace residency::preload
