@@ -144,7 +144,14 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "llama_engine: %s\n", config.message().c_str());
     return 2;
   }
+  // llama.cpp's host buffers are host memory: on Linux the posix backend locks them, also on a
+  // machine with a GPU, where "auto" is the cuda backend (device memory; it pins host memory
+  // instead of locking it, and pinned pages are no VmLck).
+#if defined(__APPLE__)
   auto backend = residency::make_backend("auto");
+#else
+  auto backend = residency::make_backend("posix");
+#endif
   if (!backend) {
     std::fprintf(stderr, "llama_engine: %s\n", backend.message().c_str());
     return 1;

@@ -97,12 +97,14 @@ MemoryPlan plan_engine_memory(const std::vector<MapsEntry>& maps, const std::vec
   std::vector<Extent> kept;
   for (const MapsEntry& m : maps) {
     if (!is_private_anonymous(m) && !is_engine_data(m)) continue;
+    // The mapping minus what is held, in whole pages (maps' bounds are pages already); a mapping
+    // over the cap is left out, but for what is held of it (a repacked copy of the weights).
+    const std::vector<Extent> gaps = page_gaps(m.begin, m.end, held, page_size);
     if (m.end - m.begin > max_mapping) {
-      plan.left_out += m.end - m.begin;
+      for (const Extent& g : gaps) plan.left_out += g.end - g.begin;
       continue;
     }
-    // The mapping minus what is held, in whole pages (maps' bounds are pages already).
-    for (const Extent& g : page_gaps(m.begin, m.end, held, page_size)) kept.push_back(g);
+    for (const Extent& g : gaps) kept.push_back(g);
   }
   plan.ranges = page_runs(std::move(kept), 0, UINTPTR_MAX, page_size);
   for (const Extent& r : plan.ranges) plan.bytes += r.end - r.begin;

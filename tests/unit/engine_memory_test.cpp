@@ -93,6 +93,8 @@ TEST(EngineMemory, ThePlanLeavesOutWhatIsHeldAndMappingsOverTheCap) {
   // A cap below the heap's and the stack's size leaves both out, and says how much.
   const MemoryPlan capped = plan_engine_memory(m, {}, kPage, /*max_mapping=*/0x20000);
   EXPECT_EQ(capped.left_out, 2U * 0x21000);
+  // What is held of a mapping over the cap (a repacked copy of the weights) is not left out: it is held.
+  EXPECT_EQ(plan_engine_memory(m, held, kPage, 0x20000).left_out, 2U * 0x21000 - 0x1000);
   for (const Extent& r : capped.ranges) {
     EXPECT_NE(r.begin, 0x55d0c0000000U);
     EXPECT_NE(r.begin, 0x7ffd00000000U);
