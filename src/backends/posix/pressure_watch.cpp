@@ -13,6 +13,7 @@
 #include <cerrno>
 #include <chrono>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <optional>
 #include <system_error>
@@ -30,6 +31,20 @@ std::string parent_dir(const std::string& path) {
   return slash == std::string::npos ? std::string(".") : path.substr(0, slash);
 }
 #endif
+// The "oom" count of a cgroup v2 memory.events (read from the start: the read also re-arms the
+// kernel's notification); nullopt when it cannot be read. Not "max": the cgroup reaches its limit
+// whenever reclaim of clean page cache is enough (loading a model in a tight container does),
+// which is no reason to give memory back; "oom" counts the times reclaim was not enough.
+std::optional<std::uint64_t> limit_events(int fd) {
+  char buf[512];
+  const ssize_t n = ::pread(fd, buf, sizeof buf - 1, 0);
+  if (n <= 0) return std::nullopt;
+  buf[n] = '\0';
+  // "oom N" starts a line (the first line is "low N"); "oom_kill N" is another key.
+  const char* at = std::strstr(buf, "\noom ");
+  return at != nullptr ? std::strtoull(at + 5, nullptr, 10) : 0;
+}
+constexpr Nanos kEventsWindow = std::chrono::seconds(2);
 }  // namespace
 
 Status PressureWatch::start(const std::string& path, const std::string& trigger,
@@ -58,6 +73,18 @@ Status PressureWatch::start(const std::string& path, const std::string& trigger,
   }
   Source src;
   src.fd = fd;
+  const std::string suffix = "/memory.pressure";
+  if (path.size() > suffix.size() && path.compare(path.size() - suffix.size(), suffix.size(), suffix) == 0) {
+    src.events_fd = ::open((parent_dir(path) + "/memory.events").c_str(), O_RDONLY | O_CLOEXEC);
+    if (src.events_fd >= 0) {
+      if (const auto seen = limit_events(src.events_fd)) {
+        src.events_seen = *seen;
+        src.window = kEventsWindow;
+      } else {
+        close_fd(src.events_fd);
+      }
+    }
+  }
   return run(std::move(src), std::move(on_pressure));
 }
 
@@ -121,10 +148,12 @@ Status PressureWatch::run(Source src, std::function<void()> on_pressure) {
   }
   for (int e : p) ::fcntl(e, F_SETFD, FD_CLOEXEC);
   const int fd = src.fd;
+  const int events_fd = src.events_fd;
   try {
     thread_ = std::thread(&PressureWatch::loop, std::move(src), p[0], std::move(on_pressure));
   } catch (const std::system_error& e) {
     ::close(fd);
+    if (events_fd >= 0) ::close(events_fd);
     ::close(p[0]);
     ::close(p[1]);
     return Status(ErrorCode::backend_error, std::string("cannot start the pressure watch thread: ") + e.what());
@@ -150,7 +179,9 @@ void PressureWatch::stop() {
 
 void PressureWatch::loop(Source src, int stop_fd, std::function<void()> on_pressure) {
   using Clock = std::chrono::steady_clock;
-  std::optional<Clock::time_point> last;  // eventfd: the last call
+  std::optional<Clock::time_point> last;  // eventfd, memory.events: the last call
+  std::optional<Clock::time_point> last_quiet;  // memory.events: the last wake with no new count
+  int quiet_wakes = 0;
   bool held = false;                      // eventfd: an event came inside the window
   bool gone = false;
   while (!gone) {
@@ -160,8 +191,10 @@ void PressureWatch::loop(Source src, int stop_fd, std::function<void()> on_press
       timeout = static_cast<int>(std::max<std::int64_t>(
           0, std::chrono::ceil<std::chrono::milliseconds>(left).count()));
     }
-    pollfd fds[2] = {{src.fd, static_cast<short>(src.eventfd ? POLLIN : POLLPRI), 0}, {stop_fd, POLLIN, 0}};
-    const int r = ::poll(fds, 2, timeout);
+    pollfd fds[3] = {{src.fd, static_cast<short>(src.eventfd ? POLLIN : POLLPRI), 0},
+                     {stop_fd, POLLIN, 0},
+                     {src.events_fd, POLLPRI, 0}};
+    const int r = ::poll(fds, src.events_fd >= 0 ? 3 : 2, timeout);
     if (r < 0) {
       if (errno == EINTR) continue;
       break;
@@ -169,7 +202,33 @@ void PressureWatch::loop(Source src, int stop_fd, std::function<void()> on_press
     if (fds[1].revents != 0) break;  // stop() checked first: no callback after a stop
     if (!src.eventfd) {
       if ((fds[0].revents & POLLPRI) != 0) {
+        last = Clock::now();
         on_pressure();
+        continue;
+      }
+      if (src.events_fd >= 0 && fds[2].revents != 0) {
+        // The cgroup ran out of memory since the last read: pressure, at most once per window
+        // (and not right after the PSI trigger's own call).
+        const auto seen = limit_events(src.events_fd);
+        if (!seen) {
+          close_fd(src.events_fd);  // the cgroup is gone: the trigger's POLLERR says so too
+          continue;
+        }
+        const bool grew = *seen > src.events_seen;
+        src.events_seen = *seen;
+        const auto now = Clock::now();
+        // A kernel whose notification the read does not re-arm would wake poll() at once, again
+        // and again: given up after 100 wakes without news within 10 ms of each other.
+        if (!grew) {
+          quiet_wakes = last_quiet && now - *last_quiet < std::chrono::milliseconds(10) ? quiet_wakes + 1 : 0;
+          last_quiet = now;
+          if (quiet_wakes > 100) close_fd(src.events_fd);
+          continue;
+        }
+        if (!last || now - *last >= src.window) {
+          last = now;
+          on_pressure();
+        }
         continue;
       }
       // The trigger is gone (its cgroup was removed): nothing more will come from it.
@@ -208,6 +267,7 @@ void PressureWatch::loop(Source src, int stop_fd, std::function<void()> on_press
     }
   }
   ::close(src.fd);
+  if (src.events_fd >= 0) ::close(src.events_fd);
   ::close(stop_fd);
 }
 

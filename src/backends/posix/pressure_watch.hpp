@@ -6,6 +6,9 @@
 //    registered by writing it to a pressure file (/proc/pressure/memory, a cgroup v2
 //    memory.pressure); the kernel wakes poll() with POLLPRI when the threshold is crossed, at
 //    most once per window;
+//    with a cgroup v2's PSI, its memory.events as well (POLLPRI when the kernel changes it): the
+//    cgroup running out of memory ("oom") is pressure, even when nothing stalled long enough for
+//    the trigger;
 //  - a cgroup v1 memory.pressure_level (vmpressure: PSI exists only system-wide under cgroup
 //    v1), registered through the cgroup's cgroup.event_control with an eventfd that the kernel
 //    signals on each reclaim pass at or above the level. Those come in bursts (one per 512 pages
@@ -54,8 +57,15 @@ class PressureWatch {
   struct Source {
     int fd = -1;
     bool eventfd = false;       // cgroup v1: POLLIN, read the counter; PSI: POLLPRI
-    Nanos window{0};            // eventfd: at most one call per window
+    Nanos window{0};            // eventfd, memory.events: at most one call per window
     std::string level_file;     // eventfd: gone = the cgroup was removed
+    // PSI of a cgroup v2 (its memory.pressure): the cgroup's memory.events too, whose "oom" count
+    // grows when reclaim cannot keep its usage under memory.max. When the memory is locked,
+    // reclaim finds nothing to do, so tasks hardly stall and the PSI trigger may never fire
+    // before the OOM killer does (seen on the GPU machine's host: a hog OOM-killed 54 times in
+    // 30 s, no trigger).
+    int events_fd = -1;
+    std::uint64_t events_seen = 0;
   };
   Status run(Source src, std::function<void()> on_pressure);
   static void loop(Source src, int stop_fd, std::function<void()> on_pressure);
