@@ -8,6 +8,8 @@
 #include <algorithm>
 #include <cerrno>
 #include <charconv>
+#include <chrono>
+#include <cstdio>
 
 #include "engine_code.hpp"
 #include "residency/text.hpp"
@@ -132,19 +134,25 @@ std::vector<Extent> resident_runs(const Extent& range, const std::vector<unsigne
   return runs;
 }
 
-std::vector<Extent> largest_runs(std::vector<Extent> runs, std::size_t max_runs) {
-  if (runs.size() <= max_runs) return runs;
+std::vector<Extent> runs_to_hold(std::vector<Extent> runs, std::size_t max_runs, std::uint64_t max_bytes) {
   std::stable_sort(runs.begin(), runs.end(),
-                   [](const Extent& a, const Extent& b) { return a.end - a.begin > b.end - b.begin; });
-  runs.resize(max_runs);
-  std::sort(runs.begin(), runs.end(), [](const Extent& a, const Extent& b) { return a.begin < b.begin; });
-  return runs;
+                   [](const Extent& a, const Extent& b) { return a.end - a.begin < b.end - b.begin; });
+  std::vector<Extent> kept;
+  std::uint64_t bytes = 0;
+  for (const Extent& r : runs) {
+    if (kept.size() == max_runs || bytes + (r.end - r.begin) > max_bytes) break;
+    kept.push_back(r);
+    bytes += r.end - r.begin;
+  }
+  std::sort(kept.begin(), kept.end(), [](const Extent& a, const Extent& b) { return a.begin < b.begin; });
+  return kept;
 }
 
 void EngineMemory::snapshot(const std::vector<Extent>& held, const char* why) noexcept {
   try {
     // One batch for the old pieces and the new: an old piece that waited over the wired limit
     // (and may be unmapped since) is never wired because another one left room.
+    const auto t0 = std::chrono::steady_clock::now();
     Batch batch = manager_->batch();
     unregister();
     const std::size_t page = system_page_size();
@@ -156,15 +164,24 @@ void EngineMemory::snapshot(const std::vector<Extent>& held, const char* why) no
       if (::mincore(reinterpret_cast<void*>(r.begin), r.end - r.begin, vec.data()) != 0) continue;  // unmapped since
       for (const Extent& run : resident_runs(r, vec, page, kMaxGapPages)) runs.push_back(run);
     }
+    std::uint64_t found_bytes = 0;
+    for (const Extent& r : runs) found_bytes += r.end - r.begin;
     const std::size_t found = runs.size();
-    runs = largest_runs(std::move(runs), kMaxRuns);
+    runs = runs_to_hold(std::move(runs), kMaxRuns, kMaxBytes);
     for (const Extent& r : runs)
       if (pieces_.add(r.begin, r.end, RegionClass::scratch, /*owner=*/1)) bytes_ += r.end - r.begin;
+    char took[32];
+    std::snprintf(took, sizeof took, "%.2f ms",
+                  std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
     std::string line = "engine memory: " + format_size(bytes_) + " in " + std::to_string(runs.size()) +
-                       " range(s) of the heap, stacks, other anonymous memory and the engine libraries' data, held with the model (" + why + ")";
-    if (found > runs.size())
-      line += "; " + std::to_string(found - runs.size()) + " smaller range(s) left out (at most " +
-              std::to_string(kMaxRuns) + ")";
+                       " range(s) of the heap, stacks, other anonymous memory and the engine libraries' data, held with the model (" +
+                       why + "; " + took + ")";
+    if (found > runs.size()) {
+      std::uint64_t kept_bytes = 0;
+      for (const Extent& r : runs) kept_bytes += r.end - r.begin;
+      line += "; " + std::to_string(found - runs.size()) + " larger range(s), " + format_size(found_bytes - kept_bytes) +
+              ", left out (at most " + std::to_string(kMaxRuns) + " ranges and " + format_size(kMaxBytes) + ")";
+    }
     if (plan.left_out > 0) line += "; " + format_size(plan.left_out) + " of anonymous mappings over 1 GiB left out";
     (said_ ? detail_ : info_)(line);
     said_ = true;

@@ -16,8 +16,8 @@
 // working set of a new prompt length), and whenever llama.cpp makes buffers (a new buffer may lie
 // where freed heap memory was). A snapshot also holds what the program keeps in memory beside the
 // engine (a server's vocabulary and request state): the log line says how much is held. A mapping
-// over kMaxMapping is left out (an arena or a reservation, not working memory), and so is
-// everything when there are more resident runs than kMaxRuns after merging close ones.
+// over kMaxMapping is left out (an arena or a reservation, not working memory), and at most
+// kMaxRuns runs and kMaxBytes are held, the smallest runs first (runs_to_hold).
 //
 // The allocator changes this memory without any call the preload sees (glibc's free() unmaps and
 // trims through internal system calls), so a held piece may stop being mapped: its lock goes
@@ -77,13 +77,16 @@ MemoryPlan plan_engine_memory(const std::vector<MapsEntry>& maps, const std::vec
 std::vector<Extent> resident_runs(const Extent& range, const std::vector<unsigned char>& resident, std::size_t page_size,
                                   std::size_t max_gap);
 
-// Pure: at most max_runs of `runs` (sorted), the largest, still sorted.
-std::vector<Extent> largest_runs(std::vector<Extent> runs, std::size_t max_runs);
+// Pure: what of `runs` (sorted) to hold under both caps, at most max_runs runs and max_bytes in
+// all, smallest first (stacks and the allocator's small chunks before bulk data: a runtime's
+// arenas or a large buffer of the program), returned sorted by address.
+std::vector<Extent> runs_to_hold(std::vector<Extent> runs, std::size_t max_runs, std::uint64_t max_bytes);
 
 class EngineMemory {
  public:
   static constexpr std::uint64_t kMaxMapping = 1ULL << 30;
   static constexpr std::size_t kMaxRuns = 256;
+  static constexpr std::uint64_t kMaxBytes = 256ULL << 20;
   static constexpr std::size_t kMaxGapPages = 4;
   using Info = void (*)(const std::string& message);
 

@@ -118,14 +118,20 @@ TEST(EngineMemory, ResidentRunsMergeSmallGapsOnly) {
   EXPECT_EQ(resident_runs(range, {1}, kPage, 4).size(), 1U);
 }
 
-TEST(EngineMemory, OverTheRunLimitTheLargestAreKeptInAddressOrder) {
+TEST(EngineMemory, UnderTheCapsTheSmallestRunsAreHeldInAddressOrder) {
   const std::vector<Extent> runs = {{0, 1}, {10, 15}, {20, 22}, {30, 40}, {50, 51}};
-  const std::vector<Extent> kept = largest_runs(runs, 3);
-  ASSERT_EQ(kept.size(), 3U);
-  EXPECT_EQ(kept[0].begin, 10U);
-  EXPECT_EQ(kept[1].begin, 20U);
-  EXPECT_EQ(kept[2].begin, 30U);
-  EXPECT_EQ(largest_runs(runs, 10).size(), 5U);
+  const std::vector<Extent> three = runs_to_hold(runs, 3, 1000);
+  ASSERT_EQ(three.size(), 3U);
+  EXPECT_EQ(three[0].begin, 0U);
+  EXPECT_EQ(three[1].begin, 20U);
+  EXPECT_EQ(three[2].begin, 50U);
+  EXPECT_EQ(runs_to_hold(runs, 10, 1000).size(), 5U);
+  // 1 + 1 + 2 + 5 = 9 bytes fit a cap of 9; the 10-byte run does not.
+  const std::vector<Extent> capped = runs_to_hold(runs, 10, 9);
+  ASSERT_EQ(capped.size(), 4U);
+  EXPECT_EQ(capped[1].begin, 10U);
+  EXPECT_TRUE(runs_to_hold(runs, 0, 1000).empty());
+  EXPECT_TRUE(runs_to_hold({}, 10, 1000).empty());
 }
 
 // The real /proc/self/maps of this process: the heap page malloc just wrote is a candidate, a
