@@ -142,21 +142,42 @@ std::vector<Read> reads_of(const std::string& out) {
   return r;
 }
 
+// One mapping of /proc/PID/smaps: its header line, and whether its VmFlags say locked ("lo").
+struct SmapsVma {
+  std::uintptr_t b = 0, e = 0;
+  std::string perms, inode, path;
+};
+bool is_locked_flags(const std::string& line) {
+  return line.rfind("VmFlags:", 0) == 0 && (line + " ").find(" lo ") != std::string::npos;
+}
+// Walks `pid`'s smaps: `header(vma)` at each mapping's first line, `field(vma, line)` at each
+// line after it.
+template <class Header, class Field>
+void walk_smaps(pid_t pid, Header&& header, Field&& field) {
+  std::ifstream in("/proc/" + std::to_string(pid) + "/smaps");
+  SmapsVma v;
+  for (std::string line; std::getline(in, line);) {
+    const auto dash = line.find('-');
+    if (dash != std::string::npos && dash > 0 && std::isxdigit(static_cast<unsigned char>(line[0])) && line.find(' ') > dash) {
+      std::istringstream ls(line);
+      std::string range, offset, dev;
+      v = SmapsVma{};
+      ls >> range >> v.perms >> offset >> dev >> v.inode >> v.path;
+      v.b = std::stoull(range.substr(0, dash), nullptr, 16);
+      v.e = std::stoull(range.substr(dash + 1), nullptr, 16);
+      header(v);
+    } else {
+      field(v, line);
+    }
+  }
+}
+
 // The address ranges of `pid`'s locked VMAs (VmFlags "lo" in /proc/PID/smaps), sorted.
 std::vector<std::pair<std::uintptr_t, std::uintptr_t>> locked_vmas(pid_t pid) {
   std::vector<std::pair<std::uintptr_t, std::uintptr_t>> out;
-  std::ifstream in("/proc/" + std::to_string(pid) + "/smaps");
-  std::uintptr_t b = 0, e = 0;
-  for (std::string line; std::getline(in, line);) {
-    const auto dash = line.find('-');
-    if (dash != std::string::npos && dash > 0 && std::isxdigit(static_cast<unsigned char>(line[0])) &&
-        line.find(' ') > dash) {
-      b = std::stoull(line.substr(0, dash), nullptr, 16);
-      e = std::stoull(line.substr(dash + 1, line.find(' ') - dash - 1), nullptr, 16);
-    } else if (line.rfind("VmFlags:", 0) == 0 && (line + " ").find(" lo ") != std::string::npos) {
-      out.emplace_back(b, e);
-    }
-  }
+  walk_smaps(pid, [](const SmapsVma&) {}, [&](const SmapsVma& v, const std::string& line) {
+    if (is_locked_flags(line)) out.emplace_back(v.b, v.e);
+  });
   std::sort(out.begin(), out.end());
   return out;
 }
@@ -181,31 +202,26 @@ EngineVmas engine_vmas(pid_t pid) {
     return false;
   };
   EngineVmas v;
-  std::ifstream in("/proc/" + std::to_string(pid) + "/smaps");
   bool any = false, code = false;
-  std::uintptr_t b = 0, e = 0;
-  for (std::string line; std::getline(in, line);) {
-    const auto dash = line.find('-');
-    if (dash != std::string::npos && dash > 0 && std::isxdigit(static_cast<unsigned char>(line[0])) && line.find(' ') > dash) {
-      std::istringstream ls(line);
-      std::string range, perms, offset, dev, inode, path;
-      ls >> range >> perms >> offset >> dev >> inode >> path;
-      b = std::stoull(range.substr(0, dash), nullptr, 16);
-      e = std::stoull(range.substr(dash + 1), nullptr, 16);
-      any = !path.empty() && engine(path, true) && perms.size() >= 2 && perms[1] != 'w';  // never a writable one
-      code = !path.empty() && engine(path, false) && perms.size() >= 3 && perms[2] == 'x';
-      if (code) {
-        v.code += e - b;
-        v.code_ranges.emplace_back(b, e - b);
-      }
-    } else if (line.rfind("VmFlags:", 0) == 0 && (line + " ").find(" lo ") != std::string::npos) {
-      // The whole VMA, as VmLck counts it ("Locked:" divides pages shared with other processes).
-      if (any) v.locked += e - b;
-      if (code) v.code_locked += e - b;
-    } else if (code && line.rfind("Rss:", 0) == 0) {
-      v.code_rss += std::stoull(line.substr(4)) * 1024;
-    }
-  }
+  walk_smaps(
+      pid,
+      [&](const SmapsVma& m) {
+        any = !m.path.empty() && engine(m.path, true) && m.perms.size() >= 2 && m.perms[1] != 'w';  // never a writable one
+        code = !m.path.empty() && engine(m.path, false) && m.perms.size() >= 3 && m.perms[2] == 'x';
+        if (code) {
+          v.code += m.e - m.b;
+          v.code_ranges.emplace_back(m.b, m.e - m.b);
+        }
+      },
+      [&](const SmapsVma& m, const std::string& line) {
+        if (is_locked_flags(line)) {
+          // The whole VMA, as VmLck counts it ("Locked:" divides pages shared with other processes).
+          if (any) v.locked += m.e - m.b;
+          if (code) v.code_locked += m.e - m.b;
+        } else if (code && line.rfind("Rss:", 0) == 0) {
+          v.code_rss += std::stoull(line.substr(4)) * 1024;
+        }
+      });
   return v;
 }
 
@@ -238,33 +254,28 @@ EngineMemoryVmas engine_memory_vmas(pid_t pid, const std::vector<std::pair<std::
   for (auto& [bb, bs] : buffers) buffer_pages.emplace_back(bb & ~(page - 1), (bb + bs + page - 1) & ~(page - 1));
   std::sort(buffer_pages.begin(), buffer_pages.end());
   EngineMemoryVmas v;
-  std::ifstream in("/proc/" + std::to_string(pid) + "/smaps");
-  std::uintptr_t b = 0, e = 0;
-  bool candidate = false, stack = false;
-  for (std::string line; std::getline(in, line);) {
-    const auto dash = line.find('-');
-    if (dash != std::string::npos && dash > 0 && std::isxdigit(static_cast<unsigned char>(line[0])) && line.find(' ') > dash) {
-      std::istringstream ls(line);
-      std::string range, perms, offset, dev, inode, path;
-      ls >> range >> perms >> offset >> dev >> inode >> path;
-      b = std::stoull(range.substr(0, dash), nullptr, 16);
-      e = std::stoull(range.substr(dash + 1), nullptr, 16);
-      const std::string name = path.substr(path.rfind('/') + 1);
-      const bool rw_private = perms.size() >= 4 && perms[0] == 'r' && perms[1] == 'w' && perms[3] == 'p';
-      const bool anonymous = inode == "0" && (path.empty() || path == "[heap]" || path == "[stack]" || path.rfind("[anon:", 0) == 0);
-      bool engine_data = false;
-      for (const char* prefix : {"libllama", "libggml", "libgomp", "libresidency_preload", "libstdc++.", "libc.", "libc-", "libm.", "libm-"})
-        engine_data = engine_data || (inode != "0" && name.rfind(prefix, 0) == 0);
-      candidate = rw_private && (anonymous || engine_data);
-      stack = path == "[stack]";
-    } else if (line.rfind("VmFlags:", 0) == 0 && (line + " ").find(" lo ") != std::string::npos && candidate) {
-      // A buffer in the heap and the heap pages beside it locked too are one VMA: only the part
-      // outside the buffers' pages is the engine memory.
-      const std::uint64_t outside = uncovered(b, e, buffer_pages);
-      v.locked += outside;
-      if (stack) v.stack_locked += outside;
-    }
-  }
+  bool candidate = false;
+  walk_smaps(
+      pid,
+      [&](const SmapsVma& m) {
+        const std::string name = m.path.substr(m.path.rfind('/') + 1);
+        const bool rw_private = m.perms.size() >= 4 && m.perms[0] == 'r' && m.perms[1] == 'w' && m.perms[3] == 'p';
+        const bool anonymous = m.inode == "0" && (m.path.empty() || m.path == "[heap]" || m.path == "[stack]" ||
+                                                  m.path.rfind("[anon:", 0) == 0);
+        bool engine_data = false;
+        for (const char* prefix : {"libllama", "libggml", "libgomp", "libresidency_preload", "libstdc++.", "libc.", "libc-",
+                                   "libm.", "libm-"})
+          engine_data = engine_data || (m.inode != "0" && name.rfind(prefix, 0) == 0);
+        candidate = rw_private && (anonymous || engine_data);
+      },
+      [&](const SmapsVma& m, const std::string& line) {
+        if (!candidate || !is_locked_flags(line)) return;
+        // A buffer in the heap and the heap pages beside it locked too are one VMA: only the part
+        // outside the buffers' pages is the engine memory.
+        const std::uint64_t outside = uncovered(m.b, m.e, buffer_pages);
+        v.locked += outside;
+        if (m.path == "[stack]") v.stack_locked += outside;
+      });
   return v;
 }
 
