@@ -10,7 +10,7 @@
 // (bench/results/2026-12-02-amx-engine-code.md).
 //
 // Which pages a decode touches cannot be read from the kernel without privilege or soft-dirty bits
-// (absent on the kernels seen here and on arm64), so what is held is a snapshot: the pages of the
+// (absent on the kernels seen here: /proc/self/pagemap never set bit 55 on the EPYC VM), so what is held is a snapshot: the pages of the
 // process's private anonymous memory that are in memory after a decode and are not registered
 // already. Taken again at the first decode after each wire, after 2, 4, ... 64 decodes since (the
 // working set of a new prompt length), and whenever llama.cpp makes buffers (a new buffer may lie
