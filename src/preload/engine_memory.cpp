@@ -182,7 +182,8 @@ void EngineMemory::snapshot(const std::vector<Extent>& held, const char* why) no
       line += "; " + std::to_string(found - runs.size()) + " larger range(s), " + format_size(found_bytes - kept_bytes) +
               ", left out (at most " + std::to_string(kMaxRuns) + " ranges and " + format_size(kMaxBytes) + ")";
     }
-    if (plan.left_out > 0) line += "; " + format_size(plan.left_out) + " of anonymous mappings over 1 GiB left out";
+    if (plan.left_out > 0) line += "; " + format_size(plan.left_out) + " of anonymous mappings over " + format_size(kMaxMapping) +
+                                         " left out";
     (said_ ? detail_ : info_)(line);
     said_ = true;
   } catch (...) {

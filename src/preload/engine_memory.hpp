@@ -98,7 +98,6 @@ class EngineMemory {
   void snapshot(const std::vector<Extent>& held, const char* why) noexcept;
   // With the preload's lock held: nothing of it stays registered.
   void unregister() noexcept;
-  bool registered() const noexcept { return bytes_ > 0; }
 
   PieceTable& pieces() noexcept { return pieces_; }
   const PieceTable& pieces() const noexcept { return pieces_; }
