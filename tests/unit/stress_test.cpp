@@ -84,6 +84,7 @@ TEST(Stress, ConcurrentRegistrationTouchExpiryAndLimitChanges) {
   };
 
   std::atomic<bool> time_runs{false};
+  std::atomic<int> rounds{0};  // the timekeeper's advances so far
   std::vector<std::thread> workers;
   for (int t = 0; t < kThreads; ++t) {
     workers.emplace_back([&, t] {
@@ -94,6 +95,12 @@ TEST(Stress, ConcurrentRegistrationTouchExpiryAndLimitChanges) {
       const std::uintptr_t base = (std::uintptr_t(1) << 44) + (std::uintptr_t(t) << 40);
       std::uintptr_t next = base;
       for (int step = 0; step < kSteps; ++step) {
+        // Every 100 steps, wait for the clock to move once: on a loaded machine the workers could
+        // otherwise finish before the timekeeper ran at all, and no keep-alive would expire.
+        if (step % 100 == 0) {
+          const int seen = rounds.load();
+          while (rounds.load() == seen) std::this_thread::yield();
+        }
         const int op = static_cast<int>(rng() % 10);
         if (op < 4 || mine.empty()) {
           const std::uint64_t size = (1 + rng() % 64) * MiB;
@@ -128,6 +135,7 @@ TEST(Stress, ConcurrentRegistrationTouchExpiryAndLimitChanges) {
     while (!stop.load()) {
       clock.advance(300ms);
       m.run_due();
+      rounds.fetch_add(1);
       check_stats();
       std::this_thread::yield();
     }
