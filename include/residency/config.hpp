@@ -41,6 +41,18 @@ struct KeepAlive {
 
   // The policy a value means: a duration of 0 (or less) is the 0 policy. The one place that says so.
   Kind in_effect() const { return kind == Kind::duration && duration.count() <= 0 ? Kind::zero : kind; }
+  // The questions callers ask of a policy; nothing outside this struct and src/core/keep_alive.*
+  // branches on `kind` itself.
+  // Residency is managed at all (not the `off` baseline).
+  bool manages() const { return kind != Kind::off; }
+  // Memory stays wired between uses: a duration above 0, or forever.
+  bool holds_between_uses() const { return in_effect() == Kind::duration || in_effect() == Kind::forever; }
+  // Wired only inside use scopes (keep-alive 0).
+  bool wires_only_in_use() const { return in_effect() == Kind::zero; }
+  // Released `duration` after the last use (a duration above 0).
+  bool expires() const { return in_effect() == Kind::duration; }
+  // Never released by the keep-alive.
+  bool never_expires() const { return in_effect() == Kind::forever; }
   static KeepAlive after(Nanos d) {
     KeepAlive k{Kind::duration, d};
     k.kind = k.in_effect();
