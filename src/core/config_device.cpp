@@ -20,8 +20,7 @@ Config Config::for_device_memory(std::string_view device_uuid) const {
   // beforehand at 54 GB/s); the host memory it takes is what the first sleep would take anyway.
   // Under forever nothing sleeps: no backup is made before a sleep.
   if (c.cuda_backup == CudaBackup::automatic)
-    c.cuda_backup = keep_alive.in_effect() == KeepAlive::Kind::forever ? CudaBackup::at_first_sleep
-                                                                        : CudaBackup::after_allocation;
+    c.cuda_backup = keep_alive.never_expires() ? CudaBackup::at_first_sleep : CudaBackup::after_allocation;
   return c;
 }
 

@@ -102,7 +102,7 @@ void read_pressure_quiet(const ConfigKey& key, EnvReader& env, Config& c) {
   if (!v) return;
   constexpr const char* forms = "a duration above 0 with unit (10s, 2m), or a bare number of seconds";
   auto k = parse_keep_alive_as(v, forms);
-  if (k && k->kind == KeepAlive::Kind::duration) c.pressure_quiet = k->duration;
+  if (k && k->expires()) c.pressure_quiet = k->duration;
   else env.fail(key.variable, k ? bad_value(v, "not a duration above 0", forms) : k.status());
 }
 

@@ -43,11 +43,13 @@ class KeepAliveState {
   using Publisher = LastUsePublisher;
   KeepAliveState(const KeepAlive& policy, Clock& clock, Publisher publish = {});
 
-  KeepAlive::Kind kind() const { return kind_; }
+  // The policy in effect (KeepAlive::in_effect()), asked through the same predicates as KeepAlive's.
   bool managing() const { return kind_ != KeepAlive::Kind::off; }
   // Duration and forever keep memory between uses, so a use after a release re-wires it; 0 wires
   // only inside use scopes, off never.
   bool rewires_on_use() const { return kind_ == KeepAlive::Kind::duration || kind_ == KeepAlive::Kind::forever; }
+  bool wires_only_in_use() const { return kind_ == KeepAlive::Kind::zero; }
+  bool expires() const { return kind_ == KeepAlive::Kind::duration; }
 
   // The coarse time, without a virtual call for the real clock (the common case).
   std::int64_t now_coarse() const noexcept {

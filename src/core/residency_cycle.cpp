@@ -28,7 +28,7 @@ ResidencyCycle::ResidencyCycle(const Config& config, const Capabilities& caps, C
 // --- engine events ------------------------------------------------------------------------
 
 void ResidencyCycle::begin_call(const char* why) {
-  if (ka_.kind() != KeepAlive::Kind::zero) {
+  if (!ka_.wires_only_in_use()) {
     rewire(why);
     return;
   }
@@ -262,7 +262,7 @@ std::optional<Nanos> ResidencyCycle::residency_due() {
   if (!ka_.managing() || !ka_.wants_resident()) return std::nullopt;
   const Nanos now = clock_.now();
   std::optional<Nanos> next;
-  if (ka_.kind() == KeepAlive::Kind::duration) {
+  if (ka_.expires()) {
     const std::int64_t lu = ka_.last_use();
     const Nanos expiry = ka_.expiry(lu);
     if (ka_.calls() > 0) {

@@ -215,7 +215,7 @@ Config hold_config(const HoldOptions& o) {
   } else if (!core::config_key_set("keep_alive", [](const char* n) { return std::getenv(n); })) {
     config.keep_alive = KeepAlive::forever();  // vmtouch -l holds until stopped
   }
-  if (config.keep_alive.kind == KeepAlive::Kind::zero || config.keep_alive.kind == KeepAlive::Kind::off)
+  if (!config.keep_alive.holds_between_uses())
     throw BadInput("keep-alive " + config.keep_alive.to_string() +
                    " wires nothing outside a use, and hold has no uses; give a duration (how long to hold) or forever");
   if (o.wired_limit) {

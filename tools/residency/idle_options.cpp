@@ -62,7 +62,7 @@ Result<IdleOptions> parse_idle_options(const IdleRequest& a) {
   if (a.keep_alive) {
     auto k = parse_keep_alive(*a.keep_alive);
     if (!k) return bad("--keep-alive: " + k.message());
-    if (k->kind != KeepAlive::Kind::duration) {
+    if (!k->expires()) {
       return bad("--keep-alive '" + printable(*a.keep_alive) +
                  "': the keep-alive policy needs a duration above 0 (e.g. 2s, 180s); policies 0, forever and off are "
                  "named in --policies");
@@ -70,7 +70,7 @@ Result<IdleOptions> parse_idle_options(const IdleRequest& a) {
     if (!uses_keep_alive) o.notes.push_back("--keep-alive is not used: --policies names no keep-alive or pressure-aware policy");
     ka = *k;
   } else if (env_keep_alive && uses_keep_alive) {
-    if (base.keep_alive.kind != KeepAlive::Kind::duration) {
+    if (!base.keep_alive.expires()) {
       return bad("the environment's keep-alive (RESIDENCY_KEEP_ALIVE or its alias) is " + base.keep_alive.to_string() +
                  ": the keep-alive policy needs a duration above 0; give --keep-alive (policies 0, forever and off are "
                  "named in --policies)");
@@ -78,7 +78,7 @@ Result<IdleOptions> parse_idle_options(const IdleRequest& a) {
     ka = base.keep_alive;
   } else {
     ka = KeepAlive::after(a.keep_alive_default);
-    if (ka.kind != KeepAlive::Kind::duration) return bad("keep-alive default " + ka.to_string() + " is not a duration above 0");
+    if (!ka.expires()) return bad("keep-alive default " + ka.to_string() + " is not a duration above 0");
   }
   set_keep_alive(*policies, ka.duration);
   o.benchmark.policies = std::move(policies).value();

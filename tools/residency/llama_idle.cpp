@@ -100,12 +100,12 @@ int run(const Args& a) {
   if (a.keep_alive) {
     auto ka = parse_keep_alive(*a.keep_alive);
     if (!ka) throw BadInput("--keep-alive: " + ka.message());
-    if (ka->kind != KeepAlive::Kind::duration) {
+    if (!ka->expires()) {
       throw BadInput("--keep-alive '" + printable(*a.keep_alive) + "': give a duration (e.g. 2s)");
     }
     o.keep_alive = ka->duration;
   } else if (env_keep_alive) {
-    if (env->keep_alive.kind != KeepAlive::Kind::duration) {
+    if (!env->keep_alive.expires()) {
       throw BadInput("the environment's keep-alive (RESIDENCY_KEEP_ALIVE or its alias) is " + env->keep_alive.to_string() +
                      ": the keep-alive configuration needs a duration; give --keep-alive");
     }

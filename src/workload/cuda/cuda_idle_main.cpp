@@ -82,7 +82,7 @@ int main(int argc, char** argv) {
   }
   if (iters < 1) die("--iters must be at least 1", 2);
   auto ka = parse_keep_alive(keep_alive_text);
-  if (!ka || ka->kind != KeepAlive::Kind::duration) die("--keep-alive: give a duration above 0, e.g. 2s", 2);
+  if (!ka || !ka->expires()) die("--keep-alive: give a duration above 0, e.g. 2s", 2);
   auto pol = parse_policies(policies, ka->duration);
   if (!pol) die(pol.message(), 2);
   auto ps = parse_pauses(pauses);
