@@ -7,19 +7,18 @@
 // changes nothing. Linux only; elsewhere the list is empty.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <optional>
 #include <string>
 #include <vector>
-
-#include "residency/clock.hpp"
 
 namespace residency {
 
 struct SharedBudgetHolder {
   int pid = 0;
   std::uint64_t bytes = 0;      // reserved in the ledger (what it has wired, or is about to)
-  std::optional<Nanos> idle;    // since its last use; nullopt: never used
+  std::optional<std::chrono::nanoseconds> idle;  // since its last use; nullopt: never used
   int priority = 0;             // RESIDENCY_SHARED_PRIORITY
   bool alive = true;            // false: the process is gone (or its pid was reused); the next
                                 // process that takes the ledger's lock reclaims its share

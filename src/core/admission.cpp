@@ -8,11 +8,12 @@
 
 namespace residency::core {
 
-Admission::Admission(Backend& backend, const LogSink& log, const KeepAliveState& ka, Limits limits, SetLayout layout,
-                     std::unique_ptr<ledger::Ledger> shared, int shared_priority)
+Admission::Admission(Backend& backend, const LogSink& log, const KeepAliveState& ka, Clock& clock, Limits limits,
+                     SetLayout layout, std::unique_ptr<ledger::Ledger> shared, int shared_priority)
     : backend_(backend),
       log_(log),
       ka_(ka),
+      clock_(clock),
       limits_(std::move(limits)),
       sets_(backend, std::move(layout), log),
       shared_(std::move(shared)),
@@ -34,7 +35,7 @@ std::uint64_t Admission::charge(const RegionDesc& d) const {
 Admission::~Admission() = default;
 
 Result<std::unique_ptr<ledger::Ledger>> Admission::join_shared_budget(const Config& config, const MemoryInfo& mem,
-                                                                      const std::string& backend, Clock& clock) {
+                                                                      const std::string& backend) {
   if (!config.shared_budget) return std::unique_ptr<ledger::Ledger>();
   const SharedBudget& sb = *config.shared_budget;
   if (sb.size.is_percent && mem.physical == 0)
@@ -45,7 +46,6 @@ Result<std::unique_ptr<ledger::Ledger>> Admission::join_shared_budget(const Conf
   ao.budget = sb.size.resolve(mem.physical);
   ao.group = sb.group;
   ao.priority = config.shared_priority;
-  ao.clock = &clock;
   return ledger::Ledger::attach(ao);
 }
 
@@ -257,7 +257,7 @@ bool Admission::reserve_shared(std::uint64_t more, bool device) {
   const std::uint64_t target = shared_needed() + more;
   if (shared_->held() >= target) return true;
   const std::uint64_t need = target - shared_->held();
-  if (!shared_full_ && shared_->acquire(need, Nanos(0), /*partial=*/false) == need) return true;
+  if (!shared_full_ && shared_->acquire(need, clock_.now().count(), Nanos(0), /*partial=*/false) == need) return true;
   shared_full_ = true;
   if (device && !asking()) return over_budget(need);
   short_by(need, more);
@@ -317,7 +317,7 @@ bool Admission::reserve_for_wire() {
   if (!shared_) return true;
   const std::uint64_t need = budget_.admitted();
   if (shared_->held() >= need) return true;
-  if (!exiting_ && !shared_full_) shared_->acquire(need - shared_->held(), Nanos(0), /*partial=*/true);
+  if (!exiting_ && !shared_full_) shared_->acquire(need - shared_->held(), clock_.now().count(), Nanos(0), /*partial=*/true);
   if (shared_->held() >= need) return true;
   shared_full_ = true;
   const std::uint64_t missing = need - shared_->held();

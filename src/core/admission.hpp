@@ -47,12 +47,12 @@ namespace residency::core {
 
 class Admission {
  public:
-  Admission(Backend& backend, const LogSink& log, const KeepAliveState& ka, Limits limits, SetLayout layout,
-            std::unique_ptr<ledger::Ledger> shared, int shared_priority);
+  Admission(Backend& backend, const LogSink& log, const KeepAliveState& ka, Clock& clock, Limits limits,
+            SetLayout layout, std::unique_ptr<ledger::Ledger> shared, int shared_priority);
   ~Admission();
   // This manager's share of the machine-wide budget, if Config::shared_budget names one (null if not).
   static Result<std::unique_ptr<ledger::Ledger>> join_shared_budget(const Config& config, const MemoryInfo& mem,
-                                                                    const std::string& backend, Clock& clock);
+                                                                    const std::string& backend);
   Admission(const Admission&) = delete;
   Admission& operator=(const Admission&) = delete;
 
@@ -166,6 +166,7 @@ class Admission {
   std::uint64_t admitted_size_ = 0;
   const LogSink& log_;
   const KeepAliveState& ka_;
+  Clock& clock_;  // the manager's: the ledger is given its time (Ledger::acquire)
   Limits limits_;  // its warn-once flags change here
   RegionTable regions_;
   WiredBudget budget_;

@@ -48,7 +48,7 @@ struct Manager::Impl {
         ka(o.config.keep_alive, *clock,
            shared ? core::KeepAliveState::Publisher{&ledger::Ledger::publish_last_use, shared.get()}
                   : core::KeepAliveState::Publisher{}),
-        adm(*backend, log, ka, std::move(limits),
+        adm(*backend, log, ka, *clock, std::move(limits),
             core::SetLayout(o.config.layout, o.config.set_max_pct, mem.recommended_working_set, c.max_sets),
             std::move(shared), o.config.shared_priority),
         cycle(config, caps, *clock, log, ka, adm, *backend, pressure_floor),
@@ -98,7 +98,7 @@ struct Manager::Impl {
     if (want != 0) {
       g.unlock();
       try {
-        adm.shared()->acquire(want, ledger::kAskWait, /*partial=*/false);  // what it gets, retry() keeps
+        adm.shared()->acquire(want, clock->now().count(), ledger::kAskWait, /*partial=*/false);  // what it gets, retry() keeps
       } catch (...) {  // out of memory: nothing more is admitted
       }
       g.lock();
@@ -171,13 +171,13 @@ Result<std::unique_ptr<Manager>> Manager::create(ManagerOptions o) {
   if (!o.backend) return Status(ErrorCode::invalid_argument, "ManagerOptions::backend is null; pass make_backend(\"auto\")");
   const Capabilities caps = o.backend->capabilities();
   const MemoryInfo mem = o.backend->memory_info();
-  const bool managing = o.config.keep_alive.kind != KeepAlive::Kind::off;
+  const bool managing = o.config.keep_alive.manages();
   const core::LogSink early(o.log ? o.log : core::stderr_log(o.config), o.config.log_level);
   auto limits = core::Limits::resolve(o.config, mem, caps.name, managing, early);
   if (!limits) return limits.status();
   Clock& clock = o.clock ? *o.clock : SteadyClock::instance();
   auto shared =
-      managing ? core::Admission::join_shared_budget(o.config, mem, caps.name, clock) : std::unique_ptr<ledger::Ledger>();
+      managing ? core::Admission::join_shared_budget(o.config, mem, caps.name) : std::unique_ptr<ledger::Ledger>();
   if (!shared) return shared.status();
   const std::uint64_t floor = o.config.pressure_floor ? o.config.pressure_floor->resolve(limits->initial_wired_limit()) : 0;
   auto impl = std::make_unique<Impl>(o, clock, caps, std::move(*limits), mem, std::move(*shared), floor);

@@ -27,6 +27,8 @@
 
 namespace residency::ledger {
 
+using Nanos = std::chrono::nanoseconds;
+
 namespace {
 constexpr const char* kDir = "/dev/shm";
 constexpr const char* kPrefix = "residency-budget-";
@@ -538,7 +540,6 @@ Result<std::unique_ptr<Ledger>> Ledger::attach(const AttachOptions& o) {
     l->fd_ = fd;
     l->shm_ = s;
     l->priority_ = o.priority;
-    l->clock_ = o.clock ? o.clock : &SteadyClock::instance();
     l->owner_pid_ = self;
     {
       Lock lock(fd, l->local_, s, kJoinWait, /*cancellable=*/true);
@@ -742,7 +743,7 @@ void Ledger::publish_last_use(void* ledger, std::int64_t last_use) noexcept {
   if (::pwrite(l->fd_, &last_use, sizeof last_use, at) != static_cast<ssize_t>(sizeof last_use)) return;
 }
 
-std::uint64_t Ledger::acquire(std::uint64_t bytes, Nanos wait, bool partial) {
+std::uint64_t Ledger::acquire(std::uint64_t bytes, std::int64_t now, Nanos wait, bool partial) {
   if (bytes == 0 || detached_ || !mine()) return 0;
   if (broken_.load(std::memory_order_acquire)) {
     if (problem().empty()) set_problem("its ledger " + path_ + " was found corrupt; this process wires nothing more under it");
@@ -798,7 +799,7 @@ std::uint64_t Ledger::acquire(std::uint64_t bytes, Nanos wait, bool partial) {
       if (!outstanding) {
         // The holder to ask: priority <= ours, idle at least kIdleBeforeAsked, holding bytes;
         // lowest priority first, then the one idle longest.
-        const std::int64_t idle_before = clock_->now().count() - kIdleBeforeAsked.count();
+        const std::int64_t idle_before = now - kIdleBeforeAsked.count();
         std::uint32_t best = kMaxHolders;
         for (std::uint32_t i = 0; i < kMaxHolders; ++i) {
           const Slot& sl = s.slots[i];
@@ -1053,7 +1054,7 @@ void Ledger::stop_listening() {}
 void Ledger::detach_at_exit() {}
 std::uint64_t Ledger::budget() const { return 0; }
 void Ledger::publish_last_use(void*, std::int64_t) noexcept {}
-std::uint64_t Ledger::acquire(std::uint64_t, Nanos, bool) { return 0; }
+std::uint64_t Ledger::acquire(std::uint64_t, std::int64_t, Nanos, bool) { return 0; }
 std::uint64_t Ledger::take_over_budget(std::uint64_t) { return 0; }
 std::string Ledger::problem() const { return {}; }
 bool Ledger::usable() const { return false; }

@@ -54,6 +54,7 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -61,7 +62,6 @@
 #include <string>
 #include <thread>
 
-#include "residency/clock.hpp"
 #include "residency/shared_budget.hpp"
 #include "residency/status.hpp"
 
@@ -75,13 +75,13 @@ inline constexpr std::uint32_t kFormatVersion = 2;  // 2: the lock is the file's
 // A holder is asked only when its last use is at least this old: longer than any pause between two
 // graph computes of a decoding engine (tens to hundreds of ms per token), so that a decoding
 // process is never asked and two busy processes never take the budget from each other per token.
-inline constexpr Nanos kIdleBeforeAsked = std::chrono::seconds(1);
+inline constexpr std::chrono::nanoseconds kIdleBeforeAsked = std::chrono::seconds(1);
 // How long an asker waits for asked holders to give back before it wires what fits.
-inline constexpr Nanos kAskWait = std::chrono::seconds(2);
+inline constexpr std::chrono::nanoseconds kAskWait = std::chrono::seconds(2);
 // How long attach() waits for the ledger's lock before it fails with a message naming the ledger
 // and the process that holds the lock. Other waits for the lock are shorter (ledger.cpp): a
 // decode's acquire() gives up after milliseconds and the caller goes on unwired (problem()).
-inline constexpr Nanos kJoinWait = std::chrono::seconds(3);
+inline constexpr std::chrono::nanoseconds kJoinWait = std::chrono::seconds(3);
 
 // "/dev/shm/residency-budget-NAME".
 std::string ledger_path(const std::string& name);
@@ -100,11 +100,6 @@ struct AttachOptions {
   std::uint64_t budget = 0;  // bytes; a ledger that exists keeps its own (the caller is told)
   std::string group;         // "": 0600; else 0660 for this group
   int priority = 0;
-  // The clock of the holder's last uses (the manager's; a test's ManualClock): idle times are
-  // measured on it, so that a holder's published last use and the asker's "now" are one time line.
-  // Bounds on waiting (for the lock, for an answer, an ask's deadline that the asked process reads)
-  // are real time, CLOCK_MONOTONIC, whatever the clock. Default: SteadyClock::instance().
-  Clock* clock = nullptr;
 };
 
 class Ledger {
@@ -140,8 +135,12 @@ class Ledger {
 
   // Reserves up to `bytes` more for this holder. When the ledger is full, asks idle holders to
   // give back and waits at most `wait` for them; then takes what is free (all of `bytes` unless
-  // `partial`). Returns the bytes reserved.
-  std::uint64_t acquire(std::uint64_t bytes, Nanos wait, bool partial);
+  // `partial`). Returns the bytes reserved. `now` is the caller's time at the call (nanoseconds, on
+  // the clock whose last uses it publishes, a test's manual one included): a holder is asked only
+  // if its last use is at least kIdleBeforeAsked before `now`. Bounds on waiting (for the lock, for
+  // an answer, an ask's deadline that the asked process reads) are real time, CLOCK_MONOTONIC,
+  // whatever the caller's clock.
+  std::uint64_t acquire(std::uint64_t bytes, std::int64_t now, std::chrono::nanoseconds wait, bool partial);
   // Reserves `bytes` more even past the budget: for memory that is in use whatever the ledger says
   // (a GPU's memory is awake while a decode needs it; it cannot wait unwired as host memory can).
   // The others then find the ledger full and ask. Returns the bytes reserved (0: the lock was not
@@ -185,7 +184,6 @@ class Ledger {
   std::atomic<std::uint64_t> held_{0};
   std::uint64_t requested_budget_ = 0;
   int priority_ = 0;
-  Clock* clock_ = nullptr;  // AttachOptions::clock
   OnAsked on_asked_;
   std::thread listener_;
   std::atomic<bool> stopping_{false};

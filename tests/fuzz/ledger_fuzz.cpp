@@ -37,6 +37,10 @@ using namespace residency;
 using SteadyClock = std::chrono::steady_clock;
 constexpr std::uint64_t kBudget = 1 << 20;
 constexpr auto kBound = std::chrono::seconds(1);  // far above every wait the ledger allows itself
+// The time a manager on the real clock gives Ledger::acquire (CLOCK_MONOTONIC nanoseconds).
+std::int64_t now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(SteadyClock::now().time_since_epoch()).count();
+}
 
 void check_line(const std::string& m) {
   for (char c : m)
@@ -54,10 +58,10 @@ struct Holder {
       ledger->release(ledger->held());
     });
   }
-  std::uint64_t acquire(std::uint64_t bytes, Nanos wait, bool partial) {
+  std::uint64_t acquire(std::uint64_t bytes, std::chrono::nanoseconds wait, bool partial) {
     std::lock_guard<std::mutex> g(mu);
     const auto t0 = SteadyClock::now();
-    const std::uint64_t got = ledger->acquire(bytes, wait, partial);
+    const std::uint64_t got = ledger->acquire(bytes, now_ns(), wait, partial);
     if (SteadyClock::now() - t0 > kBound + wait) __builtin_trap();  // an unbounded wait
     if (got > bytes) __builtin_trap();
     check_line(ledger->problem());

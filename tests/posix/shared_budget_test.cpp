@@ -51,6 +51,11 @@ using SteadyTime = std::chrono::steady_clock;
 
 constexpr std::uint64_t kHold = 4 * MiB;
 
+// The time a manager on the real clock gives Ledger::acquire (CLOCK_MONOTONIC nanoseconds).
+std::int64_t now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(SteadyTime::now().time_since_epoch()).count();
+}
+
 // A budget name of this test run only: parallel ctest runs never share a ledger.
 std::string unique_name(const char* what) {
   static int n = 0;
@@ -244,9 +249,9 @@ TEST(SharedBudgetLedger, CreatedForItsUserOnlyAndRemovedByTheLastHolder) {
     ASSERT_TRUE(b) << b.message();
     EXPECT_EQ((*b)->budget(), 8 * MiB) << "the first process sets the size";
     EXPECT_EQ((*b)->requested_budget(), 16 * MiB);
-    EXPECT_EQ((*a)->acquire(6 * MiB, 0ns, false), 6 * MiB);
-    EXPECT_EQ((*b)->acquire(4 * MiB, 0ns, false), 0u) << "all or nothing: 2 MiB are free";
-    EXPECT_EQ((*b)->acquire(4 * MiB, 0ns, true), 2 * MiB) << "partial: what is free";
+    EXPECT_EQ((*a)->acquire(6 * MiB, now_ns(), 0ns, false), 6 * MiB);
+    EXPECT_EQ((*b)->acquire(4 * MiB, now_ns(), 0ns, false), 0u) << "all or nothing: 2 MiB are free";
+    EXPECT_EQ((*b)->acquire(4 * MiB, now_ns(), 0ns, true), 2 * MiB) << "partial: what is free";
     b->reset();
     EXPECT_TRUE(exists(path)) << "a holder is left";
   }
@@ -279,12 +284,12 @@ TEST(SharedBudgetLedger, TheHolderPastTheLastSlotGetsTheMessageAndTheLedgerStays
     ASSERT_FALSE(extra);
     EXPECT_NE(extra.message().find("has 64 holders already"), std::string::npos) << extra.message();
   }
-  EXPECT_EQ(holders[0]->acquire(MiB, 0ns, false), MiB) << "the ledger's lock still works";
+  EXPECT_EQ(holders[0]->acquire(MiB, now_ns(), 0ns, false), MiB) << "the ledger's lock still works";
   holders[0]->release(MiB);
   holders.pop_back();
   auto again = ledger::Ledger::attach({name, 64 * MiB, "", 0});
   ASSERT_TRUE(again) << again.message();
-  EXPECT_EQ((*again)->acquire(2 * MiB, 0ns, false), 2 * MiB);
+  EXPECT_EQ((*again)->acquire(2 * MiB, now_ns(), 0ns, false), 2 * MiB);
   again->reset();
   holders.clear();
   EXPECT_FALSE(exists(ledger::ledger_path(name))) << "the last holder removes the ledger";
@@ -305,8 +310,8 @@ TEST(SharedBudgetLedger, TheLastHolderOfARemovedLedgerLeavesTheNewOneAlone) {
   EXPECT_TRUE(exists(path)) << "the new ledger was removed by the old one's last holder";
   auto c = ledger::Ledger::attach({name, 8 * MiB, "", 0});
   ASSERT_TRUE(c) << c.message();
-  EXPECT_EQ((*b)->acquire(6 * MiB, 0ns, false), 6 * MiB);
-  EXPECT_EQ((*c)->acquire(6 * MiB, 0ns, true), 2 * MiB) << "b and c share one budget";
+  EXPECT_EQ((*b)->acquire(6 * MiB, now_ns(), 0ns, false), 6 * MiB);
+  EXPECT_EQ((*c)->acquire(6 * MiB, now_ns(), 0ns, true), 2 * MiB) << "b and c share one budget";
   c->reset();
   b->reset();
   EXPECT_FALSE(exists(path));
@@ -618,7 +623,7 @@ TEST(SharedBudgetProcesses, AForkChildThatExitsLeavesItsParentsShareAndTheLedger
     // A second holder under the 6 MiB budget gets only what the parent does not hold.
     auto other = ledger::Ledger::attach({name, 6 * MiB, "", 0});
     if (!other) ::_exit(9);
-    if ((*other)->acquire(6 * MiB, std::chrono::nanoseconds(0), true) != 6 * MiB - kHold) ::_exit(10);
+    if ((*other)->acquire(6 * MiB, now_ns(), std::chrono::nanoseconds(0), true) != 6 * MiB - kHold) ::_exit(10);
     (*other)->release(6 * MiB - kHold);
     other->reset();
     m.reset();
@@ -676,7 +681,7 @@ TEST(SharedBudgetProcesses, AForkChildThatOutlivesItsParentLeavesTheNextHolderOf
   ASSERT_EQ(WEXITSTATUS(st), 0) << "3: no backend/memory, 4/5: create/register failed, 6: pipes";
   auto next = ledger::Ledger::attach({name, 6 * MiB, "", 0});  // takes the freed slot
   ASSERT_TRUE(next) << next.message();
-  ASSERT_EQ((*next)->acquire(kHold, std::chrono::nanoseconds(0), false), kHold);
+  ASSERT_EQ((*next)->acquire(kHold, now_ns(), std::chrono::nanoseconds(0), false), kHold);
   ASSERT_EQ(::write(go[1], "x", 1), 1);  // the orphan exits now
   while (::read(gone[0], &c, 1) > 0) {
   }
@@ -816,7 +821,7 @@ class StoppedInsideTheLock {
       char b = 0;
       if (::read(go[0], &b, 1) != 1) ::_exit(0);
       for (;;) {
-        if ((*l)->acquire(1, std::chrono::nanoseconds(0), true) == 1) (*l)->release(1);
+        if ((*l)->acquire(1, now_ns(), std::chrono::nanoseconds(0), true) == 1) (*l)->release(1);
       }
     }
     ::close(go[0]);
@@ -1244,7 +1249,7 @@ TEST(SharedBudgetProcesses, AHoldPastTheLastSlotExitsWithTheMessageAndTheHolders
     EXPECT_NE(err.find("the shared budget " + name + " has 64 holders already"), std::string::npos) << err;
     EXPECT_EQ(std::count(err.begin(), err.end(), '\n'), 1) << "one line: " << err;
   }
-  EXPECT_EQ(holders[7]->acquire(MiB, 0ns, false), MiB) << "the ledger's lock still works";
+  EXPECT_EQ(holders[7]->acquire(MiB, now_ns(), 0ns, false), MiB) << "the ledger's lock still works";
   holders[7]->release(MiB);
   holders.pop_back();
   Hold h(path_of(f), {env_budget(name, "64MiB")});
@@ -1272,7 +1277,7 @@ TEST(SharedBudgetProcesses, TwoProcessesJoiningAndLeavingOneBudgetNeverCrash) {
           std::fprintf(stderr, "round %d: %s\n", i, l.message().c_str());
           ::_exit(3);
         }
-        if ((*l)->acquire(MiB, 0ns, false) == MiB) (*l)->release(MiB);
+        if ((*l)->acquire(MiB, now_ns(), 0ns, false) == MiB) (*l)->release(MiB);
       }
       ::_exit(0);
     }
