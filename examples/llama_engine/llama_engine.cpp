@@ -7,7 +7,7 @@
 // that memory with a residency manager, then serves "requests": prefetch() when a request
 // arrives, begin_call()/end_call() around every decode, greedy decoding.
 //
-// Why not the GGUF mapping: on Intel Xeons with AMX, and for Q4_0 on ARM and AVX2 x86, llama.cpp
+// Why not the GGUF mapping: on x86 CPUs with AMX, and for Q4_0 on ARM and AVX2 x86, llama.cpp
 // copies most weights into anonymous buffers at load and decodes from those; the mapping then has
 // dead ranges and holes it unmapped. llama.h does not publish its buffers, so the engine observes
 // them: weights as the pages of the tensors the graph read, other buffers whole.

@@ -6,19 +6,6 @@
 // residency of a set as a unit, because that is how every platform we serve works
 // (MTL::ResidencySet; a set of mlock'd ranges; a group of CUDA VMM mappings). The core never
 // asks which backend it has; it asks capabilities().
-//
-// Sharing and threads: a process has one backend of a kind (make_backend() returns the same
-// instance to every caller), shared by all its managers, because what a backend controls is
-// process-wide (the kernel's page locks and RLIMIT_MEMLOCK, a GPU context). So every method may
-// be called from several threads at once and a backend locks for itself. Set ids and region ids
-// are unique in the process (the managers draw them from one counter), so the sets of two
-// managers never collide; a set is only ever touched by the manager that created it, one call at
-// a time, under that manager's mutex.
-//
-// add_region / remove_region are staged and take effect at commit(); the manager commits each
-// touched set once per batch. Methods never throw and never abort: failures come back as Status,
-// with a message that says what failed and what to do, and a failed release leaves the set as it
-// was (still requested) so that the manager's view stays true.
 #pragma once
 
 #include <cstddef>
@@ -94,6 +81,18 @@ struct SetOutcome {
   bool ok() const { return status.is_ok() && failed.empty(); }
 };
 
+// Sharing and threads: a process has one backend of a kind (make_backend() returns the same
+// instance to every caller), shared by all its managers, because what a backend controls is
+// process-wide (the kernel's page locks and RLIMIT_MEMLOCK, a GPU context). So every method may
+// be called from several threads at once and a backend locks for itself. Set ids and region ids
+// are unique in the process (the managers draw them from one counter), so the sets of two
+// managers never collide; a set is only ever touched by the manager that created it, one call at
+// a time, under that manager's mutex.
+//
+// add_region / remove_region are staged and take effect at commit(); the manager commits each
+// touched set once per batch. Methods never throw and never abort: failures come back as Status,
+// with a message that says what failed and what to do, and a failed release leaves the set as it
+// was (still requested) so that the manager's view stays true.
 class Backend {
  public:
   virtual ~Backend() = default;

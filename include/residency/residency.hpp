@@ -9,11 +9,6 @@
 // (a few nanoseconds), and all the timing work is done by a scheduler thread that sleeps until
 // its next deadline, so an idle process is woken zero times (llama.cpp's heartbeat wakes 200
 // times a second, forever).
-//
-// Thread safety: every method may be called from any thread. A manager's state is guarded by one
-// mutex; touch() and touch(id) take it only when memory must be re-wired. Several managers in one
-// process (two models in one server) share the process's backend and its limits: a page two of
-// them lock stays locked until both let it go, and RLIMIT_MEMLOCK is split between them.
 #pragma once
 
 #include <cstdint>
@@ -111,6 +106,10 @@ struct Allocation {
   void* ptr = nullptr;
 };
 
+// Thread safety: every method may be called from any thread. A manager's state is guarded by one
+// mutex; touch() and touch(id) take it only when memory must be re-wired. Several managers in one
+// process (two models in one server) share the process's backend and its limits: a page two of
+// them lock stays locked until both let it go, and RLIMIT_MEMLOCK is split between them.
 class Manager {
  public:
   // Validates the configuration against the backend (a wired limit above the recommended

@@ -16,8 +16,9 @@ Config Config::for_device_memory(std::string_view device_uuid) const {
   c.notes.clear();
   // Not set: after-allocation when the keep-alive will put the GPU to sleep (a duration or 0), so
   // that the first sleep only copies and a request that comes during it waits a copy's time, not a
-  // pinning's (on the H200 the first sleep pinning as it copied ran at 4.3-25.7 GB/s, one pinned
-  // beforehand at 54 GB/s); the host memory it takes is what the first sleep would take anyway.
+  // pinning's (a first sleep that pins as it copies runs well below the link's rate, and unevenly
+  // from run to run: docs/measurements.md); the host memory it takes is what the first sleep
+  // would take anyway.
   // Under forever nothing sleeps: no backup is made before a sleep.
   if (c.cuda_backup == CudaBackup::automatic)
     c.cuda_backup = keep_alive.never_expires() ? CudaBackup::at_first_sleep : CudaBackup::after_allocation;

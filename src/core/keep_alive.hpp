@@ -4,17 +4,6 @@
 // One fact, one representation: `resident_` says whether the policy currently wants the memory
 // wired (the manager makes the sets' state follow it). touch() reads it without a lock, so it is
 // an atomic; it is only written with the manager's mutex held.
-//
-// The hot path is touch(): a coarse clock read (a memory load from the vDSO, not a timer read),
-// a relaxed store of the time of use, a compiler-only fence and a relaxed load of `resident_`.
-// The release protocol pairs with it through an asymmetric fence (asymmetric_fence.hpp): the
-// releaser stores resident_ = false, runs the heavy fence, and then reads the time of last use;
-// if a use arrived it restores resident_ and keeps the memory. Either touch() sees that the
-// memory is being released and re-wires, or the releaser sees the use: no use is ever lost.
-//
-// Precision: uses are stamped with the coarse clock, which lags the precise one by at most one
-// timer tick (Linux: 1-4 ms, clock_getres(CLOCK_MONOTONIC_COARSE)). The expiry adds that tick,
-// so memory is never released early; it is released at most one tick late.
 #pragma once
 
 #include <atomic>
@@ -38,6 +27,16 @@ struct LastUsePublisher {
   void* ctx = nullptr;
 };
 
+// The hot path is touch(): a coarse clock read (a memory load from the vDSO, not a timer read),
+// a relaxed store of the time of use, a compiler-only fence and a relaxed load of `resident_`.
+// The release protocol pairs with it through an asymmetric fence (asymmetric_fence.hpp): the
+// releaser stores resident_ = false, runs the heavy fence, and then reads the time of last use;
+// if a use arrived it restores resident_ and keeps the memory. Either touch() sees that the
+// memory is being released and re-wires, or the releaser sees the use: no use is ever lost.
+//
+// Precision: uses are stamped with the coarse clock, which lags the precise one by at most one
+// timer tick (Linux: 1-4 ms, clock_getres(CLOCK_MONOTONIC_COARSE)). The expiry adds that tick,
+// so memory is never released early; it is released at most one tick late.
 class KeepAliveState {
  public:
   using Publisher = LastUsePublisher;
@@ -77,9 +76,8 @@ class KeepAliveState {
   }
   // A use on a slow path (registration, a use scope's begin and end, prefetch): stamped with the
   // precise clock. Under load the coarse clock was seen lagging by more than its resolution (a
-  // registration stamped coarse made a 300 ms keep-alive expire 299.93 ms after it, on a 2-core VM
-  // running two builds); only the lock-free touch() keeps the coarse stamp, expiry() adding the
-  // resolution.
+  // registration stamped coarse let a keep-alive expire early; docs/measurements.md); only the
+  // lock-free touch() keeps the coarse stamp, expiry() adding the resolution.
   void note_use() noexcept {
     const std::int64_t t = clock_.now().count();
     use_->store(t, std::memory_order_relaxed);

@@ -10,11 +10,7 @@
 // async-signal-safe calls. So the paths to remove are copied into fixed slots up front, and the
 // handler does nothing but unlink()/rmdir() those slots (newest first: files before their
 // directory), kill() a child the benchmark is waiting for (the memory hog), then re-raise the
-// signal with its default action, so the exit status still says "killed by SIGINT". The one
-// exception is the SIGPIPE the kernel raises for this process's own write to a closed pipe: the
-// handler ignores it, so that the write fails with EPIPE and the program ends through its normal
-// path (a shared-budget ledger is only removed there); a SIGPIPE another process sends is caught
-// like the rest.
+// signal with its default action, so the exit status still says "killed by SIGINT".
 #pragma once
 
 #include <sys/types.h>
@@ -33,7 +29,10 @@ namespace residency::workload {
 class CleanupRegistry {
  public:
   // Installs the handlers once (idempotent); they stay for the life of the process and do nothing
-  // while no slot is in use.
+  // while no slot is in use. The one exception to "remove, then re-raise" is the SIGPIPE the
+  // kernel raises for this process's own write to a closed pipe: the handler ignores it, so that
+  // the write fails with EPIPE and the program ends through its normal path (a shared-budget
+  // ledger is only removed there); a SIGPIPE another process sends is caught like the rest.
   static void install_signal_handlers();
   // Registers a path (file or empty-at-exit directory) for removal on a signal. Returns a slot id,
   // or -1 when every slot is taken or the path is too long (RAII removal still happens).

@@ -140,15 +140,15 @@ std::uint64_t sum_generic(const std::uint8_t* p, std::size_t n) {
 #if RESIDENCY_DECODE_X86
 #define RESIDENCY_AVX2 __attribute__((target("avx2,fma,f16c")))
 
-// Why the kernels below walk several rows side by side (measured on the 2-core AMD EPYC VM, see
+// Why the kernels below walk several rows side by side (docs/measurements.md has the figures, see
 // bench/results/2026-12-01-decode-vs-llama.md): one thread reading one sequential stream gets far
 // less than its share of memory bandwidth, because the number of cache misses it has in flight is
 // limited by what the hardware prefetcher runs ahead of a single stream, and that prefetcher stops
 // at every 4 KiB page (the model is a file mapping: 4 KiB pages scattered in physical memory). A
-// plain read of 1 GiB with 2 threads took 143 ms as one stream per thread and 97 ms as four streams
-// per thread. The old kernels read one row (Q8_0, F32) or two adjacent rows (F16, BF16) at a time:
-// one or two streams, hence 1.4-1.8x slower than llama.cpp, whose single-token matmul computes four
-// rows per step. So every AVX2 kernel here computes kStreams rows at a time, taken from kStreams
+// plain read is markedly faster as four streams per thread than as one. The old kernels read one
+// row (Q8_0, F32) or two adjacent rows (F16, BF16) at a time: one or two streams, hence slower than
+// llama.cpp, whose single-token matmul computes four rows per step. So every AVX2 kernel here
+// computes kStreams rows at a time, taken from kStreams
 // equal groups of consecutive rows of the piece (row r of each group): the streams are a quarter
 // of a piece apart, in different pages whatever the row length, and each one walks its own group
 // sequentially. Each row keeps its own accumulators, with exactly the arithmetic of the one-row
@@ -297,8 +297,8 @@ RESIDENCY_AVX2 void rows_q8_0_avx2(const std::uint8_t* const (&w)[R], std::size_
 }
 
 // Q4_0 two blocks at a time, so that the nibble unpacking and the madd serve two blocks (one
-// block per step, as Q8_0 does, read at 0.55 of the plain sum's bandwidth on the 2-core EPYC VM;
-// this reads at about 0.8, bench_decode with RESIDENCY_BENCH_TYPES=q4_0): the 16 weight bytes of
+// block per step, as Q8_0 does, read well below the plain sum's bandwidth; docs/measurements.md
+// has bench_decode's figures with RESIDENCY_BENCH_TYPES=q4_0): the 16 weight bytes of
 // blocks b and b + 1 in one register, whose low nibbles are weights 0-15 of b, then of b + 1,
 // and high nibbles weights 16-31 of each; the input's blocks rearranged to match, once for all
 // rows. The nibbles (0 to 15) are maddubs's unsigned operand as they are, and the 8 is taken off

@@ -10,11 +10,6 @@
 // (which is what the fuzzer feeds it); GgufFile maps a file read-only and parses the mapping,
 // which is how llama.cpp loads weights (MAP_SHARED, PROT_READ), so the pages the benchmark reads
 // are page-cache pages that memory pressure can evict and mlock can wire.
-//
-// Spec: GGUF v2/v3, little-endian: magic "GGUF", uint32 version, uint64 tensor count, uint64
-// metadata count, the metadata (key string, uint32 value type, value), the tensor infos (name,
-// uint32 n_dims, uint64 dims[n_dims], uint32 ggml type, uint64 offset relative to the data
-// section), padding to `general.alignment` (default 32), the tensor data.
 #pragma once
 
 #include <array>
@@ -142,6 +137,11 @@ struct GgufModel {
   std::uint64_t tensor_bytes() const;  // sum of every tensor's n_bytes
 };
 
+// Spec: GGUF v2/v3, little-endian: magic "GGUF", uint32 version, uint64 tensor count, uint64
+// metadata count, the metadata (key string, uint32 value type, value), the tensor infos (name,
+// uint32 n_dims, uint64 dims[n_dims], uint32 ggml type, uint64 offset relative to the data
+// section), padding to `general.alignment` (default 32), the tensor data.
+//
 // Parses and checks a whole GGUF file held in `bytes`. `source` names it in error messages
 // (a path, or "<memory>"). Errors (ErrorCode::invalid_argument) read
 // "<source>: byte <offset> (<field>): <what was found>; <what is accepted>".

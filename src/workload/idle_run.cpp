@@ -153,10 +153,10 @@ Result<std::unique_ptr<IdleRun>> IdleRun::create(IdleOptions options) {
       return bad(shown + ": cannot create the directory: " + printable(parent.string()) + " does not exist");
     }
     // Results of a long run must not be lost at its end: the directory takes them, or this says
-    // why now. What they need, measured (2026-12-02, --backend sim): idle.json 1.3 KB for one
-    // sample and 21 KB for 96 (about 210 bytes a sample or warm-up), idle.csv about 40 bytes a
-    // sample, idle.png 29 to 46 KB. Checked: twice that, a block per file, and 64 KiB for the
-    // plot (when it does not fit after all, the plot alone is left out, with a warning).
+    // why now. What they need (sizes of a sim run's files in docs/measurements.md): about 250
+    // bytes a sample or warm-up in idle.json and idle.csv together, under 64 KiB for idle.png.
+    // Checked: twice that, a block per file, and 64 KiB for the plot (when it does not fit after
+    // all, the plot alone is left out, with a warning).
     const std::uint64_t samples = options.benchmark.schedule.pauses.size() * options.benchmark.policies.size() *
                                   static_cast<std::uint64_t>(options.benchmark.schedule.iters + 1);
     const std::uint64_t results_bytes = (8u << 10) + 512 * samples + 3 * (4u << 10) + (options.plot ? (64u << 10) : 0);

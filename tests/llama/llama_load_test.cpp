@@ -106,7 +106,7 @@ TEST_P(LlamaLoadTest, LoadsAndDecodesOneToken) {
   ASSERT_TRUE(written.is_ok()) << written.message();
   ASSERT_EQ(std::filesystem::file_size(path), layout->file_size);
 
-  // With llama.cpp's extra buffer types on (AMX on Xeons, CPU_REPACK for Q4_0 on AVX2 x86 and ARM:
+  // With llama.cpp's extra buffer types on (AMX on CPUs with it, CPU_REPACK for Q4_0 on AVX2 x86 and ARM:
   // the matrices copied and repacked at load) and off (read from the file mapping): both decode,
   // to the same logits within the repacked kernels' rounding.
   std::vector<float> logits_by_layout[2];

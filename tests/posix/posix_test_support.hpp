@@ -253,8 +253,8 @@ inline ChildResult run_in_child(const std::function<int(std::string& report)>& b
 // reclaim the page cache it charged a moment ago. Its stalls show in /proc/pressure/memory
 // (and in the memory.pressure of every ancestor cgroup). Uses the cgroup v1 memory controller,
 // or cgroup v2 where this process's cgroup already delegates "memory" to its children;
-// skipped elsewhere (needs root). Measured on the 2-core CI VM: a 10 ms-in-2 s trigger fires
-// 0.4 to 1.9 s after the start.
+// skipped elsewhere (needs root). A 10 ms-in-2 s trigger fires within about one PSI window of
+// the start (docs/measurements.md has the times).
 class MemoryThrasher {
  public:
   // Returns why it cannot run here, or nullopt when it can.

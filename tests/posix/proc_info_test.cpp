@@ -257,7 +257,7 @@ TEST(Readers, ReadTheLiveFilesOfThisMachine) {
 namespace residency::posix {
 namespace {
 
-// The development VM: cgroup v1's memory controller beside an unrelated cgroup v2 mount. The
+// A VM guest's layout: cgroup v1's memory controller beside an unrelated cgroup v2 mount. The
 // memory cgroup is the v1 one; the v2 "0::/" entry says nothing about memory there.
 TEST(ParseCgroupV1, FindsTheMemoryControllersHierarchyBesideAV2Mount) {
   const char* cgroup =

@@ -711,7 +711,7 @@ namespace {
 // the ledger gave it, not even while the regions that do not fit leave their set.
 TEST(SharedBudgetProcesses, ARewireThatDoesNotFitWiresWhatFitsAndNeverMore) {
   // Regions large enough that locking one takes a while: a lock of a region that does not fit
-  // would be seen by the sampler (about 30 us a sample).
+  // would be seen by the sampler (tens of microseconds a sample).
   constexpr std::uint64_t kRegion = 32 * MiB;
   if (auto why = ensure_memlock(2 * kRegion)) GTEST_SKIP() << *why;
   // Both regions fit at first; once another holder takes 4 MiB, only one does.
@@ -842,7 +842,8 @@ class StoppedInsideTheLock {
     if (probe < 0) return false;
     bool inside = false;
     // Bounded by time, not by tries: on a machine of many fast cores the loop holds the lock for
-    // a small part of each turn, and 20000 tries (0.2 s on the Xeon host) never stopped it inside.
+    // a small part of each turn, and a bound of 20000 tries (a fraction of a second there) never
+    // stopped it inside.
     const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
     while (!inside && std::chrono::steady_clock::now() < deadline) {
       ::kill(pid_, SIGSTOP);
@@ -904,7 +905,8 @@ bool has_open(pid_t pid, const std::string& path) {
 
 // A `hold` that joins while the lock is held by a stopped process waits ledger::kJoinWait and then
 // fails with one message naming the ledger and the process that holds the lock (before: it
-// waited until the lock was freed, 14.5 s in the report, forever for a process stopped for good).
+// waited until the lock was freed, as issue 18 item 5 reported; forever for a process stopped for
+// good).
 TEST(SharedBudgetStoppedLock, AJoiningHoldGivesUpAfterTheBoundAndNamesTheLedgerAndTheLocker) {
   const std::string name = unique_name("stopped-join");
   StoppedInsideTheLock locker(name, 8 * MiB);
@@ -1030,7 +1032,7 @@ class HolderHere {
 
 // A decode's touch() that must re-wire under the shared budget never waits for another process:
 // with the lock held by a stopped holder it returns within milliseconds, the memory stays
-// unwired, and one warning says why (before: the touch waited for the lock, 7.5 s in the report).
+// unwired, and one warning says why (before: the touch waited for the lock, issue 18 item 5).
 TEST(SharedBudgetStoppedLock, ATouchThatMustRewireReturnsAtOnceUnwiredAndSaysWhyOnce) {
   const std::string name = unique_name("stopped-touch");
   StoppedInsideTheLock locker(name, 8 * MiB);

@@ -70,7 +70,7 @@ TEST(StatTool, JsonHasRawByteValues) {
 }
 
 // The memory cgroup and the pressure source as the kernel files say, read here without the
-// library: a cgroup v1 memory controller (beside an unrelated v2 mount, as on the development VM)
+// library: a cgroup v1 memory controller (beside an unrelated v2 mount, as on some VM guests)
 // is reported as v1 with memory.limit_in_bytes, and the pressure watch line names its
 // memory.pressure_level (there is no per-cgroup PSI under v1); the backends line lists only
 // backends that start here, each other one on a line of its own with its reason.

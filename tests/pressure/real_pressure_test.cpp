@@ -20,8 +20,8 @@
 // its memory; the time it waited is from its first attempt to the one that got everything.
 //
 // Runs as root (cgroup creation, and locking 2 GiB without a raised RLIMIT_MEMLOCK); elsewhere it
-// skips with the reason, and under RESIDENCY_TESTS_STRICT=1 (CI, root on a machine like the
-// development VM) not running is a failure. Whatever happens, TearDown kills the processes this
+// skips with the reason, and under RESIDENCY_TESTS_STRICT=1 (CI, as root on a Linux machine or
+// VM guest) not running is a failure. Whatever happens, TearDown kills the processes this
 // test started (by pid), removes the cgroup, and TearDownTestSuite removes the model.
 #include <fcntl.h>
 #include <gtest/gtest.h>
@@ -332,7 +332,7 @@ void drop_page_cache(const std::string& path) {
 }
 
 // With llama.cpp's extra buffer types on (the Q4_0 matrices repacked into anonymous memory:
-// CPU_REPACK on AVX2 x86 and ARM, AMX on Xeons) and off (every weight read from the file mapping).
+// CPU_REPACK on AVX2 x86 and ARM, AMX on CPUs with it) and off (every weight read from the file mapping).
 class RealPressureTest : public ::testing::TestWithParam<bool> {
  protected:
   static void SetUpTestSuite() {

@@ -4,18 +4,9 @@
 // Serving several models on one GPU needs "sleep" (give the device memory back) and a fast
 // "wake", and the model's pointers (and CUDA graphs captured with them) must survive both.
 // So device memory is allocated through the manager with the driver's virtual memory
-// management API: the address range is reserved once and never moves; ending a set's
-// residency synchronizes the device, copies `weights` into a pinned host backup that is
-// allocated once and kept between cycles (re-pinning costs more than the copy), then unmaps
-// and releases the physical memory; `kv_cache` and `scratch` are dropped without a copy.
-// Requesting residency creates and maps physical memory again and restores the contents.
-// Both directions are chunked over several streams, and wake overlaps the mapping of later
-// chunks with the copies of earlier ones, which is what takes them from the 2-5 GiB/s of the
-// peers (vLLM sleep mode, torch_memory_saver) to the link's rate. A wake that runs out of
-// device memory rolls back what it mapped, keeps the backup and returns an error.
-//
-// Host memory registered with the manager (e.g. mmap'd weights the GPU reads) is wired
-// with cuMemHostRegister and released with cuMemHostUnregister.
+// management API: the address range is reserved once and never moves; only the physical memory
+// behind it is released on sleep (after `weights` are copied to a pinned host backup) and
+// created, mapped and refilled on wake.
 //
 // The driver is loaded at run time (dlopen of libcuda.so.1), so binaries built with this
 // backend start on machines without an NVIDIA driver; there make_cuda_backend() returns an
@@ -30,6 +21,15 @@
 
 namespace residency {
 
+// Sleep (a set's residency ended) synchronizes the device, copies `weights` into the pinned host
+// backup, then unmaps and releases the physical memory; `kv_cache` and `scratch` are dropped
+// without a copy. Wake (residency requested) creates and maps physical memory again and restores
+// the contents. Both directions are chunked over several streams, and wake overlaps the mapping
+// of later chunks with the copies of earlier ones, which is what takes them from a fraction of
+// the link's rate, where the peers (vLLM sleep mode, torch_memory_saver) run, to the link's rate
+// (docs/measurements.md). A wake that runs out of device memory rolls back what it mapped, keeps
+// the backup and returns an error. Host memory registered with the manager (e.g. mmap'd weights
+// the GPU reads) is wired with cuMemHostRegister and released with cuMemHostUnregister.
 struct CudaBackendOptions {
   // Which device (ordinal, as nvidia-smi numbers them unless CUDA_VISIBLE_DEVICES says
   // otherwise). Its primary context is used, the one the CUDA runtime uses, so the engine's
@@ -38,12 +38,13 @@ struct CudaBackendOptions {
   // Unit of physical memory and of one copy, rounded up to the allocation granularity
   // (2 MiB on current GPUs). 256 MiB: long enough that a copy's launch costs < 0.1% of it at
   // 55 GB/s, short enough that the first chunk's mapping, which nothing overlaps, is short.
-  // Measured on an H200 (bench/results/2026-11-29-h200-cuda.md): wake is within 1-3% of a
-  // plain copy from 32 MiB to 1 GiB; sleep loses 7-9% with 32 MiB chunks, 2-4% from 256 MiB.
+  // A sweep of chunk sizes (see bench/results/2026-11-29-h200-cuda.md, docs/measurements.md):
+  // wake hardly depends on it; sleep loses more to a plain copy below 256 MiB.
   std::size_t chunk_bytes = std::size_t{256} << 20;
   // Streams the chunks are spread over, round robin (1 to 16).
   int streams = 4;
-  // When a weights allocation's pinned host backup is made. `at_first_sleep`: its first sleep
+  // When a weights allocation's pinned host backup is made; it is made once and kept between
+  // cycles (re-pinning costs more than the copy). `at_first_sleep`: its first sleep
   // pins it while it copies (host memory is taken only by what sleeps). `after_allocation`: a
   // background thread pins it right after allocate(), so that even the first sleep only copies
   // (at the link's rate), at the price of host memory the size of the weights from the start; a

@@ -63,10 +63,9 @@ int fault_in(char* p, std::size_t len) {
   return 0;
 }
 
-// Half the hardware threads, at most 16. Measured on the H200's 16-core host
-// (bench/results/2026-12-01-h200-first-sleep.md), first sleep of 16 GiB: 8 threads 26.8-26.9
-// GB/s with either pipeline, 14 threads 18.4 (registrar) and 23.9 (workers), 16 threads 21.8
-// (workers), 4 threads 15.9: past half the cores the faulting threads slow each other down.
+// Half the hardware threads, at most 16: past half the cores the faulting threads slow each
+// other down, and far fewer leave the pinning behind the copies (the thread sweep is in
+// docs/measurements.md; see bench/results/2026-12-01-h200-first-sleep.md).
 int default_backup_threads() {
   const int hw = static_cast<int>(std::thread::hardware_concurrency());
   return std::clamp(hw <= 0 ? 4 : hw / 2, 1, kDefaultMaxBackupThreads);

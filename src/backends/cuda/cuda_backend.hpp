@@ -9,20 +9,6 @@
 // physical memory is gone. Every other choice (chunked copies over several streams, mapping
 // overlapped with copying, rollback on a failed wake) follows from treating the physical
 // memory as a cache of the backup that can be dropped and refilled at the link's rate.
-//
-// The backup is anonymous host memory of exactly the allocation's size (rounded up to the host
-// page), 2 MiB aligned and advised for transparent huge pages, pinned with cuMemHostRegister one
-// copy chunk at a time. The first sleep builds it: host threads fault the memory in and register
-// it chunk by chunk, and each chunk's device-to-host copy starts as soon as its chunk is
-// registered, so pinning runs at many threads' rate and overlaps the copies (cuMemHostAlloc
-// pins on one thread at about 2 GB/s and rounds nothing, but PyTorch's pinned allocator rounds
-// to a power of two). A failure to pin part-way rolls back: whatever was registered is
-// unregistered, the memory is unmapped, and the allocation stays resident.
-//
-// Residency rule: a region is wanted resident while any set that holds it has its residency
-// requested. request_residency / commit wake what is wanted and asleep; end_residency /
-// commit put to sleep what is no longer wanted. A backend allocation starts resident (an
-// engine fills it right after allocating) and stays so until a set holding it is released.
 #pragma once
 
 #include <cuda.h>
@@ -64,6 +50,10 @@ class CudaBackend final : public Backend {
   Status destroy_set(SetId set) override;
   void add_region(SetId set, const RegionDesc& region) override;
   void remove_region(SetId set, RegionId region) override;
+  // A region is wanted resident while any set that holds it has its residency requested.
+  // request_residency / commit wake what is wanted and asleep; end_residency / commit put to
+  // sleep what is no longer wanted. A backend allocation starts resident (an engine fills it
+  // right after allocating) and stays so until a set holding it is released.
   SetOutcome commit(SetId set) override;
   SetOutcome request_residency(SetId set) override;
   Status end_residency(SetId set) override;
@@ -93,8 +83,8 @@ class CudaBackend final : public Backend {
   int backup_threads() const;
   // Who registers a backup's chunks: the faulting thread that completed the chunk (workers,
   // the default), or the thread that issues the copies, in order, while the others fault
-  // memory in (registrar). Both ran at the same rate on the H200 host with 8 threads; for
-  // measurements.
+  // memory in (registrar). Both ran at the same rate with 8 threads (docs/measurements.md);
+  // the choice is kept for measurements.
   enum class BackupPipeline { registrar, workers };
   void set_backup_pipeline(BackupPipeline p);
   BackupPipeline backup_pipeline() const;
@@ -153,6 +143,13 @@ class CudaBackend final : public Backend {
   // Maps, faults in and registers a's backup chunk by chunk on backup_threads_ host threads;
   // with `copy`, each chunk's device-to-host copy is issued as soon as it is registered and
   // the call returns once all copies are done. On failure everything is undone.
+  // The backup is anonymous host memory of exactly the allocation's size (rounded up to the host
+  // page), 2 MiB aligned and advised for transparent huge pages, pinned with cuMemHostRegister
+  // one copy chunk at a time, so that pinning runs at many threads' rate and overlaps the copies
+  // (cuMemHostAlloc pins on one thread, far below the link's rate, docs/measurements.md, and
+  // rounds nothing, but PyTorch's pinned allocator rounds to a power of two). A failure to pin
+  // part-way rolls back: whatever was registered is unregistered, the memory is unmapped, and the
+  // allocation stays resident.
   Status pin_backup(DeviceAllocation& a, bool copy);
   void free_backup(DeviceAllocation& a);
   void unmap_chunks(DeviceAllocation& a, std::size_t count);

@@ -94,8 +94,8 @@ struct CgroupLocation {
 };
 Result<CgroupLocation> find_cgroup_v2();
 // The cgroup whose memory controller governs this process: the cgroup v1 hierarchy that has it
-// (a machine can have cgroup v1's memory controller beside an unrelated v2 mount, as the
-// development VM has), else the v2 hierarchy. Errors say why none was found.
+// (a machine can have cgroup v1's memory controller beside an unrelated v2 mount, as some VM
+// guests do), else the v2 hierarchy. Errors say why none was found.
 struct MemoryCgroup {
   int version = 0;          // 1 or 2
   std::string cgroup_path;  // "/" = the root

@@ -20,8 +20,8 @@ namespace {
 
 static_assert(sizeof(GpuDecodePass::Matrix) == 56, "must match GpuMatrix in gpu_decode_kernels.cu");
 
-// 8 warps per block; 32 blocks per SM on a 132-SM H200 keeps enough loads in flight to be
-// memory-bound; the grid-stride loop covers any model.
+// 8 warps per block, and 16 blocks for each of 132 SMs (the largest GPU the pass was sized on):
+// enough loads in flight to be memory-bound there; the grid-stride loop covers any model and GPU.
 constexpr unsigned kThreads = 256;
 constexpr unsigned kBlocks = 132 * 16;
 // Float rounding of a dot product of n terms, relative to the sum of |w x|: 1e-3 is far above

@@ -81,9 +81,9 @@ class CudaIdleTarget final : public IdleTarget {
     return std::vector<RegionId>{alloc_.id};
   }
 
-  // The first sleep of an allocation pins its host backup (about 2 GB/s on the H200 host
-  // measured here, 30 times slower than the copy), a one-time cost an engine pays once per
-  // model, not once per idle pause.
+  // The first sleep of an allocation pins its host backup (slower than the copy itself; the
+  // rates are in docs/measurements.md), a one-time cost an engine pays once per model, not once
+  // per idle pause.
   bool first_release_sets_up() const override { return true; }
   bool decode_needs_residency() const override { return true; }  // unmapped device memory faults
   std::function<void()> synchronize() override {

@@ -9,8 +9,8 @@ extern const std::size_t pattern_kernels_size;
 }  // namespace embedded
 
 namespace {
-// Grid-stride loops: 4 blocks of 256 threads per multiprocessor on a 132-SM H200 is plenty to
-// saturate memory bandwidth; every thread handles many words.
+// Grid-stride loops: 1024 blocks of 256 threads, a few per multiprocessor even on the largest
+// GPUs, is plenty to saturate memory bandwidth; every thread handles many words.
 constexpr unsigned kBlocks = 1024;
 constexpr unsigned kThreads = 256;
 }  // namespace
