@@ -9,19 +9,6 @@
 // Region::admitted, the budget's admitted bytes and pending ids, the backend's reservation and the
 // sets' membership. It decides *which* regions are in; ResidencyCycle decides *when* what is in is
 // wired.
-//
-// Invariants (every field is guarded by the manager's mutex):
-//   - A region is admitted exactly when it is in a set (at Region::layout_slot), its bytes are counted
-//     in budget().admitted() and reserved with the backend; otherwise its id is in
-//     budget().pending(). Regions never overlap; tracked bytes stay within the memory limit.
-//   - After each public call of the manager: budget().admitted() <= budget().effective_limit().
-//   - Shared budget: the ledger holds at least what the backend has wired (sets().requested_bytes())
-//     and, while the policy wants the memory resident, at least what is admitted: bytes are
-//     reserved there before a commit or a request can wire them (admit(), reserve_for_wire()) and
-//     given back after the backend unwired them (settle(), after every flush and release).
-//   - Nothing here waits on another process: the ledger is asked with a wait of 0 under the mutex.
-//     When it comes back short, room_wanted() says how much; the manager asks the other holders
-//     and waits for them with its mutex released, then calls retry (manager.cpp, with_room()).
 #pragma once
 
 #include <cstdint>
@@ -45,6 +32,18 @@ class Ledger;
 
 namespace residency::core {
 
+// Invariants (every field is guarded by the manager's mutex):
+//   - A region is admitted exactly when it is in a set (at Region::layout_slot), its bytes are counted
+//     in budget().admitted() and reserved with the backend; otherwise its id is in
+//     budget().pending(). Regions never overlap; tracked bytes stay within the memory limit.
+//   - After each public call of the manager: budget().admitted() <= budget().effective_limit().
+//   - Shared budget: the ledger holds at least what the backend has wired (sets().requested_bytes())
+//     and, while the policy wants the memory resident, at least what is admitted: bytes are
+//     reserved there before a commit or a request can wire them (admit(), reserve_for_wire()) and
+//     given back after the backend unwired them (settle(), after every flush and release).
+//   - Nothing here waits on another process: the ledger is asked with a wait of 0 under the mutex.
+//     When it comes back short, room_wanted() says how much; the manager asks the other holders
+//     and waits for them with its mutex released, then calls retry (manager.cpp, with_room()).
 class Admission {
  public:
   Admission(Backend& backend, const LogSink& log, const KeepAliveState& ka, Clock& clock, Limits limits,

@@ -10,19 +10,6 @@
 // pressure event has come for `quiet`, so a flapping signal costs one release and one re-wire, not
 // one per flap.
 //
-// The step: a quarter of what is wired above the floor when the event comes, and at least 64 MiB.
-// A PSI trigger fires at most once per window (2 s here) while pressure lasts, so sustained
-// pressure reaches the floor in a few windows, and a short spike costs a quarter. The quiet period
-// defaults to 30 s: three times PSI's shortest average (avg10), long enough that the pressure
-// that caused the release has ended, short enough that a server is back to full speed within the
-// first minute after it.
-//
-// Quiet does not mean the memory is free again: the program that caused the pressure may still
-// hold what it took (a hog that got its 1.5 GiB keeps it). Wiring everything back at once inside
-// a tight memory cgroup would then make the kernel kill someone. So when the quiet period ends,
-// the manager asks the backend what is available (Backend::memory_available()) and raises the cap
-// only to what is wired plus that, less kLiftHeadroom; the rest follows after further quiet
-// periods as memory frees up. Where the backend cannot tell, the cap lifts entirely.
 // Pure bookkeeping: no backend calls. Lock rule: the manager's mutex.
 #pragma once
 
@@ -33,7 +20,19 @@
 
 namespace residency::core {
 
+// The step: a quarter of what is wired above the floor when the event comes, and at least 64 MiB.
+// A PSI trigger fires at most once per window (2 s here) while pressure lasts, so sustained
+// pressure reaches the floor in a few windows, and a short spike costs a quarter. The quiet period
+// defaults to 30 s: three times PSI's shortest average (avg10), long enough that the pressure
+// that caused the release has ended, short enough that a server is back to full speed within the
+// first minute after it.
 inline constexpr std::uint64_t kMinPressureStep = 64ull << 20;
+// Quiet does not mean the memory is free again: the program that caused the pressure may still
+// hold what it took (a hog that got its 1.5 GiB keeps it). Wiring everything back at once inside
+// a tight memory cgroup would then make the kernel kill someone. So when the quiet period ends,
+// the manager asks the backend what is available (Backend::memory_available()) and raises the cap
+// only to what is wired plus that, less kLiftHeadroom; the rest follows after further quiet
+// periods as memory frees up. Where the backend cannot tell, the cap lifts entirely.
 // Left free when the cap is raised to what is available, so that the re-wire itself does not
 // bring the pressure back (four of the smallest steps).
 inline constexpr std::uint64_t kLiftHeadroom = 4 * kMinPressureStep;

@@ -8,18 +8,6 @@
 // memory pressure (and admitted again once pressure has been quiet). Every residency rule of the
 // library is decided here, once: the preload, the C API and the tool only report engine events
 // (begin_call(), end_call(), access()).
-//
-// Invariants (guarded by the manager's mutex, but the atomics of KeepAliveState):
-//   - KeepAliveState::wants_resident() is what the policy wants; the sets follow it at the end of each
-//     call (wire() requests every admitted set, release() ends them all). A set the backend could
-//     not give back stays requested, and the log says so.
-//   - Nothing is released while a call or use scope is open (KeepAliveState::calls() > 0): not by
-//     the keep-alive, not under pressure, not when asked by another process or by release_now().
-//   - ever_released_: some memory has been given back, so the next wire is a re-wire (counted,
-//     timed and logged); before the first release a wire is the load.
-//   - access_held_: under keep-alive 0, an access outside a call (an upload) holds the memory as
-//     one call until the end of the next call; it is counted in calls().
-//   - The pressure cap (PressurePolicy) is in the budget's cap while in force, and lifted by due().
 #pragma once
 
 #include <atomic>
@@ -37,6 +25,17 @@
 
 namespace residency::core {
 
+// Invariants (guarded by the manager's mutex, but the atomics of KeepAliveState):
+//   - KeepAliveState::wants_resident() is what the policy wants; the sets follow it at the end of each
+//     call (wire() requests every admitted set, release() ends them all). A set the backend could
+//     not give back stays requested, and the log says so.
+//   - Nothing is released while a call or use scope is open (KeepAliveState::calls() > 0): not by
+//     the keep-alive, not under pressure, not when asked by another process or by release_now().
+//   - ever_released_: some memory has been given back, so the next wire is a re-wire (counted,
+//     timed and logged); before the first release a wire is the load.
+//   - access_held_: under keep-alive 0, an access outside a call (an upload) holds the memory as
+//     one call until the end of the next call; it is counted in calls().
+//   - The pressure cap (PressurePolicy) is in the budget's cap while in force, and lifted by due().
 class ResidencyCycle {
  public:
   ResidencyCycle(const Config& config, const Capabilities& caps, Clock& clock, const LogSink& log, KeepAliveState& ka,

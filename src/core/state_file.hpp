@@ -7,19 +7,6 @@
 // coordination between managers and no format shared with other processes' writers.
 //
 //   /dev/shm/residency-state.<uid>.<pid>.<n>   (n: the manager's number in its process, from 0)
-//
-// Mode 0600, owned by the process's user: no other user (root aside) can read it; the reader
-// also refuses a file whose owner is not the uid its name and the process carry, or that any
-// other user could read or write. Written whole to a temporary file (O_CREAT|O_EXCL|O_NOFOLLOW)
-// and renamed over the old one: a reader sees the previous snapshot or the next, never half of
-// one. Content: `residency-state 1` (the format version), then key=value lines; `pid` and
-// `start_time` (field 22 of /proc/PID/stat) tell a live file from one of a dead process or of a
-// reused pid, which the reader reports as stale and removes if it may.
-//
-// Written on state changes only (registration, wire, release, budget changes), under the
-// manager's mutex; never on touch()'s fast path. Removed when the manager is destroyed and at
-// exit (an atexit handler: the preload never destroys its managers); a fork child never
-// writes or removes its parent's files (the owner pid is checked).
 #pragma once
 
 #include <sys/types.h>
@@ -32,6 +19,13 @@
 
 namespace residency::core {
 
+// Mode 0600, owned by the process's user: no other user (root aside) can read it; the reader
+// also refuses a file whose owner is not the uid its name and the process carry, or that any
+// other user could read or write. Written whole to a temporary file (O_CREAT|O_EXCL|O_NOFOLLOW)
+// and renamed over the old one: a reader sees the previous snapshot or the next, never half of
+// one. Content: `residency-state 1` (the format version), then key=value lines; `pid` and
+// `start_time` (field 22 of /proc/PID/stat) tell a live file from one of a dead process or of a
+// reused pid, which the reader reports as stale and removes if it may.
 inline constexpr const char* kStateDir = "/dev/shm";
 inline constexpr const char* kStatePrefix = "residency-state.";
 inline constexpr const char* kStateHeader = "residency-state 1";
@@ -43,6 +37,10 @@ std::optional<std::uint64_t> process_start_time(int pid);
 // Removes this process's state files and stops all publishing (the atexit handler).
 void remove_state_files_at_exit();
 
+// Written on state changes only (registration, wire, release, budget changes), under the
+// manager's mutex; never on touch()'s fast path. Removed when the manager is destroyed and at
+// exit (an atexit handler: the preload never destroys its managers); a fork child never
+// writes or removes its parent's files (the owner pid is checked).
 // One manager's file. Nothing is created until the first publish(); a failure to write is
 // reported once through `why_not()` and publishing stops (it never fails the manager).
 class StateFile {

@@ -7,18 +7,8 @@
 // in the same run, interleaved so that whatever drifts on the machine (page-cache state, other
 // load, thermal state) hits all of them alike: the run is a sequence of blocks, one per (pause,
 // policy), in pause order, with the order of the policies rotated from one pause to the next.
-// A block creates its policy's residency::Manager over the target's backend and has the target
-// place the model's memory under it, decodes once to warm up (as llama-idle does once at start;
-// here it also makes the block's first pause start right after a decode under the block's own
-// policy), then runs `iters` iterations of pause + pressure + decode, and destroys the manager,
-// so that no policy benefits from another's residency. Every decode is what an engine does under
-// the policy: keep-alive, forever and off call Manager::touch() first, policy 0 opens
-// Manager::use() around the pass; its time includes any re-wire and ends when the pass's result
-// is available, before a policy-0 release. The targets (idle_target.hpp) only provide what
-// differs between backends; this loop is the only place that drives a manager.
-//
-// Output follows llama-idle's per-iteration and per-pause lines exactly, so that its users can
-// compare; the table, CSV and JSON add what it cannot show.
+// The targets (idle_target.hpp) only provide what differs between backends; this loop is the
+// only place that drives a manager.
 #pragma once
 
 #include <cstddef>
@@ -110,6 +100,14 @@ struct IdleBenchmarkOptions {
   Config config;
 };
 
+// A block creates its policy's residency::Manager over the target's backend and has the target
+// place the model's memory under it, decodes once to warm up (as llama-idle does once at start;
+// here it also makes the block's first pause start right after a decode under the block's own
+// policy), then runs `iters` iterations of pause + pressure + decode, and destroys the manager,
+// so that no policy benefits from another's residency. Every decode is what an engine does under
+// the policy: keep-alive, forever and off call Manager::touch() first, policy 0 opens
+// Manager::use() around the pass; its time includes any re-wire and ends when the pass's result
+// is available, before a policy-0 release.
 // Runs the whole schedule for every policy on `target` (already prepared). Errors from the target
 // or a manager stop the run and are returned (the block's manager is destroyed first).
 Result<IdleResults> run_idle_benchmark(IdleTarget& target, const IdleBenchmarkOptions& options,
@@ -118,6 +116,8 @@ Result<IdleResults> run_idle_benchmark(IdleTarget& target, const IdleBenchmarkOp
 // How long the schedule will take at least (pauses only) and with `decode_ms` per decode.
 double estimate_seconds(const IdleSchedule& schedule, std::size_t policies, double decode_ms);
 
+// Output follows llama-idle's per-iteration and per-pause lines exactly, so that its users can
+// compare; the table, CSV and JSON add what it cannot show.
 // llama-idle's lines: "  - decode time: %8.2f ms" and
 // "iters: %4d, pause: %5d ms, avg decode time: %8.2f +/- %4.2f ms".
 std::string format_decode_line(double ms);

@@ -5,20 +5,8 @@
 // The subcommand (tools/residency/idle.cpp) reads its command line once into an IdleOptions
 // (tools/residency/idle_options.hpp: every text field checked there, an error is bad input, one
 // line, the tool exits 2) and prints; nothing here parses the user's text again. The rest is here,
-// in two steps that keep bad input apart from failures:
-//   IdleRun::create(options)      what the machine must allow, still before anything is
-//                                 created: the backend starts, the model file opens and its types
-//                                 are decoded, the pressure fits the target, a synthetic model
-//                                 fits on disk, --out can be written (read-only, full, no
-//                                 permission: found here, before the run). An error is bad input too.
-//   IdleRun::run(reporter)        writes the synthetic model (if any), runs the benchmark, writes
-//                                 idle.json, idle.csv and idle.png into the result directory and
-//                                 returns their paths. An error is a failure (exit 1); every file
-//                                 created is removed on errors and on the signals that end a run
-//                                 (workload/cleanup.hpp).
-// The result directory is the one given, or else a new temporary directory
-// (residency-idle-XXXXXX, on disk where possible: $TMPDIR, /var/tmp, /tmp), never the current
-// directory: a synthetic model is written there and removed after the run.
+// in two steps that keep bad input apart from failures: IdleRun::create() (an error is bad input
+// too) and IdleRun::run() (an error is a failure, exit 1).
 #pragma once
 
 #include <memory>
@@ -45,6 +33,9 @@ struct IdleOptions {
   std::string pressure_text;       // as given, for messages
   std::string model_path;          // empty: `synthetic`
   std::optional<LlamaShape> synthetic;
+  // The result directory is the one given, or else a new temporary directory
+  // (residency-idle-XXXXXX, on disk where possible: $TMPDIR, /var/tmp, /tmp), never the current
+  // directory: a synthetic model is written there and removed after the run.
   std::string out_dir;  // empty: a new temporary directory
   bool plot = true;
   // What was read from the environment or left unused, one line each, for the user to see
@@ -76,13 +67,19 @@ struct IdleOutcome {
 
 class IdleRun {
  public:
+  // What the machine must allow, still before anything is created: the backend starts, the model
+  // file opens and its types are decoded, the pressure fits the target, a synthetic model fits on
+  // disk, --out can be written (read-only, full, no permission: found here, before the run).
   // Errors: bad input (see the top of this file); nothing has been created.
   static Result<std::unique_ptr<IdleRun>> create(IdleOptions options);
   ~IdleRun();
   IdleRun(const IdleRun&) = delete;
   IdleRun& operator=(const IdleRun&) = delete;
 
-  // Once. Errors: a failure while running; the files it created are removed.
+  // Once: writes the synthetic model (if any), runs the benchmark, writes idle.json, idle.csv and
+  // idle.png into the result directory and returns their paths. Errors: a failure while running;
+  // every file it created is removed, on errors and on the signals that end a run
+  // (workload/cleanup.hpp).
   Result<IdleOutcome> run(IdleReporter& reporter);
 
  private:

@@ -10,18 +10,6 @@
 // reference-counted by the kernel (one munlock undoes any number of mlocks of a page), so the
 // backend counts locks per page itself, and a page shared by two regions, or by two sets, stays
 // locked until the last of them lets it go.
-//
-// Limits: without CAP_IPC_LOCK a process may lock at most RLIMIT_MEMLOCK bytes (8 MiB by
-// default on Linux >= 5.16 and in Docker, 64 KiB before). An mlock refused by that limit is
-// not an error that stops anything: the region stays tracked but not resident, and the
-// Status names the limit and how to raise it. memory_info().hard_limit carries the limit so
-// that the manager clamps its budget to it.
-//
-// Pressure: the kernel's own source for the memory cgroup that governs this process, watched by
-// one backend thread that sleeps in poll() (no wake-ups while there is no pressure): a PSI poll
-// trigger on the cgroup v2 memory.pressure; in a cgroup v1 memory cgroup (PSI exists there only
-// system-wide) its memory.pressure_level, registered through cgroup.event_control with an
-// eventfd; else the system's /proc/pressure/memory. See posix_pressure_source().
 #pragma once
 
 #include <cstdint>
@@ -62,6 +50,11 @@ struct PosixOptions {
   std::string pressure_file;
 };
 
+// Limits: without CAP_IPC_LOCK a process may lock at most RLIMIT_MEMLOCK bytes (8 MiB by
+// default on Linux >= 5.16 and in Docker, 64 KiB before). An mlock refused by that limit is
+// not an error that stops anything: the region stays tracked but not resident, and the
+// Status names the limit and how to raise it. memory_info().hard_limit carries the limit so
+// that the manager clamps its budget to it.
 // Creates the backend. Fails only for invalid options; a missing /proc (non-Linux POSIX host)
 // makes memory_info() report what sysconf() knows and the rest as unknown (0).
 Result<std::shared_ptr<Backend>> make_posix_backend(const PosixOptions& options = {});
@@ -87,6 +80,11 @@ struct PressureInfo {
   std::optional<PressureReading> some, full;
 };
 
+// Pressure: the kernel's own source for the memory cgroup that governs this process, watched by
+// one backend thread that sleeps in poll() (no wake-ups while there is no pressure): a PSI poll
+// trigger on the cgroup v2 memory.pressure; in a cgroup v1 memory cgroup (PSI exists there only
+// system-wide) its memory.pressure_level, registered through cgroup.event_control with an
+// eventfd; else the system's /proc/pressure/memory. See posix_pressure_source().
 // Where the posix backend's pressure watch listens, as decided on this machine now.
 struct PressureSource {
   enum class Kind : std::uint8_t { none, psi, cgroup_v1_level };
