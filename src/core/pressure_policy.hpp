@@ -33,6 +33,7 @@ inline constexpr std::uint64_t kMinPressureStep = 64ull << 20;
 // the manager asks the backend what is available (Backend::memory_available()) and raises the cap
 // only to what is wired plus that, less kLiftHeadroom; the rest follows after further quiet
 // periods as memory frees up. Where the backend cannot tell, the cap lifts entirely.
+//
 // Left free when the cap is raised to what is available, so that the re-wire itself does not
 // bring the pressure back (four of the smallest steps).
 inline constexpr std::uint64_t kLiftHeadroom = 4 * kMinPressureStep;

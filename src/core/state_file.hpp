@@ -41,6 +41,7 @@ void remove_state_files_at_exit();
 // manager's mutex; never on touch()'s fast path. Removed when the manager is destroyed and at
 // exit (an atexit handler: the preload never destroys its managers); a fork child never
 // writes or removes its parent's files (the owner pid is checked).
+//
 // One manager's file. Nothing is created until the first publish(); a failure to write is
 // reported once through `why_not()` and publishing stops (it never fails the manager).
 class StateFile {

@@ -8,49 +8,9 @@
 // what every holder has wired never exceeds the budget, even for a moment.
 //
 // The one decision that shapes it: a full ledger is resolved by asking, not by polling. Each
-// holder has a futex word in the ledger; a thread of the holder's process sleeps on it with no
-// timeout (zero wake-ups while nobody asks). An asker that does not fit picks the holder idle
-// longest among those of priority <= its own (last use >= kIdleBeforeAsked ago), writes its
-// slot's word and FUTEX_WAKEs it; that process gives its memory back if it is really idle (as
-// its keep-alive would have, early) and answers by bumping the ledger's generation word, on
-// which the asker waits a bounded time. An ask carries an id, the asker's identity and the end
-// of its wait; it is answered only while all three hold (a holder stopped while asked, continued
-// after the asker gave up or died, gives back to nobody), and the asker withdraws it when done.
-//
-// The lock is the kernel's: an exclusive OFD lock (fcntl F_OFD_SETLK) on the whole ledger file.
-// The kernel drops it when its owner dies (SIGKILL, OOM kill), and nothing of it lives in the
-// shared bytes (a process-shared mutex there would let any member write through the robust-list
-// pointers of another member's process). The next locker repairs: holders whose process is gone
-// are dropped, identity being pid + start time (/proc/PID/stat field 22), so a reused pid is not
-// mistaken for the dead holder. Every field a holder writes under the lock is one aligned word,
-// and `used` is never stored (it is the sum of the table), so a holder killed mid-update leaves
-// nothing to undo. Every wait for the lock is bounded (kJoinWait to join, milliseconds on a
-// decode's path): a holder stopped inside it (SIGSTOP, a paused container, a debugger) costs the
-// others their share, never their progress.
-//
-// Trust: everyone who may write the file (its user; with a group, the group's members) may deny
-// the others budget, never corrupt their processes. Nothing in the shared bytes is a lock or a
-// pointer; under the lock the file's size is checked before the mapping is touched (a truncated
-// file would fault) and every field is validated before use (header, slots, pids, the sum of the
-// reservations, this holder's own slot). A ledger that fails is an error with a message ("ledger
-// PATH is corrupt: ..."); its holders keep what they have wired, wire nothing more under it, and
-// never touch it again. Outside the lock nothing is loaded or stored through the mapping: the
-// listener waits with the kernel comparing its word, and touch() publishes the last use with
-// pwrite(). What remains is a truncation in the microseconds between the size check and an access
-// under the lock (the kernel offers no way to pin a tmpfs file's size).
-//
-// Ownership: created 0600 for its user, or 0660 for a named group, under a temporary name and
-// link()ed into place, so nobody ever opens a half-written ledger. Opening checks owner, mode,
-// size, magic and format version, and refuses anything else with a message. The last holder to
-// leave (after reclaiming the dead) marks the ledger retired and unlinks it under the lock; a
-// process that opened it just before finds it retired once it has the lock and opens afresh.
-// A ledger removed from outside while held (rm, RemoveIPC) is noticed under the lock at the next
-// reservation (the path no longer names our file): nothing more is taken under it, so that its
-// holders and those of a new ledger at the path never each have the whole budget; and a holder
-// unlinks the path only while it names its own file.
-//
-// Linux only (futexes, OFD locks, /proc); elsewhere attach() returns `unsupported` with a message.
-// Processes that share a budget must share /dev/shm and a pid namespace.
+// holder's process sleeps on a futex word of its slot (zero wake-ups while nobody asks); an asker
+// that does not fit wakes the holder idle longest, which gives its memory back if it is really
+// idle (how an ask is made and answered: above class Ledger).
 #pragma once
 
 #include <atomic>
@@ -102,6 +62,49 @@ struct AttachOptions {
   int priority = 0;
 };
 
+// Asking: each holder has a futex word in the ledger; a thread of the holder's process sleeps on
+// it with no timeout (zero wake-ups while nobody asks). An asker that does not fit picks the holder idle
+// longest among those of priority <= its own (last use >= kIdleBeforeAsked ago), writes its
+// slot's word and FUTEX_WAKEs it; that process gives its memory back if it is really idle (as
+// its keep-alive would have, early) and answers by bumping the ledger's generation word, on
+// which the asker waits a bounded time. An ask carries an id, the asker's identity and the end
+// of its wait; it is answered only while all three hold (a holder stopped while asked, continued
+// after the asker gave up or died, gives back to nobody), and the asker withdraws it when done.
+//
+// The lock is the kernel's: an exclusive OFD lock (fcntl F_OFD_SETLK) on the whole ledger file.
+// The kernel drops it when its owner dies (SIGKILL, OOM kill), and nothing of it lives in the
+// shared bytes (a process-shared mutex there would let any member write through the robust-list
+// pointers of another member's process). The next locker repairs: holders whose process is gone
+// are dropped, identity being pid + start time (/proc/PID/stat field 22), so a reused pid is not
+// mistaken for the dead holder. Every field a holder writes under the lock is one aligned word,
+// and `used` is never stored (it is the sum of the table), so a holder killed mid-update leaves
+// nothing to undo. Every wait for the lock is bounded (kJoinWait to join, milliseconds on a
+// decode's path): a holder stopped inside it (SIGSTOP, a paused container, a debugger) costs the
+// others their share, never their progress.
+//
+// Trust: everyone who may write the file (its user; with a group, the group's members) may deny
+// the others budget, never corrupt their processes. Nothing in the shared bytes is a lock or a
+// pointer; under the lock the file's size is checked before the mapping is touched (a truncated
+// file would fault) and every field is validated before use (header, slots, pids, the sum of the
+// reservations, this holder's own slot). A ledger that fails is an error with a message ("ledger
+// PATH is corrupt: ..."); its holders keep what they have wired, wire nothing more under it, and
+// never touch it again. Outside the lock nothing is loaded or stored through the mapping: the
+// listener waits with the kernel comparing its word, and touch() publishes the last use with
+// pwrite(). What remains is a truncation in the microseconds between the size check and an access
+// under the lock (the kernel offers no way to pin a tmpfs file's size).
+//
+// Ownership: created 0600 for its user, or 0660 for a named group, under a temporary name and
+// link()ed into place, so nobody ever opens a half-written ledger. Opening checks owner, mode,
+// size, magic and format version, and refuses anything else with a message. The last holder to
+// leave (after reclaiming the dead) marks the ledger retired and unlinks it under the lock; a
+// process that opened it just before finds it retired once it has the lock and opens afresh.
+// A ledger removed from outside while held (rm, RemoveIPC) is noticed under the lock at the next
+// reservation (the path no longer names our file): nothing more is taken under it, so that its
+// holders and those of a new ledger at the path never each have the whole budget; and a holder
+// unlinks the path only while it names its own file.
+//
+// Linux only (futexes, OFD locks, /proc); elsewhere attach() returns `unsupported` with a message.
+// Processes that share a budget must share /dev/shm and a pid namespace.
 class Ledger {
  public:
   // Called on the ledger's thread when another process asks this holder to give back; it

@@ -108,6 +108,7 @@ struct IdleBenchmarkOptions {
 // the policy: keep-alive, forever and off call Manager::touch() first, policy 0 opens
 // Manager::use() around the pass; its time includes any re-wire and ends when the pass's result
 // is available, before a policy-0 release.
+//
 // Runs the whole schedule for every policy on `target` (already prepared). Errors from the target
 // or a manager stop the run and are returned (the block's manager is destroyed first).
 Result<IdleResults> run_idle_benchmark(IdleTarget& target, const IdleBenchmarkOptions& options,
@@ -118,6 +119,7 @@ double estimate_seconds(const IdleSchedule& schedule, std::size_t policies, doub
 
 // Output follows llama-idle's per-iteration and per-pause lines exactly, so that its users can
 // compare; the table, CSV and JSON add what it cannot show.
+//
 // llama-idle's lines: "  - decode time: %8.2f ms" and
 // "iters: %4d, pause: %5d ms, avg decode time: %8.2f +/- %4.2f ms".
 std::string format_decode_line(double ms);

@@ -3,34 +3,13 @@
 //
 // The idle benchmark (idle_benchmark.hpp) is llama.cpp's llama-idle: pause, decode one token,
 // repeat, under several residency policies measured in the same run. What a "decode" and a
-// "pause" are depends on the backend: on posix the model is a read-only file mapping, a decode is
-// the CPU decode-equivalent pass, a pause is real time with optional memory pressure; on sim a
-// decode's cost is modelled and a pause advances a virtual clock; on cuda the weights live in
-// device memory allocated through Manager::allocate and a decode is a GPU kernel.
+// "pause" are depends on the backend (see make_idle_target()).
 //
 // The one design decision: the data flows one way, benchmark -> target -> backend. The benchmark
 // owns the residency policy: it creates each policy's residency::Manager, has the target place
 // the model's memory under it, calls touch() (or opens use() for policy 0) around every decode
 // and destroys the manager between policies. A target never holds a manager and never decides
 // when memory is used; it only provides what differs between backends, below.
-//
-// Contract, in call order (the benchmark calls from one thread, never concurrently):
-//   check_pressure(p)  before anything is created: can this target apply pressure p? An error here
-//                      is bad input (the tool exits 2). Called once, by whoever validates input.
-//   prepare(model)     once: load the model (map it, pin a copy for the device, size the simulation).
-//   per policy:
-//     policy_backend()   the backend the policy's manager drives.
-//     place_model(m)     put the model's memory under manager m; the benchmark unregisters the
-//                        returned regions before it destroys m.
-//     per decode: decode_starts(), then (touch() or use(synchronize())), decode_pass(time).
-//     per pause:  time.pass(d), apply_pressure(p) (only for d > 0 and p not none),
-//                 resident_fraction().
-//
-// Adding a target (sim, cuda): implement this class in your own file (e.g.
-// src/workload/sim/idle_sim.cpp), declare its factory in idle_target.cpp under
-// `#if RESIDENCY_IDLE_HAVE_<NAME>` and add a line to make_idle_target() and idle_backends()
-// there; your folder's CMakeLists adds the sources with target_sources(residency_workload ...)
-// and target_compile_definitions(residency_workload PRIVATE RESIDENCY_IDLE_HAVE_<NAME>=1).
 #pragma once
 
 #include <functional>
@@ -87,6 +66,17 @@ class IdleTime {
   Manager& manager_;
 };
 
+// Contract, in call order (the benchmark calls from one thread, never concurrently):
+//   check_pressure(p)  before anything is created: can this target apply pressure p? An error here
+//                      is bad input (the tool exits 2). Called once, by whoever validates input.
+//   prepare(model)     once: load the model (map it, pin a copy for the device, size the simulation).
+//   per policy:
+//     policy_backend()   the backend the policy's manager drives.
+//     place_model(m)     put the model's memory under manager m; the benchmark unregisters the
+//                        returned regions before it destroys m.
+//     per decode: decode_starts(), then (touch() or use(synchronize())), decode_pass(time).
+//     per pause:  time.pass(d), apply_pressure(p) (only for d > 0 and p not none),
+//                 resident_fraction().
 class IdleTarget {
  public:
   virtual ~IdleTarget() = default;
@@ -140,6 +130,17 @@ struct IdleTargetOptions {
   std::string sim_profile;
   bool sim_decaying_requests = false;
 };
+
+// On posix the model is a read-only file mapping, a decode is the CPU decode-equivalent pass, a
+// pause is real time with optional memory pressure; on sim a decode's cost is modelled and a
+// pause advances a virtual clock; on cuda the weights live in device memory allocated through
+// Manager::allocate and a decode is a GPU kernel.
+//
+// Adding a target (sim, cuda): implement this class in your own file (e.g.
+// src/workload/sim/idle_sim.cpp), declare its factory in idle_target.cpp under
+// `#if RESIDENCY_IDLE_HAVE_<NAME>` and add a line to make_idle_target() and idle_backends()
+// there; your folder's CMakeLists adds the sources with target_sources(residency_workload ...)
+// and target_compile_definitions(residency_workload PRIVATE RESIDENCY_IDLE_HAVE_<NAME>=1).
 
 // The names --backend accepts in this build, default first.
 std::vector<std::string> idle_backends();

@@ -7,28 +7,7 @@
 // then pauses 0 to 4000 ms in steps of 800, 3 decodes each, printing "  - decode time: X ms"), so
 // configurations cannot be interleaved inside a run; they are interleaved by run instead: each
 // round runs every configuration once, the order rotated from round to round, so that whatever
-// drifts on the machine hits all alike. The configurations:
-//   mmap        llama.cpp's default: the model file mapped, nothing locked
-//   mlock       llama.cpp's --load-mode mlock (what --mlock, now deprecated, means): the model
-//               read into memory and locked at load, until exit
-//   keep-alive  residency through the preload (LD_PRELOAD=libresidency_preload.so), keep-alive K
-//   pressure-aware  the same with RESIDENCY_RELEASE_ON_PRESSURE=1 (graded release on PSI events;
-//               real pressure, hog:SIZE, makes them: pageout alone stalls nobody)
-//   0           residency through the preload, keep-alive 0 (locked only inside each decode)
-//   no-mmap     llama.cpp's --load-mode none (the deprecated --no-mmap): the model read into
-//               anonymous memory
-//   engine      examples/llama_engine, the linked example, on the same schedule (its own threads)
-// Pressure, from outside, at the end of each pause (150 ms before its end, for pauses > 0):
-// pageout = process_madvise(MADV_PAGEOUT) over the child's mappings of the model file and its
-// anonymous mappings (the weights llama.cpp repacked at load live there; with swap on they are
-// swapped out), then POSIX_FADV_DONTNEED on the file (the kernel skips locked pages); hog:SIZE = a second process
-// touching SIZE bytes during the pause. What each configuration still holds is read 300 ms before
-// the end of the last 4 s pause (so 3.7 s after a decode, past a keep-alive of up to 3.5 s): the
-// child's VmLck, RssAnon and VmSwap, and the fraction of the model file's pages resident (mincore).
-//
-// Decodes that fail are noticed: llama-idle prints its times even when llama_decode fails (a
-// model without a BOS token: 0.02 ms "decodes"), so a run whose decodes are implausibly fast, or
-// whose stderr reports a failed decode, or that does not print the whole schedule, is an error.
+// drifts on the machine hits all alike.
 #pragma once
 
 #include <string>
@@ -41,6 +20,17 @@
 
 namespace residency::workload {
 
+// The configurations:
+//   mmap        llama.cpp's default: the model file mapped, nothing locked
+//   mlock       llama.cpp's --load-mode mlock (what --mlock, now deprecated, means): the model
+//               read into memory and locked at load, until exit
+//   keep-alive  residency through the preload (LD_PRELOAD=libresidency_preload.so), keep-alive K
+//   pressure-aware  the same with RESIDENCY_RELEASE_ON_PRESSURE=1 (graded release on PSI events;
+//               real pressure, hog:SIZE, makes them: pageout alone stalls nobody)
+//   0           residency through the preload, keep-alive 0 (locked only inside each decode)
+//   no-mmap     llama.cpp's --load-mode none (the deprecated --no-mmap): the model read into
+//               anonymous memory
+//   engine      examples/llama_engine, the linked example, on the same schedule (its own threads)
 struct LlamaIdleConfig {
   std::string id;    // mmap, mlock, keep-alive, 0, no-mmap, engine
   std::string name;  // for tables: "mmap (default)", "residency keep-alive 2 s", ...
@@ -53,6 +43,11 @@ struct LlamaIdleOptions {
   std::string model;       // GGUF file
   std::vector<std::string> configs;  // ids, in the order of the table
   Nanos keep_alive = std::chrono::seconds(2);
+  // Pressure, from outside, at the end of each pause (150 ms before its end, for pauses > 0):
+  // pageout = process_madvise(MADV_PAGEOUT) over the child's mappings of the model file and its
+  // anonymous mappings (the weights llama.cpp repacked at load live there; with swap on they are
+  // swapped out), then POSIX_FADV_DONTNEED on the file (the kernel skips locked pages);
+  // hog:SIZE = a second process touching SIZE bytes during the pause.
   Pressure pressure;
   int rounds = 1;
   // llama.cpp's extra buffer types (AMX, CPU_REPACK) off in every configuration: -nr.
@@ -74,7 +69,9 @@ Result<std::vector<LlamaIdleConfig>> parse_llama_idle_configs(const std::string&
 // model (which may not be written yet).
 Status check_llama_idle_options(const LlamaIdleOptions& options, bool check_model = true);
 
-// What a configuration still held near the end of the last pause (see the top of the file).
+// What a configuration still held near the end of the last pause: read 300 ms before the end of
+// the last 4 s pause (so 3.7 s after a decode, past a keep-alive of up to 3.5 s): the child's
+// VmLck, RssAnon and VmSwap, and the fraction of the model file's pages resident (mincore).
 struct LlamaIdleHeld {
   std::uint64_t vm_lck = 0;      // bytes
   // Anonymous memory in RAM and swapped out, bytes: where llama.cpp keeps weights it repacked at
@@ -99,6 +96,9 @@ class LlamaIdleObserver {
 };
 
 // Runs every round; an error stops the run (a child that failed, with its stderr's last lines).
+// Decodes that fail are noticed: llama-idle prints its times even when llama_decode fails (a
+// model without a BOS token: 0.02 ms "decodes"), so a run whose decodes are implausibly fast, or
+// whose stderr reports a failed decode, or that does not print the whole schedule, is an error.
 Result<LlamaIdleOutcome> run_llama_idle(const LlamaIdleOptions& options, LlamaIdleObserver* observer = nullptr);
 
 // One held-memory table: configuration, VmLck, resident share of the model.

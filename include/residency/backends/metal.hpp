@@ -4,31 +4,13 @@
 // Why it exists: on Apple Silicon the OS unwires GPU memory about a second after its last use
 // and the next request pays a re-wire that grows with model size; a residency set with a
 // standing requestResidency keeps it wired. This backend is the Metal half of what llama.cpp
-// and MLX each do in Objective-C/C++, written once in C++ against Apple's metal-cpp headers
-// (the user points CMake at them with RESIDENCY_METAL_CPP_DIR; the project does not ship
-// them). It is built only on Apple platforms; on Linux it is compile-checked with
-// scripts/metal-check.
+// and MLX each do in Objective-C/C++, written once in C++ against Apple's metal-cpp headers.
 //
 // The one design decision that shapes it: the sequences are llama.cpp's, with its bug fixed.
 //   set init:  addAllocation (each view) -> commit -> requestResidency;
 //   set free:  endResidency -> removeAllAllocations -> commit -> release;
 //   backend init: one 1-byte blit, so that ended residency is really given back (without GPU
 //   work in the process, Metal keeps ended sets wired until exit: llama.cpp issue 25937).
-// Sets can also be attached to every command queue the engine registers (MLX does this,
-// llama.cpp does not): Metal fixes a command buffer's residency when it is committed, so a set
-// is attached as soon as it is created, before any later commit.
-//
-// Host memory (an mmap'd model) is wrapped in no-copy buffers; a region longer than the
-// device's maxBufferLength is split into views by the view planner. A region registered with
-// an MTL::Buffer* (or any MTL::Allocation*) as its backend_object is added as is; one registered
-// with an NS::Array* of them (the overlapping views an engine made of one mapping, as llama.cpp
-// does: MetalHostViews below) has every allocation of the array added, so one region stands
-// for all its views (regions may not overlap, views do).
-//
-// Memory pressure comes from the dispatch memory-pressure source (warn, critical, normal),
-// repeated while the level stays above normal (backends/metal/pressure_source.hpp).
-//
-// The public header does not include metal-cpp: Metal objects cross it as void*.
 #pragma once
 
 #include <cstdint>
@@ -44,9 +26,16 @@
 
 namespace residency {
 
+// Building: the user points CMake at metal-cpp with RESIDENCY_METAL_CPP_DIR (the project does
+// not ship it). The backend is built only on Apple platforms; on Linux it is compile-checked with
+// scripts/metal-check. This header does not include metal-cpp: Metal objects cross it as void*.
 struct MetalOptions {
   // MTL::Device*; nullptr: MTL::CreateSystemDefaultDevice(). Retained by the backend.
   void* device = nullptr;
+  // Sets can also be attached to every command queue the engine registers (MLX does this,
+  // llama.cpp does not): Metal fixes a command buffer's residency when it is committed, so a set
+  // is attached as soon as it is created, before any later commit.
+  //
   // Attach every set to every queue registered with add_command_queue() (MLX). A queue accepts
   // a limited number of sets, so capabilities().max_sets is then kMetalMaxSetsPerQueue.
   bool attach_to_queues = false;
@@ -85,6 +74,12 @@ struct MetalSupport {
 };
 MetalSupport metal_residency_support(void* device = nullptr);
 
+// Host memory (an mmap'd model) is wrapped in no-copy buffers; a region longer than the
+// device's maxBufferLength is split into views by the view planner. A region registered with
+// an MTL::Buffer* (or any MTL::Allocation*) as its backend_object is added as is; one registered
+// with an NS::Array* of them (the overlapping views an engine made of one mapping, as llama.cpp
+// does: MetalHostViews below) has every allocation of the array added, so one region stands
+// for all its views (regions may not overlap, views do).
 class MetalBackend final : public Backend {
  public:
   ~MetalBackend() override;
@@ -105,6 +100,8 @@ class MetalBackend final : public Backend {
   SetOutcome request_residency(SetId set) override;
   Status end_residency(SetId set) override;
   void after_release() override;
+  // Memory pressure comes from the dispatch memory-pressure source (warn, critical, normal),
+  // repeated while the level stays above normal (backends/metal/pressure_source.hpp).
   // One dispatch memory-pressure source for the backend; each manager adds a watcher.
   Result<PressureWatchId> watch_pressure(std::function<void()> on_pressure) override;
   void stop_pressure_watch(PressureWatchId id) override;

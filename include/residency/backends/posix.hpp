@@ -55,6 +55,7 @@ struct PosixOptions {
 // not an error that stops anything: the region stays tracked but not resident, and the
 // Status names the limit and how to raise it. memory_info().hard_limit carries the limit so
 // that the manager clamps its budget to it.
+//
 // Creates the backend. Fails only for invalid options; a missing /proc (non-Linux POSIX host)
 // makes memory_info() report what sysconf() knows and the rest as unknown (0).
 Result<std::shared_ptr<Backend>> make_posix_backend(const PosixOptions& options = {});
@@ -85,6 +86,7 @@ struct PressureInfo {
 // trigger on the cgroup v2 memory.pressure; in a cgroup v1 memory cgroup (PSI exists there only
 // system-wide) its memory.pressure_level, registered through cgroup.event_control with an
 // eventfd; else the system's /proc/pressure/memory. See posix_pressure_source().
+//
 // Where the posix backend's pressure watch listens, as decided on this machine now.
 struct PressureSource {
   enum class Kind : std::uint8_t { none, psi, cgroup_v1_level };

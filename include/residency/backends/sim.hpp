@@ -2,31 +2,16 @@
 // residency: the sim backend, a deterministic model of a unified-memory OS (macOS on Apple
 // Silicon) with injected time.
 //
-// Why it exists: the behaviour the library is built against (memory unwired about 1 s after
-// the GPU last used it, a re-wire cost that grows with model size, residency requests that
-// decay on macOS 26, a queue's limit on attached residency sets, residency locked when a
-// command buffer is committed, ended sets that stay wired in a process that never ran GPU
-// work) can only be observed on a Mac, slowly and noisily. The sim reproduces each of these
-// as an explicit, documented rule over a Clock, so that every rule of the manager is tested
-// against them in virtual time, in milliseconds, on any machine, and `residency idle
-// --backend sim` reproduces the published llama-idle figures.
+// Why it exists: the behaviour the library is built against (memory unwired about 1 s after its
+// last GPU use, a re-wire cost that grows with model size, and the other rules SimProfile and
+// SimOptions list) can only be observed on a Mac, slowly and noisily. The sim makes each one an
+// explicit rule over a Clock, so that the manager is tested against them in virtual time, in
+// milliseconds, on any machine, and `residency idle --backend sim` reproduces llama-idle's figures.
 //
 // The one design decision that shapes it: the model is evaluated lazily. Nothing runs in the
-// background; every call first advances the model from the last time it looked to
-// clock.now(), replaying the wired-memory collector over that interval event by event. So a
-// ManualClock gives fully deterministic results and a SteadyClock gives a real-time
-// simulation, with the same code.
-//
-// Vocabulary. A *buffer* is a piece of process memory the sim knows, identified by its base
-// address (the sim never reads or writes it: any non-null address will do, so tests model a
-// 16 GB model without allocating it). Regions added to sets are buffers; so is memory a
-// command buffer uses. *Wired* bytes are bytes the OS holds in physical memory for the GPU;
-// a GPU use or a residency request of unwired bytes pays the re-wire cost. A buffer is
-// *protected* from the collector while it is in a set with a live residency request, within
-// `collector_delay` of its last GPU use, or leaked (see SimOptions::ended_set_leak).
-//
-// Thread safety: every method takes the backend's own mutex, so the manager's scheduler
-// thread and a test driving GPU work may call it concurrently.
+// background; every call first advances the model to clock.now(), replaying the wired-memory
+// collector over that interval event by event. So a ManualClock gives fully deterministic
+// results and a SteadyClock gives a real-time simulation, with the same code.
 #pragma once
 
 #include <cstdint>
@@ -103,6 +88,16 @@ struct SimOptions {
   bool after_release_gpu_op = true;
 };
 
+// Vocabulary. A *buffer* is a piece of process memory the sim knows, identified by its base
+// address (the sim never reads or writes it: any non-null address will do, so tests model a
+// 16 GB model without allocating it). Regions added to sets are buffers; so is memory a
+// command buffer uses. *Wired* bytes are bytes the OS holds in physical memory for the GPU;
+// a GPU use or a residency request of unwired bytes pays the re-wire cost. A buffer is
+// *protected* from the collector while it is in a set with a live residency request, within
+// `collector_delay` of its last GPU use, or leaked (see SimOptions::ended_set_leak).
+//
+// Thread safety: every method takes the backend's own mutex, so the manager's scheduler
+// thread and a test driving GPU work may call it concurrently.
 class SimBackend final : public Backend {
  public:
   using QueueId = std::uint32_t;

@@ -143,6 +143,7 @@ class CudaBackend final : public Backend {
   // Maps, faults in and registers a's backup chunk by chunk on backup_threads_ host threads;
   // with `copy`, each chunk's device-to-host copy is issued as soon as it is registered and
   // the call returns once all copies are done. On failure everything is undone.
+  //
   // The backup is anonymous host memory of exactly the allocation's size (rounded up to the host
   // page), 2 MiB aligned and advised for transparent huge pages, pinned with cuMemHostRegister
   // one copy chunk at a time, so that pinning runs at many threads' rate and overlaps the copies

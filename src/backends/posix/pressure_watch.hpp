@@ -30,6 +30,7 @@ class PressureWatch {
   // once per window. With a cgroup v2's PSI, its memory.events as well (POLLPRI when the kernel
   // changes it): the cgroup running out of memory ("oom") is pressure, even when nothing stalled
   // long enough for the trigger.
+  //
   // Registers `trigger` on the PSI file `path` and calls `on_pressure` from the watch thread
   // each time the kernel reports it. Errors: unsupported when the file cannot be opened for
   // writing or the kernel refuses the trigger (the message says which and why), backend_error
@@ -40,6 +41,7 @@ class PressureWatch {
   // signals on each reclaim pass at or above the level. Those come in bursts (one per 512 pages
   // scanned), so the watch passes on at most one per `window`, as a PSI trigger does: an event
   // inside the window is held and delivered when it ends.
+  //
   // Registers an eventfd for `level` ("low", "medium", "critical") on the cgroup v1 file
   // `level_file` (.../memory.pressure_level) through the cgroup.event_control beside it, and calls
   // `on_pressure` at most once per `window` while the kernel signals it. Errors as start(). The
