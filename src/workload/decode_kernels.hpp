@@ -7,12 +7,7 @@
 // behind arithmetic. So each kernel is written to be limited by loads, not by conversions: a
 // portable version with independent accumulators that compilers vectorise (no -ffast-math
 // needed), and on x86-64 an AVX2/FMA/F16C version chosen at run time where the CPU has it (no
-// -march flag, so one binary runs on any x86-64 machine). The AVX2 matvec kernels compute four
-// rows at a time, one from each quarter of the rows they are given, so that each thread keeps four
-// sequential streams in flight in different pages (one stream per thread cannot draw its share of
-// memory bandwidth; see decode_kernels.cpp); the AVX2 sum reads four streams the same way.
-// bench_decode reports the pass's bandwidth as a ratio of the faster of plain_sum's over the same
-// bytes and llama.cpp's own decode of the same file, measured in the same run.
+// -march flag, so one binary runs on any x86-64 machine).
 #pragma once
 
 #include <cstddef>
@@ -45,12 +40,17 @@ struct MatvecInput {
 // replaces x by the values the blocks represent.
 void quantize_input_q8_0(float* x, std::size_t n, std::int8_t* q8, float* q8_scale);
 
+// The AVX2 matvec kernels compute four rows at a time, one from each quarter of the rows they are
+// given, so that each thread keeps four sequential streams in flight in different pages (one
+// stream per thread cannot draw its share of memory bandwidth; see decode_kernels.cpp).
 // y[r] = dot(row r, x) for `rows` rows of `n` elements starting at `w`, rows `row_bytes` apart.
 // `w` may have any alignment. A row's y does not depend on `rows` or on where the call starts.
 using MatvecFn = void (*)(const std::uint8_t* w, std::size_t row_bytes, std::size_t n,
                           std::size_t rows, const MatvecInput& in, float* y);
 // Sum of the n bytes at p read as little-endian 64-bit words (the tail as bytes): the fastest
-// plain read of the same memory, the bandwidth baseline.
+// plain read of the same memory, the bandwidth baseline (the AVX2 sum reads four streams, as the
+// matvec kernels do). bench_decode reports the pass's bandwidth as a ratio of the faster of this
+// sum's over the same bytes and llama.cpp's own decode of the same file, measured in the same run.
 using SumFn = std::uint64_t (*)(const std::uint8_t* p, std::size_t n);
 
 struct DecodeKernels {
