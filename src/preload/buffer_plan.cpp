@@ -88,7 +88,7 @@ BufferPlan plan_buffer(const BufferFacts& f, std::size_t page_size) {
   if (!is_cpu_memory(f.device)) {
     p.not_managed = f.is_host ? "pinned host memory of a GPU: its driver keeps it resident for the buffer's life"
                               : "device memory";
-    p.worth_a_line = f.is_host;  // device memory is the CUDA path's (device_memory.hpp)
+    p.worth_a_line = f.is_host;  // device memory is the session's device side (engine_session.hpp)
     return p;
   }
   const std::uintptr_t end = f.base + f.size < f.base ? UINTPTR_MAX : f.base + f.size;

@@ -15,7 +15,7 @@
 //   of the tensors placed in it, merged; the file ranges between them are not registered;
 // - a GPU's pinned host buffer (CUDA_Host) is not: its driver keeps it pinned for its whole life,
 //   so there is nothing residency could give back or wire;
-// - device memory is not host memory (the CUDA preload routes it; device_memory.hpp).
+// - device memory is not host memory (the CUDA preload routes it through the session; engine_session.hpp).
 // The class comes from the usage llama.cpp sets: WEIGHTS (the model's buffers), COMPUTE (ggml's
 // graph allocator); everything else (the KV cache, recurrent state, the output buffer) holds state
 // that must survive a release: kv_cache.

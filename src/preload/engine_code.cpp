@@ -88,7 +88,7 @@ void EngineCode::register_once() noexcept {
                        " read-only range(s) of " + names + ", held with the model (a decode executes and reads it)";
     if (plan.left_out > 0)
       line += "; " + format_size(plan.left_out) + " of larger read-only segments left out (GPU device code)";
-    info_(line);
+    log_->info(line);
   } catch (...) {
   }
 }

@@ -59,9 +59,8 @@ std::vector<LoadedSegment> loaded_segments();
 class EngineCode {
  public:
   static constexpr std::uint64_t kMaxSegment = 64ULL << 20;
-  using Info = void (*)(const std::string& message);
-
-  EngineCode(Manager& manager, PieceTable::Warn warn, Info info) : pieces_(&manager, warn, "engine code"), info_(info) {}
+  // `log` must outlive it.
+  EngineCode(Manager& manager, const SessionLog& log) : pieces_(&manager, log, "engine code"), log_(&log) {}
 
   // With the preload's lock held: registers the engine's read-only segments, once (one info line).
   void register_once() noexcept;
@@ -74,7 +73,7 @@ class EngineCode {
 
  private:
   PieceTable pieces_;
-  Info info_;
+  const SessionLog* log_;
   bool registered_ = false;
 };
 

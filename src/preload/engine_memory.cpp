@@ -184,7 +184,10 @@ void EngineMemory::snapshot(const std::vector<Extent>& held, const char* why) no
     }
     if (plan.left_out > 0) line += "; " + format_size(plan.left_out) + " of anonymous mappings over " + format_size(kMaxMapping) +
                                          " left out";
-    (said_ ? detail_ : info_)(line);
+    if (said_)
+      log_->debug(line);
+    else
+      log_->info(line);
     said_ = true;
   } catch (...) {
     // Out of memory: what was registered stays.

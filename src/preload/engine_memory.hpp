@@ -88,16 +88,17 @@ class EngineMemory {
   static constexpr std::size_t kMaxRuns = 256;
   static constexpr std::uint64_t kMaxBytes = 256ULL << 20;
   static constexpr std::size_t kMaxGapPages = 4;
-  using Info = void (*)(const std::string& message);
-
-  EngineMemory(Manager& manager, PieceTable::Warn warn, Info info, Info detail)
-      : manager_(&manager), pieces_(&manager, warn, "engine memory"), info_(info), detail_(detail) {}
+  // `log` must outlive it: the first snapshot's line is info, the later ones debug.
+  EngineMemory(Manager& manager, const SessionLog& log)
+      : manager_(&manager), pieces_(&manager, log, "engine memory"), log_(&log) {}
 
   // With the preload's lock held: what is registered becomes the resident pages of the process's
   // private anonymous memory outside `held` (sorted, disjoint), now. `why` goes into the log.
   void snapshot(const std::vector<Extent>& held, const char* why) noexcept;
   // With the preload's lock held: nothing of it stays registered.
   void unregister() noexcept;
+  // Bytes the last snapshot registered (0: none held).
+  std::uint64_t bytes() const noexcept { return bytes_; }
 
   PieceTable& pieces() noexcept { return pieces_; }
   const PieceTable& pieces() const noexcept { return pieces_; }
@@ -105,8 +106,7 @@ class EngineMemory {
  private:
   Manager* manager_;
   PieceTable pieces_;
-  Info info_;
-  Info detail_;
+  const SessionLog* log_;
   std::uint64_t bytes_ = 0;
   bool said_ = false;  // the first snapshot's line is info, the later ones debug
 };

@@ -6,62 +6,14 @@
 #include <utility>
 #include <vector>
 
-#include "next_calls.hpp"
 #include "residency/text.hpp"
 
 namespace residency::preload {
 
-namespace {
-
-template <class Fn>
-void resolve_into(Fn& f, const char* name, bool& ok) noexcept {
-  f = reinterpret_cast<Fn>(resolve_next_symbol(name));
-  ok = ok && f != nullptr;
-}
-
-const GgmlApi* make_api() noexcept {
-  static GgmlApi api;
-  bool ok = true;
-  resolve_into(api.get_base, "ggml_backend_buffer_get_base", ok);
-  resolve_into(api.get_size, "ggml_backend_buffer_get_size", ok);
-  resolve_into(api.get_type, "ggml_backend_buffer_get_type", ok);
-  resolve_into(api.name, "ggml_backend_buffer_name", ok);
-  resolve_into(api.buft_is_host, "ggml_backend_buft_is_host", ok);
-  resolve_into(api.buft_get_device, "ggml_backend_buft_get_device", ok);
-  resolve_into(api.dev_type, "ggml_backend_dev_type", ok);
-  resolve_into(api.nbytes, "ggml_nbytes", ok);
-  return ok ? &api : nullptr;
-}
-
-DeviceKind device_kind(const GgmlApi& api, ggml_backend_buffer_type_t buft) noexcept {
-  ggml_backend_dev_t dev = api.buft_get_device(buft);
-  if (dev == nullptr) return DeviceKind::none;
-  switch (api.dev_type(dev)) {
-    case GGML_BACKEND_DEVICE_TYPE_CPU: return DeviceKind::cpu;
-    case GGML_BACKEND_DEVICE_TYPE_GPU: return DeviceKind::gpu;
-    case GGML_BACKEND_DEVICE_TYPE_IGPU: return DeviceKind::igpu;
-    case GGML_BACKEND_DEVICE_TYPE_ACCEL: return DeviceKind::accel;
-    default: return DeviceKind::gpu;  // a kind this preload does not know: not host memory
-  }
-}
-
-}  // namespace
-
-const GgmlApi* ggml_api() noexcept {
-  static std::atomic<const GgmlApi*> cache{nullptr};
-  static std::atomic<bool> done{false};
-  if (done.load(std::memory_order_acquire)) return cache.load(std::memory_order_relaxed);
-  if (resolving_now()) return nullptr;
-  const GgmlApi* api = make_api();
-  cache.store(api, std::memory_order_relaxed);
-  done.store(true, std::memory_order_release);
-  return api;
-}
-
-void GgmlBuffers::created(ggml_backend_buffer_t b, bool from_ptr) noexcept {
-  const GgmlApi* api = ggml_api();
-  if (api == nullptr || b == nullptr) return;
+void GgmlBuffers::created(BufferId b, bool from_ptr) noexcept {
+  if (b == 0) return;
   try {
+    const BufferFacts now = reader_->facts(b, from_ptr);
     auto it = buffers_.find(b);
     if (it != buffers_.end()) {
       // ggml made it inside another hooked call (CPU_REPACK allocates a CPU buffer and takes it
@@ -74,28 +26,21 @@ void GgmlBuffers::created(ggml_backend_buffer_t b, bool from_ptr) noexcept {
       // A buffer type's allocation made through the CPU buffer code and then given its own type
       // (ggml-cuda's CUDA_Host: cudaMallocHost, ggml_backend_cpu_buffer_from_ptr, then its buft):
       // its facts are the outer type's. Pinned host memory of a GPU is not a mapping to follow.
-      if (!from_ptr) {
-        ggml_backend_buffer_type_t buft = api->get_type(b);
-        const DeviceKind device = device_kind(*api, buft);
-        if (!is_cpu_memory(device)) {
-          f.device = device;
-          f.is_host = api->buft_is_host(buft);
-          f.from_ptr = false;
-          f.tensors.clear();
-          forget_from_ptr(b);
-        }
+      if (!from_ptr && !is_cpu_memory(now.device)) {
+        f.device = now.device;
+        f.is_host = now.is_host;
+        f.from_ptr = false;
+        f.tensors.clear();
+        forget_from_ptr(b);
       }
       return;
     }
     Tracked t;
-    t.facts.size = api->get_size(b);
-    if (t.facts.size == 0) return;  // ggml's dummy buffer for empty allocations
-    ggml_backend_buffer_type_t buft = api->get_type(b);
-    t.facts.is_host = api->buft_is_host(buft);
-    t.facts.device = device_kind(*api, buft);
+    t.facts = now;
     t.facts.from_ptr = from_ptr;
+    if (t.facts.size == 0) return;  // ggml's dummy buffer for empty allocations
     // Only host memory has a base worth reading (device buffers' bases are device addresses).
-    if (is_cpu_memory(t.facts.device)) t.facts.base = reinterpret_cast<std::uintptr_t>(api->get_base(b));
+    if (!is_cpu_memory(t.facts.device)) t.facts.base = 0;
     buffers_.emplace(b, std::move(t));
     if (from_ptr) remember_from_ptr(b);
     pending_.store(true, std::memory_order_release);
@@ -104,8 +49,8 @@ void GgmlBuffers::created(ggml_backend_buffer_t b, bool from_ptr) noexcept {
   }
 }
 
-bool GgmlBuffers::is_from_ptr(ggml_backend_buffer_t b) const noexcept {
-  if (b == nullptr) return false;
+bool GgmlBuffers::is_from_ptr(BufferId b) const noexcept {
+  if (b == 0) return false;
   // Only the slots ever used (one or two per model file): this runs for every tensor ggml's graph
   // allocator places, every graph.
   const std::size_t used = from_ptr_used_.load(std::memory_order_acquire);
@@ -115,9 +60,9 @@ bool GgmlBuffers::is_from_ptr(ggml_backend_buffer_t b) const noexcept {
   return false;
 }
 
-void GgmlBuffers::remember_from_ptr(ggml_backend_buffer_t b) noexcept {
+void GgmlBuffers::remember_from_ptr(BufferId b) noexcept {
   for (std::size_t i = 0; i < kMaxFromPtr; ++i) {
-    ggml_backend_buffer_t expected = nullptr;
+    BufferId expected = 0;
     if (from_ptr_[i].compare_exchange_strong(expected, b, std::memory_order_acq_rel)) {
       if (from_ptr_used_.load(std::memory_order_relaxed) < i + 1) from_ptr_used_.store(i + 1, std::memory_order_release);
       return;
@@ -126,43 +71,38 @@ void GgmlBuffers::remember_from_ptr(ggml_backend_buffer_t b) noexcept {
   // More than kMaxFromPtr at once: this one's tensors are not followed, so it registers nothing.
 }
 
-void GgmlBuffers::forget_from_ptr(ggml_backend_buffer_t b) noexcept {
+void GgmlBuffers::forget_from_ptr(BufferId b) noexcept {
   for (auto& slot : from_ptr_) {
-    ggml_backend_buffer_t expected = b;
-    slot.compare_exchange_strong(expected, nullptr, std::memory_order_acq_rel);
+    BufferId expected = b;
+    slot.compare_exchange_strong(expected, 0, std::memory_order_acq_rel);
   }
 }
 
-void GgmlBuffers::tensor_placed(ggml_backend_buffer_t b, const struct ggml_tensor* t, const void* addr) noexcept {
-  const GgmlApi* api = ggml_api();
-  if (api == nullptr || t == nullptr || addr == nullptr) return;
+void GgmlBuffers::tensor_placed(BufferId b, std::uintptr_t begin, std::uintptr_t end) noexcept {
+  if (begin == 0 || end < begin) return;
   auto it = buffers_.find(b);
   if (it == buffers_.end() || !it->second.facts.from_ptr) return;
   try {
-    const auto begin = reinterpret_cast<std::uintptr_t>(addr);
-    it->second.facts.tensors.push_back(Extent{begin, begin + api->nbytes(t)});
+    it->second.facts.tensors.push_back(Extent{begin, end});
     it->second.dirty = true;
     pending_.store(true, std::memory_order_release);
   } catch (...) {
   }
 }
 
-void GgmlBuffers::usage_set(ggml_backend_buffer_t b, enum ggml_backend_buffer_usage usage) noexcept {
+void GgmlBuffers::usage_set(BufferId b, BufferUsage u) noexcept {
   auto it = buffers_.find(b);
   if (it == buffers_.end()) return;
-  const BufferUsage u = usage == GGML_BACKEND_BUFFER_USAGE_WEIGHTS   ? BufferUsage::weights
-                        : usage == GGML_BACKEND_BUFFER_USAGE_COMPUTE ? BufferUsage::compute
-                                                                     : BufferUsage::any;
   if (it->second.facts.usage == u) return;
   it->second.facts.usage = u;
   it->second.dirty = true;
   pending_.store(true, std::memory_order_release);
 }
 
-void GgmlBuffers::freeing(ggml_backend_buffer_t b) noexcept {
+void GgmlBuffers::freeing(BufferId b) noexcept {
   auto it = buffers_.find(b);
   if (it == buffers_.end()) return;
-  pieces_.remove_owner(reinterpret_cast<std::uint64_t>(b));
+  pieces_.remove_owner(static_cast<std::uint64_t>(b));
   forget_from_ptr(b);
   buffers_.erase(it);
 }
@@ -171,17 +111,16 @@ bool GgmlBuffers::holds_weights() const noexcept {
   return std::any_of(buffers_.begin(), buffers_.end(), [](const auto& kv) { return kv.second.facts.usage == BufferUsage::weights; });
 }
 
-GgmlBuffers::Registered GgmlBuffers::register_buffer(ggml_backend_buffer_t b, Tracked& t) {
-  const auto owner = reinterpret_cast<std::uint64_t>(b);
+GgmlBuffers::Registered GgmlBuffers::register_buffer(BufferId b, Tracked& t) {
+  const auto owner = static_cast<std::uint64_t>(b);
   pieces_.remove_owner(owner);  // what changed is registered anew
   t.dirty = false;
   // Its type read now: CPU_REPACK takes over a CPU buffer after creating it.
-  const GgmlApi* api = ggml_api();
-  const std::string type_name = api != nullptr ? api->name(b) : "ggml";
+  const std::string type_name = reader_->type_name(b);
   const BufferPlan plan = plan_buffer(t.facts, system_page_size());
   const std::string what = type_name + " buffer of " + format_size(t.facts.size);
   if (plan.ranges.empty()) {
-    if (plan.worth_a_line) info_(what + ": not managed: " + plan.not_managed);
+    if (plan.worth_a_line) log_->info(what + ": not managed: " + plan.not_managed);
     return {};
   }
   std::size_t placed = 0;
@@ -195,11 +134,11 @@ GgmlBuffers::Registered GgmlBuffers::register_buffer(ggml_backend_buffer_t b, Tr
     if (placed + system_page_size() < t.facts.size) line += "; the rest of its range is other buffers' tensors' file pages, not wired";
   }
   if (placed < plan.registered_bytes) line += " (" + format_size(plan.registered_bytes - placed) + " left unmanaged)";
-  detail_(line);
+  log_->debug(line);
   if (pressure_without_swap_ && !warned_anonymous_weights_ && !t.facts.from_ptr && plan.cls == RegionClass::weights &&
       placed >= (std::size_t{64} << 20)) {
     warned_anonymous_weights_ = true;
-    warn_("llama.cpp copied " + format_size(placed) + " of the model's weights into a " + type_name +
+    log_->warn("llama.cpp copied " + format_size(placed) + " of the model's weights into a " + type_name +
           " buffer (anonymous memory) and this machine has no swap: releasing them under memory pressure frees nothing "
           "(anonymous pages can only be reclaimed to swap). To let pressure take the model back, keep the weights in "
           "the page cache: llama.cpp's --no-repack (-nr; use_extra_bufts = false), or add swap");
@@ -249,7 +188,7 @@ void GgmlBuffers::flush() noexcept {
       parts.emplace_back(r.cls, std::make_pair(std::move(r.type), r.bytes));
     }
     if (count > 0)
-      info_("registered " + std::to_string(count) + (count == 1 ? " buffer: " : " buffers: ") + by_class_and_type(parts));
+      log_->info("registered " + std::to_string(count) + (count == 1 ? " buffer: " : " buffers: ") + by_class_and_type(parts));
   } catch (...) {
     // Out of memory while logging: what was registered stays registered.
   }
@@ -258,7 +197,7 @@ void GgmlBuffers::flush() noexcept {
 std::vector<Extent> GgmlBuffers::from_ptr_runs() const {
   std::vector<Extent> out;
   for (const PieceTable::Piece& p : pieces_.pieces()) {
-    auto it = buffers_.find(reinterpret_cast<ggml_backend_buffer_t>(p.owner));
+    auto it = buffers_.find(static_cast<BufferId>(p.owner));
     if (it != buffers_.end() && it->second.facts.from_ptr) out.push_back(Extent{p.begin, p.end});
   }
   return out;

@@ -4,21 +4,15 @@
 // buffer_plan.hpp decides: the model's weights in whatever buffer type holds them (CPU_Mapped
 // file ranges, AMX, CPU_REPACK, plain CPU), the KV cache, the compute buffers.
 //
-// What is interposed for it (all public ggml-backend.h functions, so the preload never depends
-// on ggml's internal structs):
-// - ggml_backend_buft_alloc_buffer: every buffer of a buffer type (ggml's own memory; the graph
-//   allocator's compute buffers and the KV cache come through it too);
-// - ggml_backend_cpu_buffer_from_ptr / ggml_backend_dev_buffer_from_host_ptr: buffers over memory
-//   that is not ggml's (llama.cpp's CPU_Mapped buffers over the GGUF mapping);
-// - ggml_backend_tensor_alloc: where a tensor is placed in such a buffer;
-// - ggml_backend_buffer_set_usage: WEIGHTS (llama.cpp's model buffers) and COMPUTE (graph
-//   allocator) decide the class;
-// - ggml_backend_buffer_free: the buffer's regions are unregistered before its memory goes.
-// Registration waits for a flush point: the end of llama_model_load_from_file (the weights are
-// loaded, every tensor is placed), of llama_init_from_model (KV cache and compute buffers), and
-// the start of each decode (buffers ggml made since, e.g. a grown compute buffer).
+// The hooks (interpose.cpp) read each buffer through ggml's public ggml-backend.h functions
+// (ggml_api.hpp) and hand the facts here: made (ggml_backend_buft_alloc_buffer, or from_ptr over
+// memory that is not ggml's: ggml_backend_cpu_buffer_from_ptr / _dev_buffer_from_host_ptr),
+// a tensor placed in a from_ptr buffer, its usage set (WEIGHTS, COMPUTE), freed. Registration
+// waits for a flush point: the end of a model's load (every tensor placed), of a context's
+// creation (KV cache and compute buffers), and the start of each decode (a grown compute buffer).
+// Nothing here includes ggml: a test drives it with synthetic buffers (engine_session_test.cpp).
 //
-// Every method is called with the preload's lock held, except has_pending().
+// Every method is called with the session's lock held, except the lock-free ones marked so.
 #pragma once
 
 #include <array>
@@ -29,52 +23,50 @@
 #include <unordered_map>
 #include <vector>
 
-#include <ggml-backend.h>
-
 #include "buffer_plan.hpp"
 #include "piece_table.hpp"
 #include "residency/residency.hpp"
 
 namespace residency::preload {
 
-// ggml's functions the tracker reads buffers with, from the library behind the preload; null when
-// one is missing (ggml is not a shared library here): then no buffer is followed.
-struct GgmlApi {
-  decltype(&ggml_backend_buffer_get_base) get_base = nullptr;
-  decltype(&ggml_backend_buffer_get_size) get_size = nullptr;
-  decltype(&ggml_backend_buffer_get_type) get_type = nullptr;
-  decltype(&ggml_backend_buffer_name) name = nullptr;
-  decltype(&ggml_backend_buft_is_host) buft_is_host = nullptr;
-  decltype(&ggml_backend_buft_get_device) buft_get_device = nullptr;
-  decltype(&ggml_backend_dev_type) dev_type = nullptr;
-  decltype(&ggml_nbytes) nbytes = nullptr;
+// A ggml buffer, as the session knows it (ggml_backend_buffer_t's value).
+using BufferId = std::uintptr_t;
+
+// What the table reads of a buffer when it is made and when it is registered: ggml's own answer
+// through its public API behind the preload (ggml_api.hpp), or a test's.
+class BufferReader {
+ public:
+  virtual ~BufferReader() = default;
+  // Its size, type's device and is_host, and base (host memory only); from_ptr as given.
+  virtual BufferFacts facts(BufferId b, bool from_ptr) const = 0;
+  // Its buffer type's name now ("CPU", "CPU_REPACK", "CPU_Mapped", "AMX"...): read at
+  // registration, since CPU_REPACK takes over a CPU buffer after ggml made it.
+  virtual std::string type_name(BufferId b) const = 0;
 };
-const GgmlApi* ggml_api() noexcept;
 
 class GgmlBuffers {
  public:
-  using Warn = PieceTable::Warn;
-  using Info = void (*)(const std::string& message);
   // pressure_without_swap: the configuration releases on pressure and the machine has no swap;
   // then weights in anonymous memory (a repacked copy) get one warning: unlocking them under
   // pressure frees nothing, since anonymous pages can only be reclaimed to swap.
-  // info: the summary of each flush; detail: one line per buffer (debug level).
-  GgmlBuffers(Manager& manager, Warn warn, Info info, Info detail, bool pressure_without_swap)
-      : pieces_(&manager, warn, "ggml buffers"),
-        warn_(warn),
-        info_(info),
-        detail_(detail),
+  // The log's info level has one summary per flush, debug one line per buffer. `reader` and `log`
+  // must outlive the table.
+  GgmlBuffers(Manager& manager, const BufferReader& reader, const SessionLog& log, bool pressure_without_swap)
+      : pieces_(&manager, log, "ggml buffers"),
+        reader_(&reader),
+        log_(&log),
         pressure_without_swap_(pressure_without_swap) {}
 
-  void created(ggml_backend_buffer_t b, bool from_ptr) noexcept;
-  void tensor_placed(ggml_backend_buffer_t b, const struct ggml_tensor* t, const void* addr) noexcept;
-  void usage_set(ggml_backend_buffer_t b, enum ggml_backend_buffer_usage usage) noexcept;
-  void freeing(ggml_backend_buffer_t b) noexcept;
+  void created(BufferId b, bool from_ptr) noexcept;
+  // A tensor of from_ptr buffer `b` was placed at [begin, end).
+  void tensor_placed(BufferId b, std::uintptr_t begin, std::uintptr_t end) noexcept;
+  void usage_set(BufferId b, BufferUsage usage) noexcept;
+  void freeing(BufferId b) noexcept;
 
   // Lock-free: whether `b` is a buffer over memory that is not ggml's (the only ones whose tensor
   // placements matter: ggml's graph allocator places every node of every graph, in its own
   // buffers, and those calls must not take the preload's lock).
-  bool is_from_ptr(ggml_backend_buffer_t b) const noexcept;
+  bool is_from_ptr(BufferId b) const noexcept;
   // Lock-free: whether a buffer waits for registration.
   bool has_pending() const noexcept { return pending_.load(std::memory_order_acquire); }
   // Registers every buffer that changed since the last flush: one info line for them all, by
@@ -100,20 +92,19 @@ class GgmlBuffers {
     std::string type;
     std::size_t bytes = 0;
   };
-  Registered register_buffer(ggml_backend_buffer_t b, Tracked& t);
-  void remember_from_ptr(ggml_backend_buffer_t b) noexcept;
-  void forget_from_ptr(ggml_backend_buffer_t b) noexcept;
+  Registered register_buffer(BufferId b, Tracked& t);
+  void remember_from_ptr(BufferId b) noexcept;
+  void forget_from_ptr(BufferId b) noexcept;
 
   PieceTable pieces_;
-  Warn warn_;
-  Info info_;
-  Info detail_;
+  const BufferReader* reader_;
+  const SessionLog* log_;
   bool pressure_without_swap_;
   bool warned_anonymous_weights_ = false;
-  std::unordered_map<ggml_backend_buffer_t, Tracked> buffers_;
-  // The from_ptr buffers (few: one per model file), readable without the lock; null: free.
+  std::unordered_map<BufferId, Tracked> buffers_;
+  // The from_ptr buffers (few: one per model file), readable without the lock.
   static constexpr std::size_t kMaxFromPtr = 64;
-  std::array<std::atomic<ggml_backend_buffer_t>, kMaxFromPtr> from_ptr_{};
+  std::array<std::atomic<BufferId>, kMaxFromPtr> from_ptr_{};  // 0: free
   std::atomic<std::size_t> from_ptr_used_{0};  // slots [0, used) were ever taken (set with the lock held)
   std::atomic<bool> pending_{false};
 };

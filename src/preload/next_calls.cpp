@@ -14,6 +14,7 @@ namespace {
 
 [[gnu::tls_model("initial-exec")]] thread_local bool t_in_hook = false;
 [[gnu::tls_model("initial-exec")]] thread_local bool t_resolving = false;
+[[gnu::tls_model("initial-exec")]] thread_local int t_compute_depth = 0;
 
 using MmapFn = void* (*)(void*, std::size_t, int, int, int, off_t);
 using MunmapFn = int (*)(void*, std::size_t);
@@ -82,6 +83,10 @@ void* resolve_next_symbol(const char* name) noexcept {
   errno = saved;
   return f;
 }
+
+ComputeAllocationScope::ComputeAllocationScope() noexcept { ++t_compute_depth; }
+ComputeAllocationScope::~ComputeAllocationScope() { --t_compute_depth; }
+bool in_compute_allocation() noexcept { return t_compute_depth > 0; }
 
 HookScope::HookScope() noexcept : was_(t_in_hook) { t_in_hook = true; }
 HookScope::~HookScope() { t_in_hook = was_; }

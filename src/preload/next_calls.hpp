@@ -35,6 +35,8 @@ DecodeFn next_llama_decode() noexcept;
 DecodeFn next_llama_encode() noexcept;
 SynchronizeFn next_llama_synchronize() noexcept;
 
+// The per-thread guards below are the hooks' only state besides the resolved functions, the fork
+// guard and the session pointer (process_session.hpp).
 // True while this thread runs inside one of the preload's hooks.
 bool in_hook() noexcept;
 // True while this thread is inside dlsym for resolve_next_symbol().
@@ -65,6 +67,17 @@ class HookScope {
  private:
   bool was_;
 };
+
+// While one is open on this thread, the thread is inside ggml's graph allocator
+// (ggml_gallocr_reserve_n / _alloc_graph): device memory it allocates holds compute buffers.
+class ComputeAllocationScope {
+ public:
+  ComputeAllocationScope() noexcept;
+  ~ComputeAllocationScope();
+  ComputeAllocationScope(const ComputeAllocationScope&) = delete;
+  ComputeAllocationScope& operator=(const ComputeAllocationScope&) = delete;
+};
+bool in_compute_allocation() noexcept;
 
 // Restores errno at the end of the scope to what it was at its start: what the preload does
 // between the caller and the real function never shows in errno.

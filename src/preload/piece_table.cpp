@@ -31,7 +31,7 @@ bool PieceTable::add(std::uintptr_t begin, std::uintptr_t end, RegionClass cls, 
     if (free_slot == nullptr) {
       if (!warned_full_) {
         warned_full_ = true;
-        warn_("more than " + std::to_string(kMaxPieces) + " pieces of " + what_ +
+        log_->warn("more than " + std::to_string(kMaxPieces) + " pieces of " + what_ +
               " at once; the ones made from now on stay unmanaged");
       }
       return false;
@@ -42,7 +42,7 @@ bool PieceTable::add(std::uintptr_t begin, std::uintptr_t end, RegionClass cls, 
       if (!r) {
         if (!warned_register_) {
           warned_register_ = true;
-          warn_(std::string(what_) + ": " + format_size(end - begin) + " stay unmanaged: " + r.message());
+          log_->warn(std::string(what_) + ": " + format_size(end - begin) + " stay unmanaged: " + r.message());
         }
         return false;
       }

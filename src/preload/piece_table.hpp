@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "residency/residency.hpp"
+#include "session_log.hpp"
 
 namespace residency::preload {
 
@@ -39,10 +40,10 @@ class PieceTable {
     std::uint64_t owner = 0;  // what the piece belongs to (a buffer), for remove_owner()
   };
   using Cut = std::vector<Piece>;
-  using Warn = void (*)(const std::string& message);
 
   // With a manager, pieces are registered with it as regions; without one they are only ranges.
-  PieceTable(Manager* manager, Warn warn, const char* what) : manager_(manager), warn_(warn), what_(what) {}
+  // `log` must outlive the table.
+  PieceTable(Manager* manager, const SessionLog& log, const char* what) : manager_(manager), log_(&log), what_(what) {}
 
   // Lock-free: whether [begin, end) overlaps a tracked piece.
   bool overlaps(std::uintptr_t begin, std::uintptr_t end) const noexcept;
@@ -69,7 +70,7 @@ class PieceTable {
   };
   void clear(Slot& s) noexcept;
   Manager* manager_;
-  Warn warn_;
+  const SessionLog* log_;
   const char* what_;
   bool warned_full_ = false;
   bool warned_register_ = false;

@@ -1,0 +1,455 @@
+// SPDX-License-Identifier: MIT
+#include "engine_session.hpp"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <utility>
+
+#include "residency/text.hpp"
+
+namespace residency::preload {
+
+namespace {
+
+constexpr const char* kWithout = "; the program runs without residency";
+constexpr const char* kWithoutDevice = "; device memory stays the CUDA runtime's (no sleep)";
+
+std::string device_name(int device) { return "CUDA device " + std::to_string(device); }
+
+// Pages of [b, e) in memory now (mincore), bytes.
+std::uint64_t resident_bytes(std::uintptr_t b, std::uintptr_t e) noexcept {
+  const std::size_t page = system_page_size();
+  std::uint64_t n = 0;
+  unsigned char vec[256];
+  for (std::uintptr_t at = b; at < e;) {
+    const std::size_t pages = std::min<std::size_t>(sizeof vec, (e - at) / page);
+    if (pages == 0) break;
+    if (::mincore(reinterpret_cast<void*>(at), pages * page, vec) != 0) return n;
+    for (std::size_t i = 0; i < pages; ++i) n += (vec[i] & 1U) != 0 ? page : 0;
+    at += pages * page;
+  }
+  return n;
+}
+
+std::string took_since(std::chrono::steady_clock::time_point t0) {
+  char took[32];
+  std::snprintf(took, sizeof took, "%.2f ms",
+                std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+  return took;
+}
+
+}  // namespace
+
+bool SessionRules::may_be_model_file(int prot, int flags, int fd, std::size_t len) noexcept {
+  const bool file = (flags & MAP_ANONYMOUS) == 0 && fd >= 0;
+  return file && len > 0 && (prot & PROT_READ) != 0 && (prot & PROT_WRITE) == 0;
+}
+
+std::size_t SessionRules::gguf_bytes(int fd, off64_t off, std::size_t len) noexcept {
+  struct stat st {};
+  if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) || off < 0 || off >= st.st_size) return 0;
+  char magic[4] = {};
+  if (::pread(fd, magic, sizeof magic, 0) != static_cast<ssize_t>(sizeof magic) || std::memcmp(magic, "GGUF", 4) != 0)
+    return 0;
+  const auto avail = static_cast<std::uint64_t>(st.st_size - off);
+  return static_cast<std::size_t>(avail < len ? avail : len);
+}
+
+EngineSession::EngineSession(Options options)
+    : options_(std::move(options)),
+      log_(options_.config.log_level, options_.config.log_time, options_.log),
+      holds_between_calls_(options_.config.keep_alive.holds_between_uses()),
+      files_(nullptr, log_, "GGUF mappings") {}
+
+// Parts first, then the managers they registered with (members go in reverse order; this says so).
+EngineSession::~EngineSession() {
+  MutexLock lock(mu_);
+  host_parts_ready_.store(nullptr, std::memory_order_release);
+  host_parts_.reset();
+  routed_.clear();
+}
+
+std::unique_ptr<Manager> EngineSession::start_manager(int where) {
+  const bool host = where == kHost;
+  const std::string who = host ? std::string() : device_name(where) + ": ";
+  const char* without = host ? kWithout : kWithoutDevice;
+  try {
+    if (!host && !options_.config.keep_alive.manages()) return nullptr;  // residency off: no device to manage
+    auto backend = options_.backends(where, host ? options_.config : options_.config.for_device_memory());
+    if (!backend) {
+      log_.warn(who + backend.message() + without);
+      return nullptr;
+    }
+    ManagerOptions mo;
+    mo.backend = *backend;
+    mo.clock = options_.clock;
+    mo.start_scheduler = options_.start_schedulers;
+    if (host) {
+      mo.config = options_.config;
+      mo.log = log_.for_manager("");
+    } else {
+      // A GPU's budget is named by its UUID (the same GPU has other indices in other processes).
+      const std::string uuid = (*backend)->capabilities().device_uuid;
+      if (options_.config.gpu_budget && uuid.empty())
+        log_.warn(who + "its UUID is unknown, so RESIDENCY_GPU_BUDGET=" + options_.config.gpu_budget->to_string() +
+                  " cannot name its budget; its memory is not budgeted");
+      mo.config = options_.config.for_device_memory(uuid);
+      mo.log = log_.for_manager("cuda:" + std::to_string(where) + ": ");  // which device a line is about
+    }
+    auto manager = Manager::create(std::move(mo));
+    if (!manager) {
+      log_.warn(who + manager.message() + without);
+      return nullptr;
+    }
+    return std::move(*manager);
+  } catch (...) {
+    return nullptr;  // out of memory while starting: pass through
+  }
+}
+
+EngineSession::Host* EngineSession::host_locked() {
+  if (host_state_ == Side::active) return host_parts_.get();
+  if (host_state_ == Side::pass_through || forked_.load(std::memory_order_relaxed)) return nullptr;
+  host_state_ = Side::pass_through;  // unless everything below works
+  if (!options_.host_unavailable.empty() || options_.buffers == nullptr) {
+    log_.warn(options_.host_unavailable + kWithout);
+    return nullptr;
+  }
+  std::unique_ptr<Manager> m = start_manager(kHost);
+  if (!m) return nullptr;
+  try {
+    host_parts_ = std::make_unique<Host>(*m, *options_.buffers, log_,
+                                         options_.config.release_on_pressure && !options_.machine_has_swap);
+  } catch (...) {
+    return nullptr;
+  }
+  host_owner_ = std::move(m);
+  host_.store(host_owner_.get(), std::memory_order_release);
+  host_parts_ready_.store(host_parts_.get(), std::memory_order_release);
+  host_state_ = Side::active;
+  return host_parts_.get();
+}
+
+EngineSession::Host* EngineSession::active_host() const noexcept {
+  if (forked_.load(std::memory_order_relaxed)) return nullptr;
+  return host_parts_ready_.load(std::memory_order_acquire);
+}
+
+EngineSession::Host* EngineSession::active_locked() const {
+  if (forked_.load(std::memory_order_relaxed) || host_state_ != Side::active) return nullptr;
+  return host_parts_.get();
+}
+
+Manager* EngineSession::device_locked(int device) {
+  Device& d = devices_[static_cast<std::size_t>(device)];
+  const Side state = d.state.load(std::memory_order_relaxed);
+  if (state == Side::active) return d.manager.load(std::memory_order_relaxed);
+  if (state == Side::pass_through) return nullptr;
+  d.state.store(Side::pass_through, std::memory_order_relaxed);  // unless everything below works
+  std::unique_ptr<Manager> m = start_manager(device);
+  if (!m) return nullptr;
+  try {
+    device_owners_.push_back(std::move(m));
+  } catch (...) {
+    return nullptr;
+  }
+  Manager* raw = device_owners_.back().get();
+  d.manager.store(raw, std::memory_order_release);
+  d.state.store(Side::active, std::memory_order_release);
+  active_devices_.fetch_add(1, std::memory_order_release);
+  return raw;
+}
+
+Manager* EngineSession::device_manager(int device) const noexcept {
+  if (device < 0 || device >= SessionRules::kMaxDevices) return nullptr;
+  const Device& d = devices_[static_cast<std::size_t>(device)];
+  return d.state.load(std::memory_order_acquire) == Side::active ? d.manager.load(std::memory_order_acquire) : nullptr;
+}
+
+template <class F>
+void EngineSession::for_each_device(F&& f) noexcept {
+  if (active_devices_.load(std::memory_order_acquire) == 0) return;
+  for (Device& d : devices_) {
+    if (d.state.load(std::memory_order_acquire) != Side::active) continue;
+    if (Manager* m = d.manager.load(std::memory_order_acquire)) f(*m);
+  }
+}
+
+// ---- Host mappings ----
+
+void EngineSession::file_mapped(void* addr, std::size_t bytes) noexcept {
+  if (addr == nullptr || bytes == 0) return;
+  MutexLock lock(mu_);
+  if (host_locked() == nullptr) return;
+  const auto b = reinterpret_cast<std::uintptr_t>(addr);
+  files_.add(b, b + bytes, RegionClass::weights, 0);
+}
+
+bool EngineSession::tracks(std::uintptr_t begin, std::uintptr_t end) const noexcept {
+  const Host* h = active_host();
+  if (h == nullptr) return false;
+  return h->buffers.pieces().overlaps(begin, end) || h->code.pieces().overlaps(begin, end) ||
+         h->memory.pieces().overlaps(begin, end) || files_.overlaps(begin, end);
+}
+
+EngineSession::Cuts EngineSession::cut_locked(std::uintptr_t b, std::uintptr_t e) noexcept {
+  Host* h = active_locked();
+  if (h == nullptr) return {};
+  return Cuts{h->buffers.pieces().cut(b, e), h->code.pieces().cut(b, e), h->memory.pieces().cut(b, e), files_.cut(b, e)};
+}
+
+void EngineSession::after_unmap_locked(const Cuts& c, std::uintptr_t b, std::uintptr_t e, bool gone) noexcept {
+  Host* h = active_locked();
+  if (h == nullptr) return;
+  h->buffers.pieces().after_unmap(c.buffers, b, e, gone);
+  h->code.pieces().after_unmap(c.code, b, e, gone);
+  h->memory.pieces().after_unmap(c.memory, b, e, gone);
+  files_.after_unmap(c.files, b, e, gone);
+}
+
+// ---- Buffers ----
+
+void EngineSession::buffer_created(BufferId b, bool from_ptr) noexcept {
+  if (b == 0) return;
+  MutexLock lock(mu_);
+  if (Host* h = host_locked()) h->buffers.created(b, from_ptr);
+}
+
+bool EngineSession::wants_tensor_placements(BufferId b) const noexcept {
+  const Host* h = active_host();
+  return h != nullptr && h->buffers.is_from_ptr(b);
+}
+
+void EngineSession::tensor_placed(BufferId b, std::uintptr_t begin, std::uintptr_t end) noexcept {
+  MutexLock lock(mu_);
+  if (Host* h = active_locked()) h->buffers.tensor_placed(b, begin, end);
+}
+
+void EngineSession::buffer_usage(BufferId b, BufferUsage usage) noexcept {
+  MutexLock lock(mu_);
+  if (Host* h = active_locked()) h->buffers.usage_set(b, usage);
+}
+
+void EngineSession::buffer_freed(BufferId b) noexcept {
+  if (b == 0) return;
+  MutexLock lock(mu_);
+  Host* h = active_locked();
+  if (h == nullptr) return;
+  // llama.cpp frees buffers when it frees a context or a model, or grows a compute buffer: the
+  // heap changes with them (dropped first, so that the room the buffer leaves never wires a piece
+  // of it that is gone), and the next decodes take the engine memory's snapshot again.
+  drop_engine_memory_locked();
+  h->buffers.freeing(b);
+  // The last model's weights are gone: so is the reason to hold the engine's code.
+  if (h->code.registered() && !h->buffers.holds_weights()) h->code.unregister();
+}
+
+void EngineSession::model_loaded() noexcept {
+  MutexLock lock(mu_);
+  if (active_locked() == nullptr) return;
+  flush_locked("model loaded", /*model_loaded=*/true);
+  give_back_unread_file_pages_locked();
+}
+
+void EngineSession::context_made() noexcept {
+  MutexLock lock(mu_);
+  if (active_locked() != nullptr) flush_locked("context made", /*model_loaded=*/false);
+}
+
+// The engine memory is dropped (before buffers are registered, which may lie where freed heap
+// memory was, and before a decode wires again what may have been unmapped since), and its
+// snapshots start over after the next decode.
+void EngineSession::drop_engine_memory_locked() noexcept {
+  if (Host* h = active_locked()) h->memory.unregister();
+  decodes_since_wire_.store(0, std::memory_order_relaxed);
+}
+
+// What is registered besides the engine memory (llama.cpp's buffers, the engine's code), sorted,
+// disjoint: what a snapshot leaves out.
+std::vector<Extent> EngineSession::held_extents_locked() const {
+  std::vector<Extent> held;
+  const Host* h = active_locked();
+  if (h == nullptr) return held;
+  for (const PieceTable* t : {&h->buffers.pieces(), &h->code.pieces()})
+    for (const PieceTable::Piece& p : t->pieces()) held.push_back({p.begin, p.end});
+  std::sort(held.begin(), held.end(), [](const Extent& a, const Extent& b) { return a.begin < b.begin; });
+  return held;
+}
+
+// Registers what changed (GgmlBuffers::flush: one summary line), and once a model with weights
+// is loaded the engine's code, then says what that wired and how long it took ("wired 131.7 MiB
+// in 12.30 ms (model loaded)"), and, once, warns when the wired limit the user set left part of it
+// unwired: without that a limit below the model wires nothing and only a debug line says so.
+void EngineSession::flush_locked(const char* why, bool model_loaded) noexcept {
+  Host* h = active_locked();
+  Manager* m = host_.load(std::memory_order_relaxed);
+  if (h == nullptr || m == nullptr) return;
+  try {
+    const Stats before = m->stats();
+    const auto t0 = std::chrono::steady_clock::now();
+    drop_engine_memory_locked();
+    h->buffers.flush();
+    // Only for a model with weights: llama-server first loads one without (its vocabulary).
+    if (model_loaded && h->buffers.holds_weights()) h->code.register_once();
+    const Stats after = m->stats();
+    if (after.wired_bytes > before.wired_bytes)
+      log_.info("wired " + format_size(after.wired_bytes - before.wired_bytes) + " in " + took_since(t0) + " (" + why +
+                ")");
+    // Only for a limit the user set: a limit clamped to RLIMIT_MEMLOCK or over the recommended
+    // working set has its own warning from the manager, and so has a full shared budget.
+    const Config& c = options_.config;
+    if (after.pending_bytes > 0 && after.wired_limit < after.tracked_bytes && c.wired_limit && !warned_unwired_) {
+      warned_unwired_ = true;
+      log_.warn(format_size(after.pending_bytes) + " of the " + format_size(after.tracked_bytes) +
+                " llama.cpp registered stays unwired: it is over the wired limit of " + format_size(after.wired_limit) +
+                " (RESIDENCY_WIRED_LIMIT=" + c.wired_limit->to_string() +
+                ", or RLIMIT_MEMLOCK where that is lower); that part can be paged out");
+    }
+  } catch (...) {
+  }
+}
+
+// Once a model is loaded: the pages of the GGUF mappings that no buffer reads (their tensors were
+// copied into AMX, CPU_REPACK or GPU buffers, or they are the header) are given back to the
+// kernel. They are never wired, and keeping them would hold the model twice.
+void EngineSession::give_back_unread_file_pages_locked() noexcept {
+  Host* h = active_locked();
+  if (h == nullptr) return;
+  try {
+    const std::size_t page = system_page_size();
+    const std::vector<Extent> runs = h->buffers.from_ptr_runs();
+    std::uint64_t unread = 0, before = 0, after = 0;
+    for (const PieceTable::Piece& f : files_.pieces()) {
+      for (const Extent& g : page_gaps(f.begin, f.end, runs, page)) {
+        unread += g.end - g.begin;
+        before += resident_bytes(g.begin, g.end);
+#ifdef MADV_PAGEOUT
+        if (::madvise(reinterpret_cast<void*>(g.begin), g.end - g.begin, MADV_PAGEOUT) != 0)
+#endif
+          ::madvise(reinterpret_cast<void*>(g.begin), g.end - g.begin, MADV_DONTNEED);
+        after += resident_bytes(g.begin, g.end);
+      }
+    }
+    if (unread >= (std::uint64_t{1} << 20))
+      log_.info("model file pages no buffer reads: " + format_size(unread) + " mapped, " + format_size(before) +
+                " of them resident before, " + format_size(after) + " after giving them back (not wired)");
+  } catch (...) {
+  }
+}
+
+std::uint64_t EngineSession::engine_memory_bytes() const noexcept {
+  MutexLock lock(mu_);
+  const Host* h = active_locked();
+  return h != nullptr ? h->memory.bytes() : 0;
+}
+
+// ---- Decodes ----
+
+EngineSession::DecodeScope EngineSession::decode_began() noexcept {
+  DecodeScope scope;
+  if (forked_.load(std::memory_order_relaxed)) return scope;
+  // Device memory is awake for the call (one engine call on each device's manager).
+  if (active_devices_.load(std::memory_order_acquire) > 0) {
+    scope.devices = true;
+    for_each_device([](Manager& m) { m.begin_call(); });
+  }
+  Host* h = active_host();
+  Manager* m = host_.load(std::memory_order_acquire);
+  if (h == nullptr || m == nullptr) return scope;
+  // Buffers ggml made since the last flush (a compute buffer that grew): registered first.
+  if (h->buffers.has_pending()) {
+    MutexLock lock(mu_);
+    flush_locked("buffers made since the last decode", false);
+  }
+  // This decode wires what was released: the engine memory is snapshot again after it, not
+  // wired as it was (part of it may be unmapped since).
+  if (holds_between_calls_ && !m->wants_resident()) {
+    MutexLock lock(mu_);
+    drop_engine_memory_locked();
+  }
+  m->begin_call();  // lock-free while resident; re-wires when the keep-alive released it
+  scope.host = true;
+  return scope;
+}
+
+void EngineSession::decode_ended(DecodeScope scope, void* ctx) noexcept {
+  if (scope.host) {
+    Manager* m = host_.load(std::memory_order_acquire);
+    // Under keep-alive 0 the manager waits for the decode (llama_synchronize) before it releases.
+    m->end_call(options_.synchronize, ctx);
+    if (holds_between_calls_) {
+      const std::uint32_t n = decodes_since_wire_.fetch_add(1, std::memory_order_relaxed) + 1;
+      if (SessionRules::snapshot_after(n)) {
+        MutexLock lock(mu_);
+        Host* h = active_locked();
+        if (h != nullptr && h->buffers.holds_weights() && m->wants_resident()) {
+          h->memory.snapshot(held_extents_locked(), n == 1 ? "after a decode" : "after more decodes");
+          snapshots_.fetch_add(1, std::memory_order_relaxed);
+        }
+      }
+    }
+  }
+  // Under keep-alive 0 the manager waits for the decode's kernels before the memory goes (the
+  // backend also synchronizes the device before it unmaps).
+  if (scope.devices) for_each_device([&](Manager& dm) { dm.end_call(options_.synchronize, ctx); });
+}
+
+// ---- Device memory ----
+
+void EngineSession::device_access() noexcept {
+  if (forked_.load(std::memory_order_relaxed)) return;
+  for_each_device([](Manager& m) { m.access(); });
+}
+
+EngineSession::DeviceAllocation EngineSession::device_allocate(int device, std::size_t size, bool compute) noexcept {
+  using Outcome = DeviceAllocation::Outcome;
+  if (forked_.load(std::memory_order_relaxed) || size < SessionRules::kMinRoutedDeviceBytes || device < 0 ||
+      device >= SessionRules::kMaxDevices)
+    return {};
+  if (devices_[static_cast<std::size_t>(device)].state.load(std::memory_order_acquire) == Side::pass_through) return {};
+  MutexLock lock(mu_);
+  Manager* m = device_locked(device);
+  if (m == nullptr) return {};
+  // ggml's graph allocator makes the compute buffers: dropped at sleep, nothing copied. The rest
+  // (weights, and the KV cache a server reuses after an idle pause) is copied to the host backup.
+  auto a = m->allocate(size, compute ? RegionClass::scratch : RegionClass::weights);
+  if (!a) {
+    if (a.status().code() == ErrorCode::out_of_memory) return {Outcome::out_of_memory, nullptr};
+    if (!warned_device_refusal_) {
+      warned_device_refusal_ = true;
+      log_.warn(device_name(device) + ": " + a.message() + kWithoutDevice);
+    }
+    return {};
+  }
+  try {
+    routed_.emplace(a->ptr, device);
+  } catch (...) {
+    (void)m->deallocate(a->ptr);
+    return {};
+  }
+  return {Outcome::routed, a->ptr};
+}
+
+bool EngineSession::device_free(void* ptr) noexcept {
+  if (ptr == nullptr || active_devices_.load(std::memory_order_acquire) == 0) return false;
+  MutexLock lock(mu_);
+  const auto it = routed_.find(ptr);
+  if (it == routed_.end()) return false;
+  Manager* m = devices_[static_cast<std::size_t>(it->second)].manager.load(std::memory_order_relaxed);
+  routed_.erase(it);
+  // Like cudaFree, waits for the device to finish with the memory first (the backend
+  // synchronizes before it unmaps).
+  (void)m->deallocate(ptr);
+  return true;
+}
+
+void EngineSession::forked() noexcept { forked_.store(true, std::memory_order_relaxed); }
+
+}  // namespace residency::preload

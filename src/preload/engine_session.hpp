@@ -1,0 +1,219 @@
+// SPDX-License-Identifier: MIT
+// The preload's one engine session per process (DESIGN §16): every decision the preload takes
+// about llama.cpp's memory, in one object the hooks only feed with events.
+//
+// The hooks (interpose.cpp) keep the re-entry, errno and fork guards and the real functions;
+// they tell this session what the engine did (a model file mapped, a buffer made or freed, a model
+// loaded, a decode begun or ended, memory unmapped, a device allocation, a fork) and do what it
+// answers. The session owns the host manager, one manager per GPU, the buffer table, the GGUF
+// mappings, the engine's code and working memory, and the snapshot schedule. It knows neither
+// llama.h nor ggml nor CUDA: its backends come from a factory and its time from a Clock, so a test
+// drives it with the fake backend, a manual clock and synthetic events (engine_session_test.cpp).
+#pragma once
+
+#include <sys/types.h>
+
+#include <array>
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "buffer_plan.hpp"
+#include "engine_code.hpp"
+#include "engine_memory.hpp"
+#include "ggml_buffers.hpp"
+#include "piece_table.hpp"
+#include "platform/thread_annotations.hpp"
+#include "residency/residency.hpp"
+#include "session_log.hpp"
+
+namespace residency::preload {
+
+// The decisions, as named constants with their reason.
+struct SessionRules {
+  // Device allocations below this stay the runtime's: the cuda backend maps whole 2 MiB granules,
+  // and smaller ones are cuBLAS workspaces and the like.
+  static constexpr std::size_t kMinRoutedDeviceBytes = std::size_t{2} << 20;
+  // Devices a session manages (cudaGetDevice's index below this).
+  static constexpr int kMaxDevices = 64;
+  // The engine memory's snapshot is taken after the 1st, 2nd, 4th ... kLastSnapshotDecode-th
+  // decode since the memory was last wired: the working set of each new prompt length, then no
+  // more work per token.
+  static constexpr std::uint32_t kLastSnapshotDecode = 64;
+  static bool snapshot_after(std::uint32_t decodes_since_wire) noexcept {
+    const std::uint32_t n = decodes_since_wire;
+    return n >= 1 && n <= kLastSnapshotDecode && (n & (n - 1)) == 0;
+  }
+  // A mapping that may be a model file: a file, mapped readable and not writable.
+  static bool may_be_model_file(int prot, int flags, int fd, std::size_t len) noexcept;
+  // The bytes of [off, off + len) of `fd` that are a GGUF file's: 0 unless `fd` is a regular file
+  // that starts with "GGUF" and the range starts inside it (past its end there are no pages).
+  static std::size_t gguf_bytes(int fd, off64_t off, std::size_t len) noexcept;
+};
+
+class EngineSession {
+ public:
+  // Where memory lives: the host (llama.cpp's host buffers) or a GPU, by the runtime's index.
+  static constexpr int kHost = -1;
+  // The backend for the host (where == kHost: the posix backend in the preload, which locks) or
+  // for GPU `where` (the cuda backend; `device_config` is Config::for_device_memory()).
+  using BackendFactory =
+      std::function<Result<std::shared_ptr<Backend>>(int where, const Config& device_config)>;
+  // llama_synchronize(ctx) behind the preload: what a manager waits on under keep-alive 0.
+  using SynchronizeFn = void (*)(void* ctx);
+
+  struct Options {
+    Config config;                     // RESIDENCY_* as read at start-up
+    BackendFactory backends;           // required
+    Clock* clock = nullptr;            // required; must outlive the session
+    const BufferReader* buffers = nullptr;  // ggml's answers about its buffers (required for the host side)
+    SynchronizeFn synchronize = nullptr;
+    SessionLog::Sink log;              // default: stderr
+    // Why llama.cpp's host buffers cannot be followed (ggml is not a shared library here), said
+    // once when the host side would start; empty: they can.
+    std::string host_unavailable;
+    bool machine_has_swap = true;      // false: repacked weights under pressure get a warning
+    bool start_schedulers = true;      // false: managers run nothing on their own (tests)
+  };
+
+  explicit EngineSession(Options options);
+  ~EngineSession();
+  EngineSession(const EngineSession&) = delete;
+  EngineSession& operator=(const EngineSession&) = delete;
+
+  const SessionLog& log() const noexcept { return log_; }
+
+  // ---- Events (each noexcept; the hooks call them outside re-entry) ----
+
+  // A GGUF file's `bytes` are mapped at `addr` (SessionRules::gguf_bytes said so): remembered,
+  // not registered; starts the host side on first need.
+  void file_mapped(void* addr, std::size_t bytes) noexcept RESIDENCY_EXCLUDES(mu_);
+  // Lock-free: whether [begin, end) touches memory the session tracks (hooks of munmap and
+  // MAP_FIXED skip the lock for everything else).
+  bool tracks(std::uintptr_t begin, std::uintptr_t end) const noexcept;
+  // [begin, end) is unmapped by `call` (munmap, or an mmap with MAP_FIXED over it), which returns
+  // whether the memory is gone: what it touches is unregistered before, while still mapped, and
+  // what is left registered after (all of it when the call failed).
+  template <class Call>
+  bool unmap(std::uintptr_t begin, std::uintptr_t end, Call&& call) noexcept RESIDENCY_EXCLUDES(mu_) {
+    MutexLock lock(mu_);
+    const Cuts cut = cut_locked(begin, end);
+    const bool gone = call();
+    after_unmap_locked(cut, begin, end, gone);
+    return gone;
+  }
+
+  // ggml made buffer `b` (from_ptr: over memory that is not ggml's); starts the host side.
+  void buffer_created(BufferId b, bool from_ptr) noexcept RESIDENCY_EXCLUDES(mu_);
+  // Lock-free: whether tensor placements in `b` matter (ggml places every graph node too).
+  bool wants_tensor_placements(BufferId b) const noexcept;
+  void tensor_placed(BufferId b, std::uintptr_t begin, std::uintptr_t end) noexcept RESIDENCY_EXCLUDES(mu_);
+  void buffer_usage(BufferId b, BufferUsage usage) noexcept RESIDENCY_EXCLUDES(mu_);
+  // Before ggml frees `b`: its regions are unregistered while it exists.
+  void buffer_freed(BufferId b) noexcept RESIDENCY_EXCLUDES(mu_);
+  // A model was loaded: its buffers are registered, the engine's code with them, and the file
+  // pages no buffer reads are given back.
+  void model_loaded() noexcept RESIDENCY_EXCLUDES(mu_);
+  // A context was made: its KV cache and compute buffers are registered.
+  void context_made() noexcept RESIDENCY_EXCLUDES(mu_);
+  // Around llama_decode / llama_encode on context `ctx` (passed to the synchronize function):
+  // decode_ended ends exactly what decode_began began (a manager that started during the decode
+  // never saw its begin).
+  struct DecodeScope {
+    bool host = false;
+    bool devices = false;
+  };
+  DecodeScope decode_began() noexcept RESIDENCY_EXCLUDES(mu_);
+  void decode_ended(DecodeScope scope, void* ctx) noexcept RESIDENCY_EXCLUDES(mu_);
+  // A ggml call outside a decode may read or write device memory: what sleeps wakes.
+  void device_access() noexcept;
+  // cudaMalloc of `size` on device `device`; `compute`: inside ggml's graph allocator.
+  struct DeviceAllocation {
+    enum class Outcome { pass_through, routed, out_of_memory } outcome = Outcome::pass_through;
+    void* ptr = nullptr;
+  };
+  DeviceAllocation device_allocate(int device, std::size_t size, bool compute) noexcept RESIDENCY_EXCLUDES(mu_);
+  // cudaFree: true when `ptr` was routed (it is freed); false: the runtime's.
+  bool device_free(void* ptr) noexcept RESIDENCY_EXCLUDES(mu_);
+  // In a fork child: from now on every event is ignored (the child must not touch the managers
+  // of its parent's threads).
+  void forked() noexcept;
+
+  // ---- What a test (and only a test) reads ----
+  // Null until the host side started (or when it could not).
+  Manager* host_manager() const noexcept { return host_.load(std::memory_order_acquire); }
+  Manager* device_manager(int device) const noexcept;
+  // Whether memory is held between decodes (a duration or forever), decided once at start.
+  bool holds_between_calls() const noexcept { return holds_between_calls_; }
+  std::uint64_t engine_memory_bytes() const noexcept RESIDENCY_EXCLUDES(mu_);
+  std::uint32_t snapshots_taken() const noexcept { return snapshots_.load(std::memory_order_relaxed); }
+
+ private:
+  enum class Side : int { untried = 0, active = 1, pass_through = 2 };
+  struct Device {
+    std::atomic<Side> state{Side::untried};
+    std::atomic<Manager*> manager{nullptr};
+  };
+  // The host side's parts, made with its manager.
+  struct Host {
+    Host(Manager& m, const BufferReader& reader, const SessionLog& log, bool pressure_without_swap)
+        : buffers(m, reader, log, pressure_without_swap), code(m, log), memory(m, log) {}
+    GgmlBuffers buffers;  // llama.cpp's host buffers
+    EngineCode code;      // the engine's read-only code, while a model is loaded
+    EngineMemory memory;  // the engine's working memory (snapshots)
+  };
+  struct Cuts {
+    PieceTable::Cut buffers, code, memory, files;
+  };
+
+  // One way to start a manager, for the host and for each device: null (with one warning) when
+  // it cannot, and the side passes through for good.
+  std::unique_ptr<Manager> start_manager(int where) RESIDENCY_REQUIRES(mu_);
+  Host* host_locked() RESIDENCY_REQUIRES(mu_);  // started on first need; null: pass through
+  Manager* device_locked(int device) RESIDENCY_REQUIRES(mu_);
+  Host* active_host() const noexcept;                       // lock-free
+  Host* active_locked() const RESIDENCY_REQUIRES(mu_);      // without starting it
+  Cuts cut_locked(std::uintptr_t begin, std::uintptr_t end) noexcept RESIDENCY_REQUIRES(mu_);
+  void after_unmap_locked(const Cuts& cut, std::uintptr_t begin, std::uintptr_t end, bool gone) noexcept
+      RESIDENCY_REQUIRES(mu_);
+  void flush_locked(const char* why, bool model_loaded) noexcept RESIDENCY_REQUIRES(mu_);
+  void drop_engine_memory_locked() noexcept RESIDENCY_REQUIRES(mu_);
+  void give_back_unread_file_pages_locked() noexcept RESIDENCY_REQUIRES(mu_);
+  std::vector<Extent> held_extents_locked() const RESIDENCY_REQUIRES(mu_);
+  template <class F>
+  void for_each_device(F&& f) noexcept;
+
+  const Options options_;
+  const SessionLog log_;
+  const bool holds_between_calls_;
+  std::atomic<bool> forked_{false};
+
+  // Guards starting managers and every change of the tracked buffers, mappings and routed device
+  // memory. Lock order: this, then a manager's. Never taken by a hook that only forwards, nor for
+  // memory that is not tracked (piece_table.hpp says why munmap must not wait for it).
+  mutable Mutex mu_;
+  Side host_state_ RESIDENCY_GUARDED_BY(mu_) = Side::untried;
+  std::unique_ptr<Manager> host_owner_ RESIDENCY_GUARDED_BY(mu_);
+  std::atomic<Manager*> host_{nullptr};  // host_owner_'s, readable without the lock
+  std::unique_ptr<Host> host_parts_ RESIDENCY_GUARDED_BY(mu_);
+  std::atomic<Host*> host_parts_ready_{nullptr};  // host_parts_, once active (lock-free reads)
+  PieceTable files_;                              // the GGUF mappings (not registered)
+  bool warned_unwired_ RESIDENCY_GUARDED_BY(mu_) = false;
+
+  std::array<Device, SessionRules::kMaxDevices> devices_{};
+  std::vector<std::unique_ptr<Manager>> device_owners_ RESIDENCY_GUARDED_BY(mu_);
+  std::atomic<int> active_devices_{0};  // hooks skip the device table while 0
+  std::unordered_map<void*, int> routed_ RESIDENCY_GUARDED_BY(mu_);  // routed pointer -> device
+  bool warned_device_refusal_ RESIDENCY_GUARDED_BY(mu_) = false;
+
+  // Decodes since the memory was last wired by a decode (or since the engine memory was dropped).
+  std::atomic<std::uint32_t> decodes_since_wire_{0};
+  std::atomic<std::uint32_t> snapshots_{0};
+};
+
+}  // namespace residency::preload

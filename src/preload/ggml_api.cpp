@@ -1,0 +1,93 @@
+// SPDX-License-Identifier: MIT
+#include "ggml_api.hpp"
+
+#include <atomic>
+#include <string>
+
+#include "next_calls.hpp"
+
+namespace residency::preload {
+
+namespace {
+
+template <class Fn>
+void resolve_into(Fn& f, const char* name, bool& ok) noexcept {
+  f = reinterpret_cast<Fn>(resolve_next_symbol(name));
+  ok = ok && f != nullptr;
+}
+
+const GgmlApi* make_api() noexcept {
+  static GgmlApi api;
+  bool ok = true;
+  resolve_into(api.get_base, "ggml_backend_buffer_get_base", ok);
+  resolve_into(api.get_size, "ggml_backend_buffer_get_size", ok);
+  resolve_into(api.get_type, "ggml_backend_buffer_get_type", ok);
+  resolve_into(api.name, "ggml_backend_buffer_name", ok);
+  resolve_into(api.buft_is_host, "ggml_backend_buft_is_host", ok);
+  resolve_into(api.buft_get_device, "ggml_backend_buft_get_device", ok);
+  resolve_into(api.dev_type, "ggml_backend_dev_type", ok);
+  resolve_into(api.nbytes, "ggml_nbytes", ok);
+  return ok ? &api : nullptr;
+}
+
+DeviceKind device_kind(const GgmlApi& api, ggml_backend_buffer_type_t buft) noexcept {
+  ggml_backend_dev_t dev = api.buft_get_device(buft);
+  if (dev == nullptr) return DeviceKind::none;
+  switch (api.dev_type(dev)) {
+    case GGML_BACKEND_DEVICE_TYPE_CPU: return DeviceKind::cpu;
+    case GGML_BACKEND_DEVICE_TYPE_GPU: return DeviceKind::gpu;
+    case GGML_BACKEND_DEVICE_TYPE_IGPU: return DeviceKind::igpu;
+    case GGML_BACKEND_DEVICE_TYPE_ACCEL: return DeviceKind::accel;
+    default: return DeviceKind::gpu;  // a kind this preload does not know: not host memory
+  }
+}
+
+class GgmlReader final : public BufferReader {
+ public:
+  explicit GgmlReader(const GgmlApi& api) : api_(api) {}
+  BufferFacts facts(BufferId id, bool from_ptr) const override {
+    auto* b = reinterpret_cast<ggml_backend_buffer_t>(id);
+    BufferFacts f;
+    ggml_backend_buffer_type_t buft = api_.get_type(b);
+    f.size = api_.get_size(b);
+    f.is_host = api_.buft_is_host(buft);
+    f.device = device_kind(api_, buft);
+    f.from_ptr = from_ptr;
+    // Only host memory has a base worth reading (device buffers' bases are device addresses).
+    if (is_cpu_memory(f.device)) f.base = reinterpret_cast<std::uintptr_t>(api_.get_base(b));
+    return f;
+  }
+  std::string type_name(BufferId id) const override { return api_.name(reinterpret_cast<ggml_backend_buffer_t>(id)); }
+
+ private:
+  const GgmlApi& api_;
+};
+
+}  // namespace
+
+const GgmlApi* ggml_api() noexcept {
+  static std::atomic<const GgmlApi*> cache{nullptr};
+  static std::atomic<bool> done{false};
+  if (done.load(std::memory_order_acquire)) return cache.load(std::memory_order_relaxed);
+  if (resolving_now()) return nullptr;
+  const GgmlApi* api = make_api();
+  cache.store(api, std::memory_order_relaxed);
+  done.store(true, std::memory_order_release);
+  return api;
+}
+
+const BufferReader* ggml_buffer_reader() noexcept {
+  const GgmlApi* api = ggml_api();
+  if (api == nullptr) return nullptr;
+  // Never destroyed: engine threads may still read buffers while the process exits.
+  static const GgmlReader* reader = new GgmlReader(*api);
+  return reader;
+}
+
+BufferUsage buffer_usage_of(enum ggml_backend_buffer_usage usage) noexcept {
+  return usage == GGML_BACKEND_BUFFER_USAGE_WEIGHTS   ? BufferUsage::weights
+         : usage == GGML_BACKEND_BUFFER_USAGE_COMPUTE ? BufferUsage::compute
+                                                      : BufferUsage::any;
+}
+
+}  // namespace residency::preload

@@ -1,0 +1,36 @@
+// SPDX-License-Identifier: MIT
+// ggml's answers about its buffers, for the session (ggml_buffers.hpp's BufferReader): read
+// through ggml's public ggml-backend.h functions in the library behind the preload, so that the
+// preload never depends on ggml's internal structs. The one part of the preload that includes
+// ggml's headers besides the hooks themselves.
+#pragma once
+
+#include <ggml-backend.h>
+
+#include "ggml_buffers.hpp"
+
+namespace residency::preload {
+
+// ggml's functions, resolved behind the preload; null when one is missing (ggml is not a shared
+// library here): then no buffer can be followed.
+struct GgmlApi {
+  decltype(&ggml_backend_buffer_get_base) get_base = nullptr;
+  decltype(&ggml_backend_buffer_get_size) get_size = nullptr;
+  decltype(&ggml_backend_buffer_get_type) get_type = nullptr;
+  decltype(&ggml_backend_buffer_name) name = nullptr;
+  decltype(&ggml_backend_buft_is_host) buft_is_host = nullptr;
+  decltype(&ggml_backend_buft_get_device) buft_get_device = nullptr;
+  decltype(&ggml_backend_dev_type) dev_type = nullptr;
+  decltype(&ggml_nbytes) nbytes = nullptr;
+};
+const GgmlApi* ggml_api() noexcept;
+
+// The BufferReader over ggml_api(); null when ggml_api() is.
+const BufferReader* ggml_buffer_reader() noexcept;
+
+inline BufferId buffer_id(ggml_backend_buffer_t b) noexcept { return reinterpret_cast<BufferId>(b); }
+
+// ggml_backend_buffer_usage as the session knows it.
+BufferUsage buffer_usage_of(enum ggml_backend_buffer_usage usage) noexcept;
+
+}  // namespace residency::preload

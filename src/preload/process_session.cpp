@@ -1,0 +1,153 @@
+// SPDX-License-Identifier: MIT
+#include "process_session.hpp"
+
+#include <pthread.h>
+
+#include <atomic>
+#include <cstring>
+#include <string>
+
+#include "backends/posix/proc_info.hpp"
+#include "ggml_api.hpp"
+#include "next_calls.hpp"
+#include "platform/thread_annotations.hpp"
+#include "residency/backends.hpp"
+#if RESIDENCY_PRELOAD_CUDA
+#include "residency/backends/cuda.hpp"
+#endif
+
+namespace residency::preload {
+
+namespace {
+
+constexpr const char* kWithout = "; the program runs without residency";
+
+// The one pointer (leaked on purpose, see the header), the fork guard, and the once-guard of
+// making the pointer (0: not tried, 1: made or given up). Constant-initialized: loading the
+// library runs no code.
+constinit std::atomic<EngineSession*> g_session{nullptr};
+constinit std::atomic<bool> g_forked{false};
+constinit std::atomic<bool> g_made{false};
+constinit Mutex g_make_mu;
+
+void on_fork_child() {
+  g_forked.store(true, std::memory_order_relaxed);
+  if (EngineSession* s = g_session.load(std::memory_order_acquire)) s->forked();
+}
+
+// SwapTotal in /proc/meminfo is above 0; true when unknown (no warning then).
+bool machine_has_swap() noexcept {
+  try {
+    const auto mi = posix::read_meminfo();
+    return !mi || !mi->swap_total || *mi->swap_total > 0;
+  } catch (...) {
+    return true;
+  }
+}
+
+void synchronize_context(void* ctx) noexcept {
+  if (const SynchronizeFn sync = next_llama_synchronize()) sync(static_cast<llama_context*>(ctx));
+}
+
+#if RESIDENCY_PRELOAD_CUDA
+// The backend's form of Config::cuda_backup (RESIDENCY_CUDA_BACKUP; Config::for_device_memory()
+// decides what `automatic` means).
+CudaBackendOptions::Backup backup_mode(CudaBackup configured) noexcept {
+  return configured == CudaBackup::at_first_sleep ? CudaBackendOptions::Backup::at_first_sleep
+                                                  : CudaBackendOptions::Backup::after_allocation;
+}
+#endif
+
+// The real backends: llama.cpp's host buffers are host memory, which the posix backend locks,
+// also on a machine with a GPU (there "auto" would be the cuda backend, which pins instead); each
+// GPU's memory goes through the cuda backend on that device.
+Result<std::shared_ptr<Backend>> real_backend(int where, const Config& device_config) {
+  if (where == EngineSession::kHost) return make_backend("posix");
+#if RESIDENCY_PRELOAD_CUDA
+  CudaBackendOptions co;
+  co.device = where;
+  co.backup = backup_mode(device_config.cuda_backup);
+  return make_cuda_backend(co);
+#else
+  (void)device_config;
+  return make_backend("cuda:" + std::to_string(where));  // an error naming the backends this build has
+#endif
+}
+
+EngineSession* make_session() noexcept {
+  try {
+    auto config = Config::from_env();
+    if (!config) {
+      // One line per bad variable, each naming it.
+      const std::string msg = config.message();
+      std::size_t b = 0;
+      while (b <= msg.size()) {
+        const std::size_t e = msg.find('\n', b);
+        const std::string line = msg.substr(b, e == std::string::npos ? std::string::npos : e - b);
+        if (!line.empty()) warn(line + kWithout);
+        if (e == std::string::npos) break;
+        b = e + 1;
+      }
+      return nullptr;
+    }
+    const SessionLog log(config->log_level, config->log_time);
+    if (next_llama_decode() == nullptr || next_llama_synchronize() == nullptr) {
+      log.warn(std::string("llama_decode is not reachable behind the preload (the program does not load libllama, or "
+                           "links it statically), so the model's memory stays unmanaged: without its decodes the "
+                           "keep-alive would release the model and never wire it again") +
+               kWithout);
+      return nullptr;
+    }
+    if (const int err = ::pthread_atfork(nullptr, nullptr, &on_fork_child); err != 0) {
+      log.warn(std::string("pthread_atfork failed (") + std::strerror(err) + ")" + kWithout);
+      return nullptr;
+    }
+    EngineSession::Options o;
+    o.config = *config;
+    o.backends = &real_backend;
+    // A clock of our own, never destroyed like the session: SteadyClock::instance() is a static
+    // that exit() destroys while a scheduler thread may still read it.
+    o.clock = new SteadyClock;
+    o.buffers = ggml_buffer_reader();
+    if (o.buffers == nullptr)
+      o.host_unavailable =
+          "ggml's backend functions (ggml_backend_buffer_get_base and others) are not reachable behind the preload "
+          "(ggml is not a shared library in this program), so llama.cpp's buffers cannot be followed and the model's "
+          "memory stays unmanaged";
+    o.synchronize = &synchronize_context;
+    o.machine_has_swap = machine_has_swap();
+    return new EngineSession(std::move(o));
+  } catch (...) {
+    return nullptr;  // out of memory while starting: pass through
+  }
+}
+
+}  // namespace
+
+EngineSession* started_session() noexcept {
+  if (g_forked.load(std::memory_order_relaxed)) return nullptr;
+  return g_session.load(std::memory_order_acquire);
+}
+
+EngineSession* process_session() noexcept {
+  if (g_forked.load(std::memory_order_relaxed)) return nullptr;
+  if (g_made.load(std::memory_order_acquire)) return g_session.load(std::memory_order_acquire);
+  MutexLock lock(g_make_mu);
+  if (!g_made.load(std::memory_order_relaxed)) {
+    g_session.store(make_session(), std::memory_order_release);
+    g_made.store(true, std::memory_order_release);
+  }
+  return g_session.load(std::memory_order_acquire);
+}
+
+bool forked_child() noexcept { return g_forked.load(std::memory_order_relaxed); }
+
+void warn(const std::string& message) noexcept {
+  if (const EngineSession* s = started_session()) {
+    s->log().warn(message);
+    return;
+  }
+  SessionLog().warn(message);
+}
+
+}  // namespace residency::preload
