@@ -43,7 +43,7 @@ namespace residency::core {
 //     given back after the backend unwired them (settle(), after every flush and release).
 //   - Nothing here waits on another process: the ledger is asked with a wait of 0 under the mutex.
 //     When it comes back short, room_wanted() says how much; the manager asks the other holders
-//     and waits for them with its mutex released, then calls retry (manager.cpp, with_room()).
+//     and waits for them with its mutex released, then calls retry (manager.cpp, make_room()).
 class Admission {
  public:
   Admission(Backend& backend, const LogSink& log, const KeepAliveState& ka, Clock& clock, Limits limits,

@@ -3,7 +3,7 @@
 
 namespace residency::core {
 
-KeepAliveScheduler::KeepAliveScheduler(Clock& clock, std::mutex& mutex, Due due)
+KeepAliveScheduler::KeepAliveScheduler(Clock& clock, Mutex& mutex, Due due)
     : clock_(clock), mutex_(mutex), due_(std::move(due)) {}
 
 KeepAliveScheduler::~KeepAliveScheduler() { stop(); }
@@ -11,7 +11,7 @@ KeepAliveScheduler::~KeepAliveScheduler() { stop(); }
 void KeepAliveScheduler::start() {
   if (thread_.joinable()) return;
   {
-    std::lock_guard<std::mutex> g(mutex_);
+    MutexLock g(mutex_);
     stop_ = false;
   }
   thread_ = std::thread([this] { loop(); });
@@ -20,7 +20,7 @@ void KeepAliveScheduler::start() {
 void KeepAliveScheduler::stop() {
   if (!thread_.joinable()) return;
   {
-    std::lock_guard<std::mutex> g(mutex_);
+    MutexLock g(mutex_);
     stop_ = true;
     cv_.notify_all();
   }
@@ -28,11 +28,11 @@ void KeepAliveScheduler::stop() {
 }
 
 void KeepAliveScheduler::loop() {
-  std::unique_lock<std::mutex> lock(mutex_);
+  MutexLock lock(mutex_);
   while (!stop_) {
-    const std::optional<Nanos> next = due_(lock);
+    const std::optional<Nanos> next = due_();
     if (stop_) break;
-    clock_.wait_until(lock, cv_, next);
+    clock_.wait_until(lock.native(), cv_, next);
     wakeups_.fetch_add(1, std::memory_order_relaxed);
   }
 }

@@ -11,39 +11,39 @@
 #include <atomic>
 #include <condition_variable>
 #include <functional>
-#include <mutex>
 #include <optional>
 #include <thread>
 
+#include "platform/thread_annotations.hpp"
 #include "residency/clock.hpp"
 
 namespace residency::core {
 
 class KeepAliveScheduler {
  public:
-  // `due` runs with `mutex` held by the lock it is given: it does what is due now and returns the
-  // next deadline (nullopt: sleep until woken). It may release the lock for a while (to wait on
-  // another process) and must hold it again when it returns.
-  using Due = std::function<std::optional<Nanos>(std::unique_lock<std::mutex>&)>;
-  KeepAliveScheduler(Clock& clock, std::mutex& mutex, Due due);
+  // `due` runs with `mutex` held: it does what is due now and returns the next deadline (nullopt:
+  // sleep until woken). It may release `mutex` for a while (to wait on another process) and must
+  // hold it again when it returns.
+  using Due = std::function<std::optional<Nanos>()>;
+  KeepAliveScheduler(Clock& clock, Mutex& mutex, Due due);
   ~KeepAliveScheduler();  // stops
   KeepAliveScheduler(const KeepAliveScheduler&) = delete;
   KeepAliveScheduler& operator=(const KeepAliveScheduler&) = delete;
 
-  void start();
-  // Stops and joins the thread. Must be called without `mutex` held.
-  void stop();
-  // Makes the thread re-evaluate its deadline. Call with `mutex` held.
-  void wake_locked() { cv_.notify_all(); }
+  void start() RESIDENCY_EXCLUDES(mutex_);
+  // Stops and joins the thread.
+  void stop() RESIDENCY_EXCLUDES(mutex_);
+  // Makes the thread re-evaluate its deadline.
+  void wake_locked() RESIDENCY_REQUIRES(mutex_) { cv_.notify_all(); }
   std::uint64_t wakeups() const { return wakeups_.load(std::memory_order_relaxed); }
 
  private:
   void loop();
   Clock& clock_;
-  std::mutex& mutex_;
+  Mutex& mutex_;
   Due due_;
   std::condition_variable cv_;
-  bool stop_ = false;  // guarded by mutex_
+  bool stop_ RESIDENCY_GUARDED_BY(mutex_) = false;
   std::atomic<std::uint64_t> wakeups_{0};
   std::thread thread_;
 };

@@ -10,10 +10,10 @@
 //   KeepAliveScheduler  the heartbeat that sleeps until its deadline (keep_alive_scheduler.hpp)
 //
 // Lock rule: one mutex (`mu`) guards everything but the atomics of KeepAliveState and the stamps
-// of RegionTable. The backend is called with it held (the backend locks for itself as well: it is
+// of RegionTable; the units it guards say so (RESIDENCY_GUARDED_BY), and clang checks it. The backend is called with it held (the backend locks for itself as well: it is
 // shared with the other managers of the process). It is never held while waiting on another
 // process: a reservation in the shared budget is tried under it with no wait, and when the budget
-// is full the other holders are asked, and waited for, with it released (with_room()).
+// is full the other holders are asked, and waited for, with it released (make_room()).
 #include "residency/residency.hpp"
 
 #include <unistd.h>
@@ -30,6 +30,7 @@
 #include "limits.hpp"
 #include "log.hpp"
 #include "manager_report.hpp"
+#include "platform/thread_annotations.hpp"
 #include "residency_cycle.hpp"
 #include "set_layout.hpp"
 
@@ -45,6 +46,7 @@ struct Manager::Impl {
         caps(c),
         clock(&clk),
         log(o.log ? std::move(o.log) : core::stderr_log(o.config), o.config.log_level),
+        shared_ledger(shared.get()),
         ka(o.config.keep_alive, *clock,
            shared ? core::KeepAliveState::Publisher{&ledger::Ledger::publish_last_use, shared.get()}
                   : core::KeepAliveState::Publisher{}),
@@ -54,9 +56,13 @@ struct Manager::Impl {
         cycle(config, caps, *clock, log, ka, adm, *backend, pressure_floor),
         report(config, caps, *clock, log, ka, adm, cycle) {
     adm.on_change([this] {
-      if (report.changed() && scheduler) scheduler->wake_locked();
+      mu.assert_held();  // Admission calls it from a flush, and the admission is guarded by mu
+      if (report.changed()) wake_scheduler();
     });
-    cycle.on_published([this] { report.publish(); });
+    cycle.on_published([this] {
+      mu.assert_held();  // the cycle calls it after a release or a re-wire, and the cycle is guarded by mu
+      report.publish();
+    });
   }
 
   // Immutable after create().
@@ -66,42 +72,46 @@ struct Manager::Impl {
   Clock* const clock;
   const core::LogSink log;
   const int owner_pid = ::getpid();  // the process that made the manager (exit_release)
+  ledger::Ledger* const shared_ledger;  // adm's share of the shared budget (null: none); asked without mu
 
   core::KeepAliveState ka;  // atomics; written under mu
-  mutable std::mutex mu;
-  // Guarded by mu.
-  core::Admission adm;
-  core::ResidencyCycle cycle;
-  core::ManagerReport report;
+  mutable Mutex mu;
+  core::Admission adm RESIDENCY_GUARDED_BY(mu);
+  core::ResidencyCycle cycle RESIDENCY_GUARDED_BY(mu);
+  core::ManagerReport report RESIDENCY_GUARDED_BY(mu);
+  // Set by create() before any thread that uses them starts; not changed afterwards.
   std::unique_ptr<core::KeepAliveScheduler> scheduler;
   std::optional<PressureWatchId> pressure_watch;
 
-  // `f()` with mu held by `g`; then, if a reservation came back short because the shared budget
-  // is full, the other holders are asked and waited for (boundedly) with mu released, and what
-  // waits is admitted again. Every call that may admit or wire goes through here.
-  template <class F>
-  auto with_room(std::unique_lock<std::mutex>& g, F&& f) {
-    struct After {  // runs once f's result is made
-      Impl& m;
-      std::unique_lock<std::mutex>& g;
-      ~After() { m.make_room(g); }
-    } after{*this, g};
-    return f();
-  }
-  template <class F>
-  auto locked(F&& f) {
-    std::unique_lock<std::mutex> g(mu);
-    return with_room(g, std::forward<F>(f));
-  }
-  void make_room(std::unique_lock<std::mutex>& g) noexcept {
+  // At its end (once the caller's result is made), if a reservation came back short because the
+  // shared budget is full, the other holders are asked and waited for (boundedly) with mu
+  // released, and what waits is admitted again (make_room()).
+  struct MakeRoomAtEnd {
+    Impl& m;
+    ~MakeRoomAtEnd() { m.make_room(); }
+  };
+  // mu for one call of the API, with make_room() at its end. Every call that may admit or wire
+  // holds one.
+  class RESIDENCY_SCOPED_CAPABILITY Locked {
+   public:
+    explicit Locked(Impl& m) RESIDENCY_ACQUIRE(m.mu) : lock_(m.mu), room_{m} {}
+    ~Locked() RESIDENCY_RELEASE() {}
+    Locked(const Locked&) = delete;
+    Locked& operator=(const Locked&) = delete;
+
+   private:
+    MutexLock lock_;
+    MakeRoomAtEnd room_;  // destroyed first: make_room() runs with mu held
+  };
+  void make_room() noexcept RESIDENCY_REQUIRES(mu) {
     const std::uint64_t want = adm.take_room_wanted();  // this call's: another thread may run meanwhile
     if (want != 0) {
-      g.unlock();
+      mu.unlock();
       try {
-        adm.shared()->acquire(want, clock->now().count(), ledger::kAskWait, /*partial=*/false);  // what it gets, retry() keeps
+        shared_ledger->acquire(want, clock->now().count(), ledger::kAskWait, /*partial=*/false);  // what it gets, retry() keeps
       } catch (...) {  // out of memory: nothing more is admitted
       }
-      g.lock();
+      mu.lock();
       try {
         cycle.retry();
       } catch (...) {
@@ -109,8 +119,12 @@ struct Manager::Impl {
     }
     adm.end_call();
   }
+  // The scheduler's mutex is mu, which the caller holds; the analysis cannot see that they are one.
+  void wake_scheduler() RESIDENCY_REQUIRES(mu) RESIDENCY_NO_THREAD_SAFETY_ANALYSIS {
+    if (scheduler) scheduler->wake_locked();
+  }
 
-  Result<RegionId> register_locked(const RegionDesc& d, int priority) {
+  Result<RegionId> register_locked(const RegionDesc& d, int priority) RESIDENCY_REQUIRES(mu) {
     adm.open_batch();
     auto r = adm.track(d, priority, ka.now_coarse());
     if (r && ka.managing()) {
@@ -126,7 +140,8 @@ struct Manager::Impl {
   // The slow path of touch(): the memory was released; wire it again before the caller computes.
   [[gnu::noinline]] void rewire(const char* why) noexcept {
     try {
-      locked([&] { cycle.rewire(why); });
+      Locked g(*this);
+      cycle.rewire(why);
     } catch (...) {
     }
   }
@@ -134,12 +149,16 @@ struct Manager::Impl {
   // Another process needs room (on the ledger's thread). A busy manager declines; a short wait
   // rides out a stats() or a brief call.
   void on_asked(int asker) {
-    std::unique_lock<std::mutex> g(mu, std::defer_lock);
-    if (try_lock_for(g, 20)) cycle.give_back_if_idle(asker, ledger::kIdleBeforeAsked);
+    if (!try_lock_for(20)) return;
+    MutexLock g(mu, std::adopt_lock);
+    cycle.give_back_if_idle(asker, ledger::kIdleBeforeAsked);
   }
-  static bool try_lock_for(std::unique_lock<std::mutex>& g, int ms) {
-    for (int i = 0; i < ms && !g.try_lock(); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(1));
-    return g.owns_lock();
+  bool try_lock_for(int ms) RESIDENCY_TRY_ACQUIRE(true, mu) {
+    for (int i = 0; i < ms; ++i) {
+      if (mu.try_lock()) return true;
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    return false;
   }
 
   // At exit, for a manager nobody destroyed (the preload leaks its own on purpose): unwire, give
@@ -150,17 +169,26 @@ struct Manager::Impl {
   static void exit_release(void* self) {
     Impl& m = *static_cast<Impl*>(self);
     if (::getpid() != m.owner_pid) return;
-    std::unique_lock<std::mutex> g(m.mu, std::defer_lock);
-    if (!try_lock_for(g, 100)) return;
+    if (!m.try_lock_for(100)) return;
+    MutexLock g(m.mu, std::adopt_lock);
     m.cycle.release_at_exit(m.adm.holds_backend_memory());
-    m.adm.shared()->detach_at_exit();
+    m.shared_ledger->detach_at_exit();
   }
 
-  std::optional<Nanos> due(std::unique_lock<std::mutex>& g) {
-    std::optional<Nanos> next = with_room(g, [&] { return cycle.due(); });
+  std::optional<Nanos> due() RESIDENCY_REQUIRES(mu) {
+    std::optional<Nanos> next;
+    {
+      MakeRoomAtEnd room{*this};
+      next = cycle.due();
+    }
     if (const auto state = report.due()) next = next ? std::min(*next, *state) : *state;
     return next;
   }
+
+  // The stamps of touch(id) are atomics in slots that never move, written without mu by design
+  // (region_table.hpp); so is the access flag read by access() (residency_cycle.hpp).
+  core::RegionTable& lock_free_stamps() RESIDENCY_NO_THREAD_SAFETY_ANALYSIS { return adm.regions(); }
+  bool lock_free_access_held() const RESIDENCY_NO_THREAD_SAFETY_ANALYSIS { return cycle.access_held(); }
 };
 
 // ------------------------------------------------------------------------------------------
@@ -183,19 +211,27 @@ Result<std::unique_ptr<Manager>> Manager::create(ManagerOptions o) {
   auto impl = std::make_unique<Impl>(o, clock, caps, std::move(*limits), mem, std::move(*shared), floor);
   Impl& m = *impl;
   m.ka.set_wants_resident(m.ka.rewires_on_use());
-  m.report.log_start(managing);
+  {
+    MutexLock g(m.mu);  // nothing else runs yet; taken because the report is guarded by it
+    m.report.log_start(managing);
+  }
 
-  if (ledger::Ledger* l = m.adm.shared()) {
+  if (ledger::Ledger* l = m.shared_ledger) {
     Impl* raw = &m;
     l->listen([raw](int asker) { raw->on_asked(asker); });
     core::add_exit_hook(raw, &Impl::exit_release);
   }
   if (o.start_scheduler && managing) {
     Impl* raw = &m;
-    m.scheduler = std::make_unique<core::KeepAliveScheduler>(
-        *m.clock, m.mu, [raw](std::unique_lock<std::mutex>& g) { return raw->due(g); });
-    m.cycle.set_scheduler(m.scheduler.get());
-    m.report.set_scheduler(m.scheduler.get());
+    m.scheduler = std::make_unique<core::KeepAliveScheduler>(*m.clock, m.mu, [raw] {
+      raw->mu.assert_held();  // the scheduler calls it with its mutex, mu, held
+      return raw->due();
+    });
+    {
+      MutexLock g(m.mu);
+      m.cycle.set_scheduler(m.scheduler.get());
+      m.report.set_scheduler(m.scheduler.get());
+    }
     m.scheduler->start();
   }
   auto mgr = std::unique_ptr<Manager>(new Manager(std::move(impl)));
@@ -212,7 +248,7 @@ Result<std::unique_ptr<Manager>> Manager::create(ManagerOptions o) {
     }
   }
   if (m.config.state_file) {
-    std::lock_guard<std::mutex> g(m.mu);
+    MutexLock g(m.mu);
     m.report.start_state_file(pressure_src);
   }
   return mgr;
@@ -220,13 +256,13 @@ Result<std::unique_ptr<Manager>> Manager::create(ManagerOptions o) {
 
 Manager::~Manager() {
   Impl& m = *impl_;
-  if (ledger::Ledger* l = m.adm.shared()) {
+  if (ledger::Ledger* l = m.shared_ledger) {
     core::remove_exit_hook(&m);
     l->stop_listening();  // no ask is answered from here on
   }
   if (m.pressure_watch) m.backend->stop_pressure_watch(*m.pressure_watch);
   if (m.scheduler) m.scheduler->stop();
-  std::lock_guard<std::mutex> g(m.mu);
+  MutexLock g(m.mu);
   m.adm.teardown();
   m.report.stop_state_file();  // removes the file
 }
@@ -234,48 +270,50 @@ Manager::~Manager() {
 Result<RegionId> Manager::register_region(void* base, std::size_t size, RegionClass cls, int priority,
                                           void* backend_object) {
   const RegionDesc d{0, base, size, cls, /*backend_allocated=*/false, backend_object};
-  return impl_->locked([&] { return impl_->register_locked(d, priority); });
+  Impl::Locked g(*impl_);
+  return impl_->register_locked(d, priority);
 }
 
 Result<Allocation> Manager::allocate(std::size_t size, RegionClass cls, int priority) {
   Impl& m = *impl_;
   if (size == 0) return Status(ErrorCode::invalid_argument, "allocate: size is 0");
-  return m.locked([&]() -> Result<Allocation> {
-    Result<void*> p = m.backend->allocate(size, cls);
-    if (!p) return p.status();
-    auto id = m.register_locked(RegionDesc{0, *p, size, cls, /*backend_allocated=*/true, nullptr}, priority);
-    if (!id) {
-      m.backend->deallocate(*p);
-      return id.status();
-    }
-    return Allocation{*id, *p};
-  });
+  Impl::Locked g(m);
+  Result<void*> p = m.backend->allocate(size, cls);
+  if (!p) return p.status();
+  auto id = m.register_locked(RegionDesc{0, *p, size, cls, /*backend_allocated=*/true, nullptr}, priority);
+  if (!id) {
+    m.backend->deallocate(*p);
+    return id.status();
+  }
+  return Allocation{*id, *p};
 }
 
 Status Manager::unregister_region(RegionId id) {
-  return impl_->locked([&] { return impl_->adm.untrack_id(id); });
+  Impl::Locked g(*impl_);
+  return impl_->adm.untrack_id(id);
 }
 
 Status Manager::unregister_address(void* base) {
-  return impl_->locked([&] { return impl_->adm.untrack_address(base); });
+  Impl::Locked g(*impl_);
+  return impl_->adm.untrack_address(base);
 }
 
 Status Manager::deallocate(void* ptr) {
-  return impl_->locked([&] { return impl_->adm.untrack_allocation(ptr); });
+  Impl::Locked g(*impl_);
+  return impl_->adm.untrack_allocation(ptr);
 }
 
 Status Manager::set_wired_limit(std::uint64_t bytes) {
   Impl& m = *impl_;
-  return m.locked([&]() -> Status {
-    auto limit = m.adm.limits().check_wired_limit(bytes, m.backend->memory_info(), m.log);
-    if (!limit) return limit.status();
-    m.adm.set_limit(*limit);
-    return {};
-  });
+  Impl::Locked g(m);
+  auto limit = m.adm.limits().check_wired_limit(bytes, m.backend->memory_info(), m.log);
+  if (!limit) return limit.status();
+  m.adm.set_limit(*limit);
+  return {};
 }
 
 std::uint64_t Manager::wired_limit() const {
-  std::lock_guard<std::mutex> g(impl_->mu);
+  MutexLock g(impl_->mu);
   return impl_->adm.budget().limit();
 }
 
@@ -287,7 +325,7 @@ void Manager::touch() noexcept {
 void Manager::touch(RegionId id) noexcept {
   Impl& m = *impl_;
   const std::int64_t t = m.ka.now_coarse();  // one clock read for both stamps
-  m.adm.regions().touch(id, t);
+  m.lock_free_stamps().touch(id, t);
   if (m.ka.touch_at(t)) m.rewire("touch after release");
 }
 
@@ -301,7 +339,8 @@ void Manager::begin_call() noexcept {
   }
   if (!m.ka.managing()) return;
   try {
-    m.locked([&] { m.cycle.begin_call("use scope"); });
+    Impl::Locked g(m);
+    m.cycle.begin_call("use scope");
   } catch (...) {  // out of memory building a log line: the call goes on
   }
 }
@@ -318,7 +357,8 @@ void Manager::end_call(void (*synchronize)(void*), void* ctx) noexcept {
   // The GPU may still be reading: wait for it before anything can be released.
   if (synchronize) synchronize(ctx);
   try {
-    m.locked([&] { m.cycle.end_call(); });
+    Impl::Locked g(m);
+    m.cycle.end_call();
   } catch (...) {
   }
 }
@@ -331,9 +371,10 @@ void Manager::access() noexcept {
     touch();
     return;
   }
-  if (!m.ka.managing() || m.cycle.access_held()) return;
+  if (!m.ka.managing() || m.lock_free_access_held()) return;
   try {
-    m.locked([&] { m.cycle.access(); });
+    Impl::Locked g(m);
+    m.cycle.access();
   } catch (...) {
   }
 }
@@ -342,7 +383,7 @@ void Manager::prefetch() noexcept {
   Impl& m = *impl_;
   m.ka.note_use();
   if (!m.ka.rewires_on_use() || m.ka.wants_resident()) return;
-  std::lock_guard<std::mutex> g(m.mu);
+  MutexLock g(m.mu);
   if (!m.ka.wants_resident()) m.cycle.request_prefetch();
 }
 
@@ -350,17 +391,17 @@ UseScope Manager::use(std::function<void()> synchronize) {
   Impl& m = *impl_;
   if (!m.ka.managing()) return UseScope(this, std::move(synchronize), Status());
   begin_call();
-  std::lock_guard<std::mutex> g(m.mu);
+  MutexLock g(m.mu);
   return UseScope(this, std::move(synchronize), m.adm.unwired_status());
 }
 
 void Manager::notify_memory_pressure() {
-  std::lock_guard<std::mutex> g(impl_->mu);
+  MutexLock g(impl_->mu);
   impl_->cycle.on_pressure();
 }
 
 void Manager::release_now() {
-  std::lock_guard<std::mutex> g(impl_->mu);
+  MutexLock g(impl_->mu);
   (void)impl_->cycle.release_by_engine();
 }
 
@@ -370,26 +411,25 @@ Batch Manager::batch() {
 }
 
 void Manager::begin_batch() {
-  std::lock_guard<std::mutex> g(impl_->mu);
+  MutexLock g(impl_->mu);
   impl_->adm.open_batch();
 }
 
 Status Manager::end_batch() {
-  return impl_->locked([&]() -> Status {
-    if (impl_->adm.batch_depth() == 0)
-      return Status(ErrorCode::invalid_argument, "end_batch: no batch is open (begin_batch first)");
-    impl_->adm.close_batch();
-    return {};
-  });
+  Impl::Locked g(*impl_);
+  if (impl_->adm.batch_depth() == 0)
+    return Status(ErrorCode::invalid_argument, "end_batch: no batch is open (begin_batch first)");
+  impl_->adm.close_batch();
+  return {};
 }
 
 std::optional<Nanos> Manager::run_due() {
-  std::unique_lock<std::mutex> g(impl_->mu);
-  return impl_->due(g);
+  MutexLock g(impl_->mu);
+  return impl_->due();
 }
 
 Stats Manager::stats() const {
-  std::lock_guard<std::mutex> g(impl_->mu);
+  MutexLock g(impl_->mu);
   return impl_->report.stats();
 }
 

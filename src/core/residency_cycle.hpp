@@ -41,7 +41,9 @@ class ResidencyCycle {
   ResidencyCycle(const Config& config, const Capabilities& caps, Clock& clock, const LogSink& log, KeepAliveState& ka,
                  Admission& admission, Backend& backend, std::uint64_t pressure_floor);
   void set_scheduler(KeepAliveScheduler* s) { scheduler_ = s; }
-  void wake_scheduler() {
+  // The scheduler's mutex is the manager's, held by every caller of the cycle (manager.cpp guards
+  // the cycle with it); the analysis cannot see that they are one.
+  void wake_scheduler() RESIDENCY_NO_THREAD_SAFETY_ANALYSIS {
     if (scheduler_) scheduler_->wake_locked();
   }
 

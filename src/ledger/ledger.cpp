@@ -173,9 +173,10 @@ constexpr Nanos kCancelPoll = std::chrono::milliseconds(50);      // the ask wai
 // Every wait is bounded (a holder that is SIGSTOPped, paused by a container runtime or a
 // debugger inside the lock, or hostile, must not stall another process): the lock is polled
 // with a short backoff until `bound` has passed, and then not taken, with the reason in why().
-class Lock {
+class RESIDENCY_SCOPED_CAPABILITY Lock {
  public:
-  Lock(int fd, std::mutex& local, Shared* s, Nanos bound, bool cancellable = false) : fd_(fd), local_(local), s_(s) {
+  Lock(int fd, Mutex& local, Shared* s, Nanos bound, bool cancellable = false) RESIDENCY_ACQUIRE(local)
+      : fd_(fd), local_(local.native(), std::defer_lock), s_(s) {
     take(bound, cancellable);
     if (!ok_) return;
     // Nothing of the mapping is touched before the file is known to cover it (a file truncated
@@ -206,7 +207,6 @@ class Lock {
     // also when the file lock was not obtained, so that the writes a holder may still make to its
     // own slot then are ordered with its other threads.
     local_.lock();
-    local_held_ = true;
     const auto deadline = std::chrono::steady_clock::now() + bound;
     auto pause = std::chrono::microseconds(50);
     for (;;) {
@@ -239,16 +239,15 @@ class Lock {
   }
 
  public:
-  ~Lock() { unlock(); }
+  ~Lock() RESIDENCY_RELEASE() { unlock(); }
   // Unlocks now; the ledger must still be mapped. Called before it is unmapped inside the scope.
-  void unlock() {
+  void unlock() RESIDENCY_RELEASE() {
     if (ok_) {
       s_->locker.store(0, std::memory_order_relaxed);
       release_file_lock();
       ok_ = false;
     }
-    if (local_held_) local_.unlock();
-    local_held_ = false;
+    if (local_.owns_lock()) local_.unlock();
   }
   Lock(const Lock&) = delete;
   Lock& operator=(const Lock&) = delete;
@@ -267,9 +266,9 @@ class Lock {
     return pid > 0 ? " by process " + std::to_string(pid) : "";
   }
   int fd_;
-  std::mutex& local_;
+  std::unique_lock<std::mutex> local_;  // Ledger::local_, held from take() until unlock()
   Shared* s_;
-  bool ok_ = false, corrupt_ = false, local_held_ = false;
+  bool ok_ = false, corrupt_ = false;
   std::string why_;
 };
 
@@ -613,8 +612,8 @@ bool path_is_ours(int fd, const std::string& path) {
 
 bool Ledger::mine() const { return ::getpid() == owner_pid_; }
 
-// With nothing held: frees our slot, reclaims the dead, and retires + unlinks the ledger when no
-// holder is left (under the lock, so that an opener waiting for it sees `retired`).
+// Frees our slot, reclaims the dead, and retires + unlinks the ledger when no holder is left
+// (under the lock, so that an opener waiting for it sees `retired`).
 void Ledger::leave() {
   if (broken_.load(std::memory_order_acquire)) return;  // nothing of a corrupt ledger is touched
   Shared* s = shm_;
@@ -664,12 +663,12 @@ std::uint64_t Ledger::corrupt(const std::string& what) {
 }
 
 void Ledger::set_problem(std::string p) {
-  std::lock_guard<std::mutex> g(problem_mu_);
+  MutexLock g(problem_mu_);
   problem_ = std::move(p);
 }
 
 std::string Ledger::problem() const {
-  std::lock_guard<std::mutex> g(problem_mu_);
+  MutexLock g(problem_mu_);
   return problem_;
 }
 

@@ -18,10 +18,10 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <thread>
 
+#include "platform/thread_annotations.hpp"
 #include "residency/shared_budget.hpp"
 #include "residency/status.hpp"
 
@@ -171,7 +171,7 @@ class Ledger {
  private:
   Ledger() = default;
   void listen_loop();
-  void leave();
+  void leave() RESIDENCY_EXCLUDES(local_);
   void tell_listener_to_stop();
   bool covers_mapping() const;
   bool own_slot_sound() const;
@@ -192,8 +192,8 @@ class Ledger {
   std::atomic<bool> stopping_{false};
   // Written by acquire(), which may run on two threads of the owner at once (one under the
   // manager's lock, one waiting for room without it).
-  mutable std::mutex problem_mu_;
-  std::string problem_;
+  mutable Mutex problem_mu_;
+  std::string problem_ RESIDENCY_GUARDED_BY(problem_mu_);
   void set_problem(std::string p);
   // The ledger failed a check (its size, its table, our slot): it is not touched again.
   std::atomic<bool> broken_{false};
@@ -202,7 +202,7 @@ class Ledger {
   std::atomic<std::uint32_t> stop_word_{0};  // the listener of a broken ledger sleeps on it
   std::uint64_t self_start_ = 0, budget_ = 0;
   // The lock is an OFD lock on fd_, shared by this object's threads: they take this one first.
-  std::mutex local_;
+  Mutex local_;
   bool detached_ = false;  // detach_at_exit() ran: the slot is not ours any more
   // The process that attached. A fork child inherits the mapping and this object but not the
   // slot: in any other process every method leaves the ledger alone (llama-server, Python and

@@ -60,6 +60,8 @@ class RESIDENCY_CAPABILITY("mutex") Mutex {
 class RESIDENCY_SCOPED_CAPABILITY MutexLock {
  public:
   explicit MutexLock(Mutex& mu) RESIDENCY_ACQUIRE(mu) : lock_(mu.native()) {}
+  // Takes over `mu`, which the caller holds already (a try_lock() that succeeded).
+  MutexLock(Mutex& mu, std::adopt_lock_t) RESIDENCY_REQUIRES(mu) : lock_(mu.native(), std::adopt_lock) {}
   ~MutexLock() RESIDENCY_RELEASE() {}
   MutexLock(const MutexLock&) = delete;
   MutexLock& operator=(const MutexLock&) = delete;
