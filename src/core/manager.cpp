@@ -10,10 +10,11 @@
 //   KeepAliveScheduler  the heartbeat that sleeps until its deadline (keep_alive_scheduler.hpp)
 //
 // Lock rule: one mutex (`mu`) guards everything but the atomics of KeepAliveState and the stamps
-// of RegionTable; the units it guards say so (RESIDENCY_GUARDED_BY), and clang checks it. The backend is called with it held (the backend locks for itself as well: it is
-// shared with the other managers of the process). It is never held while waiting on another
-// process: a reservation in the shared budget is tried under it with no wait, and when the budget
-// is full the other holders are asked, and waited for, with it released (make_room()).
+// of RegionTable; the units it guards say so (RESIDENCY_GUARDED_BY), and clang checks it. The
+// backend is called with it held (the backend locks for itself as well: it is shared with the
+// other managers of the process). It is never held while waiting on another process: a
+// reservation in the shared budget is tried under it with no wait, and when the budget is full
+// the other holders are asked, and waited for, with it released (make_room()).
 #include "residency/residency.hpp"
 
 #include <unistd.h>
