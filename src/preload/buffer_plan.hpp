@@ -5,20 +5,9 @@
 // tested on every machine (tests/unit/buffer_plan_test.cpp).
 //
 // Why buffers and not the GGUF mapping: ggml's CPU backend does not always decode from the file.
-// On Intel Xeons with AMX the AMX buffer type, and on ARM and AVX2 x86 the CPU_REPACK one, take
-// most weight matrices: llama.cpp copies (repacks) them into anonymous memory at load and decode
-// reads only that copy. The weights left in the file (token embeddings, norms, types that are not
-// repacked) are a CPU_Mapped buffer made over the mapping (ggml_backend_cpu_buffer_from_ptr),
-// whose range spans the copied tensors' file ranges too. So:
-// - a buffer ggml allocated (its own memory) is registered whole;
-// - a buffer over memory that is not ggml's (from_ptr: a file mapping) is registered as the pages
-//   of the tensors placed in it, merged; the file ranges between them are not registered;
-// - a GPU's pinned host buffer (CUDA_Host) is not: its driver keeps it pinned for its whole life,
-//   so there is nothing residency could give back or wire;
-// - device memory is not host memory (the CUDA preload routes it through the session; engine_session.hpp).
-// The class comes from the usage llama.cpp sets: WEIGHTS (the model's buffers), COMPUTE (ggml's
-// graph allocator); everything else (the KV cache, recurrent state, the output buffer) holds state
-// that must survive a release: kv_cache.
+// The AMX and CPU_REPACK buffer types take most weight matrices, copied (repacked) into anonymous
+// memory at load, and decode reads only that copy; what is left in the file is a CPU_Mapped buffer
+// over the mapping whose range spans the copied tensors' file ranges too.
 #pragma once
 
 #include <cstddef>
@@ -50,6 +39,13 @@ struct BufferFacts {
   std::vector<Extent> tensors;  // from_ptr buffers: where its tensors were placed
 };
 
+// The plan: a buffer ggml allocated (its own memory) is registered whole; a buffer over memory
+// that is not ggml's (from_ptr: a file mapping) as the pages of the tensors placed in it, merged,
+// never the file ranges between them; a GPU's pinned host buffer (CUDA_Host) not at all (its
+// driver keeps it pinned for its whole life); device memory is not host memory (the session's
+// device side routes it). The class comes from the usage llama.cpp sets: WEIGHTS, COMPUTE
+// (scratch); everything else (the KV cache, recurrent state, the output buffer) holds state that
+// must survive a release: kv_cache.
 struct BufferPlan {
   // To register, sorted and disjoint; empty: nothing. A from_ptr buffer's are whole pages, an
   // owned buffer's is its exact range (heap buffers may share a page; mlock rounds anyway).

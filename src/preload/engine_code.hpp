@@ -2,18 +2,9 @@
 // The engine's own code, held with the model (DESIGN §13: residency holds the memory a decode
 // reads). A decode executes libllama's and ggml's code and reads their constant tables; after a
 // pageout from outside (process_madvise, or reclaim under pressure) every decode faults those
-// pages back in from the library files: 2.4 MiB per token on the Xeon host
-// (bench/results/2026-12-02-amx-pageout-read-back.md; there they cost no measurable time,
-// bench/results/2026-12-02-amx-engine-code.md). So while a model is loaded the
-// read-only segments of the engine's libraries are registered as weights (they never change, and
-// releasing them is only munlock): libllama* (llama-server's libllama-common and
-// libllama-server-impl match too; what of them a request runs was not measured), libggml* (base, CPU variants, GPU backends),
-// libgomp (ggml's OpenMP thread pool), the C and C++ runtimes a decode calls (libc, libm,
-// libstdc++) and the preload itself, as the dynamic loader lists them (dl_iterate_phdr). The
-// runtimes' pages are shared with other processes; locking them in one only keeps them in
-// memory. Writable segments are never registered (locking a private writable mapping would copy
-// its pages), and a segment over kMaxSegment is left out: that is a GPU backend's device code
-// (libggml-cuda's fatbin, hundreds of MiB), which the CPU never reads at decode.
+// pages back in from the library files (docs/measurements.md has how much). So while a model is
+// loaded the read-only segments of the engine's libraries are registered as weights: they never
+// change, and releasing them is only munlock.
 //
 // The pieces are registered at the end of the model's load and unregistered when the last weights
 // buffer is freed: a library is not unloaded while a model it decodes is loaded (an unload
@@ -39,6 +30,14 @@ struct LoadedSegment {
   bool writable = false;   // PF_W
 };
 
+// The engine's objects: libllama* (llama-server's libllama-common and libllama-server-impl match
+// too; what of them a request runs was not measured), libggml* (base, CPU variants, GPU backends),
+// libgomp (ggml's OpenMP thread pool), the C and C++ runtimes a decode calls and the preload
+// itself, as the dynamic loader lists them (dl_iterate_phdr). The runtimes' pages are shared with
+// other processes; locking them in one only keeps them in memory. Writable segments are never
+// registered (locking a private writable mapping would copy its pages), and a segment over
+// kMaxSegment is left out: that is a GPU backend's device code (libggml-cuda's fatbin, hundreds of
+// MiB), which the CPU never reads at decode.
 // Whether an object of this path belongs to the engine: its file name starts with libllama,
 // libggml, libgomp or libresidency_preload, or is libc, libm or libstdc++ (libc.so.6, libc-2.36.so).
 bool is_engine_object(std::string_view path) noexcept;

@@ -1,28 +1,14 @@
 // SPDX-License-Identifier: MIT
 // The engine's own working memory, held with the model (DESIGN §13: residency holds the memory a
-// decode reads). Besides llama.cpp's buffers and its code (engine_code.hpp), a decode writes and
-// reads memory that is no ggml buffer: the graph's metadata (llama.cpp's buf_compute_meta), ggml's
-// scheduler and graph-allocator tables, the CPU backend's work buffer, the stacks of the decoding
-// thread and of the OpenMP workers. That is anonymous memory (the heap, malloc's mapped chunks,
-// thread stacks): with swap, pressure moves it out, and the next token reads it back page by page.
-// Measured on the Xeon host with everything else held, after a pageout of every mapping: about
-// 0.8 MiB a token, F16 77-125 ms against 32-43 ms at pause 0
-// (bench/results/2026-12-02-amx-engine-code.md).
+// decode reads). Besides llama.cpp's buffers and code, a decode reads and writes memory that is
+// no ggml buffer: the graph's metadata, ggml's scheduler tables, the CPU backend's work buffer,
+// the decoding threads' stacks. That is anonymous memory: under pressure with swap it moves out,
+// and the next token reads it back page by page (docs/measurements.md has the cost).
 //
-// Which pages a decode touches cannot be read from the kernel without privilege or soft-dirty bits
-// (absent on the kernels seen here: /proc/self/pagemap never set bit 55 on the EPYC VM), so what is held is a snapshot: the pages of the
-// process's private anonymous memory that are in memory after a decode and are not registered
-// already. Taken again at the first decode after each wire, after 2, 4, ... 64 decodes since (the
-// working set of a new prompt length), and whenever llama.cpp makes buffers (a new buffer may lie
-// where freed heap memory was). A snapshot also holds what the program keeps in memory beside the
-// engine (a server's vocabulary and request state): the log line says how much is held. A mapping
-// over kMaxMapping is left out (an arena or a reservation, not working memory), and at most
-// kMaxRuns runs and kMaxBytes are held, the smallest runs first (runs_to_hold).
-//
-// The allocator changes this memory without any call the preload sees (glibc's free() unmaps and
-// trims through internal system calls), so a held piece may stop being mapped: its lock goes
-// with the mapping, munlock of it fails harmlessly, and the next snapshot, taken before any wire,
-// drops it.
+// The decision that shapes it: which pages a decode touches cannot be read from the kernel
+// without privilege or soft-dirty bits, so what is held is a snapshot of what is resident after a
+// decode, taken on a schedule the session owns (SessionRules::snapshot_after) and dropped before
+// anything could wire a piece that is gone.
 #pragma once
 
 #include <cstddef>
@@ -82,6 +68,16 @@ std::vector<Extent> resident_runs(const Extent& range, const std::vector<unsigne
 // arenas or a large buffer of the program), returned sorted by address.
 std::vector<Extent> runs_to_hold(std::vector<Extent> runs, std::size_t max_runs, std::uint64_t max_bytes);
 
+// What a snapshot holds: the pages of the process's private anonymous memory and of the engine
+// libraries' data that are in memory after a decode and are not registered already. It also holds
+// what the program keeps beside the engine (a server's vocabulary and request state); the log line
+// says how much. A mapping over kMaxMapping is left out (an arena or a reservation, not working
+// memory), and at most kMaxRuns runs and kMaxBytes are held, the smallest first (runs_to_hold).
+//
+// The allocator changes this memory without any call the preload sees (glibc's free() unmaps and
+// trims through internal system calls), so a held piece may stop being mapped: its lock goes with
+// the mapping, munlock of it fails harmlessly, and the next snapshot, taken before any wire,
+// drops it.
 class EngineMemory {
  public:
   static constexpr std::uint64_t kMaxMapping = 1ULL << 30;

@@ -7,12 +7,8 @@
 // The hooks (interpose.cpp) read each buffer through ggml's public ggml-backend.h functions
 // (ggml_api.hpp) and hand the facts here: made (ggml_backend_buft_alloc_buffer, or from_ptr over
 // memory that is not ggml's: ggml_backend_cpu_buffer_from_ptr / _dev_buffer_from_host_ptr),
-// a tensor placed in a from_ptr buffer, its usage set (WEIGHTS, COMPUTE), freed. Registration
-// waits for a flush point: the end of a model's load (every tensor placed), of a context's
-// creation (KV cache and compute buffers), and the start of each decode (a grown compute buffer).
-// Nothing here includes ggml: a test drives it with synthetic buffers (engine_session_test.cpp).
-//
-// Every method is called with the session's lock held, except the lock-free ones marked so.
+// a tensor placed in a from_ptr buffer, its usage set (WEIGHTS, COMPUTE), freed. Nothing here
+// includes ggml: a test drives it with synthetic buffers (engine_session_test.cpp).
 #pragma once
 
 #include <array>
@@ -44,6 +40,10 @@ class BufferReader {
   virtual std::string type_name(BufferId b) const = 0;
 };
 
+// Every method is called with the session's lock held, except the lock-free ones marked so.
+// Registration waits for a flush point (flush()): the end of a model's load (every tensor placed),
+// of a context's creation (KV cache and compute buffers), and the start of each decode (a grown
+// compute buffer).
 class GgmlBuffers {
  public:
   // pressure_without_swap: the configuration releases on pressure and the machine has no swap;

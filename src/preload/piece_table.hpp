@@ -7,11 +7,6 @@
 // first unregisters the whole piece, while it is still mapped, and after the real munmap
 // registers what is left of it (one or two pieces, same class and owner); when the munmap fails
 // the piece is registered again whole. So a region never spans memory that is not mapped.
-//
-// The pieces live in a fixed table whose bounds are atomics, so that munmap can tell without a
-// lock whether a range touches a tracked piece: the allocator of a thread that holds the
-// manager's mutex may unmap its own memory, and must not wait for the preload's lock (which is
-// held while the manager is called). Changes are made with the preload's lock held.
 #pragma once
 
 #include <array>
@@ -26,6 +21,10 @@
 
 namespace residency::preload {
 
+// The pieces live in a fixed table whose bounds are atomics, so that munmap can tell without a
+// lock whether a range touches a tracked piece: the allocator of a thread that holds the
+// manager's mutex may unmap its own memory, and must not wait for the session's lock (which is
+// held while the manager is called). Changes are made with the session's lock held.
 class PieceTable {
  public:
   // More pieces than this are left unmanaged (with one warning). A model whose weights were
