@@ -93,15 +93,41 @@ bool is_engine_data(const MapsEntry& m) noexcept {
   return m.is_private && m.readable && !m.executable && m.inode != 0 && is_engine_object(m.path);
 }
 
+namespace {
+
+bool holds_a_point(const MapsEntry& m, const std::vector<std::uintptr_t>& points) noexcept {
+  return std::any_of(points.begin(), points.end(), [&](std::uintptr_t p) { return m.begin <= p && p < m.end; });
+}
+
+// The parts of [begin, end) inside the sorted extents `in`.
+std::vector<Extent> intersect(std::uintptr_t begin, std::uintptr_t end, const std::vector<Extent>& in) {
+  std::vector<Extent> out;
+  for (const Extent& x : in) {
+    const std::uintptr_t b = std::max(begin, x.begin), e = std::min(end, x.end);
+    if (b < e) out.push_back({b, e});
+  }
+  return out;
+}
+
+}  // namespace
+
 MemoryPlan plan_engine_memory(const std::vector<MapsEntry>& maps, const std::vector<Extent>& held,
-                              std::size_t page_size, std::uint64_t max_mapping) {
+                              const EngineOwned& owned, std::size_t page_size, std::uint64_t max_mapping) {
   MemoryPlan plan;
   std::vector<Extent> kept;
   for (const MapsEntry& m : maps) {
-    if (!is_private_anonymous(m) && !is_engine_data(m)) continue;
-    // The mapping minus what is held, in whole pages (maps' bounds are pages already); a mapping
-    // over the cap is left out, but for what is held of it (a repacked copy of the weights).
-    const std::vector<Extent> gaps = page_gaps(m.begin, m.end, held, page_size);
+    std::vector<Extent> parts;  // of this mapping, the engine's
+    if (is_engine_data(m) || (is_private_anonymous(m) && ((owned.heap && m.path == "[heap]") ||
+                                                          holds_a_point(m, owned.stack_points))))
+      parts.push_back({m.begin, m.end});
+    else if (is_private_anonymous(m))
+      parts = intersect(m.begin, m.end, owned.made);
+    if (parts.empty()) continue;
+    // Minus what is held, in whole pages; a mapping over the cap is left out, but for what is held
+    // of it (a repacked copy of the weights).
+    std::vector<Extent> gaps;
+    for (const Extent& part : parts)
+      for (const Extent& g : page_gaps(part.begin, part.end, held, page_size)) gaps.push_back(g);
     if (m.end - m.begin > max_mapping) {
       for (const Extent& g : gaps) plan.left_out += g.end - g.begin;
       continue;
@@ -148,7 +174,7 @@ std::vector<Extent> runs_to_hold(std::vector<Extent> runs, std::size_t max_runs,
   return kept;
 }
 
-void EngineMemory::snapshot(const std::vector<Extent>& held, const char* why) noexcept {
+void EngineMemory::snapshot(const std::vector<Extent>& held, const EngineOwned& owned, const char* why) noexcept {
   try {
     // One batch for the old pieces and the new: an old piece that waited over the wired limit
     // (and may be unmapped since) is never wired because another one left room.
@@ -156,7 +182,7 @@ void EngineMemory::snapshot(const std::vector<Extent>& held, const char* why) no
     Batch batch = manager_->batch();
     unregister();
     const std::size_t page = system_page_size();
-    const MemoryPlan plan = plan_engine_memory(parse_maps(read_own_maps()), held, page, kMaxMapping);
+    const MemoryPlan plan = plan_engine_memory(parse_maps(read_own_maps()), held, owned, page, kMaxMapping);
     std::vector<Extent> runs;
     std::vector<unsigned char> vec;
     for (const Extent& r : plan.ranges) {
@@ -174,7 +200,7 @@ void EngineMemory::snapshot(const std::vector<Extent>& held, const char* why) no
     std::snprintf(took, sizeof took, "%.2f ms",
                   std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
     std::string line = "engine memory: " + format_size(bytes_) + " in " + std::to_string(runs.size()) +
-                       " range(s) of the heap, stacks, other anonymous memory and the engine libraries' data, held with the model (" +
+                       " range(s) of the heap, the stacks the engine ran on, the memory it mapped and its libraries' data, held with the model (" +
                        why + "; " + took + ")";
     if (found > runs.size()) {
       std::uint64_t kept_bytes = 0;

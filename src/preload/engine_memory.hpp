@@ -50,13 +50,25 @@ bool is_engine_data(const MapsEntry& m) noexcept;
 struct MemoryPlan {
   std::vector<Extent> ranges;  // whole pages, sorted, disjoint: the candidates to look at
   std::uint64_t bytes = 0;
-  std::uint64_t left_out = 0;  // bytes of private anonymous mappings over max_mapping
+  std::uint64_t left_out = 0;  // bytes of candidate mappings over max_mapping
 };
 
-// Pure: the private anonymous memory and the engine's data of `maps` minus `held` (sorted, disjoint: what is registered
-// already), in whole pages; mappings over max_mapping are left out.
+// What is the engine's, besides its libraries' data: the memory it made and ran on, as the
+// session saw it. Everything else (the program's own mappings: V8's, Go's or jemalloc's heaps, a
+// program's buffers and reservations, malloc's large chunks and arenas) is never a candidate.
+struct EngineOwned {
+  std::vector<Extent> made;                  // anonymous mappings made inside the engine's calls, sorted
+  std::vector<std::uintptr_t> stack_points;  // addresses on the stacks the engine's calls ran on
+  bool heap = true;                          // the C library's main heap ([heap]), shared with the program
+};
+
+// Pure: the candidates of `maps` minus `held` (sorted, disjoint: what is registered already, and
+// what the program locked itself), in whole pages: the engine libraries' data, the private
+// anonymous mappings that hold a stack point, the main heap, and the parts of private anonymous
+// mappings inside `owned.made`. A candidate mapping over max_mapping is left out (an arena or a
+// reservation, not working memory), but for what is held of it.
 MemoryPlan plan_engine_memory(const std::vector<MapsEntry>& maps, const std::vector<Extent>& held,
-                              std::size_t page_size, std::uint64_t max_mapping);
+                              const EngineOwned& owned, std::size_t page_size, std::uint64_t max_mapping);
 
 // Pure: the runs of resident pages of `range` (bit 0 of resident[i]: page i is in memory, as
 // mincore says), two runs at most max_gap pages apart merged (mlock faults the gap in).
@@ -68,11 +80,12 @@ std::vector<Extent> resident_runs(const Extent& range, const std::vector<unsigne
 // arenas or a large buffer of the program), returned sorted by address.
 std::vector<Extent> runs_to_hold(std::vector<Extent> runs, std::size_t max_runs, std::uint64_t max_bytes);
 
-// What a snapshot holds: the pages of the process's private anonymous memory and of the engine
-// libraries' data that are in memory after a decode and are not registered already. It also holds
-// what the program keeps beside the engine (a server's vocabulary and request state); the log line
-// says how much. A mapping over kMaxMapping is left out (an arena or a reservation, not working
-// memory), and at most kMaxRuns runs and kMaxBytes are held, the smallest first (runs_to_hold).
+// What a snapshot holds (DESIGN §16: the engine's memory, never the program's): the resident pages
+// of the engine's candidates (plan_engine_memory), not registered already. The main heap is the
+// C library's, where llama.cpp's small allocations sit beside the program's; glibc never fails on a
+// locked page there (its trims and madvise results are ignored), and the preload's madvise and
+// mprotect hooks unlock what the program takes back before its call. At most kMaxRuns runs and
+// kMaxBytes are held, the smallest first (runs_to_hold). RESIDENCY_ENGINE_MEMORY=off holds none.
 //
 // The allocator changes this memory without any call the preload sees (glibc's free() unmaps and
 // trims through internal system calls), so a held piece may stop being mapped: its lock goes with
@@ -88,9 +101,9 @@ class EngineMemory {
   EngineMemory(Manager& manager, const SessionLog& log)
       : manager_(&manager), pieces_(&manager, log, "engine memory"), log_(&log) {}
 
-  // With the preload's lock held: what is registered becomes the resident pages of the process's
-  // private anonymous memory outside `held` (sorted, disjoint), now. `why` goes into the log.
-  void snapshot(const std::vector<Extent>& held, const char* why) noexcept;
+  // With the session's lock held: what is registered becomes the resident pages of the engine's
+  // candidates outside `held` (sorted, disjoint), now. `why` goes into the log.
+  void snapshot(const std::vector<Extent>& held, const EngineOwned& owned, const char* why) noexcept;
   // With the preload's lock held: nothing of it stays registered.
   void unregister() noexcept;
   // Bytes the last snapshot registered (0: none held).

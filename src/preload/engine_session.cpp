@@ -66,7 +66,9 @@ EngineSession::EngineSession(Options options)
     : options_(std::move(options)),
       log_(options_.config.log_level, options_.config.log_time, options_.log),
       holds_between_calls_(options_.config.keep_alive.holds_between_uses()),
-      files_(nullptr, log_, "GGUF mappings") {}
+      files_(nullptr, log_, "GGUF mappings"),
+      engine_made_(nullptr, log_, "the engine's mappings"),
+      program_locked_(nullptr, log_, "the program's locked ranges") {}
 
 // Parts first, then the managers they registered with (members go in reverse order; this says so).
 EngineSession::~EngineSession() {
@@ -116,7 +118,7 @@ std::unique_ptr<Manager> EngineSession::start_manager(int where) {
 
 EngineSession::Host* EngineSession::host_locked() {
   if (host_state_ == Side::active) return host_parts_.get();
-  if (host_state_ == Side::pass_through || forked_.load(std::memory_order_relaxed)) return nullptr;
+  if (host_state_ == Side::pass_through || program_locks_all_ || forked_.load(std::memory_order_relaxed)) return nullptr;
   host_state_ = Side::pass_through;  // unless everything below works
   if (!options_.host_unavailable.empty() || options_.buffers == nullptr) {
     log_.warn(options_.host_unavailable + kWithout);
@@ -130,6 +132,9 @@ EngineSession::Host* EngineSession::host_locked() {
   } catch (...) {
     return nullptr;
   }
+  // What the program locked itself is never registered: the session would unlock it.
+  for (PieceTable* t : {&host_parts_->buffers.pieces(), &host_parts_->code.pieces(), &host_parts_->memory.pieces()})
+    t->exclude(&program_locked_);
   host_owner_ = std::move(m);
   host_.store(host_owner_.get(), std::memory_order_release);
   host_parts_ready_.store(host_parts_.get(), std::memory_order_release);
@@ -143,7 +148,7 @@ EngineSession::Host* EngineSession::active_host() const noexcept {
 }
 
 EngineSession::Host* EngineSession::active_locked() const {
-  if (forked_.load(std::memory_order_relaxed) || host_state_ != Side::active) return nullptr;
+  if (forked_.load(std::memory_order_relaxed) || host_state_ != Side::active || program_locks_all_) return nullptr;
   return host_parts_.get();
 }
 
@@ -196,13 +201,14 @@ bool EngineSession::tracks(std::uintptr_t begin, std::uintptr_t end) const noexc
   const Host* h = active_host();
   if (h == nullptr) return false;
   return h->buffers.pieces().overlaps(begin, end) || h->code.pieces().overlaps(begin, end) ||
-         h->memory.pieces().overlaps(begin, end) || files_.overlaps(begin, end);
+         h->memory.pieces().overlaps(begin, end) || files_.overlaps(begin, end) || engine_made_.overlaps(begin, end);
 }
 
 EngineSession::Cuts EngineSession::cut_locked(std::uintptr_t b, std::uintptr_t e) noexcept {
   Host* h = active_locked();
   if (h == nullptr) return {};
-  return Cuts{h->buffers.pieces().cut(b, e), h->code.pieces().cut(b, e), h->memory.pieces().cut(b, e), files_.cut(b, e)};
+  return Cuts{h->buffers.pieces().cut(b, e), h->code.pieces().cut(b, e), h->memory.pieces().cut(b, e), files_.cut(b, e),
+              engine_made_.cut(b, e)};
 }
 
 void EngineSession::after_unmap_locked(const Cuts& c, std::uintptr_t b, std::uintptr_t e, bool gone) noexcept {
@@ -212,6 +218,35 @@ void EngineSession::after_unmap_locked(const Cuts& c, std::uintptr_t b, std::uin
   h->code.pieces().after_unmap(c.code, b, e, gone);
   h->memory.pieces().after_unmap(c.memory, b, e, gone);
   files_.after_unmap(c.files, b, e, gone);
+  engine_made_.after_unmap(c.made, b, e, gone);
+}
+
+void EngineSession::program_unlocked(std::uintptr_t begin, std::uintptr_t end) noexcept {
+  if (!program_locked_.overlaps(begin, end)) return;
+  MutexLock lock(mu_);
+  const PieceTable::Cut cut = program_locked_.cut(begin, end);
+  program_locked_.after_unmap(cut, begin, end, /*unmapped=*/true);  // what is left stays the program's
+}
+
+void EngineSession::let_go_of_everything_locked(const char* why) noexcept {
+  Host* h = active_locked();
+  if (h == nullptr) return;
+  drop_engine_memory_locked();
+  (void)cut_locked(0, UINTPTR_MAX);
+  host_parts_ready_.store(nullptr, std::memory_order_release);  // lock-free readers see no host side
+  program_locks_all_ = true;
+  log_.info(std::string(why) + ": residency lets go of the memory it held and holds none from now on");
+}
+
+void EngineSession::mapped_over(std::uintptr_t begin, std::uintptr_t end) noexcept {
+  MutexLock lock(mu_);
+  const Cuts cut = cut_locked(begin, end);
+  after_unmap_locked(cut, begin, end, /*gone=*/true);
+}
+
+void EngineSession::engine_mapped(std::uintptr_t begin, std::uintptr_t end) noexcept {
+  MutexLock lock(mu_);
+  if (active_locked() != nullptr) engine_made_.add(begin, end, RegionClass::scratch, 0);
 }
 
 // ---- Buffers ----
@@ -296,8 +331,11 @@ void EngineSession::flush_locked(const char* why, bool model_loaded) noexcept {
     const auto t0 = std::chrono::steady_clock::now();
     drop_engine_memory_locked();
     h->buffers.flush();
-    // Only for a model with weights: llama-server first loads one without (its vocabulary).
-    if (model_loaded && h->buffers.holds_weights()) h->code.register_once();
+    // Only for a model with weights: llama-server first loads one without (its vocabulary). Also
+    // at a later flush point: a program that loads the model past the preload (dlsym) has no
+    // "model loaded" event.
+    (void)model_loaded;
+    if (h->buffers.holds_weights()) h->code.register_once();
     const Stats after = m->stats();
     if (after.wired_bytes > before.wired_bytes)
       log_.info("wired " + format_size(after.wired_bytes - before.wired_bytes) + " in " + took_since(t0) + " (" + why +
@@ -352,9 +390,39 @@ std::uint64_t EngineSession::engine_memory_bytes() const noexcept {
 
 // ---- Decodes ----
 
-EngineSession::DecodeScope EngineSession::decode_began() noexcept {
+EngineOwned EngineSession::engine_owned_locked() const {
+  EngineOwned owned;
+  for (const PieceTable::Piece& p : engine_made_.pieces()) owned.made.push_back({p.begin, p.end});
+  for (const auto& point : stacks_)
+    if (const std::uintptr_t at = point.load(std::memory_order_relaxed)) owned.stack_points.push_back(at);
+  return owned;
+}
+
+// One address per stack the engine's calls ran on: a point within 1 MiB of a known one is on the
+// same stack (thread stacks are 8 MiB apart at least, with guard pages between).
+void EngineSession::note_stack(std::uintptr_t stack) noexcept {
+  constexpr std::uintptr_t kSameStack = std::uintptr_t{1} << 20;
+  for (const auto& point : stacks_) {
+    const std::uintptr_t at = point.load(std::memory_order_relaxed);
+    if (at != 0 && (at > stack ? at - stack : stack - at) < kSameStack) return;
+  }
+  MutexLock lock(mu_);
+  for (auto& point : stacks_) {
+    std::uintptr_t expected = 0;
+    if (point.compare_exchange_strong(expected, stack, std::memory_order_relaxed)) return;
+  }
+}
+
+void EngineSession::decodes_seen_as_graph_computes() noexcept {
+  if (said_graph_computes_.exchange(true)) return;
+  log_.info("llama_decode is called past the preload (a pointer from dlsym, as ctypes bindings do): ggml's graph "
+            "computes count as the engine's calls instead");
+}
+
+EngineSession::DecodeScope EngineSession::decode_began(std::uintptr_t stack) noexcept {
   DecodeScope scope;
   if (forked_.load(std::memory_order_relaxed)) return scope;
+  if (stack != 0 && holds_between_calls_ && options_.engine_memory) note_stack(stack);
   // Device memory is awake for the call (one engine call on each device's manager).
   if (active_devices_.load(std::memory_order_acquire) > 0) {
     scope.devices = true;
@@ -383,14 +451,14 @@ void EngineSession::decode_ended(DecodeScope scope, void* ctx) noexcept {
   if (scope.host) {
     Manager* m = host_.load(std::memory_order_acquire);
     // Under keep-alive 0 the manager waits for the decode (llama_synchronize) before it releases.
-    m->end_call(options_.synchronize, ctx);
+    m->end_call(ctx != nullptr ? options_.synchronize : nullptr, ctx);
     if (holds_between_calls_) {
       const std::uint32_t n = decodes_since_wire_.fetch_add(1, std::memory_order_relaxed) + 1;
       if (SessionRules::snapshot_after(n)) {
         MutexLock lock(mu_);
         Host* h = active_locked();
-        if (h != nullptr && h->buffers.holds_weights() && m->wants_resident()) {
-          h->memory.snapshot(held_extents_locked(), n == 1 ? "after a decode" : "after more decodes");
+        if (h != nullptr && options_.engine_memory && h->buffers.holds_weights() && m->wants_resident()) {
+          h->memory.snapshot(held_extents_locked(), engine_owned_locked(), n == 1 ? "after a decode" : "after more decodes");
           snapshots_.fetch_add(1, std::memory_order_relaxed);
         }
       }
@@ -398,7 +466,8 @@ void EngineSession::decode_ended(DecodeScope scope, void* ctx) noexcept {
   }
   // Under keep-alive 0 the manager waits for the decode's kernels before the memory goes (the
   // backend also synchronizes the device before it unmaps).
-  if (scope.devices) for_each_device([&](Manager& dm) { dm.end_call(options_.synchronize, ctx); });
+  if (scope.devices)
+    for_each_device([&](Manager& dm) { dm.end_call(ctx != nullptr ? options_.synchronize : nullptr, ctx); });
 }
 
 // ---- Device memory ----

@@ -79,6 +79,7 @@ class EngineSession {
     std::string host_unavailable;
     bool machine_has_swap = true;      // false: repacked weights under pressure get a warning
     bool start_schedulers = true;      // false: managers run nothing on their own (tests)
+    bool engine_memory = true;         // false: no snapshot of the engine's working memory
   };
 
   explicit EngineSession(Options options);
@@ -108,6 +109,55 @@ class EngineSession {
     return gone;
   }
 
+  // ---- What the program does to memory (the session holds only the engine's, and unlocks only
+  // what it locked: DESIGN §16) ----
+
+  // The program takes [begin, end) back (madvise DONTNEED/FREE/PAGEOUT/COLD/REMOVE, mprotect to
+  // PROT_NONE, mremap's old range): what the session holds there is let go of before `call`, so
+  // that the call does what it would without the preload (a locked page makes
+  // madvise(MADV_DONTNEED) fail, and V8 aborts on that). Returns what `call` returns.
+  template <class Call>
+  auto program_takes_back(std::uintptr_t begin, std::uintptr_t end, Call&& call) noexcept RESIDENCY_EXCLUDES(mu_) {
+    MutexLock lock(mu_);
+    const Cuts cut = cut_locked(begin, end);
+    auto r = call();
+    after_unmap_locked(cut, begin, end, /*gone=*/true);
+    return r;
+  }
+  // The program locks [begin, end) (mlock, mlock2; `call` returns whether it did): the session
+  // lets go of it first and holds none of it while the program's lock stands, so it never
+  // unlocks what the program locked.
+  template <class Call>
+  bool program_locks(std::uintptr_t begin, std::uintptr_t end, Call&& call) noexcept RESIDENCY_EXCLUDES(mu_) {
+    MutexLock lock(mu_);
+    const bool noted = program_locked_.add(begin, end, RegionClass::weights, 0);
+    const Cuts cut = cut_locked(begin, end);
+    after_unmap_locked(cut, begin, end, /*gone=*/true);
+    const bool locked = call();
+    if (!locked && noted) (void)program_locked_.cut(begin, end);
+    return locked;
+  }
+  // The program unlocked [begin, end) (munlock): its lock no longer stands.
+  void program_unlocked(std::uintptr_t begin, std::uintptr_t end) noexcept RESIDENCY_EXCLUDES(mu_);
+  // mlockall: the program locks everything itself; the session lets go of everything first and
+  // holds nothing from then on (its unlocks would undo the program's).
+  template <class Call>
+  auto program_locks_all(Call&& call) noexcept RESIDENCY_EXCLUDES(mu_) {
+    MutexLock lock(mu_);
+    let_go_of_everything_locked("the program locks all its memory itself (mlockall)");
+    return call();
+  }
+  // Lock-free: whether [begin, end) touches what the program locked itself.
+  bool program_locked(std::uintptr_t begin, std::uintptr_t end) const noexcept {
+    return program_locked_.overlaps(begin, end);
+  }
+  // A new mapping at [begin, end) that the program made where the session still tracked memory:
+  // the old mapping went through calls no hook sees (glibc's own munmap); what was there is
+  // forgotten, so the new mapping is never locked for it.
+  void mapped_over(std::uintptr_t begin, std::uintptr_t end) noexcept RESIDENCY_EXCLUDES(mu_);
+  // A private anonymous mapping made inside the engine's calls: the engine's own memory.
+  void engine_mapped(std::uintptr_t begin, std::uintptr_t end) noexcept RESIDENCY_EXCLUDES(mu_);
+
   // ggml made buffer `b` (from_ptr: over memory that is not ggml's); starts the host side.
   void buffer_created(BufferId b, bool from_ptr) noexcept RESIDENCY_EXCLUDES(mu_);
   // Lock-free: whether tensor placements in `b` matter (ggml places every graph node too).
@@ -121,15 +171,19 @@ class EngineSession {
   void model_loaded() noexcept RESIDENCY_EXCLUDES(mu_);
   // A context was made: its KV cache and compute buffers are registered.
   void context_made() noexcept RESIDENCY_EXCLUDES(mu_);
-  // Around llama_decode / llama_encode on context `ctx` (passed to the synchronize function):
-  // decode_ended ends exactly what decode_began began (a manager that started during the decode
-  // never saw its begin).
+  // Around one engine call: llama_decode / llama_encode on context `ctx` (passed to the synchronize
+  // function), or, where the program calls llama_decode past the preload (a pointer from dlsym,
+  // as ctypes bindings do), a ggml graph compute (ctx null: nothing to synchronize; the compute
+  // has finished when it returns). decode_ended ends exactly what decode_began began (a manager
+  // that started during the call never saw its begin). `stack`: an address on the caller's stack.
   struct DecodeScope {
     bool host = false;
     bool devices = false;
   };
-  DecodeScope decode_began() noexcept RESIDENCY_EXCLUDES(mu_);
+  DecodeScope decode_began(std::uintptr_t stack = 0) noexcept RESIDENCY_EXCLUDES(mu_);
   void decode_ended(DecodeScope scope, void* ctx) noexcept RESIDENCY_EXCLUDES(mu_);
+  // A graph compute stands in for decodes (said once, at info).
+  void decodes_seen_as_graph_computes() noexcept;
   // A ggml call outside a decode may read or write device memory: what sleeps wakes.
   void device_access() noexcept;
   // cudaMalloc of `size` on device `device`; `compute`: inside ggml's graph allocator.
@@ -168,7 +222,7 @@ class EngineSession {
     EngineMemory memory;  // the engine's working memory (snapshots)
   };
   struct Cuts {
-    PieceTable::Cut buffers, code, memory, files;
+    PieceTable::Cut buffers, code, memory, files, made;
   };
 
   // One way to start a manager, for the host and for each device: null (with one warning) when
@@ -184,6 +238,9 @@ class EngineSession {
   void flush_locked(const char* why, bool model_loaded) noexcept RESIDENCY_REQUIRES(mu_);
   void drop_engine_memory_locked() noexcept RESIDENCY_REQUIRES(mu_);
   void give_back_unread_file_pages_locked() noexcept RESIDENCY_REQUIRES(mu_);
+  void let_go_of_everything_locked(const char* why) noexcept RESIDENCY_REQUIRES(mu_);
+  EngineOwned engine_owned_locked() const RESIDENCY_REQUIRES(mu_);
+  void note_stack(std::uintptr_t stack) noexcept RESIDENCY_EXCLUDES(mu_);
   std::vector<Extent> held_extents_locked() const RESIDENCY_REQUIRES(mu_);
   template <class F>
   void for_each_device(F&& f) noexcept;
@@ -203,6 +260,13 @@ class EngineSession {
   std::unique_ptr<Host> host_parts_ RESIDENCY_GUARDED_BY(mu_);
   std::atomic<Host*> host_parts_ready_{nullptr};  // host_parts_, once active (lock-free reads)
   PieceTable files_;                              // the GGUF mappings (not registered)
+  PieceTable engine_made_;                        // anonymous mappings made inside engine calls
+  PieceTable program_locked_;                     // what the program locked itself (mlock)
+  bool program_locks_all_ RESIDENCY_GUARDED_BY(mu_) = false;
+  // Addresses on the stacks engine calls ran on (one per stack; 0: free).
+  static constexpr std::size_t kMaxStacks = 64;
+  std::array<std::atomic<std::uintptr_t>, kMaxStacks> stacks_{};
+  std::atomic<bool> said_graph_computes_{false};
   bool warned_unwired_ RESIDENCY_GUARDED_BY(mu_) = false;
 
   std::array<Device, SessionRules::kMaxDevices> devices_{};

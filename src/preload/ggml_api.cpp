@@ -11,23 +11,29 @@ namespace residency::preload {
 namespace {
 
 template <class Fn>
-void resolve_into(Fn& f, const char* name, bool& ok) noexcept {
-  f = reinterpret_cast<Fn>(resolve_next_symbol(name));
+void resolve_into(Fn& f, const char* name, const void* near, bool& ok) noexcept {
+  f = reinterpret_cast<Fn>(resolve_symbol(name, near));
   ok = ok && f != nullptr;
 }
 
-const GgmlApi* make_api() noexcept {
-  static GgmlApi api;
+// Into a table that is never destroyed (engine threads may read buffers while the process exits).
+const GgmlApi* make_api(const void* near) noexcept {
+  GgmlApi api;
   bool ok = true;
-  resolve_into(api.get_base, "ggml_backend_buffer_get_base", ok);
-  resolve_into(api.get_size, "ggml_backend_buffer_get_size", ok);
-  resolve_into(api.get_type, "ggml_backend_buffer_get_type", ok);
-  resolve_into(api.name, "ggml_backend_buffer_name", ok);
-  resolve_into(api.buft_is_host, "ggml_backend_buft_is_host", ok);
-  resolve_into(api.buft_get_device, "ggml_backend_buft_get_device", ok);
-  resolve_into(api.dev_type, "ggml_backend_dev_type", ok);
-  resolve_into(api.nbytes, "ggml_nbytes", ok);
-  return ok ? &api : nullptr;
+  resolve_into(api.get_base, "ggml_backend_buffer_get_base", near, ok);
+  resolve_into(api.get_size, "ggml_backend_buffer_get_size", near, ok);
+  resolve_into(api.get_type, "ggml_backend_buffer_get_type", near, ok);
+  resolve_into(api.name, "ggml_backend_buffer_name", near, ok);
+  resolve_into(api.buft_is_host, "ggml_backend_buft_is_host", near, ok);
+  resolve_into(api.buft_get_device, "ggml_backend_buft_get_device", near, ok);
+  resolve_into(api.dev_type, "ggml_backend_dev_type", near, ok);
+  resolve_into(api.nbytes, "ggml_nbytes", near, ok);
+  if (!ok) return nullptr;
+  try {
+    return new GgmlApi(api);
+  } catch (...) {
+    return nullptr;
+  }
 }
 
 DeviceKind device_kind(const GgmlApi& api, ggml_backend_buffer_type_t buft) noexcept {
@@ -65,23 +71,37 @@ class GgmlReader final : public BufferReader {
 
 }  // namespace
 
-const GgmlApi* ggml_api() noexcept {
+const GgmlApi* ggml_api(const void* near) noexcept {
   static std::atomic<const GgmlApi*> cache{nullptr};
-  static std::atomic<bool> done{false};
-  if (done.load(std::memory_order_acquire)) return cache.load(std::memory_order_relaxed);
+  if (const GgmlApi* api = cache.load(std::memory_order_acquire)) return api;
   if (resolving_now()) return nullptr;
-  const GgmlApi* api = make_api();
-  cache.store(api, std::memory_order_relaxed);
-  done.store(true, std::memory_order_release);
+  const GgmlApi* api = make_api(near);
+  if (api == nullptr) return nullptr;
+  const GgmlApi* expected = nullptr;
+  if (!cache.compare_exchange_strong(expected, api, std::memory_order_acq_rel)) {
+    delete api;  // another thread's won
+    return expected;
+  }
   return api;
 }
 
-const BufferReader* ggml_buffer_reader() noexcept {
-  const GgmlApi* api = ggml_api();
+const BufferReader* ggml_buffer_reader(const void* near) noexcept {
+  static std::atomic<const BufferReader*> cache{nullptr};
+  if (const BufferReader* r = cache.load(std::memory_order_acquire)) return r;
+  const GgmlApi* api = ggml_api(near);
   if (api == nullptr) return nullptr;
-  // Never destroyed: engine threads may still read buffers while the process exits.
-  static const GgmlReader* reader = new GgmlReader(*api);
-  return reader;
+  try {
+    // Never destroyed: engine threads may still read buffers while the process exits.
+    const BufferReader* r = new GgmlReader(*api);
+    const BufferReader* expected = nullptr;
+    if (!cache.compare_exchange_strong(expected, r, std::memory_order_acq_rel)) {
+      delete r;
+      return expected;
+    }
+    return r;
+  } catch (...) {
+    return nullptr;
+  }
 }
 
 BufferUsage buffer_usage_of(enum ggml_backend_buffer_usage usage) noexcept {

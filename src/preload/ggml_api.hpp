@@ -11,8 +11,9 @@
 
 namespace residency::preload {
 
-// ggml's functions, resolved behind the preload; null when one is missing (ggml is not a shared
-// library here): then no buffer can be followed.
+// ggml's functions, resolved behind the preload or where `near` is (an address in libggml or in a
+// library that loads it); null when one is missing (ggml is not a shared library here): then no
+// buffer can be followed. Cached once found, never when missing.
 struct GgmlApi {
   decltype(&ggml_backend_buffer_get_base) get_base = nullptr;
   decltype(&ggml_backend_buffer_get_size) get_size = nullptr;
@@ -23,10 +24,10 @@ struct GgmlApi {
   decltype(&ggml_backend_dev_type) dev_type = nullptr;
   decltype(&ggml_nbytes) nbytes = nullptr;
 };
-const GgmlApi* ggml_api() noexcept;
+const GgmlApi* ggml_api(const void* near) noexcept;
 
-// The BufferReader over ggml_api(); null when ggml_api() is.
-const BufferReader* ggml_buffer_reader() noexcept;
+// The BufferReader over ggml_api(near); null when that is.
+const BufferReader* ggml_buffer_reader(const void* near) noexcept;
 
 inline BufferId buffer_id(ggml_backend_buffer_t b) noexcept { return reinterpret_cast<BufferId>(b); }
 

@@ -4,8 +4,11 @@
 // function (next_calls.hpp), and tells the process's EngineSession what the engine did
 // (process_session.hpp); the session decides everything.
 #include <sys/mman.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <atomic>
+#include <cstdarg>
 #include <cerrno>
 #include <cstddef>
 #include <cstdint>
@@ -48,15 +51,15 @@ void tell_started(F&& f) noexcept {
 // The same, making the session on first need (the calls that start it: a model file's mapping,
 // a ggml buffer).
 template <class F>
-void tell(F&& f) noexcept {
+void tell(const void* near, F&& f) noexcept {
   if (in_hook() || forked_child()) return;
   ErrnoKeeper keep;
   HookScope hook;
-  if (EngineSession* s = process_session()) f(*s);
+  if (EngineSession* s = process_session(near)) f(*s);
 }
 
 template <class Call>
-void* map(void* addr, std::size_t len, int prot, int flags, int fd, off64_t off, Call call) noexcept {
+void* map(void* addr, std::size_t len, int prot, int flags, int fd, off64_t off, const void* caller, Call call) noexcept {
   if (in_hook() || forked_child()) return call();
   const bool wanted = SessionRules::may_be_model_file(prot, flags, fd, len);
   EngineSession* s = started_session();
@@ -77,11 +80,25 @@ void* map(void* addr, std::size_t len, int prot, int flags, int fd, off64_t off,
   } else {
     r = call();
   }
-  if (r == MAP_FAILED || !wanted) return r;
+  if (r == MAP_FAILED) return r;
+  const auto rb = reinterpret_cast<std::uintptr_t>(r);
+  if (s != nullptr && (flags & MAP_FIXED) == 0) {
+    const bool anonymous_private = (flags & MAP_ANONYMOUS) != 0 && (flags & MAP_PRIVATE) != 0;
+    if (in_engine_call() && anonymous_private) {
+      HookScope hook;
+      ErrnoKeeper keep;
+      s->engine_mapped(rb, page_end(rb, len));
+    } else if (s->tracks(rb, page_end(rb, len))) {
+      HookScope hook;
+      ErrnoKeeper keep;
+      s->mapped_over(rb, page_end(rb, len));
+    }
+  }
+  if (!wanted) return r;
   HookScope hook;
   ErrnoKeeper keep;  // what the real mmap left
   if (const std::size_t n = SessionRules::gguf_bytes(fd, off, len))
-    if (EngineSession* session = process_session()) session->file_mapped(r, n);
+    if (EngineSession* session = process_session(caller)) session->file_mapped(r, n);
   return r;
 }
 
@@ -104,26 +121,22 @@ int unmap(void* addr, std::size_t len) noexcept {
   return r;
 }
 
-std::int32_t decode(DecodeFn next, const char* name, llama_context* ctx, llama_batch batch) {
-  if (next == nullptr) {
-    // Only reachable when something calls the preload's definition directly: libllama's is not
-    // behind it. There is nothing to forward to.
-    static std::atomic<bool> warned{false};
-    if (!warned.exchange(true)) {
-      ErrnoKeeper keep;
-      warn(std::string(name) + " was called, but no library behind the preload defines it; returning -1");
-    }
-    return -1;
-  }
+std::int32_t decode(DecodeFn next, llama_context* ctx, llama_batch batch) {
+  // No library defines it (said once by resolve_next): there is nothing to forward to.
+  if (next == nullptr) return -1;
   EngineSession* s = in_hook() ? nullptr : started_session();
   if (s == nullptr) return next(ctx, batch);
   EngineSession::DecodeScope scope;
   {
     ErrnoKeeper keep;
     HookScope hook;
-    scope = s->decode_began();
+    scope = s->decode_began(reinterpret_cast<std::uintptr_t>(&scope));
   }
-  const std::int32_t r = next(ctx, batch);
+  std::int32_t r = 0;
+  {
+    EngineCallScope engine;
+    r = next(ctx, batch);
+  }
   {
     ErrnoKeeper keep;
     HookScope hook;
@@ -137,25 +150,25 @@ constexpr int kCudaSuccess = 0;
 constexpr int kCudaErrorMemoryAllocation = 2;
 constexpr int kCudaErrorInitialization = 3;
 
-int device_malloc(void** ptr, std::size_t size) noexcept {
+int device_malloc(void** ptr, std::size_t size, const void* caller) noexcept {
   using CudaMallocFn = int (*)(void**, std::size_t);
   using CudaGetDeviceFn = int (*)(int*);
   static std::atomic<CudaMallocFn> malloc_cache{nullptr};
-  static std::atomic<bool> malloc_done{false};
+  static std::atomic<bool> malloc_warned{false};
   static std::atomic<CudaGetDeviceFn> device_cache{nullptr};
-  static std::atomic<bool> device_done{false};
-  const CudaMallocFn next = resolve_next(malloc_cache, malloc_done, "cudaMalloc");
+  static std::atomic<bool> device_warned{false};
+  const CudaMallocFn next = resolve_next(malloc_cache, malloc_warned, "cudaMalloc", caller);
   if (next == nullptr) return kCudaErrorInitialization;  // no CUDA runtime behind the preload
   if (in_hook() || ptr == nullptr || size < SessionRules::kMinRoutedDeviceBytes || forked_child())
     return next(ptr, size);
-  const CudaGetDeviceFn get_device = resolve_next(device_cache, device_done, "cudaGetDevice");
+  const CudaGetDeviceFn get_device = resolve_next(device_cache, device_warned, "cudaGetDevice", reinterpret_cast<const void*>(next));
   int dev = -1;
   if (get_device == nullptr || get_device(&dev) != kCudaSuccess) return next(ptr, size);
   EngineSession::DeviceAllocation a;
   {
     HookScope hook;
     ErrnoKeeper keep;
-    if (EngineSession* s = process_session()) a = s->device_allocate(dev, size, in_compute_allocation());
+    if (EngineSession* s = process_session(caller)) a = s->device_allocate(dev, size, in_compute_allocation());
   }
   switch (a.outcome) {
     case EngineSession::DeviceAllocation::Outcome::routed: *ptr = a.ptr; return kCudaSuccess;
@@ -165,11 +178,11 @@ int device_malloc(void** ptr, std::size_t size) noexcept {
   return next(ptr, size);
 }
 
-int device_free(void* ptr) noexcept {
+int device_free(void* ptr, const void* caller) noexcept {
   using CudaFreeFn = int (*)(void*);
   static std::atomic<CudaFreeFn> cache{nullptr};
-  static std::atomic<bool> done{false};
-  const CudaFreeFn next = resolve_next(cache, done, "cudaFree");
+  static std::atomic<bool> warned{false};
+  const CudaFreeFn next = resolve_next(cache, warned, "cudaFree", caller);
   if (next == nullptr) return kCudaErrorInitialization;
   if (ptr == nullptr || in_hook()) return next(ptr);
   EngineSession* s = started_session();
@@ -187,6 +200,101 @@ void device_access() noexcept {
   tell_started([](EngineSession& s) { s.device_access(); });
 }
 
+// A ggml graph compute: inside a decode the preload saw, it only wakes device memory; outside one
+// (the program calls llama_decode through a pointer from dlsym, past the preload) it is the
+// engine's call itself.
+template <class Call>
+auto graph_compute(Call call) noexcept {
+  EngineSession* s = in_hook() || in_engine_call() ? nullptr : started_session();
+  if (s == nullptr) {
+    device_access();
+    return call();
+  }
+  EngineSession::DecodeScope scope;
+  {
+    ErrnoKeeper keep;
+    HookScope hook;
+    s->decodes_seen_as_graph_computes();
+    scope = s->decode_began(reinterpret_cast<std::uintptr_t>(&scope));
+  }
+  auto r = [&] {
+    EngineCallScope engine;
+    return call();
+  }();
+  {
+    ErrnoKeeper keep;
+    HookScope hook;
+    s->decode_ended(scope, nullptr);
+  }
+  return r;
+}
+
+template <class Call>
+int program_locks(const void* addr, std::size_t len, const void* caller, Call call) noexcept;
+
+// The program's own memory calls: what the session holds there is let go of first (so the call
+// does what it would without the preload); the preload's own calls (the residency library's mlock
+// and munlock) pass straight through.
+bool program_call(const void* caller) noexcept {
+  return !in_hook() && !forked_child() && !called_from_preload(caller);
+}
+
+// Advice that fails or does nothing on locked pages, and means the program is done with them.
+bool takes_back(int advice) noexcept {
+  switch (advice) {
+    case MADV_DONTNEED:
+#ifdef MADV_FREE
+    case MADV_FREE:
+#endif
+#ifdef MADV_PAGEOUT
+    case MADV_PAGEOUT:
+#endif
+#ifdef MADV_COLD
+    case MADV_COLD:
+#endif
+    case MADV_REMOVE:
+      return true;
+    default:
+      return false;
+  }
+}
+
+template <class Call>
+auto around_take_back(void* addr, std::size_t len, Call call) noexcept {
+  EngineSession* s = started_session();
+  const auto b = reinterpret_cast<std::uintptr_t>(addr);
+  if (s == nullptr || len == 0 || !s->tracks(b, page_end(b, len))) return call();
+  HookScope hook;
+  const int saved = errno;
+  int err = 0;
+  auto r = s->program_takes_back(b, page_end(b, len), [&] {
+    errno = saved;
+    auto result = call();
+    err = errno;
+    return result;
+  });
+  errno = err;
+  return r;
+}
+
+template <class Call>
+int program_locks(const void* addr, std::size_t len, const void* caller, Call call) noexcept {
+  EngineSession* s = program_call(caller) ? started_session() : nullptr;
+  if (s == nullptr || len == 0) return call();
+  HookScope hook;
+  const int saved = errno;
+  int r = -1, err = 0;
+  const auto b = reinterpret_cast<std::uintptr_t>(addr);
+  s->program_locks(b, page_end(b, len), [&] {
+    errno = saved;
+    r = call();
+    err = errno;
+    return r == 0;
+  });
+  errno = err;
+  return r;
+}
+
 }  // namespace
 }  // namespace residency::preload
 
@@ -198,8 +306,8 @@ namespace rp = residency::preload;
   RESIDENCY_PRELOAD_EXPORT ret name params {                             \
     using Fn = ret(*) params;                                            \
     static std::atomic<Fn> cache{nullptr};                               \
-    static std::atomic<bool> done{false};                                \
-    const Fn next = residency::preload::resolve_next(cache, done, #name); \
+    static std::atomic<bool> warned{false};                              \
+    const Fn next = rp::resolve_next(cache, warned, #name, __builtin_return_address(0)); \
     if (next == nullptr) return fallback;                                \
     before;                                                              \
     return next args;                                                    \
@@ -214,30 +322,109 @@ namespace rp = residency::preload;
 extern "C" {
 
 RESIDENCY_PRELOAD_EXPORT void* mmap(void* addr, std::size_t len, int prot, int flags, int fd, off_t off) noexcept {
-  return rp::map(addr, len, prot, flags, fd, off, [&]() noexcept { return rp::next_mmap(addr, len, prot, flags, fd, off); });
+  return rp::map(addr, len, prot, flags, fd, off, __builtin_return_address(0),
+                 [&]() noexcept { return rp::next_mmap(addr, len, prot, flags, fd, off); });
 }
 
 #if defined(__GLIBC__)
 RESIDENCY_PRELOAD_EXPORT void* mmap64(void* addr, std::size_t len, int prot, int flags, int fd, off64_t off) noexcept {
-  return rp::map(addr, len, prot, flags, fd, off,
+  return rp::map(addr, len, prot, flags, fd, off, __builtin_return_address(0),
                  [&]() noexcept { return rp::next_mmap64(addr, len, prot, flags, fd, off); });
 }
 #endif
 
 RESIDENCY_PRELOAD_EXPORT int munmap(void* addr, std::size_t len) noexcept { return rp::unmap(addr, len); }
 
+RESIDENCY_PRELOAD_EXPORT int madvise(void* addr, std::size_t len, int advice) noexcept {
+  const rp::MadviseFn next = rp::next_madvise();
+  if (next == nullptr) return static_cast<int>(::syscall(SYS_madvise, addr, len, advice));
+  if (!rp::takes_back(advice) || !rp::program_call(__builtin_return_address(0))) return next(addr, len, advice);
+  return rp::around_take_back(addr, len, [&]() noexcept { return next(addr, len, advice); });
+}
+
+RESIDENCY_PRELOAD_EXPORT int mprotect(void* addr, std::size_t len, int prot) noexcept {
+  const rp::MprotectFn next = rp::next_mprotect();
+  if (next == nullptr) return static_cast<int>(::syscall(SYS_mprotect, addr, len, prot));
+  // PROT_NONE: a runtime decommits its heap (V8, Go, the JVM); locked pages would stay in memory.
+  if (prot != PROT_NONE || !rp::program_call(__builtin_return_address(0))) return next(addr, len, prot);
+  return rp::around_take_back(addr, len, [&]() noexcept { return next(addr, len, prot); });
+}
+
+RESIDENCY_PRELOAD_EXPORT void* mremap(void* old_addr, std::size_t old_size, std::size_t new_size, int flags, ...) noexcept {
+  void* new_addr = nullptr;
+  if ((flags & MREMAP_FIXED) != 0) {
+    va_list ap;
+    va_start(ap, flags);
+    new_addr = va_arg(ap, void*);
+    va_end(ap);
+  }
+  const rp::MremapFn next = rp::next_mremap();
+  auto call = [&]() noexcept {
+    if (next == nullptr) return reinterpret_cast<void*>(::syscall(SYS_mremap, old_addr, old_size, new_size, flags, new_addr));
+    return (flags & MREMAP_FIXED) != 0 ? next(old_addr, old_size, new_size, flags, new_addr)
+                                        : next(old_addr, old_size, new_size, flags);
+  };
+  // A locked mapping moved or grown stays locked, and the kernel populates all of it: what the
+  // session held of it is let go of first.
+  if (!rp::program_call(__builtin_return_address(0))) return call();
+  return rp::around_take_back(old_addr, old_size, call);
+}
+
+RESIDENCY_PRELOAD_EXPORT int mlock(const void* addr, std::size_t len) noexcept {
+  const rp::MlockFn next = rp::next_mlock();
+  if (next == nullptr) return static_cast<int>(::syscall(SYS_mlock, addr, len));
+  return rp::program_locks(addr, len, __builtin_return_address(0), [&]() noexcept { return next(addr, len); });
+}
+
+RESIDENCY_PRELOAD_EXPORT int mlock2(const void* addr, std::size_t len, unsigned int flags) noexcept {
+  const rp::Mlock2Fn next = rp::next_mlock2();
+  if (next == nullptr) return static_cast<int>(::syscall(SYS_mlock2, addr, len, flags));
+  return rp::program_locks(addr, len, __builtin_return_address(0), [&]() noexcept { return next(addr, len, flags); });
+}
+
+RESIDENCY_PRELOAD_EXPORT int munlock(const void* addr, std::size_t len) noexcept {
+  const rp::MlockFn next = rp::next_munlock();
+  const int r = next != nullptr ? next(addr, len) : static_cast<int>(::syscall(SYS_munlock, addr, len));
+  if (r == 0 && rp::program_call(__builtin_return_address(0)))
+    rp::tell_started([&](rp::EngineSession& s) {
+      const auto b = reinterpret_cast<std::uintptr_t>(addr);
+      s.program_unlocked(b, rp::page_end(b, len));
+    });
+  return r;
+}
+
+RESIDENCY_PRELOAD_EXPORT int mlockall(int flags) noexcept {
+  const rp::MlockallFn next = rp::next_mlockall();
+  auto call = [&]() noexcept { return next != nullptr ? next(flags) : static_cast<int>(::syscall(SYS_mlockall, flags)); };
+  rp::EngineSession* s = rp::program_call(__builtin_return_address(0)) ? rp::started_session() : nullptr;
+  if (s == nullptr) return call();
+  rp::HookScope hook;
+  const int saved = errno;
+  int err = 0;
+  const int r = s->program_locks_all([&] {
+    errno = saved;
+    const int result = call();
+    err = errno;
+    return result;
+  });
+  errno = err;
+  return r;
+}
+
 RESIDENCY_PRELOAD_EXPORT std::int32_t llama_decode(llama_context* ctx, llama_batch batch) {
-  return rp::decode(rp::next_llama_decode(), "llama_decode", ctx, batch);
+  return rp::decode(rp::next_llama_decode(__builtin_return_address(0)), ctx, batch);
 }
 
 RESIDENCY_PRELOAD_EXPORT std::int32_t llama_encode(llama_context* ctx, llama_batch batch) {
-  return rp::decode(rp::next_llama_encode(), "llama_encode", ctx, batch);
+  return rp::decode(rp::next_llama_encode(__builtin_return_address(0)), ctx, batch);
 }
 
 // CUDA runtime (libcudart): device memory of 2 MiB or more goes through the cuda backend.
-RESIDENCY_PRELOAD_EXPORT int cudaMalloc(void** ptr, std::size_t size) { return rp::device_malloc(ptr, size); }
+RESIDENCY_PRELOAD_EXPORT int cudaMalloc(void** ptr, std::size_t size) {
+  return rp::device_malloc(ptr, size, __builtin_return_address(0));
+}
 
-RESIDENCY_PRELOAD_EXPORT int cudaFree(void* ptr) { return rp::device_free(ptr); }
+RESIDENCY_PRELOAD_EXPORT int cudaFree(void* ptr) { return rp::device_free(ptr, __builtin_return_address(0)); }
 
 RESIDENCY_GGML_ACCESS(void, ggml_backend_tensor_set,
                       (struct ggml_tensor * t, const void* data, size_t offset, size_t size),
@@ -276,27 +463,34 @@ RESIDENCY_GGML_ACCESS(void, ggml_backend_tensor_copy_async,
                       (bs, bd, src, dst), )
 RESIDENCY_GGML_ACCESS(void, ggml_backend_buffer_clear, (ggml_backend_buffer_t buffer, uint8_t value),
                       (buffer, value), )
-RESIDENCY_GGML_ACCESS(enum ggml_status, ggml_backend_graph_compute, (ggml_backend_t b, struct ggml_cgraph* g),
-                      (b, g), GGML_STATUS_FAILED)
-RESIDENCY_GGML_ACCESS(enum ggml_status, ggml_backend_graph_compute_async,
-                      (ggml_backend_t b, struct ggml_cgraph* g), (b, g), GGML_STATUS_FAILED)
-RESIDENCY_GGML_ACCESS(enum ggml_status, ggml_backend_sched_graph_compute,
-                      (ggml_backend_sched_t s, struct ggml_cgraph* g), (s, g), GGML_STATUS_FAILED)
-RESIDENCY_GGML_ACCESS(enum ggml_status, ggml_backend_sched_graph_compute_async,
-                      (ggml_backend_sched_t s, struct ggml_cgraph* g), (s, g), GGML_STATUS_FAILED)
+// A graph compute: the engine's call itself where llama_decode went past the preload.
+#define RESIDENCY_GGML_COMPUTE(name, params, args)                                              \
+  RESIDENCY_PRELOAD_EXPORT enum ggml_status name params {                                     \
+    using Fn = enum ggml_status(*) params;                                                    \
+    static std::atomic<Fn> cache{nullptr};                                                    \
+    static std::atomic<bool> warned{false};                                                   \
+    const Fn next = rp::resolve_next(cache, warned, #name, __builtin_return_address(0));     \
+    if (next == nullptr) return GGML_STATUS_FAILED;                                           \
+    return rp::graph_compute([&]() noexcept { return next args; });                           \
+  }
+RESIDENCY_GGML_COMPUTE(ggml_backend_graph_compute, (ggml_backend_t b, struct ggml_cgraph* g), (b, g))
+RESIDENCY_GGML_COMPUTE(ggml_backend_graph_compute_async, (ggml_backend_t b, struct ggml_cgraph* g), (b, g))
+RESIDENCY_GGML_COMPUTE(ggml_backend_sched_graph_compute, (ggml_backend_sched_t s, struct ggml_cgraph* g), (s, g))
+RESIDENCY_GGML_COMPUTE(ggml_backend_sched_graph_compute_async, (ggml_backend_sched_t s, struct ggml_cgraph* g), (s, g))
 
 // llama.cpp's buffers (ggml_buffers.hpp): made, placed in, marked, freed.
 #define RESIDENCY_NEXT(name)                                              \
   static std::atomic<decltype(&name)> cache{nullptr};                   \
-  static std::atomic<bool> done{false};                                 \
-  const auto next = residency::preload::resolve_next(cache, done, #name)
+  static std::atomic<bool> warned{false};                               \
+  const void* const caller = __builtin_return_address(0);              \
+  const auto next = rp::resolve_next(cache, warned, #name, caller)
 
 RESIDENCY_PRELOAD_EXPORT ggml_backend_buffer_t ggml_backend_buft_alloc_buffer(ggml_backend_buffer_type_t buft,
                                                                               size_t size) {
   RESIDENCY_NEXT(ggml_backend_buft_alloc_buffer);
   if (next == nullptr) return nullptr;
   ggml_backend_buffer_t b = next(buft, size);
-  rp::tell([b](rp::EngineSession& s) { s.buffer_created(rp::buffer_id(b), false); });
+  rp::tell(reinterpret_cast<const void*>(next), [b](rp::EngineSession& s) { s.buffer_created(rp::buffer_id(b), false); });
   return b;
 }
 
@@ -304,7 +498,7 @@ RESIDENCY_PRELOAD_EXPORT ggml_backend_buffer_t ggml_backend_cpu_buffer_from_ptr(
   RESIDENCY_NEXT(ggml_backend_cpu_buffer_from_ptr);
   if (next == nullptr) return nullptr;
   ggml_backend_buffer_t b = next(ptr, size);
-  rp::tell([b](rp::EngineSession& s) { s.buffer_created(rp::buffer_id(b), true); });
+  rp::tell(reinterpret_cast<const void*>(next), [b](rp::EngineSession& s) { s.buffer_created(rp::buffer_id(b), true); });
   return b;
 }
 
@@ -314,7 +508,7 @@ RESIDENCY_PRELOAD_EXPORT ggml_backend_buffer_t ggml_backend_dev_buffer_from_host
   RESIDENCY_NEXT(ggml_backend_dev_buffer_from_host_ptr);
   if (next == nullptr) return nullptr;
   ggml_backend_buffer_t b = next(device, ptr, size, max_tensor_size);
-  rp::tell([b](rp::EngineSession& s) { s.buffer_created(rp::buffer_id(b), true); });
+  rp::tell(reinterpret_cast<const void*>(next), [b](rp::EngineSession& s) { s.buffer_created(rp::buffer_id(b), true); });
   return b;
 }
 
@@ -327,7 +521,7 @@ RESIDENCY_PRELOAD_EXPORT enum ggml_status ggml_backend_tensor_alloc(ggml_backend
   if (st != GGML_STATUS_SUCCESS || tensor == nullptr || addr == nullptr || rp::in_hook()) return st;
   rp::EngineSession* s = rp::started_session();
   if (s == nullptr || !s->wants_tensor_placements(rp::buffer_id(buffer))) return st;
-  const rp::GgmlApi* api = rp::ggml_api();
+  const rp::GgmlApi* api = rp::ggml_api(reinterpret_cast<const void*>(next));
   if (api == nullptr) return st;
   const auto begin = reinterpret_cast<std::uintptr_t>(addr);
   const std::uintptr_t end = begin + api->nbytes(tensor);
@@ -353,7 +547,11 @@ RESIDENCY_PRELOAD_EXPORT void ggml_backend_buffer_free(ggml_backend_buffer_t buf
 RESIDENCY_PRELOAD_EXPORT llama_model* llama_model_load_from_file(const char* path, llama_model_params params) {
   RESIDENCY_NEXT(llama_model_load_from_file);
   if (next == nullptr) return nullptr;
-  llama_model* m = next(path, params);
+  llama_model* m = nullptr;
+  {
+    rp::EngineCallScope engine;
+    m = next(path, params);
+  }
   if (m != nullptr) rp::tell_started([](rp::EngineSession& s) { s.model_loaded(); });
   return m;
 }
@@ -362,7 +560,11 @@ RESIDENCY_PRELOAD_EXPORT llama_model* llama_model_load_from_splits(const char** 
                                                                    llama_model_params params) {
   RESIDENCY_NEXT(llama_model_load_from_splits);
   if (next == nullptr) return nullptr;
-  llama_model* m = next(paths, n_paths, params);
+  llama_model* m = nullptr;
+  {
+    rp::EngineCallScope engine;
+    m = next(paths, n_paths, params);
+  }
   if (m != nullptr) rp::tell_started([](rp::EngineSession& s) { s.model_loaded(); });
   return m;
 }
@@ -370,7 +572,11 @@ RESIDENCY_PRELOAD_EXPORT llama_model* llama_model_load_from_splits(const char** 
 RESIDENCY_PRELOAD_EXPORT llama_context* llama_init_from_model(llama_model* model, llama_context_params params) {
   RESIDENCY_NEXT(llama_init_from_model);
   if (next == nullptr) return nullptr;
-  llama_context* c = next(model, params);
+  llama_context* c = nullptr;
+  {
+    rp::EngineCallScope engine;
+    c = next(model, params);
+  }
   if (c != nullptr) rp::tell_started([](rp::EngineSession& s) { s.context_made(); });
   return c;
 }

@@ -7,6 +7,9 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <cstring>
+
+#include <link.h>
 
 namespace residency::preload {
 
@@ -15,25 +18,20 @@ namespace {
 [[gnu::tls_model("initial-exec")]] thread_local bool t_in_hook = false;
 [[gnu::tls_model("initial-exec")]] thread_local bool t_resolving = false;
 [[gnu::tls_model("initial-exec")]] thread_local int t_compute_depth = 0;
+[[gnu::tls_model("initial-exec")]] thread_local int t_engine_depth = 0;
 
 using MmapFn = void* (*)(void*, std::size_t, int, int, int, off_t);
 using MunmapFn = int (*)(void*, std::size_t);
 
-template <class Fn>
-Fn resolve(std::atomic<Fn>& cache, std::atomic<bool>& done, const char* name) noexcept {
-  return resolve_next(cache, done, name);
-}
-
+// mmap and munmap are libc's, always in the global scope: RTLD_NEXT finds them.
 std::atomic<MmapFn> g_mmap{nullptr};
-std::atomic<bool> g_mmap_done{false};
 std::atomic<MunmapFn> g_munmap{nullptr};
-std::atomic<bool> g_munmap_done{false};
-std::atomic<DecodeFn> g_decode{nullptr};
-std::atomic<bool> g_decode_done{false};
-std::atomic<DecodeFn> g_encode{nullptr};
-std::atomic<bool> g_encode_done{false};
-std::atomic<SynchronizeFn> g_sync{nullptr};
-std::atomic<bool> g_sync_done{false};
+std::atomic<bool> g_warned{false};  // never set for these two: the system call stands in
+
+template <class Fn>
+Fn resolve_libc(std::atomic<Fn>& cache, const char* name) noexcept {
+  return resolve_next(cache, g_warned, name, nullptr);
+}
 
 void* sys_mmap(void* addr, std::size_t len, int prot, int flags, int fd, off_t off) noexcept {
   return reinterpret_cast<void*>(::syscall(SYS_mmap, addr, len, prot, flags, fd, off));
@@ -42,7 +40,7 @@ void* sys_mmap(void* addr, std::size_t len, int prot, int flags, int fd, off_t o
 }  // namespace
 
 void* next_mmap(void* addr, std::size_t len, int prot, int flags, int fd, off_t off) noexcept {
-  if (MmapFn f = resolve(g_mmap, g_mmap_done, "mmap")) return f(addr, len, prot, flags, fd, off);
+  if (MmapFn f = resolve_libc(g_mmap, "mmap")) return f(addr, len, prot, flags, fd, off);
   return sys_mmap(addr, len, prot, flags, fd, off);
 }
 
@@ -50,39 +48,177 @@ void* next_mmap(void* addr, std::size_t len, int prot, int flags, int fd, off_t 
 namespace {
 using Mmap64Fn = void* (*)(void*, std::size_t, int, int, int, off64_t);
 std::atomic<Mmap64Fn> g_mmap64{nullptr};
-std::atomic<bool> g_mmap64_done{false};
 }  // namespace
 
 void* next_mmap64(void* addr, std::size_t len, int prot, int flags, int fd, off64_t off) noexcept {
-  if (Mmap64Fn f = resolve(g_mmap64, g_mmap64_done, "mmap64")) return f(addr, len, prot, flags, fd, off);
+  if (Mmap64Fn f = resolve_libc(g_mmap64, "mmap64")) return f(addr, len, prot, flags, fd, off);
   return sys_mmap(addr, len, prot, flags, fd, static_cast<off_t>(off));
 }
 #endif
 
 int next_munmap(void* addr, std::size_t len) noexcept {
-  if (MunmapFn f = resolve(g_munmap, g_munmap_done, "munmap")) return f(addr, len);
+  if (MunmapFn f = resolve_libc(g_munmap, "munmap")) return f(addr, len);
   return static_cast<int>(::syscall(SYS_munmap, addr, len));
 }
 
-DecodeFn next_llama_decode() noexcept { return resolve(g_decode, g_decode_done, "llama_decode"); }
-DecodeFn next_llama_encode() noexcept { return resolve(g_encode, g_encode_done, "llama_encode"); }
-SynchronizeFn next_llama_synchronize() noexcept { return resolve(g_sync, g_sync_done, "llama_synchronize"); }
+DecodeFn next_llama_decode(const void* near) noexcept {
+  static std::atomic<DecodeFn> cache{nullptr};
+  static std::atomic<bool> warned{false};
+  return resolve_next(cache, warned, "llama_decode", near);
+}
+DecodeFn next_llama_encode(const void* near) noexcept {
+  static std::atomic<DecodeFn> cache{nullptr};
+  static std::atomic<bool> warned{false};
+  return resolve_next(cache, warned, "llama_encode", near);
+}
+SynchronizeFn next_llama_synchronize(const void* near) noexcept {
+  static std::atomic<SynchronizeFn> cache{nullptr};
+  static std::atomic<bool> warned{false};
+  return resolve_next(cache, warned, "llama_synchronize", near);
+}
 
 bool in_hook() noexcept { return t_in_hook; }
 bool resolving_now() noexcept { return t_resolving; }
 
-void* resolve_next_symbol(const char* name) noexcept {
+namespace {
+
+// The preload's own load address: a definition found there is the hook itself.
+const void* self_base() noexcept {
+  static const void* base = [] {
+    Dl_info info{};
+    return ::dladdr(reinterpret_cast<const void*>(&resolve_symbol), &info) != 0 ? info.dli_fbase : nullptr;
+  }();
+  return base;
+}
+
+bool in_self(const void* p) noexcept {
+  Dl_info info{};
+  return p != nullptr && ::dladdr(p, &info) != 0 && info.dli_fbase == self_base();
+}
+
+// dlsym in the local scope of the loaded object at `path` (the object and its dependencies),
+// which is kept loaded when the symbol is found there: the caller caches the pointer.
+void* find_in_object(const char* path, const char* name) noexcept {
+  if (path == nullptr || *path == '\0') return nullptr;
+  void* handle = ::dlopen(path, RTLD_NOLOAD | RTLD_LAZY);
+  if (handle == nullptr) return nullptr;
+  void* f = ::dlsym(handle, name);
+  if (f == nullptr || in_self(f)) {
+    ::dlclose(handle);  // not here: the reference we took goes back
+    return nullptr;
+  }
+  return f;
+}
+
+void* find_near(const char* name, const void* near) noexcept {
+  Dl_info info{};
+  if (near == nullptr || ::dladdr(near, &info) == 0 || info.dli_fbase == self_base()) return nullptr;
+  return find_in_object(info.dli_fname, name);
+}
+
+// Every loaded object but the preload, in load order (dlopen cannot run inside dl_iterate_phdr's
+// callback, which holds the loader's lock: the names are collected first).
+void* find_anywhere(const char* name) noexcept {
+  constexpr int kMaxObjects = 512;
+  struct Names {
+    const char* path[kMaxObjects];
+    int n = 0;
+  } names;
+  ::dl_iterate_phdr(
+      [](dl_phdr_info* info, std::size_t, void* data) -> int {
+        auto& v = *static_cast<Names*>(data);
+        if (info->dlpi_name != nullptr && info->dlpi_name[0] != '\0' && v.n < kMaxObjects) v.path[v.n++] = info->dlpi_name;
+        return 0;
+      },
+      &names);
+  for (int i = 0; i < names.n; ++i)
+    if (void* f = find_in_object(names.path[i], name)) return f;
+  return nullptr;
+}
+
+}  // namespace
+
+void* resolve_symbol(const char* name, const void* near) noexcept {
   if (t_resolving) return nullptr;
   const int saved = errno;
   t_resolving = true;
   const bool was = t_in_hook;
   t_in_hook = true;
   void* f = ::dlsym(RTLD_NEXT, name);
+  if (f != nullptr && in_self(f)) f = nullptr;
+  if (f == nullptr) f = find_near(name, near);
+  if (f == nullptr) f = find_anywhere(name);
   t_in_hook = was;
   t_resolving = false;
   errno = saved;
   return f;
 }
+
+EngineCallScope::EngineCallScope() noexcept { ++t_engine_depth; }
+EngineCallScope::~EngineCallScope() { --t_engine_depth; }
+bool in_engine_call() noexcept { return t_engine_depth > 0; }
+
+namespace {
+
+struct Span {
+  std::uintptr_t begin = 0, end = 0;
+};
+
+// The preload's own loaded segments' span, read once.
+Span self_span() noexcept {
+  static const Span span = [] {
+    Span s;
+    struct Ctx {
+      const void* base;
+      Span* span;
+    } ctx{self_base(), &s};
+    ::dl_iterate_phdr(
+        [](dl_phdr_info* info, std::size_t, void* data) -> int {
+          auto& c = *static_cast<Ctx*>(data);
+          if (reinterpret_cast<const void*>(info->dlpi_addr) != c.base) return 0;
+          for (ElfW(Half) i = 0; i < info->dlpi_phnum; ++i) {
+            const ElfW(Phdr)& ph = info->dlpi_phdr[i];
+            if (ph.p_type != PT_LOAD) continue;
+            const std::uintptr_t b = info->dlpi_addr + ph.p_vaddr, e = b + ph.p_memsz;
+            if (c.span->begin == 0 || b < c.span->begin) c.span->begin = b;
+            if (e > c.span->end) c.span->end = e;
+          }
+          return 1;
+        },
+        &ctx);
+    return s;
+  }();
+  return span;
+}
+
+template <class Fn>
+Fn libc_next(std::atomic<Fn>& cache, const char* name) noexcept {
+  static std::atomic<bool> warned{true};  // libc's own: never missing, never said
+  return resolve_next(cache, warned, name, nullptr);
+}
+
+}  // namespace
+
+bool called_from_preload(const void* caller) noexcept {
+  const Span s = self_span();
+  const auto at = reinterpret_cast<std::uintptr_t>(caller);
+  return s.begin <= at && at < s.end;
+}
+
+#define RESIDENCY_LIBC_NEXT(Type, fn, name)  \
+  Type fn() noexcept {                       \
+    static std::atomic<Type> cache{nullptr}; \
+    return libc_next(cache, name);           \
+  }
+RESIDENCY_LIBC_NEXT(MadviseFn, next_madvise, "madvise")
+RESIDENCY_LIBC_NEXT(MprotectFn, next_mprotect, "mprotect")
+RESIDENCY_LIBC_NEXT(MlockFn, next_mlock, "mlock")
+RESIDENCY_LIBC_NEXT(Mlock2Fn, next_mlock2, "mlock2")
+RESIDENCY_LIBC_NEXT(MlockFn, next_munlock, "munlock")
+RESIDENCY_LIBC_NEXT(MlockallFn, next_mlockall, "mlockall")
+RESIDENCY_LIBC_NEXT(MunlockallFn, next_munlockall, "munlockall")
+RESIDENCY_LIBC_NEXT(MremapFn, next_mremap, "mremap")
+#undef RESIDENCY_LIBC_NEXT
 
 ComputeAllocationScope::ComputeAllocationScope() noexcept { ++t_compute_depth; }
 ComputeAllocationScope::~ComputeAllocationScope() { --t_compute_depth; }

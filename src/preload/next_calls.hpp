@@ -1,12 +1,17 @@
 // SPDX-License-Identifier: MIT
-// The functions the preload interposes, as the next library in the lookup order defines them
-// (dlsym(RTLD_NEXT, ...)), and the two guards every hook runs under.
+// The functions the preload interposes, as the libraries behind it define them, and the guards
+// every hook runs under.
+//
+// Hosts load llama.cpp in two ways: linked (the global scope, where dlsym(RTLD_NEXT) finds the
+// real function) or dlopen'ed without RTLD_GLOBAL (Node addons such as node-llama-cpp, Python's
+// ctypes): there libllama's calls into ggml still bind to the preload, which is global, while the
+// real function sits in a local scope RTLD_NEXT never searches. So a hook also looks where its
+// caller's library is, and a lookup that fails is never cached (DESIGN §16).
 //
 // Re-entry: while a thread is inside a hook, what the hook itself causes (dlsym, malloc, the
-// manager's mlock and logging) may call mmap or munmap again; those calls must go straight to
-// the real functions. A thread_local flag says so (initial-exec TLS: reading it never allocates,
-// so it is safe from inside malloc). While mmap or munmap is being resolved, the system call
-// stands in for it.
+// manager's mlock and logging) may call mmap or munmap again; those go straight to the real
+// functions. A thread_local flag says so (initial-exec TLS: reading it never allocates, so it is
+// safe from inside malloc). While mmap or munmap is being resolved, the system call stands in.
 #pragma once
 
 #include <sys/types.h>
@@ -29,32 +34,40 @@ void* next_mmap64(void* addr, std::size_t len, int prot, int flags, int fd, off6
 #endif
 int next_munmap(void* addr, std::size_t len) noexcept;
 
-// libllama's definitions, or null when no library after the preload defines them (libllama
-// linked statically into the program, or not loaded at all). Resolved once, then cached.
-DecodeFn next_llama_decode() noexcept;
-DecodeFn next_llama_encode() noexcept;
-SynchronizeFn next_llama_synchronize() noexcept;
+// libllama's definitions (`near`: the caller's address, where a local scope may hold them), or
+// null when no loaded library defines them.
+DecodeFn next_llama_decode(const void* near) noexcept;
+DecodeFn next_llama_encode(const void* near) noexcept;
+SynchronizeFn next_llama_synchronize(const void* near) noexcept;
+
+// True while this thread is inside dlsym for resolve_symbol().
+bool resolving_now() noexcept;
+
+// Where the real `name` is: dlsym(RTLD_NEXT); else in the scope of the object that holds address
+// `near` (the caller's library, or a real function found already), which then stays loaded for
+// good (a cached pointer must never dangle); else in any loaded object but the preload. Null when
+// no object defines it, or while this thread is resolving a symbol already.
+void* resolve_symbol(const char* name, const void* near) noexcept;
+// One warning per name: a hook was called whose real function no loaded library defines.
+void warn_unresolved(const char* name) noexcept;
+
+// `name`'s real function, cached once found. A failure is not cached (the library may be loaded
+// later); it is said once (`warned`).
+template <class Fn>
+Fn resolve_next(std::atomic<Fn>& cache, std::atomic<bool>& warned, const char* name, const void* near) noexcept {
+  if (Fn f = cache.load(std::memory_order_acquire)) return f;
+  Fn f = reinterpret_cast<Fn>(resolve_symbol(name, near));
+  if (f != nullptr)
+    cache.store(f, std::memory_order_release);
+  else if (!resolving_now() && !warned.exchange(true))
+    warn_unresolved(name);
+  return f;
+}
 
 // The per-thread guards below are the hooks' only state besides the resolved functions, the fork
 // guard and the session pointer (process_session.hpp).
 // True while this thread runs inside one of the preload's hooks.
 bool in_hook() noexcept;
-// True while this thread is inside dlsym for resolve_next_symbol().
-bool resolving_now() noexcept;
-
-// dlsym(RTLD_NEXT, name) as a function pointer, cached in `cache` once `done`; null when no
-// later library defines it, or while this thread is resolving a symbol already (the callers of
-// mmap then use the system call).
-void* resolve_next_symbol(const char* name) noexcept;
-template <class Fn>
-Fn resolve_next(std::atomic<Fn>& cache, std::atomic<bool>& done, const char* name) noexcept {
-  if (done.load(std::memory_order_acquire)) return cache.load(std::memory_order_relaxed);
-  if (resolving_now()) return nullptr;  // inside dlsym: not cached, resolved on a later call
-  Fn f = reinterpret_cast<Fn>(resolve_next_symbol(name));
-  cache.store(f, std::memory_order_relaxed);
-  done.store(true, std::memory_order_release);
-  return f;
-}
 
 // Marks this thread as inside a hook for the scope's life.
 class HookScope {
@@ -78,6 +91,39 @@ class ComputeAllocationScope {
   ComputeAllocationScope& operator=(const ComputeAllocationScope&) = delete;
 };
 bool in_compute_allocation() noexcept;
+
+// While one is open on this thread, the thread is inside the engine: a model's load, a context's
+// creation, a decode (or a graph compute standing in for one). Anonymous memory it maps then is
+// the engine's.
+class EngineCallScope {
+ public:
+  EngineCallScope() noexcept;
+  ~EngineCallScope();
+  EngineCallScope(const EngineCallScope&) = delete;
+  EngineCallScope& operator=(const EngineCallScope&) = delete;
+};
+bool in_engine_call() noexcept;
+
+// Whether `caller` is the preload's own code (the residency library linked into it calls mlock,
+// munlock and madvise through the same symbols the program does).
+bool called_from_preload(const void* caller) noexcept;
+
+// The C library's memory calls, as the program would have called them.
+using MadviseFn = int (*)(void*, std::size_t, int);
+using MprotectFn = int (*)(void*, std::size_t, int);
+using MlockFn = int (*)(const void*, std::size_t);
+using Mlock2Fn = int (*)(const void*, std::size_t, unsigned int);
+using MlockallFn = int (*)(int);
+using MunlockallFn = int (*)();
+using MremapFn = void* (*)(void*, std::size_t, std::size_t, int, ...);
+MadviseFn next_madvise() noexcept;
+MprotectFn next_mprotect() noexcept;
+MlockFn next_mlock() noexcept;
+Mlock2Fn next_mlock2() noexcept;
+MlockFn next_munlock() noexcept;
+MlockallFn next_mlockall() noexcept;
+MunlockallFn next_munlockall() noexcept;
+MremapFn next_mremap() noexcept;
 
 // Restores errno at the end of the scope to what it was at its start: what the preload does
 // between the caller and the real function never shows in errno.

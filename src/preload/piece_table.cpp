@@ -1,6 +1,8 @@
 // SPDX-License-Identifier: MIT
 #include "piece_table.hpp"
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <string>
 
@@ -20,6 +22,26 @@ bool PieceTable::overlaps(std::uintptr_t begin, std::uintptr_t end) const noexce
 
 bool PieceTable::add(std::uintptr_t begin, std::uintptr_t end, RegionClass cls, std::uint64_t owner) noexcept {
   if (end <= begin) return false;
+  if (exclude_ == nullptr || !exclude_->overlaps(begin, end)) return add_one(begin, end, cls, owner);
+  // Whole pages of what is excluded (a lock covers whole pages) are left out.
+  try {
+    const std::uintptr_t page = static_cast<std::uintptr_t>(::sysconf(_SC_PAGESIZE));
+    std::uintptr_t at = begin;
+    bool any = false;
+    for (const Piece& x : exclude_->pieces()) {
+      const std::uintptr_t xb = x.begin & ~(page - 1), xe = (x.end + page - 1) & ~(page - 1);
+      if (xe <= at || xb >= end) continue;
+      if (xb > at) any = add_one(at, xb, cls, owner) || any;
+      at = std::max(at, xe);
+    }
+    if (at < end) any = add_one(at, end, cls, owner) || any;
+    return any;
+  } catch (...) {
+    return false;
+  }
+}
+
+bool PieceTable::add_one(std::uintptr_t begin, std::uintptr_t end, RegionClass cls, std::uint64_t owner) noexcept {
   Slot* free_slot = nullptr;
   for (Slot& s : slots_) {
     if (s.end.load(std::memory_order_relaxed) == 0) {

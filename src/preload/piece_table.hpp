@@ -46,7 +46,11 @@ class PieceTable {
 
   // Lock-free: whether [begin, end) overlaps a tracked piece.
   bool overlaps(std::uintptr_t begin, std::uintptr_t end) const noexcept;
-  // With the lock held: tracks (registers) [begin, end). False when it could not (one warning).
+  // Ranges this table never tracks (whole pages of them): the program's own locks, which the
+  // preload must never unlock. Set once, before the first add().
+  void exclude(const PieceTable* other) noexcept { exclude_ = other; }
+  // With the lock held: tracks (registers) [begin, end), but for what is excluded. False when
+  // nothing of it could be (one warning).
   bool add(std::uintptr_t begin, std::uintptr_t end, RegionClass cls, std::uint64_t owner) noexcept;
   // With the lock held, before the memory is unmapped: unregisters every piece that overlaps
   // [begin, end) and returns them.
@@ -68,9 +72,11 @@ class PieceTable {
     std::uint64_t owner = 0;
   };
   void clear(Slot& s) noexcept;
+  bool add_one(std::uintptr_t begin, std::uintptr_t end, RegionClass cls, std::uint64_t owner) noexcept;
   Manager* manager_;
   const SessionLog* log_;
   const char* what_;
+  const PieceTable* exclude_ = nullptr;
   bool warned_full_ = false;
   bool warned_register_ = false;
   std::array<Slot, kMaxPieces> slots_{};

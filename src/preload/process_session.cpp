@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: MIT
 #include "process_session.hpp"
 
+#include <dlfcn.h>
 #include <pthread.h>
 
 #include <atomic>
@@ -16,9 +17,18 @@
 #include "residency/backends/cuda.hpp"
 #endif
 
+// Exported (exports.map): the first copy of the preload in the lookup order is the one that works.
+extern "C" __attribute__((visibility("default"))) const char residency_preload_instance[] = "residency";
+
 namespace residency::preload {
 
 namespace {
+
+bool is_this_copy(const void* p) noexcept {
+  Dl_info a{}, b{};
+  return ::dladdr(p, &a) != 0 && ::dladdr(reinterpret_cast<const void*>(&residency_preload_instance), &b) != 0 &&
+         a.dli_fbase == b.dli_fbase;
+}
 
 constexpr const char* kWithout = "; the program runs without residency";
 
@@ -46,7 +56,8 @@ bool machine_has_swap() noexcept {
 }
 
 void synchronize_context(void* ctx) noexcept {
-  if (const SynchronizeFn sync = next_llama_synchronize()) sync(static_cast<llama_context*>(ctx));
+  // Resolved (and cached) when the session was made.
+  if (const SynchronizeFn sync = next_llama_synchronize(nullptr)) sync(static_cast<llama_context*>(ctx));
 }
 
 #if RESIDENCY_PRELOAD_CUDA
@@ -74,7 +85,7 @@ Result<std::shared_ptr<Backend>> real_backend(int where, const Config& device_co
 #endif
 }
 
-EngineSession* make_session() noexcept {
+EngineSession* make_session(const void* near) noexcept {
   try {
     auto config = Config::from_env();
     if (!config) {
@@ -91,8 +102,19 @@ EngineSession* make_session() noexcept {
       return nullptr;
     }
     const SessionLog log(config->log_level, config->log_time);
-    if (next_llama_decode() == nullptr || next_llama_synchronize() == nullptr) {
-      log.warn(std::string("llama_decode is not reachable behind the preload (the program does not load libllama, or "
+    // A second copy of the preload (loaded twice, from two paths) would run a second manager and
+    // charge the process twice to a shared budget: only the first copy in the lookup order works.
+    if (const void* first = ::dlsym(RTLD_DEFAULT, "residency_preload_instance"); first != nullptr && !is_this_copy(first)) {
+      Dl_info mine{}, theirs{};
+      ::dladdr(reinterpret_cast<const void*>(&residency_preload_instance), &mine);
+      ::dladdr(first, &theirs);
+      log.warn(std::string("a second copy of the preload is loaded (") + (mine.dli_fname ? mine.dli_fname : "?") +
+               ", besides " + (theirs.dli_fname ? theirs.dli_fname : "?") + "); this copy stays out of the way");
+      return nullptr;
+    }
+    // Looked up, not called: no "was called" warning from resolve_next here.
+    if (resolve_symbol("llama_decode", near) == nullptr || resolve_symbol("llama_synchronize", near) == nullptr) {
+      log.warn(std::string("llama_decode is not reachable from the preload (the program does not load libllama, or "
                            "links it statically), so the model's memory stays unmanaged: without its decodes the "
                            "keep-alive would release the model and never wire it again") +
                kWithout);
@@ -108,7 +130,7 @@ EngineSession* make_session() noexcept {
     // A clock of our own, never destroyed like the session: SteadyClock::instance() is a static
     // that exit() destroys while a scheduler thread may still read it.
     o.clock = new SteadyClock;
-    o.buffers = ggml_buffer_reader();
+    o.buffers = ggml_buffer_reader(near);
     if (o.buffers == nullptr)
       o.host_unavailable =
           "ggml's backend functions (ggml_backend_buffer_get_base and others) are not reachable behind the preload "
@@ -129,18 +151,26 @@ EngineSession* started_session() noexcept {
   return g_session.load(std::memory_order_acquire);
 }
 
-EngineSession* process_session() noexcept {
+EngineSession* process_session(const void* near) noexcept {
   if (g_forked.load(std::memory_order_relaxed)) return nullptr;
   if (g_made.load(std::memory_order_acquire)) return g_session.load(std::memory_order_acquire);
   MutexLock lock(g_make_mu);
   if (!g_made.load(std::memory_order_relaxed)) {
-    g_session.store(make_session(), std::memory_order_release);
+    g_session.store(make_session(near), std::memory_order_release);
     g_made.store(true, std::memory_order_release);
   }
   return g_session.load(std::memory_order_acquire);
 }
 
 bool forked_child() noexcept { return g_forked.load(std::memory_order_relaxed); }
+
+void warn_unresolved(const char* name) noexcept {
+  try {
+    warn(std::string(name) + " was called through the preload, but no loaded library defines it; the preload "
+                             "returns an error for it");
+  } catch (...) {
+  }
+}
 
 void warn(const std::string& message) noexcept {
   if (const EngineSession* s = started_session()) {

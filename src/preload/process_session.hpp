@@ -13,9 +13,11 @@
 
 namespace residency::preload {
 
-// The session, made on first need; null: pass through (bad configuration, no libllama behind
-// the preload, a fork child, or out of memory).
-EngineSession* process_session() noexcept;
+// The session, made on first need; null: pass through (bad configuration, no libllama loaded,
+// a second copy of the preload, a fork child, or out of memory). `near`: an address in the
+// engine's libraries (a hook's caller), where llama.cpp's and ggml's functions are looked for
+// when the host loaded them with dlopen.
+EngineSession* process_session(const void* near) noexcept;
 // The session if it was made already (never makes it); null: pass through or not yet.
 EngineSession* started_session() noexcept;
 // True in a fork child (every hook passes through).

@@ -73,7 +73,11 @@ TEST(EngineMemory, ThePlanLeavesOutWhatIsHeldAndMappingsOverTheCap) {
   // The heap's second page and libllama's first read-only segment are held already (a buffer,
   // the code).
   const std::vector<Extent> held = {{0x55d0c0001000, 0x55d0c0002000}, {0x7f1000008000, 0x7f100000a000}};
-  const MemoryPlan p = plan_engine_memory(m, held, kPage, /*max_mapping=*/0x21000);
+  // The engine made the unnamed mapping and malloc's chunk, and ran on the stack.
+  EngineOwned owned;
+  owned.made = {{0x7f1000000000, 0x7f1000004000}, {0x7f1000012000, 0x7f1000014000}};
+  owned.stack_points = {0x7ffd00020f00};
+  const MemoryPlan p = plan_engine_memory(m, held, owned, kPage, /*max_mapping=*/0x21000);
   ASSERT_EQ(p.ranges.size(), 6U);
   EXPECT_EQ(p.ranges[0].begin, 0x55d0c0000000U);
   EXPECT_EQ(p.ranges[0].end, 0x55d0c0001000U);
@@ -91,14 +95,35 @@ TEST(EngineMemory, ThePlanLeavesOutWhatIsHeldAndMappingsOverTheCap) {
   EXPECT_EQ(p.bytes, sum);
 
   // A cap below the heap's and the stack's size leaves both out, and says how much.
-  const MemoryPlan capped = plan_engine_memory(m, {}, kPage, /*max_mapping=*/0x20000);
+  const MemoryPlan capped = plan_engine_memory(m, {}, owned, kPage, /*max_mapping=*/0x20000);
   EXPECT_EQ(capped.left_out, 2U * 0x21000);
   // What is held of a mapping over the cap (a repacked copy of the weights) is not left out: it is held.
-  EXPECT_EQ(plan_engine_memory(m, held, kPage, 0x20000).left_out, 2U * 0x21000 - 0x1000);
+  EXPECT_EQ(plan_engine_memory(m, held, owned, kPage, 0x20000).left_out, 2U * 0x21000 - 0x1000);
   for (const Extent& r : capped.ranges) {
     EXPECT_NE(r.begin, 0x55d0c0000000U);
     EXPECT_NE(r.begin, 0x7ffd00000000U);
   }
+}
+
+TEST(EngineMemory, WhatTheProgramMappedItselfIsNeverACandidate) {
+  const std::vector<MapsEntry> m = parse_maps(kMaps);
+  // Nothing made by the engine, no stack it ran on: the heap and libllama's data only.
+  const MemoryPlan p = plan_engine_memory(m, {}, EngineOwned{}, kPage, 1ULL << 40);
+  ASSERT_EQ(p.ranges.size(), 3U);
+  EXPECT_EQ(p.ranges[0].begin, 0x55d0c0000000U);  // the heap
+  EXPECT_EQ(p.ranges[0].end, 0x55d0c0021000U);
+  EXPECT_EQ(p.ranges[1].begin, 0x7f1000008000U);  // libllama's read-only data
+  EXPECT_EQ(p.ranges[1].end, 0x7f100000a000U);
+  EXPECT_EQ(p.ranges[2].begin, 0x7f100000c000U);  // its RELRO and .data
+  // The engine made part of a mapping (the kernel merged it with the program's): only that part.
+  EngineOwned part;
+  part.made = {{0x7f1000001000, 0x7f1000002000}};
+  part.heap = false;
+  const MemoryPlan q = plan_engine_memory(m, {}, part, kPage, 1ULL << 40);
+  std::vector<std::uintptr_t> begins;
+  for (const Extent& r : q.ranges) begins.push_back(r.begin);
+  EXPECT_EQ(begins, (std::vector<std::uintptr_t>{0x7f1000001000, 0x7f1000008000, 0x7f100000c000}));
+  EXPECT_EQ(q.ranges[0].end, 0x7f1000002000U);
 }
 
 TEST(EngineMemory, ResidentRunsMergeSmallGapsOnly) {
@@ -143,9 +168,11 @@ TEST(EngineMemory, ThisProcessesHeapAndStackAreFoundInItsOwnMaps) {
   text << in.rdbuf();
   const std::vector<MapsEntry> m = parse_maps(text.str());
   ASSERT_FALSE(m.empty());
-  const MemoryPlan p = plan_engine_memory(m, {}, static_cast<std::size_t>(::sysconf(_SC_PAGESIZE)), 1ULL << 40);
   int on_stack = 0;
   const auto here = reinterpret_cast<std::uintptr_t>(&on_stack);
+  EngineOwned owned;
+  owned.stack_points = {here};
+  const MemoryPlan p = plan_engine_memory(m, {}, owned, static_cast<std::size_t>(::sysconf(_SC_PAGESIZE)), 1ULL << 40);
   bool stack_found = false;
   for (const Extent& r : p.ranges) stack_found = stack_found || (r.begin <= here && here < r.end);
   EXPECT_TRUE(stack_found) << "this thread's stack is private anonymous memory";

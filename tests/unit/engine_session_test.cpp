@@ -210,7 +210,7 @@ TEST_F(EngineSessionTest, BufferClassesComeFromTheUsageLlamaCppSets) {
   EXPECT_EQ(member_at(*host, kv.begin()), kv.size);
   EXPECT_EQ(member_at(*host, compute.begin()), compute.size);
   const auto held = resident_by_class(*host);
-  EXPECT_EQ(held.at(RegionClass::weights), w.size);
+  EXPECT_GE(held.at(RegionClass::weights), w.size);  // and the engine's code, held as weights with a model
   EXPECT_EQ(held.at(RegionClass::kv_cache), kv.size);
   EXPECT_EQ(held.at(RegionClass::scratch), compute.size);
   // The buffer type is read at registration (CPU_REPACK takes a CPU buffer over after ggml made it).
