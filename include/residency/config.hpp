@@ -8,6 +8,7 @@
 // the value and the forms that are accepted, and nothing falls back silently.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <functional>
 #include <optional>
@@ -66,9 +67,17 @@ struct KeepAlive {
   bool operator==(const KeepAlive&) const = default;
 };
 
-// Accepted: a number with unit ns, us, ms, s, m, h (e.g. "500ms", "180s", "3m", "1.5h"); a
-// bare number = seconds; "0"; "forever" or any negative number; "off". Durations up to 100
-// years, in whole nanoseconds (computed exactly: 0.000...1 s is an error, not 0); no overflow.
+// Accepted (case does not matter, spaces around the value are dropped):
+//   - a number with one unit: ns, us, ms, s (or sec), m (or min), h; a space may stand between
+//     the number and its unit ("500ms", "180s", "5 s", "1.5h");
+//   - parts of several units, largest first and each unit once ("1h30m", "1m 30s"); "1s1s" and
+//     "30m1h" are refused;
+//   - a bare number = seconds ("180", "0.5");
+//   - "0" (or 0 with any unit): resident only inside calls and use scopes;
+//   - "forever", or any negative number ("-1", "-5m"); "inf" is refused (write forever);
+//   - "off".
+// Durations up to 100 years, in whole nanoseconds (computed exactly: 0.000...1 s is an error, not
+// 0); no overflow. Every refusal is one message: the value, why, and these forms.
 Result<KeepAlive> parse_keep_alive(std::string_view text);
 
 // Accepted: an integer or decimal number of bytes with an optional unit B, KiB, MiB, GiB, TiB
@@ -84,14 +93,21 @@ struct WiredLimit {
   std::uint64_t resolve(std::uint64_t recommended) const;
   std::string to_string() const;
 };
-// Accepted: a size (see parse_size) or a percent of the recommended working set ("75%").
+// Accepted: a size (see parse_size) or a percent of the recommended working set ("75%"). 0 and
+// 0% are the same limit, 0 bytes: nothing is wired (until Manager::set_wired_limit raises it).
 Result<WiredLimit> parse_wired_limit(std::string_view text);
 
 // A machine-wide wired budget that the processes naming it share (DESIGN.md section 11): each
 // reserves its wired bytes in a ledger in shared memory before wiring them, so that together they
 // never wire more than `size`. Linux only (futexes, /proc); elsewhere Manager::create refuses it.
+// The longest NAME of RESIDENCY_SHARED_BUDGET, and of RESIDENCY_GPU_BUDGET, whose ledger is
+// NAME.GPU-UUID: 41 characters more ('.', "GPU-" and the UUID's 36). The checks and their
+// messages both use these.
+inline constexpr std::size_t kSharedBudgetNameMax = 64;
+inline constexpr std::size_t kGpuBudgetNameMax = 31;
+
 struct SharedBudget {
-  std::string name;   // [A-Za-z0-9._-], 1 to 64 characters, not starting with '.' or '-'
+  std::string name;   // [A-Za-z0-9._-], 1 to kSharedBudgetNameMax characters, not starting with '.' or '-'
   WiredLimit size;    // bytes, or a percent of physical memory (RAM: the budget is machine-wide)
   std::string group;  // "": the ledger is private to its user (mode 0600); else 0660 for this group
   std::string to_string() const;  // "NAME:SIZE[:GROUP]"

@@ -2,12 +2,14 @@
 // Strict parsing of keep-alive values, sizes, limits and names (the RESIDENCY_* environment is read
 // by the key table, config_keys.cpp, with these parsers).
 #include "residency/config.hpp"
+#include "core/config_keys.hpp"
 #include "residency/text.hpp"
 
 #include <algorithm>
 #include <cctype>
 #include <cstdio>
 #include <cstdlib>
+#include <iterator>
 #include <limits>
 #include <vector>
 
@@ -103,8 +105,9 @@ std::string take_unit(std::string_view& s) {
 }
 
 constexpr const char* kKeepAliveForms =
-    "a duration with unit (500ms, 180s, 3m, 1h, 1h30m), a bare number of seconds, 0, "
-    "forever (or a negative number), off";
+    "a number with a unit ns, us, ms, s (sec), m (min) or h, a space allowed before the unit (500ms, 180s, 5 s, "
+    "1.5h); units combined largest first, each once (1h30m); a bare number of seconds; 0; forever or a negative "
+    "number; off";
 constexpr const char* kSizeForms =
     "a whole number of bytes with an optional unit: B, KiB, MiB, GiB, TiB (powers of 1024), KB, MB, GB, TB "
     "(powers of 1000), K, M, G, T (= KiB...), e.g. 8GiB, 512MB, 1.5G; at most 2^63 bytes";
@@ -157,43 +160,56 @@ SizeParse parse_size_value(std::string_view text) {
 
 namespace core {
 
-// Keep-alive text; `forms` names what the variable being read accepts.
+// Keep-alive text; `forms` names what the variable being read accepts. The grammar is the one
+// parse_keep_alive's comment states (config.hpp); every refusal is bad(): the value, why, `forms`.
 Result<KeepAlive> parse_keep_alive_as(std::string_view text, const char* forms) {
   std::string_view s = trim(text);
   if (s.empty()) return bad(text, "empty", forms);
   const std::string l = lower(s);
   if (l == "off") return KeepAlive::off();
-  if (l == "forever" || l == "inf" || l == "infinite") return KeepAlive::forever();
+  if (l == "forever") return KeepAlive::forever();
+  if (l == "inf" || l == "infinite" || l == "infinity") return bad(text, "not a duration (no expiry is written forever)", forms);
 
   // Exact nanoseconds: 100 years is 3.2e18 ns, inside int64.
   constexpr u128 kLimitNs = static_cast<u128>(kMaxKeepAliveSeconds) * 1'000'000'000u + 1;
+  // The units, largest first: a duration of several parts names each once, in this order.
+  struct Unit {
+    const char* name;
+    const char* alias;
+    std::uint64_t ns;
+  };
+  static constexpr Unit kUnits[] = {{"h", nullptr, 3'600'000'000'000}, {"m", "min", 60'000'000'000},
+                                    {"s", "sec", 1'000'000'000},      {"ms", nullptr, 1'000'000},
+                                    {"us", nullptr, 1'000},           {"ns", nullptr, 1}};
+  constexpr std::size_t kNoUnit = std::size(kUnits);
+  auto skip_spaces = [](std::string_view& v) {
+    while (!v.empty() && std::isspace(static_cast<unsigned char>(v.front()))) v.remove_prefix(1);
+  };
   u128 total_ns = 0;
   bool negative = false, nonzero = false, first = true;
+  std::size_t previous = kNoUnit;  // the unit of the part before, as an index into kUnits
   while (!s.empty()) {
     Decimal d;
     if (!take_number(s, d)) return bad(text, "not a duration", forms);
     if (!first && d.negative) return bad(text, "a sign is only allowed at the start", forms);
     negative = negative || (d.negative && !d.zero());
     nonzero = nonzero || !d.zero();
+    skip_spaces(s);
     const std::string unit = lower(take_unit(s));
+    skip_spaces(s);
     std::uint64_t scale_ns = 0;
     if (unit.empty()) {
       if (!first || !s.empty()) return bad(text, "a number without a unit inside a duration", forms);
       scale_ns = 1'000'000'000;
-    } else if (unit == "ns") {
-      scale_ns = 1;
-    } else if (unit == "us") {
-      scale_ns = 1'000;
-    } else if (unit == "ms") {
-      scale_ns = 1'000'000;
-    } else if (unit == "s" || unit == "sec") {
-      scale_ns = 1'000'000'000;
-    } else if (unit == "m" || unit == "min") {
-      scale_ns = 60'000'000'000;
-    } else if (unit == "h") {
-      scale_ns = 3'600'000'000'000;
     } else {
-      return bad(text, "unknown unit '" + printable(unit) + "'", forms);
+      std::size_t k = 0;
+      while (k < kNoUnit && unit != kUnits[k].name && !(kUnits[k].alias && unit == kUnits[k].alias)) ++k;
+      if (k == kNoUnit) return bad(text, "unknown unit '" + printable(unit) + "'", forms);
+      if (!first && k == previous) return bad(text, "the unit '" + unit + "' is given twice", forms);
+      if (!first && k < previous)
+        return bad(text, "'" + unit + "' after a smaller unit (combine units largest first)", forms);
+      previous = k;
+      scale_ns = kUnits[k].ns;
     }
     first = false;
     u128 part = 0;
@@ -281,7 +297,8 @@ LimitParse parse_limit_value(std::string_view text) {
     Decimal d;
     if (!take_number(n, d) || !n.empty()) return {{}, d.whole.empty() && d.fraction.empty() ? "not a percent" : after_number(n, "a percent")};
     const double v = d.value();
-    if ((d.negative && !d.zero()) || !(v <= 100) || d.zero()) return {{}, "a percent must be above 0 and at most 100"};
+    if ((d.negative && !d.zero()) || !(v <= 100)) return {{}, "a percent must be from 0 to 100"};
+    if (d.zero()) return out;  // 0% is 0 bytes, whatever it is a percent of (WiredLimit's rule for 0)
     if (!(v >= 1e-9)) return {{}, "too small a percent (below 1e-9 %)"};
     out.limit.is_percent = true;
     out.limit.percent = v;
@@ -297,7 +314,7 @@ LimitParse parse_limit_value(std::string_view text) {
 Result<WiredLimit> parse_wired_limit(std::string_view text) {
   constexpr const char* forms =
       "a whole number of bytes with a unit (8GiB, 512MB, 1073741824) or a percent of the recommended working set "
-      "(75%)";
+      "(75%); 0 or 0% wires nothing";
   LimitParse p = parse_limit_value(text);
   if (!p.why.empty()) return bad(text, p.why, forms);
   return p.limit;
@@ -319,11 +336,16 @@ std::string SharedBudget::to_string() const {
   return name + ":" + size.to_string() + (group.empty() ? "" : ":" + group);
 }
 
-Result<SharedBudget> parse_shared_budget(std::string_view text) {
-  constexpr const char* forms =
-      "NAME:SIZE or NAME:SIZE:GROUP; NAME and GROUP of letters, digits, '.', '_', '-' (NAME up to 64, "
-      "GROUP up to 32 characters, not starting with '.' or '-'); SIZE bytes with a unit (8GiB, 512MB) or a "
-      "percent of RAM (50%), more than 0; e.g. llm:48GiB or llm:60%:inference";
+namespace core {
+
+// RESIDENCY_SHARED_BUDGET's and RESIDENCY_GPU_BUDGET's grammar, with the longest NAME each accepts:
+// the check and its message both come from `name_max`.
+Result<SharedBudget> parse_budget(std::string_view text, std::size_t name_max, const char* size_of) {
+  const std::string forms_text =
+      "NAME:SIZE or NAME:SIZE:GROUP; NAME and GROUP of letters, digits, '.', '_', '-' (NAME up to " +
+      std::to_string(name_max) + ", GROUP up to 32 characters, not starting with '.' or '-'); SIZE bytes with a unit "
+      "(8GiB, 512MB) or a percent of " + size_of + " (50%), more than 0; e.g. llm:48GiB or llm:60%:inference";
+  const char* forms = forms_text.c_str();
   const std::string_view s = trim(text);
   const std::size_t c1 = s.find(':');
   if (c1 == std::string_view::npos) return bad(text, "no ':' between the name and the size", forms);
@@ -332,7 +354,10 @@ Result<SharedBudget> parse_shared_budget(std::string_view text) {
     return bad(text, "more than three ':'-separated fields", forms);
   SharedBudget b;
   b.name = std::string(s.substr(0, c1));
-  if (!valid_name(b.name, 64)) return bad(text, "the name '" + printable(b.name) + "' is not accepted", forms);
+  if (b.name.size() > name_max && valid_name(b.name, b.name.size()))
+    return bad(text, "the name '" + printable(b.name) + "' is longer than " + std::to_string(name_max) + " characters",
+               forms);
+  if (!valid_name(b.name, name_max)) return bad(text, "the name '" + printable(b.name) + "' is not accepted", forms);
   const std::string_view size = s.substr(c1 + 1, c2 == std::string_view::npos ? std::string_view::npos : c2 - c1 - 1);
   const LimitParse w = parse_limit_value(size);
   if (!w.why.empty()) return bad(text, "the size '" + printable(size) + "': " + w.why, forms);
@@ -343,6 +368,12 @@ Result<SharedBudget> parse_shared_budget(std::string_view text) {
     if (!valid_name(b.group, 32)) return bad(text, "the group '" + printable(b.group) + "' is not accepted", forms);
   }
   return b;
+}
+
+}  // namespace core
+
+Result<SharedBudget> parse_shared_budget(std::string_view text) {
+  return core::parse_budget(text, kSharedBudgetNameMax, "RAM");
 }
 
 Result<Layout> parse_layout(std::string_view text) {

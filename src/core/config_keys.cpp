@@ -122,10 +122,7 @@ void read_shared_priority(const ConfigKey& key, EnvReader& env, Config& c) {
 void read_gpu_budget(const ConfigKey& key, EnvReader& env, Config& c) {
   const char* v = env.get(key.variable);
   if (!v) return;
-  auto b = parse_shared_budget(v);
-  if (b && b->name.size() > 31)
-    b = bad_value(v, "the name '" + printable(b->name) + "' is longer than 31 characters",
-                  "NAME:SIZE or NAME:SIZE:GROUP, NAME up to 31 characters (the ledger of a GPU is NAME.GPU-UUID)");
+  auto b = parse_budget(v, kGpuBudgetNameMax, "each GPU's memory");
   if (b) c.gpu_budget = *b;
   else env.fail(key.variable, b.status());
 }
@@ -153,11 +150,12 @@ void read_log(const ConfigKey& key, EnvReader& env, Config& c) {
 // here are the ones each reader reads; meaning and values are the README's table, as it shows them.
 constexpr ConfigKey kKeys[] = {
     {"keep_alive", "RESIDENCY_KEEP_ALIVE", {"GGML_METAL_RESIDENCY_KEEP_ALIVE_S", "GGML_METAL_NO_RESIDENCY"}, "policy",
-     "`500ms`, `180s` (default), `3m`, `1h30m`; bare number = seconds; `0` (only inside use scopes); `forever` or "
-     "negative; `off`",
+     "a number with a unit `ns` `us` `ms` `s` `m` `h`, a space allowed before it (`500ms`, `180s` (default), `5 s`, "
+     "`3m`); units combined largest first, each once (`1h30m`); bare number = seconds; `0` (only inside use scopes); "
+     "`forever` or negative; `off`",
      read_keep_alive, copy_field<&Config::keep_alive>},
     {"wired_limit", "RESIDENCY_WIRED_LIMIT", {}, "budget",
-     "bytes with unit (`8GiB`, `512MB`) or `75%` of the recommended working set",
+     "bytes with unit (`8GiB`, `512MB`) or `75%` of the recommended working set; `0` or `0%`: nothing is wired",
      read_parsed<&Config::wired_limit, parse_wired_limit>, copy_field<&Config::wired_limit>},
     {"set_max_pct", "RESIDENCY_SET_MAX_PCT", {"MLX_RESIDENCY_SET_MAX_PCT"}, "sharded set cap",
      "number, default 5; `<=0` or `>=100` = one set", read_set_max_pct, copy_field<&Config::set_max_pct>},

@@ -70,5 +70,8 @@ Status bad_value(std::string_view text, const std::string& what, const char* for
 Result<KeepAlive> parse_keep_alive_as(std::string_view text, const char* forms);
 Result<bool> parse_flag(std::string_view text, const char* forms);
 Result<double> parse_number(std::string_view text);
+// A budget NAME:SIZE[:GROUP] whose NAME is at most `name_max` characters and whose SIZE is bytes
+// or a percent of `size_of` ("RAM"): parse_shared_budget, and RESIDENCY_GPU_BUDGET's reader.
+Result<SharedBudget> parse_budget(std::string_view text, std::size_t name_max, const char* size_of);
 
 }  // namespace residency::core

@@ -148,7 +148,7 @@ TEST_F(LedgerMessages, SizesAndNumbersSayWhatIsWrongAndWhatIsAccepted) {
   struct Case {
     std::string var, says;
   } cases[] = {
-      {"RESIDENCY_SHARED_BUDGET=x:101%", "the size '101%': a percent must be above 0 and at most 100; accepted: NAME:SIZE"},
+      {"RESIDENCY_SHARED_BUDGET=x:101%", "the size '101%': a percent must be from 0 to 100; accepted: NAME:SIZE"},
       {"RESIDENCY_SHARED_BUDGET=x:18446744073709551615",
        "the size '18446744073709551615': too large: more than 2^63 bytes (8 EiB); accepted: NAME:SIZE"},
       {"RESIDENCY_SHARED_BUDGET=x:1e2%", "the size '1e2%': an exponent ('e2') is not accepted; write the number out"},

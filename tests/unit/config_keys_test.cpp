@@ -161,4 +161,17 @@ TEST(ConfigKeys, AKeyIsSetByItsVariableOrAnAlias) {
   EXPECT_FALSE(core::config_key_set("no_such_key", only("RESIDENCY_KEEP_ALIVE")));
 }
 
+// The budget NAME limits the table (and so the README) states are the constants the parsers check.
+TEST(ConfigKeys, TheBudgetNameLimitsAreTheCheckedConstants) {
+  for (const core::ConfigKey& k : core::config_keys()) {
+    const std::string v = k.values;
+    if (std::string(k.variable) == "RESIDENCY_SHARED_BUDGET") {
+      EXPECT_NE(v.find("(up to " + std::to_string(kSharedBudgetNameMax) + ")"), std::string::npos) << v;
+    }
+    if (std::string(k.variable) == "RESIDENCY_GPU_BUDGET") {
+      EXPECT_NE(v.find("NAME up to " + std::to_string(kGpuBudgetNameMax) + " characters"), std::string::npos) << v;
+    }
+  }
+}
+
 }  // namespace

@@ -116,9 +116,86 @@ TEST(WiredLimitParse, BytesAndPercents) {
   auto b = parse_wired_limit("8GiB");
   ASSERT_TRUE(b.is_ok());
   EXPECT_EQ(b->resolve(1), 8ull << 30);
-  for (const char* bad : {"0%", "101%", "-5%", "%", "abc%", "lots"}) {
+  for (const char* bad : {"101%", "-5%", "%", "abc%", "lots"}) {
     EXPECT_FALSE(parse_wired_limit(bad).is_ok()) << bad;
   }
+}
+
+// One rule for 0: 0 and 0% are the same limit, 0 bytes (nothing is wired), from the variable as
+// from the parser (before, 0 was accepted and 0% refused).
+TEST(WiredLimitParse, ZeroAndZeroPercentAreTheSameLimit) {
+  for (const char* zero : {"0", "0%", "0 %", "0B", "0.0%", "-0%"}) {
+    auto z = parse_wired_limit(zero);
+    ASSERT_TRUE(z.is_ok()) << zero << ": " << z.message();
+    EXPECT_FALSE(z->is_percent) << zero;
+    EXPECT_EQ(z->resolve(1000), 0u) << zero;
+    auto c = Config::from_env(env({{"RESIDENCY_WIRED_LIMIT", zero}}));
+    ASSERT_TRUE(c.is_ok()) << zero << ": " << c.message();
+    EXPECT_EQ(c->wired_limit->resolve(1000), 0u) << zero;
+  }
+  const auto r = parse_wired_limit("101%");
+  EXPECT_NE(r.message().find("\"101%\": a percent must be from 0 to 100; accepted: "), std::string::npos) << r.message();
+  EXPECT_NE(r.message().find("0 or 0% wires nothing"), std::string::npos) << r.message();
+}
+
+// One keep-alive grammar (config.hpp): a space may stand before a unit, units combine largest first
+// and each once, inf is no spelling of forever; every refusal quotes the value and lists the forms.
+TEST(KeepAliveParse, OneGrammarOneMessage) {
+  struct Good {
+    const char* text;
+    KeepAlive expect;
+  } good[] = {{"5 s", KeepAlive::after(5s)},         {"5s", KeepAlive::after(5s)},
+              {"1h 30m", KeepAlive::after(90min)},   {"1m30s", KeepAlive::after(90s)},
+              {"2 min", KeepAlive::after(2min)},     {"1h30m15s500ms", KeepAlive::after(5415500ms)},
+              {"-1 s", KeepAlive::forever()},        {"Forever", KeepAlive::forever()}};
+  for (const auto& c : good) {
+    auto r = parse_keep_alive(c.text);
+    ASSERT_TRUE(r.is_ok()) << c.text << ": " << r.message();
+    EXPECT_EQ(*r, c.expect) << c.text;
+  }
+  struct Bad {
+    const char* text;
+    const char* why;
+  } bad[] = {{"1s1s", "the unit 's' is given twice"},
+             {"1m1min", "the unit 'min' is given twice"},
+             {"30m1h", "'h' after a smaller unit (combine units largest first)"},
+             {"inf", "not a duration (no expiry is written forever)"},
+             {"infinity", "not a duration (no expiry is written forever)"},
+             {"INF", "not a duration (no expiry is written forever)"},
+             {"5 s 3", "a number without a unit inside a duration"},
+             {"5 minutes", "unknown unit 'minutes'"}};
+  std::string forms;
+  for (const auto& c : bad) {
+    auto r = parse_keep_alive(c.text);
+    ASSERT_FALSE(r.is_ok()) << "accepted: '" << c.text << "' as " << r->to_string();
+    EXPECT_EQ(r.message().rfind(std::string("\"") + c.text + "\": " + c.why + "; accepted: ", 0), 0u) << r.message();
+    const std::string f = r.message().substr(r.message().find("; accepted: "));
+    if (forms.empty()) forms = f;
+    EXPECT_EQ(f, forms) << "one list of forms for every refusal";
+  }
+  EXPECT_NE(forms.find("1h30m"), std::string::npos) << forms;
+  EXPECT_NE(forms.find("forever"), std::string::npos) << forms;
+}
+
+// RESIDENCY_GPU_BUDGET's NAME limit is one constant, in its check and in every refusal's text
+// (before: the check said 31, a refusal for a bad name quoted RESIDENCY_SHARED_BUDGET's 64).
+TEST(ConfigFromEnv, GpuBudgetRefusalsQuoteItsOwnNameLimit) {
+  const std::string limit = "NAME up to " + std::to_string(kGpuBudgetNameMax) + ",";
+  for (const std::string& v : {std::string("a/b:1GiB"), std::string(kGpuBudgetNameMax + 1, 'n') + ":1GiB",
+                               std::string(kSharedBudgetNameMax + 1, 'n') + ":1GiB", std::string("models")}) {
+    auto c = Config::from_env(env({{"RESIDENCY_GPU_BUDGET", v}}));
+    ASSERT_FALSE(c.is_ok()) << v;
+    EXPECT_NE(c.message().find(limit), std::string::npos) << c.message();
+    EXPECT_EQ(c.message().find("up to " + std::to_string(kSharedBudgetNameMax)), std::string::npos) << c.message();
+  }
+  auto long_name = Config::from_env(env({{"RESIDENCY_GPU_BUDGET", std::string(kGpuBudgetNameMax + 1, 'n') + ":1GiB"}}));
+  EXPECT_NE(long_name.message().find("is longer than " + std::to_string(kGpuBudgetNameMax) + " characters"),
+            std::string::npos)
+      << long_name.message();
+  EXPECT_TRUE(Config::from_env(env({{"RESIDENCY_GPU_BUDGET", std::string(kGpuBudgetNameMax, 'n') + ":1GiB"}})));
+  auto shared = Config::from_env(env({{"RESIDENCY_SHARED_BUDGET", "a/b:1GiB"}}));
+  EXPECT_NE(shared.message().find("NAME up to " + std::to_string(kSharedBudgetNameMax) + ","), std::string::npos)
+      << shared.message();
 }
 
 TEST(ConfigFromEnv, DefaultsWhenNothingIsSet) {
@@ -252,11 +329,11 @@ TEST(SharedBudgetParse, NameSizeAndGroup) {
                        Bad{"a/b:1G", "the name 'a/b' is not accepted"}, Bad{"-x:1G", "the name '-x'"},
                        Bad{".x:1G", "the name '.x'"}, Bad{"x:", "the size '': empty"}, Bad{"x:lots", "the size 'lots'"},
                        Bad{"x:0", "the size is 0"},
-                       Bad{"x:150%", "the size '150%': a percent must be above 0 and at most 100"},
+                       Bad{"x:150%", "the size '150%': a percent must be from 0 to 100"}, Bad{"x:0%", "the size is 0"},
                        Bad{"x:18446744073709551615", "the size '18446744073709551615': too large"},
                        Bad{"x:1e2%", "the size '1e2%': an exponent ('e2') is not accepted"},
                        Bad{"x:1G:a b", "the group 'a b' is not accepted"}, Bad{"x:1G:g:h", "more than three"},
-                       Bad{long_name.c_str(), "is not accepted"}}) {
+                       Bad{long_name.c_str(), "is longer than 64 characters"}}) {
     auto r = parse_shared_budget(c.text);
     ASSERT_FALSE(r) << c.text;
     EXPECT_NE(r.message().find(c.why), std::string::npos) << c.text << ": " << r.message();
