@@ -250,6 +250,9 @@ Status write_gguf_file(const std::string& final_path, const GgufLayout& layout, 
     return Status(ErrorCode::invalid_argument,
                   printable(final_path) + ": already exists; choose another name or allow overwriting (--force)");
   }
+  if (overwrite) {
+    if (Status st = check_replaceable(final_path); !st) return st;
+  }
   static std::atomic<unsigned> serial{0};
   const std::string path = dir + "/" + partial_prefix + owner_tag() + "-" + std::to_string(serial.fetch_add(1));
   const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
@@ -341,6 +344,26 @@ Status write_gguf_file(const std::string& final_path, const GgufLayout& layout, 
     return Status(ErrorCode::io_error, printable(final_path) + ": cannot rename the written file into place: " + std::strerror(err));
   }
   return {};
+}
+
+Status check_replaceable(const std::string& path) {
+  struct stat st {};
+  if (::lstat(path.c_str(), &st) != 0) {
+    const int err = errno;
+    if (err == ENOENT) return {};
+    return Status(ErrorCode::io_error, printable(path) + ": cannot look at it: " + std::strerror(err));
+  }
+  if (S_ISREG(st.st_mode)) return {};
+  const char* what = S_ISDIR(st.st_mode)    ? "a directory"
+                     : S_ISCHR(st.st_mode)  ? "a character device"
+                     : S_ISBLK(st.st_mode)  ? "a block device"
+                     : S_ISFIFO(st.st_mode) ? "a FIFO"
+                     : S_ISSOCK(st.st_mode) ? "a socket"
+                     : S_ISLNK(st.st_mode)  ? "a symbolic link"
+                                            : "not a regular file";
+  return Status(ErrorCode::invalid_argument, printable(path) + " is " + what +
+                                                 "; overwriting (--force) replaces only a regular file: remove it or "
+                                                 "choose another name");
 }
 
 Status check_free_space(const std::string& dir, std::uint64_t bytes) {

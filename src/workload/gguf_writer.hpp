@@ -68,13 +68,20 @@ using TensorFill = std::function<void(std::size_t tensor, std::uint64_t first_ro
 
 // Writes the file: header, then every tensor (filled in parallel by `threads` threads, 0 = one
 // per core), zero padding between tensors, then fdatasync so that the page cache holds clean
-// pages that memory pressure can drop. With `overwrite` false an existing file is an error.
+// pages that memory pressure can drop. With `overwrite` false an existing file is an error; with
+// it true, only a regular file is replaced (check_replaceable), before anything is written.
 // The file is written as `.<name>.partial-<owner tag>-N` beside `path` and renamed to `path` only
 // when complete: an interrupted write never leaves a complete-looking file. On any failure, and
 // on the signals of CleanupRegistry (when its handlers are installed), the partial file is
 // removed; one a killed writer left is removed by the next write to the same path.
 Status write_gguf_file(const std::string& path, const GgufLayout& layout, const TensorFill& fill,
                        unsigned threads = 0, bool overwrite = false);
+
+// What `overwrite` may replace: nothing (ok), or a regular file. Anything else that exists under
+// `path` (a directory, a device such as /dev/null, a FIFO, a socket, a symbolic link, which the
+// rename would replace rather than the file it names) is invalid_argument naming the path, what it
+// is and what is accepted.
+Status check_replaceable(const std::string& path);
 
 // Whether the filesystem holding `dir` has `bytes` free for an unprivileged writer; the error
 // names the directory, what is needed and what is free.

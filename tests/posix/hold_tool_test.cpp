@@ -5,6 +5,7 @@
 // input is one line and exit status 2.
 #include <gtest/gtest.h>
 #include <signal.h>
+#include <sys/prctl.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -216,6 +217,9 @@ TEST(HoldTool, BadInputIsOneLineAndExitStatus2) {
       {{path_of(model), "--keep-alive", "0"}, "hold has no uses"},
       {{path_of(model), "--keep-alive", "soon"}, "--keep-alive: "},
       {{path_of(model), "--wired-limit", "lots"}, "--wired-limit: "},
+      // 0 and 0% are one limit, 0 bytes, which wires nothing (before: exit 1 after starting).
+      {{path_of(model), "--wired-limit", "0"}, "--wired-limit '0': a wired limit of 0 wires nothing, and hold only wires"},
+      {{path_of(model), "--wired-limit", "0%"}, "--wired-limit '0%': a wired limit of 0 wires nothing"},
   };
   for (const auto& c : cases) {
     Hold h(c.args, dir);
@@ -225,6 +229,38 @@ TEST(HoldTool, BadInputIsOneLineAndExitStatus2) {
     EXPECT_LE(std::count(err.begin(), err.end(), '\n'), 2) << err;  // the line (+ CLI11's hint)
     EXPECT_EQ(h.out(), "");
   }
+}
+
+TEST(HoldTool, AWiredLimitOf0FromTheEnvironmentIsBadInputNamingTheVariable) {
+  TempMappedFile model(1 * MiB);
+  ASSERT_TRUE(model.ok()) << model.error();
+  Hold h({path_of(model)}, ::testing::TempDir(), {"RESIDENCY_WIRED_LIMIT=0%"});
+  EXPECT_EQ(h.wait_exit(5s), 2) << h.out() << h.err();
+  EXPECT_NE(h.err().find("RESIDENCY_WIRED_LIMIT='0%': a wired limit of 0 wires nothing"), std::string::npos) << h.err();
+}
+
+// Under a small RLIMIT_MEMLOCK without CAP_IPC_LOCK (a container's default), what did not fit is
+// blamed on that limit, with its value and how to raise it, not on --wired-limit or
+// RESIDENCY_WIRED_LIMIT, which nobody gave. As root the capability is dropped from the bounding
+// set too, so that the exec'd tool does not get it back.
+TEST(HoldTool, UnderASmallMemlockLimitTheMessageNamesThatLimit) {
+  TempMappedFile model(4 * MiB);
+  ASSERT_TRUE(model.ok()) << model.error();
+  Hold h({path_of(model), "--keep-alive", "1s"}, ::testing::TempDir(), {}, [] {
+    if (::getuid() == 0 && ::prctl(PR_CAPBSET_DROP, CAP_IPC_LOCK, 0, 0, 0) != 0) ::_exit(77);
+    if (!drop_cap_ipc_lock().empty() && ::getuid() == 0) ::_exit(77);
+    if (!set_memlock_limit(1 * MiB).empty()) ::_exit(77);
+  });
+  const int rc = h.wait_exit(10s);
+  if (rc == 77) GTEST_SKIP() << "cannot drop CAP_IPC_LOCK or lower RLIMIT_MEMLOCK here";
+  const std::string out = h.out();
+  EXPECT_EQ(rc, 1) << out << h.err();  // nothing could be wired
+  EXPECT_NE(out.find("4 MiB is not wired: over the wired limit of 1 MiB (the process's RLIMIT_MEMLOCK = 1 MiB; "
+                     "to wire more: raise RLIMIT_MEMLOCK: `ulimit -l unlimited`"),
+            std::string::npos)
+      << out;
+  EXPECT_EQ(out.find("--wired-limit"), std::string::npos) << out;
+  EXPECT_EQ(out.find("RESIDENCY_WIRED_LIMIT"), std::string::npos) << out;
 }
 
 // A held file that is deleted, shrinks or grows, with real files under a real name: what the

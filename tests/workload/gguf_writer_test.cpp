@@ -2,6 +2,7 @@
 // The writer and the synthetic llama model: shapes follow one configuration and fill the size
 // asked for; files round-trip through our reader; the content is deterministic.
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 
 #include <cmath>
 #include <cstring>
@@ -259,6 +260,24 @@ TEST(SyntheticModel, RefusesToOverwriteAndLeavesNothingOnFailure) {
   const auto nodir = write_synthetic_model(dir.file("no/such/dir.gguf"), *s);
   EXPECT_EQ(nodir.code(), ErrorCode::not_found);
   EXPECT_FALSE(std::filesystem::exists(dir.file("no")));
+}
+
+// Overwriting replaces a regular file only: onto a directory or a FIFO the writer refuses before it
+// writes (no partial file is left) and what was there stays.
+TEST(SyntheticModel, OverwriteRefusesWhatIsNotARegularFile) {
+  testing::ScratchDir dir;
+  auto s = plan_llama_shape(kMiB, GgmlType::f16);
+  ASSERT_TRUE(s.is_ok());
+  std::filesystem::create_directory(dir.file("d.gguf"));
+  ASSERT_EQ(::mkfifo(dir.file("f.gguf").c_str(), 0600), 0);
+  for (const char* name : {"d.gguf", "f.gguf"}) {
+    const auto st = write_synthetic_model(dir.file(name), *s, 5, 0, true);
+    EXPECT_EQ(st.code(), ErrorCode::invalid_argument) << st.message();
+    EXPECT_NE(st.message().find("replaces only a regular file"), std::string::npos) << st.message();
+    EXPECT_FALSE(std::filesystem::is_regular_file(dir.file(name)));
+  }
+  for (const auto& e : std::filesystem::directory_iterator(dir.path()))
+    EXPECT_EQ(e.path().filename().string().find(".partial-"), std::string::npos) << e.path();
 }
 
 TEST(Half, F16RoundTripsEveryValue) {

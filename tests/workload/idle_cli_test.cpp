@@ -3,6 +3,7 @@
 // exit status 2 and no files; a run writes its results and removes its model; an interrupt
 // removes everything.
 #include <fcntl.h>
+#include <sys/stat.h>
 #include <gtest/gtest.h>
 #include <signal.h>
 #include <sys/wait.h>
@@ -10,6 +11,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstring>
 #include <filesystem>
 #include <nlohmann/json.hpp>
 #include <thread>
@@ -132,6 +134,42 @@ TEST_F(ToolCli, MakeModelBadInputIsOneLineAndExitTwo) {
   const std::string model = small_model();
   expect_bad_input({"make-model", "--size", "1MiB", model}, "already exists; choose another name or pass --force");
   EXPECT_FALSE(fs::exists(dir_.file("a.gguf")));
+}
+
+// --force replaces a regular file and nothing else: a directory, a FIFO, a character device (made
+// here with mknod where that is allowed, never /dev/null itself) or a symbolic link is refused with
+// exit 2 and one line, before anything is written, and is left as it was (before: a directory
+// failed with exit 1 after the whole file was written; a device was replaced by a regular file).
+TEST_F(ToolCli, MakeModelForceRefusesWhatIsNotARegularFile) {
+  struct stat null_before {};
+  ASSERT_EQ(::stat("/dev/null", &null_before), 0);
+  const std::string d = dir_.file("dir.gguf"), fifo = dir_.file("fifo.gguf"), chr = dir_.file("null.gguf"),
+                    link = dir_.file("link.gguf"), target = dir_.file("target.gguf");
+  fs::create_directory(d);
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0) << std::strerror(errno);
+  testing::write_bytes(target, {'x'});
+  fs::create_symlink(target, link);
+  const bool have_chr = ::mknod(chr.c_str(), S_IFCHR | 0666, null_before.st_rdev) == 0;  // root only
+  std::vector<std::pair<std::string, std::string>> cases = {
+      {d, "is a directory"}, {fifo, "is a FIFO"}, {link, "is a symbolic link"}};
+  if (have_chr) cases.emplace_back(chr, "is a character device");
+  for (const auto& [path, what] : cases) {
+    expect_bad_input({"make-model", "--size", "1MiB", "--force", path},
+                     path + " " + what + "; overwriting (--force) replaces only a regular file: remove it or choose "
+                                         "another name");
+    struct stat st {};
+    ASSERT_EQ(::lstat(path.c_str(), &st), 0) << path;
+    EXPECT_FALSE(S_ISREG(st.st_mode)) << path << " was replaced";
+  }
+  EXPECT_EQ(testing::read_bytes(target).size(), 1u) << "the link's target is untouched";
+  for (const auto& e : fs::directory_iterator(dir_.path()))
+    EXPECT_EQ(e.path().filename().string().find(".partial-"), std::string::npos) << "nothing written: " << e.path();
+  struct stat null_after {};
+  ASSERT_EQ(::stat("/dev/null", &null_after), 0);
+  EXPECT_TRUE(S_ISCHR(null_after.st_mode));
+  EXPECT_EQ(null_after.st_rdev, null_before.st_rdev);
+  EXPECT_EQ(null_after.st_ino, null_before.st_ino);
+  if (!have_chr) std::printf("note: mknod is not allowed here; the character device case was not run\n");
 }
 
 TEST_F(ToolCli, MakeModelWritesAModelOurReaderAccepts) {

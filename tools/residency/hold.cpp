@@ -223,8 +223,28 @@ Config hold_config(const HoldOptions& o) {
     if (!w) throw BadInput("--wired-limit: " + w.message());
     config.wired_limit = *w;
   }
+  // A limit of 0 (or 0%) wires nothing (parse_wired_limit), and wiring is all hold does.
+  if (config.wired_limit && !config.wired_limit->is_percent && config.wired_limit->bytes == 0) {
+    const char* env = std::getenv("RESIDENCY_WIRED_LIMIT");
+    throw BadInput((o.wired_limit ? "--wired-limit '" + printable(*o.wired_limit)
+                                  : "RESIDENCY_WIRED_LIMIT='" + printable(env ? env : "0")) +
+                   "': a wired limit of 0 wires nothing, and hold only wires; give a limit above 0 (8GiB, 50%) or "
+                   "none (the recommended working set)");
+  }
   if (o.release_on_pressure) config.release_on_pressure = true;
   return config;
+}
+
+// What made the wired limit `limit`, for the line that says what did not fit under it: the
+// process's own limit (RLIMIT_MEMLOCK without CAP_IPC_LOCK), named with its value and how to raise
+// it, when the budget was clamped to it; else the option or variable that set it, or the default.
+std::string wired_limit_source(const HoldOptions& o, const MemoryInfo& mem, std::uint64_t limit) {
+  if (mem.hard_limit != 0 && limit == mem.hard_limit)
+    return "the process's " + mem.hard_limit_name + " = " + format_size(mem.hard_limit) + "; to wire more: " +
+           mem.hard_limit_fix;
+  if (o.wired_limit) return "--wired-limit";
+  if (core::config_key_set("wired_limit", [](const char* n) { return std::getenv(n); })) return "RESIDENCY_WIRED_LIMIT";
+  return "the recommended working set; --wired-limit or RESIDENCY_WIRED_LIMIT sets another";
 }
 
 // The write end of a pipe the log callback signals when the manager releases.
@@ -359,8 +379,8 @@ int run_hold(const HoldOptions& o) {
                 "(the warning above says why; `residency stat` lists its holders)\n",
                 format_size(s.pending_bytes).c_str(), config.shared_budget->name.c_str(), format_size(s.shared_budget).c_str());
   else if (s.pending_bytes > 0)
-    std::printf("residency hold: %s is not wired: over the wired limit of %s (--wired-limit, RESIDENCY_WIRED_LIMIT)\n",
-                format_size(s.pending_bytes).c_str(), format_size(s.wired_limit).c_str());
+    std::printf("residency hold: %s is not wired: over the wired limit of %s (%s)\n", format_size(s.pending_bytes).c_str(),
+                format_size(s.wired_limit).c_str(), wired_limit_source(o, (*backend)->memory_info(), s.wired_limit).c_str());
   if (s.wired_bytes < s.admitted_bytes)
     std::printf("residency hold: %s is not wired: the kernel refused it (RLIMIT_MEMLOCK without CAP_IPC_LOCK is the "
                 "usual cause: ulimit -l unlimited, LimitMEMLOCK=infinity or --cap-add IPC_LOCK)\n",
@@ -425,8 +445,8 @@ const Command cmd{"hold", "keep files resident (locked) for every process that m
                                    "hold cannot see other processes' reads): a duration (500ms, 30m, 2h) or forever; "
                                    "default RESIDENCY_KEEP_ALIVE, else forever");
                     add_text_option(app, "--wired-limit", o->wired_limit,
-                                   "most to lock: bytes (8GiB) or a percent of the recommended working set (50%); default "
-                                   "RESIDENCY_WIRED_LIMIT, else the recommended working set");
+                                   "most to lock: bytes (8GiB) or a percent of the recommended working set (50%), above 0; "
+                                   "default RESIDENCY_WIRED_LIMIT, else the recommended working set");
                     app.add_flag("--release-on-pressure", o->release_on_pressure,
                                  "give everything back when the kernel reports memory pressure, then exit: PSI (this process's "
                                  "cgroup v2 memory.pressure, else /proc/pressure/memory) or, in a cgroup v1 memory cgroup, "

@@ -47,6 +47,8 @@ int run_make_model(const MakeModelArgs& a) {
   if (std::filesystem::exists(std::filesystem::symlink_status(out, ec)) && !a.force) {
     throw BadInput(shown + ": already exists; choose another name or pass --force to overwrite it");
   }
+  // --force replaces a regular file only (not a directory, nor /dev/null): refused before writing.
+  if (Status st = workload::check_replaceable(a.out); !st) throw BadInput(st.message());
   // Bounded planning: any size is answered in well under a second (kMaxSyntheticLayers).
   auto shape = workload::plan_llama_shape(*size, *type);
   if (!shape) throw BadInput("--size: " + shape.message());
@@ -81,7 +83,7 @@ const Command make_model_command{
       add_whole_number(app, "--seed", a->seed, 0, UINT64_MAX, "seed of the pseudo-random weights (same seed, same bytes)");
       add_whole_number(app, "--threads", a->threads, 0, kMaxThreads, "writer threads (0 = one per core, at most 1024)",
                        "0 (one per core) to 1024");
-      app.add_flag("--force", a->force, "overwrite OUT if it exists");
+      app.add_flag("--force", a->force, "overwrite OUT if it is a regular file (anything else there is refused)");
       return [a] { return run_make_model(*a); };
     }};
 
