@@ -158,7 +158,10 @@ class Manager {
   // from the end of the last call and never expires during one), lock-free while resident, and a
   // synchronous re-wire at the start when the memory was released. 0: resident from the first
   // begin to the last end, then released, after `synchronize(ctx)` has waited for the device
-  // (called only under 0). Off: nothing. Every begin_call() needs one end_call().
+  // (called only under 0). Off: nothing. Every begin_call() needs one end_call(), on the same
+  // thread: an end_call() on a thread that holds no call of this manager open (more ends than
+  // begins there) is a stray end, ignored with one warning, even while other threads' calls are in
+  // flight. A use scope (use()) may end on any thread.
   void begin_call() noexcept;
   void end_call(void (*synchronize)(void* ctx) = nullptr, void* ctx = nullptr) noexcept;
   // A use of the memory outside a call (an upload before the decode that reads it): a use under a
@@ -206,6 +209,8 @@ class Manager {
   friend class UseScope;
   friend class Batch;
   explicit Manager(std::unique_ptr<Impl> impl);
+  // end_call() without its thread's check: a use scope's end, on whichever thread ends it.
+  void end_counted_call(void (*synchronize)(void* ctx), void* ctx) noexcept;
   std::unique_ptr<Impl> impl_;
 };
 

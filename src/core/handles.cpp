@@ -38,7 +38,7 @@ void UseScope::end() {
   // The GPU may still be reading: wait for it before anything can be released (mlx-lm
   // synchronizes before restoring the wired limit for the same reason).
   if (synchronize_) synchronize_();
-  mgr->end_call();
+  mgr->end_counted_call(nullptr, nullptr);  // the scope is its own token: any thread may end it
 }
 
 }  // namespace residency

@@ -101,7 +101,8 @@ class KeepAliveState {
   // keep-alive never expires and nothing is released while one is open. Lock-free under a duration
   // or forever (the decode's path); under 0 changed with the manager's mutex held.
   void call_began() noexcept { calls_.fetch_add(1, std::memory_order_relaxed); }
-  // Returns the calls still open (a stray end is ignored: never below 0).
+  // Returns the calls still open (never below 0; a stray Manager::end_call(), on a thread that
+  // holds no call open, is stopped before it comes here: thread_calls.hpp).
   int call_ended() noexcept {
     int n = calls_.load(std::memory_order_relaxed);
     while (n > 0 && !calls_.compare_exchange_weak(n, n - 1, std::memory_order_relaxed)) {

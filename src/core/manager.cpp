@@ -34,6 +34,7 @@
 #include "platform/thread_annotations.hpp"
 #include "residency_cycle.hpp"
 #include "set_layout.hpp"
+#include "thread_calls.hpp"
 
 namespace residency {
 
@@ -80,6 +81,27 @@ struct Manager::Impl {
   core::Admission adm RESIDENCY_GUARDED_BY(mu);
   core::ResidencyCycle cycle RESIDENCY_GUARDED_BY(mu);
   core::ManagerReport report RESIDENCY_GUARDED_BY(mu);
+  // Which calls are whose (core::ThreadCalls): this manager's number there, the calls begun on a
+  // thread that had no slot left, and whether a stray end_call() was said already.
+  const std::uint64_t serial = next_serial();
+  std::atomic<int> untracked_calls{0};
+  std::atomic<bool> said_stray_end{false};
+  static std::uint64_t next_serial() noexcept {
+    static std::atomic<std::uint64_t> last{0};
+    return last.fetch_add(1, std::memory_order_relaxed) + 1;
+  }
+  void call_began_on_this_thread() noexcept {
+    if (!core::ThreadCalls::began(serial)) untracked_calls.fetch_add(1, std::memory_order_relaxed);
+  }
+  // False: this thread holds no call of this manager open (and no untracked one is left).
+  bool call_ended_on_this_thread() noexcept {
+    if (core::ThreadCalls::ended(serial)) return true;
+    int n = untracked_calls.load(std::memory_order_relaxed);
+    while (n > 0 && !untracked_calls.compare_exchange_weak(n, n - 1, std::memory_order_relaxed)) {
+    }
+    return n > 0;
+  }
+
   // Set by create() before any thread that uses them starts; not changed afterwards.
   std::unique_ptr<core::KeepAliveScheduler> scheduler;
   std::optional<PressureWatchId> pressure_watch;
@@ -333,6 +355,7 @@ void Manager::touch(RegionId id) noexcept {
 // Lock-free under a duration or forever while resident; under 0 counted with the lock.
 void Manager::begin_call() noexcept {
   Impl& m = *impl_;
+  m.call_began_on_this_thread();
   if (m.ka.rewires_on_use()) {
     m.ka.call_began();
     if (m.ka.touch()) m.rewire("touch after release");
@@ -346,7 +369,22 @@ void Manager::begin_call() noexcept {
   }
 }
 
+// A stray end (this thread holds no call of this manager open: more ends than begins here) is
+// ignored, whatever other threads hold open; said once per manager.
 void Manager::end_call(void (*synchronize)(void*), void* ctx) noexcept {
+  Impl& m = *impl_;
+  if (m.call_ended_on_this_thread()) return end_counted_call(synchronize, ctx);
+  if (m.said_stray_end.exchange(true, std::memory_order_relaxed)) return;
+  try {
+    m.log(LogLevel::warn,
+          "end_call() on a thread that holds no call of this manager open (more ends than begins there): ignored; a "
+          "call's begin_call() and end_call() belong on one thread (a use scope may end on any; said once)");
+  } catch (...) {
+  }
+}
+
+// The end of a call that was counted: end_call()'s own, or a use scope's from any thread.
+void Manager::end_counted_call(void (*synchronize)(void*), void* ctx) noexcept {
   Impl& m = *impl_;
   if (m.ka.rewires_on_use()) {
     // The use lasted until now: the keep-alive counts from the end of the call.
@@ -392,6 +430,7 @@ UseScope Manager::use(std::function<void()> synchronize) {
   Impl& m = *impl_;
   if (!m.ka.managing()) return UseScope(this, std::move(synchronize), Status());
   begin_call();
+  (void)m.call_ended_on_this_thread();  // the scope holds the call now, and may end it on any thread
   MutexLock g(m.mu);
   return UseScope(this, std::move(synchronize), m.adm.unwired_status());
 }

@@ -3,6 +3,8 @@
 // backend with a ManualClock: what the backend holds during and after calls, under each policy.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <mutex>
 #include <thread>
 
 #include "support/manager_fixture.hpp"
@@ -79,6 +81,53 @@ TEST_F(ManagerTest, UnderZeroTheLastOverlappingCallReleasesAfterSynchronizing) {
   EXPECT_EQ(m->stats().releases, 1u);
   m->end_call();  // a stray end is ignored
   EXPECT_FALSE(fake->is_resident(id));
+}
+
+// Under 0, a stray end_call() on another thread (one that began no call) while a call is in flight
+// is ignored: the memory stays for the call, and the call's own end releases it (before, the stray
+// end took the call's count and released mid-call). Said once. A use scope still ends on any thread.
+TEST_F(ManagerTest, UnderZeroAStrayEndFromAnotherThreadIsIgnoredWhileACallIsInFlight) {
+  auto m = make(with_keep_alive("0"));
+  RegionId id = reg(*m, 8 * MiB);
+  m->begin_call();
+  ASSERT_TRUE(fake->is_resident(id));
+  for (int i = 0; i < 2; ++i) std::thread([&] { m->end_call(); }).join();
+  EXPECT_TRUE(fake->is_resident(id)) << "released by a stray end while the call was in flight";
+  EXPECT_EQ(m->stats().releases, 0u);
+  {
+    std::lock_guard<std::mutex> g(logs.m);
+    EXPECT_EQ(std::count_if(logs.lines.begin(), logs.lines.end(),
+                            [](const auto& l) {
+                              return l.first == LogLevel::warn &&
+                                     l.second.find("end_call() on a thread that holds no call of this manager open") !=
+                                         std::string::npos;
+                            }),
+              1);
+  }
+  advance(1h);
+  m->run_due();
+  EXPECT_TRUE(fake->is_resident(id));
+  m->end_call();  // the call's own end
+  EXPECT_FALSE(fake->is_resident(id));
+  EXPECT_EQ(m->stats().releases, 1u);
+
+  // Two threads' calls overlap: each end is its own thread's, and the last releases.
+  m->begin_call();
+  std::thread other([&] {
+    m->begin_call();
+    m->end_call();
+  });
+  other.join();
+  EXPECT_TRUE(fake->is_resident(id)) << "this thread's call is still open";
+  m->end_call();
+  EXPECT_FALSE(fake->is_resident(id));
+
+  // A use scope begun here and ended on another thread is no stray end.
+  UseScope scope = m->use();
+  EXPECT_TRUE(fake->is_resident(id));
+  std::thread([s = std::move(scope)]() mutable { s = UseScope(); }).join();
+  EXPECT_FALSE(fake->is_resident(id));
+  EXPECT_EQ(m->stats().releases, 3u);
 }
 
 // An access outside a call under 0 (an upload of the input before the decode) wires, and the
