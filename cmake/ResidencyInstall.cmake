@@ -27,7 +27,8 @@ if(NOT _residency_extra_libs)
   set(_residency_extra_libs "")
 endif()
 # The static library's C++ runtime and libm (src/CMakeLists.txt): in Libs, not Libs.private,
-# so that `cc main.c $(pkg-config --cflags --libs residency-static)` links from C.
+# so that `cc main.c $(pkg-config --cflags residency) $(pkg-config --libs residency-static)` links
+# from C (residency-static's Cflags carry -std=c++20, for C++ consumers).
 list(TRANSFORM RESIDENCY_C_LINK_RUNTIME PREPEND "-l" OUTPUT_VARIABLE _residency_runtime_flags)
 list(JOIN _residency_runtime_flags " " RESIDENCY_PC_RUNTIME)
 # Relocatable: the prefix is found from the .pc file's own location.
