@@ -150,6 +150,9 @@ struct Config {
   // src/core/state_file.hpp).
   bool state_file = true;
   CudaBackup cuda_backup = CudaBackup::automatic;  // the preload's CUDA devices only
+  // The preload only: hold the engine's working memory with the model (its libraries' data, the
+  // heap, the stacks its calls ran on, what it mapped inside its calls). RESIDENCY_ENGINE_MEMORY=0.
+  bool engine_memory = true;
   // One budget per GPU, shared by the device managers of every process that names it (the
   // preload's): the ledger of a GPU is NAME.<its UUID>, its SIZE bytes or a percent of that GPU's
   // memory. Empty: GPU memory is not budgeted.

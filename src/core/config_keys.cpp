@@ -43,6 +43,7 @@ void read_flag(const ConfigKey& key, EnvReader& env, Config& c) {
 constexpr char kReleaseOnPressureForms[] = "0 or 1";
 constexpr char kStateFileForms[] = "1 (publish this process's state for `residency stat --pid`, the default) or 0";
 constexpr char kLogTimeForms[] = "0 or 1 (1: each log line carries the local time)";
+constexpr char kEngineMemoryForms[] = "1 (hold the engine's working memory with the model, the default) or 0";
 
 // Keep-alive: ours wins over the aliases; each alias is parsed strictly.
 void read_keep_alive(const ConfigKey& key, EnvReader& env, Config& c) {
@@ -193,6 +194,11 @@ constexpr ConfigKey kKeys[] = {
      "`NAME:SIZE` or `NAME:SIZE:GROUP` as `RESIDENCY_SHARED_BUDGET`, NAME up to 31 characters, SIZE bytes or a "
      "percent of each GPU's memory; the ledger of a GPU is `NAME.GPU-UUID`",
      read_gpu_budget, copy_field<&Config::gpu_budget>},
+    // No C API key: only the preload has an engine whose memory it can tell.
+    {nullptr, "RESIDENCY_ENGINE_MEMORY", {},
+     "the preload only: hold the engine's working memory with the model (its libraries' data, the heap, the stacks "
+     "its calls ran on, what it mapped inside its calls; never the program's own mappings)",
+     "`1` (default) or `0`", read_flag<&Config::engine_memory, kEngineMemoryForms>, copy_field<&Config::engine_memory>},
     // No C API key: the C API's backends are made by residency_backend_create, with their own options.
     {nullptr, "RESIDENCY_CUDA_BACKUP", {},
      "the preload only (CUDA builds): when the pinned host backup of GPU weights is made",

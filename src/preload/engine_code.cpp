@@ -85,7 +85,7 @@ void EngineCode::register_once() noexcept {
     std::string names;
     for (const std::string& o : plan.objects) names += (names.empty() ? "" : ", ") + o;
     std::string line = "engine code: " + format_size(placed) + " in " + std::to_string(plan.ranges.size()) +
-                       " read-only range(s) of " + names + ", held with the model (a decode executes and reads it)";
+                       " read-only range(s) of " + names + ", registered with the model (a decode executes and reads it)";
     if (plan.left_out > 0)
       line += "; " + format_size(plan.left_out) + " of larger read-only segments left out (GPU device code)";
     log_->info(line);

@@ -200,7 +200,7 @@ void EngineMemory::snapshot(const std::vector<Extent>& held, const EngineOwned& 
     std::snprintf(took, sizeof took, "%.2f ms",
                   std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
     std::string line = "engine memory: " + format_size(bytes_) + " in " + std::to_string(runs.size()) +
-                       " range(s) of the heap, the stacks the engine ran on, the memory it mapped and its libraries' data, held with the model (" +
+                       " range(s) of the heap, the stacks the engine ran on, the memory it mapped and its libraries' data, registered with the model (" +
                        why + "; " + took + ")";
     if (found > runs.size()) {
       std::uint64_t kept_bytes = 0;

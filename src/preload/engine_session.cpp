@@ -3,6 +3,7 @@
 
 #include <fcntl.h>
 #include <sys/mman.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -337,9 +338,19 @@ void EngineSession::flush_locked(const char* why, bool model_loaded) noexcept {
     (void)model_loaded;
     if (h->buffers.holds_weights()) h->code.register_once();
     const Stats after = m->stats();
-    if (after.wired_bytes > before.wired_bytes)
-      log_.info("wired " + format_size(after.wired_bytes - before.wired_bytes) + " in " + took_since(t0) + " (" + why +
-                ")");
+    if (after.wired_bytes > before.wired_bytes || after.tracked_bytes > before.tracked_bytes) {
+      // What is really locked: registered is not held when a limit leaves part of it unwired.
+      std::string line = "wired " + format_size(after.wired_bytes - std::min(after.wired_bytes, before.wired_bytes)) +
+                         " in " + took_since(t0) + " (" + why + ")";
+      if (after.pending_bytes > 0) {
+        line += "; " + format_size(after.pending_bytes) + " of the " + format_size(after.tracked_bytes) +
+                " registered is not locked: over the wired limit of " + format_size(after.wired_limit);
+        rlimit lim{};
+        if (::getrlimit(RLIMIT_MEMLOCK, &lim) == 0 && lim.rlim_cur != RLIM_INFINITY)
+          line += " (RLIMIT_MEMLOCK is " + format_size(static_cast<std::uint64_t>(lim.rlim_cur)) + ")";
+      }
+      log_.info(line);
+    }
     // Only for a limit the user set: a limit clamped to RLIMIT_MEMLOCK or over the recommended
     // working set has its own warning from the manager, and so has a full shared budget.
     const Config& c = options_.config;
@@ -458,7 +469,9 @@ void EngineSession::decode_ended(DecodeScope scope, void* ctx) noexcept {
         MutexLock lock(mu_);
         Host* h = active_locked();
         if (h != nullptr && options_.engine_memory && h->buffers.holds_weights() && m->wants_resident()) {
+          snapshotting_.store(true, std::memory_order_release);
           h->memory.snapshot(held_extents_locked(), engine_owned_locked(), n == 1 ? "after a decode" : "after more decodes");
+          snapshotting_.store(false, std::memory_order_release);
           snapshots_.fetch_add(1, std::memory_order_relaxed);
         }
       }

@@ -155,6 +155,11 @@ class EngineSession {
   // the old mapping went through calls no hook sees (glibc's own munmap); what was there is
   // forgotten, so the new mapping is never locked for it.
   void mapped_over(std::uintptr_t begin, std::uintptr_t end) noexcept RESIDENCY_EXCLUDES(mu_);
+  // Lock-free: a snapshot of the engine memory is being taken. A program's new mapping waits for
+  // it to end (wait_for_snapshot): between the snapshot's read of the maps and its locks, an
+  // address the program unmapped and mapped again (a shared file) would be locked for it.
+  bool snapshotting() const noexcept { return snapshotting_.load(std::memory_order_acquire); }
+  void wait_for_snapshot() const noexcept RESIDENCY_EXCLUDES(mu_) { MutexLock lock(mu_); }
   // A private anonymous mapping made inside the engine's calls: the engine's own memory.
   void engine_mapped(std::uintptr_t begin, std::uintptr_t end) noexcept RESIDENCY_EXCLUDES(mu_);
 
@@ -267,6 +272,7 @@ class EngineSession {
   static constexpr std::size_t kMaxStacks = 64;
   std::array<std::atomic<std::uintptr_t>, kMaxStacks> stacks_{};
   std::atomic<bool> said_graph_computes_{false};
+  std::atomic<bool> snapshotting_{false};
   bool warned_unwired_ RESIDENCY_GUARDED_BY(mu_) = false;
 
   std::array<Device, SessionRules::kMaxDevices> devices_{};

@@ -63,6 +63,7 @@ void* map(void* addr, std::size_t len, int prot, int flags, int fd, off64_t off,
   if (in_hook() || forked_child()) return call();
   const bool wanted = SessionRules::may_be_model_file(prot, flags, fd, len);
   EngineSession* s = started_session();
+  if (s != nullptr && s->snapshotting() && !called_from_preload(caller)) s->wait_for_snapshot();
   const auto b = reinterpret_cast<std::uintptr_t>(addr);
   void* r = MAP_FAILED;
   if ((flags & MAP_FIXED) != 0 && s != nullptr && s->tracks(b, page_end(b, len))) {

@@ -138,6 +138,7 @@ EngineSession* make_session(const void* near) noexcept {
           "memory stays unmanaged";
     o.synchronize = &synchronize_context;
     o.machine_has_swap = machine_has_swap();
+    o.engine_memory = config->engine_memory;
     return new EngineSession(std::move(o));
   } catch (...) {
     return nullptr;  // out of memory while starting: pass through

@@ -84,6 +84,7 @@ class EngineSessionTest : public ::testing::Test {
   FakeReader reader;
   LogCapture logs;
   bool host_backend_fails = false;
+  bool engine_memory = true;
   std::vector<int> backends_asked;  // kHost or a device index, in order
 
   std::unique_ptr<EngineSession> make(KeepAlive keep_alive = KeepAlive::after(std::chrono::seconds(10))) {
@@ -105,6 +106,7 @@ class EngineSessionTest : public ::testing::Test {
     o.buffers = &reader;
     o.log = logs.callback();
     o.start_schedulers = false;
+    o.engine_memory = engine_memory;
     return std::make_unique<EngineSession>(std::move(o));
   }
 
@@ -334,6 +336,77 @@ TEST_F(EngineSessionTest, UnderADurationTheEngineMemoryIsSnapshotAfterPowersOfTw
   // The snapshot holds this process's own anonymous memory that is resident (its stack at least).
   EXPECT_GT(s->engine_memory_bytes(), 0u);
   EXPECT_GT(resident_by_class(*host)[RegionClass::scratch], 0u);
+}
+
+TEST_F(EngineSessionTest, WithTheEngineMemorySwitchedOffNoSnapshotIsTaken) {
+  engine_memory = false;
+  auto s = make();
+  Mapping w(kMiB);
+  buffer(*s, w, BufferUsage::weights);
+  s->model_loaded();
+  for (int i = 0; i < 4; ++i) decode(*s);
+  EXPECT_EQ(s->snapshots_taken(), 0u);
+  EXPECT_EQ(s->engine_memory_bytes(), 0u);
+  EXPECT_EQ(resident_by_class(*host)[RegionClass::scratch], 0u);
+}
+
+TEST_F(EngineSessionTest, WhatTheProgramLockedItselfIsNeverRegisteredSoNeverUnlocked) {
+  auto s = make();
+  const std::size_t page = system_page_size();
+  Mapping w(16 * page);
+  buffer(*s, w, BufferUsage::weights);
+  s->context_made();
+  ASSERT_EQ(member_at(*host, w.begin()), 16 * page);
+  // The program locks pages 4-7 itself: the session lets go of them first, keeps the rest.
+  bool called = false;
+  EXPECT_TRUE(s->program_locks(w.begin() + 4 * page, w.begin() + 8 * page, [&] { return called = true; }));
+  EXPECT_TRUE(called);
+  EXPECT_FALSE(any_member_overlaps(*host, w.begin() + 4 * page, w.begin() + 8 * page));
+  EXPECT_EQ(member_at(*host, w.begin()), 4 * page);
+  EXPECT_EQ(member_at(*host, w.begin() + 8 * page), 8 * page);
+  // A later registration (a flush after usage changes) leaves them out too.
+  s->buffer_usage(w.begin(), BufferUsage::any);
+  s->context_made();
+  EXPECT_FALSE(any_member_overlaps(*host, w.begin() + 4 * page, w.begin() + 8 * page));
+  // Once the program unlocks them, they may be held again at the next registration.
+  s->program_unlocked(w.begin() + 4 * page, w.begin() + 8 * page);
+  s->buffer_usage(w.begin(), BufferUsage::weights);
+  s->context_made();
+  EXPECT_EQ(member_at(*host, w.begin()), 16 * page);
+}
+
+TEST_F(EngineSessionTest, WhatTheProgramTakesBackIsLetGoOfBeforeItsCall) {
+  auto s = make();
+  const std::size_t page = system_page_size();
+  Mapping w(16 * page);
+  buffer(*s, w, BufferUsage::weights);
+  s->context_made();
+  // madvise(DONTNEED) of pages 0-3: nothing of them is held while the call runs.
+  const int r = s->program_takes_back(w.begin(), w.begin() + 4 * page, [&] {
+    EXPECT_FALSE(any_member_overlaps(*host, w.begin(), w.begin() + 4 * page));
+    return 0;
+  });
+  EXPECT_EQ(r, 0);
+  EXPECT_FALSE(any_member_overlaps(*host, w.begin(), w.begin() + 4 * page));
+  EXPECT_EQ(member_at(*host, w.begin() + 4 * page), 12 * page);
+  // mlockall: everything is let go of, nothing is held from then on.
+  EXPECT_EQ(s->program_locks_all([] { return 0; }), 0);
+  EXPECT_FALSE(any_member_overlaps(*host, w.begin(), w.end()));
+  Mapping other(kMiB);
+  buffer(*s, other, BufferUsage::weights);
+  s->context_made();
+  EXPECT_FALSE(member_at(*host, other.begin()));
+}
+
+TEST_F(EngineSessionTest, OnlyWhatTheEngineMappedInsideItsCallsIsHeldOfAnonymousMappings) {
+  auto s = make();
+  Mapping w(kMiB), engine(4 * kMiB), program(4 * kMiB);
+  buffer(*s, w, BufferUsage::weights);
+  s->model_loaded();
+  s->engine_mapped(engine.begin(), engine.end());
+  decode(*s);
+  EXPECT_TRUE(any_member_overlaps(*host, engine.begin(), engine.end())) << "mapped inside an engine call";
+  EXPECT_FALSE(any_member_overlaps(*host, program.begin(), program.end())) << "the program's own mapping";
 }
 
 TEST_F(EngineSessionTest, WithoutAModelsWeightsNoSnapshotIsTaken) {
