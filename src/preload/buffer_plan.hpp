@@ -32,9 +32,9 @@ struct Extent {
 struct BufferFacts {
   std::uintptr_t base = 0;
   std::size_t size = 0;
-  bool is_host = false;        // ggml_backend_buft_is_host (false for AMX and CPU_REPACK)
+  bool is_host = false;  // ggml_backend_buft_is_host (false for AMX and CPU_REPACK)
   DeviceKind device = DeviceKind::none;
-  bool from_ptr = false;       // made over memory ggml does not own (ggml_backend_cpu_buffer_from_ptr)
+  bool from_ptr = false;  // made over memory ggml does not own (ggml_backend_cpu_buffer_from_ptr)
   BufferUsage usage = BufferUsage::any;
   std::vector<Extent> tensors;  // from_ptr buffers: where its tensors were placed
 };

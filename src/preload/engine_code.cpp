@@ -21,8 +21,8 @@ std::string_view file_name(std::string_view path) noexcept {
 
 bool is_engine_object(std::string_view path) noexcept {
   const std::string_view name = file_name(path);
-  for (const std::string_view prefix : {"libllama", "libggml", "libgomp", "libresidency_preload", "libstdc++.", "libc.",
-                                        "libc-", "libm.", "libm-"})
+  for (const std::string_view prefix :
+       {"libllama", "libggml", "libgomp", "libresidency_preload", "libstdc++.", "libc.", "libc-", "libm.", "libm-"})
     if (name.substr(0, prefix.size()) == prefix) return true;
   return false;
 }
@@ -85,7 +85,8 @@ void EngineCode::register_once() noexcept {
     std::string names;
     for (const std::string& o : plan.objects) names += (names.empty() ? "" : ", ") + o;
     std::string line = "engine code: " + format_size(placed) + " in " + std::to_string(plan.ranges.size()) +
-                       " read-only range(s) of " + names + ", registered with the model (a decode executes and reads it)";
+                       " read-only range(s) of " + names +
+                       ", registered with the model (a decode executes and reads it)";
     if (plan.left_out > 0)
       line += "; " + format_size(plan.left_out) + " of larger read-only segments left out (GPU device code)";
     log_->info(line);

@@ -117,11 +117,10 @@ MemoryPlan plan_engine_memory(const std::vector<MapsEntry>& maps, const std::vec
   std::vector<Extent> kept;
   for (const MapsEntry& m : maps) {
     std::vector<Extent> parts;  // of this mapping, the engine's
-    if (is_engine_data(m) || (is_private_anonymous(m) && ((owned.heap && m.path == "[heap]") ||
-                                                          holds_a_point(m, owned.stack_points))))
+    if (is_engine_data(m) ||
+        (is_private_anonymous(m) && ((owned.heap && m.path == "[heap]") || holds_a_point(m, owned.stack_points))))
       parts.push_back({m.begin, m.end});
-    else if (is_private_anonymous(m))
-      parts = intersect(m.begin, m.end, owned.made);
+    else if (is_private_anonymous(m)) parts = intersect(m.begin, m.end, owned.made);
     if (parts.empty()) continue;
     // Minus what is held, in whole pages; a mapping over the cap is left out, but for what is held
     // of it (a repacked copy of the weights).
@@ -139,8 +138,8 @@ MemoryPlan plan_engine_memory(const std::vector<MapsEntry>& maps, const std::vec
   return plan;
 }
 
-std::vector<Extent> resident_runs(const Extent& range, const std::vector<unsigned char>& resident, std::size_t page_size,
-                                  std::size_t max_gap) {
+std::vector<Extent> resident_runs(const Extent& range, const std::vector<unsigned char>& resident,
+                                  std::size_t page_size, std::size_t max_gap) {
   std::vector<Extent> runs;
   const std::size_t pages = std::min<std::size_t>(resident.size(), (range.end - range.begin) / page_size);
   for (std::size_t i = 0; i < pages;) {
@@ -151,10 +150,8 @@ std::vector<Extent> resident_runs(const Extent& range, const std::vector<unsigne
     std::size_t j = i;
     while (j < pages && (resident[j] & 1U) != 0) ++j;
     const Extent run{range.begin + i * page_size, range.begin + j * page_size};
-    if (!runs.empty() && run.begin - runs.back().end <= max_gap * page_size)
-      runs.back().end = run.end;
-    else
-      runs.push_back(run);
+    if (!runs.empty() && run.begin - runs.back().end <= max_gap * page_size) runs.back().end = run.end;
+    else runs.push_back(run);
     i = j;
   }
   return runs;
@@ -200,7 +197,8 @@ void EngineMemory::snapshot(const std::vector<Extent>& held, const EngineOwned& 
     std::snprintf(took, sizeof took, "%.2f ms",
                   std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
     std::string line = "engine memory: " + format_size(bytes_) + " in " + std::to_string(runs.size()) +
-                       " range(s) of the heap, the stacks the engine ran on, the memory it mapped and its libraries' data, registered with the model (" +
+                       " range(s) of the heap, the stacks the engine ran on, the memory it mapped and its libraries' "
+                       "data, registered with the model (" +
                        why + "; " + took + ")";
     if (found > runs.size()) {
       std::uint64_t kept_bytes = 0;
@@ -208,12 +206,11 @@ void EngineMemory::snapshot(const std::vector<Extent>& held, const EngineOwned& 
       line += "; " + std::to_string(found - runs.size()) + " larger range(s), " + format_size(found_bytes - kept_bytes) +
               ", left out (at most " + std::to_string(kMaxRuns) + " ranges and " + format_size(kMaxBytes) + ")";
     }
-    if (plan.left_out > 0) line += "; " + format_size(plan.left_out) + " of anonymous mappings over " + format_size(kMaxMapping) +
-                                         " left out";
-    if (said_)
-      log_->debug(line);
-    else
-      log_->info(line);
+    if (plan.left_out > 0)
+      line += "; " + format_size(plan.left_out) + " of anonymous mappings over " + format_size(kMaxMapping) +
+              " left out";
+    if (said_) log_->debug(line);
+    else log_->info(line);
     said_ = true;
   } catch (...) {
     // Out of memory: what was registered stays.

@@ -72,8 +72,8 @@ MemoryPlan plan_engine_memory(const std::vector<MapsEntry>& maps, const std::vec
 
 // Pure: the runs of resident pages of `range` (bit 0 of resident[i]: page i is in memory, as
 // mincore says), two runs at most max_gap pages apart merged (mlock faults the gap in).
-std::vector<Extent> resident_runs(const Extent& range, const std::vector<unsigned char>& resident, std::size_t page_size,
-                                  std::size_t max_gap);
+std::vector<Extent> resident_runs(const Extent& range, const std::vector<unsigned char>& resident,
+                                  std::size_t page_size, std::size_t max_gap);
 
 // Pure: what of `runs` (sorted) to hold under both caps, at most max_runs runs and max_bytes in
 // all, smallest first (stacks and the allocator's small chunks before bulk data: a runtime's

@@ -119,7 +119,8 @@ std::unique_ptr<Manager> EngineSession::start_manager(int where) {
 
 EngineSession::Host* EngineSession::host_locked() {
   if (host_state_ == Side::active) return host_parts_.get();
-  if (host_state_ == Side::pass_through || program_locks_all_ || forked_.load(std::memory_order_relaxed)) return nullptr;
+  if (host_state_ == Side::pass_through || program_locks_all_ || forked_.load(std::memory_order_relaxed))
+    return nullptr;
   host_state_ = Side::pass_through;  // unless everything below works
   if (!options_.host_unavailable.empty() || options_.buffers == nullptr) {
     log_.warn(options_.host_unavailable + kWithout);
@@ -426,8 +427,9 @@ void EngineSession::note_stack(std::uintptr_t stack) noexcept {
 
 void EngineSession::decodes_seen_as_graph_computes() noexcept {
   if (said_graph_computes_.exchange(true)) return;
-  log_.info("llama_decode is called past the preload (a pointer from dlsym, as ctypes bindings do): ggml's graph "
-            "computes count as the engine's calls instead");
+  log_.info(
+      "llama_decode is called past the preload (a pointer from dlsym, as ctypes bindings do): ggml's graph "
+      "computes count as the engine's calls instead");
 }
 
 EngineSession::DecodeScope EngineSession::decode_began(std::uintptr_t stack) noexcept {
@@ -470,7 +472,8 @@ void EngineSession::decode_ended(DecodeScope scope, void* ctx) noexcept {
         Host* h = active_locked();
         if (h != nullptr && options_.engine_memory && h->buffers.holds_weights() && m->wants_resident()) {
           snapshotting_.store(true, std::memory_order_release);
-          h->memory.snapshot(held_extents_locked(), engine_owned_locked(), n == 1 ? "after a decode" : "after more decodes");
+          h->memory.snapshot(held_extents_locked(), engine_owned_locked(),
+                             n == 1 ? "after a decode" : "after more decodes");
           snapshotting_.store(false, std::memory_order_release);
           snapshots_.fetch_add(1, std::memory_order_relaxed);
         }

@@ -62,24 +62,23 @@ class EngineSession {
   static constexpr int kHost = -1;
   // The backend for the host (where == kHost: the posix backend in the preload, which locks) or
   // for GPU `where` (the cuda backend; `device_config` is Config::for_device_memory()).
-  using BackendFactory =
-      std::function<Result<std::shared_ptr<Backend>>(int where, const Config& device_config)>;
+  using BackendFactory = std::function<Result<std::shared_ptr<Backend>>(int where, const Config& device_config)>;
   // llama_synchronize(ctx) behind the preload: what a manager waits on under keep-alive 0.
   using SynchronizeFn = void (*)(void* ctx);
 
   struct Options {
-    Config config;                     // RESIDENCY_* as read at start-up
-    BackendFactory backends;           // required
-    Clock* clock = nullptr;            // required; must outlive the session
+    Config config;                          // RESIDENCY_* as read at start-up
+    BackendFactory backends;                // required
+    Clock* clock = nullptr;                 // required; must outlive the session
     const BufferReader* buffers = nullptr;  // ggml's answers about its buffers (required for the host side)
     SynchronizeFn synchronize = nullptr;
-    SessionLog::Sink log;              // default: stderr
+    SessionLog::Sink log;  // default: stderr
     // Why llama.cpp's host buffers cannot be followed (ggml is not a shared library here), said
     // once when the host side would start; empty: they can.
     std::string host_unavailable;
-    bool machine_has_swap = true;      // false: repacked weights under pressure get a warning
-    bool start_schedulers = true;      // false: managers run nothing on their own (tests)
-    bool engine_memory = true;         // false: no snapshot of the engine's working memory
+    bool machine_has_swap = true;  // false: repacked weights under pressure get a warning
+    bool start_schedulers = true;  // false: managers run nothing on their own (tests)
+    bool engine_memory = true;     // false: no snapshot of the engine's working memory
   };
 
   explicit EngineSession(Options options);
@@ -235,8 +234,8 @@ class EngineSession {
   std::unique_ptr<Manager> start_manager(int where) RESIDENCY_REQUIRES(mu_);
   Host* host_locked() RESIDENCY_REQUIRES(mu_);  // started on first need; null: pass through
   Manager* device_locked(int device) RESIDENCY_REQUIRES(mu_);
-  Host* active_host() const noexcept;                       // lock-free
-  Host* active_locked() const RESIDENCY_REQUIRES(mu_);      // without starting it
+  Host* active_host() const noexcept;                   // lock-free
+  Host* active_locked() const RESIDENCY_REQUIRES(mu_);  // without starting it
   Cuts cut_locked(std::uintptr_t begin, std::uintptr_t end) noexcept RESIDENCY_REQUIRES(mu_);
   void after_unmap_locked(const Cuts& cut, std::uintptr_t begin, std::uintptr_t end, bool gone) noexcept
       RESIDENCY_REQUIRES(mu_);
@@ -277,7 +276,7 @@ class EngineSession {
 
   std::array<Device, SessionRules::kMaxDevices> devices_{};
   std::vector<std::unique_ptr<Manager>> device_owners_ RESIDENCY_GUARDED_BY(mu_);
-  std::atomic<int> active_devices_{0};  // hooks skip the device table while 0
+  std::atomic<int> active_devices_{0};                               // hooks skip the device table while 0
   std::unordered_map<void*, int> routed_ RESIDENCY_GUARDED_BY(mu_);  // routed pointer -> device
   bool warned_device_refusal_ RESIDENCY_GUARDED_BY(mu_) = false;
 

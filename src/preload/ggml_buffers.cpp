@@ -64,7 +64,8 @@ void GgmlBuffers::remember_from_ptr(BufferId b) noexcept {
   for (std::size_t i = 0; i < kMaxFromPtr; ++i) {
     BufferId expected = 0;
     if (from_ptr_[i].compare_exchange_strong(expected, b, std::memory_order_acq_rel)) {
-      if (from_ptr_used_.load(std::memory_order_relaxed) < i + 1) from_ptr_used_.store(i + 1, std::memory_order_release);
+      if (from_ptr_used_.load(std::memory_order_relaxed) < i + 1)
+        from_ptr_used_.store(i + 1, std::memory_order_release);
       return;
     }
   }
@@ -108,7 +109,8 @@ void GgmlBuffers::freeing(BufferId b) noexcept {
 }
 
 bool GgmlBuffers::holds_weights() const noexcept {
-  return std::any_of(buffers_.begin(), buffers_.end(), [](const auto& kv) { return kv.second.facts.usage == BufferUsage::weights; });
+  return std::any_of(buffers_.begin(), buffers_.end(),
+                     [](const auto& kv) { return kv.second.facts.usage == BufferUsage::weights; });
 }
 
 GgmlBuffers::Registered GgmlBuffers::register_buffer(BufferId b, Tracked& t) {
@@ -131,17 +133,19 @@ GgmlBuffers::Registered GgmlBuffers::register_buffer(BufferId b, Tracked& t) {
   if (t.facts.from_ptr) {
     line += ": its " + std::to_string(t.facts.tensors.size()) + " tensor(s), " + format_size(placed) + " in " +
             std::to_string(plan.ranges.size()) + " range(s)";
-    if (placed + system_page_size() < t.facts.size) line += "; the rest of its range is other buffers' tensors' file pages, not wired";
+    if (placed + system_page_size() < t.facts.size)
+      line += "; the rest of its range is other buffers' tensors' file pages, not wired";
   }
   if (placed < plan.registered_bytes) line += " (" + format_size(plan.registered_bytes - placed) + " left unmanaged)";
   log_->debug(line);
   if (pressure_without_swap_ && !warned_anonymous_weights_ && !t.facts.from_ptr && plan.cls == RegionClass::weights &&
       placed >= (std::size_t{64} << 20)) {
     warned_anonymous_weights_ = true;
-    log_->warn("llama.cpp copied " + format_size(placed) + " of the model's weights into a " + type_name +
-          " buffer (anonymous memory) and this machine has no swap: releasing them under memory pressure frees nothing "
-          "(anonymous pages can only be reclaimed to swap). To let pressure take the model back, keep the weights in "
-          "the page cache: llama.cpp's --no-repack (-nr; use_extra_bufts = false), or add swap");
+    log_->warn(
+        "llama.cpp copied " + format_size(placed) + " of the model's weights into a " + type_name +
+        " buffer (anonymous memory) and this machine has no swap: releasing them under memory pressure frees nothing "
+        "(anonymous pages can only be reclaimed to swap). To let pressure take the model back, keep the weights in "
+        "the page cache: llama.cpp's --no-repack (-nr; use_extra_bufts = false), or add swap");
   }
   return Registered{plan.cls, type_name, placed};
 }
@@ -188,7 +192,8 @@ void GgmlBuffers::flush() noexcept {
       parts.emplace_back(r.cls, std::make_pair(std::move(r.type), r.bytes));
     }
     if (count > 0)
-      log_->info("registered " + std::to_string(count) + (count == 1 ? " buffer: " : " buffers: ") + by_class_and_type(parts));
+      log_->info("registered " + std::to_string(count) + (count == 1 ? " buffer: " : " buffers: ") +
+                 by_class_and_type(parts));
   } catch (...) {
     // Out of memory while logging: what was registered stays registered.
   }

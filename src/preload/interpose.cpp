@@ -8,8 +8,8 @@
 #include <unistd.h>
 
 #include <atomic>
-#include <cstdarg>
 #include <cerrno>
+#include <cstdarg>
 #include <cstddef>
 #include <cstdint>
 #include <string>
@@ -162,7 +162,8 @@ int device_malloc(void** ptr, std::size_t size, const void* caller) noexcept {
   if (next == nullptr) return kCudaErrorInitialization;  // no CUDA runtime behind the preload
   if (in_hook() || ptr == nullptr || size < SessionRules::kMinRoutedDeviceBytes || forked_child())
     return next(ptr, size);
-  const CudaGetDeviceFn get_device = resolve_next(device_cache, device_warned, "cudaGetDevice", reinterpret_cast<const void*>(next));
+  const CudaGetDeviceFn get_device = resolve_next(device_cache, device_warned, "cudaGetDevice",
+                                                  reinterpret_cast<const void*>(next));
   int dev = -1;
   if (get_device == nullptr || get_device(&dev) != kCudaSuccess) return next(ptr, size);
   EngineSession::DeviceAllocation a;
@@ -236,9 +237,7 @@ int program_locks(const void* addr, std::size_t len, const void* caller, Call ca
 // The program's own memory calls: what the session holds there is let go of first (so the call
 // does what it would without the preload); the preload's own calls (the residency library's mlock
 // and munlock) pass straight through.
-bool program_call(const void* caller) noexcept {
-  return !in_hook() && !forked_child() && !called_from_preload(caller);
-}
+bool program_call(const void* caller) noexcept { return !in_hook() && !forked_child() && !called_from_preload(caller); }
 
 // Advice that fails or does nothing on locked pages, and means the program is done with them.
 bool takes_back(int advice) noexcept {
@@ -253,10 +252,8 @@ bool takes_back(int advice) noexcept {
 #ifdef MADV_COLD
     case MADV_COLD:
 #endif
-    case MADV_REMOVE:
-      return true;
-    default:
-      return false;
+    case MADV_REMOVE: return true;
+    default: return false;
   }
 }
 
@@ -303,15 +300,15 @@ namespace rp = residency::preload;
 
 // A ggml function, forwarded to libggml's definition after `before` (a statement) ran; with no
 // definition behind the preload there is nothing to forward to, and `fallback` is returned.
-#define RESIDENCY_GGML_HOOK(ret, name, params, args, fallback, before)   \
-  RESIDENCY_PRELOAD_EXPORT ret name params {                             \
-    using Fn = ret(*) params;                                            \
-    static std::atomic<Fn> cache{nullptr};                               \
-    static std::atomic<bool> warned{false};                              \
+#define RESIDENCY_GGML_HOOK(ret, name, params, args, fallback, before)                   \
+  RESIDENCY_PRELOAD_EXPORT ret name params {                                             \
+    using Fn = ret(*) params;                                                            \
+    static std::atomic<Fn> cache{nullptr};                                               \
+    static std::atomic<bool> warned{false};                                              \
     const Fn next = rp::resolve_next(cache, warned, #name, __builtin_return_address(0)); \
-    if (next == nullptr) return fallback;                                \
-    before;                                                              \
-    return next args;                                                    \
+    if (next == nullptr) return fallback;                                                \
+    before;                                                                              \
+    return next args;                                                                    \
   }
 // An entry point that may read or write backend memory: device memory is woken first.
 #define RESIDENCY_GGML_ACCESS(ret, name, params, args, fallback) \
@@ -361,9 +358,10 @@ RESIDENCY_PRELOAD_EXPORT void* mremap(void* old_addr, std::size_t old_size, std:
   }
   const rp::MremapFn next = rp::next_mremap();
   auto call = [&]() noexcept {
-    if (next == nullptr) return reinterpret_cast<void*>(::syscall(SYS_mremap, old_addr, old_size, new_size, flags, new_addr));
+    if (next == nullptr)
+      return reinterpret_cast<void*>(::syscall(SYS_mremap, old_addr, old_size, new_size, flags, new_addr));
     return (flags & MREMAP_FIXED) != 0 ? next(old_addr, old_size, new_size, flags, new_addr)
-                                        : next(old_addr, old_size, new_size, flags);
+                                       : next(old_addr, old_size, new_size, flags);
   };
   // A locked mapping moved or grown stays locked, and the kernel populates all of it: what the
   // session held of it is let go of first.
@@ -428,18 +426,14 @@ RESIDENCY_PRELOAD_EXPORT int cudaMalloc(void** ptr, std::size_t size) {
 RESIDENCY_PRELOAD_EXPORT int cudaFree(void* ptr) { return rp::device_free(ptr, __builtin_return_address(0)); }
 
 RESIDENCY_GGML_ACCESS(void, ggml_backend_tensor_set,
-                      (struct ggml_tensor * t, const void* data, size_t offset, size_t size),
-                      (t, data, offset, size), )
+                      (struct ggml_tensor * t, const void* data, size_t offset, size_t size), (t, data, offset, size), )
 RESIDENCY_GGML_ACCESS(void, ggml_backend_tensor_get,
-                      (const struct ggml_tensor* t, void* data, size_t offset, size_t size),
-                      (t, data, offset, size), )
+                      (const struct ggml_tensor* t, void* data, size_t offset, size_t size), (t, data, offset, size), )
 RESIDENCY_GGML_ACCESS(void, ggml_backend_tensor_set_2d,
-                      (struct ggml_tensor * t, const void* data, size_t offset, size_t size, size_t n, size_t st,
-                       size_t sd),
+                      (struct ggml_tensor * t, const void* data, size_t offset, size_t size, size_t n, size_t st, size_t sd),
                       (t, data, offset, size, n, st, sd), )
 RESIDENCY_GGML_ACCESS(void, ggml_backend_tensor_get_2d,
-                      (const struct ggml_tensor* t, void* data, size_t offset, size_t size, size_t n, size_t st,
-                       size_t sd),
+                      (const struct ggml_tensor* t, void* data, size_t offset, size_t size, size_t n, size_t st, size_t sd),
                       (t, data, offset, size, n, st, sd), )
 RESIDENCY_GGML_ACCESS(void, ggml_backend_tensor_memset,
                       (struct ggml_tensor * t, uint8_t value, size_t offset, size_t size), (t, value, offset, size), )
@@ -450,29 +444,27 @@ RESIDENCY_GGML_ACCESS(void, ggml_backend_tensor_get_async,
                       (ggml_backend_t b, const struct ggml_tensor* t, void* data, size_t offset, size_t size),
                       (b, t, data, offset, size), )
 RESIDENCY_GGML_ACCESS(void, ggml_backend_tensor_set_2d_async,
-                      (ggml_backend_t b, struct ggml_tensor* t, const void* data, size_t offset, size_t size,
-                       size_t n, size_t st, size_t sd),
+                      (ggml_backend_t b, struct ggml_tensor* t, const void* data, size_t offset, size_t size, size_t n,
+                       size_t st, size_t sd),
                       (b, t, data, offset, size, n, st, sd), )
 RESIDENCY_GGML_ACCESS(void, ggml_backend_tensor_get_2d_async,
-                      (ggml_backend_t b, const struct ggml_tensor* t, void* data, size_t offset, size_t size,
-                       size_t n, size_t st, size_t sd),
+                      (ggml_backend_t b, const struct ggml_tensor* t, void* data, size_t offset, size_t size, size_t n,
+                       size_t st, size_t sd),
                       (b, t, data, offset, size, n, st, sd), )
-RESIDENCY_GGML_ACCESS(void, ggml_backend_tensor_copy, (const struct ggml_tensor* src, struct ggml_tensor* dst),
-                      (src, dst), )
+RESIDENCY_GGML_ACCESS(void, ggml_backend_tensor_copy, (const struct ggml_tensor* src, struct ggml_tensor* dst), (src, dst), )
 RESIDENCY_GGML_ACCESS(void, ggml_backend_tensor_copy_async,
                       (ggml_backend_t bs, ggml_backend_t bd, const struct ggml_tensor* src, struct ggml_tensor* dst),
                       (bs, bd, src, dst), )
-RESIDENCY_GGML_ACCESS(void, ggml_backend_buffer_clear, (ggml_backend_buffer_t buffer, uint8_t value),
-                      (buffer, value), )
+RESIDENCY_GGML_ACCESS(void, ggml_backend_buffer_clear, (ggml_backend_buffer_t buffer, uint8_t value), (buffer, value), )
 // A graph compute: the engine's call itself where llama_decode went past the preload.
-#define RESIDENCY_GGML_COMPUTE(name, params, args)                                              \
-  RESIDENCY_PRELOAD_EXPORT enum ggml_status name params {                                     \
-    using Fn = enum ggml_status(*) params;                                                    \
-    static std::atomic<Fn> cache{nullptr};                                                    \
-    static std::atomic<bool> warned{false};                                                   \
-    const Fn next = rp::resolve_next(cache, warned, #name, __builtin_return_address(0));     \
-    if (next == nullptr) return GGML_STATUS_FAILED;                                           \
-    return rp::graph_compute([&]() noexcept { return next args; });                           \
+#define RESIDENCY_GGML_COMPUTE(name, params, args)                                       \
+  RESIDENCY_PRELOAD_EXPORT enum ggml_status name params {                                \
+    using Fn = enum ggml_status(*) params;                                               \
+    static std::atomic<Fn> cache{nullptr};                                               \
+    static std::atomic<bool> warned{false};                                              \
+    const Fn next = rp::resolve_next(cache, warned, #name, __builtin_return_address(0)); \
+    if (next == nullptr) return GGML_STATUS_FAILED;                                      \
+    return rp::graph_compute([&]() noexcept { return next args; });                      \
   }
 RESIDENCY_GGML_COMPUTE(ggml_backend_graph_compute, (ggml_backend_t b, struct ggml_cgraph* g), (b, g))
 RESIDENCY_GGML_COMPUTE(ggml_backend_graph_compute_async, (ggml_backend_t b, struct ggml_cgraph* g), (b, g))
@@ -480,14 +472,13 @@ RESIDENCY_GGML_COMPUTE(ggml_backend_sched_graph_compute, (ggml_backend_sched_t s
 RESIDENCY_GGML_COMPUTE(ggml_backend_sched_graph_compute_async, (ggml_backend_sched_t s, struct ggml_cgraph* g), (s, g))
 
 // llama.cpp's buffers (ggml_buffers.hpp): made, placed in, marked, freed.
-#define RESIDENCY_NEXT(name)                                              \
-  static std::atomic<decltype(&name)> cache{nullptr};                   \
-  static std::atomic<bool> warned{false};                               \
-  const void* const caller = __builtin_return_address(0);              \
+#define RESIDENCY_NEXT(name)                              \
+  static std::atomic<decltype(&name)> cache{nullptr};     \
+  static std::atomic<bool> warned{false};                 \
+  const void* const caller = __builtin_return_address(0); \
   const auto next = rp::resolve_next(cache, warned, #name, caller)
 
-RESIDENCY_PRELOAD_EXPORT ggml_backend_buffer_t ggml_backend_buft_alloc_buffer(ggml_backend_buffer_type_t buft,
-                                                                              size_t size) {
+RESIDENCY_PRELOAD_EXPORT ggml_backend_buffer_t ggml_backend_buft_alloc_buffer(ggml_backend_buffer_type_t buft, size_t size) {
   RESIDENCY_NEXT(ggml_backend_buft_alloc_buffer);
   if (next == nullptr) return nullptr;
   ggml_backend_buffer_t b = next(buft, size);
@@ -503,9 +494,8 @@ RESIDENCY_PRELOAD_EXPORT ggml_backend_buffer_t ggml_backend_cpu_buffer_from_ptr(
   return b;
 }
 
-RESIDENCY_PRELOAD_EXPORT ggml_backend_buffer_t ggml_backend_dev_buffer_from_host_ptr(ggml_backend_dev_t device,
-                                                                                     void* ptr, size_t size,
-                                                                                     size_t max_tensor_size) {
+RESIDENCY_PRELOAD_EXPORT ggml_backend_buffer_t ggml_backend_dev_buffer_from_host_ptr(ggml_backend_dev_t device, void* ptr,
+                                                                                     size_t size, size_t max_tensor_size) {
   RESIDENCY_NEXT(ggml_backend_dev_buffer_from_host_ptr);
   if (next == nullptr) return nullptr;
   ggml_backend_buffer_t b = next(device, ptr, size, max_tensor_size);
@@ -583,8 +573,7 @@ RESIDENCY_PRELOAD_EXPORT llama_context* llama_init_from_model(llama_model* model
 }
 
 RESIDENCY_GGML_COMPUTE_ALLOC(bool, ggml_gallocr_reserve_n,
-                             (ggml_gallocr_t galloc, struct ggml_cgraph* graph, const int* node_ids,
-                              const int* leaf_ids),
+                             (ggml_gallocr_t galloc, struct ggml_cgraph* graph, const int* node_ids, const int* leaf_ids),
                              (galloc, graph, node_ids, leaf_ids), false)
 RESIDENCY_GGML_COMPUTE_ALLOC(bool, ggml_gallocr_alloc_graph, (ggml_gallocr_t galloc, struct ggml_cgraph* graph),
                              (galloc, graph), false)

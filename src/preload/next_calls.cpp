@@ -127,7 +127,8 @@ void* find_anywhere(const char* name) noexcept {
   ::dl_iterate_phdr(
       [](dl_phdr_info* info, std::size_t, void* data) -> int {
         auto& v = *static_cast<Names*>(data);
-        if (info->dlpi_name != nullptr && info->dlpi_name[0] != '\0' && v.n < kMaxObjects) v.path[v.n++] = info->dlpi_name;
+        if (info->dlpi_name != nullptr && info->dlpi_name[0] != '\0' && v.n < kMaxObjects)
+          v.path[v.n++] = info->dlpi_name;
         return 0;
       },
       &names);

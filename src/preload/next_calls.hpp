@@ -57,10 +57,8 @@ template <class Fn>
 Fn resolve_next(std::atomic<Fn>& cache, std::atomic<bool>& warned, const char* name, const void* near) noexcept {
   if (Fn f = cache.load(std::memory_order_acquire)) return f;
   Fn f = reinterpret_cast<Fn>(resolve_symbol(name, near));
-  if (f != nullptr)
-    cache.store(f, std::memory_order_release);
-  else if (!resolving_now() && !warned.exchange(true))
-    warn_unresolved(name);
+  if (f != nullptr) cache.store(f, std::memory_order_release);
+  else if (!resolving_now() && !warned.exchange(true)) warn_unresolved(name);
   return f;
 }
 

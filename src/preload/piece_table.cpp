@@ -54,7 +54,7 @@ bool PieceTable::add_one(std::uintptr_t begin, std::uintptr_t end, RegionClass c
       if (!warned_full_) {
         warned_full_ = true;
         log_->warn("more than " + std::to_string(kMaxPieces) + " pieces of " + what_ +
-              " at once; the ones made from now on stay unmanaged");
+                   " at once; the ones made from now on stay unmanaged");
       }
       return false;
     }

@@ -167,8 +167,9 @@ bool forked_child() noexcept { return g_forked.load(std::memory_order_relaxed); 
 
 void warn_unresolved(const char* name) noexcept {
   try {
-    warn(std::string(name) + " was called through the preload, but no loaded library defines it; the preload "
-                             "returns an error for it");
+    warn(std::string(name) +
+         " was called through the preload, but no loaded library defines it; the preload "
+         "returns an error for it");
   } catch (...) {
   }
 }

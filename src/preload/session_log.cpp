@@ -16,10 +16,8 @@ void SessionLog::write(LogLevel level, const std::string& message) const noexcep
   if (!enabled(level)) return;
   try {
     const std::string line = "preload: " + one_line(message);
-    if (sink_)
-      sink_(level, line);
-    else
-      log_to_stderr(level, line, with_time_);
+    if (sink_) sink_(level, line);
+    else log_to_stderr(level, line, with_time_);
   } catch (...) {
   }
 }
@@ -29,10 +27,8 @@ LogCallback SessionLog::for_manager(std::string prefix) const {
                                                                                        std::string_view message) {
     if (l > level) return;
     const std::string line = prefix + std::string(message);
-    if (sink)
-      sink(l, line);
-    else
-      log_to_stderr(l, line, time);
+    if (sink) sink(l, line);
+    else log_to_stderr(l, line, time);
   };
 }
 

@@ -123,7 +123,7 @@ class HostTest : public ::testing::Test {
       for (std::size_t i = 0; i < got.size(); ++i) {
         EXPECT_EQ(got[i].tokens, base[i].tokens) << "round " << i;
         EXPECT_GE(got[i].locked_while_generating_kb * 1024, 90 * kMiB) << "round " << i << ": the model locked\n"
-                                                                         << with.err;
+                                                                       << with.err;
         EXPECT_EQ(got[i].locked_after_idle_kb, 0u) << "round " << i << ": released while idle\n" << with.err;
       }
     }
@@ -136,8 +136,9 @@ std::string HostTest::dir_, HostTest::model_, HostTest::setup_error_;
 TEST_F(HostTest, NodeLlamaCppFromNpmLoadsGeneratesIdlesAndGeneratesAgain) {
   const std::string dir = NODE_LLAMA_CPP_DIR;
   if (dir.empty() || !std::filesystem::exists(dir + "/node_modules/node-llama-cpp"))
-    RESIDENCY_SKIP_OR_FAIL_IN_CI("node-llama-cpp is not installed (scripts/node-llama-cpp; configure with "
-                                 "-DRESIDENCY_NODE_LLAMA_CPP_DIR=its output)");
+    RESIDENCY_SKIP_OR_FAIL_IN_CI(
+        "node-llama-cpp is not installed (scripts/node-llama-cpp; configure with "
+        "-DRESIDENCY_NODE_LLAMA_CPP_DIR=its output)");
   expect_managed_like_without({NODE_PATH, HOSTS_DIR "/node_host.mjs", dir, model_, std::to_string(kRounds),
                                std::to_string(kIdleMs)},
                               "node");

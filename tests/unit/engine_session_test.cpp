@@ -285,10 +285,8 @@ TEST_F(EngineSessionTest, AFileBackedBufferHoldsItsTensorsPagesAndTheUnreadPages
   for (std::size_t i = 0; i < pages; ++i) {
     const bool read = (i >= 64 && i < 128) || (i >= 320 && i < 384);
     if ((vec[i] & 1U) == 0) continue;
-    if (read)
-      ++read_resident;
-    else
-      ++unread_resident;
+    if (read) ++read_resident;
+    else ++unread_resident;
   }
   EXPECT_EQ(read_resident, 128u);
   EXPECT_EQ(unread_resident, 0u) << "pages no buffer reads stay in memory";
