@@ -24,9 +24,13 @@ namespace residency::preload {
 
 namespace {
 
+// An address in this copy (a function of internal linkage: never bound to another copy's symbol,
+// as a reference to residency_preload_instance itself would be).
+void this_copy_marker() noexcept {}
+
 bool is_this_copy(const void* p) noexcept {
   Dl_info a{}, b{};
-  return ::dladdr(p, &a) != 0 && ::dladdr(reinterpret_cast<const void*>(&residency_preload_instance), &b) != 0 &&
+  return ::dladdr(p, &a) != 0 && ::dladdr(reinterpret_cast<const void*>(&this_copy_marker), &b) != 0 &&
          a.dli_fbase == b.dli_fbase;
 }
 
@@ -106,7 +110,7 @@ EngineSession* make_session(const void* near) noexcept {
     // charge the process twice to a shared budget: only the first copy in the lookup order works.
     if (const void* first = ::dlsym(RTLD_DEFAULT, "residency_preload_instance"); first != nullptr && !is_this_copy(first)) {
       Dl_info mine{}, theirs{};
-      ::dladdr(reinterpret_cast<const void*>(&residency_preload_instance), &mine);
+      ::dladdr(reinterpret_cast<const void*>(&this_copy_marker), &mine);
       ::dladdr(first, &theirs);
       log.warn(std::string("a second copy of the preload is loaded (") + (mine.dli_fname ? mine.dli_fname : "?") +
                ", besides " + (theirs.dli_fname ? theirs.dli_fname : "?") + "); this copy stays out of the way");

@@ -171,6 +171,30 @@ TEST_F(HostTest, TheProgramsOwnMemoryIsNeverHeldItsCallsWorkAndItsLocksStay) {
   EXPECT_EQ(v["vm_lck_after_idle_kb"], "16384") << "after the release only the program's own lock is left";
 }
 
+// The preload loaded twice, from two paths: one manager, one charge to a shared budget; the second
+// copy says so once and stays out of the way.
+TEST_F(HostTest, ASecondCopyOfThePreloadStaysInert) {
+  const std::string copy = dir_ + "/libresidency_preload_copy.so";
+  std::filesystem::copy_file(PRELOAD_PATH, copy, std::filesystem::copy_options::overwrite_existing);
+  ChildSpec s;
+  s.argv = {OWN_MEMORY_PATH, model_, "100"};
+  s.drop_env_prefixes = {"RESIDENCY_", "LD_PRELOAD"};
+  s.env = {std::string("LD_PRELOAD=") + PRELOAD_PATH + ":" + copy, "RESIDENCY_KEEP_ALIVE=1s", "RESIDENCY_LOG=info"};
+  s.stderr_path = dir_ + "/twice.err";
+  ChildProcess c(s);
+  ASSERT_TRUE(c.started());
+  ASSERT_EQ(c.finish(300), 0) << c.stdout_text() << c.stderr_text();
+  const std::string err = c.stderr_text();
+  std::size_t managers = 0;
+  for (std::size_t p = err.find("creating a residency set collection"); p != std::string::npos;
+       p = err.find("creating a residency set collection", p + 1))
+    ++managers;
+  EXPECT_EQ(managers, 1u) << err;
+  EXPECT_NE(err.find("a second copy of the preload is loaded"), std::string::npos) << err;
+  auto v = values_of(c.stdout_text());
+  EXPECT_GE(std::stoull(v["model_locked_kb"]) * 1024, 90 * kMiB) << "the first copy manages the model\n" << err;
+}
+
 // llama.cpp's mlock load mode (llama-server --mlock): llama.cpp locks the model itself, and the
 // preload's release after the keep-alive must not unlock it.
 TEST_F(HostTest, LlamaCppsOwnMlockModeKeepsTheModelLockedThroughTheKeepAlive) {
