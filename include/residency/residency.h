@@ -31,6 +31,24 @@
  *   - scope: from residency_use_begin; end and free with residency_use_end, exactly once.
  *   Every destroy/free/release/end accepts NULL. Using a handle after it was freed, or freeing it
  *   twice, is undefined (as with free()).
+ *
+ * Destroying a manager while it is in use. Each call on a manager, and each residency_use_end of
+ * one of its scopes, counts as in flight while it runs. residency_manager_destroy never waits
+ * and never frees what a call in flight still uses:
+ *   - From the moment it is called, the manager refuses new calls: those that return a status
+ *     return RESIDENCY_INVALID_ARGUMENT ("the manager is being destroyed"), residency_use_begin
+ *     returns NULL, and the void ones (touch, prefetch, ...) do nothing. A second destroy is
+ *     ignored with a warning.
+ *   - The manager is torn down (its scopes ended, its regions released) when the last call in
+ *     flight returns: at once when none is, otherwise at the end of that call, on its thread.
+ *   - So residency_use_end may race residency_manager_destroy on another thread: the scope is
+ *     ended exactly once (its synchronize runs once), by whichever gets to it first, and freed by
+ *     residency_use_end. And a synchronize callback may destroy its own manager: the destroy is
+ *     deferred until that residency_use_end (or the destroy that ended the scope) returns.
+ *   - A call that begins before destroy has returned (on a racing thread, or from a callback
+ *     inside a call in flight) finds the handle and is refused as above. A call that begins
+ *     after destroy has returned is a use after free, as with free(): the handle may be gone.
+ * A log callback still must not call back into its manager (see residency_log_fn).
  */
 #ifndef RESIDENCY_RESIDENCY_H
 #define RESIDENCY_RESIDENCY_H
@@ -159,6 +177,8 @@ RESIDENCY_API residency_status residency_manager_create_with_backend(const resid
                                                                      residency_backend* backend,
                                                                      residency_log_fn log, void* log_user,
                                                                      residency_manager** out);
+/* Safe while calls on m or residency_use_end of its scopes run on other threads, and from inside
+ * a scope's synchronize callback: see "Destroying a manager while it is in use" above. */
 RESIDENCY_API void residency_manager_destroy(residency_manager* m);
 
 /* Tracks [base, base+size). cls: a residency_class. id_out may be NULL. */
@@ -181,7 +201,8 @@ RESIDENCY_API residency_status residency_set_wired_limit(residency_manager* m, u
 RESIDENCY_API residency_status residency_batch_begin(residency_manager* m);
 RESIDENCY_API residency_status residency_batch_end(residency_manager* m);
 
-/* The hot path: once per graph compute (lock-free, a few ns while resident). */
+/* The hot path: once per graph compute (lock-free, a few ns while resident: a clock read and the
+ * handle's in-flight count, two atomic operations). */
 RESIDENCY_API void residency_touch(residency_manager* m);
 /* residency_touch, and marks one region as just used (the budget's least-recently-used order). */
 RESIDENCY_API void residency_touch_region(residency_manager* m, uint64_t id);
@@ -192,7 +213,8 @@ RESIDENCY_API void residency_prefetch(residency_manager* m);
  * under keep_alive 0 the memory is then released. Returns NULL on error (status_out says why;
  * nothing to end). A scope whose memory is only partly wired is returned, with
  * RESIDENCY_LIMIT_EXCEEDED in *status_out and the reason in residency_last_error().
- * status_out may be NULL. */
+ * status_out may be NULL. residency_use_end may run on any thread, also while the manager is being
+ * destroyed; if the destroy ended the scope first, it only frees it. */
 RESIDENCY_API residency_scope* residency_use_begin(residency_manager* m, void (*synchronize)(void* user),
                                                    void* user, residency_status* status_out);
 RESIDENCY_API void residency_use_end(residency_scope* scope);

@@ -1,17 +1,30 @@
 // SPDX-License-Identifier: MIT
 // The C API over the C++ API (include/residency/residency.h). No exception or abort crosses
 // this boundary; every enum a caller passes is checked as an integer first.
+//
+// A manager handle may be destroyed while it is still in use: a scope of it ending on another
+// thread, a call in flight there, or the destroy called from inside a scope's synchronize
+// callback (issue 28 item 5; residency.h, "Destroying a manager"). So every call on a manager,
+// and every end of one of its scopes, is counted in the handle's gate while it runs;
+// residency_manager_destroy() closes the gate (a call that comes after is refused without
+// touching the manager), and the last call out, destroy's own or another, tears the manager down.
+// The handle's memory stays until its last scope struct is freed as well, so that a scope can
+// always reach it.
 #include "residency/residency.h"
 
 #include <algorithm>
+#include <atomic>
+#include <cstdint>
 #include <cstdio>
 #include <cstring>
-#include <mutex>
+#include <memory>
 #include <new>
 #include <set>
 #include <string>
+#include <utility>
 
 #include "core/config_keys.hpp"
+#include "platform/thread_annotations.hpp"
 #include "residency/backends.hpp"
 #include "residency/residency.hpp"
 #include "residency/text.hpp"
@@ -27,13 +40,26 @@ struct residency_backend {
 };
 struct residency_scope;
 struct residency_manager {
+  // Reset by finish() only: once the gate is closed and no call is left in flight.
   std::unique_ptr<Manager> manager;
-  std::mutex scopes_mu;  // guards scopes and every scope's `manager` field
-  std::set<residency_scope*> scopes;
+  // Bit 0 (kClosed): residency_manager_destroy() was called. Above it, the calls in flight, kCall
+  // each. Once closed the count only falls (a call that finds it closed is not counted), so it
+  // reaches 0 exactly once after the close: that call's end finishes the manager.
+  std::atomic<std::uint64_t> gate{0};
+  // The handle itself (until finished) and each scope struct not yet freed: the memory goes with
+  // the last of them.
+  std::atomic<std::size_t> refs{1};
+  residency::Mutex mu;
+  std::set<residency_scope*> open RESIDENCY_GUARDED_BY(mu);  // scopes whose end nobody has claimed
 };
+// A scope is ended by whoever takes it out of its manager's `open` set: residency_use_end, or the
+// destroy (which then frees it only if residency_use_end came meanwhile).
 struct residency_scope {
-  UseScope scope;
-  residency_manager* manager = nullptr;  // nullptr once detached (its manager was destroyed)
+  residency_scope(residency_manager* m, UseScope s) : manager(m), scope(std::move(s)) {}
+  residency_manager* const manager;  // outlives the scope struct (a reference in manager->refs)
+  UseScope scope;  // ended by the one that claimed it, without the lock
+  bool ended RESIDENCY_GUARDED_BY(manager->mu) = false;          // the destroy claimed and ended it
+  bool use_end_called RESIDENCY_GUARDED_BY(manager->mu) = false;  // while the destroy was ending it
 };
 
 namespace {
@@ -115,6 +141,99 @@ LogCallback c_log(residency_log_fn log, void* user) {
     std::string s(msg);
     log(static_cast<residency_log_level>(level), s.c_str(), user);
   };
+}
+
+// --- the handle's gate: see the top of this file and residency.h, "Destroying a manager" ------
+
+constexpr std::uint64_t kClosed = 1;
+constexpr std::uint64_t kCall = 2;
+
+void finish(residency_manager* m) noexcept;
+
+void drop_ref(residency_manager* m) noexcept {
+  if (m->refs.fetch_sub(1, std::memory_order_acq_rel) == 1) delete m;
+}
+
+// The scope struct goes, and with it its reference to the handle.
+void free_scope(residency_scope* s) noexcept {
+  residency_manager* m = s->manager;
+  delete s;  // its UseScope was ended already, or is ended now (a call holds the manager)
+  drop_ref(m);
+}
+
+// One call on a manager, counted while it runs. False when the manager is being destroyed: then
+// nothing is counted, and the manager must not be touched (the handle's memory only while a scope
+// struct keeps it).
+class Call {
+ public:
+  explicit Call(residency_manager* m) noexcept : m_(m) {
+    std::uint64_t g = m->gate.load(std::memory_order_relaxed);
+    do {
+      if (g & kClosed) {
+        m_ = nullptr;
+        return;
+      }
+    } while (!m->gate.compare_exchange_weak(g, g + kCall, std::memory_order_acquire, std::memory_order_relaxed));
+  }
+  // A call counted already (the destroy counts itself in the step that closes the gate).
+  static Call adopt(residency_manager* m) noexcept { return Call(m, 0); }
+  Call(const Call&) = delete;
+  Call& operator=(const Call&) = delete;
+  Call(Call&& o) noexcept : m_(std::exchange(o.m_, nullptr)) {}
+  ~Call() { leave(); }
+  explicit operator bool() const noexcept { return m_ != nullptr; }
+  // The last call out of a closed manager finishes it, on its own thread.
+  void leave() noexcept {
+    if (residency_manager* m = std::exchange(m_, nullptr))
+      if (m->gate.fetch_sub(kCall, std::memory_order_acq_rel) == (kClosed | kCall)) finish(m);
+  }
+
+ private:
+  Call(residency_manager* m, int) noexcept : m_(m) {}
+  residency_manager* m_;
+};
+
+residency_status closed(const char* fn) {
+  return fail(Status(ErrorCode::invalid_argument,
+                     std::string(fn) +
+                         ": the manager is being destroyed (residency_manager_destroy was called); no call on it "
+                         "begins after that"));
+}
+
+// Ends the scopes left open (their synchronize runs here, on this thread); a scope that
+// residency_use_end was called on meanwhile is freed here too. Called with a call counted, or by
+// finish(): the manager is alive throughout.
+void end_open_scopes(residency_manager* m, const char* fn) noexcept {
+  std::set<residency_scope*> claimed;
+  {
+    MutexLock g(m->mu);
+    claimed.swap(m->open);
+  }
+  if (claimed.empty()) return;
+  try {
+    log_to_stderr(LogLevel::warn, std::string(fn) + ": " + std::to_string(claimed.size()) +
+                                      " use scope(s) still open; ending them now (residency_use_end on them only "
+                                      "frees them)");
+  } catch (...) {  // the warning's allocation: nothing may escape into C
+  }
+  for (residency_scope* s : claimed) {
+    s->scope = UseScope();  // ends it: synchronize, then release
+    bool free_it = false;
+    {
+      MutexLock g(s->manager->mu);
+      s->ended = true;
+      free_it = s->use_end_called;
+    }
+    if (free_it) free_scope(s);  // never the last reference: the handle's is held until finish() ends
+  }
+}
+
+// The gate is closed and no call is left in flight: the scopes begun while the destroy ran are
+// ended, then the manager goes, then the handle's own reference.
+void finish(residency_manager* m) noexcept {
+  end_open_scopes(m, "residency_manager_destroy");
+  m->manager.reset();
+  drop_ref(m);
 }
 
 residency_status create_manager(const residency_config* cfg, std::shared_ptr<Backend> backend, residency_log_fn log,
@@ -231,22 +350,25 @@ residency_status residency_manager_create_with_backend(const residency_config* c
 
 void residency_manager_destroy(residency_manager* m) {
   if (!m) return;
-  try {
-    std::set<residency_scope*> open;
-    {
-      std::lock_guard<std::mutex> g(m->scopes_mu);
-      open.swap(m->scopes);
-      for (residency_scope* s : open) s->manager = nullptr;
+  // Close the gate and count this call in one step: from here no call begins, and the manager goes
+  // when the last one in flight (this one, or another thread's) returns.
+  std::uint64_t g = m->gate.load(std::memory_order_relaxed);
+  do {
+    if (g & kClosed) {
+      // Only reachable while the manager still exists: from a callback that runs inside a call on
+      // it (a scope's synchronize), or on a thread racing the first destroy, which is deferred.
+      try {
+        log_to_stderr(LogLevel::warn,
+                      "residency_manager_destroy: this manager is being destroyed already (destroy called again, "
+                      "from a callback or another thread); ignored");
+      } catch (...) {
+      }
+      return;
     }
-    if (!open.empty()) {
-      log_to_stderr(LogLevel::warn, "residency_manager_destroy: " + std::to_string(open.size()) +
-                                        " use scope(s) still open; ending them now (residency_use_end on them only frees them)");
-      for (residency_scope* s : open) s->scope = UseScope();  // ends it: synchronize, then release
-    }
-    delete m;
-  } catch (...) {
-    // Nothing may escape into C; what could throw here is only a log callback's allocation.
-  }
+  } while (!m->gate.compare_exchange_weak(g, (g + kCall) | kClosed, std::memory_order_acq_rel,
+                                          std::memory_order_relaxed));
+  Call self = Call::adopt(m);
+  end_open_scopes(m, "residency_manager_destroy");
 }
 
 residency_status residency_register(residency_manager* m, void* base, size_t size, int cls, int priority,
@@ -257,6 +379,8 @@ residency_status residency_register(residency_manager* m, void* base, size_t siz
 residency_status residency_register_object(residency_manager* m, void* base, size_t size, int cls, int priority,
                                            void* backend_object, uint64_t* id_out) {
   if (!m) return null_arg("residency_register", "manager");
+  Call call(m);
+  if (!call) return closed("residency_register");
   RegionClass c;
   if (!class_of("residency_register", cls, &c)) return RESIDENCY_INVALID_ARGUMENT;
   return guarded("residency_register", [&] {
@@ -269,17 +393,23 @@ residency_status residency_register_object(residency_manager* m, void* base, siz
 
 residency_status residency_unregister(residency_manager* m, uint64_t id) {
   if (!m) return null_arg("residency_unregister", "manager");
+  Call call(m);
+  if (!call) return closed("residency_unregister");
   return guarded("residency_unregister", [&] { return ok_or(m->manager->unregister_region(id)); });
 }
 
 residency_status residency_unregister_ptr(residency_manager* m, void* base) {
   if (!m) return null_arg("residency_unregister_ptr", "manager");
+  Call call(m);
+  if (!call) return closed("residency_unregister_ptr");
   return guarded("residency_unregister_ptr", [&] { return ok_or(m->manager->unregister_address(base)); });
 }
 
 residency_status residency_allocate(residency_manager* m, size_t size, int cls, int priority, void** ptr_out,
                                     uint64_t* id_out) {
   if (!m) return null_arg("residency_allocate", "manager");
+  Call call(m);
+  if (!call) return closed("residency_allocate");
   if (!ptr_out) return null_arg("residency_allocate", "ptr_out");
   *ptr_out = nullptr;
   RegionClass c;
@@ -295,16 +425,22 @@ residency_status residency_allocate(residency_manager* m, size_t size, int cls, 
 
 residency_status residency_free(residency_manager* m, void* ptr) {
   if (!m) return null_arg("residency_free", "manager");
+  Call call(m);
+  if (!call) return closed("residency_free");
   return guarded("residency_free", [&] { return ok_or(m->manager->deallocate(ptr)); });
 }
 
 residency_status residency_set_wired_limit(residency_manager* m, uint64_t bytes) {
   if (!m) return null_arg("residency_set_wired_limit", "manager");
+  Call call(m);
+  if (!call) return closed("residency_set_wired_limit");
   return guarded("residency_set_wired_limit", [&] { return ok_or(m->manager->set_wired_limit(bytes)); });
 }
 
 residency_status residency_batch_begin(residency_manager* m) {
   if (!m) return null_arg("residency_batch_begin", "manager");
+  Call call(m);
+  if (!call) return closed("residency_batch_begin");
   return guarded("residency_batch_begin", [&] {
     m->manager->begin_batch();
     return RESIDENCY_OK;
@@ -313,19 +449,27 @@ residency_status residency_batch_begin(residency_manager* m) {
 
 residency_status residency_batch_end(residency_manager* m) {
   if (!m) return null_arg("residency_batch_end", "manager");
+  Call call(m);
+  if (!call) return closed("residency_batch_end");
   return guarded("residency_batch_end", [&] { return ok_or(m->manager->end_batch()); });
 }
 
 void residency_touch(residency_manager* m) {
-  if (m) m->manager->touch();
+  if (!m) return;
+  Call call(m);  // nothing once the manager is being destroyed
+  if (call) m->manager->touch();
 }
 
 void residency_touch_region(residency_manager* m, uint64_t id) {
-  if (m) m->manager->touch(id);
+  if (!m) return;
+  Call call(m);  // nothing once the manager is being destroyed
+  if (call) m->manager->touch(id);
 }
 
 void residency_prefetch(residency_manager* m) {
-  if (m) m->manager->prefetch();
+  if (!m) return;
+  Call call(m);  // nothing once the manager is being destroyed
+  if (call) m->manager->prefetch();
 }
 
 residency_scope* residency_use_begin(residency_manager* m, void (*synchronize)(void*), void* user,
@@ -333,13 +477,19 @@ residency_scope* residency_use_begin(residency_manager* m, void (*synchronize)(v
   residency_scope* out = nullptr;
   const residency_status st = [&]() -> residency_status {
     if (!m) return null_arg("residency_use_begin", "manager");
+    Call call(m);
+    if (!call) return closed("residency_use_begin");
     return guarded("residency_use_begin", [&] {
       std::function<void()> sync;
       if (synchronize) sync = [synchronize, user] { synchronize(user); };
-      auto* s = new residency_scope{m->manager->use(std::move(sync)), m};
-      {
-        std::lock_guard<std::mutex> g(m->scopes_mu);
-        m->scopes.insert(s);
+      auto* s = new residency_scope(m, m->manager->use(std::move(sync)));  // on a throw, the scope ends
+      m->refs.fetch_add(1, std::memory_order_relaxed);
+      try {
+        MutexLock g(m->mu);
+        m->open.insert(s);
+      } catch (...) {
+        free_scope(s);
+        throw;
       }
       out = s;
       const Status& ws = s->scope.status();
@@ -350,31 +500,43 @@ residency_scope* residency_use_begin(residency_manager* m, void (*synchronize)(v
   return out;
 }
 
-void residency_use_end(residency_scope* scope) {
-  if (!scope) return;
-  try {
-    if (residency_manager* m = scope->manager) {
-      {
-        std::lock_guard<std::mutex> g(m->scopes_mu);
-        m->scopes.erase(scope);
-      }
-      scope->scope = UseScope();  // synchronize, then (keep-alive 0) release
+void residency_use_end(residency_scope* s) {
+  if (!s) return;
+  residency_manager* m = s->manager;  // alive while s is (its reference)
+  Call call(m);                       // not counted once the manager is being destroyed
+  bool end_here = false, free_here = false;
+  {
+    MutexLock g(s->manager->mu);
+    if (call && s->manager->open.erase(s) != 0) {
+      end_here = true;  // ours to end: the manager stays until this call returns
+    } else if (s->ended) {
+      free_here = true;  // the destroy ended it: only freed here
+    } else {
+      // The destroy took it and is ending it now (or will, if it is about to): it frees it.
+      s->use_end_called = true;
     }
-  } catch (...) {
   }
-  delete scope;
+  if (end_here) s->scope = UseScope();  // synchronize, then (keep-alive 0) release
+  call.leave();  // may finish the manager (a destroy came meanwhile, or from the synchronize)
+  if (end_here || free_here) free_scope(s);
 }
 
 void residency_notify_memory_pressure(residency_manager* m) {
-  if (m) m->manager->notify_memory_pressure();
+  if (!m) return;
+  Call call(m);  // nothing once the manager is being destroyed
+  if (call) m->manager->notify_memory_pressure();
 }
 
 void residency_release_now(residency_manager* m) {
-  if (m) m->manager->release_now();
+  if (!m) return;
+  Call call(m);  // nothing once the manager is being destroyed
+  if (call) m->manager->release_now();
 }
 
 residency_status residency_get_stats(residency_manager* m, residency_stats* out) {
   if (!m) return null_arg("residency_get_stats", "manager");
+  Call call(m);
+  if (!call) return closed("residency_get_stats");
   if (!out) return null_arg("residency_get_stats", "out");
   if (out->struct_size < sizeof(std::size_t))
     return fail(Status(ErrorCode::invalid_argument, "residency_get_stats: out->struct_size is " +
