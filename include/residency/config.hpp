@@ -87,8 +87,8 @@ Result<std::uint64_t> parse_size(std::string_view text);
 
 struct WiredLimit {
   bool is_percent = false;
-  std::uint64_t bytes = 0;   // when !is_percent
-  double percent = 0;        // of the recommended working set, when is_percent (0 < p <= 100)
+  std::uint64_t bytes = 0;  // when !is_percent
+  double percent = 0;       // of the recommended working set, when is_percent (0 < p <= 100)
   // The limit in bytes for a backend whose recommended working set is `recommended`.
   std::uint64_t resolve(std::uint64_t recommended) const;
   std::string to_string() const;
@@ -107,9 +107,9 @@ inline constexpr std::size_t kSharedBudgetNameMax = 64;
 inline constexpr std::size_t kGpuBudgetNameMax = 31;
 
 struct SharedBudget {
-  std::string name;   // [A-Za-z0-9._-], 1 to kSharedBudgetNameMax characters, not starting with '.' or '-'
-  WiredLimit size;    // bytes, or a percent of physical memory (RAM: the budget is machine-wide)
-  std::string group;  // "": the ledger is private to its user (mode 0600); else 0660 for this group
+  std::string name;               // [A-Za-z0-9._-], 1 to kSharedBudgetNameMax characters, not starting with '.' or '-'
+  WiredLimit size;                // bytes, or a percent of physical memory (RAM: the budget is machine-wide)
+  std::string group;              // "": the ledger is private to its user (mode 0600); else 0660 for this group
   std::string to_string() const;  // "NAME:SIZE[:GROUP]"
 };
 // Accepted: NAME:SIZE or NAME:SIZE:GROUP, SIZE a size (see parse_size, more than 0) or a percent
@@ -129,18 +129,18 @@ enum class CudaBackup : std::uint8_t {
 Result<CudaBackup> parse_cuda_backup(std::string_view text);  // "after-allocation" | "at-first-sleep"
 
 struct Config {
-  KeepAlive keep_alive;                    // default 180 s
-  std::optional<WiredLimit> wired_limit;   // default: the recommended working set
-  double set_max_pct = 5.0;                // sharded set cap; <= 0 or >= 100: one set
+  KeepAlive keep_alive;                   // default 180 s
+  std::optional<WiredLimit> wired_limit;  // default: the recommended working set
+  double set_max_pct = 5.0;               // sharded set cap; <= 0 or >= 100: one set
   Layout layout = Layout::sharded;
-  bool release_on_pressure = false;        // release early under memory pressure, gradually:
+  bool release_on_pressure = false;  // release early under memory pressure, gradually:
   // each pressure event gives back one step (scratch, then kv_cache, then weights by priority and
   // least recent use) down to the floor; the reduced budget holds until pressure has been quiet
   // for `pressure_quiet`, then what was given back is wired again.
   std::optional<WiredLimit> pressure_floor;  // bytes or percent of the wired limit; default 0
   Nanos pressure_quiet = std::chrono::seconds(30);
   LogLevel log_level = LogLevel::info;
-  bool log_time = false;  // RESIDENCY_LOG_TIME=1: the default log lines carry the local time
+  bool log_time = false;                      // RESIDENCY_LOG_TIME=1: the default log lines carry the local time
   std::optional<std::uint64_t> memory_limit;  // cap on tracked bytes; default see DESIGN.md
   // A wired budget shared with the other processes naming it; none by default. When it is full,
   // the holder idle longest among those of priority <= ours is asked to give back (see README).

@@ -17,21 +17,21 @@ namespace residency {
 
 struct SharedBudgetHolder {
   int pid = 0;
-  std::uint64_t bytes = 0;      // reserved in the ledger (what it has wired, or is about to)
+  std::uint64_t bytes = 0;                       // reserved in the ledger (what it has wired, or is about to)
   std::optional<std::chrono::nanoseconds> idle;  // since its last use; nullopt: never used
-  int priority = 0;             // RESIDENCY_SHARED_PRIORITY
-  bool alive = true;            // false: the process is gone (or its pid was reused); the next
-                                // process that takes the ledger's lock reclaims its share
-  bool asked = false;           // asked to give back, not answered yet
+  int priority = 0;                              // RESIDENCY_SHARED_PRIORITY
+  bool alive = true;                             // false: the process is gone (or its pid was reused); the next
+                                                 // process that takes the ledger's lock reclaims its share
+  bool asked = false;                            // asked to give back, not answered yet
 };
 
 struct SharedBudgetInfo {
-  std::string name;             // the NAME of RESIDENCY_SHARED_BUDGET
-  std::string path;             // e.g. /dev/shm/residency-budget-NAME
-  std::string error;            // non-empty: the ledger could not be read (the holders are empty)
-  std::uint64_t size = 0;       // the budget, bytes
-  std::uint64_t used = 0;       // reserved by every holder, dead ones included
-  std::uint32_t mode = 0;       // permission bits of the ledger (0600, or 0660 for a group)
+  std::string name;        // the NAME of RESIDENCY_SHARED_BUDGET
+  std::string path;        // e.g. /dev/shm/residency-budget-NAME
+  std::string error;       // non-empty: the ledger could not be read (the holders are empty)
+  std::uint64_t size = 0;  // the budget, bytes
+  std::uint64_t used = 0;  // reserved by every holder, dead ones included
+  std::uint32_t mode = 0;  // permission bits of the ledger (0600, or 0660 for a group)
   std::vector<SharedBudgetHolder> holders;
 };
 

@@ -28,7 +28,8 @@ std::uint64_t Admission::charge(const RegionDesc& d) const {
   const auto b = reinterpret_cast<std::uintptr_t>(d.base);
   const std::uint64_t lo = b & ~(granularity_ - 1);
   const std::uint64_t end = std::uint64_t{b} + d.size;  // no wrap: register_region refuses one
-  const std::uint64_t hi = end > UINT64_MAX - (granularity_ - 1) ? UINT64_MAX : (end + granularity_ - 1) & ~(granularity_ - 1);
+  const std::uint64_t hi = end > UINT64_MAX - (granularity_ - 1) ? UINT64_MAX
+                                                                 : (end + granularity_ - 1) & ~(granularity_ - 1);
   return hi - lo;
 }
 
@@ -39,8 +40,9 @@ Result<std::unique_ptr<ledger::Ledger>> Admission::join_shared_budget(const Conf
   if (!config.shared_budget) return std::unique_ptr<ledger::Ledger>();
   const SharedBudget& sb = *config.shared_budget;
   if (sb.size.is_percent && mem.physical == 0)
-    return Status(ErrorCode::invalid_argument, "RESIDENCY_SHARED_BUDGET=" + sb.to_string() + ": a percent of RAM, but the " +
-                                                   backend + " backend does not know the physical memory; give bytes");
+    return Status(ErrorCode::invalid_argument, "RESIDENCY_SHARED_BUDGET=" + sb.to_string() +
+                                                   ": a percent of RAM, but the " + backend +
+                                                   " backend does not know the physical memory; give bytes");
   ledger::AttachOptions ao;
   ao.name = sb.name;
   ao.budget = sb.size.resolve(mem.physical);
@@ -67,7 +69,8 @@ Result<Region*> Admission::track(const RegionDesc& d, int priority, std::int64_t
     budget_.add_pending(r.desc.id);
     if (log_.enabled(LogLevel::debug))
       log_(LogLevel::debug, "region " + std::to_string(r.desc.id) + " (" + mib(d.size) + ") is over the wired limit " +
-                                mib(budget_.limit()) + " (" + mib(budget_.admitted()) + " admitted): tracked but not wired");
+                                mib(budget_.limit()) + " (" + mib(budget_.admitted()) +
+                                " admitted): tracked but not wired");
   }
   return &r;
 }
@@ -84,7 +87,8 @@ void Admission::untrack(Region& r) {
 
 Status Admission::untrack_id(RegionId id) {
   Region* r = regions_.find(id);
-  if (!r) return Status(ErrorCode::not_found, "unregister_region: no region with id " + std::to_string(id) + " is tracked");
+  if (!r)
+    return Status(ErrorCode::not_found, "unregister_region: no region with id " + std::to_string(id) + " is tracked");
   untrack(*r);
   return {};
 }
@@ -307,8 +311,8 @@ void Admission::short_by(std::uint64_t need, std::uint64_t bytes) {
   }
   log_(warned_shared_ ? LogLevel::debug : LogLevel::warn,
        "shared budget " + shared_->name() + " (" + mib(shared_->budget()) + ") is full: " + mib(bytes) +
-           " stays tracked but unwired (this process holds " + mib(ours) + " of it; no idle holder of priority <= " +
-           std::to_string(shared_priority_) +
+           " stays tracked but unwired (this process holds " + mib(ours) +
+           " of it; no idle holder of priority <= " + std::to_string(shared_priority_) +
            " could give back). It is wired at the next use after room appears; `residency stat` lists the holders");
   warned_shared_ = true;
 }
@@ -317,7 +321,8 @@ bool Admission::reserve_for_wire() {
   if (!shared_) return true;
   const std::uint64_t need = budget_.admitted();
   if (shared_->held() >= need) return true;
-  if (!exiting_ && !shared_full_) shared_->acquire(need - shared_->held(), clock_.now().count(), Nanos(0), /*partial=*/true);
+  if (!exiting_ && !shared_full_)
+    shared_->acquire(need - shared_->held(), clock_.now().count(), Nanos(0), /*partial=*/true);
   if (shared_->held() >= need) return true;
   shared_full_ = true;
   const std::uint64_t missing = need - shared_->held();

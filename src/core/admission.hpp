@@ -165,7 +165,7 @@ class Admission {
   std::uint64_t admitted_size_ = 0;
   const LogSink& log_;
   const KeepAliveState& ka_;
-  Clock& clock_;  // the manager's: the ledger is given its time (Ledger::acquire)
+  Clock& clock_;   // the manager's: the ledger is given its time (Ledger::acquire)
   Limits limits_;  // its warn-once flags change here
   RegionTable regions_;
   WiredBudget budget_;

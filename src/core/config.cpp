@@ -168,7 +168,8 @@ Result<KeepAlive> parse_keep_alive_as(std::string_view text, const char* forms) 
   const std::string l = lower(s);
   if (l == "off") return KeepAlive::off();
   if (l == "forever") return KeepAlive::forever();
-  if (l == "inf" || l == "infinite" || l == "infinity") return bad(text, "not a duration (no expiry is written forever)", forms);
+  if (l == "inf" || l == "infinite" || l == "infinity")
+    return bad(text, "not a duration (no expiry is written forever)", forms);
 
   // Exact nanoseconds: 100 years is 3.2e18 ns, inside int64.
   constexpr u128 kLimitNs = static_cast<u128>(kMaxKeepAliveSeconds) * 1'000'000'000u + 1;
@@ -178,9 +179,12 @@ Result<KeepAlive> parse_keep_alive_as(std::string_view text, const char* forms) 
     const char* alias;
     std::uint64_t ns;
   };
-  static constexpr Unit kUnits[] = {{"h", nullptr, 3'600'000'000'000}, {"m", "min", 60'000'000'000},
-                                    {"s", "sec", 1'000'000'000},      {"ms", nullptr, 1'000'000},
-                                    {"us", nullptr, 1'000},           {"ns", nullptr, 1}};
+  static constexpr Unit kUnits[] = {{"h", nullptr, 3'600'000'000'000},
+                                    {"m", "min", 60'000'000'000},
+                                    {"s", "sec", 1'000'000'000},
+                                    {"ms", nullptr, 1'000'000},
+                                    {"us", nullptr, 1'000},
+                                    {"ns", nullptr, 1}};
   constexpr std::size_t kNoUnit = std::size(kUnits);
   auto skip_spaces = [](std::string_view& v) {
     while (!v.empty() && std::isspace(static_cast<unsigned char>(v.front()))) v.remove_prefix(1);
@@ -295,7 +299,8 @@ LimitParse parse_limit_value(std::string_view text) {
   if (!s.empty() && s.back() == '%') {
     std::string_view n = trim(s.substr(0, s.size() - 1));
     Decimal d;
-    if (!take_number(n, d) || !n.empty()) return {{}, d.whole.empty() && d.fraction.empty() ? "not a percent" : after_number(n, "a percent")};
+    if (!take_number(n, d) || !n.empty())
+      return {{}, d.whole.empty() && d.fraction.empty() ? "not a percent" : after_number(n, "a percent")};
     const double v = d.value();
     if ((d.negative && !d.zero()) || !(v <= 100)) return {{}, "a percent must be from 0 to 100"};
     if (d.zero()) return out;  // 0% is 0 bytes, whatever it is a percent of (WiredLimit's rule for 0)
@@ -321,9 +326,7 @@ Result<WiredLimit> parse_wired_limit(std::string_view text) {
 }
 
 namespace {
-bool name_char(char c) {
-  return std::isalnum(static_cast<unsigned char>(c)) || c == '.' || c == '_' || c == '-';
-}
+bool name_char(char c) { return std::isalnum(static_cast<unsigned char>(c)) || c == '.' || c == '_' || c == '-'; }
 bool valid_name(std::string_view s, std::size_t max) {
   if (s.empty() || s.size() > max || s.front() == '.' || s.front() == '-') return false;
   for (char c : s)
@@ -343,8 +346,10 @@ namespace core {
 Result<SharedBudget> parse_budget(std::string_view text, std::size_t name_max, const char* size_of) {
   const std::string forms_text =
       "NAME:SIZE or NAME:SIZE:GROUP; NAME and GROUP of letters, digits, '.', '_', '-' (NAME up to " +
-      std::to_string(name_max) + ", GROUP up to 32 characters, not starting with '.' or '-'); SIZE bytes with a unit "
-      "(8GiB, 512MB) or a percent of " + size_of + " (50%), more than 0; e.g. llm:48GiB or llm:60%:inference";
+      std::to_string(name_max) +
+      ", GROUP up to 32 characters, not starting with '.' or '-'); SIZE bytes with a unit "
+      "(8GiB, 512MB) or a percent of " +
+      size_of + " (50%), more than 0; e.g. llm:48GiB or llm:60%:inference";
   const char* forms = forms_text.c_str();
   const std::string_view s = trim(text);
   const std::size_t c1 = s.find(':');

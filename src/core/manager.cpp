@@ -73,7 +73,7 @@ struct Manager::Impl {
   const Capabilities caps;
   Clock* const clock;
   const core::LogSink log;
-  const int owner_pid = ::getpid();  // the process that made the manager (exit_release)
+  const int owner_pid = ::getpid();     // the process that made the manager (exit_release)
   ledger::Ledger* const shared_ledger;  // adm's share of the shared budget (null: none); asked without mu
 
   core::KeepAliveState ka;  // atomics; written under mu
@@ -131,8 +131,9 @@ struct Manager::Impl {
     if (want != 0) {
       mu.unlock();
       try {
-        shared_ledger->acquire(want, clock->now().count(), ledger::kAskWait, /*partial=*/false);  // what it gets, retry() keeps
-      } catch (...) {  // out of memory: nothing more is admitted
+        shared_ledger->acquire(want, clock->now().count(), ledger::kAskWait,
+                               /*partial=*/false);  // what it gets, retry() keeps
+      } catch (...) {                               // out of memory: nothing more is admitted
       }
       mu.lock();
       try {
@@ -219,7 +220,8 @@ struct Manager::Impl {
 Manager::Manager(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 
 Result<std::unique_ptr<Manager>> Manager::create(ManagerOptions o) {
-  if (!o.backend) return Status(ErrorCode::invalid_argument, "ManagerOptions::backend is null; pass make_backend(\"auto\")");
+  if (!o.backend)
+    return Status(ErrorCode::invalid_argument, "ManagerOptions::backend is null; pass make_backend(\"auto\")");
   const Capabilities caps = o.backend->capabilities();
   const MemoryInfo mem = o.backend->memory_info();
   const bool managing = o.config.keep_alive.manages();
@@ -227,10 +229,11 @@ Result<std::unique_ptr<Manager>> Manager::create(ManagerOptions o) {
   auto limits = core::Limits::resolve(o.config, mem, caps.name, managing, early);
   if (!limits) return limits.status();
   Clock& clock = o.clock ? *o.clock : SteadyClock::instance();
-  auto shared =
-      managing ? core::Admission::join_shared_budget(o.config, mem, caps.name) : std::unique_ptr<ledger::Ledger>();
+  auto shared = managing ? core::Admission::join_shared_budget(o.config, mem, caps.name)
+                         : std::unique_ptr<ledger::Ledger>();
   if (!shared) return shared.status();
-  const std::uint64_t floor = o.config.pressure_floor ? o.config.pressure_floor->resolve(limits->initial_wired_limit()) : 0;
+  const std::uint64_t floor = o.config.pressure_floor ? o.config.pressure_floor->resolve(limits->initial_wired_limit())
+                                                      : 0;
   auto impl = std::make_unique<Impl>(o, clock, caps, std::move(*limits), mem, std::move(*shared), floor);
   Impl& m = *impl;
   m.ka.set_wants_resident(m.ka.rewires_on_use());
@@ -267,7 +270,8 @@ Result<std::unique_ptr<Manager>> Manager::create(ManagerOptions o) {
       pressure_src = m.backend->pressure_source();
       if (!pressure_src.empty()) m.log(LogLevel::info, "watching memory pressure: " + pressure_src);
     } else {
-      m.log(LogLevel::warn, "release_on_pressure is set but " + id.message() + "; call notify_memory_pressure() yourself");
+      m.log(LogLevel::warn,
+            "release_on_pressure is set but " + id.message() + "; call notify_memory_pressure() yourself");
     }
   }
   if (m.config.state_file) {

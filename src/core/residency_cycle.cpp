@@ -9,9 +9,7 @@
 namespace residency::core {
 
 namespace {
-double wall_now() {
-  return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
-}
+double wall_now() { return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count(); }
 }  // namespace
 
 ResidencyCycle::ResidencyCycle(const Config& config, const Capabilities& caps, Clock& clock, const LogSink& log,
@@ -122,9 +120,8 @@ void ResidencyCycle::release(const char* why) {
   } else {
     ++counters_.release_failures;
     if (r.sets > 0) ++counters_.releases;
-    log_(LogLevel::warn, "could not release " + std::to_string(r.failed) + " set(s) (" + why + "): " +
-                             r.status.message() + "; " + mib(adm_.sets().requested_bytes()) + " stay wired, " +
-                             mib(r.bytes) + " released");
+    log_(LogLevel::warn, "could not release " + std::to_string(r.failed) + " set(s) (" + why + "): " + r.status.message() +
+                             "; " + mib(adm_.sets().requested_bytes()) + " stay wired, " + mib(r.bytes) + " released");
   }
   adm_.settle();
   if (publish_) publish_();
@@ -140,7 +137,8 @@ void ResidencyCycle::release_now(const char* why) {
 bool ResidencyCycle::release_by_engine() {
   if (!ka_.managing() || !ka_.wants_resident()) return true;
   if (ka_.calls() > 0) {
-    log_(LogLevel::warn, "release_now: " + std::to_string(ka_.calls()) + " call(s) or use scope(s) still open; not releasing");
+    log_(LogLevel::warn,
+         "release_now: " + std::to_string(ka_.calls()) + " call(s) or use scope(s) still open; not releasing");
     return false;
   }
   release_now("asked by the engine");
@@ -200,10 +198,10 @@ void ResidencyCycle::pressure_step() {
                               mib(pressure_.floor()) + ")");
   } else {
     ++counters_.pressure_releases;
-    log_(LogLevel::info, "released " + mib(released) + " under memory pressure (scratch, then kv_cache, then weights); " +
-                             mib(budget.admitted()) + " stay wired (floor " + mib(pressure_.floor()) +
-                             "); the budget stays at " + mib(cap) + " until pressure has been quiet for " +
-                             KeepAlive::after(pressure_.quiet()).to_string());
+    log_(LogLevel::info,
+         "released " + mib(released) + " under memory pressure (scratch, then kv_cache, then weights); " +
+             mib(budget.admitted()) + " stay wired (floor " + mib(pressure_.floor()) + "); the budget stays at " +
+             mib(cap) + " until pressure has been quiet for " + KeepAlive::after(pressure_.quiet()).to_string());
   }
   wake_scheduler();  // the cap's lift is a deadline now
 }
@@ -237,10 +235,10 @@ void ResidencyCycle::lift_pressure_cap_if_quiet(Nanos now) {
   } else {
     // Once per change, not once per quiet period while the other program keeps its memory.
     log_(budget.admitted() > before ? LogLevel::info : LogLevel::debug,
-         "memory pressure has been quiet, but only " + mib(avail.value_or(0)) + " is available: " +
-             mib(budget.admitted() - before) + " admitted again, " + mib(budget.admitted()) + " of " + mib(wanted) +
-             " wired; the rest when memory allows (checked every " + KeepAlive::after(pressure_.quiet()).to_string() +
-             ")");
+         "memory pressure has been quiet, but only " + mib(avail.value_or(0)) +
+             " is available: " + mib(budget.admitted() - before) + " admitted again, " + mib(budget.admitted()) +
+             " of " + mib(wanted) + " wired; the rest when memory allows (checked every " +
+             KeepAlive::after(pressure_.quiet()).to_string() + ")");
   }
 }
 

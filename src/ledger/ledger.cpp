@@ -42,7 +42,7 @@ std::string ledger_path(const std::string& name) { return std::string(kDir) + "/
 
 namespace {
 constexpr std::uint64_t kMagic = 0x5245444752444c52ULL;  // "RLDRGDER" little-endian: residency ledger
-constexpr std::uint32_t kStopWord = 0xffffffffu;          // our own slot's ask word: the listener stops
+constexpr std::uint32_t kStopWord = 0xffffffffu;         // our own slot's ask word: the listener stops
 
 // One holder. Invariant: `occupied` is 1 exactly while pid/start_time name a holder; `bytes` is what
 // that holder has reserved. Each is one aligned word, written under the ledger's lock (last_use
@@ -55,7 +55,7 @@ constexpr std::uint32_t kStopWord = 0xffffffffu;          // our own slot's ask 
 // asker is alive and whose deadline has not passed (a holder stopped while asked, continued after
 // the asker gave up, gives back to nobody); the asker withdraws its asks when it stops waiting.
 struct alignas(64) Slot {
-  std::atomic<std::uint32_t> ask;   // futex word: 0 nothing asked; else the ask's id
+  std::atomic<std::uint32_t> ask;  // futex word: 0 nothing asked; else the ask's id
   std::atomic<std::uint32_t> occupied;
   std::atomic<std::int32_t> pid;
   std::atomic<std::int32_t> priority;
@@ -158,12 +158,12 @@ int locker_of(int fd) {
 std::atomic<bool> g_joins_cancelled{false};
 // How long each kind of wait for the lock may last. The lock is held for microseconds; a longer
 // wait means its owner is stopped, paused or hostile.
-constexpr Nanos kUseLockWait = std::chrono::milliseconds(10);    // acquire, release, answering: a decode may be waiting
+constexpr Nanos kUseLockWait = std::chrono::milliseconds(10);  // acquire, release, answering: a decode may be waiting
 constexpr Nanos kLeaveLockWait = std::chrono::milliseconds(300);  // destruction and exit
 // The listener (a thread of its own, nobody waits on it): the asker holds the lock while it wakes
 // it, so a decode's 10 ms would make it decline asks whenever the ledger is busy.
 constexpr Nanos kAnswerLockWait = std::chrono::milliseconds(300);
-constexpr Nanos kCancelPoll = std::chrono::milliseconds(50);      // the ask wait checks for cancellation this often
+constexpr Nanos kCancelPoll = std::chrono::milliseconds(50);  // the ask wait checks for cancellation this often
 
 // The ledger's lock: an exclusive OFD lock (fcntl F_OFD_SETLK) on the whole file, owned by the
 // kernel. Nothing of it lives in the shared bytes, so a member that scribbles on the ledger can
@@ -183,13 +183,11 @@ class RESIDENCY_SCOPED_CAPABILITY Lock {
     // by another process would fault the access: SIGBUS) and its bytes are known to make sense.
     struct stat st {};
     std::string bad;
-    if (::fstat(fd_, &st) != 0)
-      bad = "cannot stat it: " + errno_text(errno);
+    if (::fstat(fd_, &st) != 0) bad = "cannot stat it: " + errno_text(errno);
     else if (st.st_size != static_cast<off_t>(sizeof(Shared)))
       bad = "it is " + std::to_string(st.st_size) + " bytes long, a ledger is " + std::to_string(sizeof(Shared)) +
             " (another process truncated or extended it)";
-    else
-      bad = check_table(*s_);
+    else bad = check_table(*s_);
     if (!bad.empty()) {
       release_file_lock();
       ok_ = false;
@@ -217,16 +215,15 @@ class RESIDENCY_SCOPED_CAPABILITY Lock {
       const int e = errno;
       const bool cancelled = cancellable && g_joins_cancelled.load(std::memory_order_acquire);
       if ((e != EAGAIN && e != EACCES && e != EINTR) || cancelled || std::chrono::steady_clock::now() >= deadline) {
-        if (cancelled)
-          why_ = "cancelled (the process is ending)";
-        else if (e != EAGAIN && e != EACCES && e != EINTR)
-          why_ = "fcntl(F_OFD_SETLK) failed: " + errno_text(e);
+        if (cancelled) why_ = "cancelled (the process is ending)";
+        else if (e != EAGAIN && e != EACCES && e != EINTR) why_ = "fcntl(F_OFD_SETLK) failed: " + errno_text(e);
         else
           why_ = "it has been held" + holder_text() + " for more than " + std::to_string(bound.count() / 1'000'000) +
                  " ms (a process stopped inside it: SIGSTOP, a paused container, a debugger)";
         return;
       }
-      std::this_thread::sleep_for(std::min<std::chrono::steady_clock::duration>(pause, deadline - std::chrono::steady_clock::now()));
+      std::this_thread::sleep_for(
+          std::min<std::chrono::steady_clock::duration>(pause, deadline - std::chrono::steady_clock::now()));
       pause = std::min(pause * 2, std::chrono::microseconds(5000));
     }
     ok_ = true;
@@ -324,9 +321,10 @@ Result<gid_t> group_id(const std::string& group) {
       continue;
     }
     if (r != 0 || out == nullptr)
-      return Status(ErrorCode::invalid_argument, "RESIDENCY_SHARED_BUDGET: the group '" + group +
-                                                     "' does not exist on this machine; name an existing group "
-                                                     "(getent group) or leave the group out for a ledger private to this user");
+      return Status(ErrorCode::invalid_argument,
+                    "RESIDENCY_SHARED_BUDGET: the group '" + group +
+                        "' does not exist on this machine; name an existing group "
+                        "(getent group) or leave the group out for a ledger private to this user");
     return out->gr_gid;
   }
 }
@@ -346,23 +344,27 @@ Status check_file(int fd, const std::string& path, long group, const std::string
   struct stat st {};
   if (::fstat(fd, &st) != 0) return Status(ErrorCode::io_error, "cannot stat " + path + ": " + errno_text(errno));
   if (!S_ISREG(st.st_mode))
-    return Status(ErrorCode::permission_denied, path + " is not a regular file; remove it (it is not a residency ledger)");
+    return Status(ErrorCode::permission_denied,
+                  path + " is not a regular file; remove it (it is not a residency ledger)");
   const unsigned mode = st.st_mode & 07777;
   if (st.st_uid != ::geteuid()) {
     const bool group_ledger = group >= 0 && mode == 0660 && st.st_gid == static_cast<gid_t>(group);
     if (group_ledger && !in_group(st.st_gid))
       return Status(ErrorCode::permission_denied,
-                    path + " is the ledger of group " + (group_name.empty() ? std::to_string(st.st_gid) : "'" + group_name + "'") +
+                    path + " is the ledger of group " +
+                        (group_name.empty() ? std::to_string(st.st_gid) : "'" + group_name + "'") +
                         " (mode 0660, owner uid " + std::to_string(st.st_uid) + "), and this process (uid " +
-                        std::to_string(::geteuid()) + ") is not a member of that group; membership decides, for root "
+                        std::to_string(::geteuid()) +
+                        ") is not a member of that group; membership decides, for root "
                         "too: add the user to the group, or use another budget name");
     if (group >= 0 && !group_ledger) {
       char m[16];
       std::snprintf(m, sizeof m, "%04o", mode);
       return Status(ErrorCode::permission_denied,
                     path + " belongs to uid " + std::to_string(st.st_uid) + " with gid " + std::to_string(st.st_gid) +
-                        " and mode " + m + ", not to the group '" + group_name + "' with mode 0660 that this budget names; " +
-                        "use another budget name, or run as uid " + std::to_string(st.st_uid));
+                        " and mode " + m + ", not to the group '" + group_name +
+                        "' with mode 0660 that this budget names; " + "use another budget name, or run as uid " +
+                        std::to_string(st.st_uid));
     }
     if (!group_ledger && group < 0 && mode == 0660)
       return Status(ErrorCode::permission_denied,
@@ -384,9 +386,10 @@ Status check_file(int fd, const std::string& path, long group, const std::string
                                                     "or another user could corrupt it: remove it");
   }
   std::uint64_t head[2] = {0, 0};
-  if (st.st_size < static_cast<off_t>(sizeof head) || ::pread(fd, head, sizeof head, 0) != static_cast<ssize_t>(sizeof head))
-    return Status(ErrorCode::invalid_argument, path + " is too short to be a residency ledger (" +
-                                                   std::to_string(st.st_size) + " bytes); remove it");
+  if (st.st_size < static_cast<off_t>(sizeof head) ||
+      ::pread(fd, head, sizeof head, 0) != static_cast<ssize_t>(sizeof head))
+    return Status(ErrorCode::invalid_argument,
+                  path + " is too short to be a residency ledger (" + std::to_string(st.st_size) + " bytes); remove it");
   if (head[0] != kMagic)
     return Status(ErrorCode::invalid_argument, path + " is not a residency ledger (wrong magic); remove it");
   const auto version = static_cast<std::uint32_t>(head[1] & 0xffffffffu);
@@ -404,7 +407,8 @@ Status check_file(int fd, const std::string& path, long group, const std::string
                                                    ": a build for another C library or ABI holds it; use another name");
   if (st.st_size != static_cast<off_t>(sizeof(Shared)))
     return Status(ErrorCode::invalid_argument,
-                  path + " is " + std::to_string(st.st_size) + " bytes long where its header says " + std::to_string(layout) +
+                  path + " is " + std::to_string(st.st_size) + " bytes long where its header says " +
+                      std::to_string(layout) +
                       ": another process truncated or extended it, so it is corrupt; its holders keep their memory but "
                       "cannot share it: remove the file (or use another budget name)");
   return {};
@@ -425,8 +429,8 @@ Result<int> create(const std::string& path, const std::string& name, std::uint64
   const std::string tmp = path + ".tmp-" + std::to_string(::getpid()) + "-" + std::to_string(serial++);
   const int fd = ::open(tmp.c_str(), O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
   if (fd < 0)
-    return Status(ErrorCode::io_error,
-                  "cannot create the ledger " + path + ": " + errno_text(errno) + " (is /dev/shm mounted and writable?)");
+    return Status(ErrorCode::io_error, "cannot create the ledger " + path + ": " + errno_text(errno) +
+                                           " (is /dev/shm mounted and writable?)");
   auto fail = [&](const std::string& what) {
     const int e = errno;
     ::unlink(tmp.c_str());
@@ -440,7 +444,9 @@ Result<int> create(const std::string& path, const std::string& name, std::uint64
     ::close(fd);
     return Status(e == EPERM ? ErrorCode::permission_denied : ErrorCode::io_error,
                   "cannot give the new ledger " + path + " to the group '" + group_name + "': " + errno_text(e) +
-                      (e == EPERM ? " (a user may give a file only to a group it is a member of: add the user to the group)" : ""));
+                      (e == EPERM
+                           ? " (a user may give a file only to a group it is a member of: add the user to the group)"
+                           : ""));
   }
   if (::fchmod(fd, group >= 0 ? 0660 : 0600) != 0) return fail("cannot set the mode of");
   Shared* s = map(fd, true);
@@ -545,15 +551,16 @@ Result<std::unique_ptr<Ledger>> Ledger::attach(const AttachOptions& o) {
       if (lock.corrupt()) {
         l->shm_ = nullptr;
         ::munmap(s, sizeof(Shared));
-        return Status(ErrorCode::invalid_argument, "the shared budget ledger " + path + " is corrupt: " + lock.why() +
-                                                       "; its holders keep their memory but cannot share it: remove the "
-                                                       "file (or use another budget name)");
+        return Status(ErrorCode::invalid_argument,
+                      "the shared budget ledger " + path + " is corrupt: " + lock.why() +
+                          "; its holders keep their memory but cannot share it: remove the "
+                          "file (or use another budget name)");
       }
       if (!lock.ok()) {
         l->shm_ = nullptr;  // nothing of ours is in it
         ::munmap(s, sizeof(Shared));
-        return Status(ErrorCode::io_error, "cannot join the shared budget " + o.name + ": the lock of its ledger " + path +
-                                               " was not obtained: " + lock.why());
+        return Status(ErrorCode::io_error, "cannot join the shared budget " + o.name + ": the lock of its ledger " +
+                                               path + " was not obtained: " + lock.why());
       }
       if (s->retired.load(std::memory_order_acquire)) {
         // Its last holder removed it after we opened it: open (or create) the one in place now.
@@ -574,8 +581,9 @@ Result<std::unique_ptr<Ledger>> Ledger::attach(const AttachOptions& o) {
         lock.unlock();
         l->shm_ = nullptr;
         ::munmap(s, sizeof(Shared));
-        return Status(ErrorCode::limit_exceeded, "the shared budget " + o.name + " has " + std::to_string(kMaxHolders) +
-                                                     " holders already (the most a ledger keeps); use another budget name");
+        return Status(ErrorCode::limit_exceeded,
+                      "the shared budget " + o.name + " has " + std::to_string(kMaxHolders) +
+                          " holders already (the most a ledger keeps); use another budget name");
       }
       Slot& sl = s->slots[slot];
       sl.ask.store(0, std::memory_order_relaxed);
@@ -593,7 +601,8 @@ Result<std::unique_ptr<Ledger>> Ledger::attach(const AttachOptions& o) {
     return l;
   }
   return Status(ErrorCode::io_error, "could not open the shared budget ledger " + path + " after " +
-                                         std::to_string(attempt) + " tries in " + std::to_string(kJoinWait.count() / 1'000'000) +
+                                         std::to_string(attempt) + " tries in " +
+                                         std::to_string(kJoinWait.count() / 1'000'000) +
                                          " ms (other processes keep creating and removing it)");
 }
 
@@ -604,7 +613,8 @@ namespace {
 // systemd's RemoveIPC, may have been replaced by another process's new one: that one is not ours
 // to remove).
 bool path_is_ours(int fd, const std::string& path) {
-  struct stat held {}, at {};
+  struct stat held {
+  }, at{};
   return ::fstat(fd, &held) == 0 && ::stat(path.c_str(), &at) == 0 && held.st_dev == at.st_dev && held.st_ino == at.st_ino;
 }
 
@@ -650,15 +660,16 @@ bool Ledger::covers_mapping() const {
 bool Ledger::own_slot_sound() const {
   const Slot& sl = shm_->slots[slot_];
   return sl.occupied.load(std::memory_order_relaxed) == 1 && sl.pid.load(std::memory_order_relaxed) == owner_pid_ &&
-         sl.start_time.load(std::memory_order_relaxed) == self_start_ && sl.bytes.load(std::memory_order_relaxed) == held_.load(std::memory_order_relaxed);
+         sl.start_time.load(std::memory_order_relaxed) == self_start_ &&
+         sl.bytes.load(std::memory_order_relaxed) == held_.load(std::memory_order_relaxed);
 }
 
 // The reason a lock taken for this holder cannot be used, recorded for problem(); the ledger is
 // not used again.
 std::uint64_t Ledger::corrupt(const std::string& what) {
   broken_.store(true, std::memory_order_release);
-  set_problem("its ledger " + path_ + " is corrupt: " + what + "; this process wires nothing more under it (remove the file " +
-              "once its holders are gone)");
+  set_problem("its ledger " + path_ + " is corrupt: " + what +
+              "; this process wires nothing more under it (remove the file " + "once its holders are gone)");
   return 0;
 }
 
@@ -678,13 +689,17 @@ std::string Ledger::problem() const {
 // have all of it), so nothing more is taken; what is held stays held until it is given back.
 std::uint64_t Ledger::removed() {
   removed_.store(true, std::memory_order_release);
-  set_problem("its ledger " + path_ + " was removed while this process held it (rm, systemd-logind's RemoveIPC=yes, a "
-              "cleanup script), and the processes that join the budget now share a new one; so as not to split the budget "
-              "this process wires nothing more under it (restart it to share the budget again)");
+  set_problem(
+      "its ledger " + path_ +
+      " was removed while this process held it (rm, systemd-logind's RemoveIPC=yes, a "
+      "cleanup script), and the processes that join the budget now share a new one; so as not to split the budget "
+      "this process wires nothing more under it (restart it to share the budget again)");
   return 0;
 }
 
-bool Ledger::usable() const { return !broken_.load(std::memory_order_acquire) && !removed_.load(std::memory_order_acquire); }
+bool Ledger::usable() const {
+  return !broken_.load(std::memory_order_acquire) && !removed_.load(std::memory_order_acquire);
+}
 
 std::uint64_t Ledger::lock_not_obtained(const std::string& why) {
   set_problem("the lock of its ledger " + path_ + " was not obtained at once: " + why);
@@ -745,7 +760,8 @@ void Ledger::publish_last_use(void* ledger, std::int64_t last_use) noexcept {
 std::uint64_t Ledger::acquire(std::uint64_t bytes, std::int64_t now, Nanos wait, bool partial) {
   if (bytes == 0 || detached_ || !mine()) return 0;
   if (broken_.load(std::memory_order_acquire)) {
-    if (problem().empty()) set_problem("its ledger " + path_ + " was found corrupt; this process wires nothing more under it");
+    if (problem().empty())
+      set_problem("its ledger " + path_ + " was found corrupt; this process wires nothing more under it");
     return 0;
   }
   if (removed_.load(std::memory_order_acquire)) return 0;  // problem() says so still
@@ -757,7 +773,8 @@ std::uint64_t Ledger::acquire(std::uint64_t bytes, std::int64_t now, Nanos wait,
   auto usable = [&](const Lock& lock) {
     if (lock.corrupt()) return corrupt(lock.why()), false;
     if (!lock.ok()) return lock_not_obtained(lock.why()), false;
-    if (!own_slot_sound()) return corrupt("the slot of this process (" + std::to_string(slot_) + ") was overwritten"), false;
+    if (!own_slot_sound())
+      return corrupt("the slot of this process (" + std::to_string(slot_) + ") was overwritten"), false;
     if (!path_is_ours(fd_, path_)) return removed(), false;
     set_problem({});
     return true;
@@ -813,7 +830,8 @@ std::uint64_t Ledger::acquire(std::uint64_t bytes, std::int64_t now, Nanos wait,
           }
           const Slot& b = s.slots[best];
           const int pa = sl.priority.load(std::memory_order_relaxed), pb = b.priority.load(std::memory_order_relaxed);
-          if (pa < pb || (pa == pb && sl.last_use.load(std::memory_order_relaxed) < b.last_use.load(std::memory_order_relaxed)))
+          if (pa < pb ||
+              (pa == pb && sl.last_use.load(std::memory_order_relaxed) < b.last_use.load(std::memory_order_relaxed)))
             best = i;
         }
         if (best != kMaxHolders) {

@@ -86,13 +86,7 @@ class MappedFile {
   }
   MappedFile() = default;
   MappedFile(MappedFile&& o) noexcept
-      : path_(std::move(o.path_)),
-        fd_(o.fd_),
-        linked_(o.linked_),
-        data_(o.data_),
-        size_(o.size_),
-        dev_(o.dev_),
-        ino_(o.ino_) {
+      : path_(std::move(o.path_)), fd_(o.fd_), linked_(o.linked_), data_(o.data_), size_(o.size_), dev_(o.dev_), ino_(o.ino_) {
     o.fd_ = -1;
     o.data_ = nullptr;
   }
@@ -118,7 +112,8 @@ class MappedFile {
     struct stat st {};
     if (fd_ < 0 || ::fstat(fd_, &st) != 0) return {};
     if (linked_ && st.st_nlink == 0) return {Change::Kind::deleted, 0};
-    if (static_cast<std::size_t>(st.st_size) != size_) return {Change::Kind::resized, static_cast<std::size_t>(st.st_size)};
+    if (static_cast<std::size_t>(st.st_size) != size_)
+      return {Change::Kind::resized, static_cast<std::size_t>(st.st_size)};
     return {};
   }
   // The mapping replaced by one of `size` bytes (0: none); 0 or the errno of mmap.
@@ -173,7 +168,8 @@ bool follow_files(Manager& manager, std::vector<MappedFile>& files, std::vector<
     ids[i].reset();
     if (c.kind == MappedFile::Change::Kind::deleted) {
       f.unmap();
-      std::printf("residency hold: '%s' was deleted: released its %s\n", printable(f.path()).c_str(), format_size(was).c_str());
+      std::printf("residency hold: '%s' was deleted: released its %s\n", printable(f.path()).c_str(),
+                  format_size(was).c_str());
       continue;
     }
     if (const int err = f.remap(c.size); err != 0) {
@@ -189,7 +185,8 @@ bool follow_files(Manager& manager, std::vector<MappedFile>& files, std::vector<
     const char* how = c.size < was ? "shrank" : "grew";
     if (!id) {
       std::printf("residency hold: '%s' %s from %s to %s and cannot be held again (%s): released it\n",
-                  printable(f.path()).c_str(), how, format_size(was).c_str(), format_size(c.size).c_str(), id.message().c_str());
+                  printable(f.path()).c_str(), how, format_size(was).c_str(), format_size(c.size).c_str(),
+                  id.message().c_str());
       f.unmap();
       continue;
     }
@@ -240,8 +237,8 @@ Config hold_config(const HoldOptions& o) {
 // it, when the budget was clamped to it; else the option or variable that set it, or the default.
 std::string wired_limit_source(const HoldOptions& o, const MemoryInfo& mem, std::uint64_t limit) {
   if (mem.hard_limit != 0 && limit == mem.hard_limit)
-    return "the process's " + mem.hard_limit_name + " = " + format_size(mem.hard_limit) + "; to wire more: " +
-           mem.hard_limit_fix;
+    return "the process's " + mem.hard_limit_name + " = " + format_size(mem.hard_limit) +
+           "; to wire more: " + mem.hard_limit_fix;
   if (o.wired_limit) return "--wired-limit";
   if (core::config_key_set("wired_limit", [](const char* n) { return std::getenv(n); })) return "RESIDENCY_WIRED_LIMIT";
   return "the recommended working set; --wired-limit or RESIDENCY_WIRED_LIMIT sets another";
@@ -273,7 +270,8 @@ class SignalsWhileStarting {
   int finish() {
     if (thread_.joinable()) {
       const char b = 1;
-      if (::write(stop_[1], &b, 1) < 0) { /* the thread has returned already */ }
+      if (::write(stop_[1], &b, 1) < 0) { /* the thread has returned already */
+      }
       thread_.join();
     }
     return signo_.load();
@@ -324,7 +322,8 @@ int run_hold(const HoldOptions& o) {
   if (pthread_sigmask(SIG_BLOCK, &mask, nullptr) != 0) throw std::runtime_error("cannot block signals");
   const int sfd = ::signalfd(-1, &mask, SFD_CLOEXEC);
   int released[2] = {-1, -1};
-  if (sfd < 0 || ::pipe2(released, O_CLOEXEC | O_NONBLOCK) != 0) throw std::runtime_error(std::string("signalfd/pipe: ") + std::strerror(errno));
+  if (sfd < 0 || ::pipe2(released, O_CLOEXEC | O_NONBLOCK) != 0)
+    throw std::runtime_error(std::string("signalfd/pipe: ") + std::strerror(errno));
   g_released_fd = released[1];
   std::mutex reason_mu;  // the reason is written on the scheduler's thread, read here
   std::string release_reason;
@@ -332,8 +331,8 @@ int run_hold(const HoldOptions& o) {
   ManagerOptions mo;
   mo.config = config;
   mo.backend = *backend;
-  mo.log = [&release_reason, &reason_mu, quiet = o.quiet, level = config.log_level, time = config.log_time](
-               LogLevel l, std::string_view msg) {
+  mo.log = [&release_reason, &reason_mu, quiet = o.quiet, level = config.log_level,
+            time = config.log_time](LogLevel l, std::string_view msg) {
     // Called with the manager's lock held: only note and signal.
     if (l == LogLevel::info && msg.rfind("released ", 0) == 0) {
       {
@@ -341,7 +340,8 @@ int run_hold(const HoldOptions& o) {
         release_reason = std::string(msg);
       }
       const char b = 1;
-      if (::write(g_released_fd.load(), &b, 1) < 0) { /* the pipe is full: a wake-up is pending already */ }
+      if (::write(g_released_fd.load(), &b, 1) < 0) { /* the pipe is full: a wake-up is pending already */
+      }
     }
     if (!quiet || l <= LogLevel::warn)
       if (static_cast<int>(l) <= static_cast<int>(level)) log_to_stderr(l, msg, time);
@@ -375,16 +375,19 @@ int run_hold(const HoldOptions& o) {
               config.keep_alive.to_string().c_str(), format_size(s.wired_limit).c_str(),
               config.release_on_pressure ? ", release on pressure" : "");
   if (s.pending_bytes > 0 && s.shared_short > 0 && config.shared_budget)
-    std::printf("residency hold: %s is not wired: the shared budget %s (%s, RESIDENCY_SHARED_BUDGET) had no room for it "
-                "(the warning above says why; `residency stat` lists its holders)\n",
-                format_size(s.pending_bytes).c_str(), config.shared_budget->name.c_str(), format_size(s.shared_budget).c_str());
+    std::printf(
+        "residency hold: %s is not wired: the shared budget %s (%s, RESIDENCY_SHARED_BUDGET) had no room for it "
+        "(the warning above says why; `residency stat` lists its holders)\n",
+        format_size(s.pending_bytes).c_str(), config.shared_budget->name.c_str(), format_size(s.shared_budget).c_str());
   else if (s.pending_bytes > 0)
-    std::printf("residency hold: %s is not wired: over the wired limit of %s (%s)\n", format_size(s.pending_bytes).c_str(),
-                format_size(s.wired_limit).c_str(), wired_limit_source(o, (*backend)->memory_info(), s.wired_limit).c_str());
+    std::printf("residency hold: %s is not wired: over the wired limit of %s (%s)\n",
+                format_size(s.pending_bytes).c_str(), format_size(s.wired_limit).c_str(),
+                wired_limit_source(o, (*backend)->memory_info(), s.wired_limit).c_str());
   if (s.wired_bytes < s.admitted_bytes)
-    std::printf("residency hold: %s is not wired: the kernel refused it (RLIMIT_MEMLOCK without CAP_IPC_LOCK is the "
-                "usual cause: ulimit -l unlimited, LimitMEMLOCK=infinity or --cap-add IPC_LOCK)\n",
-                format_size(s.admitted_bytes - s.wired_bytes).c_str());
+    std::printf(
+        "residency hold: %s is not wired: the kernel refused it (RLIMIT_MEMLOCK without CAP_IPC_LOCK is the "
+        "usual cause: ulimit -l unlimited, LimitMEMLOCK=infinity or --cap-add IPC_LOCK)\n",
+        format_size(s.admitted_bytes - s.wired_bytes).c_str());
   std::fflush(stdout);
   int status = kExitOk;
   if (early_signal != 0) {
@@ -435,33 +438,35 @@ int run_hold(const HoldOptions& o) {
   return status;
 }
 
-const Command cmd{"hold", "keep files resident (locked) for every process that maps them, under a keep-alive and a budget",
-                  [](CLI::App& app) {
-                    auto o = std::make_shared<HoldOptions>();
-                    app.add_option("FILE", o->files, "files to hold (a model, its shards); earlier files win when the budget must choose")
-                        ->required();
-                    add_text_option(app, "--keep-alive", o->keep_alive,
-                                   "how long to hold, counted from the start (not from the last read of the files: "
-                                   "hold cannot see other processes' reads): a duration (500ms, 30m, 2h) or forever; "
-                                   "default RESIDENCY_KEEP_ALIVE, else forever");
-                    add_text_option(app, "--wired-limit", o->wired_limit,
-                                   "most to lock: bytes (8GiB) or a percent of the recommended working set (50%), above 0; "
-                                   "default RESIDENCY_WIRED_LIMIT, else the recommended working set");
-                    app.add_flag("--release-on-pressure", o->release_on_pressure,
-                                 "give everything back when the kernel reports memory pressure, then exit: PSI (this process's "
-                                 "cgroup v2 memory.pressure, else /proc/pressure/memory) or, in a cgroup v1 memory cgroup, "
-                                 "its memory.pressure_level; `residency stat` shows which on its 'pressure watch' line");
-                    app.add_flag("-q,--quiet", o->quiet, "only warnings and errors from the library");
-                    app.footer(
-                        "Stops on SIGINT, SIGTERM or SIGHUP (unlocking everything; a SIGHUP ignored at the start, as "
-                        "under nohup, stays ignored), or when the keep-alive expires or "
-                        "memory pressure releases the files, or when every file was deleted; exit status 0. Bad input: "
-                        "exit 2. Nothing could be wired, or stdout cannot be written: exit 1. Files are checked once a "
-                        "second: a deleted file (its last name removed, or replaced by another file) is released and said "
-                        "once; a file that shrank or grew is held at its new length (never past its end). Also honours "
-                        "RESIDENCY_* (the options win).");
-                    return [o] { return run_hold(*o); };
-                  }};
+const Command
+    cmd{"hold", "keep files resident (locked) for every process that maps them, under a keep-alive and a budget",
+        [](CLI::App& app) {
+          auto o = std::make_shared<HoldOptions>();
+          app.add_option("FILE", o->files,
+                         "files to hold (a model, its shards); earlier files win when the budget must choose")
+              ->required();
+          add_text_option(app, "--keep-alive", o->keep_alive,
+                          "how long to hold, counted from the start (not from the last read of the files: "
+                          "hold cannot see other processes' reads): a duration (500ms, 30m, 2h) or forever; "
+                          "default RESIDENCY_KEEP_ALIVE, else forever");
+          add_text_option(app, "--wired-limit", o->wired_limit,
+                          "most to lock: bytes (8GiB) or a percent of the recommended working set (50%), above 0; "
+                          "default RESIDENCY_WIRED_LIMIT, else the recommended working set");
+          app.add_flag("--release-on-pressure", o->release_on_pressure,
+                       "give everything back when the kernel reports memory pressure, then exit: PSI (this process's "
+                       "cgroup v2 memory.pressure, else /proc/pressure/memory) or, in a cgroup v1 memory cgroup, "
+                       "its memory.pressure_level; `residency stat` shows which on its 'pressure watch' line");
+          app.add_flag("-q,--quiet", o->quiet, "only warnings and errors from the library");
+          app.footer(
+              "Stops on SIGINT, SIGTERM or SIGHUP (unlocking everything; a SIGHUP ignored at the start, as "
+              "under nohup, stays ignored), or when the keep-alive expires or "
+              "memory pressure releases the files, or when every file was deleted; exit status 0. Bad input: "
+              "exit 2. Nothing could be wired, or stdout cannot be written: exit 1. Files are checked once a "
+              "second: a deleted file (its last name removed, or replaced by another file) is released and said "
+              "once; a file that shrank or grew is held at its new length (never past its end). Also honours "
+              "RESIDENCY_* (the options win).");
+          return [o] { return run_hold(*o); };
+        }};
 
 }  // namespace
 }  // namespace residency::tool

@@ -67,7 +67,8 @@ Result<IdleOptions> parse_idle_options(const IdleRequest& a) {
                  "': the keep-alive policy needs a duration above 0 (e.g. 2s, 180s); policies 0, forever and off are "
                  "named in --policies");
     }
-    if (!uses_keep_alive) o.notes.push_back("--keep-alive is not used: --policies names no keep-alive or pressure-aware policy");
+    if (!uses_keep_alive)
+      o.notes.push_back("--keep-alive is not used: --policies names no keep-alive or pressure-aware policy");
     ka = *k;
   } else if (env_keep_alive && uses_keep_alive) {
     if (!base.keep_alive.expires()) {
@@ -83,8 +84,9 @@ Result<IdleOptions> parse_idle_options(const IdleRequest& a) {
   set_keep_alive(*policies, ka.duration);
   o.benchmark.policies = std::move(policies).value();
   if (core::config_key_set("release_on_pressure", a.env)) {
-    o.notes.push_back("RESIDENCY_RELEASE_ON_PRESSURE is not used: each column sets its own (the pressure-aware policy "
-                      "releases under pressure, the others do not)");
+    o.notes.push_back(
+        "RESIDENCY_RELEASE_ON_PRESSURE is not used: each column sets its own (the pressure-aware policy "
+        "releases under pressure, the others do not)");
   }
   o.benchmark.schedule = llama_idle_schedule();
   if (a.pauses) {
@@ -102,7 +104,8 @@ Result<IdleOptions> parse_idle_options(const IdleRequest& a) {
   }
   o.benchmark.schedule.iters = a.iters;
   if (a.threads > kIdleMaxThreads) {
-    return bad("--threads " + std::to_string(a.threads) + ": accepted 0 (one per core) to " + std::to_string(kIdleMaxThreads));
+    return bad("--threads " + std::to_string(a.threads) + ": accepted 0 (one per core) to " +
+               std::to_string(kIdleMaxThreads));
   }
   if (a.backend != "sim" && (!a.profile.empty() || a.decaying_requests)) {
     return bad("--profile and --decaying-requests apply to --backend sim only");

@@ -10,8 +10,8 @@
 
 #include <cerrno>
 #include <cstdio>
-#include <cstring>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <memory>
@@ -90,8 +90,9 @@ int run(const Args& a) {
                                  : first_existing({here + "/../lib/libresidency_preload.so",
                                                    here + "/../../src/preload/libresidency_preload.so",
                                                    here + "/libresidency_preload.so"});
-  o.engine = !a.engine.empty() ? a.engine
-                               : first_existing({here + "/llama_engine", here + "/../../examples/llama_engine/llama_engine"});
+  o.engine = !a.engine.empty()
+                 ? a.engine
+                 : first_existing({here + "/llama_engine", here + "/../../examples/llama_engine/llama_engine"});
   // The environment as `idle` reads it: checked strictly; the preload children get the user's
   // RESIDENCY_* (except what each configuration sets); --keep-alive defaults to its keep-alive.
   auto env = Config::from_env();
@@ -106,8 +107,8 @@ int run(const Args& a) {
     o.keep_alive = ka->duration;
   } else if (env_keep_alive) {
     if (!env->keep_alive.expires()) {
-      throw BadInput("the environment's keep-alive (RESIDENCY_KEEP_ALIVE or its alias) is " + env->keep_alive.to_string() +
-                     ": the keep-alive configuration needs a duration; give --keep-alive");
+      throw BadInput("the environment's keep-alive (RESIDENCY_KEEP_ALIVE or its alias) is " +
+                     env->keep_alive.to_string() + ": the keep-alive configuration needs a duration; give --keep-alive");
     }
     o.keep_alive = env->keep_alive.duration;
   }
@@ -120,8 +121,11 @@ int run(const Args& a) {
   std::string configs = a.configs;
   if (configs.empty()) {  // every configuration whose binary is here
     configs = "mmap,mlock";
-    if (::access(o.preload.c_str(), R_OK) == 0) configs += o.pressure.kind == Pressure::Kind::hog ? ",keep-alive,pressure-aware,0" : ",keep-alive,0";
-    else std::printf("note: no libresidency_preload.so at %s: the preload configurations are left out\n", printable(o.preload, 400).c_str());
+    if (::access(o.preload.c_str(), R_OK) == 0)
+      configs += o.pressure.kind == Pressure::Kind::hog ? ",keep-alive,pressure-aware,0" : ",keep-alive,0";
+    else
+      std::printf("note: no libresidency_preload.so at %s: the preload configurations are left out\n",
+                  printable(o.preload, 400).c_str());
     configs += ",no-mmap";
     if (::access(o.engine.c_str(), X_OK) == 0) {
       configs += ",engine";
@@ -129,9 +133,10 @@ int run(const Args& a) {
       std::printf("note: --engine %s is not an executable: the engine configuration is left out\n",
                   printable(o.engine, 400).c_str());
     } else {  // an installed tool: the example is built in the build tree, not installed
-      std::printf("note: no llama_engine example at %s (it is built in the build tree, examples/llama_engine, and "
-                  "not installed): the engine configuration is left out; give --engine PATH to include it\n",
-                  printable(o.engine, 400).c_str());
+      std::printf(
+          "note: no llama_engine example at %s (it is built in the build tree, examples/llama_engine, and "
+          "not installed): the engine configuration is left out; give --engine PATH to include it\n",
+          printable(o.engine, 400).c_str());
     }
   }
   std::stringstream ss(configs);
@@ -140,15 +145,18 @@ int run(const Args& a) {
 
   // The model: given, or a synthetic one (removed afterwards).
   std::optional<TempDir> work;
-  if (!a.model.empty() && a.model_size) throw BadInput("--model-size describes the synthetic model, but MODEL was given");
+  if (!a.model.empty() && a.model_size)
+    throw BadInput("--model-size describes the synthetic model, but MODEL was given");
   if (!a.out.empty()) {  // the results must not be lost at the end of a long run
     std::error_code ec;
     const fs::path out(a.out);
     fs::path existing = out;
     while (!existing.empty() && !fs::exists(existing, ec)) existing = existing.parent_path();
     if (existing.empty()) existing = ".";
-    if (!fs::is_directory(existing, ec)) throw BadInput("--out " + printable(a.out) + ": " + printable(existing.string()) + " is not a directory");
-    if (Status st = check_writable(existing.string(), 512u << 10, "--out " + printable(a.out)); !st) throw BadInput(st.message());
+    if (!fs::is_directory(existing, ec))
+      throw BadInput("--out " + printable(a.out) + ": " + printable(existing.string()) + " is not a directory");
+    if (Status st = check_writable(existing.string(), 512u << 10, "--out " + printable(a.out)); !st)
+      throw BadInput(st.message());
   }
   if (a.model.empty()) {
     auto size = parse_size(a.model_size ? *a.model_size : "1GiB");
@@ -170,8 +178,9 @@ int run(const Args& a) {
   }
   if (Status st = check_llama_idle_options(o); !st) throw BadInput(st.message());
 
-  std::printf("llama-idle: %s (llama.cpp %s; its context uses llama_context_default_params(): 4 threads, whatever -t says)\n",
-              printable(o.llama_idle, 400).c_str(), kLlamaTag);
+  std::printf(
+      "llama-idle: %s (llama.cpp %s; its context uses llama_context_default_params(): 4 threads, whatever -t says)\n",
+      printable(o.llama_idle, 400).c_str(), kLlamaTag);
   std::printf("model: %s; configurations: %s; pressure: %s; %d round(s) of about 45 s each per configuration\n",
               printable(o.model, 400).c_str(), printable(configs).c_str(), o.pressure.to_string().c_str(), o.rounds);
   std::fflush(stdout);
@@ -208,15 +217,19 @@ int run(const Args& a) {
   j["llama_idle_threads"] = 4;
   j["engine_threads"] = o.engine_threads;
   for (std::size_t i = 0; i < outcome->results.policies.size(); ++i) {
-    nlohmann::json c = {{"id", outcome->results.policies[i].id}, {"name", outcome->results.policies[i].name},
+    nlohmann::json c = {{"id", outcome->results.policies[i].id},
+                        {"name", outcome->results.policies[i].name},
                         {"held_vm_lck_bytes", outcome->held[i].vm_lck},
                         {"held_rss_anon_bytes", outcome->held[i].rss_anon},
                         {"held_swap_bytes", outcome->held[i].vm_swap},
                         {"held_resident_fraction", outcome->held[i].resident_fraction}};
     for (std::size_t p = 0; p < outcome->results.schedule.pauses.size(); ++p) {
       const IdleCell cell = outcome->results.cell(i, p);
-      c["pauses"].push_back({{"pause_ms", std::chrono::duration_cast<std::chrono::milliseconds>(outcome->results.schedule.pauses[p]).count()},
-                             {"n", cell.n}, {"mean_ms", cell.mean_ms}, {"sd_ms", cell.sd_ms}});
+      c["pauses"].push_back(
+          {{"pause_ms", std::chrono::duration_cast<std::chrono::milliseconds>(outcome->results.schedule.pauses[p]).count()},
+           {"n", cell.n},
+           {"mean_ms", cell.mean_ms},
+           {"sd_ms", cell.sd_ms}});
     }
     j["configurations"].push_back(c);
   }
@@ -246,26 +259,40 @@ int run(const Args& a) {
   return kExitOk;
 }
 
-const Command cmd{"llama-idle", "run llama.cpp's own llama-idle side by side: mmap, --load-mode mlock, residency (preload), --load-mode none, the linked engine",
-                  [](CLI::App& app) {
-                    auto a = std::make_shared<Args>();
-                    app.add_option("MODEL", a->model, "GGUF model; default: a synthetic llama-shaped F16 model of --model-size");
-                    app.add_option("--llama-dir", a->llama_dir, "llama.cpp install prefix (bin/llama-idle); default RESIDENCY_LLAMA_DIR, else the scripts/llama-cpp cache");
-                    app.add_option("--preload", a->preload, "libresidency_preload.so; default: next to this tool");
-                    app.add_option("--engine", a->engine, "the llama_engine example; default: next to this tool");
-                    app.add_option("--configs", a->configs, "comma-separated: mmap, mlock, keep-alive, pressure-aware, 0, no-mmap, engine; default: all that are here (pressure-aware with hog:SIZE)");
-                    add_text_option(app, "--keep-alive", a->keep_alive, "the keep-alive of the residency configurations (at most 3.5 s; default RESIDENCY_KEEP_ALIVE, else 2s)");
-                    app.add_option("--pressure", a->pressure, "none, pageout (default: process_madvise MADV_PAGEOUT over the model's file and the anonymous mappings, + FADV_DONTNEED, at the end of each pause) or hog:SIZE");
-                    add_whole_number(app, "--rounds", a->rounds, 1, 20, "runs of every configuration, interleaved (1-20; default 1)");
-                    app.add_option("--out", a->out, "directory for llama-idle.{csv,json,png}; default: a new temporary directory");
-                    add_text_option(app, "--model-size", a->model_size, "size of the synthetic model (default 1GiB); not with MODEL");
-                    app.footer("Environment: RESIDENCY_* are checked as by `idle` (a bad value: one line, exit 2) and passed to the\n"
-                               "preload configurations, except RESIDENCY_KEEP_ALIVE and RESIDENCY_RELEASE_ON_PRESSURE, which each\n"
-                               "configuration sets (--keep-alive defaults to RESIDENCY_KEEP_ALIVE).");
-                    app.add_flag("!--no-plot", a->plot, "skip the PNG plot");
-                    app.add_flag("--no-repack", a->no_repack, "llama.cpp's extra buffer types off in every configuration (llama-idle -nr, llama_engine --no-repack): the weights stay in the file mapping instead of AMX or CPU_REPACK copies");
-                    return [a] { return run(*a); };
-                  }};
+const Command cmd{
+    "llama-idle",
+    "run llama.cpp's own llama-idle side by side: mmap, --load-mode mlock, residency (preload), --load-mode none, the "
+    "linked engine",
+    [](CLI::App& app) {
+      auto a = std::make_shared<Args>();
+      app.add_option("MODEL", a->model, "GGUF model; default: a synthetic llama-shaped F16 model of --model-size");
+      app.add_option(
+          "--llama-dir", a->llama_dir,
+          "llama.cpp install prefix (bin/llama-idle); default RESIDENCY_LLAMA_DIR, else the scripts/llama-cpp cache");
+      app.add_option("--preload", a->preload, "libresidency_preload.so; default: next to this tool");
+      app.add_option("--engine", a->engine, "the llama_engine example; default: next to this tool");
+      app.add_option("--configs", a->configs,
+                     "comma-separated: mmap, mlock, keep-alive, pressure-aware, 0, no-mmap, engine; default: all that "
+                     "are here (pressure-aware with hog:SIZE)");
+      add_text_option(
+          app, "--keep-alive", a->keep_alive,
+          "the keep-alive of the residency configurations (at most 3.5 s; default RESIDENCY_KEEP_ALIVE, else 2s)");
+      app.add_option("--pressure", a->pressure,
+                     "none, pageout (default: process_madvise MADV_PAGEOUT over the model's file and the anonymous "
+                     "mappings, + FADV_DONTNEED, at the end of each pause) or hog:SIZE");
+      add_whole_number(app, "--rounds", a->rounds, 1, 20, "runs of every configuration, interleaved (1-20; default 1)");
+      app.add_option("--out", a->out, "directory for llama-idle.{csv,json,png}; default: a new temporary directory");
+      add_text_option(app, "--model-size", a->model_size, "size of the synthetic model (default 1GiB); not with MODEL");
+      app.footer(
+          "Environment: RESIDENCY_* are checked as by `idle` (a bad value: one line, exit 2) and passed to the\n"
+          "preload configurations, except RESIDENCY_KEEP_ALIVE and RESIDENCY_RELEASE_ON_PRESSURE, which each\n"
+          "configuration sets (--keep-alive defaults to RESIDENCY_KEEP_ALIVE).");
+      app.add_flag("!--no-plot", a->plot, "skip the PNG plot");
+      app.add_flag("--no-repack", a->no_repack,
+                   "llama.cpp's extra buffer types off in every configuration (llama-idle -nr, llama_engine "
+                   "--no-repack): the weights stay in the file mapping instead of AMX or CPU_REPACK copies");
+      return [a] { return run(*a); };
+    }};
 
 }  // namespace
 }  // namespace residency::tool
