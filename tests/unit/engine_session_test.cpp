@@ -259,6 +259,13 @@ TEST_F(EngineSessionTest, AFileBackedBufferHoldsItsTensorsPagesAndTheUnreadPages
   ASSERT_EQ(::madvise(map, len, MADV_RANDOM), 0);
   volatile char sink = 0;
   for (std::size_t i = 0; i < len; i += page) sink = sink + map[i];
+  {
+    std::vector<unsigned char> before(pages);
+    ASSERT_EQ(::mincore(map, len, before.data()), 0);
+    std::size_t resident = 0;
+    for (unsigned char v : before) resident += v & 1U;
+    ASSERT_EQ(resident, pages) << "the whole file was read in";
+  }
   auto s = make();
   const auto b = reinterpret_cast<std::uintptr_t>(map);
   s->file_mapped(map, len);
@@ -289,7 +296,9 @@ TEST_F(EngineSessionTest, AFileBackedBufferHoldsItsTensorsPagesAndTheUnreadPages
     else ++unread_resident;
   }
   EXPECT_EQ(read_resident, 128u);
-  EXPECT_EQ(unread_resident, 0u) << "pages no buffer reads stay in memory";
+  // A pageout is best-effort: the kernel skips a page it cannot isolate at that moment (one still
+  // in a per-CPU LRU batch); seen 0-5 of these 384 left. Without the give-back all 384 stay.
+  EXPECT_LE(unread_resident, 384u / 10) << "pages no buffer reads stay in memory";
   EXPECT_TRUE(logs.contains(LogLevel::info, "model file pages no buffer reads"));
   s->buffer_freed(b);
   ::munmap(map, len);
