@@ -416,6 +416,38 @@ TEST_F(EngineSessionTest, OnlyWhatTheEngineMappedInsideItsCallsIsHeldOfAnonymous
   EXPECT_FALSE(any_member_overlaps(*host, program.begin(), program.end())) << "the program's own mapping";
 }
 
+// An address the session held, unmapped behind the hooks (glibc's own munmap) and mapped again by
+// the program (a shared file): the hook of the new mapping says so, and nothing is held there
+// any more, so no later wire locks the program's file for it.
+TEST_F(EngineSessionTest, AMappingTheProgramMakesWhereHeldMemoryWasIsForgotten) {
+  auto s = make();
+  Mapping w(kMiB);
+  buffer(*s, w, BufferUsage::weights);
+  s->model_loaded();
+  auto* engine = static_cast<char*>(::mmap(nullptr, 4 * kMiB, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0));
+  ASSERT_NE(engine, MAP_FAILED);
+  std::memset(engine, 1, 4 * kMiB);
+  const auto e = reinterpret_cast<std::uintptr_t>(engine);
+  s->engine_mapped(e, e + 4 * kMiB);
+  decode(*s);
+  ASSERT_TRUE(any_member_overlaps(*host, e, e + 4 * kMiB)) << "held after the decode";
+  // Behind the hooks: unmapped, and a shared file mapped at the same address.
+  TempDir dir;
+  const std::string path = dir.path() + "/shared";
+  const int fd = ::open(path.c_str(), O_CREAT | O_RDWR | O_TRUNC, 0600);
+  ASSERT_GE(fd, 0);
+  ASSERT_EQ(::ftruncate(fd, 4 * kMiB), 0);
+  ASSERT_EQ(::munmap(engine, 4 * kMiB), 0);
+  void* file = ::mmap(engine, 4 * kMiB, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED_NOREPLACE, fd, 0);
+  ::close(fd);
+  ASSERT_EQ(file, engine);
+  EXPECT_TRUE(s->tracks(e, e + 4 * kMiB));
+  s->mapped_over(e, e + 4 * kMiB);
+  EXPECT_FALSE(any_member_overlaps(*host, e, e + 4 * kMiB)) << "the program's file mapping stays unlocked";
+  EXPECT_FALSE(s->tracks(e, e + 4 * kMiB));
+  ::munmap(file, 4 * kMiB);
+}
+
 TEST_F(EngineSessionTest, WithoutAModelsWeightsNoSnapshotIsTaken) {
   auto s = make();
   Mapping kv(kMiB);
