@@ -26,7 +26,7 @@ using MunmapFn = int (*)(void*, std::size_t);
 // mmap and munmap are libc's, always in the global scope: RTLD_NEXT finds them.
 std::atomic<MmapFn> g_mmap{nullptr};
 std::atomic<MunmapFn> g_munmap{nullptr};
-std::atomic<bool> g_warned{false};  // never set for these two: the system call stands in
+std::atomic<bool> g_warned{true};  // a miss is never said for these: the system call stands in
 
 template <class Fn>
 Fn resolve_libc(std::atomic<Fn>& cache, const char* name) noexcept {
