@@ -1,11 +1,10 @@
 // SPDX-License-Identifier: MIT
 #include "piece_table.hpp"
 
-#include <unistd.h>
-
 #include <algorithm>
 #include <string>
 
+#include "buffer_plan.hpp"
 #include "residency/text.hpp"
 
 namespace residency::preload {
@@ -25,7 +24,7 @@ bool PieceTable::add(std::uintptr_t begin, std::uintptr_t end, RegionClass cls, 
   if (exclude_ == nullptr || !exclude_->overlaps(begin, end)) return add_one(begin, end, cls, owner);
   // Whole pages of what is excluded (a lock covers whole pages) are left out.
   try {
-    const std::uintptr_t page = static_cast<std::uintptr_t>(::sysconf(_SC_PAGESIZE));
+    const std::uintptr_t page = system_page_size();
     std::uintptr_t at = begin;
     bool any = false;
     for (const Piece& x : exclude_->pieces()) {
