@@ -121,7 +121,13 @@ void Admission::set_limit(std::uint64_t bytes) {
 bool Admission::admit(Region& r) {
   const std::uint64_t bytes = charge(r.desc);
   if (r.admitted || !budget_.fits(bytes)) return false;
-  if (!reserve_shared(bytes, r.desc.backend_allocated)) return false;
+  // Device memory reserved ahead of its allocation (reserve_ahead()) takes that reservation over.
+  const std::uint64_t from_ahead = r.desc.backend_allocated ? std::min(ahead_, bytes) : 0;
+  ahead_ -= from_ahead;
+  if (!reserve_shared(bytes, r.desc.backend_allocated)) {
+    ahead_ += from_ahead;
+    return false;
+  }
   if (Status s = backend_.reserve_wired(bytes); !s) {
     log_(warned_reserve_ ? LogLevel::debug : LogLevel::warn,
          "region " + std::to_string(r.desc.id) + " (" + mib(r.desc.size) + ") stays tracked but unwired: " + s.message());
@@ -250,7 +256,18 @@ Status Admission::unwired_status() const {
 // everything admitted (wired, or wired at the next commit); otherwise what the backend still has.
 std::uint64_t Admission::shared_needed() const {
   const std::uint64_t requested = sets_.requested_bytes();
-  return ka_.wants_resident() ? std::max(budget_.admitted(), requested) : requested;
+  return ka_.wants_resident() ? std::max(budget_.admitted() + ahead_, requested) : requested;
+}
+
+bool Admission::reserve_ahead(std::uint64_t bytes) {
+  if (!shared_ || !ka_.wants_resident()) return true;
+  ahead_ += bytes;
+  return reserve_shared(0, /*device=*/true);
+}
+
+void Admission::end_ahead(std::uint64_t bytes) {
+  ahead_ -= std::min(ahead_, bytes);
+  settle();
 }
 
 // Reserves room for `more` bytes on top of what is needed, before they can be wired. False: the
@@ -264,6 +281,7 @@ bool Admission::reserve_shared(std::uint64_t more, bool device) {
   if (!shared_full_ && shared_->acquire(need, clock_.now().count(), Nanos(0), /*partial=*/false) == need) return true;
   shared_full_ = true;
   if (device && !asking()) return over_budget(need);
+  room_for_device_ = room_for_device_ || device;
   short_by(need, more);
   return false;
 }
@@ -331,6 +349,7 @@ bool Admission::reserve_for_wire() {
     // the budget if nobody could give way.
     if (asking()) {
       room_wanted_ += missing;
+      room_for_device_ = true;
       return false;
     }
     if (!exiting_) (void)over_budget(missing);  // not reserved even so: short_by() said why

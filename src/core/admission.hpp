@@ -106,11 +106,25 @@ class Admission {
   // back short because the budget is full says nothing yet: the manager asks the other holders for
   // this much without its lock, then tries again after begin_retry() (ResidencyCycle::retry()),
   // and that attempt says what still does not fit.
-  std::uint64_t take_room_wanted() {
-    const std::uint64_t b = room_wanted_;
+  // Whether that room is for device memory (asked of any holder not inside a call, however short
+  // its idle: DESIGN §14) or for host memory (asked of holders idle for ledger::kIdleBeforeAsked).
+  struct RoomWanted {
+    std::uint64_t bytes = 0;
+    bool device = false;
+  };
+  RoomWanted take_room_wanted() {
+    const RoomWanted r{room_wanted_, room_for_device_};
     room_wanted_ = 0;
-    return b;
+    room_for_device_ = false;
+    return r;
   }
+  // Device memory about to be allocated (Manager::allocate): reserved in the shared budget before
+  // the allocation, so that room is made first (a full GPU cannot allocate and then ask). False:
+  // the budget is full on a first attempt; the others are asked for room at the end of the call,
+  // and the reservation stays wanted until end_ahead(). No-op without a shared budget.
+  bool reserve_ahead(std::uint64_t bytes);
+  // The allocation was tracked (its region took the reservation over) or failed: forgets it.
+  void end_ahead(std::uint64_t bytes);
   void begin_retry();
   // The call is over: the next one starts with a first attempt.
   void end_call() {
@@ -180,6 +194,8 @@ class Admission {
   bool exiting_ = false;
   bool first_attempt_ = true;  // no holder has been asked in this call yet
   std::uint64_t room_wanted_ = 0;
+  bool room_for_device_ = false;
+  std::uint64_t ahead_ = 0;  // reserve_ahead()'s bytes, not yet a region's
   std::uint64_t wire_failures_ = 0, shared_short_ = 0, shared_over_ = 0;
 };
 

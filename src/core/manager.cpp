@@ -40,6 +40,10 @@ namespace residency {
 
 using core::Region;
 
+// How many times an allocation that failed for want of device memory asks the other holders of its
+// budget to sleep and tries again.
+constexpr int kOutOfMemoryRetries = 3;
+
 struct Manager::Impl {
   Impl(ManagerOptions& o, Clock& clk, const Capabilities& c, core::Limits limits, const MemoryInfo& mem,
        std::unique_ptr<ledger::Ledger> shared, std::uint64_t pressure_floor)
@@ -127,13 +131,13 @@ struct Manager::Impl {
     MakeRoomAtEnd room_;  // destroyed first: make_room() runs with mu held
   };
   void make_room() noexcept RESIDENCY_REQUIRES(mu) {
-    const std::uint64_t want = adm.take_room_wanted();  // this call's: another thread may run meanwhile
-    if (want != 0) {
+    const core::Admission::RoomWanted want = adm.take_room_wanted();  // this call's: another thread may run meanwhile
+    if (want.bytes != 0) {
       mu.unlock();
       try {
-        shared_ledger->acquire(want, clock->now().count(), ledger::kAskWait,
-                               /*partial=*/false);  // what it gets, retry() keeps
-      } catch (...) {                               // out of memory: nothing more is admitted
+        shared_ledger->acquire(want.bytes, clock->now().count(), ledger::kAskWait, /*partial=*/false,
+                               want.device ? ledger::kNoMinimumIdle : ledger::kIdleBeforeAsked);  // retry() keeps it
+      } catch (...) {  // out of memory: nothing more is admitted
       }
       mu.lock();
       try {
@@ -175,7 +179,47 @@ struct Manager::Impl {
   void on_asked(int asker) {
     if (!try_lock_for(20)) return;
     MutexLock g(mu, std::adopt_lock);
-    cycle.give_back_if_idle(asker, ledger::kIdleBeforeAsked);
+    cycle.give_back_if_idle(asker, device_holder.load(std::memory_order_relaxed) ? ledger::kNoMinimumIdle
+                                                                                : ledger::kIdleBeforeAsked);
+  }
+
+  // The backend's allocation. When the device itself is full (the budget had room, or processes
+  // outside it hold the memory), the other holders are asked to sleep and it is tried again,
+  // boundedly; it fails only when nobody could give way.
+  Result<void*> allocate_locked(std::size_t size, RegionClass cls) RESIDENCY_REQUIRES(mu) {
+    Result<void*> p = backend->allocate(size, cls);
+    for (int i = 0; i < kOutOfMemoryRetries && !p && p.status().code() == ErrorCode::out_of_memory && shared_ledger;
+         ++i) {
+      mu.unlock();
+      std::uint64_t freed = 0;
+      try {
+        freed = shared_ledger->ask_to_free(size, clock->now().count(), ledger::kAskWait, ledger::kNoMinimumIdle);
+      } catch (...) {
+      }
+      mu.lock();
+      if (freed == 0) break;  // nobody could give way
+      log(LogLevel::info, "out of device memory for " + core::mib(size) + ": the holders asked gave back " +
+                              core::mib(freed) + "; allocating again");
+      p = backend->allocate(size, cls);
+    }
+    return p;
+  }
+
+  // Device memory under a shared budget (DESIGN §14): set by the first allocate(). Such a holder
+  // is asked however short its idle, and at the end of each call it looks whether the budget is
+  // over (a wake over it, when every other holder was inside a call) and repays: the least
+  // recently used holder sleeps until the sum fits (repay()).
+  std::atomic<bool> device_holder{false};
+  // At the end of a call (no call left open): a pread of the ledger; the lock only when over.
+  void repay_if_over() noexcept {
+    if (!device_holder.load(std::memory_order_relaxed) || ka.calls() != 0 || !ka.wants_resident()) return;
+    try {
+      if (shared_ledger->over_budget() == 0) return;
+      Locked g(*this);
+      if (ka.calls() != 0 || !ka.wants_resident() || !shared_ledger->repay_turn()) return;
+      cycle.repay_debt(shared_ledger->over_budget());
+    } catch (...) {
+    }
   }
   bool try_lock_for(int ms) RESIDENCY_TRY_ACQUIRE(true, mu) {
     for (int i = 0; i < ms; ++i) {
@@ -304,8 +348,23 @@ Result<RegionId> Manager::register_region(void* base, std::size_t size, RegionCl
 Result<Allocation> Manager::allocate(std::size_t size, RegionClass cls, int priority) {
   Impl& m = *impl_;
   if (size == 0) return Status(ErrorCode::invalid_argument, "allocate: size is 0");
+  if (m.shared_ledger) {
+    // Room first (DESIGN §14): reserved in the shared budget, the others asked at the end of this
+    // scope when it is full, and only then allocated.
+    m.device_holder.store(true, std::memory_order_relaxed);
+    Impl::Locked g(m);
+    (void)m.adm.reserve_ahead(size);
+  }
+  struct Ahead {  // the reservation ends with this call, taken over by the region or not
+    Impl& m;
+    std::size_t size;
+    ~Ahead() RESIDENCY_NO_THREAD_SAFETY_ANALYSIS {
+      if (m.shared_ledger) m.adm.end_ahead(size);  // mu is held: Ahead is destroyed before g
+    }
+  };
   Impl::Locked g(m);
-  Result<void*> p = m.backend->allocate(size, cls);
+  Ahead ahead{m, size};
+  Result<void*> p = m.allocate_locked(size, cls);
   if (!p) return p.status();
   auto id = m.register_locked(RegionDesc{0, *p, size, cls, /*backend_allocated=*/true, nullptr}, priority);
   if (!id) {
@@ -393,7 +452,7 @@ void Manager::end_counted_call(void (*synchronize)(void*), void* ctx) noexcept {
   if (m.ka.rewires_on_use()) {
     // The use lasted until now: the keep-alive counts from the end of the call.
     if (m.ka.touch()) m.rewire("touch after release");
-    m.ka.call_ended();
+    if (m.ka.call_ended() == 0) m.repay_if_over();
     return;
   }
   if (!m.ka.managing()) return;

@@ -158,6 +158,14 @@ bool ResidencyCycle::give_back_if_idle(int asker, Nanos idle_before_asked) {
   return true;
 }
 
+void ResidencyCycle::repay_debt(std::uint64_t over) {
+  ++counters_.shared_gave_back;
+  release_now(("shared budget " + adm_.shared()->name() + " is " + mib(over) +
+               " over (a wake went over it while every other holder was inside a call): this holder, the least "
+               "recently used, sleeps; the next use wakes it")
+                  .c_str());
+}
+
 void ResidencyCycle::release_at_exit(bool device_memory) {
   adm_.begin_exit();
   if (!device_memory && adm_.sets().requested_bytes() > 0) {

@@ -75,6 +75,9 @@ class ResidencyCycle {
   // Another process asks through the shared budget: gives everything back if this manager is
   // really idle (no call open, no use for `idle_before_asked`). True: it gave back.
   bool give_back_if_idle(int asker, Nanos idle_before_asked);
+  // The shared budget is `over` bytes over and it is this holder's turn to repay (the least
+  // recently used, no call open: Ledger::repay_turn()): it sleeps.
+  void repay_debt(std::uint64_t over);
   // At exit: nothing is wired again; host memory is given back (device memory is left to the
   // driver: ending its residency would copy it out).
   void release_at_exit(bool device_memory);

@@ -749,6 +749,21 @@ void Ledger::detach_at_exit() {
 
 std::uint64_t Ledger::budget() const { return budget_; }
 
+namespace {
+// Writes an ask into holder `i`'s word and wakes its listener (under the lock). Returns its id.
+std::uint32_t ask_holder(Shared& s, std::uint32_t i, int self, std::uint64_t self_start, std::int64_t deadline) {
+  Slot& v = s.slots[i];
+  std::uint32_t id = s.ask_serial.fetch_add(1, std::memory_order_relaxed) + 1;
+  if (id == 0 || id == kStopWord) id = s.ask_serial.fetch_add(2, std::memory_order_relaxed) + 2;
+  v.asker_pid.store(self, std::memory_order_relaxed);
+  v.asker_start.store(self_start, std::memory_order_relaxed);
+  v.ask_deadline.store(deadline, std::memory_order_relaxed);
+  v.ask.store(id, std::memory_order_release);
+  futex_wake(v.ask, 1);
+  return id;
+}
+}  // namespace
+
 void Ledger::publish_last_use(void* ledger, std::int64_t last_use) noexcept {
   auto* l = static_cast<Ledger*>(ledger);
   if (!l->shm_ || l->detached_ || l->broken_.load(std::memory_order_relaxed) || !l->mine()) return;
@@ -757,17 +772,22 @@ void Ledger::publish_last_use(void* ledger, std::int64_t last_use) noexcept {
   if (::pwrite(l->fd_, &last_use, sizeof last_use, at) != static_cast<ssize_t>(sizeof last_use)) return;
 }
 
-std::uint64_t Ledger::acquire(std::uint64_t bytes, std::int64_t now, Nanos wait, bool partial) {
-  if (bytes == 0 || detached_ || !mine()) return 0;
+// Asks the other holders, one at a time, until `done` (run under the lock, on a sound ledger)
+// says so, nobody is left to ask, or `wait` is over. The holder to ask: priority <= ours, idle at
+// least `min_idle` at `now`, holding bytes; the lowest priority first, then the one idle longest.
+// One inside a call declines (its answer clears the word at once) and the next is asked. The asks
+// still in their holders' words are withdrawn before it returns. Returns 1 when done said so, 0
+// when not, -1 when the ledger could not be used (problem() says why).
+int Ledger::ask_until(const std::function<bool(Shared&)>& done, std::int64_t now, Nanos wait, Nanos min_idle) {
+  if (detached_ || !mine()) return -1;
   if (broken_.load(std::memory_order_acquire)) {
     if (problem().empty())
       set_problem("its ledger " + path_ + " was found corrupt; this process wires nothing more under it");
-    return 0;
+    return -1;
   }
-  if (removed_.load(std::memory_order_acquire)) return 0;  // problem() says so still
+  if (removed_.load(std::memory_order_acquire)) return -1;  // problem() says so still
   Shared& s = *shm_;
   const int self = ::getpid();
-  Slot& mine = s.slots[slot_];
   const std::uint64_t self_start = self_start_;
   // Whether a lock just taken may be used; else problem() says why and nothing is granted.
   auto usable = [&](const Lock& lock) {
@@ -778,11 +798,6 @@ std::uint64_t Ledger::acquire(std::uint64_t bytes, std::int64_t now, Nanos wait,
     if (!path_is_ours(fd_, path_)) return removed(), false;
     set_problem({});
     return true;
-  };
-  auto take = [&](std::uint64_t n) {
-    mine.bytes.store(mine.bytes.load(std::memory_order_relaxed) + n, std::memory_order_relaxed);
-    held_.fetch_add(n, std::memory_order_relaxed);
-    return n;
   };
   const std::int64_t deadline = monotonic_ns() + wait.count();
   struct Asked {
@@ -798,24 +813,25 @@ std::uint64_t Ledger::acquire(std::uint64_t bytes, std::int64_t now, Nanos wait,
     }
     asked.clear();
   };
-  while (wait.count() > 0 && monotonic_ns() < deadline) {
+  for (bool first = true;; first = false) {
     std::uint32_t gen = 0;
     bool outstanding = false, asked_now = false;
     {
       Lock lock(fd_, local_, shm_, kUseLockWait);
-      if (!usable(lock)) return 0;
+      if (!usable(lock)) return -1;  // the asks expire at their deadline
       reclaim(s, self, self_start);
-      const std::uint64_t used = used_bytes(s);
-      if (used <= s.budget && s.budget - used >= bytes) {
+      if (done(s)) {
         withdraw();
-        return take(bytes);
+        return 1;
+      }
+      if (!first && (wait.count() <= 0 || monotonic_ns() >= deadline)) {
+        withdraw();
+        return 0;
       }
       for (const Asked& a : asked)
         if (s.slots[a.slot].ask.load(std::memory_order_relaxed) == a.id) outstanding = true;
-      if (!outstanding) {
-        // The holder to ask: priority <= ours, idle at least kIdleBeforeAsked, holding bytes;
-        // lowest priority first, then the one idle longest.
-        const std::int64_t idle_before = now - kIdleBeforeAsked.count();
+      if (!outstanding && wait.count() > 0) {
+        const std::int64_t idle_before = now - min_idle.count();
         std::uint32_t best = kMaxHolders;
         for (std::uint32_t i = 0; i < kMaxHolders; ++i) {
           const Slot& sl = s.slots[i];
@@ -835,36 +851,64 @@ std::uint64_t Ledger::acquire(std::uint64_t bytes, std::int64_t now, Nanos wait,
             best = i;
         }
         if (best != kMaxHolders) {
-          Slot& v = s.slots[best];
-          std::uint32_t id = s.ask_serial.fetch_add(1, std::memory_order_relaxed) + 1;
-          if (id == 0 || id == kStopWord) id = s.ask_serial.fetch_add(2, std::memory_order_relaxed) + 2;
-          v.asker_pid.store(self, std::memory_order_relaxed);
-          v.asker_start.store(self_start, std::memory_order_relaxed);
-          v.ask_deadline.store(deadline, std::memory_order_relaxed);
-          v.ask.store(id, std::memory_order_release);
-          futex_wake(v.ask, 1);
-          asked.push_back({best, id});
+          asked.push_back({best, ask_holder(s, best, self, self_start, deadline)});
           asks_sent_.fetch_add(1, std::memory_order_relaxed);
           asked_now = true;
         }
       }
+      if (!outstanding && !asked_now) {  // nobody left to ask
+        withdraw();
+        return 0;
+      }
       gen = s.generation.load(std::memory_order_acquire);
     }
-    if (!outstanding && !asked_now) break;  // nobody left to ask
     // In slices, so that cancel_shared_budget_waits() (a signal to the process) ends it soon.
     const std::int64_t left = std::min<std::int64_t>(deadline - monotonic_ns(), kCancelPoll.count());
-    if (left <= 0 || g_joins_cancelled.load(std::memory_order_acquire)) break;
-    const timespec ts{static_cast<time_t>(left / 1'000'000'000), static_cast<long>(left % 1'000'000'000)};
-    futex_wait(s.generation, gen, &ts);
+    if (g_joins_cancelled.load(std::memory_order_acquire)) wait = Nanos(0);  // the next pass is the last
+    if (left > 0 && wait.count() > 0) {
+      const timespec ts{static_cast<time_t>(left / 1'000'000'000), static_cast<long>(left % 1'000'000'000)};
+      futex_wait(s.generation, gen, &ts);
+    }
   }
-  Lock lock(fd_, local_, shm_, kUseLockWait);
-  if (!usable(lock)) return 0;  // the asks expire at their deadline
-  withdraw();
-  reclaim(s, self, self_start);
-  const std::uint64_t used = used_bytes(s);
-  const std::uint64_t free = used < s.budget ? s.budget - used : 0;
-  if (free >= bytes) return take(bytes);
-  return partial ? take(free) : 0;
+}
+
+std::uint64_t Ledger::acquire(std::uint64_t bytes, std::int64_t now, Nanos wait, bool partial, Nanos min_idle) {
+  if (bytes == 0) return 0;
+  Slot& mine = shm_->slots[slot_];
+  std::uint64_t got = 0;
+  auto take = [&](std::uint64_t n) {
+    mine.bytes.store(mine.bytes.load(std::memory_order_relaxed) + n, std::memory_order_relaxed);
+    held_.fetch_add(n, std::memory_order_relaxed);
+    got = n;
+  };
+  // The whole of it once it fits; what is free if `partial`, without a wait or after it.
+  auto fit = [&](Shared& s, bool final) {
+    const std::uint64_t used = used_bytes(s), free = used < s.budget ? s.budget - used : 0;
+    if (free >= bytes) return take(bytes), true;
+    if (final && partial && free > 0) return take(free), true;
+    return false;
+  };
+  const int r = ask_until([&](Shared& s) { return fit(s, wait.count() <= 0); }, now, wait, min_idle);
+  if (r != 0 || wait.count() <= 0) return got;
+  return ask_until([&](Shared& s) { return fit(s, true); }, now, Nanos(0), min_idle) > 0 ? got : 0;
+}
+
+std::uint64_t Ledger::ask_to_free(std::uint64_t bytes, std::int64_t now, Nanos wait, Nanos min_idle) {
+  if (bytes == 0 || !shm_) return 0;
+  std::uint64_t others_before = 0, others_now = 0;
+  bool measured = false;
+  auto others = [&](Shared& s) { return used_bytes(s) - s.slots[slot_].bytes.load(std::memory_order_relaxed); };
+  (void)ask_until(
+      [&](Shared& s) {
+        others_now = others(s);
+        if (!measured) {
+          measured = true;
+          others_before = others_now;
+        }
+        return others_before - std::min(others_before, others_now) >= bytes;
+      },
+      now, wait, min_idle);
+  return others_before - std::min(others_before, others_now);
 }
 
 std::uint64_t Ledger::take_over_budget(std::uint64_t bytes) {
@@ -881,6 +925,50 @@ std::uint64_t Ledger::take_over_budget(std::uint64_t bytes) {
   mine.bytes.store(mine.bytes.load(std::memory_order_relaxed) + bytes, std::memory_order_relaxed);
   held_.fetch_add(bytes, std::memory_order_relaxed);
   return bytes;
+}
+
+std::uint64_t Ledger::over_budget() const {
+  if (!shm_ || detached_ || !mine() || broken_.load(std::memory_order_acquire) ||
+      removed_.load(std::memory_order_acquire))
+    return 0;
+  // A copy, as `residency stat` reads it: a few kB, no lock, nothing of the mapping touched.
+  auto copy = std::make_unique<Shared>();
+  if (::pread(fd_, static_cast<void*>(copy.get()), sizeof(Shared), 0) != static_cast<ssize_t>(sizeof(Shared)) ||
+      !check_table(*copy).empty())
+    return 0;
+  const std::uint64_t used = used_bytes(*copy);
+  return used > copy->budget ? used - copy->budget : 0;
+}
+
+bool Ledger::repay_turn() {
+  if (!shm_ || detached_ || !mine() || !usable()) return false;
+  Shared& s = *shm_;
+  Lock lock(fd_, local_, shm_, kUseLockWait);
+  if (lock.corrupt()) return corrupt(lock.why()), false;
+  if (!lock.ok()) return false;  // the next end of a call looks again
+  if (!own_slot_sound()) return corrupt("the slot of this process (" + std::to_string(slot_) + ") was overwritten"), false;
+  const int self = ::getpid();
+  reclaim(s, self, self_start_);
+  if (used_bytes(s) <= s.budget) return false;
+  std::uint32_t turn = kMaxHolders;
+  for (std::uint32_t i = 0; i < kMaxHolders; ++i) {
+    const Slot& sl = s.slots[i];
+    if (!sl.occupied.load(std::memory_order_relaxed) || sl.bytes.load(std::memory_order_relaxed) == 0) continue;
+    if (turn == kMaxHolders) {
+      turn = i;
+      continue;
+    }
+    const Slot& b = s.slots[turn];
+    const int pa = sl.priority.load(std::memory_order_relaxed), pb = b.priority.load(std::memory_order_relaxed);
+    if (pa < pb || (pa == pb && sl.last_use.load(std::memory_order_relaxed) < b.last_use.load(std::memory_order_relaxed)))
+      turn = i;
+  }
+  if (turn == slot_) return true;
+  if (turn != kMaxHolders && s.slots[turn].ask.load(std::memory_order_relaxed) == 0) {
+    (void)ask_holder(s, turn, self, self_start_, monotonic_ns() + kAskWait.count());
+    asks_sent_.fetch_add(1, std::memory_order_relaxed);
+  }
+  return false;
 }
 
 void Ledger::release(std::uint64_t bytes) {
@@ -1071,7 +1159,10 @@ void Ledger::stop_listening() {}
 void Ledger::detach_at_exit() {}
 std::uint64_t Ledger::budget() const { return 0; }
 void Ledger::publish_last_use(void*, std::int64_t) noexcept {}
-std::uint64_t Ledger::acquire(std::uint64_t, std::int64_t, Nanos, bool) { return 0; }
+std::uint64_t Ledger::acquire(std::uint64_t, std::int64_t, Nanos, bool, Nanos) { return 0; }
+std::uint64_t Ledger::ask_to_free(std::uint64_t, std::int64_t, Nanos, Nanos) { return 0; }
+std::uint64_t Ledger::over_budget() const { return 0; }
+bool Ledger::repay_turn() { return false; }
 std::uint64_t Ledger::take_over_budget(std::uint64_t) { return 0; }
 std::string Ledger::problem() const { return {}; }
 bool Ledger::usable() const { return false; }

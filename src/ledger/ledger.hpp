@@ -32,10 +32,15 @@ namespace residency::ledger {
 inline constexpr std::uint32_t kMaxHolders = 64;
 // The ledger's format; a ledger of another version is refused (the message names both).
 inline constexpr std::uint32_t kFormatVersion = 2;  // 2: the lock is the file's (OFD), not a mutex in it
-// A holder is asked only when its last use is at least this old: longer than any pause between two
-// graph computes of a decoding engine (tens to hundreds of ms per token), so that a decoding
-// process is never asked and two busy processes never take the budget from each other per token.
+// A holder of host memory is asked only when its last use is at least this old: longer than any
+// pause between two graph computes of a decoding engine (tens to hundreds of ms per token), so that
+// a decoding process is never asked and two busy processes never take the budget from each other
+// per token. Host memory that does not fit waits unwired, so waiting for this costs no budget.
+// Device memory cannot wait (a decode reads it): there any holder not inside a call is asked,
+// however short its idle, the least recently used first (DESIGN §14), since a minimum idle would
+// only push the waker over the budget. kNoMinimumIdle says so.
 inline constexpr std::chrono::nanoseconds kIdleBeforeAsked = std::chrono::seconds(1);
+inline constexpr std::chrono::nanoseconds kNoMinimumIdle{0};
 // How long an asker waits for asked holders to give back before it wires what fits.
 inline constexpr std::chrono::nanoseconds kAskWait = std::chrono::seconds(2);
 // How long attach() waits for the ledger's lock before it fails with a message naming the ledger
@@ -143,7 +148,15 @@ class Ledger {
   // if its last use is at least kIdleBeforeAsked before `now`. Bounds on waiting (for the lock, for
   // an answer, an ask's deadline that the asked process reads) are real time, CLOCK_MONOTONIC,
   // whatever the caller's clock.
-  std::uint64_t acquire(std::uint64_t bytes, std::int64_t now, std::chrono::nanoseconds wait, bool partial);
+  // `min_idle`: kIdleBeforeAsked for host memory, kNoMinimumIdle for device memory.
+  std::uint64_t acquire(std::uint64_t bytes, std::int64_t now, std::chrono::nanoseconds wait, bool partial,
+                        std::chrono::nanoseconds min_idle = kIdleBeforeAsked);
+  // Asks the other holders to give back until `bytes` of theirs were given back, nobody is left
+  // to ask, or `wait` is over, whatever the budget says: for memory the device itself lacks (an
+  // allocation that failed for want of GPU memory, though the budget had room). Returns the bytes
+  // the others gave back meanwhile.
+  std::uint64_t ask_to_free(std::uint64_t bytes, std::int64_t now, std::chrono::nanoseconds wait,
+                            std::chrono::nanoseconds min_idle);
   // Reserves `bytes` more even past the budget: for memory that is in use whatever the ledger says
   // (a GPU's memory is awake while a decode needs it; it cannot wait unwired as host memory can).
   // The others then find the ledger full and ask. Returns the bytes reserved (0: the lock was not
@@ -151,6 +164,15 @@ class Ledger {
   std::uint64_t take_over_budget(std::uint64_t bytes);
   // Gives back `bytes` (at most what is held) and wakes waiting askers.
   void release(std::uint64_t bytes);
+  // The debt of a wake over the budget (DESIGN §14): how far the holders' sum exceeds the budget
+  // now, read from a copy of the ledger (pread: no lock, nothing of the mapping touched), so that
+  // a holder may look at every end of a call. 0 when within it, or unreadable.
+  std::uint64_t over_budget() const;
+  // Whose turn it is to repay the debt, decided under the lock: the holder of bytes of the lowest
+  // priority, least recently used first. True when it is this holder (the caller sleeps); else
+  // that holder is asked, without waiting for its answer (it sleeps unless it is inside a call,
+  // and the next end of a call looks again), and false is returned. False also when the sum fits.
+  bool repay_turn();
   // Why the last acquire() granted nothing for a reason other than a full budget (the lock was
   // not obtained within its bound, or the ledger is corrupt); empty when it took the lock.
   std::string problem() const;
@@ -171,6 +193,8 @@ class Ledger {
  private:
   Ledger() = default;
   void listen_loop();
+  int ask_until(const std::function<bool(Shared&)>& done, std::int64_t now, std::chrono::nanoseconds wait,
+                std::chrono::nanoseconds min_idle);
   void leave() RESIDENCY_EXCLUDES(local_);
   void tell_listener_to_stop();
   bool covers_mapping() const;
