@@ -11,6 +11,7 @@
 #pragma once
 
 #include <algorithm>
+#include <functional>
 #include <map>
 #include <mutex>
 #include <optional>
@@ -48,6 +49,7 @@ class FakeBackend : public Backend {
   std::uint64_t reserve_limit = UINT64_MAX;       // bytes reserve_wired() grants in all
   bool fail_end_residency = false;                // end_residency refuses (nothing given back)
   std::optional<std::uint64_t> available;         // memory_available(); nullopt: unknown
+  std::function<bool()> device_full;              // allocate() fails with out_of_memory while it says so
   int available_reads = 0;
 
   Capabilities capabilities() const override {
@@ -87,6 +89,7 @@ class FakeBackend : public Backend {
     reserved -= std::min(reserved, bytes);
   }
   Result<void*> allocate(std::size_t size, RegionClass) override {
+    if (device_full && device_full()) return Status(ErrorCode::out_of_memory, "fake: out of device memory");
     std::lock_guard<std::recursive_mutex> g(mu);
     auto* p = new char[size];
     allocated.insert(p);

@@ -8,6 +8,8 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <functional>
+#include <thread>
 #include <string>
 
 #include "ledger/ledger.hpp"
@@ -57,7 +59,15 @@ class DeviceBudgetTest : public ::testing::Test {
     EXPECT_TRUE(pa && a.fake->is_resident(pa->id));
     return pa ? *pa : Allocation{};
   }
-  Device a, b;
+  Device a, b, c;
+  // What another holder's listener thread does in answer to an ask, waited for (real time).
+  static bool eventually(const std::function<bool()>& done) {
+    for (int i = 0; i < 200; ++i) {
+      if (done()) return true;
+      std::this_thread::sleep_for(10ms);
+    }
+    return done();
+  }
   std::uint64_t used() {
     for (const auto& info : list_shared_budgets())
       if (info.name == name) return info.used;
@@ -101,6 +111,90 @@ TEST_F(DeviceBudgetTest, WhenNoHolderCanSleepTheWakeGoesOverTheBudgetAndSaysSo) 
   EXPECT_TRUE(b.logs.contains(LogLevel::warn, "of device memory is awake over it"));
   EXPECT_EQ(used(), 10 * MiB) << "the books show the 2 MiB over the budget";
   a.m->end_call();
+}
+
+// Device budgets (DESIGN §14): a holder not inside a call is asked however short its idle: a waker
+// cannot wait unwired, so a minimum idle would only push it over the budget.
+TEST_F(DeviceBudgetTest, AHolderIdleForMillisecondsIsAskedToSleep) {
+  const Allocation pa = two_holders_a_with_6_mib();
+  // The GPU is as full as the budget: room must be made before the allocation, not after.
+  b.fake->device_full = [&] { return a.fake->is_resident(pa.id); };
+  clock.advance(10ms);  // far less than ledger::kIdleBeforeAsked
+  auto pb = b.m->allocate(4 * MiB);
+  ASSERT_TRUE(pb) << pb.message();
+  EXPECT_FALSE(a.fake->is_resident(pa.id)) << "the holder idle for 10 ms sleeps";
+  EXPECT_TRUE(b.fake->is_resident(pb->id));
+  EXPECT_EQ(used(), 4 * MiB) << "never over the budget";
+  EXPECT_FALSE(b.logs.contains(LogLevel::warn, "over it"));
+  EXPECT_FALSE(b.logs.contains(LogLevel::info, "out of device memory")) << "room was made before allocating";
+}
+
+// The least recently used holder is asked first; one inside a call declines, and the next is asked.
+TEST_F(DeviceBudgetTest, AHolderInsideACallDeclinesAndTheNextLeastRecentlyUsedSleeps) {
+  start(a, 10 * MiB);
+  start(b, 10 * MiB);
+  start(c, 10 * MiB);
+  auto pa = a.m->allocate(4 * MiB);
+  clock.advance(5ms);
+  auto pb = b.m->allocate(4 * MiB);
+  ASSERT_TRUE(pa && pb);
+  clock.advance(5ms);
+  a.m->begin_call();  // a is the least recently used, but decoding
+  clock.advance(5ms);
+  auto pc = c.m->allocate(4 * MiB);
+  ASSERT_TRUE(pc) << pc.message();
+  EXPECT_TRUE(a.fake->is_resident(pa->id)) << "a holder inside a call is never put to sleep";
+  EXPECT_FALSE(b.fake->is_resident(pb->id)) << "the next one asked sleeps";
+  EXPECT_TRUE(c.fake->is_resident(pc->id));
+  EXPECT_EQ(used(), 8 * MiB);
+  a.m->end_call();
+}
+
+// A wake over the budget (every other holder inside a call) is repaid: once a call ends and the
+// budget is over, the least recently used holder sleeps until the sum fits.
+TEST_F(DeviceBudgetTest, AWakeOverTheBudgetIsRepaidWhenACallEnds) {
+  const Allocation pa = two_holders_a_with_6_mib();
+  a.m->begin_call();
+  clock.advance(5ms);
+  auto pb = b.m->allocate(4 * MiB);
+  ASSERT_TRUE(pb) << pb.message();
+  ASSERT_EQ(used(), 10 * MiB) << "over, since a was inside a call";
+  clock.advance(5ms);
+  a.m->end_call();  // a's call ends: b (allocated before it) is the least recently used
+  EXPECT_TRUE(eventually([&] { return used() <= 8 * MiB; })) << "the debt is repaid";
+  EXPECT_TRUE(a.fake->is_resident(pa.id));
+  EXPECT_TRUE(eventually([&] { return !b.fake->is_resident(pb->id); })) << "the least recently used sleeps";
+  EXPECT_EQ(used(), 6 * MiB);
+  // Its next call wakes it, and a (idle now) sleeps first: the budget holds.
+  clock.advance(5ms);
+  b.m->begin_call();
+  EXPECT_TRUE(b.fake->is_resident(pb->id));
+  EXPECT_FALSE(a.fake->is_resident(pa.id));
+  b.m->end_call();
+  EXPECT_EQ(used(), 4 * MiB);
+}
+
+// The GPU itself is full (the budget had room): the allocation asks the others to sleep and tries
+// again, rather than failing the engine's call (a model load included).
+TEST_F(DeviceBudgetTest, AnAllocationOutOfDeviceMemoryAsksTheOthersAndTriesAgain) {
+  start(a, 100 * MiB);
+  start(b, 100 * MiB);
+  auto pa = a.m->allocate(6 * MiB);
+  ASSERT_TRUE(pa);
+  b.fake->device_full = [&] { return a.fake->is_resident(pa->id); };  // the GPU holds a's 6 MiB and no more
+  clock.advance(5ms);
+  auto pb = b.m->allocate(4 * MiB);
+  ASSERT_TRUE(pb) << pb.message();
+  EXPECT_FALSE(a.fake->is_resident(pa->id));
+  EXPECT_TRUE(b.fake->is_resident(pb->id));
+  EXPECT_TRUE(b.logs.contains(LogLevel::info, "out of device memory for 4.00 MiB"));
+  // When nobody can give way, the error is the backend's, and nothing is left reserved.
+  start(c, 100 * MiB);
+  c.fake->device_full = [] { return true; };
+  auto pc = c.m->allocate(4 * MiB);
+  ASSERT_FALSE(pc);
+  EXPECT_EQ(pc.status().code(), ErrorCode::out_of_memory);
+  EXPECT_EQ(c.m->stats().shared_held, 0u);
 }
 
 // Host memory under the same budget keeps its rule: what does not fit stays tracked but unwired.
