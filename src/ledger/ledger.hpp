@@ -69,7 +69,8 @@ struct AttachOptions {
 
 // Asking: each holder has a futex word in the ledger; a thread of the holder's process sleeps on
 // it with no timeout (zero wake-ups while nobody asks). An asker that does not fit picks the holder idle
-// longest among those of priority <= its own (last use >= kIdleBeforeAsked ago), writes its
+// longest among those of priority <= its own (last use >= kIdleBeforeAsked ago for host memory; any
+// for device memory, one inside a call declining so that the next is asked), writes its
 // slot's word and FUTEX_WAKEs it; that process gives its memory back if it is really idle (as
 // its keep-alive would have, early) and answers by bumping the ledger's generation word, on
 // which the asker waits a bounded time. An ask carries an id, the asker's identity and the end
