@@ -187,6 +187,9 @@ class Manager {
   void notify_memory_pressure();
   // Gives residency back now, whatever the policy (an engine going to sleep).
   void release_now();
+  // ok when everything tracked is wired (for memory the backend allocated, a GPU's: mapped and
+  // awake); else what is not, and why. An engine must not compute on device memory that is not.
+  Status unwired_status() const;
 
   Batch batch();
   // The same without RAII (the C API): every begin_batch() needs one end_batch(); an end

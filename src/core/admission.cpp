@@ -192,13 +192,31 @@ std::uint64_t Admission::shrink_to_limit(bool by_class, std::uint64_t floor) {
 
 // Regions the backend could not wire leave their set and wait, out of the budget's way.
 void Admission::on_failure(const SetOutcome& out, const char* what) {
+  // Device memory that could not wake for want of device memory, on a first attempt under a shared
+  // budget: the other holders are asked to sleep (the manager, without its lock) and it is tried
+  // again (retry()). Unmapped device memory is not memory a decode can go on without.
+  if (shared_ && asking() && out.status.code() == ErrorCode::out_of_memory) {
+    bool all_device = !out.failed.empty();
+    for (RegionId id : out.failed)
+      if (Region* r = regions_.find(id); r && !r->desc.backend_allocated) all_device = false;
+    if (all_device) {
+      for (RegionId id : out.failed)
+        if (Region* r = regions_.find(id)) {
+          device_short_ += r->desc.size;
+          evict(*r);  // eligible still: promote() admits it again at the retry
+        }
+      return;
+    }
+  }
   std::uint64_t bytes = 0;
   for (RegionId id : out.failed) {
     Region* r = regions_.find(id);
     if (!r) continue;
     bytes += r->desc.size;
     evict(*r);
-    r->eligible = false;
+    // Device memory short of device memory is tried again at the next wake (a GPU frees memory
+    // as other processes sleep or exit); anything else waits for a new limit.
+    r->eligible = r->desc.backend_allocated && out.status.code() == ErrorCode::out_of_memory;
   }
   wire_failures_ += out.failed.size();
   std::string msg = std::string(what) + " failed";
@@ -367,6 +385,7 @@ bool Admission::reserve_for_wire() {
 }
 
 void Admission::begin_retry() {
+  device_short_ = 0;
   first_attempt_ = false;
   shared_full_ = false;
   room_wanted_ = 0;

@@ -108,14 +108,18 @@ class Admission {
   // and that attempt says what still does not fit.
   // Whether that room is for device memory (asked of any holder not inside a call, however short
   // its idle: DESIGN §14) or for host memory (asked of holders idle for ledger::kIdleBeforeAsked).
+  // `device_full`: device memory that could not wake because the device itself is full (the
+  // budget had room): the others are asked to give back that much (Ledger::ask_to_free).
   struct RoomWanted {
     std::uint64_t bytes = 0;
     bool device = false;
+    std::uint64_t device_full = 0;
   };
   RoomWanted take_room_wanted() {
-    const RoomWanted r{room_wanted_, room_for_device_};
+    const RoomWanted r{room_wanted_, room_for_device_, device_short_};
     room_wanted_ = 0;
     room_for_device_ = false;
+    device_short_ = 0;
     return r;
   }
   // Device memory about to be allocated (Manager::allocate): reserved in the shared budget before
@@ -196,6 +200,7 @@ class Admission {
   std::uint64_t room_wanted_ = 0;
   bool room_for_device_ = false;
   std::uint64_t ahead_ = 0;  // reserve_ahead()'s bytes, not yet a region's
+  std::uint64_t device_short_ = 0;  // device memory that failed to wake out of memory (first attempt)
   std::uint64_t wire_failures_ = 0, shared_short_ = 0, shared_over_ = 0;
 };
 

@@ -132,11 +132,14 @@ struct Manager::Impl {
   };
   void make_room() noexcept RESIDENCY_REQUIRES(mu) {
     const core::Admission::RoomWanted want = adm.take_room_wanted();  // this call's: another thread may run meanwhile
-    if (want.bytes != 0) {
+    if (want.bytes != 0 || want.device_full != 0) {
       mu.unlock();
       try {
-        shared_ledger->acquire(want.bytes, clock->now().count(), ledger::kAskWait, /*partial=*/false,
-                               want.device ? ledger::kNoMinimumIdle : ledger::kIdleBeforeAsked);  // retry() keeps it
+        if (want.bytes != 0)
+          shared_ledger->acquire(want.bytes, clock->now().count(), ledger::kAskWait, /*partial=*/false,
+                                 want.device ? ledger::kNoMinimumIdle : ledger::kIdleBeforeAsked);  // retry() keeps it
+        if (want.device_full != 0)
+          shared_ledger->ask_to_free(want.device_full, clock->now().count(), ledger::kAskWait, ledger::kNoMinimumIdle);
       } catch (...) {  // out of memory: nothing more is admitted
       }
       mu.lock();
@@ -506,6 +509,11 @@ void Manager::notify_memory_pressure() {
 void Manager::release_now() {
   MutexLock g(impl_->mu);
   (void)impl_->cycle.release_by_engine();
+}
+
+Status Manager::unwired_status() const {
+  MutexLock g(impl_->mu);
+  return impl_->adm.unwired_status();
 }
 
 Batch Manager::batch() {

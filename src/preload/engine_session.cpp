@@ -439,7 +439,16 @@ EngineSession::DecodeScope EngineSession::decode_began(std::uintptr_t stack) noe
   // Device memory is awake for the call (one engine call on each device's manager).
   if (active_devices_.load(std::memory_order_acquire) > 0) {
     scope.devices = true;
-    for_each_device([](Manager& m) { m.begin_call(); });
+    for_each_device([&](Manager& m) {
+      m.begin_call();
+      if (Status st = m.unwired_status(); !st) {
+        scope.device_asleep = true;
+        if (!warned_device_asleep_.exchange(true, std::memory_order_relaxed))
+          log_.warn("device memory could not be woken (" + st.message() +
+                    "): the decode is refused with an error rather than run on unmapped memory; the next one tries "
+                    "again (said once)");
+      }
+    });
   }
   Host* h = active_host();
   Manager* m = host_.load(std::memory_order_acquire);
@@ -483,7 +492,11 @@ void EngineSession::decode_ended(DecodeScope scope, void* ctx) noexcept {
   // Under keep-alive 0 the manager waits for the decode's kernels before the memory goes (the
   // backend also synchronizes the device before it unmaps).
   if (scope.devices)
-    for_each_device([&](Manager& dm) { dm.end_call(ctx != nullptr ? options_.synchronize : nullptr, ctx); });
+    for_each_device([&](Manager& dm) {
+      dm.end_call(ctx != nullptr ? options_.synchronize : nullptr, ctx);
+      // What could not wake is tried again at the next decode: released now, so that it wakes.
+      if (scope.device_asleep) dm.release_now();
+    });
 }
 
 // ---- Device memory ----

@@ -180,9 +180,13 @@ class EngineSession {
   // as ctypes bindings do), a ggml graph compute (ctx null: nothing to synchronize; the compute
   // has finished when it returns). decode_ended ends exactly what decode_began began (a manager
   // that started during the call never saw its begin). `stack`: an address on the caller's stack.
+  // `device_asleep`: device memory of this process could not be woken (the GPU full and nobody
+  // could give way): the engine must not run the decode on unmapped memory (it would fault on
+  // the GPU and abort the program); the caller refuses the decode with an error and ends the scope.
   struct DecodeScope {
     bool host = false;
     bool devices = false;
+    bool device_asleep = false;
   };
   DecodeScope decode_began(std::uintptr_t stack = 0) noexcept RESIDENCY_EXCLUDES(mu_);
   void decode_ended(DecodeScope scope, void* ctx) noexcept RESIDENCY_EXCLUDES(mu_);
@@ -279,6 +283,7 @@ class EngineSession {
   std::atomic<int> active_devices_{0};                               // hooks skip the device table while 0
   std::unordered_map<void*, int> routed_ RESIDENCY_GUARDED_BY(mu_);  // routed pointer -> device
   bool warned_device_refusal_ RESIDENCY_GUARDED_BY(mu_) = false;
+  std::atomic<bool> warned_device_asleep_{false};
 
   // Decodes since the memory was last wired by a decode (or since the engine memory was dropped).
   std::atomic<std::uint32_t> decodes_since_wire_{0};

@@ -122,6 +122,10 @@ int unmap(void* addr, std::size_t len) noexcept {
   return r;
 }
 
+// llama_decode's "< -1: fatal error": nothing of the batch was processed, and llama-server fails
+// the request and goes on serving.
+constexpr std::int32_t kDecodeRefused = -3;
+
 std::int32_t decode(DecodeFn next, llama_context* ctx, llama_batch batch) {
   // No library defines it (said once by resolve_next): there is nothing to forward to.
   if (next == nullptr) return -1;
@@ -132,6 +136,10 @@ std::int32_t decode(DecodeFn next, llama_context* ctx, llama_batch batch) {
     ErrnoKeeper keep;
     HookScope hook;
     scope = s->decode_began(reinterpret_cast<std::uintptr_t>(&scope));
+    if (scope.device_asleep) {  // refused, not run on unmapped device memory (said by the session)
+      s->decode_ended(scope, nullptr);
+      return kDecodeRefused;
+    }
   }
   std::int32_t r = 0;
   {

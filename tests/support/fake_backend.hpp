@@ -49,7 +49,7 @@ class FakeBackend : public Backend {
   std::uint64_t reserve_limit = UINT64_MAX;       // bytes reserve_wired() grants in all
   bool fail_end_residency = false;                // end_residency refuses (nothing given back)
   std::optional<std::uint64_t> available;         // memory_available(); nullopt: unknown
-  std::function<bool()> device_full;              // allocate() fails with out_of_memory while it says so
+  std::function<bool()> device_full;              // allocate() and waking allocated memory fail with out_of_memory while it says so
   int available_reads = 0;
 
   Capabilities capabilities() const override {
@@ -143,7 +143,8 @@ class FakeBackend : public Backend {
     s.staged_remove.clear();
     SetOutcome out;
     for (auto& [id, r] : s.staged_add) {
-      if (s.requested && resident_bytes() + r.size > refuse_above_bytes) {
+      if (s.requested && (resident_bytes() + r.size > refuse_above_bytes ||
+                          (r.backend_allocated && device_full && device_full()))) {
         out.failed.push_back(id);
         out.status = Status(ErrorCode::out_of_memory, "FAKE_LIMIT reached");
         continue;
@@ -164,7 +165,8 @@ class FakeBackend : public Backend {
       // Refuse members that do not fit, as mlock does past its limit.
       std::uint64_t have = resident_bytes();
       for (auto it = s.members.begin(); it != s.members.end();) {
-        if (have + it->second.size > refuse_above_bytes) {
+        if (have + it->second.size > refuse_above_bytes ||
+            (it->second.backend_allocated && device_full && device_full())) {
           out.failed.push_back(it->first);
           out.status = Status(ErrorCode::out_of_memory, "FAKE_LIMIT reached");
           ++it;

@@ -197,6 +197,26 @@ TEST_F(DeviceBudgetTest, AnAllocationOutOfDeviceMemoryAsksTheOthersAndTriesAgain
   EXPECT_EQ(c.m->stats().shared_held, 0u);
 }
 
+// The wake of a sleeping holder on a GPU that is full before the budget is (memory held outside
+// it): the others are asked to sleep and the wake is tried again. Unmapped device memory is not
+// something a decode can run on (on the H200 it ended in an illegal memory access).
+TEST_F(DeviceBudgetTest, AWakeOutOfDeviceMemoryAsksTheOthersAndWakesAfterAll) {
+  start(a, 100 * MiB);
+  start(b, 100 * MiB);
+  auto pa = a.m->allocate(6 * MiB);
+  auto pb = b.m->allocate(4 * MiB);
+  ASSERT_TRUE(pa && pb);
+  b.m->release_now();
+  ASSERT_FALSE(b.fake->is_resident(pb->id));
+  b.fake->device_full = [&] { return a.fake->is_resident(pa->id); };  // the GPU holds a's 6 MiB and no more
+  clock.advance(5ms);
+  b.m->begin_call();
+  EXPECT_TRUE(b.fake->is_resident(pb->id)) << "awake for the call";
+  EXPECT_FALSE(a.fake->is_resident(pa->id)) << "the other holder slept to make room";
+  EXPECT_FALSE(b.logs.contains(LogLevel::warn, "failed")) << "nothing was left unwired";
+  b.m->end_call();
+}
+
 // Host memory under the same budget keeps its rule: what does not fit stays tracked but unwired.
 TEST_F(DeviceBudgetTest, HostMemoryThatDoesNotFitStaysUnwiredAsBefore) {
   two_holders_a_with_6_mib();

@@ -560,6 +560,33 @@ TEST_F(EngineSessionTest, DeviceAllocationsAreRoutedFrom2MiBAndComputeBuffersAre
   EXPECT_TRUE(gpus.at(0)->allocated.empty());
 }
 
+// Device memory that cannot be woken (the GPU full, nobody to give way) is never computed on: the
+// decode is refused (the hook returns an error from llama_decode) rather than run on unmapped
+// memory, which faults on the GPU and aborts the program; said once, and the next decode tries again.
+TEST_F(EngineSessionTest, ADecodeIsRefusedWhileItsDeviceMemoryCannotBeWoken) {
+  auto s = make();
+  const auto weights = s->device_allocate(0, 8 * kMiB, false);
+  ASSERT_EQ(weights.outcome, EngineSession::DeviceAllocation::Outcome::routed);
+  auto ok = s->decode_began();
+  EXPECT_FALSE(ok.device_asleep);
+  s->decode_ended(ok, nullptr);
+  s->device_manager(0)->release_now();
+  gpus.at(0)->device_full = [] { return true; };
+  auto refused = s->decode_began();
+  EXPECT_TRUE(refused.device_asleep);
+  {
+    std::lock_guard<std::recursive_mutex> g(gpus.at(0)->mu);
+    EXPECT_EQ(gpus.at(0)->resident_bytes(), 0u) << "nothing could be woken";
+  }
+  s->decode_ended(refused, nullptr);
+  EXPECT_TRUE(logs.contains(LogLevel::warn, "the decode is refused with an error rather than run on unmapped memory"));
+  gpus.at(0)->device_full = nullptr;  // room again: the next decode wakes it
+  auto again = s->decode_began();
+  EXPECT_FALSE(again.device_asleep);
+  s->decode_ended(again, nullptr);
+  EXPECT_TRUE(s->device_free(weights.ptr));
+}
+
 TEST_F(EngineSessionTest, EachDeviceGetsItsOwnManagerStartedOnce) {
   auto s = make();
   const auto a = s->device_allocate(1, 4 * kMiB, false);
