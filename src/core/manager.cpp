@@ -138,8 +138,7 @@ struct Manager::Impl {
         if (want.bytes != 0)
           shared_ledger->acquire(want.bytes, clock->now().count(), ledger::kAskWait, /*partial=*/false,
                                  want.device ? ledger::kNoMinimumIdle : ledger::kIdleBeforeAsked);  // retry() keeps it
-        if (want.device_full != 0)
-          shared_ledger->ask_to_free(want.device_full, clock->now().count(), ledger::kAskWait, ledger::kNoMinimumIdle);
+        if (want.device_full != 0) (void)free_device_memory(want.device_full);
       } catch (...) {  // out of memory: nothing more is admitted
       }
       mu.lock();
@@ -196,7 +195,7 @@ struct Manager::Impl {
       mu.unlock();
       std::uint64_t freed = 0;
       try {
-        freed = shared_ledger->ask_to_free(size, clock->now().count(), ledger::kAskWait, ledger::kNoMinimumIdle);
+        freed = free_device_memory(size);
       } catch (...) {
       }
       mu.lock();
@@ -206,6 +205,22 @@ struct Manager::Impl {
       p = backend->allocate(size, cls);
     }
     return p;
+  }
+
+  // Asks the other holders to give back `bytes` of device memory the device itself lacks, again
+  // and again for up to ledger::kAskWait: a holder inside a call declines, and gives way once its
+  // call ends (a burst of requests to several models). Stops at once when nobody holds anything
+  // to ask for. Returns the bytes given back. Without mu.
+  std::uint64_t free_device_memory(std::uint64_t bytes) {
+    const auto deadline = std::chrono::steady_clock::now() + ledger::kAskWait;
+    std::uint64_t freed = 0;
+    for (;;) {
+      bool asked = false;
+      freed += shared_ledger->ask_to_free(bytes - freed, clock->now().count(), ledger::kAskWait, ledger::kNoMinimumIdle,
+                                          &asked);
+      if (freed >= bytes || !asked || std::chrono::steady_clock::now() >= deadline) return freed;
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
   }
 
   // Device memory under a shared budget (DESIGN §14): set by the first allocate(). Such a holder

@@ -893,7 +893,16 @@ std::uint64_t Ledger::acquire(std::uint64_t bytes, std::int64_t now, Nanos wait,
   return ask_until([&](Shared& s) { return fit(s, true); }, now, Nanos(0), min_idle) > 0 ? got : 0;
 }
 
-std::uint64_t Ledger::ask_to_free(std::uint64_t bytes, std::int64_t now, Nanos wait, Nanos min_idle) {
+std::uint64_t Ledger::ask_to_free(std::uint64_t bytes, std::int64_t now, Nanos wait, Nanos min_idle, bool* asked) {
+  const std::uint64_t asks_before = asks_sent_.load(std::memory_order_relaxed);
+  struct Said {
+    bool* asked;
+    const std::atomic<std::uint64_t>& sent;
+    std::uint64_t before;
+    ~Said() {
+      if (asked) *asked = sent.load(std::memory_order_relaxed) != before;
+    }
+  } said{asked, asks_sent_, asks_before};
   if (bytes == 0 || !shm_) return 0;
   std::uint64_t others_before = 0, others_now = 0;
   bool measured = false;
@@ -1160,7 +1169,7 @@ void Ledger::detach_at_exit() {}
 std::uint64_t Ledger::budget() const { return 0; }
 void Ledger::publish_last_use(void*, std::int64_t) noexcept {}
 std::uint64_t Ledger::acquire(std::uint64_t, std::int64_t, Nanos, bool, Nanos) { return 0; }
-std::uint64_t Ledger::ask_to_free(std::uint64_t, std::int64_t, Nanos, Nanos) { return 0; }
+std::uint64_t Ledger::ask_to_free(std::uint64_t, std::int64_t, Nanos, Nanos, bool*) { return 0; }
 std::uint64_t Ledger::over_budget() const { return 0; }
 bool Ledger::repay_turn() { return false; }
 std::uint64_t Ledger::take_over_budget(std::uint64_t) { return 0; }

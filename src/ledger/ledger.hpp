@@ -156,8 +156,10 @@ class Ledger {
   // to ask, or `wait` is over, whatever the budget says: for memory the device itself lacks (an
   // allocation that failed for want of GPU memory, though the budget had room). Returns the bytes
   // the others gave back meanwhile.
+  // `asked`, when given, says whether any holder was asked (false: nobody holds anything this
+  // holder may ask for).
   std::uint64_t ask_to_free(std::uint64_t bytes, std::int64_t now, std::chrono::nanoseconds wait,
-                            std::chrono::nanoseconds min_idle);
+                            std::chrono::nanoseconds min_idle, bool* asked = nullptr);
   // Reserves `bytes` more even past the budget: for memory that is in use whatever the ledger says
   // (a GPU's memory is awake while a decode needs it; it cannot wait unwired as host memory can).
   // The others then find the ledger full and ask. Returns the bytes reserved (0: the lock was not

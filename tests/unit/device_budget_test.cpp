@@ -217,6 +217,31 @@ TEST_F(DeviceBudgetTest, AWakeOutOfDeviceMemoryAsksTheOthersAndWakesAfterAll) {
   b.m->end_call();
 }
 
+// The same in a burst: the only holder that could give way is inside a call; the wake waits for
+// that call to end (boundedly) rather than fail its own.
+TEST_F(DeviceBudgetTest, AWakeOutOfDeviceMemoryWaitsForTheHolderInsideACallToEndIt) {
+  start(a, 100 * MiB);
+  start(b, 100 * MiB);
+  auto pa = a.m->allocate(6 * MiB);
+  auto pb = b.m->allocate(4 * MiB);
+  ASSERT_TRUE(pa && pb);
+  b.m->release_now();
+  b.fake->device_full = [&] { return a.fake->is_resident(pa->id); };
+  std::atomic<bool> in_call{false};
+  std::thread decoding([&] {  // a call begins and ends on one thread
+    a.m->begin_call();
+    in_call = true;
+    std::this_thread::sleep_for(150ms);
+    a.m->end_call();
+  });
+  while (!in_call) std::this_thread::yield();
+  b.m->begin_call();
+  decoding.join();
+  EXPECT_TRUE(b.fake->is_resident(pb->id)) << "awake once a's call ended";
+  EXPECT_FALSE(a.fake->is_resident(pa->id));
+  b.m->end_call();
+}
+
 // Host memory under the same budget keeps its rule: what does not fit stays tracked but unwired.
 TEST_F(DeviceBudgetTest, HostMemoryThatDoesNotFitStaysUnwiredAsBefore) {
   two_holders_a_with_6_mib();
