@@ -157,6 +157,9 @@ class Backend {
   // included. Read when a pressure cap lifts, so that the re-wire takes back only what fits
   // (the program that caused the pressure may still hold its memory). Default: unknown.
   virtual std::optional<std::uint64_t> memory_available();
+  // (optional) Pinned host memory the backend holds for this process now (a GPU's host backups of
+  // device memory): for `residency stat`. Default: 0.
+  virtual std::uint64_t pinned_host_bytes() const;
 };
 
 }  // namespace residency

@@ -22,5 +22,6 @@ void Backend::stop_pressure_watch(PressureWatchId) {}
 std::string Backend::pressure_source() const { return {}; }
 
 std::optional<std::uint64_t> Backend::memory_available() { return std::nullopt; }
+std::uint64_t Backend::pinned_host_bytes() const { return 0; }
 
 }  // namespace residency

@@ -60,7 +60,7 @@ struct Manager::Impl {
             core::SetLayout(o.config.layout, o.config.set_max_pct, mem.recommended_working_set, c.max_sets),
             std::move(shared), o.config.shared_priority),
         cycle(config, caps, *clock, log, ka, adm, *backend, pressure_floor),
-        report(config, caps, *clock, log, ka, adm, cycle) {
+        report(config, caps, *this->backend, *clock, log, ka, adm, cycle) {
     adm.on_change([this] {
       mu.assert_held();  // Admission calls it from a flush, and the admission is guarded by mu
       if (report.changed()) wake_scheduler();

@@ -112,6 +112,7 @@ void ManagerReport::publish() {
   num("release_on_pressure", config_.release_on_pressure ? 1 : 0);
   if (!pressure_src_.empty()) put("pressure_source", pressure_src_);
   if (budget.cap() != UINT64_MAX) num("pressure_cap", budget.cap());
+  if (const std::uint64_t pinned = backend_.pinned_host_bytes()) num("pinned_host_bytes", pinned);
   if (const ledger::Ledger* shared = adm_.shared()) {
     put("shared_budget", shared->name());
     num("shared_budget_size", shared->budget());

@@ -33,9 +33,9 @@ class ManagerReport {
  public:
   static constexpr Nanos kStateCoalesce = std::chrono::milliseconds(50);
 
-  ManagerReport(const Config& config, const Capabilities& caps, Clock& clock, const LogSink& log,
-                const KeepAliveState& ka, const Admission& adm, const ResidencyCycle& cycle)
-      : config_(config), caps_(caps), clock_(clock), log_(log), ka_(ka), adm_(adm), cycle_(cycle) {}
+  ManagerReport(const Config& config, const Capabilities& caps, const Backend& backend, Clock& clock,
+                const LogSink& log, const KeepAliveState& ka, const Admission& adm, const ResidencyCycle& cycle)
+      : config_(config), caps_(caps), backend_(backend), clock_(clock), log_(log), ka_(ka), adm_(adm), cycle_(cycle) {}
 
   // The start-up lines: the notes, the collection's settings, the shared budget.
   void log_start(bool managing) const;
@@ -56,6 +56,7 @@ class ManagerReport {
  private:
   const Config& config_;
   const Capabilities& caps_;
+  const Backend& backend_;
   Clock& clock_;
   const LogSink& log_;
   const KeepAliveState& ka_;

@@ -788,13 +788,18 @@ TEST(SharedBudgetProcesses, StatListsTheBudgetAndItsHoldersAndMarksTheDead) {
   EXPECT_NE(text.find(name + ": 10 MiB, used 8 MiB, 2 holder(s)  (/dev/shm/residency-budget-" + name + ", mode 0600)"),
             std::string::npos)
       << text;
-  EXPECT_NE(text.find("pid " + std::to_string(a.pid) + ": 4 MiB, idle "), std::string::npos) << text;
+  // A live holder by program and state, from its own state file (issue 29, item 6).
+  EXPECT_NE(text.find("pid " + std::to_string(a.pid) + " (residency): 4 MiB, resident, 0 re-wire(s), idle "),
+            std::string::npos)
+      << text;
   EXPECT_NE(text.find("pid " + std::to_string(dead) + ": 4 MiB, idle "), std::string::npos) << text;
   EXPECT_NE(text.find("DEAD: its share is reclaimed"), std::string::npos) << text;
   const std::string json = run_stat("--json");
   EXPECT_NE(json.find("\"name\": \"" + name + "\""), std::string::npos) << json;
   EXPECT_NE(json.find("\"pid\": " + std::to_string(a.pid)), std::string::npos) << json;
   EXPECT_NE(json.find("\"alive\": false"), std::string::npos) << json;
+  EXPECT_NE(json.find("\"program\": \"residency\""), std::string::npos) << json;
+  EXPECT_NE(json.find("\"state\": \"resident\""), std::string::npos) << json;
   EXPECT_NE(json.find("\"size\": 10485760"), std::string::npos) << json;
 }
 }  // namespace

@@ -11,6 +11,7 @@
 
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <optional>
 #include <string>
 #include <utility>
@@ -107,10 +108,22 @@ std::string limit_unknown_text(const PosixSystemInfo& info) {
                                  std::to_string(b.holders.size()) + " holder(s)  (" + printable(b.path, 400) + ", mode " +
                                  mode + ")");
     label = "";
-    for (const auto& h : b.holders)
-      rows.emplace_back("", "  pid " + std::to_string(h.pid) + ": " + format_size(h.bytes) + ", " + idle_text(h.idle) +
-                                ", priority " + std::to_string(h.priority) + (h.asked ? ", asked to give back" : "") +
+    for (const auto& h : b.holders) {
+      // The holder's own account (its state file): program, awake or asleep, switches, pinned bytes.
+      const HolderFacts f = h.alive ? holder_facts(h.pid, b.name) : HolderFacts{};
+      std::string own;
+      if (!f.state.empty()) {
+        own = ", " + f.state;
+        if (!f.switches.empty()) own += ", " + f.switches + (f.state == "awake" || f.state == "asleep" ? " wake(s)" : " re-wire(s)");
+        if (!f.last_switch_ms.empty()) own += " (last " + printable(f.last_switch_ms) + " ms)";
+        if (!f.pinned_host_bytes.empty())
+          own += ", pinned host " + format_size(std::strtoull(f.pinned_host_bytes.c_str(), nullptr, 10));
+      }
+      rows.emplace_back("", "  pid " + std::to_string(h.pid) + (f.program.empty() ? "" : " (" + printable(f.program) + ")") +
+                                ": " + format_size(h.bytes) + own + ", " + idle_text(h.idle) + ", priority " +
+                                std::to_string(h.priority) + (h.asked ? ", asked to give back" : "") +
                                 (h.alive ? "" : "  DEAD: its share is reclaimed by the next process that takes the lock"));
+    }
   }
 }
 
@@ -128,13 +141,23 @@ std::string limit_unknown_text(const PosixSystemInfo& info) {
     j["used"] = b.used;
     j["mode"] = b.mode;
     nlohmann::json hs = nlohmann::json::array();
-    for (const auto& h : b.holders)
+    for (const auto& h : b.holders) {
+      const HolderFacts f = h.alive ? holder_facts(h.pid, b.name) : HolderFacts{};
+      const auto opt_num = [](const std::string& v) {
+        return v.empty() ? nlohmann::json(nullptr) : nlohmann::json(std::strtod(v.c_str(), nullptr));
+      };
       hs.push_back({{"pid", h.pid},
+                    {"program", printable(f.program)},
+                    {"state", f.state.empty() ? nlohmann::json(nullptr) : nlohmann::json(f.state)},
+                    {"switches", opt_num(f.switches)},
+                    {"last_switch_ms", opt_num(f.last_switch_ms)},
+                    {"pinned_host_bytes", opt_num(f.pinned_host_bytes)},
                     {"bytes", h.bytes},
                     {"idle_s", h.idle ? nlohmann::json(std::chrono::duration<double>(*h.idle).count()) : nlohmann::json(nullptr)},
                     {"priority", h.priority},
                     {"alive", h.alive},
                     {"asked", h.asked}});
+    }
     j["holders"] = hs;
     a.push_back(j);
   }

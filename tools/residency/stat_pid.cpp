@@ -464,9 +464,30 @@ int run_stat_pid(int pid, bool json) {
   return kExitOk;
 }
 
+HolderFacts holder_facts(int pid, const std::string& budget) {
+  HolderFacts f;
+  if (std::ifstream comm("/proc/" + std::to_string(pid) + "/comm"); comm) std::getline(comm, f.program);
+  for (const auto& s : core::read_state_files(pid, ::geteuid(), core::process_start_time(pid))) {
+    const auto field = [&](const char* k) {
+      const auto it = s.fields.find(k);
+      return it == s.fields.end() ? std::string() : it->second;
+    };
+    if (!s.error.empty() || s.stale || field("shared_budget") != budget) continue;
+    const bool device = field("backend") == "cuda";
+    const bool resident = field("resident") == "1";
+    f.state = device ? (resident ? "awake" : "asleep") : (resident ? "resident" : "released");
+    f.switches = field("rewires");
+    f.last_switch_ms = field("last_rewire_ms");
+    f.pinned_host_bytes = field("pinned_host_bytes");
+    break;
+  }
+  return f;
+}
+
 #else
 
 int run_stat_pid(int, bool) { throw BadInput("--pid reads /proc: Linux only"); }
+HolderFacts holder_facts(int, const std::string&) { return {}; }
 
 #endif
 

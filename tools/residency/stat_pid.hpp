@@ -3,11 +3,25 @@
 // residency managers and its GPU driver see it.
 #pragma once
 
+#include <string>
+
 namespace residency::tool {
 
 // Prints the process's report (or JSON with raw byte values). Exit status: 0; 1 when the
 // process belongs to another user and this one may not read its mappings; a pid that names no
 // process throws BadInput (exit 2).
 int run_stat_pid(int pid, bool json);
+
+// What a holder of a shared or GPU budget says of itself in its state file (the manager whose
+// share of budget `budget` it is): for the budget's rows of `residency stat`. Empty fields where
+// there is no such file (another user's process, RESIDENCY_STATE_FILE=0, not Linux).
+struct HolderFacts {
+  std::string program;     // /proc/PID/comm
+  std::string state;       // "awake"/"asleep" (a GPU's memory), "resident"/"released" (host memory)
+  std::string switches;    // wakes or re-wires so far, decimal
+  std::string last_switch_ms;
+  std::string pinned_host_bytes;
+};
+HolderFacts holder_facts(int pid, const std::string& budget);
 
 }  // namespace residency::tool

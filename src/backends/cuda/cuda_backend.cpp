@@ -848,6 +848,13 @@ Status CudaBackend::end_residency(SetId set) {
   return last_release_;
 }
 
+std::uint64_t CudaBackend::pinned_host_bytes() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::uint64_t n = 0;
+  for (const auto& [va, a] : allocations_) n += a.backup_mapped;
+  return n;
+}
+
 bool CudaBackend::is_resident(const void* base) const {
   std::lock_guard<std::mutex> lock(mu_);
   auto it = allocations_.find(static_cast<CUdeviceptr>(reinterpret_cast<std::uintptr_t>(base)));

@@ -33,6 +33,7 @@ namespace residency::cuda {
 class CudaBackend final : public Backend {
  public:
   static Result<std::shared_ptr<CudaBackend>> create(const CudaBackendOptions& options);
+  std::uint64_t pinned_host_bytes() const override;
   // The same, through the entry points in `driver` as given (tests substitute one to inject
   // failures). `driver` must outlive the backend.
   static Result<std::shared_ptr<CudaBackend>> create(const CudaBackendOptions& options, const Driver& driver);
