@@ -10,6 +10,7 @@
 #include <atomic>
 #include <functional>
 #include <thread>
+#include <utility>
 #include <string>
 
 #include "ledger/ledger.hpp"
@@ -60,6 +61,21 @@ class DeviceBudgetTest : public ::testing::Test {
     return pa ? *pa : Allocation{};
   }
   Device a, b, c;
+  // Two holders under a budget with room, on a GPU that holds a's 6 MiB and no more: b's 4 MiB
+  // asleep, and waking it fails for want of device memory while a is awake.
+  std::pair<Allocation, Allocation> b_asleep_on_a_gpu_full_with_a() {
+    start(a, 100 * MiB);
+    start(b, 100 * MiB);
+    auto pa = a.m->allocate(6 * MiB);
+    auto pb = b.m->allocate(4 * MiB);
+    EXPECT_TRUE(pa && pb);
+    if (!pa || !pb) return {};
+    b.m->release_now();
+    EXPECT_FALSE(b.fake->is_resident(pb->id));
+    const RegionId ida = pa->id;
+    b.fake->device_full = [this, ida] { return a.fake->is_resident(ida); };
+    return {*pa, *pb};
+  }
   // What another holder's listener thread does in answer to an ask, waited for (real time).
   static bool eventually(const std::function<bool()>& done) {
     for (int i = 0; i < 200; ++i) {
@@ -201,18 +217,11 @@ TEST_F(DeviceBudgetTest, AnAllocationOutOfDeviceMemoryAsksTheOthersAndTriesAgain
 // it): the others are asked to sleep and the wake is tried again. Unmapped device memory is not
 // something a decode can run on (on the H200 it ended in an illegal memory access).
 TEST_F(DeviceBudgetTest, AWakeOutOfDeviceMemoryAsksTheOthersAndWakesAfterAll) {
-  start(a, 100 * MiB);
-  start(b, 100 * MiB);
-  auto pa = a.m->allocate(6 * MiB);
-  auto pb = b.m->allocate(4 * MiB);
-  ASSERT_TRUE(pa && pb);
-  b.m->release_now();
-  ASSERT_FALSE(b.fake->is_resident(pb->id));
-  b.fake->device_full = [&] { return a.fake->is_resident(pa->id); };  // the GPU holds a's 6 MiB and no more
+  const auto [pa, pb] = b_asleep_on_a_gpu_full_with_a();
   clock.advance(5ms);
   b.m->begin_call();
-  EXPECT_TRUE(b.fake->is_resident(pb->id)) << "awake for the call";
-  EXPECT_FALSE(a.fake->is_resident(pa->id)) << "the other holder slept to make room";
+  EXPECT_TRUE(b.fake->is_resident(pb.id)) << "awake for the call";
+  EXPECT_FALSE(a.fake->is_resident(pa.id)) << "the other holder slept to make room";
   EXPECT_FALSE(b.logs.contains(LogLevel::warn, "failed")) << "nothing was left unwired";
   b.m->end_call();
 }
@@ -220,13 +229,7 @@ TEST_F(DeviceBudgetTest, AWakeOutOfDeviceMemoryAsksTheOthersAndWakesAfterAll) {
 // The same in a burst: the only holder that could give way is inside a call; the wake waits for
 // that call to end (boundedly) rather than fail its own.
 TEST_F(DeviceBudgetTest, AWakeOutOfDeviceMemoryWaitsForTheHolderInsideACallToEndIt) {
-  start(a, 100 * MiB);
-  start(b, 100 * MiB);
-  auto pa = a.m->allocate(6 * MiB);
-  auto pb = b.m->allocate(4 * MiB);
-  ASSERT_TRUE(pa && pb);
-  b.m->release_now();
-  b.fake->device_full = [&] { return a.fake->is_resident(pa->id); };
+  const auto [pa, pb] = b_asleep_on_a_gpu_full_with_a();
   std::atomic<bool> in_call{false};
   std::thread decoding([&] {  // a call begins and ends on one thread
     a.m->begin_call();
@@ -237,8 +240,8 @@ TEST_F(DeviceBudgetTest, AWakeOutOfDeviceMemoryWaitsForTheHolderInsideACallToEnd
   while (!in_call) std::this_thread::yield();
   b.m->begin_call();
   decoding.join();
-  EXPECT_TRUE(b.fake->is_resident(pb->id)) << "awake once a's call ended";
-  EXPECT_FALSE(a.fake->is_resident(pa->id));
+  EXPECT_TRUE(b.fake->is_resident(pb.id)) << "awake once a's call ended";
+  EXPECT_FALSE(a.fake->is_resident(pa.id));
   b.m->end_call();
 }
 
