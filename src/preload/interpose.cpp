@@ -226,6 +226,10 @@ auto graph_compute(Call call) noexcept {
     HookScope hook;
     s->decodes_seen_as_graph_computes();
     scope = s->decode_began(reinterpret_cast<std::uintptr_t>(&scope));
+    if (scope.device_asleep) {  // refused, not run on unmapped device memory (said by the session)
+      s->decode_ended(scope, nullptr);
+      return static_cast<decltype(call())>(GGML_STATUS_FAILED);
+    }
   }
   auto r = [&] {
     EngineCallScope engine;
