@@ -29,6 +29,8 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "vm_lck.h"
+
 enum { kMiB = 1 << 20 };
 static size_t g_bytes = kMiB; /* of each mapping: the 5th argument, in MiB (default 1) */
 
@@ -39,17 +41,6 @@ static int g_fd = -1;
 static void quiet_log(enum ggml_log_level level, const char* text, void* user) {
   (void)user;
   if (level == GGML_LOG_LEVEL_ERROR) fputs(text, stderr);
-}
-
-static long vm_lck_kb(void) {
-  FILE* f = fopen("/proc/self/status", "r");
-  if (f == NULL) return -1;
-  char line[256];
-  long kb = -1;
-  while (fgets(line, sizeof line, f) != NULL)
-    if (sscanf(line, "VmLck: %ld kB", &kb) == 1) break;
-  fclose(f);
-  return kb;
 }
 
 static void* reuse(void* arg) {

@@ -26,6 +26,8 @@
 #include <sys/mman.h>
 #include <time.h>
 
+#include "vm_lck.h"
+
 static void quiet_log(enum ggml_log_level level, const char* text, void* user) {
   (void)user;
   if (level == GGML_LOG_LEVEL_ERROR) fputs(text, stderr);
@@ -50,17 +52,6 @@ static long locked_kb(const void* begin, size_t len) {
   }
   fclose(f);
   return total;
-}
-
-static long vm_lck_kb(void) {
-  FILE* f = fopen("/proc/self/status", "r");
-  if (f == NULL) return -1;
-  char line[256];
-  long kb = -1;
-  while (fgets(line, sizeof line, f) != NULL)
-    if (sscanf(line, "VmLck: %ld kB", &kb) == 1) break;
-  fclose(f);
-  return kb;
 }
 
 static void* filled_map(size_t n) {
