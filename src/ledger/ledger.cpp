@@ -941,12 +941,12 @@ std::uint64_t Ledger::over_budget() const {
       removed_.load(std::memory_order_acquire))
     return 0;
   // A copy, as `residency stat` reads it: a few kB, no lock, nothing of the mapping touched.
-  auto copy = std::make_unique<Shared>();
-  if (::pread(fd_, static_cast<void*>(copy.get()), sizeof(Shared), 0) != static_cast<ssize_t>(sizeof(Shared)) ||
-      !check_table(*copy).empty())
+  Shared copy;  // on the stack: read at every end of a device holder's call, no allocation
+  if (::pread(fd_, static_cast<void*>(&copy), sizeof(Shared), 0) != static_cast<ssize_t>(sizeof(Shared)) ||
+      !check_table(copy).empty())
     return 0;
-  const std::uint64_t used = used_bytes(*copy);
-  return used > copy->budget ? used - copy->budget : 0;
+  const std::uint64_t used = used_bytes(copy);
+  return used > copy.budget ? used - copy.budget : 0;
 }
 
 bool Ledger::repay_turn() {
