@@ -14,9 +14,13 @@ first answer (tokens and top-5 log-probs). Writes one JSON with a list of {"chec
 
   bench/gpu_budget_servers.py --llama PREFIX --preload SO --tool RESIDENCY --out FILE.json [--models 3]
       [--size 12GiB] [--budget 28GiB|N%] [--hog-gib G] [--requests 30] [--dir DIR]
-Uses only the Python standard library.
+Uses only the Python standard library; shares gpu_bench.py (beside it) with gpu_router.py.
 """
-import argparse, json, os, signal, statistics, subprocess, sys, threading, time, urllib.request
+import argparse, json, os, signal, subprocess, sys, threading, time, urllib.request
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gpu_bench import (GpuSampler, budget_mib as parse_budget_mib, complete, gpu_name, gpu_total_mib, host_cpu, log,  # noqa: E402
+                       make_models, over_budget, quantile, request_body, same_answer, start_hog, sums)
 
 p = argparse.ArgumentParser()
 p.add_argument("--llama", required=True)
@@ -32,60 +36,15 @@ p.add_argument("--requests", type=int, default=30)
 p.add_argument("--dir", default="/tmp/gbs")
 a = p.parse_args()
 os.makedirs(a.dir, exist_ok=True)
-MiB = 1 << 20
-total_mib = int(subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
-                              capture_output=True, text=True).stdout.split()[0])
-budget_mib = total_mib * float(a.budget[:-1]) / 100 if a.budget.endswith("%") else float(a.budget[:-3]) * 1024
-hog = None
-if a.hog_gib > 0:
-    hog = subprocess.Popen([sys.executable, "-c", "import sys,time,torch\n"
-                            f"x=torch.empty({int(a.hog_gib * 2**30)},dtype=torch.uint8,device='cuda');print('ready',flush=True);time.sleep(3600)"],
-                           stdout=subprocess.PIPE, text=True)
-    hog.stdout.readline()
+total_mib = gpu_total_mib()
+budget_mib = parse_budget_mib(a.budget, total_mib)
+hog = start_hog(a.hog_gib)
 
-
-def log(*x):
-    print(time.strftime("%T"), *x, flush=True)
-
-
-models = []
-for i in range(a.models):
-    m = f"{a.dir}/model-{i}.gguf"
-    if not os.path.exists(m):
-        t = time.time()
-        subprocess.run([a.tool, "make-model", "--size", a.size, "--type", "f16", "--seed", str(100 + i), m],
-                       check=True, stdout=subprocess.DEVNULL)
-        log("made", m, f"{time.time() - t:.1f} s")
-    models.append(m)
+models = make_models(a.tool, a.dir, a.models, a.size)
 
 # Sampler: per-process GPU memory, every 50 ms.
-samples = []  # (t, {pid: MiB})
-stop = threading.Event()
-
-
-def sampler():
-    q = subprocess.Popen(["nvidia-smi", "--query-compute-apps=timestamp,pid,used_memory", "--format=csv,noheader,nounits",
-                          "-lms", "50"], stdout=subprocess.PIPE, text=True)
-    cur_ts, cur = None, {}
-    for line in q.stdout:
-        if stop.is_set():
-            break
-        parts = [x.strip() for x in line.split(",")]
-        if len(parts) != 3:
-            continue
-        ts, pid, mib = parts
-        if ts != cur_ts and cur_ts is not None:
-            samples.append((time.time(), cur))
-            cur = {}
-        cur_ts = ts
-        try:
-            cur[int(pid)] = int(mib)
-        except ValueError:
-            pass
-    q.terminate()
-
-
-threading.Thread(target=sampler, daemon=True).start()
+sampler = GpuSampler(50).start()
+samples = sampler.samples  # (t, {pid: MiB})
 
 name = f"bench{os.getpid()}"
 env = dict(os.environ, LD_PRELOAD=a.preload, RESIDENCY_KEEP_ALIVE="10m", RESIDENCY_LOG="info",
@@ -113,20 +72,7 @@ pids = [s[0].pid for s in servers]
 
 def ask(i):
     port = servers[i][1]
-    body = {"prompt": "Once upon a time", "n_predict": 8, "temperature": 0, "n_probs": 5, "cache_prompt": False,
-            "seed": 1}
-    req = urllib.request.Request(f"http://127.0.0.1:{port}/completion", method="POST", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
-    t = time.time()
-    try:
-        r = json.loads(urllib.request.urlopen(req, timeout=60).read())
-    except Exception as e:  # an error answer, a dead server: recorded, and the answers check fails
-        log("request to server", i, "failed:", e)
-        return {"server": i, "t": t, "dt": time.time() - t, "tokens": None, "probs": None, "error": str(e)}
-    dt = time.time() - t
-    probs = [[(c.get("id"), round(c.get("logprob", c.get("prob", 0)), 4)) for c in tok.get("top_logprobs", tok.get("probs", []))]
-             for tok in r.get("completion_probabilities", [])]
-    return {"server": i, "t": t, "dt": dt, "tokens": r.get("tokens") or r.get("content"), "probs": probs}
+    return dict(server=i, **complete(f"http://127.0.0.1:{port}/completion", request_body(), f"server {i}", timeout=60))
 
 
 first = {}
@@ -141,22 +87,16 @@ def pattern(name, fn):
     t0 = time.time()
     out = fn()
     t1 = time.time()
-    same = all("error" not in r and r["tokens"] == first[r["server"]]["tokens"] and r["probs"] == first[r["server"]]["probs"]
-               for r in out)
+    same = all(same_answer(r, first[r["server"]]) for r in out)
     ok_answers = ok_answers and same
-    win = [(t, s) for t, s in samples if t0 <= t <= t1]
-    sums = [(t, sum(v for p, v in s.items() if p in pids)) for t, s in win]
-    over = [x - budget_mib for _, x in sums if x > budget_mib]
-    time_over = 0.0
-    for (ta, xa), (tb, _) in zip(sums, sums[1:]):
-        if xa > budget_mib:
-            time_over += tb - ta
+    win = sums(samples, pids, t0, t1)
+    max_excess, time_over = over_budget(win, budget_mib)
     dts = sorted(r["dt"] for r in out)
-    q = lambda f: dts[min(len(dts) - 1, int(f * len(dts)))]
+    q = lambda f: quantile(dts, f)
     results[name] = {"requests": len(out), "errors": sum(1 for r in out if "error" in r), "answers_equal": same, "request_s_p50": round(q(0.5), 4),
                      "request_s_p99": round(q(0.99), 4), "request_s_max": round(dts[-1], 4),
-                     "samples": len(sums), "max_sum_mib": max((x for _, x in sums), default=None),
-                     "max_excess_mib": round(max(over), 1) if over else 0, "time_over_s": round(time_over, 3),
+                     "samples": len(win), "max_sum_mib": max((x for _, x in win), default=None),
+                     "max_excess_mib": round(max_excess, 1) if max_excess else 0, "time_over_s": round(time_over, 3),
                      "duration_s": round(t1 - t0, 2)}
     log(name, json.dumps(results[name]))
 
@@ -200,9 +140,8 @@ def bursts():
 
 pattern("burst", bursts)
 time.sleep(0.5)
-stop.set()
-gpu = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader"], capture_output=True,
-                     text=True).stdout.strip()
+sampler.stop()
+gpu = gpu_name()
 for pr, _ in servers:
     pr.send_signal(signal.SIGTERM)
 for pr, _ in servers:
@@ -221,13 +160,12 @@ for i in range(n):
 with open(a.out.replace(".json", ".log"), "w") as f:
     f.write("\n".join(lines) + "\n")
 t_first = samples[0][0] if samples else 0
-series = [(round(t - t_first, 3), sum(v for p, v in s.items() if p in pids)) for t, s in samples]
+series = [(round(t - t_first, 3), x) for t, x in sums(samples, pids)]
 # A wake over the budget is allowed only while every other holder is inside a call (a burst), and
 # must be repaid: 0.5-1.0 s after each burst's last answer the sum is back under the budget.
 repaid = all(x <= budget_mib for e in burst_ends for t, x in ((t + t_first, x) for t, x in series) if e + 0.5 <= t <= e + 1.0)
 rr_within = all(results[k]["max_excess_mib"] == 0 for k in ("rr0", "rr1.6"))
-doc = {"date": time.strftime("%Y-%m-%d"), "gpu": gpu, "host_cpu": subprocess.run(
-    "lscpu | sed -n 's/^Model name: *//p'", shell=True, capture_output=True, text=True).stdout.strip(),
+doc = {"date": time.strftime("%Y-%m-%d"), "gpu": gpu, "host_cpu": host_cpu(),
        "models": n, "model_size": a.size, "budget": a.budget, "budget_mib": budget_mib, "hog_gib": a.hog_gib, "keep_alive": "10m", "patterns": results,
        "sum_mib_series": series,
        "checks": [{"check": "round-robin (no pause, 1.6 s pauses): the servers' summed GPU memory never exceeded the budget (50 ms samples)", "ok": rr_within},
