@@ -160,6 +160,15 @@ class Backend {
   // (optional) Pinned host memory the backend holds for this process now (a GPU's host backups of
   // device memory): for `residency stat`. Default: 0.
   virtual std::uint64_t pinned_host_bytes() const;
+  // (optional) Write tracking for memory allocate() returned. By default every wake counts as a
+  // write of the whole allocation: its next release copies all of it back to the host. An engine
+  // that sees every write into an allocation says so once with track_writes(base) and reports
+  // each write, before it happens, with written(); the backend may then keep the host copy it made
+  // at a release valid across wakes and copy back at the next release only what was written since
+  // (weights, written at load and never again: nothing). Unknown addresses are ignored. Default:
+  // nothing is tracked.
+  virtual void track_writes(void* base);
+  virtual void written(const void* addr, std::size_t bytes);
 };
 
 }  // namespace residency

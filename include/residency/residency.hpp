@@ -137,6 +137,13 @@ class Manager {
   Status unregister_address(void* base);
   // Frees memory that allocate() returned, by its pointer. Error for any other pointer.
   Status deallocate(void* ptr);
+  // Write tracking for memory that allocate() returned (Backend::track_writes): an engine that
+  // sees every write into the allocation at `ptr` says so once, then reports each write before it
+  // happens with written(). A release then copies back only what was written since the last one
+  // (for weights: nothing), where the backend can. Without it every wake counts as a write of the
+  // whole allocation. Both take no lock of the manager's; unknown addresses are ignored.
+  void track_writes(void* ptr) noexcept;
+  void written(const void* addr, std::size_t bytes) noexcept;
 
   // Changes the budget: adds what now fits (highest priority, then most recently used) or
   // removes until under it (lowest priority, least recently used first); one commit per

@@ -23,5 +23,7 @@ std::string Backend::pressure_source() const { return {}; }
 
 std::optional<std::uint64_t> Backend::memory_available() { return std::nullopt; }
 std::uint64_t Backend::pinned_host_bytes() const { return 0; }
+void Backend::track_writes(void* /*base*/) {}
+void Backend::written(const void* /*addr*/, std::size_t /*bytes*/) {}
 
 }  // namespace residency

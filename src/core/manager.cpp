@@ -407,6 +407,14 @@ Status Manager::deallocate(void* ptr) {
   return impl_->adm.untrack_allocation(ptr);
 }
 
+void Manager::track_writes(void* ptr) noexcept {
+  if (ptr != nullptr) impl_->backend->track_writes(ptr);
+}
+
+void Manager::written(const void* addr, std::size_t bytes) noexcept {
+  if (addr != nullptr && bytes != 0) impl_->backend->written(addr, bytes);
+}
+
 Status Manager::set_wired_limit(std::uint64_t bytes) {
   Impl& m = *impl_;
   Impl::Locked g(m);

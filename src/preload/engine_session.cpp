@@ -542,6 +542,12 @@ bool EngineSession::device_free(void* ptr) noexcept {
   if (it == routed_.end()) return false;
   Manager* m = devices_[static_cast<std::size_t>(it->second)].manager.load(std::memory_order_relaxed);
   routed_.erase(it);
+  for (Tracked& t : tracked_) {
+    if (t.begin.load(std::memory_order_relaxed) != reinterpret_cast<std::uintptr_t>(ptr)) continue;
+    t.begin.store(0, std::memory_order_release);
+    t.end.store(0, std::memory_order_relaxed);
+    tracked_count_.fetch_sub(1, std::memory_order_acq_rel);
+  }
   // Like cudaFree, waits for the device to finish with the memory first (the backend
   // synchronizes before it unmaps).
   (void)m->deallocate(ptr);
@@ -549,5 +555,43 @@ bool EngineSession::device_free(void* ptr) noexcept {
 }
 
 void EngineSession::forked() noexcept { forked_.store(true, std::memory_order_relaxed); }
+
+void EngineSession::device_weights_buffer(std::uintptr_t base, std::size_t size) noexcept {
+  if (base == 0 || size == 0 || forked_.load(std::memory_order_relaxed) ||
+      active_devices_.load(std::memory_order_acquire) == 0)
+    return;
+  MutexLock lock(mu_);
+  const auto it = routed_.find(reinterpret_cast<void*>(base));
+  if (it == routed_.end()) return;
+  Manager* m = devices_[static_cast<std::size_t>(it->second)].manager.load(std::memory_order_relaxed);
+  if (m == nullptr) return;
+  Tracked* slot = nullptr;
+  for (Tracked& t : tracked_) {
+    const std::uintptr_t b = t.begin.load(std::memory_order_relaxed);
+    if (b == base) return;  // tracked already
+    if (b == 0 && slot == nullptr) slot = &t;
+  }
+  if (slot == nullptr) return;  // kMaxTracked ranges tracked: this one copies everything at each sleep
+  // Reported from here on; the backend counts everything before as written.
+  slot->end.store(base + size, std::memory_order_relaxed);
+  slot->device.store(it->second, std::memory_order_relaxed);
+  slot->begin.store(base, std::memory_order_release);
+  tracked_count_.fetch_add(1, std::memory_order_acq_rel);
+  m->track_writes(reinterpret_cast<void*>(base));
+}
+
+void EngineSession::device_written(std::uintptr_t begin, std::uintptr_t end) noexcept {
+  if (begin >= end || !tracks_device_writes()) return;
+  for (const Tracked& t : tracked_) {
+    const std::uintptr_t b = t.begin.load(std::memory_order_acquire);
+    if (b == 0) continue;
+    const std::uintptr_t e = t.end.load(std::memory_order_relaxed);
+    if (end <= b || begin >= e) continue;
+    Manager* m = device_manager(t.device.load(std::memory_order_relaxed));
+    if (m == nullptr) continue;
+    const std::uintptr_t from = std::max(begin, b);
+    m->written(reinterpret_cast<const void*>(from), std::min(end, e) - from);
+  }
+}
 
 }  // namespace residency::preload

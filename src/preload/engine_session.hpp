@@ -202,6 +202,15 @@ class EngineSession {
   DeviceAllocation device_allocate(int device, std::size_t size, bool compute) noexcept RESIDENCY_EXCLUDES(mu_);
   // cudaFree: true when `ptr` was routed (it is freed); false: the runtime's.
   bool device_free(void* ptr) noexcept RESIDENCY_EXCLUDES(mu_);
+  // Write tracking (Manager::track_writes): llama.cpp marked the device buffer at [base, base +
+  // size) as weights. When it is routed device memory, every write into it is reported from now
+  // on (device_written), so that its sleeps copy only what was written since the last one.
+  void device_weights_buffer(std::uintptr_t base, std::size_t size) noexcept RESIDENCY_EXCLUDES(mu_);
+  // Lock-free: whether any device range's writes are tracked (the hooks skip the work if not).
+  bool tracks_device_writes() const noexcept { return tracked_count_.load(std::memory_order_acquire) != 0; }
+  // Lock-free: [begin, end) of device memory is about to be written (a tensor set, memset, copy,
+  // buffer clear, or a node of a graph about to run); reported where it overlaps a tracked range.
+  void device_written(std::uintptr_t begin, std::uintptr_t end) noexcept;
   // In a fork child: from now on every event is ignored (the child must not touch the managers
   // of its parent's threads).
   void forked() noexcept;
@@ -283,6 +292,17 @@ class EngineSession {
   std::atomic<int> active_devices_{0};                               // hooks skip the device table while 0
   std::unordered_map<void*, int> routed_ RESIDENCY_GUARDED_BY(mu_);  // routed pointer -> device
   bool warned_device_refusal_ RESIDENCY_GUARDED_BY(mu_) = false;
+  // Device ranges whose writes are tracked, read lock-free by the write hooks, changed under mu_
+  // (at a model's load and free, never during a decode); begin 0: a free slot. More than
+  // kMaxTracked ranges: the rest stay untracked (their sleeps copy everything).
+  struct Tracked {
+    std::atomic<std::uintptr_t> begin{0};
+    std::atomic<std::uintptr_t> end{0};
+    std::atomic<int> device{0};
+  };
+  static constexpr std::size_t kMaxTracked = 8;
+  std::array<Tracked, kMaxTracked> tracked_{};
+  std::atomic<int> tracked_count_{0};
   std::atomic<bool> warned_device_asleep_{false};
 
   // Decodes since the memory was last wired by a decode (or since the engine memory was dropped).

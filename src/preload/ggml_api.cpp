@@ -29,6 +29,10 @@ const GgmlApi* make_api(const void* near) noexcept {
   resolve_into(api.dev_type, "ggml_backend_dev_type", near, ok);
   resolve_into(api.nbytes, "ggml_nbytes", near, ok);
   if (!ok) return nullptr;
+  bool graphs = true;
+  resolve_into(api.graph_n_nodes, "ggml_graph_n_nodes", near, graphs);
+  resolve_into(api.graph_node, "ggml_graph_node", near, graphs);
+  if (!graphs) api.graph_n_nodes = nullptr, api.graph_node = nullptr;
   try {
     return new GgmlApi(api);
   } catch (...) {

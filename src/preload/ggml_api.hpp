@@ -23,6 +23,9 @@ struct GgmlApi {
   decltype(&ggml_backend_buft_get_device) buft_get_device = nullptr;
   decltype(&ggml_backend_dev_type) dev_type = nullptr;
   decltype(&ggml_nbytes) nbytes = nullptr;
+  // Optional (null where this ggml lacks them): a graph's nodes, for the writes a graph makes.
+  decltype(&ggml_graph_n_nodes) graph_n_nodes = nullptr;
+  decltype(&ggml_graph_node) graph_node = nullptr;
 };
 const GgmlApi* ggml_api(const void* near) noexcept;
 

@@ -210,14 +210,72 @@ void device_access() noexcept {
   tell_started([](EngineSession& s) { s.device_access(); });
 }
 
+// Device memory is about to be written at [begin, end) through one of ggml's entry points (after
+// device_access() woke it): reported where its writes are tracked. Lock-free when none are.
+void device_write(std::uintptr_t begin, std::uintptr_t end) noexcept {
+  EngineSession* s = started_session();
+  if (s != nullptr && s->tracks_device_writes()) s->device_written(begin, end);
+}
+
+void tensor_write(const ggml_tensor* t, std::size_t offset, std::size_t bytes) noexcept {
+  if (t != nullptr && t->data != nullptr) {
+    const std::uintptr_t b = reinterpret_cast<std::uintptr_t>(t->data) + offset;
+    device_write(b, b + bytes);
+  }
+}
+
+// The bytes of `t` as ggml counts them (a copy's or a graph node's destination).
+void tensor_write_whole(const ggml_tensor* t, const void* near) noexcept {
+  if (t == nullptr || t->data == nullptr) return;
+  EngineSession* s = started_session();
+  if (s == nullptr || !s->tracks_device_writes()) return;
+  if (const GgmlApi* api = ggml_api(near)) tensor_write(t, 0, api->nbytes(t));
+}
+
+void buffer_write(ggml_backend_buffer_t b, const void* near) noexcept {
+  EngineSession* s = started_session();
+  if (b == nullptr || s == nullptr || !s->tracks_device_writes()) return;
+  if (const GgmlApi* api = ggml_api(near)) {
+    const auto base = reinterpret_cast<std::uintptr_t>(api->get_base(b));
+    s->device_written(base, base + api->get_size(b));
+  }
+}
+
+// A graph about to run writes its nodes: every node but those that only view another tensor's
+// memory. The tracked ranges (weights) are never a node's in llama.cpp, so this finds nothing
+// there; it is what makes "never written after load" a fact checked at every compute rather than
+// an assumption.
+void graph_write(ggml_cgraph* g, const void* near) noexcept {
+  EngineSession* s = started_session();
+  if (g == nullptr || s == nullptr || !s->tracks_device_writes()) return;
+  const GgmlApi* api = ggml_api(near);
+  if (api == nullptr || api->graph_n_nodes == nullptr) return;  // never tracked without them
+  const int n = api->graph_n_nodes(g);
+  for (int i = 0; i < n; ++i) {
+    const ggml_tensor* t = api->graph_node(g, i);
+    if (t == nullptr || t->data == nullptr) continue;
+    switch (t->op) {
+      case GGML_OP_NONE:
+      case GGML_OP_VIEW:
+      case GGML_OP_RESHAPE:
+      case GGML_OP_PERMUTE:
+      case GGML_OP_TRANSPOSE:
+        continue;
+      default:
+        tensor_write(t, 0, api->nbytes(t));
+    }
+  }
+}
+
 // A ggml graph compute: inside a decode the preload saw, it only wakes device memory; outside one
 // (the program calls llama_decode through a pointer from dlsym, past the preload) it is the
-// engine's call itself.
-template <class Call>
-auto graph_compute(Call call) noexcept {
+// engine's call itself. `writes` reports what the graph writes, once its memory is awake.
+template <class Call, class Writes>
+auto graph_compute(Call call, Writes writes) noexcept {
   EngineSession* s = in_hook() || in_engine_call() ? nullptr : started_session();
   if (s == nullptr) {
     device_access();
+    writes();
     return call();
   }
   EngineSession::DecodeScope scope;
@@ -230,6 +288,7 @@ auto graph_compute(Call call) noexcept {
       s->decode_ended(scope, nullptr);
       return static_cast<decltype(call())>(GGML_STATUS_FAILED);
     }
+    writes();
   }
   auto r = [&] {
     EngineCallScope engine;
@@ -325,6 +384,10 @@ namespace rp = residency::preload;
 // An entry point that may read or write backend memory: device memory is woken first.
 #define RESIDENCY_GGML_ACCESS(ret, name, params, args, fallback) \
   RESIDENCY_GGML_HOOK(ret, name, params, args, fallback, rp::device_access())
+// An entry point that writes backend memory: woken first, then the write reported (`range`, a
+// statement), then made.
+#define RESIDENCY_GGML_WRITE(ret, name, params, args, fallback, range) \
+  RESIDENCY_GGML_HOOK(ret, name, params, args, fallback, rp::device_access(); range)
 // ggml's graph allocator: device memory it allocates holds the compute buffers (scratch).
 #define RESIDENCY_GGML_COMPUTE_ALLOC(ret, name, params, args, fallback) \
   RESIDENCY_GGML_HOOK(ret, name, params, args, fallback, rp::ComputeAllocationScope scope)
@@ -437,37 +500,41 @@ RESIDENCY_PRELOAD_EXPORT int cudaMalloc(void** ptr, std::size_t size) {
 
 RESIDENCY_PRELOAD_EXPORT int cudaFree(void* ptr) { return rp::device_free(ptr, __builtin_return_address(0)); }
 
-RESIDENCY_GGML_ACCESS(void, ggml_backend_tensor_set,
-                      (struct ggml_tensor * t, const void* data, size_t offset, size_t size), (t, data, offset, size), )
+RESIDENCY_GGML_WRITE(void, ggml_backend_tensor_set,
+                     (struct ggml_tensor * t, const void* data, size_t offset, size_t size), (t, data, offset, size), ,
+                     rp::tensor_write(t, offset, size))
 RESIDENCY_GGML_ACCESS(void, ggml_backend_tensor_get,
                       (const struct ggml_tensor* t, void* data, size_t offset, size_t size), (t, data, offset, size), )
-RESIDENCY_GGML_ACCESS(void, ggml_backend_tensor_set_2d,
-                      (struct ggml_tensor * t, const void* data, size_t offset, size_t size, size_t n, size_t st, size_t sd),
-                      (t, data, offset, size, n, st, sd), )
+RESIDENCY_GGML_WRITE(void, ggml_backend_tensor_set_2d,
+                     (struct ggml_tensor * t, const void* data, size_t offset, size_t size, size_t n, size_t st, size_t sd),
+                     (t, data, offset, size, n, st, sd), , rp::tensor_write(t, offset, n == 0 ? 0 : (n - 1) * st + size))
 RESIDENCY_GGML_ACCESS(void, ggml_backend_tensor_get_2d,
                       (const struct ggml_tensor* t, void* data, size_t offset, size_t size, size_t n, size_t st, size_t sd),
                       (t, data, offset, size, n, st, sd), )
-RESIDENCY_GGML_ACCESS(void, ggml_backend_tensor_memset,
-                      (struct ggml_tensor * t, uint8_t value, size_t offset, size_t size), (t, value, offset, size), )
-RESIDENCY_GGML_ACCESS(void, ggml_backend_tensor_set_async,
-                      (ggml_backend_t b, struct ggml_tensor* t, const void* data, size_t offset, size_t size),
-                      (b, t, data, offset, size), )
+RESIDENCY_GGML_WRITE(void, ggml_backend_tensor_memset,
+                     (struct ggml_tensor * t, uint8_t value, size_t offset, size_t size), (t, value, offset, size), ,
+                     rp::tensor_write(t, offset, size))
+RESIDENCY_GGML_WRITE(void, ggml_backend_tensor_set_async,
+                     (ggml_backend_t b, struct ggml_tensor* t, const void* data, size_t offset, size_t size),
+                     (b, t, data, offset, size), , rp::tensor_write(t, offset, size))
 RESIDENCY_GGML_ACCESS(void, ggml_backend_tensor_get_async,
                       (ggml_backend_t b, const struct ggml_tensor* t, void* data, size_t offset, size_t size),
                       (b, t, data, offset, size), )
-RESIDENCY_GGML_ACCESS(void, ggml_backend_tensor_set_2d_async,
-                      (ggml_backend_t b, struct ggml_tensor* t, const void* data, size_t offset, size_t size, size_t n,
-                       size_t st, size_t sd),
-                      (b, t, data, offset, size, n, st, sd), )
+RESIDENCY_GGML_WRITE(void, ggml_backend_tensor_set_2d_async,
+                     (ggml_backend_t b, struct ggml_tensor* t, const void* data, size_t offset, size_t size, size_t n,
+                      size_t st, size_t sd),
+                     (b, t, data, offset, size, n, st, sd), , rp::tensor_write(t, offset, n == 0 ? 0 : (n - 1) * st + size))
 RESIDENCY_GGML_ACCESS(void, ggml_backend_tensor_get_2d_async,
                       (ggml_backend_t b, const struct ggml_tensor* t, void* data, size_t offset, size_t size, size_t n,
                        size_t st, size_t sd),
                       (b, t, data, offset, size, n, st, sd), )
-RESIDENCY_GGML_ACCESS(void, ggml_backend_tensor_copy, (const struct ggml_tensor* src, struct ggml_tensor* dst), (src, dst), )
-RESIDENCY_GGML_ACCESS(void, ggml_backend_tensor_copy_async,
-                      (ggml_backend_t bs, ggml_backend_t bd, const struct ggml_tensor* src, struct ggml_tensor* dst),
-                      (bs, bd, src, dst), )
-RESIDENCY_GGML_ACCESS(void, ggml_backend_buffer_clear, (ggml_backend_buffer_t buffer, uint8_t value), (buffer, value), )
+RESIDENCY_GGML_WRITE(void, ggml_backend_tensor_copy, (const struct ggml_tensor* src, struct ggml_tensor* dst), (src, dst), ,
+                     rp::tensor_write_whole(dst, reinterpret_cast<const void*>(next)))
+RESIDENCY_GGML_WRITE(void, ggml_backend_tensor_copy_async,
+                     (ggml_backend_t bs, ggml_backend_t bd, const struct ggml_tensor* src, struct ggml_tensor* dst),
+                     (bs, bd, src, dst), , rp::tensor_write_whole(dst, reinterpret_cast<const void*>(next)))
+RESIDENCY_GGML_WRITE(void, ggml_backend_buffer_clear, (ggml_backend_buffer_t buffer, uint8_t value), (buffer, value), ,
+                     rp::buffer_write(buffer, reinterpret_cast<const void*>(next)))
 // A graph compute: the engine's call itself where llama_decode went past the preload.
 #define RESIDENCY_GGML_COMPUTE(name, params, args)                                       \
   RESIDENCY_PRELOAD_EXPORT enum ggml_status name params {                                \
@@ -476,7 +543,8 @@ RESIDENCY_GGML_ACCESS(void, ggml_backend_buffer_clear, (ggml_backend_buffer_t bu
     static std::atomic<bool> warned{false};                                              \
     const Fn next = rp::resolve_next(cache, warned, #name, __builtin_return_address(0)); \
     if (next == nullptr) return GGML_STATUS_FAILED;                                      \
-    return rp::graph_compute([&]() noexcept { return next args; });                      \
+    return rp::graph_compute([&]() noexcept { return next args; },                        \
+                             [&]() noexcept { rp::graph_write(g, reinterpret_cast<const void*>(next)); }); \
   }
 RESIDENCY_GGML_COMPUTE(ggml_backend_graph_compute, (ggml_backend_t b, struct ggml_cgraph* g), (b, g))
 RESIDENCY_GGML_COMPUTE(ggml_backend_graph_compute_async, (ggml_backend_t b, struct ggml_cgraph* g), (b, g))
@@ -538,6 +606,14 @@ RESIDENCY_PRELOAD_EXPORT void ggml_backend_buffer_set_usage(ggml_backend_buffer_
   if (next == nullptr) return;
   next(buffer, usage);
   rp::tell_started([&](rp::EngineSession& s) { s.buffer_usage(rp::buffer_id(buffer), rp::buffer_usage_of(usage)); });
+  // Weights in device memory: their writes are tracked from now on (only where every graph's
+  // nodes can be read, so that a write by a graph cannot go unseen).
+  if (usage != GGML_BACKEND_BUFFER_USAGE_WEIGHTS || buffer == nullptr) return;
+  const rp::GgmlApi* api = rp::ggml_api(reinterpret_cast<const void*>(next));
+  if (api == nullptr || api->graph_n_nodes == nullptr) return;
+  const auto base = reinterpret_cast<std::uintptr_t>(api->get_base(buffer));
+  const std::size_t size = api->get_size(buffer);
+  rp::tell_started([&](rp::EngineSession& s) { s.device_weights_buffer(base, size); });
 }
 
 RESIDENCY_PRELOAD_EXPORT void ggml_backend_buffer_free(ggml_backend_buffer_t buffer) {

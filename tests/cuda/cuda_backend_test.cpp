@@ -271,6 +271,78 @@ TEST_F(CudaTest, DiscardedClassesSleepWithoutACopy) {
   for (void* p : {w, s, kv}) backend_->deallocate(p);
 }
 
+// An allocation whose writes the engine reports (track_writes / written) keeps its host backup
+// across wakes: a sleep copies only the chunks written since the last one, none for weights left
+// alone, and what wakes is what was there. An unreported write is lost at the next sleep: proof
+// that the copy was skipped (the contract: every write must be reported).
+TEST_F(CudaTest, TrackedAllocationSleepsCopyOnlyWhatWasWritten) {
+  constexpr std::size_t kSize = 4 * kGiB + 4099;
+  void* p = allocate_filled(*backend_, kSize, RegionClass::weights, 31);
+  ASSERT_NE(p, nullptr);
+  backend_->track_writes(p);
+  resident_set(*backend_, 0, device_region(1, p, kSize, RegionClass::weights));
+  const std::size_t chunk = backend_->chunk_bytes();
+  ASSERT_GT(kSize, 4 * chunk) << "the test needs several copy chunks";
+
+  auto sleep_copies = [&] {
+    const std::uint64_t before = backend_->bytes_copied_to_host();
+    const auto t0 = std::chrono::steady_clock::now();
+    EXPECT_TRUE(backend_->end_residency(0));
+    EXPECT_TRUE(backend_->last_release_status()) << backend_->last_release_status().message();
+    const double s = seconds_since(t0);
+    EXPECT_FALSE(backend_->is_resident(p));
+    std::printf("sleep of %.1f GiB: copied %.1f MiB in %.1f ms\n", double(kSize) / kGiB,
+                double(backend_->bytes_copied_to_host() - before) / kMiB, s * 1e3);
+    return backend_->bytes_copied_to_host() - before;
+  };
+  auto wake = [&] {
+    auto out = backend_->request_residency(0);
+    ASSERT_TRUE(out.ok()) << out.status.message();
+  };
+
+  // The first sleep makes the backup: everything.
+  EXPECT_EQ(sleep_copies(), kSize);
+  wake();
+  EXPECT_EQ(mismatches(p, kSize, 31), 0u);
+  // Nothing written since: nothing copied, and the contents wake intact.
+  EXPECT_EQ(sleep_copies(), 0u);
+  wake();
+  EXPECT_EQ(mismatches(p, kSize, 31), 0u);
+
+  // A reported write across the border of chunks 1 and 2: those two chunks, and only them.
+  const std::size_t at = 2 * chunk - 4096;
+  const std::size_t len = 8192;
+  backend_->written(static_cast<char*>(p) + at, len);
+  ASSERT_TRUE(kernels_->fill(dptr(p) + at, len, 32));
+  sync();
+  EXPECT_EQ(sleep_copies(), 2 * chunk);
+  wake();
+  EXPECT_EQ(mismatches(static_cast<char*>(p) + at, len, 32), 0u) << "the reported write must survive";
+  EXPECT_EQ(mismatches(p, at, 31), 0u) << "what was not written must wake as it was";
+
+  // An unreported write: the backup still holds what was there, and that is what wakes.
+  ASSERT_TRUE(kernels_->fill(dptr(p) + 3 * chunk, len, 33));
+  sync();
+  EXPECT_EQ(sleep_copies(), 0u);
+  wake();
+  EXPECT_NE(mismatches(static_cast<char*>(p) + 3 * chunk, len, 33), 0u) << "the sleep should not have copied";
+
+  // An untracked allocation copies everything at every sleep.
+  void* q = allocate_filled(*backend_, 64 * kMiB, RegionClass::weights, 34);
+  ASSERT_NE(q, nullptr);
+  resident_set(*backend_, 1, device_region(2, q, 64 * kMiB, RegionClass::weights));
+  for (int i = 0; i < 2; ++i) {
+    const std::uint64_t before = backend_->bytes_copied_to_host();
+    EXPECT_TRUE(backend_->end_residency(1));
+    EXPECT_EQ(backend_->bytes_copied_to_host() - before, 64 * kMiB);
+    ASSERT_TRUE(backend_->request_residency(1).ok());
+    EXPECT_EQ(mismatches(q, 64 * kMiB, 34), 0u);
+  }
+  for (SetId set : {0u, 1u}) EXPECT_TRUE(backend_->destroy_set(set));
+  backend_->deallocate(p);
+  backend_->deallocate(q);
+}
+
 // Host memory the GPU reads (mmap'd weights) is wired with cuMemHostRegister while its set
 // is resident and unregistered when the residency ends.
 TEST_F(CudaTest, HostRangeIsRegisteredWhileResidentAndUnregisteredAfter) {

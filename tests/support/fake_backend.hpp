@@ -224,6 +224,15 @@ class FakeBackend : public Backend {
       if (s.exists && s.requested && s.members.count(id)) return true;
     return false;
   }
+  // Write tracking: what the engine said (track_writes, written), as it said it.
+  void track_writes(void* base) override {
+    std::lock_guard<std::recursive_mutex> g(mu);
+    tracked.insert(static_cast<char*>(base));
+  }
+  void written(const void* addr, std::size_t bytes) override {
+    std::lock_guard<std::recursive_mutex> g(mu);
+    writes.emplace_back(reinterpret_cast<std::uintptr_t>(addr), bytes);
+  }
   // The n-th set created (set ids are process-wide, so tests count in creation order).
   const SetRec& nth_set(std::size_t n) const {
     std::lock_guard<std::recursive_mutex> g(mu);
@@ -239,6 +248,8 @@ class FakeBackend : public Backend {
   std::map<SetId, SetRec> sets;
   std::vector<SetId> created_order;
   std::set<char*> allocated;
+  std::set<char*> tracked;
+  std::vector<std::pair<std::uintptr_t, std::size_t>> writes;  // (address, bytes)
   int sets_created = 0, sets_destroyed = 0, total_commits = 0, total_requests = 0, total_ends = 0,
       total_refreshes = 0, after_release_calls = 0;
   std::uint64_t rewired_bytes = 0;

@@ -523,6 +523,56 @@ TEST_F(EngineSessionTest, AFreedBufferDropsTheEngineMemory) {
   EXPECT_GT(s->engine_memory_bytes(), 0u) << "snapshot again after the next decode";
 }
 
+// Weights in device memory: their writes are tracked from the moment llama.cpp marks the buffer,
+// and each write (a tensor set, a graph node) reaches the backend clipped to the tracked range;
+// writes elsewhere (compute buffers, memory that is not routed) do not; a freed buffer stops it.
+TEST_F(EngineSessionTest, WritesIntoDeviceWeightsAreReportedToTheBackendAndNothingElse) {
+  auto s = make();
+  using Outcome = EngineSession::DeviceAllocation::Outcome;
+  const auto weights = s->device_allocate(0, 8 * kMiB, false);
+  const auto compute = s->device_allocate(0, 4 * kMiB, true);
+  ASSERT_EQ(weights.outcome, Outcome::routed);
+  ASSERT_EQ(compute.outcome, Outcome::routed);
+  const auto w = reinterpret_cast<std::uintptr_t>(weights.ptr);
+  const auto c = reinterpret_cast<std::uintptr_t>(compute.ptr);
+  auto* gpu = gpus.at(0).get();
+  auto writes = [&] {
+    std::lock_guard<std::recursive_mutex> g(gpu->mu);
+    return gpu->writes;
+  };
+
+  // Before llama.cpp marks the buffer: nothing is tracked, no write is reported.
+  s->device_written(w, w + 4096);
+  EXPECT_FALSE(s->tracks_device_writes());
+  EXPECT_TRUE(writes().empty());
+
+  // Not routed (a host buffer's base): not tracked.
+  int not_routed = 0;
+  s->device_weights_buffer(reinterpret_cast<std::uintptr_t>(&not_routed), sizeof not_routed);
+  EXPECT_FALSE(s->tracks_device_writes());
+
+  s->device_weights_buffer(w, 8 * kMiB);
+  ASSERT_TRUE(s->tracks_device_writes());
+  {
+    std::lock_guard<std::recursive_mutex> g(gpu->mu);
+    EXPECT_EQ(gpu->tracked, std::set<char*>{static_cast<char*>(weights.ptr)});
+  }
+  s->device_written(w + 100, w + 200);          // inside
+  s->device_written(w - 50, w + 10);            // across the start: clipped
+  s->device_written(w + 8 * kMiB - 5, w + 8 * kMiB + 99);  // across the end: clipped
+  s->device_written(c, c + 4 * kMiB);          // the compute buffer: not reported
+  s->device_written(w + 8 * kMiB, w + 9 * kMiB);  // just past it: not reported
+  using W = std::pair<std::uintptr_t, std::size_t>;
+  EXPECT_EQ(writes(), (std::vector<W>{{w + 100, 100}, {w, 10}, {w + 8 * kMiB - 5, 5}}));
+
+  // Freed: no longer tracked, and a later allocation at any address is not either.
+  EXPECT_TRUE(s->device_free(weights.ptr));
+  EXPECT_FALSE(s->tracks_device_writes());
+  s->device_written(w, w + 4096);
+  EXPECT_EQ(writes().size(), 3u);
+  EXPECT_TRUE(s->device_free(compute.ptr));
+}
+
 TEST_F(EngineSessionTest, DeviceAllocationsAreRoutedFrom2MiBAndComputeBuffersAreScratch) {
   auto s = make();
   using Outcome = EngineSession::DeviceAllocation::Outcome;

@@ -437,7 +437,12 @@ Status CudaBackend::wake(DeviceAllocation& a) {
     }
   }
   a.resident = true;
-  a.backup_valid = false;  // the engine may write from now on; the next sleep copies again
+  if (a.tracked && restore) {
+    // Written chunks are reported as they are written: the backup stays the contents until then.
+    a.dirty.assign(a.dirty.size(), 0);
+  } else {
+    a.backup_valid = false;  // the engine may write from now on; the next sleep copies again
+  }
   mapped_bytes_ += a.reserved;
   return {};
 }
@@ -449,13 +454,17 @@ Status CudaBackend::wake(DeviceAllocation& a) {
 Status CudaBackend::sleep(DeviceAllocation& a) {
   if (!a.resident) return {};
   if (a.cls == RegionClass::weights) {
+    // Tracked and whole since its last sleep: only the chunks written since then are copied.
+    const bool only_written = a.tracked && a.backup_valid && a.dirty.size() == (a.size + chunk_ - 1) / chunk_;
     a.backup_valid = false;
     if (a.backup == nullptr) {
       Status st = pin_backup(a, /*copy=*/true);
       if (!st) return st;
+      copied_to_host_ += a.size;
     } else {
       const std::size_t n = (a.size + chunk_ - 1) / chunk_;
       for (std::size_t i = 0; i < n; ++i) {
+        if (only_written && a.dirty[i] == 0) continue;
         const std::size_t off = i * chunk_;
         const std::size_t bytes = std::min(chunk_, a.size - off);
         const CUresult r = d_->cuMemcpyDtoHAsync(a.backup + off, a.va + off, bytes, streams_[i % streams_.size()]);
@@ -463,11 +472,13 @@ Status CudaBackend::sleep(DeviceAllocation& a) {
           (void)sync_streams();
           return d_->error(r, "copying weights at " + hex(a.va) + " to the host backup; the allocation stays resident", "cuMemcpyDtoHAsync");
         }
+        copied_to_host_ += bytes;
       }
       Status st = sync_streams();
       if (!st) return Status(st.code(), st.message() + "; the allocation stays resident");
     }
     a.backup_valid = true;
+    if (a.tracked) a.dirty.assign((a.size + chunk_ - 1) / chunk_, 0);
   }
   unmap_chunks(a, a.chunks.size());
   a.resident = false;
@@ -846,6 +857,36 @@ Status CudaBackend::end_residency(SetId set) {
   // What could not sleep is still resident: the set stays requested, as the manager will see.
   if (!last_release_) it->second.requested = true;
   return last_release_;
+}
+
+void CudaBackend::track_writes(void* base) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = allocations_.find(static_cast<CUdeviceptr>(reinterpret_cast<std::uintptr_t>(base)));
+  if (it == allocations_.end() || it->second.tracked) return;
+  DeviceAllocation& a = it->second;
+  a.tracked = true;
+  // Writes before now were not reported: unless asleep (its backup is its contents), the backup
+  // is not valid until the next sleep copies everything.
+  if (a.resident) a.backup_valid = false;
+  a.dirty.assign((a.size + chunk_ - 1) / chunk_, a.resident ? 1 : 0);
+}
+
+void CudaBackend::written(const void* addr, std::size_t bytes) {
+  const auto p = static_cast<CUdeviceptr>(reinterpret_cast<std::uintptr_t>(addr));
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = allocations_.upper_bound(p);
+  if (it == allocations_.begin()) return;
+  --it;
+  DeviceAllocation& a = it->second;
+  if (!a.tracked || p >= a.va + a.size || a.dirty.empty()) return;
+  const std::size_t first = static_cast<std::size_t>(p - a.va);
+  const std::size_t last = std::min(a.size, first + std::min(bytes, a.size - first));  // exclusive
+  for (std::size_t i = first / chunk_; i * chunk_ < last && i < a.dirty.size(); ++i) a.dirty[i] = 1;
+}
+
+std::uint64_t CudaBackend::bytes_copied_to_host() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return copied_to_host_;
 }
 
 std::uint64_t CudaBackend::pinned_host_bytes() const {

@@ -34,6 +34,8 @@ class CudaBackend final : public Backend {
  public:
   static Result<std::shared_ptr<CudaBackend>> create(const CudaBackendOptions& options);
   std::uint64_t pinned_host_bytes() const override;
+  void track_writes(void* base) override;
+  void written(const void* addr, std::size_t bytes) override;
   // The same, through the entry points in `driver` as given (tests substitute one to inject
   // failures). `driver` must outlive the backend.
   static Result<std::shared_ptr<CudaBackend>> create(const CudaBackendOptions& options, const Driver& driver);
@@ -92,6 +94,9 @@ class CudaBackend final : public Backend {
   // The last release's Status (also returned by end_residency / destroy_set): a failure (no
   // pinned memory for the backup) leaves the region resident, nothing is lost.
   Status last_release_status() const;
+  // Bytes the sleeps of this backend copied to host backups, over its life (tests and tools: a
+  // tracked allocation that nobody wrote copies nothing at its second sleep).
+  std::uint64_t bytes_copied_to_host() const;
   // Bytes this backend has allocated (reserved sizes), and holds resident now (device mappings
   // plus host ranges it registered): what its own books say, for tests and diagnostics.
   std::uint64_t allocated_bytes() const;
@@ -119,6 +124,12 @@ class CudaBackend final : public Backend {
     char* backup = nullptr;
     std::size_t backup_mapped = 0;
     bool backup_valid = false;
+    // track_writes(): the engine reports every write (written()), so a wake keeps backup_valid,
+    // and `dirty` (one flag per copy chunk of chunk_ bytes) says which chunks were written since
+    // the backup was last made whole; a sleep copies only those. Untracked, a wake clears
+    // backup_valid and a sleep copies everything.
+    bool tracked = false;
+    std::vector<std::uint8_t> dirty;
     std::uint64_t serial = 0;  // tells a freed allocation from a later one at the same address
   };
   struct HostRange {
@@ -195,6 +206,7 @@ class CudaBackend final : public Backend {
   std::uint64_t allocated_bytes_ = 0;  // sum of reserved sizes
   std::uint64_t mapped_bytes_ = 0;     // reserved sizes of resident allocations
   std::uint64_t host_wired_bytes_ = 0; // host bytes registered by us
+  std::uint64_t copied_to_host_ = 0;   // bytes sleeps copied device-to-host
   Status last_release_;
 };
 
