@@ -384,9 +384,9 @@ bool Admission::reserve_for_wire() {
   return true;
 }
 
-void Admission::begin_retry() {
+void Admission::begin_retry(bool keep_asking) {
   device_short_ = 0;
-  first_attempt_ = false;
+  first_attempt_ = keep_asking;
   shared_full_ = false;
   room_wanted_ = 0;
 }

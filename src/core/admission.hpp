@@ -129,7 +129,9 @@ class Admission {
   bool reserve_ahead(std::uint64_t bytes);
   // The allocation was tracked (its region took the reservation over) or failed: forgets it.
   void end_ahead(std::uint64_t bytes);
-  void begin_retry();
+  // keep_asking: the device itself was full and the holders asked gave memory back, which another
+  // waker may have taken first: a failure of this attempt asks again (the manager bounds the rounds).
+  void begin_retry(bool keep_asking = false);
   // The call is over: the next one starts with a first attempt.
   void end_call() {
     room_wanted_ = 0;

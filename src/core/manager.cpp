@@ -130,20 +130,24 @@ struct Manager::Impl {
     MutexLock lock_;
     MakeRoomAtEnd room_;  // destroyed first: make_room() runs with mu held
   };
+  // A wake that found the device full asks again while the holders asked give memory back (another
+  // waker of a burst may take it first), for at most kOutOfMemoryRetries rounds.
   void make_room() noexcept RESIDENCY_REQUIRES(mu) {
-    const core::Admission::RoomWanted want = adm.take_room_wanted();  // this call's: another thread may run meanwhile
-    if (want.bytes != 0 || want.device_full != 0) {
+    for (int round = 1;; ++round) {
+      const core::Admission::RoomWanted want = adm.take_room_wanted();  // this call's: another thread may run meanwhile
+      if (want.bytes == 0 && want.device_full == 0) break;
+      std::uint64_t freed = 0;
       mu.unlock();
       try {
         if (want.bytes != 0)
           shared_ledger->acquire(want.bytes, clock->now().count(), ledger::kAskWait, /*partial=*/false,
                                  want.device ? ledger::kNoMinimumIdle : ledger::kIdleBeforeAsked);  // retry() keeps it
-        if (want.device_full != 0) (void)free_device_memory(want.device_full);
+        if (want.device_full != 0) freed = free_device_memory(want.device_full);
       } catch (...) {  // out of memory: nothing more is admitted
       }
       mu.lock();
       try {
-        cycle.retry();
+        cycle.retry(/*keep_asking=*/freed != 0 && round < kOutOfMemoryRetries);
       } catch (...) {
       }
     }

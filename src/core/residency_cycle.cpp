@@ -90,8 +90,8 @@ void ResidencyCycle::wire(const char* why) {
   wake_scheduler();
 }
 
-void ResidencyCycle::retry() {
-  adm_.begin_retry();
+void ResidencyCycle::retry(bool keep_asking) {
+  adm_.begin_retry(keep_asking);
   if (deferred_why_) {
     const char* why = deferred_why_;
     deferred_why_ = nullptr;

@@ -61,7 +61,7 @@ class ResidencyCycle {
   }
   // After the others were asked for room (Admission::room_wanted()), without the lock: what waits
   // is admitted again, and a wire that waited for room is done.
-  void retry();
+  void retry(bool keep_asking = false);
   void request_prefetch() {
     prefetch_requested_ = true;
     wake_scheduler();

@@ -245,6 +245,33 @@ TEST_F(DeviceBudgetTest, AWakeOutOfDeviceMemoryWaitsForTheHolderInsideACallToEnd
   b.m->end_call();
 }
 
+// A burst of wakers on a full GPU: the memory a holder gave back may be taken by another waker
+// before this one tries again; then it asks again (boundedly) rather than fail its call.
+TEST_F(DeviceBudgetTest, AWakeWhoseFreedMemoryAnotherWakerTookAsksAgain) {
+  start(a, 100 * MiB);
+  start(b, 100 * MiB);
+  start(c, 100 * MiB);
+  auto pa = a.m->allocate(6 * MiB);
+  auto pc = c.m->allocate(6 * MiB);
+  auto pb = b.m->allocate(4 * MiB);
+  ASSERT_TRUE(pa && pb && pc);
+  b.m->release_now();
+  ASSERT_FALSE(b.fake->is_resident(pb->id));
+  // The GPU holds a's and c's memory and no more; the first room made is taken by someone else.
+  int taken = 1;
+  b.fake->device_full = [&] {
+    if (a.fake->is_resident(pa->id) && c.fake->is_resident(pc->id)) return true;
+    return taken-- > 0;
+  };
+  clock.advance(5ms);
+  b.m->begin_call();
+  EXPECT_TRUE(b.fake->is_resident(pb->id)) << "awake after a second round of asking";
+  EXPECT_FALSE(a.fake->is_resident(pa->id) && c.fake->is_resident(pc->id));
+  EXPECT_FALSE(a.fake->is_resident(pa->id) || c.fake->is_resident(pc->id)) << "both gave way, one per round";
+  EXPECT_FALSE(b.logs.contains(LogLevel::warn, "failed")) << "nothing was left unwired";
+  b.m->end_call();
+}
+
 // Host memory under the same budget keeps its rule: what does not fit stays tracked but unwired.
 TEST_F(DeviceBudgetTest, HostMemoryThatDoesNotFitStaysUnwiredAsBefore) {
   two_holders_a_with_6_mib();
