@@ -41,5 +41,8 @@ if(NOT RESIDENCY_HAVE_LLAMA)
   if(RESIDENCY_REQUIRE_LLAMA)
     message(FATAL_ERROR "residency: ${RESIDENCY_LLAMA_REASON} (RESIDENCY_REQUIRE_LLAMA is ON)")
   endif()
-  message(STATUS "residency: ${RESIDENCY_LLAMA_REASON}; the llama tests are skipped")
+  # A warning, not a status line: the quick start once installed without the preload, silently.
+  message(WARNING "residency: ${RESIDENCY_LLAMA_REASON}: the preload (libresidency_preload.so) is NOT "
+                  "built and will not be installed; the llama tests are skipped. Pass "
+                  "-DRESIDENCY_LLAMA_DIR=<the prefix scripts/llama-cpp prints> to build it.")
 endif()

@@ -26,6 +26,7 @@
 
 #include "core/state_file.hpp"
 #include "residency/backends.hpp"
+#include "support/child_process.hpp"
 #include "support/tool_run.hpp"
 #include "residency/residency.hpp"
 
@@ -314,6 +315,31 @@ TEST(StatPid, StateFileOffPublishesNothing) {
   EXPECT_EQ(t.exit_code, 0) << t.out;
   EXPECT_NE(t.out.find("no state file"), std::string::npos) << t.out;
   EXPECT_EQ(c.finish(), 0);
+}
+
+// The README's quick start once ran llama-server with LD_PRELOAD naming a preload that was never
+// built: the loader ignored it and the server ran unmanaged. stat says so, and why.
+TEST(StatPid, APreloadNamedButNotLoadedIsSaidWithItsLikelyCause) {
+  const std::string missing = "/nonexistent-residency-prefix/lib/libresidency_preload.so";
+  residency::testing::ChildProcess sleeper(residency::testing::ChildSpec{{"/bin/sleep", "30"}, {"LD_PRELOAD=" + missing}, {"LD_PRELOAD="}, false,
+                                 ::testing::TempDir() + "stat_preload_missing.err", {}});
+  // The loader's complaint comes first; wait until the program runs.
+  for (int i = 0; i < 200 && run_tool("stat --pid " + std::to_string(sleeper.pid())).out.find("(sleep)") == std::string::npos; ++i)
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  const ToolRun t = run_tool("stat --pid " + std::to_string(sleeper.pid()));
+  EXPECT_EQ(t.exit_code, 0) << t.out;
+  EXPECT_NE(t.out.find("no state file: LD_PRELOAD names " + missing + ", which does not exist"), std::string::npos) << t.out;
+  EXPECT_NE(t.out.find("cannot be preloaded"), std::string::npos) << t.out;
+  const ToolRun j = run_tool("stat --json --pid " + std::to_string(sleeper.pid()));
+  ASSERT_EQ(j.exit_code, 0) << j.out;
+  EXPECT_NE(nlohmann::json::parse(j.out).value("preload_problem", "").find("does not exist"), std::string::npos) << j.out;
+
+  // Without the preload in its environment: the plain line, no guess.
+  residency::testing::ChildProcess plain(residency::testing::ChildSpec{{"/bin/sleep", "30"}, {}, {"LD_PRELOAD="}, false, "", {}});
+  for (int i = 0; i < 200 && run_tool("stat --pid " + std::to_string(plain.pid())).out.find("(sleep)") == std::string::npos; ++i)
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  const ToolRun u = run_tool("stat --pid " + std::to_string(plain.pid()));
+  EXPECT_NE(u.out.find("no state file (no residency manager"), std::string::npos) << u.out;
 }
 
 TEST(StatPid, AKilledProcesssFileIsReportedStaleAndRemoved) {

@@ -35,6 +35,7 @@
 #include <poll.h>
 #include <signal.h>
 #include <spawn.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -361,6 +362,54 @@ nlohmann::json manager_json(const core::StateFileRead& s) {
   return j;
 }
 
+// --- the preload, when the process has no state file -------------------------------------------
+
+// Why a process whose environment names the preload has no residency manager: the library is not
+// where LD_PRELOAD says (never built or installed: the loader ignored it with "cannot be preloaded"
+// on the program's stderr), or it is but the loader refused it, or it is loaded and nothing was
+// managed yet. Empty when the environment does not name it (or cannot be read).
+std::string preload_diagnosis(int pid) {
+  std::ifstream env("/proc/" + std::to_string(pid) + "/environ", std::ios::binary);
+  std::string entry, preload;
+  bool named = false;
+  while (std::getline(env, entry, '\0'))
+    if (entry.rfind("LD_PRELOAD=", 0) == 0) {
+      preload = entry.substr(11);
+      named = true;
+    }
+  if (!named) return {};
+  std::vector<std::string> paths;
+  std::string cur;
+  for (char c : preload + ":") {
+    if (c == ':' || c == ' ') {
+      if (cur.find("libresidency_preload") != std::string::npos) paths.push_back(cur);
+      cur.clear();
+    } else {
+      cur += c;
+    }
+  }
+  if (paths.empty()) return {};
+  std::ifstream maps("/proc/" + std::to_string(pid) + "/maps");
+  std::string line, mapped;
+  while (std::getline(maps, line))
+    if (line.find("libresidency_preload") != std::string::npos) mapped = line.substr(line.find('/') == std::string::npos ? 0 : line.find('/'));
+  const std::string& path = paths.front();
+  if (!mapped.empty())
+    return "the preload is loaded (" + printable(mapped, 400) + ") but has made no manager yet: no llama.cpp model " +
+           "loaded, RESIDENCY_KEEP_ALIVE=off, or RESIDENCY_STATE_FILE=0";
+  struct stat st{};
+  if (::stat(path.c_str(), &st) != 0)
+    return "LD_PRELOAD names " + printable(path, 400) + ", which does not exist (" + std::strerror(errno) +
+           "): the loader ignored it (\"cannot be preloaded\" on the program's stderr) and the program runs "
+           "without residency; the preload is built only where CMake finds llama.cpp (its configure and install "
+           "say so), or it was installed elsewhere";
+  if (path.find('/') == std::string::npos)
+    return "LD_PRELOAD names " + printable(path, 400) + " without a path and it is not loaded: give the full path "
+           "(PREFIX/lib/libresidency_preload.so)";
+  return "LD_PRELOAD names " + printable(path, 400) + ", but the process did not load it: the loader refused it "
+         "(\"cannot be preloaded\" on the program's stderr: another architecture, or a set-user-ID program)";
+}
+
 nlohmann::json opt_json(const std::optional<std::uint64_t>& v) { return v ? nlohmann::json(*v) : nlohmann::json(nullptr); }
 std::string opt_text(const std::optional<std::uint64_t>& v) { return v ? format_size(*v) : std::string("unknown"); }
 
@@ -410,6 +459,8 @@ int run_stat_pid(int pid, bool json) {
     nlohmann::json ms = nlohmann::json::array();
     for (const auto& s : states) ms.push_back(manager_json(s));
     j["managers"] = ms;
+    if (states.empty())
+      if (const std::string why = preload_diagnosis(pid); !why.empty()) j["preload_problem"] = why;
     nlohmann::json g = {{"available", gpu.available}};
     if (!gpu.available) g["reason"] = gpu.reason;
     nlohmann::json uses = nlohmann::json::array();
@@ -444,8 +495,11 @@ int run_stat_pid(int pid, bool json) {
     if (shown == 0) rows.emplace_back(label, "none");
     if (shown > 5) rows.emplace_back("", format_size(rest) + " in " + std::to_string(shown - 5) + " more");
   }
-  if (states.empty())
-    rows.emplace_back("residency", "no state file (no residency manager in this process, or RESIDENCY_STATE_FILE=0)");
+  if (states.empty()) {
+    const std::string why = preload_diagnosis(pid);
+    rows.emplace_back("residency", why.empty() ? "no state file (no residency manager in this process, or RESIDENCY_STATE_FILE=0)"
+                                               : "no state file: " + why);
+  }
   for (const auto& s : states) manager_rows(rows, s);
   if (!gpu.available) {
     rows.emplace_back("GPU", gpu.reason);
