@@ -35,7 +35,7 @@ TEST(ToolMain, WithoutASubcommandItShowsTheSubcommandsAndExits2) {
 TEST(ToolMain, AnUnknownSubcommandIsNamedWithTheAcceptedOnes) {
   const ToolRun r = run_tool("idel");
   EXPECT_EQ(r.status, 2);
-  EXPECT_NE(r.output.find("unknown subcommand 'idel'; accepted: hold, idle, llama-idle, make-model, stat"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("unknown command 'idel'; accepted: hold, idle, llama-idle, make-model, stat, help"), std::string::npos) << r.output;
   EXPECT_EQ(std::count(r.output.begin(), r.output.end(), '\n'), 1) << "one line: " << r.output;
 }
 
@@ -61,4 +61,36 @@ TEST(ToolMain, HoldHelpNamesBothPressureSourcesAndWhenTheKeepAliveCounts) {
   EXPECT_NE(help.find("memory.pressure_level"), std::string::npos) << r.output;
   EXPECT_NE(help.find("PSI"), std::string::npos) << r.output;
   EXPECT_NE(help.find("counted from the start"), std::string::npos) << r.output;
+}
+
+// The conventions operators expect of a command-line tool (issue 30): --version, `help [COMMAND]`,
+// placeholders that say what a value is, an unknown option named.
+TEST(ToolMain, VersionAndHelpCommandFollowTheConventions) {
+  const ToolRun v = run_tool("--version");
+  EXPECT_EQ(v.status, 0);
+  EXPECT_EQ(v.output.rfind("residency 0.", 0), 0u) << v.output;
+  EXPECT_EQ(std::count(v.output.begin(), v.output.end(), '\n'), 1) << v.output;
+  const ToolRun h = run_tool("help");
+  EXPECT_EQ(h.status, 0);
+  EXPECT_NE(h.output.find("Usage: residency"), std::string::npos) << h.output;
+  EXPECT_NE(h.output.find("residency help COMMAND"), std::string::npos) << h.output;
+  const ToolRun hs = run_tool("help stat");
+  EXPECT_EQ(hs.status, 0);
+  EXPECT_NE(hs.output.find("Usage: residency stat [OPTIONS]"), std::string::npos) << hs.output;
+  EXPECT_EQ(hs.output, run_tool("stat --help").output) << "help stat is stat --help";
+  const ToolRun bad = run_tool("help nope");
+  EXPECT_EQ(bad.status, 2);
+  EXPECT_NE(bad.output.find("residency help: unknown command 'nope'; accepted: one of hold, idle"), std::string::npos) << bad.output;
+  const ToolRun opt = run_tool("stat --bogus");
+  EXPECT_EQ(opt.status, 2);
+  EXPECT_NE(opt.output.find("--bogus"), std::string::npos) << opt.output;
+}
+
+TEST(ToolMain, EveryPlaceholderSaysWhatItTakes) {
+  for (const char* cmd : {"hold", "idle", "llama-idle", "make-model", "stat"}) {
+    const ToolRun r = run_tool(std::string(cmd) + " --help");
+    if (r.status != 0) continue;  // llama-idle: Linux only
+    for (const char* word : {" TEXT", " INT", " UINT", " FLOAT", "{false}", "{true}"})
+      EXPECT_EQ(r.output.find(word), std::string::npos) << cmd << ": '" << word << "' in\n" << r.output;
+  }
 }

@@ -287,7 +287,7 @@ const Command cmd{
           "Environment: RESIDENCY_* are checked as by `idle` (a bad value: one line, exit 2) and passed to the\n"
           "preload configurations, except RESIDENCY_KEEP_ALIVE and RESIDENCY_RELEASE_ON_PRESSURE, which each\n"
           "configuration sets (--keep-alive defaults to RESIDENCY_KEEP_ALIVE).");
-      app.add_flag("!--no-plot", a->plot, "skip the PNG plot");
+      app.add_flag_function("--no-plot", [a](std::int64_t n) { a->plot = n == 0; }, "skip the PNG plot");
       app.add_flag("--no-repack", a->no_repack,
                    "llama.cpp's extra buffer types off in every configuration (llama-idle -nr, llama_engine "
                    "--no-repack): the weights stay in the file mapping instead of AMX or CPU_REPACK copies");

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "command.hpp"
+#include "residency/residency.h"
 #include "residency/text.hpp"
 #if defined(RESIDENCY_HAVE_WORKLOAD)
 #include "workload/cleanup.hpp"
@@ -30,7 +31,38 @@ std::vector<Entry>& registry() {
 Command::Command(std::string name, std::string help, Setup setup) {
   registry().push_back({std::move(name), std::move(help), std::move(setup)});
 }
+
+namespace {
+// What an option's value is, in its help (CLI11 names them by C++ type: TEXT, UINT): by the
+// option's name, the same word everywhere. A name not here keeps CLI11's word, and the tool's
+// test (no TEXT in any help) names it.
+void name_placeholders(CLI::App& sub) {
+  static const std::map<std::string, std::string> kWhat = {
+      {"pid", "PID"},          {"keep-alive", "DURATION"}, {"wired-limit", "SIZE|N%"}, {"size", "SIZE"},
+      {"model-size", "SIZE"},  {"iters", "N"},             {"rounds", "N"},            {"threads", "N"},
+      {"seed", "N"},           {"pauses", "MS,..."},       {"out", "DIR"},             {"llama-dir", "DIR"},
+      {"preload", "FILE"},     {"engine", "FILE"},         {"backend", "NAME"},        {"policies", "NAME,..."},
+      {"configs", "NAME,..."}, {"pressure", "PRESSURE"},   {"profile", "NAME"},        {"type", "TYPE"},
+      {"FILE", "FILE"},        {"MODEL", "GGUF"},          {"OUT", "FILE"}};
+  for (CLI::Option* o : sub.get_options()) {
+    if (o->get_type_size() == 0) continue;  // a flag: no value
+    const auto& longs = o->get_lnames();
+    const auto it = kWhat.find(longs.empty() ? o->get_name() : longs.front());
+    if (it != kWhat.end()) o->type_name(it->second);
+  }
+}
+}  // namespace
 }  // namespace residency::tool
+
+namespace {
+// stdout was written whole (see output_ok below): 0, else one message and 1.
+int output_ok_plain() {
+  errno = 0;
+  if (std::fflush(stdout) == 0 && !std::ferror(stdout)) return residency::tool::kExitOk;
+  std::fprintf(stderr, "residency: error: %s\n", residency::tool::output_error_text(errno).c_str());
+  return residency::tool::kExitFailure;
+}
+}  // namespace
 
 int main(int argc, char** argv) {
   using namespace residency::tool;
@@ -53,15 +85,39 @@ int main(int argc, char** argv) {
   for (auto& e : entries) {
     CLI::App* sub = app.add_subcommand(e.name, e.help);
     runners[sub] = e.setup(*sub);
+    name_placeholders(*sub);
   }
+  app.footer("residency help COMMAND, or residency COMMAND --help: one command's options. residency --version: the version.");
   if (argc < 2) {  // no subcommand: say what there is
     std::fputs(app.help().c_str(), stderr);
     return kExitBadInput;
   }
+  const std::string first = argv[1];
+  if (first == "--version" || first == "-V") {
+    std::printf("residency %s\n", residency_version());
+    return output_ok_plain();
+  }
+  if (first == "help") {  // residency help [COMMAND]
+    if (argc == 2) {
+      std::fputs(app.help().c_str(), stdout);
+      return output_ok_plain();
+    }
+    const auto e = std::find_if(entries.begin(), entries.end(), [&](const Entry& x) { return x.name == argv[2]; });
+    if (argc > 3 || e == entries.end()) {
+      std::string names;
+      for (const auto& x : entries) names += (names.empty() ? "" : ", ") + x.name;
+      std::fprintf(stderr, "residency help: %s; accepted: one of %s, or nothing\n",
+                   argc > 3 ? "one command at most" : ("unknown command '" + residency::printable(argv[2]) + "'").c_str(),
+                   names.c_str());
+      return kExitBadInput;
+    }
+    std::fputs(app.get_subcommand(e->name)->help("residency").c_str(), stdout);
+    return output_ok_plain();
+  }
   if (argv[1][0] != '-' && std::none_of(entries.begin(), entries.end(), [&](const Entry& e) { return e.name == argv[1]; })) {
     std::string names;
     for (const auto& e : entries) names += (names.empty() ? "" : ", ") + e.name;
-    std::fprintf(stderr, "residency: unknown subcommand '%s'; accepted: %s (residency --help says more)\n",
+    std::fprintf(stderr, "residency: unknown command '%s'; accepted: %s, help (residency help says more)\n",
                  residency::printable(argv[1]).c_str(), names.c_str());
     return kExitBadInput;
   }
