@@ -212,7 +212,7 @@ std::string data_block(const IdleResults& r, std::size_t k) {
 // legend below the plot area, never over a curve.
 std::string idle_plot_script(const std::string& terminal, const std::string& path, const IdleResults& r,
                              const IdleRunInfo& info) {
-  std::string s = "set terminal " + terminal + " size 1000,650 noenhanced\n";
+  std::string s = "set terminal " + terminal + " size 1100,800 noenhanced\n";
   s += "set output " + gp_quote(path) + "\n";
   // Two title lines: single-quoted strings joined by gnuplot's "\n" (single quotes keep every other
   // character literal).
@@ -220,7 +220,12 @@ std::string idle_plot_script(const std::string& terminal, const std::string& pat
                                " model, pressure " + r.pressure.to_string() + ")") +
        ".\"\\n\"." + gp_quote(info.backend) + "\n";
   s += "set xlabel 'pause before the decode (ms)'\n";
-  s += "set grid\nset key outside below center horizontal box maxrows 4\n";
+  // The legend below the plot area, one entry per line, at the bottom of the picture; the plot area
+  // ends high enough above it (about 24 px per entry of 800) that the x label stands clear.
+  const std::size_t entries = r.policies.size() + 2;
+  const double bottom = std::min(0.5, (24.0 * static_cast<double>(entries) + 110.0) / 800.0);
+  s += "set grid\nset key at screen 0.5, screen 0.02 center bottom vertical Left reverse box spacing 1.25\n";
+  s += "set bmargin at screen " + num("%.3f", bottom) + "\n";
   double max_pause = 0;
   for (Nanos p : r.schedule.pauses) max_pause = std::max(max_pause, ms_of(p));
   const double margin = std::max(100.0, max_pause * 0.05);
@@ -249,9 +254,16 @@ std::string idle_plot_script(const std::string& terminal, const std::string& pat
   }
   // mean +/- sd; on the log axis a lower end at or below 0 is drawn to the bottom of the plot.
   const std::string columns = baseline > 0 ? " using 1:2:($2 - $3 > 0 ? $2 - $3 : 1e-9):($2 + $3)" : " using 1:2:3";
+  // Okabe-Ito colours (told apart with any colour vision; no yellow on white), and a dash type and
+  // a point type of each line's own, so that two lines differ even in grey.
+  static constexpr const char* kColours[] = {"#0072B2", "#D55E00", "#009E73", "#CC79A7", "#E69F00", "#56B4E9", "#555555"};
+  static constexpr int kPoints[] = {7, 5, 9, 11, 13, 3, 1};
+  constexpr std::size_t kStyles = sizeof kPoints / sizeof kPoints[0];
   for (std::size_t k = 0; k < r.policies.size(); ++k) {
     if (k) s += ", ";
-    s += "$p" + std::to_string(k) + columns + " with yerrorlines lw 2 pt 7 ps 1.2 title " + gp_quote(idle_plot_label(r.policies[k]));
+    s += "$p" + std::to_string(k) + columns + " with yerrorlines lw 2 linecolor rgb '" + kColours[k % kStyles] +
+         "' dashtype " + std::to_string(k % 5 + 1) + " pt " + std::to_string(kPoints[k % kStyles]) + " ps 1.2 title " +
+         gp_quote(idle_plot_label(r.policies[k]));
   }
   return s + "\n";
 }

@@ -9,6 +9,8 @@
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <set>
+#include <string>
 
 #include "support/temp_dir.hpp"
 #include "workload/idle_report.hpp"
@@ -93,7 +95,21 @@ TEST(IdlePlot, BaselineTargetBandAndLegend) {
   EXPECT_NE(s.find("10.1000 with lines dashtype 3"), std::string::npos) << s;
   EXPECT_NE(s.find("'zero-pause baseline 10.10 ms (the fastest policy at pause 0)'"), std::string::npos) << s;
   EXPECT_NE(s.find("title 'off (no residency: nothing locked, the kernel''s paging alone)'"), std::string::npos) << s;
-  EXPECT_NE(s.find("set key outside below"), std::string::npos) << "the legend is out of the data: " << s;
+  EXPECT_NE(s.find("set key at screen 0.5, screen 0.02 center bottom"), std::string::npos) << "the legend is out of the data: " << s;
+  EXPECT_NE(s.find("set bmargin at screen 0.2"), std::string::npos) << "the plot ends above it (5 entries): " << s;
+  // Each policy its own colour-blind-safe colour and dash type (issue 30: a pale yellow line, two
+  // blues alike).
+  std::set<std::string> colours, dashes;
+  for (std::size_t at = s.find("with yerrorlines"); at != std::string::npos; at = s.find("with yerrorlines", at + 1)) {
+    const std::size_t c = s.find("linecolor rgb '", at), d = s.find("dashtype ", at);
+    ASSERT_NE(c, std::string::npos) << s;
+    ASSERT_NE(d, std::string::npos) << s;
+    colours.insert(s.substr(c + 15, 7));
+    dashes.insert(s.substr(d + 9, 1));
+  }
+  EXPECT_EQ(colours.size(), results().policies.size()) << s;
+  EXPECT_EQ(dashes.size(), results().policies.size()) << s;
+  EXPECT_EQ(colours.count("#F0E442"), 0u) << "no yellow on white";
   // A log axis with the right one in multiples of the baseline, 1.1x among them.
   EXPECT_NE(s.find("set logscale y\n"), std::string::npos) << s;
   EXPECT_NE(s.find("set y2tics ('1.1x' 11.1100, '2x' 20.2000"), std::string::npos) << s;
