@@ -20,6 +20,7 @@
 #include <cstring>
 #include <fstream>
 #include <iterator>
+#include <regex>
 #include <string>
 #include <thread>
 #include <vector>
@@ -99,8 +100,8 @@ struct HoldChild {
   }
 };
 
-void start_hold(HoldChild& h) {
-  h.file = "/tmp/residency-statpid-" + std::to_string(::getpid()) + ".bin";
+void start_hold(HoldChild& h, const char* suffix = ".bin", const char* keep_alive = "forever") {
+  h.file = "/tmp/residency-statpid-" + std::to_string(::getpid()) + suffix;
   h.budget = "statpid-" + std::to_string(::getpid());
   {
     std::ofstream f(h.file, std::ios::binary);
@@ -115,10 +116,55 @@ void start_hold(HoldChild& h) {
     const int devnull = ::open("/dev/null", O_WRONLY);
     ::dup2(devnull, 1);
     ::dup2(devnull, 2);
-    ::execl(RESIDENCY_TOOL_PATH, RESIDENCY_TOOL_PATH, "hold", "--keep-alive", "forever", h.file.c_str(),
+    ::execl(RESIDENCY_TOOL_PATH, RESIDENCY_TOOL_PATH, "hold", "--keep-alive", keep_alive, h.file.c_str(),
             static_cast<char*>(nullptr));
     ::_exit(127);
   }
+}
+
+// `residency ps`: one line for a process that a manager runs in, found from its state file and its
+// budget's ledger: program, model, state, bytes held, when it releases (from the ledger's idle
+// time under a shared budget), its budget; gone once the process ends.
+TEST(ResidencyPs, AHolderIsOneLineWithItsModelStateBytesReleaseAndBudget) {
+  HoldChild h;
+  start_hold(h, ".gguf", "5m");
+  ASSERT_GT(h.pid, 0);
+  ASSERT_TRUE(eventually([&] { return status_kb(h.pid, "VmLck:") >= kHoldSize && exists(state_path(h.pid)); }));
+  const std::string pid = std::to_string(h.pid);
+  std::string line;
+  ASSERT_TRUE(eventually([&] {
+    const ToolRun t = run_tool("ps");
+    const std::size_t at = t.out.find("\n" + pid + " ");
+    if (t.exit_code != 0 || at == std::string::npos) return false;
+    line = t.out.substr(at + 1, t.out.find('\n', at + 1) - at - 1);
+    return line.find("host resident") != std::string::npos;
+  })) << run_tool("ps").out;
+  EXPECT_NE(run_tool("ps").out.rfind("PID ", 0), std::string::npos) << "a header line first";
+  for (const std::string& want : {std::string("residency"), h.file.substr(h.file.rfind('/') + 1), std::string("host resident"),
+                                  std::string("2 MiB"), h.budget})
+    EXPECT_NE(line.find(want), std::string::npos) << "'" << want << "' not in: " << line;
+  EXPECT_TRUE(std::regex_search(line, std::regex(" in (2[0-9][0-9]|300) s "))) << "the 5 m keep-alive less its idle: " << line;
+
+  const ToolRun j = run_tool("ps --json");
+  ASSERT_EQ(j.exit_code, 0) << j.out;
+  bool found = false;
+  for (const auto& e : nlohmann::json::parse(j.out)) {
+    if (e.value("pid", 0) != h.pid) continue;
+    found = true;
+    EXPECT_EQ(e["models"], nlohmann::json::array({h.file}));
+    EXPECT_EQ(e["budgets"], nlohmann::json::array({h.budget}));
+    EXPECT_EQ(e["host_locked_bytes"].get<std::uint64_t>(), status_kb(h.pid, "VmLck:"));
+    EXPECT_EQ(e["state"], "host resident");
+    EXPECT_EQ(e["releases"].get<std::string>().rfind("in ", 0), 0u) << e.dump();
+    ASSERT_EQ(e["managers"].size(), 1u);
+    EXPECT_EQ(e["managers"][0]["keep_alive"], "300 s");
+  }
+  EXPECT_TRUE(found) << j.out;
+
+  ::kill(h.pid, SIGTERM);
+  ::waitpid(h.pid, nullptr, 0);
+  h.pid = -1;
+  EXPECT_EQ(run_tool("ps").out.find("\n" + pid + " "), std::string::npos) << "an ended process is not listed";
 }
 
 TEST(StatPid, HoldChildLockedBytesManagerStateAndSharedBudget) {

@@ -35,7 +35,7 @@ TEST(ToolMain, WithoutASubcommandItShowsTheSubcommandsAndExits2) {
 TEST(ToolMain, AnUnknownSubcommandIsNamedWithTheAcceptedOnes) {
   const ToolRun r = run_tool("idel");
   EXPECT_EQ(r.status, 2);
-  EXPECT_NE(r.output.find("unknown command 'idel'; accepted: hold, idle, llama-idle, make-model, stat, help"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("unknown command 'idel'; accepted: hold, idle, llama-idle, make-model, ps, stat, help"), std::string::npos) << r.output;
   EXPECT_EQ(std::count(r.output.begin(), r.output.end(), '\n'), 1) << "one line: " << r.output;
 }
 
@@ -87,7 +87,7 @@ TEST(ToolMain, VersionAndHelpCommandFollowTheConventions) {
 }
 
 TEST(ToolMain, EveryPlaceholderSaysWhatItTakes) {
-  for (const char* cmd : {"hold", "idle", "llama-idle", "make-model", "stat"}) {
+  for (const char* cmd : {"hold", "idle", "llama-idle", "make-model", "ps", "stat"}) {
     const ToolRun r = run_tool(std::string(cmd) + " --help");
     if (r.status != 0) continue;  // llama-idle: Linux only
     for (const char* word : {" TEXT", " INT", " UINT", " FLOAT", "{false}", "{true}"})

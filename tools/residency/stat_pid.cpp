@@ -538,10 +538,17 @@ HolderFacts holder_facts(int pid, const std::string& budget) {
   return f;
 }
 
+std::optional<ProcBrief> proc_brief(int pid) {
+  const auto s = read_status(pid);
+  if (!s) return std::nullopt;
+  return ProcBrief{s->name, static_cast<unsigned>(s->uid), s->vm_lck};
+}
+
 #else
 
 int run_stat_pid(int, bool) { throw BadInput("--pid reads /proc: Linux only"); }
 HolderFacts holder_facts(int, const std::string&) { return {}; }
+std::optional<ProcBrief> proc_brief(int) { return std::nullopt; }
 
 #endif
 

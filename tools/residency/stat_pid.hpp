@@ -3,6 +3,8 @@
 // residency managers and its GPU driver see it.
 #pragma once
 
+#include <cstdint>
+#include <optional>
 #include <string>
 
 namespace residency::tool {
@@ -23,5 +25,13 @@ struct HolderFacts {
   std::string pinned_host_bytes;
 };
 HolderFacts holder_facts(int pid, const std::string& budget);
+
+// A process as /proc/PID/status says (for `residency ps`): nullopt when there is no such process.
+struct ProcBrief {
+  std::string name;
+  unsigned uid = 0;
+  std::optional<std::uint64_t> vm_lck;
+};
+std::optional<ProcBrief> proc_brief(int pid);
 
 }  // namespace residency::tool

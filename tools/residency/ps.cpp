@@ -1,0 +1,247 @@
+// SPDX-License-Identifier: MIT
+// residency ps: every process on this machine that a residency manager runs in, one line each (the
+// counterpart of `ollama ps`). Found from the managers' state files (/dev/shm/residency-state.*,
+// core/state_file.hpp) and the shared budgets' ledgers (a holder of another user, whose state file
+// this user may not read, still shows with its budget and bytes).
+#include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <cstdio>
+#include <fstream>
+#include <map>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "command.hpp"
+#include "residency/config.hpp"
+#include "residency/shared_budget.hpp"
+#include "residency/text.hpp"
+#include "stat_pid.hpp"
+
+#if defined(__linux__)
+#include <dirent.h>
+#include <unistd.h>
+
+#include "core/state_file.hpp"
+#endif
+
+namespace residency::tool {
+namespace {
+
+#if defined(__linux__)
+
+struct Managed {
+  int pid = 0;
+  std::string program;
+  std::vector<std::string> models;  // GGUF files it maps (or names on its command line)
+  std::vector<std::map<std::string, std::string>> managers;  // its state files' fields
+  std::optional<std::uint64_t> host_locked;                  // VmLck
+  std::uint64_t gpu_awake = 0;                               // wired bytes of its GPU managers
+  std::string state, releases;
+  std::set<std::string> budgets;
+  bool readable = true;  // its state files could be read (same user, or root)
+};
+
+std::string field(const std::map<std::string, std::string>& f, const char* k) {
+  const auto it = f.find(k);
+  return it == f.end() ? std::string() : it->second;
+}
+
+std::uint64_t number(const std::map<std::string, std::string>& f, const char* k) {
+  return std::strtoull(field(f, k).c_str(), nullptr, 10);
+}
+
+// The pids of every state file in kStateDir, with the uid its name carries.
+std::map<int, unsigned> state_file_pids() {
+  std::map<int, unsigned> out;
+  DIR* d = ::opendir(core::kStateDir);
+  if (d == nullptr) return out;
+  const std::string prefix = core::kStatePrefix;
+  while (const dirent* e = ::readdir(d)) {
+    const std::string name = e->d_name;
+    if (name.rfind(prefix, 0) != 0) continue;
+    unsigned uid = 0;
+    int pid = 0;
+    unsigned n = 0;
+    char tail = 0;
+    if (std::sscanf(name.c_str() + prefix.size(), "%u.%d.%u%c", &uid, &pid, &n, &tail) == 3 && pid > 0) out[pid] = uid;
+  }
+  ::closedir(d);
+  return out;
+}
+
+// The GGUF files a process maps, else those its command line names.
+std::vector<std::string> models_of(int pid) {
+  std::set<std::string> seen;
+  std::vector<std::string> out;
+  auto take = [&](const std::string& path) {
+    if (path.size() > 5 && path.compare(path.size() - 5, 5, ".gguf") == 0 && seen.insert(path).second) out.push_back(path);
+  };
+  std::ifstream maps("/proc/" + std::to_string(pid) + "/maps");
+  std::string line;
+  while (std::getline(maps, line))
+    if (const auto slash = line.find('/'); slash != std::string::npos) take(line.substr(slash));
+  if (!out.empty()) return out;
+  std::ifstream cmdline("/proc/" + std::to_string(pid) + "/cmdline", std::ios::binary);
+  while (std::getline(cmdline, line, '\0')) take(line);
+  return out;
+}
+
+// When the process's memory goes back, from its managers and, for a holder of a shared budget,
+// the ledger's idle time (the only place a last use is published).
+std::string releases_of(const Managed& m, const std::vector<SharedBudgetInfo>& budgets) {
+  std::string out;
+  for (const auto& f : m.managers) {
+    std::string what;
+    const std::string ka_text = field(f, "keep_alive");
+    if (field(f, "resident") != "1") {
+      what = "released";
+    } else if (ka_text == "forever") {
+      what = "never (keep-alive forever)";
+    } else if (ka_text == "0") {
+      what = "after each call (keep-alive 0)";
+    } else if (ka_text == "off") {
+      what = "not managed (keep-alive off)";
+    } else {
+      std::string compact;
+      for (char c : ka_text)
+        if (c != ' ') compact += c;
+      const auto ka = parse_keep_alive(compact);
+      std::optional<std::chrono::nanoseconds> idle;
+      for (const auto& b : budgets)
+        if (b.name == field(f, "shared_budget"))
+          for (const auto& h : b.holders)
+            if (h.pid == m.pid) idle = h.idle;
+      if (ka && ka->kind == KeepAlive::Kind::duration && idle) {
+        const auto left = ka->duration - *idle;
+        what = left.count() <= 0 ? "now (keep-alive " + ka_text + " expired)"
+                                 : "in " + std::to_string((left.count() + 999'999'999) / 1'000'000'000) + " s";
+      } else {
+        what = ka_text + " after the last request (its last use is published only under a shared budget)";
+      }
+    }
+    if (out.find(what) == std::string::npos) out += (out.empty() ? "" : "; ") + what;
+  }
+  return out;
+}
+
+std::vector<Managed> find_managed() {
+  const auto budgets = list_shared_budgets();
+  std::map<int, unsigned> pids = state_file_pids();
+  for (const auto& b : budgets)
+    for (const auto& h : b.holders)
+      if (h.alive && pids.count(h.pid) == 0) pids[h.pid] = ~0u;  // uid from /proc
+  std::vector<Managed> out;
+  for (const auto& [pid, named_uid] : pids) {
+    const auto brief = proc_brief(pid);
+    const auto start = core::process_start_time(pid);
+    if (!brief || !start) continue;  // gone: its files are stale (stat --pid removes them)
+    Managed m;
+    m.pid = pid;
+    m.program = brief->name;
+    m.host_locked = brief->vm_lck;
+    m.models = models_of(pid);
+    for (const auto& s : core::read_state_files(pid, brief->uid, start)) {
+      if (!s.error.empty()) m.readable = false;
+      if (s.error.empty() && !s.stale) m.managers.push_back(s.fields);
+    }
+    std::string state;
+    for (const auto& f : m.managers) {
+      const bool gpu = field(f, "backend") == "cuda";
+      const bool resident = field(f, "resident") == "1";
+      const std::string one = gpu ? std::string("GPU ") + (resident ? "awake" : "asleep")
+                                  : std::string("host ") + (resident ? "resident" : "released");
+      if (state.find(one) == std::string::npos) state += (state.empty() ? "" : ", ") + one;
+      if (gpu) m.gpu_awake += number(f, "wired_bytes");
+      if (const std::string b = field(f, "shared_budget"); !b.empty()) m.budgets.insert(b);
+    }
+    for (const auto& b : budgets)
+      for (const auto& h : b.holders)
+        if (h.pid == pid) m.budgets.insert(b.name);
+    if (m.managers.empty() && m.budgets.empty()) continue;
+    m.state = !state.empty() ? state : (m.readable ? "no manager" : "unknown (another user's process)");
+    m.releases = m.managers.empty() ? "unknown (another user's process)" : releases_of(m, budgets);
+    out.push_back(std::move(m));
+  }
+  return out;
+}
+
+std::string base_name(const std::string& path) {
+  const auto slash = path.rfind('/');
+  return slash == std::string::npos ? path : path.substr(slash + 1);
+}
+
+int run_ps(bool json) {
+  const std::vector<Managed> all = find_managed();
+  if (json) {
+    nlohmann::json a = nlohmann::json::array();
+    for (const auto& m : all) {
+      nlohmann::json j{{"pid", m.pid},
+                       {"program", printable(m.program)},
+                       {"models", m.models},
+                       {"state", m.state},
+                       {"host_locked_bytes", m.host_locked ? nlohmann::json(*m.host_locked) : nlohmann::json(nullptr)},
+                       {"gpu_awake_bytes", m.gpu_awake},
+                       {"releases", m.releases},
+                       {"budgets", m.budgets}};
+      nlohmann::json ms = nlohmann::json::array();
+      for (const auto& f : m.managers)
+        ms.push_back({{"backend", field(f, "backend")},
+                      {"keep_alive", field(f, "keep_alive")},
+                      {"resident", field(f, "resident") == "1"},
+                      {"wired_bytes", number(f, "wired_bytes")},
+                      {"releases", number(f, "releases")},
+                      {"rewires", number(f, "rewires")}});
+      j["managers"] = ms;
+      a.push_back(j);
+    }
+    std::printf("%s\n", a.dump(2).c_str());
+    return kExitOk;
+  }
+  if (all.empty()) {
+    std::printf("no process runs a residency manager here (none with a state file in %s or a share of a shared budget)\n",
+                core::kStateDir);
+    return kExitOk;
+  }
+  std::vector<std::vector<std::string>> rows = {{"PID", "PROGRAM", "MODEL", "STATE", "HOST LOCKED", "GPU AWAKE", "RELEASES", "BUDGETS"}};
+  for (const auto& m : all) {
+    std::string models;
+    for (const auto& p : m.models) models += (models.empty() ? "" : ",") + base_name(p);
+    std::string budgets;
+    for (const auto& b : m.budgets) budgets += (budgets.empty() ? "" : ",") + b;
+    rows.push_back({std::to_string(m.pid), printable(m.program), models.empty() ? "-" : printable(models, 200), m.state,
+                    m.host_locked ? format_size(*m.host_locked) : "unknown", m.gpu_awake ? format_size(m.gpu_awake) : "-",
+                    m.releases, budgets.empty() ? "-" : budgets});
+  }
+  std::vector<std::size_t> width(rows.front().size(), 0);
+  for (const auto& r : rows)
+    for (std::size_t i = 0; i < r.size(); ++i) width[i] = std::max(width[i], r[i].size());
+  for (const auto& r : rows) {
+    std::string line;
+    for (std::size_t i = 0; i < r.size(); ++i) {
+      line += r[i];
+      if (i + 1 < r.size()) line += std::string(width[i] - r[i].size() + 2, ' ');
+    }
+    std::printf("%s\n", line.c_str());
+  }
+  return kExitOk;
+}
+
+#else
+
+int run_ps(bool) { throw BadInput("ps reads /proc and /dev/shm: Linux only"); }
+
+#endif
+
+const Command ps_command{
+    "ps", "every process here that a residency manager runs in: its model, state, bytes held, when it releases, its budgets",
+    [](CLI::App& app) {
+      auto json = std::make_shared<bool>(false);
+      app.add_flag("--json", *json, "print JSON with raw byte values");
+      return [json] { return run_ps(*json); };
+    }};
+
+}  // namespace
+}  // namespace residency::tool
