@@ -98,7 +98,27 @@ void ManagerReport::publish() {
     put("wired." + cls, std::to_string(wired[i]));
   }
   num("releases", c.releases);
+  num("releases.keep_alive", c.releases_keep_alive);
+  num("releases.asked", c.releases_asked);
+  num("releases.engine", c.releases_engine);
+  num("releases.pressure", c.pressure_releases);
   num("rewires", c.rewires);
+  secs("rewire_seconds_sum", std::chrono::duration<double>(c.rewire_time).count());
+  {
+    std::string buckets;  // counts per bucket, the bounds in rewire_bucket_bounds (seconds)
+    std::string bounds;
+    for (std::size_t i = 0; i < ResidencyCycle::Counters::kRewireBucketCount; ++i) {
+      buckets += (i ? "," : "") + std::to_string(c.rewire_buckets[i]);
+      if (i + 1 < ResidencyCycle::Counters::kRewireBucketCount) {
+        char buf[32];
+        std::snprintf(buf, sizeof buf, "%g", ResidencyCycle::Counters::kRewireBuckets[i]);
+        bounds += (i ? "," : "") + std::string(buf);
+      }
+    }
+    put("rewire_buckets", buckets);
+    put("rewire_bucket_bounds", bounds);
+  }
+  num("asks_received", c.asks_received);
   num("wire_failures", adm_.wire_failures());
   if (c.last_release_at > 0) {
     secs("last_release_at", c.last_release_at);
@@ -117,6 +137,7 @@ void ManagerReport::publish() {
     put("shared_budget", shared->name());
     num("shared_budget_size", shared->budget());
     num("shared_held", shared->held());
+    num("asks_sent", shared->asks_sent());
     put("shared_priority", std::to_string(config_.shared_priority));
   }
   if (!state_->publish(b))

@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <string_view>
 
 #include "ledger/ledger.hpp"
 
@@ -80,6 +81,10 @@ void ResidencyCycle::wire(const char* why) {
     const Nanos dt = clock_.now() - t0;
     ++counters_.rewires;
     counters_.rewire_time += dt;
+    const double secs = std::chrono::duration<double>(dt).count();
+    std::size_t b = 0;
+    while (b + 1 < Counters::kRewireBucketCount && secs > Counters::kRewireBuckets[b]) ++b;
+    ++counters_.rewire_buckets[b];
     counters_.last_rewire_at = wall_now();
     counters_.last_rewire_dt = dt;
     counters_.last_rewire_bytes = bytes;
@@ -113,6 +118,12 @@ void ResidencyCycle::release(const char* why) {
   ever_released_ = true;
   counters_.last_release_at = wall_now();
   counters_.last_release_reason = why;
+  const std::string_view reason(why);
+  if (r.sets > 0 || r.failed == 0) {
+    if (reason.rfind("keep-alive", 0) == 0) ++counters_.releases_keep_alive;
+    else if (reason.rfind("asked by process", 0) == 0 || reason.rfind("shared budget", 0) == 0) ++counters_.releases_asked;
+    else if (reason.rfind("asked by the engine", 0) == 0 || reason.rfind("end of use", 0) == 0) ++counters_.releases_engine;
+  }
   if (r.failed == 0) {
     ++counters_.releases;
     log_(LogLevel::info, "released " + mib(r.bytes) + " in " + std::to_string(r.sets) + " set(s) in " +
@@ -146,6 +157,7 @@ bool ResidencyCycle::release_by_engine() {
 }
 
 bool ResidencyCycle::give_back_if_idle(int asker, Nanos idle_before_asked) {
+  ++counters_.asks_received;
   const Nanos idle = Nanos(ka_.now_coarse() - ka_.last_use());
   if (!ka_.managing() || ka_.calls() > 0 || !ka_.wants_resident() || idle < idle_before_asked) {
     adm_.settle();

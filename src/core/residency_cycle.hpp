@@ -90,6 +90,15 @@ class ResidencyCycle {
   struct Counters {
     std::uint64_t releases = 0, rewires = 0, release_failures = 0, pressure_releases = 0, pressure_restores = 0;
     std::uint64_t shared_gave_back = 0;  // releases asked for by another process
+    // Releases by why (pressure steps are pressure_releases): the keep-alive expired, another
+    // process asked (or a GPU budget's debt was repaid), the engine asked (release_now, the end of
+    // a keep-alive-0 call). The rest (exit) is releases less these.
+    std::uint64_t releases_keep_alive = 0, releases_asked = 0, releases_engine = 0;
+    std::uint64_t asks_received = 0;  // another process asked this one to give way (given or not)
+    // Re-wire (wake) durations: counts per bucket of kRewireBuckets (the last: above them all).
+    static constexpr double kRewireBuckets[] = {0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10};
+    static constexpr std::size_t kRewireBucketCount = sizeof kRewireBuckets / sizeof kRewireBuckets[0] + 1;
+    std::uint64_t rewire_buckets[kRewireBucketCount] = {};
     Nanos rewire_time{0};
     // The last release and re-wire, for the state file (wall-clock seconds; 0: none yet).
     double last_release_at = 0, last_rewire_at = 0;

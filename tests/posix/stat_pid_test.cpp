@@ -167,6 +167,71 @@ TEST(ResidencyPs, AHolderIsOneLineWithItsModelStateBytesReleaseAndBudget) {
   EXPECT_EQ(run_tool("ps").out.find("\n" + pid + " "), std::string::npos) << "an ended process is not listed";
 }
 
+// `residency ps --prometheus`: the text format promtool accepts, with this process's manager after
+// one keep-alive release and one re-wire: the release counted under reason keep_alive, the re-wire in
+// the histogram, the budget's size and use, the asks.
+TEST(ResidencyPs, PrometheusTextIsValidAndCountsReleasesByReasonAndWakeTimes) {
+  const std::string budget = "psprom-" + std::to_string(::getpid());
+  auto backend = residency::make_backend("posix");
+  ASSERT_TRUE(backend) << backend.message();
+  residency::ManagerOptions o;
+  o.config.keep_alive = residency::KeepAlive::after(100ms);
+  o.config.shared_budget = residency::SharedBudget{budget, residency::WiredLimit{false, 16u << 20, 0}, ""};
+  o.config.log_level = residency::LogLevel::error;
+  o.backend = *backend;
+  auto mgr = residency::Manager::create(std::move(o));
+  ASSERT_TRUE(mgr) << mgr.message();
+  constexpr std::size_t kSize = 1u << 20;
+  void* p = ::mmap(nullptr, kSize, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  ASSERT_NE(p, MAP_FAILED);
+  std::memset(p, 1, kSize);
+  ASSERT_TRUE((*mgr)->register_region(p, kSize, residency::RegionClass::weights));
+  (*mgr)->touch();
+  ASSERT_TRUE(eventually([&] { return (*mgr)->stats().releases == 1; })) << "the keep-alive never released";
+  (*mgr)->touch();  // re-wires
+  ASSERT_EQ((*mgr)->stats().rewires, 1u);
+  const std::string me = "pid=\"" + std::to_string(::getpid()) + "\"";
+  std::string text;
+  ASSERT_TRUE(eventually([&] {  // the state file is written within 50 ms of a change
+    text = run_tool("ps --prometheus").out;
+    return text.find("residency_rewire_duration_seconds_count{" + me) != std::string::npos &&
+           text.find("_count{" + me + ",program=") != std::string::npos &&
+           text.find(",backend=\"posix\"} 1\n", text.find("residency_rewire_duration_seconds_count{" + me)) != std::string::npos;
+  })) << text;
+  auto has = [&](const std::string& line) { return text.find(line + "\n") != std::string::npos; };
+  const std::string mgr_labels = me + ",program=\"" + std::string(program_invocation_short_name).substr(0, 15) +
+                                 "\",manager=\"0\",backend=\"posix\"";
+  EXPECT_TRUE(has("residency_releases_total{" + mgr_labels + ",reason=\"keep_alive\"} 1")) << text;
+  EXPECT_TRUE(has("residency_releases_total{" + mgr_labels + ",reason=\"asked\"} 0")) << text;
+  EXPECT_TRUE(has("residency_rewire_duration_seconds_bucket{" + mgr_labels + ",le=\"+Inf\"} 1")) << text;
+  EXPECT_TRUE(has("residency_wired_bytes{" + mgr_labels + "} 1048576")) << text;
+  EXPECT_TRUE(has("residency_budget_bytes{budget=\"" + budget + "\"} 16777216")) << text;
+  EXPECT_TRUE(has("residency_budget_used_bytes{budget=\"" + budget + "\"} 1048576")) << text;
+  EXPECT_TRUE(has("residency_asks_received_total{" + mgr_labels + ",budget=\"" + budget + "\"} 0")) << text;
+
+  // promtool (Debian's prometheus package) accepts it.
+  if (std::system("command -v promtool > /dev/null 2>&1") != 0) GTEST_SKIP() << "promtool is not installed (Debian: prometheus)";
+  const std::string file = ::testing::TempDir() + "residency-ps.prom";
+  {
+    std::ofstream f(file);
+    f << text;
+  }
+  const ToolRun check = [&] {
+    ToolRun r;
+    FILE* pp = ::popen(("promtool check metrics < '" + file + "' 2>&1").c_str(), "r");
+    char buf[4096];
+    std::size_t n = 0;
+    while (pp && (n = std::fread(buf, 1, sizeof buf, pp)) > 0) r.out.append(buf, n);
+    const int st = pp ? ::pclose(pp) : -1;
+    r.exit_code = WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+    return r;
+  }();
+  EXPECT_EQ(check.exit_code, 0) << check.out;
+  std::remove(file.c_str());
+  (void)(*mgr)->unregister_address(p);
+  ::munmap(p, kSize);
+}
+
 TEST(StatPid, HoldChildLockedBytesManagerStateAndSharedBudget) {
   HoldChild h;
   start_hold(h);

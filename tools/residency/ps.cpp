@@ -11,6 +11,7 @@
 #include <fstream>
 #include <map>
 #include <set>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -173,7 +174,137 @@ std::string base_name(const std::string& path) {
   return slash == std::string::npos ? path : path.substr(slash + 1);
 }
 
-int run_ps(bool json) {
+// --- the Prometheus text format (node_exporter's textfile collector, or a scrape wrapper) -----------
+
+std::string label_value(const std::string& v) {
+  std::string out;
+  for (char c : printable(v, 200)) {
+    if (c == '\\' || c == '"') out += '\\';
+    if (c == '\n') {
+      out += "\\n";
+      continue;
+    }
+    out += c;
+  }
+  return out;
+}
+
+class Metrics {
+ public:
+  // One family: its HELP and TYPE lines once, then its samples.
+  void family(const std::string& name, const char* type, const char* help) {
+    current_ = name;
+    text_ += "# HELP " + name + " " + help + "\n# TYPE " + name + " " + type + "\n";
+  }
+  void sample(const std::string& suffix, const std::vector<std::pair<std::string, std::string>>& labels, double v) {
+    text_ += current_ + suffix;
+    if (!labels.empty()) {
+      text_ += "{";
+      for (std::size_t i = 0; i < labels.size(); ++i)
+        text_ += (i ? "," : "") + labels[i].first + "=\"" + label_value(labels[i].second) + "\"";
+      text_ += "}";
+    }
+    char buf[64];
+    std::snprintf(buf, sizeof buf, " %.17g\n", v);
+    text_ += buf;
+  }
+  const std::string& text() const { return text_; }
+
+ private:
+  std::string current_, text_;
+};
+
+using Labels = std::vector<std::pair<std::string, std::string>>;
+
+std::string prometheus_text(const std::vector<Managed>& all, const std::vector<SharedBudgetInfo>& budgets) {
+  Metrics out;
+  auto proc = [](const Managed& m) { return Labels{{"pid", std::to_string(m.pid)}, {"program", m.program}}; };
+  auto mgr = [&](const Managed& m, const std::map<std::string, std::string>& f) {
+    Labels l = proc(m);
+    l.emplace_back("manager", field(f, "manager"));
+    l.emplace_back("backend", field(f, "backend"));
+    return l;
+  };
+  out.family("residency_host_locked_bytes", "gauge", "Bytes the kernel holds locked for the process (VmLck).");
+  for (const auto& m : all)
+    if (m.host_locked) out.sample("", proc(m), static_cast<double>(*m.host_locked));
+  out.family("residency_wired_bytes", "gauge",
+             "Bytes a residency manager holds wired now: locked host memory, or a GPU's memory awake (backend cuda).");
+  for (const auto& m : all)
+    for (const auto& f : m.managers) out.sample("", mgr(m, f), static_cast<double>(number(f, "wired_bytes")));
+  out.family("residency_resident", "gauge", "1 while the manager's memory is wired (awake, on a GPU), else 0.");
+  for (const auto& m : all)
+    for (const auto& f : m.managers) out.sample("", mgr(m, f), field(f, "resident") == "1" ? 1 : 0);
+  out.family("residency_releases_total", "counter",
+             "Releases (sleeps, on a GPU) by reason: keep_alive, pressure (one step each), asked (another process, or a "
+             "GPU budget's debt), engine (the engine asked, or the end of a keep-alive-0 call), other (exit).");
+  for (const auto& m : all)
+    for (const auto& f : m.managers) {
+      const std::uint64_t ka = number(f, "releases.keep_alive"), asked = number(f, "releases.asked"),
+                          engine = number(f, "releases.engine"), all_releases = number(f, "releases");
+      const std::uint64_t named = ka + asked + engine;
+      for (const auto& [reason, v] : std::vector<std::pair<std::string, std::uint64_t>>{
+               {"keep_alive", ka}, {"pressure", number(f, "releases.pressure")}, {"asked", asked}, {"engine", engine},
+               {"other", all_releases > named ? all_releases - named : 0}}) {
+        Labels l = mgr(m, f);
+        l.emplace_back("reason", reason);
+        out.sample("", l, static_cast<double>(v));
+      }
+    }
+  out.family("residency_rewire_duration_seconds", "histogram",
+             "Re-wires (wakes, on a GPU) of released memory, by how long each took.");
+  for (const auto& m : all)
+    for (const auto& f : m.managers) {
+      std::vector<std::string> counts, bounds;
+      std::string item;
+      std::istringstream cs(field(f, "rewire_buckets")), bs(field(f, "rewire_bucket_bounds"));
+      while (std::getline(cs, item, ',')) counts.push_back(item);
+      while (std::getline(bs, item, ',')) bounds.push_back(item);
+      if (counts.size() != bounds.size() + 1) continue;  // a manager of an older version
+      std::uint64_t cumulative = 0;
+      for (std::size_t i = 0; i < counts.size(); ++i) {
+        cumulative += std::strtoull(counts[i].c_str(), nullptr, 10);
+        Labels l = mgr(m, f);
+        l.emplace_back("le", i < bounds.size() ? bounds[i] : "+Inf");
+        out.sample("_bucket", l, static_cast<double>(cumulative));
+      }
+      out.sample("_sum", mgr(m, f), std::strtod(field(f, "rewire_seconds_sum").c_str(), nullptr));
+      out.sample("_count", mgr(m, f), static_cast<double>(cumulative));
+    }
+  out.family("residency_asks_sent_total", "counter", "Times this manager asked the holders of its shared budget to give way.");
+  for (const auto& m : all)
+    for (const auto& f : m.managers)
+      if (!field(f, "shared_budget").empty()) {
+        Labels l = mgr(m, f);
+        l.emplace_back("budget", field(f, "shared_budget"));
+        out.sample("", l, static_cast<double>(number(f, "asks_sent")));
+      }
+  out.family("residency_asks_received_total", "counter", "Times another process asked this manager to give way (given or declined).");
+  for (const auto& m : all)
+    for (const auto& f : m.managers)
+      if (!field(f, "shared_budget").empty()) {
+        Labels l = mgr(m, f);
+        l.emplace_back("budget", field(f, "shared_budget"));
+        out.sample("", l, static_cast<double>(number(f, "asks_received")));
+      }
+  out.family("residency_budget_bytes", "gauge", "A shared or GPU budget's size.");
+  for (const auto& b : budgets)
+    if (b.error.empty()) out.sample("", {{"budget", b.name}}, static_cast<double>(b.size));
+  out.family("residency_budget_used_bytes", "gauge", "What a shared or GPU budget's holders hold, in all.");
+  for (const auto& b : budgets)
+    if (b.error.empty()) out.sample("", {{"budget", b.name}}, static_cast<double>(b.used));
+  out.family("residency_budget_holder_bytes", "gauge", "What one holder holds of a shared or GPU budget.");
+  for (const auto& b : budgets)
+    for (const auto& h : b.holders)
+      if (h.alive) out.sample("", {{"budget", b.name}, {"pid", std::to_string(h.pid)}}, static_cast<double>(h.bytes));
+  return out.text();
+}
+
+int run_ps(bool json, bool prometheus) {
+  if (prometheus) {
+    std::fputs(prometheus_text(find_managed(), list_shared_budgets()).c_str(), stdout);
+    return kExitOk;
+  }
   const std::vector<Managed> all = find_managed();
   if (json) {
     nlohmann::json a = nlohmann::json::array();
@@ -231,7 +362,7 @@ int run_ps(bool json) {
 
 #else
 
-int run_ps(bool) { throw BadInput("ps reads /proc and /dev/shm: Linux only"); }
+int run_ps(bool, bool) { throw BadInput("ps reads /proc and /dev/shm: Linux only"); }
 
 #endif
 
@@ -239,8 +370,12 @@ const Command ps_command{
     "ps", "every process here that a residency manager runs in: its model, state, bytes held, when it releases, its budgets",
     [](CLI::App& app) {
       auto json = std::make_shared<bool>(false);
-      app.add_flag("--json", *json, "print JSON with raw byte values");
-      return [json] { return run_ps(*json); };
+      auto prometheus = std::make_shared<bool>(false);
+      auto* j = app.add_flag("--json", *json, "print JSON with raw byte values");
+      app.add_flag("--prometheus", *prometheus,
+                   "print the Prometheus text format (node_exporter's textfile collector; docs/tool.md has the recipe)")
+          ->excludes(j);
+      return [json, prometheus] { return run_ps(*json, *prometheus); };
     }};
 
 }  // namespace
