@@ -173,32 +173,56 @@ TEST(ResidencyPs, AHolderIsOneLineWithItsModelStateBytesReleaseAndBudget) {
 // the histogram, the budget's size and use, the asks.
 TEST(ResidencyPs, PrometheusTextIsValidAndCountsReleasesByReasonAndWakeTimes) {
   const std::string budget = "psprom-" + std::to_string(::getpid());
-  auto backend = residency::make_backend("posix");
-  ASSERT_TRUE(backend) << backend.message();
-  // The keep-alive on a manual clock: one release and one re-wire, and no second expiry however
-  // slowly this runs (under a sanitizer, beside other tests).
-  residency::ManualClock clock{residency::Nanos(std::chrono::hours(1))};
-  residency::ManagerOptions o;
-  o.config.keep_alive = residency::KeepAlive::after(100ms);
-  o.config.shared_budget = residency::SharedBudget{budget, residency::WiredLimit{false, 16u << 20, 0}, ""};
-  o.config.log_level = residency::LogLevel::error;
-  o.backend = *backend;
-  o.clock = &clock;
-  o.start_scheduler = false;
-  auto mgr = residency::Manager::create(std::move(o));
-  ASSERT_TRUE(mgr) << mgr.message();
-  constexpr std::size_t kSize = 1u << 20;
-  void* p = ::mmap(nullptr, kSize, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-  ASSERT_NE(p, MAP_FAILED);
-  std::memset(p, 1, kSize);
-  ASSERT_TRUE((*mgr)->register_region(p, kSize, residency::RegionClass::weights));
-  (*mgr)->touch();
-  clock.advance(200ms);
-  (void)(*mgr)->run_due();
-  ASSERT_EQ((*mgr)->stats().releases, 1u) << "the keep-alive did not release";
-  (*mgr)->touch();  // re-wires
-  ASSERT_EQ((*mgr)->stats().rewires, 1u);
-  const std::string me = "pid=\"" + std::to_string(::getpid()) + "\"";
+  // In a child, so that this process's state-file numbering (state_path(pid, 0) in the other tests
+  // of this binary) stays as it was. The keep-alive on a manual clock: one release and one re-wire,
+  // and no second expiry however slowly this runs (under a sanitizer, beside other tests).
+  int ready[2], go[2];
+  ASSERT_EQ(::pipe(ready), 0);
+  ASSERT_EQ(::pipe(go), 0);
+  const pid_t child = ::fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    auto backend = residency::make_backend("posix");
+    if (!backend) ::_exit(10);
+    residency::ManualClock clock{residency::Nanos(std::chrono::hours(1))};
+    residency::ManagerOptions o;
+    o.config.keep_alive = residency::KeepAlive::after(100ms);
+    o.config.shared_budget = residency::SharedBudget{budget, residency::WiredLimit{false, 16u << 20, 0}, ""};
+    o.config.log_level = residency::LogLevel::error;
+    o.backend = *backend;
+    o.clock = &clock;
+    o.start_scheduler = false;
+    auto mgr = residency::Manager::create(std::move(o));
+    if (!mgr) ::_exit(11);
+    constexpr std::size_t kSize = 1u << 20;
+    void* p = ::mmap(nullptr, kSize, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED) ::_exit(12);
+    std::memset(p, 1, kSize);
+    if (!(*mgr)->register_region(p, kSize, residency::RegionClass::weights)) ::_exit(13);
+    (*mgr)->touch();
+    clock.advance(200ms);
+    (void)(*mgr)->run_due();
+    if ((*mgr)->stats().releases != 1) ::_exit(14);  // the keep-alive did not release
+    (*mgr)->touch();                                  // re-wires
+    if ((*mgr)->stats().rewires != 1) ::_exit(15);
+    if (::write(ready[1], "r", 1) != 1) ::_exit(16);
+    char byte = 0;
+    if (::read(go[0], &byte, 1) != 1) ::_exit(17);
+    mgr->reset();
+    ::_exit(0);
+  }
+  struct Finish {  // however the test ends: the child is told to go, and reaped
+    pid_t pid;
+    int go_w;
+    ~Finish() {
+      (void)!::write(go_w, "g", 1);
+      int st = 0;
+      ::waitpid(pid, &st, 0);
+    }
+  } finish{child, go[1]};
+  char byte = 0;
+  ASSERT_EQ(::read(ready[0], &byte, 1), 1) << "the child's manager did not release and re-wire";
+  const std::string me = "pid=\"" + std::to_string(child) + "\"";
   std::string text;
   ASSERT_TRUE(eventually([&] {  // the state file is written within 50 ms of a change
     text = run_tool("ps --prometheus").out;
@@ -236,8 +260,6 @@ TEST(ResidencyPs, PrometheusTextIsValidAndCountsReleasesByReasonAndWakeTimes) {
   }();
   EXPECT_EQ(check.exit_code, 0) << check.out;
   std::remove(file.c_str());
-  (void)(*mgr)->unregister_address(p);
-  ::munmap(p, kSize);
 }
 
 TEST(StatPid, HoldChildLockedBytesManagerStateAndSharedBudget) {

@@ -13,6 +13,7 @@
 #include <set>
 #include <sstream>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "command.hpp"
@@ -151,9 +152,7 @@ std::vector<Managed> find_managed() {
     std::string state;
     for (const auto& f : m.managers) {
       const bool gpu = field(f, "backend") == "cuda";
-      const bool resident = field(f, "resident") == "1";
-      const std::string one = gpu ? std::string("GPU ") + (resident ? "awake" : "asleep")
-                                  : std::string("host ") + (resident ? "resident" : "released");
+      const std::string one = (gpu ? "GPU " : "host ") + state_word(field(f, "backend"), field(f, "resident") == "1");
       if (state.find(one) == std::string::npos) state += (state.empty() ? "" : ", ") + one;
       if (gpu) m.gpu_awake += number(f, "wired_bytes");
       if (const std::string b = field(f, "shared_budget"); !b.empty()) m.budgets.insert(b);
@@ -271,22 +270,19 @@ std::string prometheus_text(const std::vector<Managed>& all, const std::vector<S
       out.sample("_sum", mgr(m, f), std::strtod(field(f, "rewire_seconds_sum").c_str(), nullptr));
       out.sample("_count", mgr(m, f), static_cast<double>(cumulative));
     }
-  out.family("residency_asks_sent_total", "counter", "Times this manager asked the holders of its shared budget to give way.");
-  for (const auto& m : all)
-    for (const auto& f : m.managers)
-      if (!field(f, "shared_budget").empty()) {
-        Labels l = mgr(m, f);
-        l.emplace_back("budget", field(f, "shared_budget"));
-        out.sample("", l, static_cast<double>(number(f, "asks_sent")));
-      }
-  out.family("residency_asks_received_total", "counter", "Times another process asked this manager to give way (given or declined).");
-  for (const auto& m : all)
-    for (const auto& f : m.managers)
-      if (!field(f, "shared_budget").empty()) {
-        Labels l = mgr(m, f);
-        l.emplace_back("budget", field(f, "shared_budget"));
-        out.sample("", l, static_cast<double>(number(f, "asks_received")));
-      }
+  for (const auto& [name, key, help] : {
+           std::tuple{"residency_asks_sent_total", "asks_sent", "Times this manager asked the holders of its shared budget to give way."},
+           std::tuple{"residency_asks_received_total", "asks_received",
+                      "Times another process asked this manager to give way (given or declined)."}}) {
+    out.family(name, "counter", help);
+    for (const auto& m : all)
+      for (const auto& f : m.managers)
+        if (!field(f, "shared_budget").empty()) {
+          Labels l = mgr(m, f);
+          l.emplace_back("budget", field(f, "shared_budget"));
+          out.sample("", l, static_cast<double>(number(f, key)));
+        }
+  }
   out.family("residency_budget_bytes", "gauge", "A shared or GPU budget's size.");
   for (const auto& b : budgets)
     if (b.error.empty()) out.sample("", {{"budget", b.name}}, static_cast<double>(b.size));

@@ -527,15 +527,18 @@ HolderFacts holder_facts(int pid, const std::string& budget) {
       return it == s.fields.end() ? std::string() : it->second;
     };
     if (!s.error.empty() || s.stale || field("shared_budget") != budget) continue;
-    const bool device = field("backend") == "cuda";
-    const bool resident = field("resident") == "1";
-    f.state = device ? (resident ? "awake" : "asleep") : (resident ? "resident" : "released");
+    f.state = state_word(field("backend"), field("resident") == "1");
     f.switches = field("rewires");
     f.last_switch_ms = field("last_rewire_ms");
     f.pinned_host_bytes = field("pinned_host_bytes");
     break;
   }
   return f;
+}
+
+std::string state_word(const std::string& backend, bool resident) {
+  if (backend == "cuda") return resident ? "awake" : "asleep";
+  return resident ? "resident" : "released";
 }
 
 std::optional<ProcBrief> proc_brief(int pid) {

@@ -26,6 +26,10 @@ struct HolderFacts {
 };
 HolderFacts holder_facts(int pid, const std::string& budget);
 
+// A manager's state in one word, from its state file's `backend` and `resident`: "awake"/"asleep"
+// for a GPU's memory (backend cuda), "resident"/"released" for host memory.
+std::string state_word(const std::string& backend, bool resident);
+
 // A process as /proc/PID/status says (for `residency ps`): nullopt when there is no such process.
 struct ProcBrief {
   std::string name;
