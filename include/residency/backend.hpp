@@ -169,6 +169,14 @@ class Backend {
   // nothing is tracked.
   virtual void track_writes(void* base);
   virtual void written(const void* addr, std::size_t bytes);
+  // (optional) A write whose source is a file: [addr, addr + bytes) of a tracked allocation is
+  // about to be filled with the bytes at `offset` of the file open as `fd` (borrowed, valid for
+  // the call only; the backend dups it if it keeps it). A backend that can restore the range from
+  // the file keeps no host copy of it while the file is unchanged. Default: a write (written()).
+  virtual void filled_from_file(const void* addr, std::size_t bytes, int fd, std::uint64_t offset);
+  // (optional) Bytes of this process's device memory whose backup is a file (filled_from_file),
+  // not pinned host memory: for `residency stat`. Default: 0.
+  virtual std::uint64_t file_backed_bytes() const;
 };
 
 }  // namespace residency

@@ -144,6 +144,9 @@ class Manager {
   // whole allocation. Both take no lock of the manager's; unknown addresses are ignored.
   void track_writes(void* ptr) noexcept;
   void written(const void* addr, std::size_t bytes) noexcept;
+  // A write whose source is the bytes at `offset` of the file open as `fd` (borrowed): where the
+  // backend can, that range's backup is the file itself (Backend::filled_from_file). No lock.
+  void filled_from_file(const void* addr, std::size_t bytes, int fd, std::uint64_t offset) noexcept;
 
   // Changes the budget: adds what now fits (highest priority, then most recently used) or
   // removes until under it (lowest priority, least recently used first); one commit per

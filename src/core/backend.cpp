@@ -25,5 +25,9 @@ std::optional<std::uint64_t> Backend::memory_available() { return std::nullopt; 
 std::uint64_t Backend::pinned_host_bytes() const { return 0; }
 void Backend::track_writes(void* /*base*/) {}
 void Backend::written(const void* /*addr*/, std::size_t /*bytes*/) {}
+void Backend::filled_from_file(const void* addr, std::size_t bytes, int /*fd*/, std::uint64_t /*offset*/) {
+  written(addr, bytes);
+}
+std::uint64_t Backend::file_backed_bytes() const { return 0; }
 
 }  // namespace residency

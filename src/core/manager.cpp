@@ -419,6 +419,10 @@ void Manager::written(const void* addr, std::size_t bytes) noexcept {
   if (addr != nullptr && bytes != 0) impl_->backend->written(addr, bytes);
 }
 
+void Manager::filled_from_file(const void* addr, std::size_t bytes, int fd, std::uint64_t offset) noexcept {
+  if (addr != nullptr && bytes != 0) impl_->backend->filled_from_file(addr, bytes, fd, offset);
+}
+
 Status Manager::set_wired_limit(std::uint64_t bytes) {
   Impl& m = *impl_;
   Impl::Locked g(m);

@@ -133,6 +133,7 @@ void ManagerReport::publish() {
   if (!pressure_src_.empty()) put("pressure_source", pressure_src_);
   if (budget.cap() != UINT64_MAX) num("pressure_cap", budget.cap());
   if (const std::uint64_t pinned = backend_.pinned_host_bytes()) num("pinned_host_bytes", pinned);
+  if (const std::uint64_t filed = backend_.file_backed_bytes()) num("file_backed_bytes", filed);
   if (const ledger::Ledger* shared = adm_.shared()) {
     put("shared_budget", shared->name());
     num("shared_budget_size", shared->budget());

@@ -74,6 +74,9 @@ EngineSession::EngineSession(Options options)
 // Parts first, then the managers they registered with (members go in reverse order; this says so).
 EngineSession::~EngineSession() {
   MutexLock lock(mu_);
+  for (FileOfMapping& f : file_of_mapping_)
+    if (f.fd >= 0) ::close(f.fd);
+  file_of_mapping_.clear();
   host_parts_ready_.store(nullptr, std::memory_order_release);
   host_parts_.reset();
   routed_.clear();
@@ -191,12 +194,61 @@ void EngineSession::for_each_device(F&& f) noexcept {
 
 // ---- Host mappings ----
 
-void EngineSession::file_mapped(void* addr, std::size_t bytes) noexcept {
+void EngineSession::file_mapped(void* addr, std::size_t bytes, int fd, std::uint64_t offset) noexcept {
   if (addr == nullptr || bytes == 0) return;
   MutexLock lock(mu_);
   if (host_locked() == nullptr) return;
   const auto b = reinterpret_cast<std::uintptr_t>(addr);
-  files_.add(b, b + bytes, RegionClass::weights, 0);
+  std::uint64_t owner = 0;
+  try {
+    // Descriptors of mappings that are wholly gone are closed (a server that loads many models).
+    const std::vector<PieceTable::Piece> now = files_.pieces();
+    for (std::size_t i = 0; i < file_of_mapping_.size(); ++i) {
+      FileOfMapping& f = file_of_mapping_[i];
+      if (f.fd < 0) continue;
+      const bool left = std::any_of(now.begin(), now.end(), [i](const PieceTable::Piece& p) { return p.owner == i + 1; });
+      if (!left) {
+        ::close(f.fd);
+        f.fd = -1;
+      }
+    }
+    const int own = fd < 0 ? -1 : ::fcntl(fd, F_DUPFD_CLOEXEC, 0);
+    if (own >= 0) {
+      file_of_mapping_.push_back(FileOfMapping{b, own, offset});
+      owner = file_of_mapping_.size();
+    }
+  } catch (...) {
+    // no file record: its tensors count as written, as without one
+  }
+  files_.add(b, b + bytes, RegionClass::weights, owner);
+}
+
+void EngineSession::device_filled(std::uintptr_t begin, std::uintptr_t end, std::uintptr_t src) noexcept {
+  if (begin >= end || !tracks_device_writes()) return;
+  const Tracked* in = nullptr;
+  for (const Tracked& t : tracked_) {
+    const std::uintptr_t b = t.begin.load(std::memory_order_acquire);
+    if (b != 0 && begin >= b && end <= t.end.load(std::memory_order_relaxed)) in = &t;
+  }
+  if (in == nullptr) return device_written(begin, end);
+  Manager* m = device_manager(in->device.load(std::memory_order_relaxed));
+  if (m == nullptr) return;
+  {
+    MutexLock lock(mu_);
+    try {
+      for (const PieceTable::Piece& p : files_.pieces()) {
+        if (src < p.begin || src + (end - begin) > p.end || p.owner == 0 || p.owner > file_of_mapping_.size()) continue;
+        const FileOfMapping& f = file_of_mapping_[p.owner - 1];
+        if (f.fd < 0) break;
+        // The descriptor stays open while the lock is held.
+        m->filled_from_file(reinterpret_cast<const void*>(begin), end - begin, f.fd, f.offset + (src - f.begin));
+        return;
+      }
+    } catch (...) {
+      // counted as a write below
+    }
+  }
+  device_written(begin, end);
 }
 
 bool EngineSession::tracks(std::uintptr_t begin, std::uintptr_t end) const noexcept {

@@ -91,8 +91,10 @@ class EngineSession {
   // ---- Events (each noexcept; the hooks call them outside re-entry) ----
 
   // A GGUF file's `bytes` are mapped at `addr` (SessionRules::gguf_bytes said so): remembered,
-  // not registered; starts the host side on first need.
-  void file_mapped(void* addr, std::size_t bytes) noexcept RESIDENCY_EXCLUDES(mu_);
+  // not registered; starts the host side on first need. With `fd` (the mapping's file, from
+  // `offset`), a tensor later copied from this mapping into tracked device weights is reported as
+  // filled from the file (device_filled), so that the file is those weights' backup.
+  void file_mapped(void* addr, std::size_t bytes, int fd = -1, std::uint64_t offset = 0) noexcept RESIDENCY_EXCLUDES(mu_);
   // Lock-free: whether [begin, end) touches memory the session tracks (hooks of munmap and
   // MAP_FIXED skip the lock for everything else).
   bool tracks(std::uintptr_t begin, std::uintptr_t end) const noexcept;
@@ -211,6 +213,10 @@ class EngineSession {
   // Lock-free: [begin, end) of device memory is about to be written (a tensor set, memset, copy,
   // buffer clear, or a node of a graph about to run); reported where it overlaps a tracked range.
   void device_written(std::uintptr_t begin, std::uintptr_t end) noexcept;
+  // The same for a copy from host memory at `src` (a tensor set): where the source lies in one GGUF
+  // mapping and the destination in one tracked range, reported as filled from that file
+  // (Manager::filled_from_file); otherwise as a write.
+  void device_filled(std::uintptr_t begin, std::uintptr_t end, std::uintptr_t src) noexcept RESIDENCY_EXCLUDES(mu_);
   // In a fork child: from now on every event is ignored (the child must not touch the managers
   // of its parent's threads).
   void forked() noexcept;
@@ -277,6 +283,14 @@ class EngineSession {
   std::unique_ptr<Host> host_parts_ RESIDENCY_GUARDED_BY(mu_);
   std::atomic<Host*> host_parts_ready_{nullptr};  // host_parts_, once active (lock-free reads)
   PieceTable files_;                              // the GGUF mappings (not registered)
+  // The file of each GGUF mapping (a piece of files_ has owner = index + 1): our own descriptor
+  // (-1 once none of its mapping is left) and the file offset at the mapping's start `begin`.
+  struct FileOfMapping {
+    std::uintptr_t begin = 0;
+    int fd = -1;
+    std::uint64_t offset = 0;
+  };
+  std::vector<FileOfMapping> file_of_mapping_ RESIDENCY_GUARDED_BY(mu_);
   PieceTable engine_made_;                        // anonymous mappings made inside engine calls
   PieceTable program_locked_;                     // what the program locked itself (mlock)
   bool program_locks_all_ RESIDENCY_GUARDED_BY(mu_) = false;

@@ -99,7 +99,7 @@ void* map(void* addr, std::size_t len, int prot, int flags, int fd, off64_t off,
   HookScope hook;
   ErrnoKeeper keep;  // what the real mmap left
   if (const std::size_t n = SessionRules::gguf_bytes(fd, off, len))
-    if (EngineSession* session = process_session(caller)) session->file_mapped(r, n);
+    if (EngineSession* session = process_session(caller)) session->file_mapped(r, n, fd, static_cast<std::uint64_t>(off));
   return r;
 }
 
@@ -222,6 +222,15 @@ void tensor_write(const ggml_tensor* t, std::size_t offset, std::size_t bytes) n
     const std::uintptr_t b = reinterpret_cast<std::uintptr_t>(t->data) + offset;
     device_write(b, b + bytes);
   }
+}
+
+// A tensor set from host memory at `data`: a weight loaded from a GGUF mapping is filled from its
+// file (the file is its backup), anything else is a write.
+void tensor_fill(const ggml_tensor* t, const void* data, std::size_t offset, std::size_t bytes) noexcept {
+  EngineSession* s = started_session();
+  if (t == nullptr || t->data == nullptr || s == nullptr || !s->tracks_device_writes()) return;
+  const std::uintptr_t b = reinterpret_cast<std::uintptr_t>(t->data) + offset;
+  s->device_filled(b, b + bytes, reinterpret_cast<std::uintptr_t>(data));
 }
 
 // The bytes of `t` as ggml counts them (a copy's or a graph node's destination).
@@ -502,7 +511,7 @@ RESIDENCY_PRELOAD_EXPORT int cudaFree(void* ptr) { return rp::device_free(ptr, _
 
 RESIDENCY_GGML_WRITE(void, ggml_backend_tensor_set,
                      (struct ggml_tensor * t, const void* data, size_t offset, size_t size), (t, data, offset, size), ,
-                     rp::tensor_write(t, offset, size))
+                     rp::tensor_fill(t, data, offset, size))
 RESIDENCY_GGML_ACCESS(void, ggml_backend_tensor_get,
                       (const struct ggml_tensor* t, void* data, size_t offset, size_t size), (t, data, offset, size), )
 RESIDENCY_GGML_WRITE(void, ggml_backend_tensor_set_2d,

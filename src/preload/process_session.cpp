@@ -82,6 +82,10 @@ Result<std::shared_ptr<Backend>> real_backend(int where, const Config& device_co
   CudaBackendOptions co;
   co.device = where;
   co.backup = backup_mode(device_config.cuda_backup);
+  // Where weights cannot sleep in their model file: one warning, as the session's own lines.
+  co.notice = [log = SessionLog(device_config.log_level, device_config.log_time), where](const std::string& line) {
+    log.warn("cuda:" + std::to_string(where) + ": " + line);
+  };
   return make_cuda_backend(co);
 #else
   (void)device_config;

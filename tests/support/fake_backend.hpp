@@ -10,6 +10,8 @@
 // managers and their scheduler threads may call it at once, and tests read it meanwhile.
 #pragma once
 
+#include <sys/stat.h>
+
 #include <algorithm>
 #include <functional>
 #include <map>
@@ -233,6 +235,22 @@ class FakeBackend : public Backend {
     std::lock_guard<std::recursive_mutex> g(mu);
     writes.emplace_back(reinterpret_cast<std::uintptr_t>(addr), bytes);
   }
+  // A fill from a file: where, how much, the file (device and inode, read from the descriptor
+  // during the call, as a backend must) and the offset in it.
+  struct FileFill {
+    std::uintptr_t addr;
+    std::size_t bytes;
+    dev_t dev;
+    ino_t ino;
+    std::uint64_t offset;
+    bool operator==(const FileFill&) const = default;
+  };
+  void filled_from_file(const void* addr, std::size_t bytes, int fd, std::uint64_t offset) override {
+    struct stat st {};
+    const bool ok = ::fstat(fd, &st) == 0;
+    std::lock_guard<std::recursive_mutex> g(mu);
+    fills.push_back(FileFill{reinterpret_cast<std::uintptr_t>(addr), bytes, ok ? st.st_dev : 0, ok ? st.st_ino : 0, offset});
+  }
   // The n-th set created (set ids are process-wide, so tests count in creation order).
   const SetRec& nth_set(std::size_t n) const {
     std::lock_guard<std::recursive_mutex> g(mu);
@@ -250,6 +268,7 @@ class FakeBackend : public Backend {
   std::set<char*> allocated;
   std::set<char*> tracked;
   std::vector<std::pair<std::uintptr_t, std::size_t>> writes;  // (address, bytes)
+  std::vector<FileFill> fills;
   int sets_created = 0, sets_destroyed = 0, total_commits = 0, total_requests = 0, total_ends = 0,
       total_refreshes = 0, after_release_calls = 0;
   std::uint64_t rewired_bytes = 0;

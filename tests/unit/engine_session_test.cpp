@@ -573,6 +573,63 @@ TEST_F(EngineSessionTest, WritesIntoDeviceWeightsAreReportedToTheBackendAndNothi
   EXPECT_TRUE(s->device_free(compute.ptr));
 }
 
+// DESIGN §15: a weight copied from a GGUF mapping into tracked device weights is reported as filled
+// from the file (its device, inode and offset, through a descriptor valid during the call), so that
+// the backend keeps no pinned copy of it; a copy from anywhere else is a write, and so is a copy
+// from a mapping the program unmapped since.
+TEST_F(EngineSessionTest, ATensorCopiedFromAModelFileIntoDeviceWeightsIsReportedAsFilledFromThatFile) {
+  TempDir dir;
+  const std::string path = dir.path() + "/model.gguf";
+  const std::size_t page = static_cast<std::size_t>(::sysconf(_SC_PAGESIZE));
+  const std::size_t len = 64 * page;
+  {
+    std::string bytes(len, 'w');
+    bytes.replace(0, 4, "GGUF");
+    std::FILE* f = std::fopen(path.c_str(), "wb");
+    ASSERT_NE(f, nullptr);
+    ASSERT_EQ(std::fwrite(bytes.data(), 1, bytes.size(), f), bytes.size());
+    std::fclose(f);
+  }
+  const int fd = ::open(path.c_str(), O_RDONLY);
+  ASSERT_GE(fd, 0);
+  struct stat st {};
+  ASSERT_EQ(::fstat(fd, &st), 0);
+  // Mapped from the file's 8th page on, as llama.cpp maps a split model's later part.
+  char* map = static_cast<char*>(::mmap(nullptr, len - 8 * page, PROT_READ, MAP_SHARED, fd, 8 * page));
+  ASSERT_NE(map, MAP_FAILED);
+  auto s = make();
+  s->file_mapped(map, len - 8 * page, fd, 8 * page);  // as the mmap hook says it, with the fd open
+  ::close(fd);  // the session keeps its own descriptor
+  using Outcome = EngineSession::DeviceAllocation::Outcome;
+  const auto weights = s->device_allocate(0, 8 * kMiB, false);
+  ASSERT_EQ(weights.outcome, Outcome::routed);
+  const auto w = reinterpret_cast<std::uintptr_t>(weights.ptr);
+  s->device_weights_buffer(w, 8 * kMiB);
+  auto* gpu = gpus.at(0).get();
+  const auto m = reinterpret_cast<std::uintptr_t>(map);
+
+  s->device_filled(w + 128, w + 128 + 3 * page, m + page + 5);  // from the file: page 9, byte 5 on
+  std::vector<char> heap(4096, 'h');
+  s->device_filled(w + 8192, w + 8192 + 4096, reinterpret_cast<std::uintptr_t>(heap.data()));  // not a file
+  s->device_filled(w + 16384, w + 16384 + 2 * page, m + (len - 9 * page));  // runs past the mapping's end
+  using Fill = FakeBackend::FileFill;
+  using W = std::pair<std::uintptr_t, std::size_t>;
+  {
+    std::lock_guard<std::recursive_mutex> g(gpu->mu);
+    EXPECT_EQ(gpu->fills, (std::vector<Fill>{{w + 128, 3 * page, st.st_dev, st.st_ino, 9 * page + 5}}));
+    EXPECT_EQ(gpu->writes, (std::vector<W>{{w + 8192, 4096}, {w + 16384, 2 * page}}));
+  }
+  // Unmapped by the program: a copy from there is a plain write (the address may be reused).
+  ASSERT_TRUE(s->unmap(m, m + len - 8 * page, [&] { return ::munmap(map, len - 8 * page) == 0; }));
+  s->device_filled(w + 128, w + 256, m + page);
+  {
+    std::lock_guard<std::recursive_mutex> g(gpu->mu);
+    EXPECT_EQ(gpu->fills.size(), 1u);
+    EXPECT_EQ(gpu->writes.back(), (W{w + 128, 128}));
+  }
+  EXPECT_TRUE(s->device_free(weights.ptr));
+}
+
 TEST_F(EngineSessionTest, DeviceAllocationsAreRoutedFrom2MiBAndComputeBuffersAreScratch) {
   auto s = make();
   using Outcome = EngineSession::DeviceAllocation::Outcome;

@@ -14,6 +14,8 @@
 #pragma once
 
 #include <cstddef>
+#include <functional>
+#include <string>
 #include <memory>
 
 #include "residency/backend.hpp"
@@ -51,6 +53,10 @@ struct CudaBackendOptions {
   // sleep that comes before the background pinning is done pins on its own, as at_first_sleep.
   enum class Backup { at_first_sleep, after_allocation };
   Backup backup = Backup::at_first_sleep;
+  // Receives one line where weights filled from a file cannot sleep in it and are backed up in
+  // pinned host memory instead (the file changed since load, or cannot be registered), and where a
+  // file changed while the weights slept in it. Default: nothing is said.
+  std::function<void(const std::string&)> notice;
 };
 
 // Errors: no driver (libcuda.so.1 missing), driver older than CUDA 12.0, no such device,

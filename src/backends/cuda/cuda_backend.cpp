@@ -2,7 +2,9 @@
 // The cuda backend; see cuda_backend.hpp for the design and the residency rule.
 #include "backends/cuda/cuda_backend.hpp"
 
+#include <fcntl.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -166,7 +168,8 @@ CudaBackend::CudaBackend(const Driver* d, CUdevice dev, CUcontext ctx, const Cud
       chunk_(round_up(o.chunk_bytes, granularity)),
       stream_count_(o.streams),
       backup_threads_(default_backup_threads()),
-      backup_mode_(o.backup) {}
+      backup_mode_(o.backup),
+      notice_(o.notice) {}
 
 Status CudaBackend::init_streams() {
   ContextScope scope(*d_, ctx_);
@@ -198,6 +201,7 @@ CudaBackend::~CudaBackend() {
       free_backup(a);
     }
     allocations_.clear();
+    drop_unused_files();
     for (auto& [id, h] : host_ranges_) {
       if (h.registered && h.owned) (void)d_->cuMemHostUnregister(h.base);
     }
@@ -305,7 +309,10 @@ void CudaBackend::background_loop() {
     {
       std::lock_guard<std::mutex> lock(mu_);
       auto it = allocations_.find(job.first);
-      if (it == allocations_.end() || it->second.serial != job.second || it->second.backup != nullptr) continue;
+      // A tracked allocation's first sleep decides what needs pinning (file pieces need none).
+      if (it == allocations_.end() || it->second.serial != job.second || it->second.backup != nullptr ||
+          it->second.tracked)
+        continue;
       tmp.va = it->second.va;
       tmp.size = it->second.size;
     }
@@ -319,9 +326,11 @@ void CudaBackend::background_loop() {
     }
     std::lock_guard<std::mutex> lock(mu_);
     auto it = allocations_.find(job.first);
-    if (it != allocations_.end() && it->second.serial == job.second && it->second.backup == nullptr) {
+    if (it != allocations_.end() && it->second.serial == job.second && it->second.backup == nullptr &&
+        !it->second.tracked) {
       it->second.backup = tmp.backup;
       it->second.backup_mapped = tmp.backup_mapped;
+      it->second.pinned = std::move(tmp.pinned);
       bg_done_.fetch_add(1);
     } else {
       free_backup(tmp);  // freed meanwhile, or its first sleep pinned one of its own
@@ -357,6 +366,7 @@ void CudaBackend::deallocate(void* base) {
   free_backup(a);
   allocated_bytes_ -= a.reserved;
   allocations_.erase(it);
+  drop_unused_files();
 }
 
 Status CudaBackend::sync_streams() {
@@ -386,6 +396,16 @@ void CudaBackend::unmap_chunks(DeviceAllocation& a, std::size_t count) {
 Status CudaBackend::wake(DeviceAllocation& a) {
   if (a.resident) return {};
   const bool restore = a.cls == RegionClass::weights && a.backup_valid;
+  if (restore) {
+    // A file that changed while its bytes slept in it: nothing else holds them any more.
+    for (auto& [key, f] : files_) {
+      if (f->map == nullptr || f->unusable || file_unchanged(*f)) continue;
+      f->unusable = true;
+      say(f->name + " changed while the weights filled from it slept (size or modification time); they are "
+                    "restored from it as it is now, which may differ from what was loaded; replace a model "
+                    "file by renaming a new one over it, never by writing into it, while a server uses it");
+    }
+  }
   const CUmemAllocationProp prop = device_prop(dev_);
   CUmemAccessDesc access{};
   access.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
@@ -424,8 +444,10 @@ Status CudaBackend::wake(DeviceAllocation& a) {
     if (r != CUDA_SUCCESS) return fail(r, "cuMemSetAccess", off);
     if (restore && off < a.size) {
       const std::size_t bytes = std::min(len, a.size - off);
-      r = d_->cuMemcpyHtoDAsync(a.va + off, static_cast<const char*>(a.backup) + off, bytes,
-                                streams_[i % streams_.size()]);
+      CUstream stream = streams_[i % streams_.size()];
+      r = i < a.from_file.size() && a.from_file[i] != 0
+              ? restore_from_file(a, i, stream)
+              : d_->cuMemcpyHtoDAsync(a.va + off, static_cast<const char*>(a.backup) + off, bytes, stream);
       if (r != CUDA_SUCCESS) return fail(r, "cuMemcpyHtoDAsync", off);
     }
   }
@@ -453,7 +475,10 @@ Status CudaBackend::wake(DeviceAllocation& a) {
 // The first sleep builds the backup while it copies (pin_backup).
 Status CudaBackend::sleep(DeviceAllocation& a) {
   if (!a.resident) return {};
-  if (a.cls == RegionClass::weights) {
+  if (a.cls == RegionClass::weights && a.tracked && !a.pieces.empty()) {
+    Status st = sleep_from_files(a);
+    if (!st) return st;
+  } else if (a.cls == RegionClass::weights) {
     // Tracked and whole since its last sleep: only the chunks written since then are copied.
     const bool only_written = a.tracked && a.backup_valid && a.dirty.size() == (a.size + chunk_ - 1) / chunk_;
     a.backup_valid = false;
@@ -493,12 +518,20 @@ Status CudaBackend::sleep(DeviceAllocation& a) {
 // copy as soon as it is registered, so chunk k copies while chunk k+1 is registered and later
 // chunks are faulted in. Registration is per chunk, and so is every later copy (never across
 // two registrations).
-Status CudaBackend::pin_backup(DeviceAllocation& a, bool copy) {
+Status CudaBackend::pin_backup(DeviceAllocation& a, bool copy, const std::vector<std::uint8_t>* need) {
   const std::size_t mapped = round_up(a.size, host_page());
+  auto wanted = [&](std::size_t i) {
+    return (need == nullptr || (i < need->size() && (*need)[i] != 0)) && (i >= a.pinned.size() || a.pinned[i] == 0);
+  };
   const std::string what = "pinning a " + format_size(a.size) + " host backup for the weights at " + hex(a.va);
   const std::string kept = "; the partial backup was rolled back (unregistered and unmapped) and the "
                            "allocation stays resident, nothing is lost; free host memory and release again";
 
+  // The mapping is made once (its pages cost nothing until a chunk is faulted in); a later call
+  // pins more chunks of it.
+  const bool fresh = a.backup == nullptr;
+  char* base = a.backup;
+  if (fresh) {
   // Reserve 2 MiB more than needed, keep the 2 MiB-aligned part of exactly `mapped` bytes.
   void* raw = mmap(nullptr, mapped + kHugePage, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
   if (raw == MAP_FAILED) {
@@ -512,8 +545,9 @@ Status CudaBackend::pin_backup(DeviceAllocation& a, bool copy) {
   if (start > raw_addr) (void)munmap(raw, start - raw_addr);
   const std::uintptr_t end = start + mapped;
   if (raw_addr + mapped + kHugePage > end) (void)munmap(reinterpret_cast<void*>(end), raw_addr + mapped + kHugePage - end);
-  char* base = reinterpret_cast<char*>(start);
+  base = reinterpret_cast<char*>(start);
   (void)madvise(base, mapped, MADV_HUGEPAGE);  // a hint: without THP the backup is made of 4 KiB pages
+  }
 
   const std::size_t n = (mapped + chunk_ - 1) / chunk_;
   struct Slice {
@@ -522,6 +556,8 @@ Status CudaBackend::pin_backup(DeviceAllocation& a, bool copy) {
   std::vector<Slice> slices;
   std::unique_ptr<std::atomic<std::size_t>[]> left(new std::atomic<std::size_t>[n]);
   for (std::size_t i = 0; i < n; ++i) {
+    left[i].store(0);
+    if (!wanted(i)) continue;
     const std::size_t coff = i * chunk_;
     const std::size_t clen = std::min(chunk_, mapped - coff);
     std::size_t count = 0;
@@ -597,6 +633,7 @@ Status CudaBackend::pin_backup(DeviceAllocation& a, bool copy) {
   // Registers (pipeline registrar) and copies in chunk order as chunks become ready (without
   // `copy`, only registers or waits).
   for (std::size_t i = 0; i < n; ++i) {
+    if (!wanted(i)) continue;
     {
       std::unique_lock<std::mutex> lock(m);
       cv.wait(lock, [&] { return state[i] != 0 || failed.load(); });
@@ -633,22 +670,33 @@ Status CudaBackend::pin_backup(DeviceAllocation& a, bool copy) {
     for (std::size_t i = 0; i < n; ++i) {
       if (state[i] == kRegistered) (void)d_->cuMemHostUnregister(base + i * chunk_);
     }
-    (void)munmap(base, mapped);
+    if (fresh) {
+      (void)munmap(base, mapped);
+    } else {
+      for (std::size_t i = 0; i < n; ++i)
+        if (wanted(i)) (void)madvise(base + i * chunk_, std::min(chunk_, mapped - i * chunk_), MADV_DONTNEED);
+    }
     return failure;
   }
+  a.pinned.resize(n, 0);
+  for (std::size_t i = 0; i < n; ++i)
+    if (state[i] == kRegistered) a.pinned[i] = 1;
   a.backup = base;
   a.backup_mapped = mapped;
   return {};
 }
 
 void CudaBackend::free_backup(DeviceAllocation& a) {
+  for (Gaps& g : a.gaps) free_gaps(g);
   if (a.backup == nullptr) return;
   const std::size_t n = (a.backup_mapped + chunk_ - 1) / chunk_;
-  for (std::size_t i = 0; i < n; ++i) (void)d_->cuMemHostUnregister(a.backup + i * chunk_);
+  for (std::size_t i = 0; i < n && i < a.pinned.size(); ++i)
+    if (a.pinned[i] != 0) (void)d_->cuMemHostUnregister(a.backup + i * chunk_);
   (void)munmap(a.backup, a.backup_mapped);
   a.backup = nullptr;
   a.backup_mapped = 0;
   a.backup_valid = false;
+  a.pinned.clear();
 }
 
 Status CudaBackend::wire_region(const RegionDesc& r) {
@@ -882,6 +930,284 @@ void CudaBackend::written(const void* addr, std::size_t bytes) {
   const std::size_t first = static_cast<std::size_t>(p - a.va);
   const std::size_t last = std::min(a.size, first + std::min(bytes, a.size - first));  // exclusive
   for (std::size_t i = first / chunk_; i * chunk_ < last && i < a.dirty.size(); ++i) a.dirty[i] = 1;
+  cut_pieces(a, first, last);  // no longer the file's bytes
+}
+
+void CudaBackend::filled_from_file(const void* addr, std::size_t bytes, int fd, std::uint64_t offset) {
+  const auto p = static_cast<CUdeviceptr>(reinterpret_cast<std::uintptr_t>(addr));
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = allocations_.upper_bound(p);
+  if (it == allocations_.begin()) return;
+  --it;
+  DeviceAllocation& a = it->second;
+  if (!a.tracked || p >= a.va + a.size || a.dirty.empty() || bytes == 0) return;
+  const std::size_t first = static_cast<std::size_t>(p - a.va);
+  const std::size_t last = std::min(a.size, first + std::min(bytes, a.size - first));
+  for (std::size_t i = first / chunk_; i * chunk_ < last && i < a.dirty.size(); ++i) a.dirty[i] = 1;
+  cut_pieces(a, first, last);
+  if (a.cls != RegionClass::weights) return;
+  struct stat st {};
+  if (fd < 0 || fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) || st.st_size < 0 ||
+      offset > static_cast<std::uint64_t>(st.st_size) || last - first > static_cast<std::uint64_t>(st.st_size) - offset)
+    return;  // a write like any other
+  auto key = std::make_pair(st.st_dev, st.st_ino);
+  auto f = files_.find(key);
+  if (f == files_.end()) {
+    auto file = std::make_unique<BackingFile>();
+    file->fd = fcntl(fd, F_DUPFD_CLOEXEC, 0);
+    if (file->fd < 0) return;
+    char link[64];
+    std::snprintf(link, sizeof link, "/proc/self/fd/%d", fd);
+    char path[4096];
+    const ssize_t len = readlink(link, path, sizeof path - 1);
+    file->name = len > 0 ? std::string(path, static_cast<std::size_t>(len)) : "the model file (fd " + std::to_string(fd) + ")";
+    file->dev = st.st_dev;
+    file->ino = st.st_ino;
+    file->size = st.st_size;
+    file->mtime_ns = static_cast<std::int64_t>(st.st_mtim.tv_sec) * 1000000000 + st.st_mtim.tv_nsec;
+    f = files_.emplace(key, std::move(file)).first;
+  }
+  BackingFile& file = *f->second;
+  if (file.unusable || !file_unchanged(file)) return;
+  Piece piece{first, last - first, &file, offset};
+  auto at = std::lower_bound(a.pieces.begin(), a.pieces.end(), first,
+                             [](const Piece& x, std::size_t off) { return x.off < off; });
+  a.pieces.insert(at, piece);
+}
+
+// Removes [begin, end) from the pieces (splitting those it cuts through).
+void CudaBackend::cut_pieces(DeviceAllocation& a, std::size_t begin, std::size_t end) {
+  if (a.pieces.empty() || begin >= end) return;
+  std::vector<Piece> kept;
+  kept.reserve(a.pieces.size() + 1);
+  for (const Piece& x : a.pieces) {
+    const std::size_t xe = x.off + x.len;
+    if (xe <= begin || x.off >= end) {
+      kept.push_back(x);
+      continue;
+    }
+    if (x.off < begin) kept.push_back(Piece{x.off, begin - x.off, x.file, x.file_off});
+    if (xe > end) kept.push_back(Piece{end, xe - end, x.file, x.file_off + (end - x.off)});
+  }
+  a.pieces = std::move(kept);
+}
+
+bool CudaBackend::file_unchanged(const BackingFile& f) {
+  struct stat st {};
+  if (fstat(f.fd, &st) != 0) return false;
+  const std::int64_t mtime = static_cast<std::int64_t>(st.st_mtim.tv_sec) * 1000000000 + st.st_mtim.tv_nsec;
+  return st.st_dev == f.dev && st.st_ino == f.ino && st.st_size == f.size && mtime == f.mtime_ns;
+}
+
+void CudaBackend::say(const std::string& line) const {
+  if (!notice_) return;
+  try {
+    notice_(line);
+  } catch (...) {
+    // the line is lost, nothing else
+  }
+}
+
+bool CudaBackend::file_ready(BackingFile& f) {
+  if (f.unusable) return false;
+  const std::string fallback = "; the weights filled from it are backed up in pinned host memory instead";
+  if (!file_unchanged(f)) {
+    f.unusable = true;
+    say(f.name + " changed since the weights were loaded from it (size or modification time)" + fallback);
+    return false;
+  }
+  if (f.map != nullptr) return true;
+  const std::size_t len = round_up(static_cast<std::size_t>(f.size), host_page());
+  void* m = mmap(nullptr, len, PROT_READ, MAP_SHARED, f.fd, 0);
+  if (m == MAP_FAILED) {
+    f.unusable = true;
+    say("cannot map " + f.name + " (" + std::strerror(errno) + ")" + fallback);
+    return false;
+  }
+  const CUresult r = d_->cuMemHostRegister(m, len, CU_MEMHOSTREGISTER_PORTABLE | CU_MEMHOSTREGISTER_READ_ONLY);
+  if (r != CUDA_SUCCESS) {
+    (void)munmap(m, len);
+    f.unusable = true;
+    say("cannot register " + f.name + " read-only with the GPU (" + d_->error(r, "", "cuMemHostRegister").message() +
+        ")" + fallback);
+    return false;
+  }
+  f.map = static_cast<char*>(m);
+  f.map_len = len;
+  return true;
+}
+
+void CudaBackend::free_gaps(Gaps& g) {
+  if (g.buf != nullptr) {
+    (void)d_->cuMemHostUnregister(g.buf);
+    (void)munmap(g.buf, g.mapped);
+  }
+  g = Gaps{};
+}
+
+void CudaBackend::drop_unused_files() {
+  for (auto it = files_.begin(); it != files_.end();) {
+    bool used = false;
+    for (const auto& [va, a] : allocations_) {
+      for (const Piece& p : a.pieces) used = used || p.file == it->second.get();
+      if (used) break;
+    }
+    if (used) {
+      ++it;
+      continue;
+    }
+    BackingFile& f = *it->second;
+    if (f.map != nullptr) {
+      (void)d_->cuMemHostUnregister(f.map);
+      (void)munmap(f.map, f.map_len);
+    }
+    if (f.fd >= 0) (void)close(f.fd);
+    it = files_.erase(it);
+  }
+}
+
+// The chunk's file pieces, clipped to it, then its gaps.
+CUresult CudaBackend::restore_from_file(const DeviceAllocation& a, std::size_t i, CUstream stream) const {
+  const std::size_t cb = i * chunk_;
+  const std::size_t ce = std::min(cb + chunk_, a.size);
+  auto it = std::lower_bound(a.pieces.begin(), a.pieces.end(), cb,
+                             [](const Piece& x, std::size_t off) { return x.off + x.len <= off; });
+  for (; it != a.pieces.end() && it->off < ce; ++it) {
+    const std::size_t b = std::max(it->off, cb);
+    const std::size_t e = std::min(it->off + it->len, ce);
+    const CUresult r = d_->cuMemcpyHtoDAsync(a.va + b, it->file->map + it->file_off + (b - it->off), e - b, stream);
+    if (r != CUDA_SUCCESS) return r;
+  }
+  const Gaps& g = a.gaps[i];
+  std::size_t at = 0;
+  for (const auto& [off, len] : g.ranges) {
+    const CUresult r = d_->cuMemcpyHtoDAsync(a.va + off, g.buf + at, len, stream);
+    if (r != CUDA_SUCCESS) return r;
+    at += len;
+  }
+  return CUDA_SUCCESS;
+}
+
+// Chunk by chunk, what changed since the last sleep (or everything, the first time) is saved:
+// a chunk made of its file's bytes but for at most kMaxGapBytes keeps those in the file (nothing
+// to copy) and its gaps in a small pinned buffer; any other chunk goes to the pinned backup,
+// pinned chunk by chunk as needed. Chunks that now sleep in their file give their pinned backup
+// back. On a failure the allocation stays resident and nothing is lost.
+Status CudaBackend::sleep_from_files(DeviceAllocation& a) {
+  const std::size_t n = (a.size + chunk_ - 1) / chunk_;
+  const std::string stays = "; the allocation stays resident (nothing is lost)";
+  // Files that cannot back anything any more: their pieces go, their chunks are saved anew.
+  for (std::size_t k = 0; k < a.pieces.size();) {
+    BackingFile& f = *a.pieces[k].file;
+    if (file_ready(f)) {
+      ++k;
+      continue;
+    }
+    for (const Piece& p : a.pieces)
+      if (p.file == &f)
+        for (std::size_t i = p.off / chunk_; i * chunk_ < p.off + p.len && i < n; ++i) a.dirty[i] = 1;
+    a.pieces.erase(std::remove_if(a.pieces.begin(), a.pieces.end(), [&f](const Piece& p) { return p.file == &f; }),
+                   a.pieces.end());
+  }
+  std::vector<std::uint8_t> in_file(n, 0);
+  std::vector<std::size_t> covered(n, 0);
+  for (const Piece& p : a.pieces) {
+    for (std::size_t i = p.off / chunk_; i * chunk_ < p.off + p.len && i < n; ++i) {
+      const std::size_t b = std::max(p.off, i * chunk_);
+      const std::size_t e = std::min(p.off + p.len, std::min((i + 1) * chunk_, a.size));
+      covered[i] += e - b;
+    }
+  }
+  a.from_file.resize(n, 0);
+  a.gaps.resize(n);
+  std::vector<std::uint8_t> need_pin(n, 0);
+  bool any_pin = false;
+  for (std::size_t i = 0; i < n; ++i) {
+    const std::size_t len = std::min(chunk_, a.size - i * chunk_);
+    in_file[i] = covered[i] > 0 && len - covered[i] <= kMaxGapBytes ? 1 : 0;
+    if (!a.backup_valid || in_file[i] != a.from_file[i]) a.dirty[i] = 1;
+    if (in_file[i] == 0 && a.dirty[i] != 0 && (i >= a.pinned.size() || a.pinned[i] == 0)) need_pin[i] = 1, any_pin = true;
+  }
+  a.backup_valid = false;
+  if (any_pin) {
+    Status st = pin_backup(a, /*copy=*/true, &need_pin);
+    if (!st) return st;
+    for (std::size_t i = 0; i < n; ++i)
+      if (need_pin[i] != 0) copied_to_host_ += std::min(chunk_, a.size - i * chunk_);
+  }
+  for (std::size_t i = 0; i < n; ++i) {
+    if (a.dirty[i] == 0 || need_pin[i] != 0) continue;
+    const std::size_t cb = i * chunk_;
+    const std::size_t ce = std::min(cb + chunk_, a.size);
+    CUstream stream = streams_[i % streams_.size()];
+    if (in_file[i] == 0) {
+      const CUresult r = d_->cuMemcpyDtoHAsync(a.backup + cb, a.va + cb, ce - cb, stream);
+      if (r != CUDA_SUCCESS) {
+        (void)sync_streams();
+        return d_->error(r, "copying weights at " + hex(a.va) + " to the host backup" + stays, "cuMemcpyDtoHAsync");
+      }
+      copied_to_host_ += ce - cb;
+      continue;
+    }
+    // The gaps: what the pieces leave of [cb, ce).
+    Gaps g;
+    std::size_t at = cb, bytes = 0;
+    auto it = std::lower_bound(a.pieces.begin(), a.pieces.end(), cb,
+                               [](const Piece& x, std::size_t off) { return x.off + x.len <= off; });
+    for (; it != a.pieces.end() && it->off < ce; ++it) {
+      if (it->off > at) g.ranges.emplace_back(at, it->off - at), bytes += it->off - at;
+      at = std::max(at, it->off + it->len);
+    }
+    if (at < ce) g.ranges.emplace_back(at, ce - at), bytes += ce - at;
+    if (bytes > 0) {
+      g.mapped = round_up(bytes, host_page());
+      void* m = mmap(nullptr, g.mapped, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+      if (m == MAP_FAILED) {
+        (void)sync_streams();
+        return Status(ErrorCode::out_of_memory, "cuda: no host memory for the " + format_size(bytes) +
+                                                    " of a weights chunk that are not its file's" + stays);
+      }
+      const int e = fault_in(static_cast<char*>(m), g.mapped);
+      const CUresult r = e == 0 ? d_->cuMemHostRegister(m, g.mapped, CU_MEMHOSTREGISTER_PORTABLE) : CUDA_ERROR_OUT_OF_MEMORY;
+      if (r != CUDA_SUCCESS) {
+        (void)munmap(m, g.mapped);
+        (void)sync_streams();
+        return d_->error(r, "pinning " + format_size(bytes) + " for the bytes of a weights chunk that are not its file's" + stays,
+                         "cuMemHostRegister");
+      }
+      g.buf = static_cast<char*>(m);
+      std::size_t put = 0;
+      for (const auto& [off, len] : g.ranges) {
+        const CUresult c = d_->cuMemcpyDtoHAsync(g.buf + put, a.va + off, len, stream);
+        if (c != CUDA_SUCCESS) {
+          (void)sync_streams();
+          free_gaps(g);
+          return d_->error(c, "copying the bytes of a weights chunk that are not its file's" + stays, "cuMemcpyDtoHAsync");
+        }
+        put += len;
+      }
+      copied_to_host_ += bytes;
+    }
+    free_gaps(a.gaps[i]);  // (no copy can target the old buffer: it is only read by wakes)
+    a.gaps[i] = std::move(g);
+  }
+  Status st = sync_streams();
+  if (!st) return Status(st.code(), st.message() + stays);
+  for (std::size_t i = 0; i < n; ++i) {
+    if (in_file[i] == 0) {
+      free_gaps(a.gaps[i]);
+    } else if (i < a.pinned.size() && a.pinned[i] != 0) {
+      // Sleeps in its file from now on: its pinned backup chunk goes back.
+      const std::size_t cb = i * chunk_;
+      (void)d_->cuMemHostUnregister(a.backup + cb);
+      (void)madvise(a.backup + cb, std::min(chunk_, a.backup_mapped - cb), MADV_DONTNEED);
+      a.pinned[i] = 0;
+    }
+  }
+  a.from_file = std::move(in_file);
+  a.dirty.assign(n, 0);
+  a.backup_valid = true;
+  return {};
 }
 
 std::uint64_t CudaBackend::bytes_copied_to_host() const {
@@ -892,7 +1218,25 @@ std::uint64_t CudaBackend::bytes_copied_to_host() const {
 std::uint64_t CudaBackend::pinned_host_bytes() const {
   std::lock_guard<std::mutex> lock(mu_);
   std::uint64_t n = 0;
-  for (const auto& [va, a] : allocations_) n += a.backup_mapped;
+  for (const auto& [va, a] : allocations_) {
+    for (std::size_t i = 0; i < a.pinned.size(); ++i)
+      if (a.pinned[i] != 0) n += std::min(chunk_, a.backup_mapped - i * chunk_);
+    for (const Gaps& g : a.gaps) n += g.mapped;
+  }
+  return n;
+}
+
+std::uint64_t CudaBackend::file_backed_bytes() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::uint64_t n = 0;
+  for (const auto& [va, a] : allocations_) {
+    for (const Piece& p : a.pieces) {
+      for (std::size_t i = p.off / chunk_; i * chunk_ < p.off + p.len && i < a.from_file.size(); ++i) {
+        if (a.from_file[i] == 0) continue;
+        n += std::min(p.off + p.len, (i + 1) * chunk_) - std::max(p.off, i * chunk_);
+      }
+    }
+  }
   return n;
 }
 

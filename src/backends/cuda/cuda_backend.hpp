@@ -17,6 +17,9 @@
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
+#include <functional>
+#include <string>
+#include <sys/types.h>
 #include <map>
 #include <thread>
 #include <memory>
@@ -36,6 +39,18 @@ class CudaBackend final : public Backend {
   std::uint64_t pinned_host_bytes() const override;
   void track_writes(void* base) override;
   void written(const void* addr, std::size_t bytes) override;
+  // A tracked allocation's range filled from a file (DESIGN §15): while the file is unchanged
+  // (inode, size, modification time) its bytes sleep in the file itself, which the first sleep maps
+  // read-only and registers (cuMemHostRegister READ_ONLY) so that a wake copies from it at the
+  // link's rate; the rest of such a copy chunk (alignment gaps, up to kMaxGapBytes) sleeps in a small
+  // pinned buffer. A chunk with more gaps, or whose file changed or cannot be registered, sleeps in
+  // the pinned backup as before; the fallback is said once per file through
+  // CudaBackendOptions::notice.
+  void filled_from_file(const void* addr, std::size_t bytes, int fd, std::uint64_t offset) override;
+  std::uint64_t file_backed_bytes() const override;
+  // The most bytes of a copy chunk that may be gaps (not from a file) for the chunk to sleep in
+  // its file: 1/16 of a 256 MiB chunk.
+  static constexpr std::size_t kMaxGapBytes = std::size_t{16} << 20;
   // The same, through the entry points in `driver` as given (tests substitute one to inject
   // failures). `driver` must outlive the backend.
   static Result<std::shared_ptr<CudaBackend>> create(const CudaBackendOptions& options, const Driver& driver);
@@ -108,6 +123,33 @@ class CudaBackend final : public Backend {
   std::size_t chunk_bytes() const { return chunk_; }
 
  private:
+  // A file that backs device ranges: our own descriptor of it (dup'ed), what it was when first
+  // seen, and, from the first sleep that needs it, the whole file mapped read-only and registered.
+  struct BackingFile {
+    int fd = -1;
+    std::string name;  // the path /proc/self/fd gave, for the log
+    dev_t dev = 0;
+    ino_t ino = 0;
+    off_t size = 0;
+    std::int64_t mtime_ns = 0;
+    char* map = nullptr;  // registered read-only while non-null
+    std::size_t map_len = 0;
+    bool unusable = false;  // changed, or cannot be mapped or registered: backs nothing from now on
+  };
+  // Device bytes [off, off + len) of an allocation equal the file's bytes at file_off.
+  struct Piece {
+    std::size_t off = 0;
+    std::size_t len = 0;
+    BackingFile* file = nullptr;
+    std::uint64_t file_off = 0;
+  };
+  // The bytes of a copy chunk that sleeps in its file but are not the file's: [off, off + len)
+  // ranges of the allocation, kept one after the other in a small pinned buffer.
+  struct Gaps {
+    char* buf = nullptr;
+    std::size_t mapped = 0;
+    std::vector<std::pair<std::size_t, std::size_t>> ranges;
+  };
   struct DeviceAllocation {
     CUdeviceptr va = 0;
     std::size_t size = 0;      // what the engine asked for
@@ -131,6 +173,14 @@ class CudaBackend final : public Backend {
     bool tracked = false;
     std::vector<std::uint8_t> dirty;
     std::uint64_t serial = 0;  // tells a freed allocation from a later one at the same address
+    // Which chunks of the backup mapping are pinned (registered): all after a whole pin_backup;
+    // only those that sleep in it for an allocation with file pieces. Empty: none.
+    std::vector<std::uint8_t> pinned;
+    // Tracked allocations filled from files: the pieces (sorted by off, disjoint); per copy chunk,
+    // whether its last sleep kept it in its file (1) or in the pinned backup (0), and its gaps.
+    std::vector<Piece> pieces;
+    std::vector<std::uint8_t> from_file;
+    std::vector<Gaps> gaps;
   };
   struct HostRange {
     void* base = nullptr;
@@ -163,8 +213,25 @@ class CudaBackend final : public Backend {
   // rounds nothing, but PyTorch's pinned allocator rounds to a power of two). A failure to pin
   // part-way rolls back: whatever was registered is unregistered, the memory is unmapped, and the
   // allocation stays resident.
-  Status pin_backup(DeviceAllocation& a, bool copy);
+  // With `need` (one flag per chunk), only those chunks are pinned (and copied), in the backup
+  // mapping made by the first call; the others stay unpinned. Pinned chunks are flagged in a.pinned.
+  Status pin_backup(DeviceAllocation& a, bool copy, const std::vector<std::uint8_t>* need = nullptr);
   void free_backup(DeviceAllocation& a);
+  // The sleep of a tracked allocation with file pieces: each written chunk is saved in its file and
+  // gap buffer, or in the pinned backup (see filled_from_file).
+  Status sleep_from_files(DeviceAllocation& a);
+  // Issues the copies that refill chunk `i` from its file pieces and gaps on `stream`.
+  CUresult restore_from_file(const DeviceAllocation& a, std::size_t i, CUstream stream) const;
+  // Whether `f` can back ranges now: unchanged since first seen, mapped and registered (done
+  // here the first time). When not, it is marked unusable and the notice says why, once.
+  bool file_ready(BackingFile& f);
+  // Whether `f`, as its descriptor sees it now, is still what was first seen.
+  static bool file_unchanged(const BackingFile& f);
+  void cut_pieces(DeviceAllocation& a, std::size_t begin, std::size_t end);
+  void free_gaps(Gaps& g);
+  // Unregisters, unmaps and closes the files no allocation's pieces refer to any more.
+  void drop_unused_files();
+  void say(const std::string& line) const;
   void unmap_chunks(DeviceAllocation& a, std::size_t count);
   Status wire_region(const RegionDesc& r);
   Status unwire_region(const RegionDesc& r);
@@ -207,6 +274,8 @@ class CudaBackend final : public Backend {
   std::uint64_t mapped_bytes_ = 0;     // reserved sizes of resident allocations
   std::uint64_t host_wired_bytes_ = 0; // host bytes registered by us
   std::uint64_t copied_to_host_ = 0;   // bytes sleeps copied device-to-host
+  std::map<std::pair<dev_t, ino_t>, std::unique_ptr<BackingFile>> files_;
+  std::function<void(const std::string&)> notice_;
   Status last_release_;
 };
 
