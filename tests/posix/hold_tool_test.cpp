@@ -155,7 +155,7 @@ TEST(HoldTool, SighupEndsTheHoldAsSigtermDoes) {
   EXPECT_EQ(::access(ledger.c_str(), F_OK), 0) << "the hold holds a share of the budget " << name;
   ASSERT_TRUE(h.signal(SIGHUP));
   EXPECT_EQ(h.wait_exit(5s), 0) << h.out() << h.err();
-  EXPECT_NE(h.out().find("residency hold: Hangup: unlocking and exiting"), std::string::npos) << h.out();
+  EXPECT_NE(h.out().find("residency hold: SIGHUP: unlocking and exiting"), std::string::npos) << h.out();
   EXPECT_NE(::access(ledger.c_str(), F_OK), 0) << "the ledger outlived its only holder: its share was not given back";
   if (auto why = pageout_unsupported_reason()) {
     std::printf("not checked by pageout: %s\n", why->c_str());
@@ -182,10 +182,10 @@ TEST(HoldTool, UnderNohupSighupIsIgnoredAndTheHoldGoesOn) {
   ASSERT_TRUE(h.signal(SIGHUP));
   ASSERT_EQ(h.wait_exit(500ms), -1) << "SIGHUP ended a hold that had it ignored: " << h.out() << h.err();
   EXPECT_EQ(h.vm_lck(), kSize) << "still holding the whole file";
-  EXPECT_EQ(h.out().find("Hangup"), std::string::npos) << h.out();
+  EXPECT_EQ(h.out().find("SIGHUP"), std::string::npos) << h.out();
   ASSERT_TRUE(h.signal(SIGTERM));
   EXPECT_EQ(h.wait_exit(5s), 0) << h.out() << h.err();
-  EXPECT_NE(h.out().find("Terminated: unlocking and exiting"), std::string::npos) << h.out();
+  EXPECT_NE(h.out().find("SIGTERM: unlocking and exiting"), std::string::npos) << h.out();
 }
 
 TEST(HoldTool, AKeepAliveEndsTheHoldByItself) {

@@ -1343,7 +1343,7 @@ TEST(SharedBudgetStoppedLock, SigintEndsAHoldWaitingForAStoppedAskedHolderAtOnce
   ::kill(a.pid, SIGCONT);
   EXPECT_EQ(rc, 0) << b.all();
   EXPECT_LT(took, ledger::kAskWait / 2) << b.all();
-  EXPECT_NE(b.out().find("Interrupt: unlocking and exiting"), std::string::npos) << b.all();
+  EXPECT_NE(b.out().find("SIGINT: unlocking and exiting"), std::string::npos) << b.all();
   EXPECT_EQ(b.vm_lck(), 0u);
   EXPECT_EQ(a.vm_lck(), kHold) << "a was never given an answer to give back for";
 }

@@ -213,7 +213,9 @@ Config hold_config(const HoldOptions& o) {
     config.keep_alive = KeepAlive::forever();  // vmtouch -l holds until stopped
   }
   if (!config.keep_alive.holds_between_uses())
-    throw BadInput("keep-alive " + config.keep_alive.to_string() +
+    throw BadInput((o.keep_alive ? "--keep-alive '" + printable(*o.keep_alive) + "': keep-alive "
+                                 : std::string("the environment's keep-alive (RESIDENCY_KEEP_ALIVE or its alias) is ")) +
+                   config.keep_alive.to_string() + (o.keep_alive ? "" : ": it") +
                    " wires nothing outside a use, and hold has no uses; give a duration (how long to hold) or forever");
   if (o.wired_limit) {
     auto w = parse_wired_limit(*o.wired_limit);
@@ -244,6 +246,17 @@ std::string wired_limit_source(const HoldOptions& o, const MemoryInfo& mem, std:
   return "the recommended working set; --wired-limit or RESIDENCY_WIRED_LIMIT sets another";
 }
 
+// The signals hold ends on, by the names `kill -s` takes (strsignal's "Terminated" would start a
+// line in capitals, and a user who sent it knows it by this name).
+const char* signal_name(int sig) {
+  switch (sig) {
+    case SIGINT: return "SIGINT";
+    case SIGTERM: return "SIGTERM";
+    case SIGHUP: return "SIGHUP";
+    default: return "a signal";
+  }
+}
+
 // The write end of a pipe the log callback signals when the manager releases.
 std::atomic<int> g_released_fd{-1};
 
@@ -254,7 +267,8 @@ std::atomic<int> g_released_fd{-1};
 class SignalsWhileStarting {
  public:
   explicit SignalsWhileStarting(int sfd) : sfd_(sfd) {
-    if (::pipe2(stop_, O_CLOEXEC) != 0) throw std::runtime_error(std::string("pipe: ") + std::strerror(errno));
+    if (::pipe2(stop_, O_CLOEXEC) != 0)
+      throw std::runtime_error(std::string("cannot set up signal handling (pipe): ") + std::strerror(errno));
     thread_ = std::thread([this] {
       pollfd fds[2] = {{sfd_, POLLIN, 0}, {stop_[0], POLLIN, 0}};
       while (::poll(fds, 2, -1) < 0 && errno == EINTR) {
@@ -319,11 +333,12 @@ int run_hold(const HoldOptions& o) {
     if (s == SIGHUP && ::sigaction(s, nullptr, &old) == 0 && old.sa_handler == SIG_IGN) continue;
     sigaddset(&mask, s);
   }
-  if (pthread_sigmask(SIG_BLOCK, &mask, nullptr) != 0) throw std::runtime_error("cannot block signals");
+  if (const int err = pthread_sigmask(SIG_BLOCK, &mask, nullptr); err != 0)
+    throw std::runtime_error(std::string("cannot set up signal handling (pthread_sigmask): ") + std::strerror(err));
   const int sfd = ::signalfd(-1, &mask, SFD_CLOEXEC);
   int released[2] = {-1, -1};
   if (sfd < 0 || ::pipe2(released, O_CLOEXEC | O_NONBLOCK) != 0)
-    throw std::runtime_error(std::string("signalfd/pipe: ") + std::strerror(errno));
+    throw std::runtime_error(std::string("cannot set up signal handling (signalfd, pipe): ") + std::strerror(errno));
   g_released_fd = released[1];
   std::mutex reason_mu;  // the reason is written on the scheduler's thread, read here
   std::string release_reason;
@@ -350,7 +365,7 @@ int run_hold(const HoldOptions& o) {
   auto manager = Manager::create(mo);
   if (!manager) {
     if (const int sig = starting->finish()) {
-      std::printf("residency hold: %s while joining the shared budget: exiting\n", strsignal(sig));
+      std::printf("residency hold: %s while joining the shared budget: exiting\n", signal_name(sig));
       return kExitOk;
     }
     throw BadInput(manager.message());
@@ -391,7 +406,7 @@ int run_hold(const HoldOptions& o) {
   std::fflush(stdout);
   int status = kExitOk;
   if (early_signal != 0) {
-    std::printf("residency hold: %s: unlocking and exiting\n", strsignal(early_signal));
+    std::printf("residency hold: %s: unlocking and exiting\n", signal_name(early_signal));
   } else if (s.wired_bytes == 0) {
     std::fprintf(stderr, "residency hold: nothing could be wired; exiting\n");
     status = kExitFailure;
@@ -417,7 +432,7 @@ int run_hold(const HoldOptions& o) {
       if (fds[0].revents & POLLIN) {
         signalfd_siginfo si{};
         if (::read(sfd, &si, sizeof si) == sizeof si)
-          std::printf("residency hold: %s: unlocking and exiting\n", strsignal(static_cast<int>(si.ssi_signo)));
+          std::printf("residency hold: %s: unlocking and exiting\n", signal_name(static_cast<int>(si.ssi_signo)));
         break;
       }
       if (fds[1].revents & POLLIN) {

@@ -194,7 +194,7 @@ const Command idle_command{
       add_text_option(app, "--pressure", a->pressure,
                       "none, pageout or hog:SIZE (e.g. hog:8GiB); default pageout with --backend posix, else none");
       add_text_option(app, "--pauses", a->pauses,
-                      "comma-separated pauses in ms, each at most 3600000 (1 h) (default 0,800,1600,2400,3200,4000)");
+                      "comma-separated pauses in ms, each at most 3600000 (1 h); default 0,800,1600,2400,3200,4000");
       add_whole_number(app, "--iters", a->iters, 1, kIdleMaxIters, "iterations per pause and policy (1 to 1000; default 3)");
       app.add_option("--out", a->out,
                      "directory for idle.json, idle.csv, idle.png (default: a new temporary directory, "

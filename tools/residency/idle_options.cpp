@@ -47,7 +47,7 @@ Result<IdleOptions> parse_idle_options(const IdleRequest& a) {
   if (std::find(backends.begin(), backends.end(), a.backend) == backends.end()) {
     std::string accepted;
     for (const auto& b : backends) accepted += (accepted.empty() ? "" : ", ") + b;
-    return bad("unknown backend '" + printable(a.backend) + "'; this build accepts: " + accepted);
+    return bad("--backend: unknown backend '" + printable(a.backend) + "'; this build accepts: " + accepted);
   }
   o.backend = a.backend;
   // The policies' names first (their errors come before the duration's), read once; the
@@ -100,15 +100,17 @@ Result<IdleOptions> parse_idle_options(const IdleRequest& a) {
     o.benchmark.schedule.pauses = *pauses;
   }
   if (a.iters < 1 || a.iters > kIdleMaxIters) {
-    return bad("--iters " + std::to_string(a.iters) + ": accepted 1 to " + std::to_string(kIdleMaxIters));
+    return bad("--iters " + std::to_string(a.iters) + ": out of range; accepted: 1 to " +
+               std::to_string(kIdleMaxIters));
   }
   o.benchmark.schedule.iters = a.iters;
   if (a.threads > kIdleMaxThreads) {
-    return bad("--threads " + std::to_string(a.threads) + ": accepted 0 (one per core) to " +
+    return bad("--threads " + std::to_string(a.threads) + ": out of range; accepted: 0 (one per core) to " +
                std::to_string(kIdleMaxThreads));
   }
   if (a.backend != "sim" && (!a.profile.empty() || a.decaying_requests)) {
-    return bad("--profile and --decaying-requests apply to --backend sim only");
+    return bad("--profile and --decaying-requests apply to --backend sim only, not to --backend " +
+               printable(a.backend));
   }
   o.pressure_text = a.pressure ? *a.pressure : (a.backend == "posix" ? "pageout" : "none");
   auto pressure = parse_pressure(o.pressure_text);

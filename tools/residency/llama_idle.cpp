@@ -102,13 +102,16 @@ int run(const Args& a) {
     auto ka = parse_keep_alive(*a.keep_alive);
     if (!ka) throw BadInput("--keep-alive: " + ka.message());
     if (!ka->expires()) {
-      throw BadInput("--keep-alive '" + printable(*a.keep_alive) + "': give a duration (e.g. 2s)");
+      throw BadInput("--keep-alive '" + printable(*a.keep_alive) +
+                     "': the keep-alive configurations need a duration above 0 and at most 3.5 s (e.g. 2s); "
+                     "configuration 0 is named in --configs");
     }
     o.keep_alive = ka->duration;
   } else if (env_keep_alive) {
     if (!env->keep_alive.expires()) {
       throw BadInput("the environment's keep-alive (RESIDENCY_KEEP_ALIVE or its alias) is " +
-                     env->keep_alive.to_string() + ": the keep-alive configuration needs a duration; give --keep-alive");
+                     env->keep_alive.to_string() +
+                     ": the keep-alive configurations need a duration above 0; give --keep-alive (e.g. 2s)");
     }
     o.keep_alive = env->keep_alive.duration;
   }
@@ -124,29 +127,35 @@ int run(const Args& a) {
     if (::access(o.preload.c_str(), R_OK) == 0)
       configs += o.pressure.kind == Pressure::Kind::hog ? ",keep-alive,pressure-aware,0" : ",keep-alive,0";
     else
-      std::printf("note: no libresidency_preload.so at %s: the preload configurations are left out\n",
-                  printable(o.preload, 400).c_str());
+      std::printf(
+          "residency llama-idle: note: no libresidency_preload.so at %s: the preload configurations are left out\n",
+          printable(o.preload, 400).c_str());
     configs += ",no-mmap";
     if (::access(o.engine.c_str(), X_OK) == 0) {
       configs += ",engine";
     } else if (!a.engine.empty()) {
-      std::printf("note: --engine %s is not an executable: the engine configuration is left out\n",
-                  printable(o.engine, 400).c_str());
+      std::printf(
+          "residency llama-idle: note: --engine %s is not an executable: the engine configuration is left out\n",
+          printable(o.engine, 400).c_str());
     } else {  // an installed tool: the example is built in the build tree, not installed
       std::printf(
-          "note: no llama_engine example at %s (it is built in the build tree, examples/llama_engine, and "
-          "not installed): the engine configuration is left out; give --engine PATH to include it\n",
+          "residency llama-idle: note: no llama_engine example at %s (it is built in the build tree, "
+          "examples/llama_engine, and not installed): the engine configuration is left out; give --engine PATH to "
+          "include it\n",
           printable(o.engine, 400).c_str());
     }
   }
   std::stringstream ss(configs);
   for (std::string id; std::getline(ss, id, ',');) o.configs.push_back(id);
-  if (o.configs.empty()) throw BadInput("--configs: empty");
+  if (o.configs.empty())
+    throw BadInput(
+        "--configs: empty; accepted: comma-separated mmap, mlock, keep-alive, pressure-aware, 0, no-mmap, engine");
 
   // The model: given, or a synthetic one (removed afterwards).
   std::optional<TempDir> work;
   if (!a.model.empty() && a.model_size)
-    throw BadInput("--model-size describes the synthetic model, but MODEL was given");
+    throw BadInput("--model-size describes the synthetic model, but MODEL was given (" + printable(a.model) +
+                   "); leave out one or the other");
   if (!a.out.empty()) {  // the results must not be lost at the end of a long run
     std::error_code ec;
     const fs::path out(a.out);
@@ -154,7 +163,8 @@ int run(const Args& a) {
     while (!existing.empty() && !fs::exists(existing, ec)) existing = existing.parent_path();
     if (existing.empty()) existing = ".";
     if (!fs::is_directory(existing, ec))
-      throw BadInput("--out " + printable(a.out) + ": " + printable(existing.string()) + " is not a directory");
+      throw BadInput("--out '" + printable(a.out) + "': '" + printable(existing.string()) +
+                     "' is not a directory; give a directory, or a new path in one");
     if (Status st = check_writable(existing.string(), 512u << 10, "--out " + printable(a.out)); !st)
       throw BadInput(st.message());
   }
@@ -203,7 +213,7 @@ int run(const Args& a) {
   } else {
     std::error_code ec;
     fs::create_directories(out, ec);
-    if (ec) throw std::runtime_error("--out " + printable(out) + ": " + ec.message());
+    if (ec) throw std::runtime_error("--out '" + printable(out) + "': cannot create it: " + ec.message());
   }
   std::vector<std::string> files;
   const std::string csv = out + "/llama-idle.csv";
@@ -280,14 +290,14 @@ const Command cmd{
       app.add_option("--pressure", a->pressure,
                      "none, pageout (default: process_madvise MADV_PAGEOUT over the model's file and the anonymous "
                      "mappings, + FADV_DONTNEED, at the end of each pause) or hog:SIZE");
-      add_whole_number(app, "--rounds", a->rounds, 1, 20, "runs of every configuration, interleaved (1-20; default 1)");
+      add_whole_number(app, "--rounds", a->rounds, 1, 20, "runs of every configuration, interleaved (1 to 20; default 1)");
       app.add_option("--out", a->out, "directory for llama-idle.{csv,json,png}; default: a new temporary directory");
       add_text_option(app, "--model-size", a->model_size, "size of the synthetic model (default 1GiB); not with MODEL");
       app.footer(
           "Environment: RESIDENCY_* are checked as by `idle` (a bad value: one line, exit 2) and passed to the\n"
           "preload configurations, except RESIDENCY_KEEP_ALIVE and RESIDENCY_RELEASE_ON_PRESSURE, which each\n"
           "configuration sets (--keep-alive defaults to RESIDENCY_KEEP_ALIVE).");
-      app.add_flag_function("--no-plot", [a](std::int64_t n) { a->plot = n == 0; }, "skip the PNG plot");
+      app.add_flag_function("--no-plot", [a](std::int64_t n) { a->plot = n == 0; }, "do not draw llama-idle.png");
       app.add_flag("--no-repack", a->no_repack,
                    "llama.cpp's extra buffer types off in every configuration (llama-idle -nr, llama_engine "
                    "--no-repack): the weights stay in the file mapping instead of AMX or CPU_REPACK copies");

@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: MIT
 // residency: the command-line tool. Subcommands register themselves (command.hpp).
 #include <algorithm>
+#include <cctype>
 #include <cerrno>
 #include <csignal>
 #include <cstdio>
@@ -55,6 +56,17 @@ void name_placeholders(CLI::App& sub) {
 }  // namespace residency::tool
 
 namespace {
+// CLI11's messages in the tool's voice: ours start in lower case ("unknown command 'x'"), CLI11's
+// with a capital ("The following argument was not expected: --x", "A subcommand is required",
+// "--iters: At Most 1 required but received 2"). A first word in capitals (FILE, OUT) is a
+// placeholder's name and stays as it is.
+std::string cli11_voice(std::string m) {
+  if (const auto at = m.find("At Most "); at != std::string::npos) m.replace(at, 8, "at most ");
+  if (m.size() > 1 && std::isupper(static_cast<unsigned char>(m[0])) && std::islower(static_cast<unsigned char>(m[1])))
+    m[0] = static_cast<char>(std::tolower(static_cast<unsigned char>(m[0])));
+  return m;
+}
+
 // stdout was written whole (see output_ok below): 0, else one message and 1.
 int output_ok_plain() {
   errno = 0;
@@ -79,11 +91,18 @@ int main(int argc, char** argv) {
   CLI::App app{"residency: keep model memory resident while requests flow, and measure what idle costs"};
   app.name("residency");
   app.require_subcommand(1);
+  // CLI11's own words in the tool's: lower case, and "command" as in `residency help COMMAND`.
+  // The subcommands take the help flag's description from here.
+  app.set_help_flag("-h,--help", "print this help and exit");
+  app.add_flag("-V,--version")->description("print the version and exit");  // answered before parsing (below)
+  app.get_formatter()->label("SUBCOMMAND", "COMMAND");
+  app.get_formatter()->label("Excludes", "not with");
   std::map<CLI::App*, std::function<int()>> runners;
   auto& entries = registry();
   std::sort(entries.begin(), entries.end(), [](const Entry& a, const Entry& b) { return a.name < b.name; });
   for (auto& e : entries) {
     CLI::App* sub = app.add_subcommand(e.name, e.help);
+    sub->group("Commands");
     runners[sub] = e.setup(*sub);
     name_placeholders(*sub);
   }
@@ -114,6 +133,15 @@ int main(int argc, char** argv) {
     std::fputs(app.get_subcommand(e->name)->help("residency").c_str(), stdout);
     return output_ok_plain();
   }
+  // An option before the command: only --help and --version are residency's own (CLI11 would say
+  // only "a subcommand is required", or blame the command that follows).
+  if (argv[1][0] == '-' && first != "-h" && first != "--help") {
+    std::string names;
+    for (const auto& e : entries) names += (names.empty() ? "" : ", ") + e.name;
+    std::fprintf(stderr, "residency: unknown option '%s'; accepted: --help, --version, or a command first: %s, help\n",
+                 residency::printable(argv[1]).c_str(), names.c_str());
+    return kExitBadInput;
+  }
   if (argv[1][0] != '-' && std::none_of(entries.begin(), entries.end(), [&](const Entry& e) { return e.name == argv[1]; })) {
     std::string names;
     for (const auto& e : entries) names += (names.empty() ? "" : ", ") + e.name;
@@ -136,7 +164,8 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "%s: %s\n", who().c_str(), e.what());
     return kExitBadInput;
   } catch (const CLI::ParseError& e) {  // CLI11's own messages quote raw arguments
-    std::fprintf(stderr, "%s: %s (--help lists the options)\n", who().c_str(), residency::printable(e.what(), 400).c_str());
+    std::fprintf(stderr, "%s: %s (--help lists the options)\n", who().c_str(),
+                 residency::printable(cli11_voice(e.what()), 400).c_str());
     return kExitBadInput;
   }
   // What was printed must have been written: stdout on a full disk, /dev/full or a closed pipe

@@ -43,9 +43,11 @@ int run_make_model(const MakeModelArgs& a) {
   }
   const std::string dir = out.has_parent_path() ? out.parent_path().string() : ".";
   std::error_code ec;
-  if (!std::filesystem::is_directory(dir, ec)) throw BadInput(printable(dir) + ": no such directory");
+  if (!std::filesystem::is_directory(dir, ec))
+    throw BadInput("OUT '" + shown + "': no such directory '" + printable(dir) +
+                   "'; create it first, or give a path in an existing directory");
   if (std::filesystem::exists(std::filesystem::symlink_status(out, ec)) && !a.force) {
-    throw BadInput(shown + ": already exists; choose another name or pass --force to overwrite it");
+    throw BadInput("OUT '" + shown + "': already exists; choose another name or pass --force to overwrite it");
   }
   // --force replaces a regular file only (not a directory, nor /dev/null): refused before writing.
   if (Status st = workload::check_replaceable(a.out); !st) throw BadInput(st.message());
