@@ -112,7 +112,8 @@ TEST_F(FileBackingTest, WeightsFilledFromTheirFileSleepInItAndWakeFromItExactly)
   for (int i = 0; sizes.size() < 48; ++i) sizes.push_back((std::size_t{85} << 20) + 4099 * i + 33);
   const Layout l = lay_out(sizes);
   constexpr std::size_t kOther = std::size_t{300} << 20;
-  const std::size_t size = l.device_bytes + kOther;
+  const std::size_t other_off = (l.device_bytes + 255) / 256 * 256;  // the pattern kernel writes 8-byte words
+  const std::size_t size = other_off + kOther;
   make_file("model.gguf", l.file_bytes, 7);
   if (HasFatalFailure()) return;
   void* p = allocate_filled(*backend_, size, RegionClass::weights, 41);  // the gaps keep this
@@ -121,7 +122,7 @@ TEST_F(FileBackingTest, WeightsFilledFromTheirFileSleepInItAndWakeFromItExactly)
   resident_set(*backend_, 0, device_region(1, p, size, RegionClass::weights));
   fill_from_file(*backend_, p, l);
   if (HasFatalFailure()) return;
-  char* other = static_cast<char*>(p) + l.device_bytes;
+  char* other = static_cast<char*>(p) + other_off;
   backend_->written(other, kOther);
   ASSERT_TRUE(kernels_->fill(dptr(other), kOther, 42));
   sync();
@@ -169,8 +170,8 @@ TEST_F(FileBackingTest, WeightsFilledFromTheirFileSleepInItAndWakeFromItExactly)
 
   // A reported write into a file tensor: the bytes are no longer the file's, and survive.
   char* t3 = static_cast<char*>(p) + l.tensors[3].dev_off;
-  backend_->written(t3 + 100, 4096);
-  ASSERT_TRUE(kernels_->fill(dptr(t3 + 100), 4096, 43));
+  backend_->written(t3 + 128, 4096);
+  ASSERT_TRUE(kernels_->fill(dptr(t3 + 128), 4096, 43));
   sync();
   const std::vector<char> written = read_device(p, size);
   const std::uint64_t third = sleep("after a write,");
