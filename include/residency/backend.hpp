@@ -177,6 +177,12 @@ class Backend {
   // (optional) Bytes of this process's device memory whose backup is a file (filled_from_file),
   // not pinned host memory: for `residency stat`. Default: 0.
   virtual std::uint64_t file_backed_bytes() const;
+  // (optional) A call began on another thread while end_residency() may be running: the backend
+  // may stop that release before it gives anything back (the memory is still mapped while its
+  // backup is copied), leave the set resident and return ErrorCode::interrupted, so that the call
+  // finds its memory in place instead of waiting for the release and then a wake. Lock-free, from
+  // any thread; ignored when no release is running. Default: releases run to the end.
+  virtual void interrupt_release();
 };
 
 }  // namespace residency

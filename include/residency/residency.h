@@ -80,7 +80,8 @@ typedef enum residency_status {
   RESIDENCY_UNSUPPORTED = 5,
   RESIDENCY_NOT_FOUND = 6,
   RESIDENCY_IO_ERROR = 7,
-  RESIDENCY_BACKEND_ERROR = 8
+  RESIDENCY_BACKEND_ERROR = 8,
+  RESIDENCY_INTERRUPTED = 9 /* a release stopped because a call began; nothing was lost */
 } residency_status;
 
 /* Region classes. Functions take them as int, so that any value a caller passes is checked

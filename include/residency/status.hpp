@@ -22,6 +22,7 @@ enum class ErrorCode {
   not_found,          // an unknown region, file or id
   io_error,           // reading a file or a /proc entry failed
   backend_error,      // any other backend failure (its message says which call)
+  interrupted,        // a release stopped because a call began (Backend::interrupt_release)
 };
 
 // Returns a stable lower-case name ("invalid_argument", ...).

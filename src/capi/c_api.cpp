@@ -77,6 +77,7 @@ residency_status code_of(ErrorCode c) {
     case ErrorCode::not_found: return RESIDENCY_NOT_FOUND;
     case ErrorCode::io_error: return RESIDENCY_IO_ERROR;
     case ErrorCode::backend_error: return RESIDENCY_BACKEND_ERROR;
+    case ErrorCode::interrupted: return RESIDENCY_INTERRUPTED;
   }
   return RESIDENCY_BACKEND_ERROR;
 }

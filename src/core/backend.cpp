@@ -29,5 +29,6 @@ void Backend::filled_from_file(const void* addr, std::size_t bytes, int /*fd*/, 
   written(addr, bytes);
 }
 std::uint64_t Backend::file_backed_bytes() const { return 0; }
+void Backend::interrupt_release() {}
 
 }  // namespace residency

@@ -171,8 +171,11 @@ struct Manager::Impl {
     return (*r)->desc.id;
   }
 
-  // The slow path of touch(): the memory was released; wire it again before the caller computes.
+  // The slow path of touch(): the memory was released, or is being released; wire it again before
+  // the caller computes. A release still running is asked to stop first (the backend may keep
+  // the memory it has not yet given back), so that the caller does not wait for it and a wake.
   [[gnu::noinline]] void rewire(const char* why) noexcept {
+    backend->interrupt_release();
     try {
       Locked g(*this);
       cycle.rewire(why);

@@ -17,6 +17,7 @@ const char* to_string(ErrorCode code) noexcept {
     case ErrorCode::not_found: return "not_found";
     case ErrorCode::io_error: return "io_error";
     case ErrorCode::backend_error: return "backend_error";
+    case ErrorCode::interrupted: return "interrupted";
   }
   return "unknown";
 }

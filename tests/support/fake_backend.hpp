@@ -185,7 +185,23 @@ class FakeBackend : public Backend {
     return out;
   }
   Status end_residency(SetId set) override {
+    std::function<void()> meanwhile;
+    {
+      std::lock_guard<std::recursive_mutex> g(mu);
+      meanwhile = during_end_residency;
+    }
+    {
+      std::lock_guard<std::recursive_mutex> g(mu);
+      releasing_now = true;
+    }
+    if (meanwhile) meanwhile();  // what the test makes happen while this release runs
     std::lock_guard<std::recursive_mutex> g(mu);
+    releasing_now = false;
+    if (interrupt_pending) {  // as a backend may (Backend::interrupt_release): nothing given back
+      interrupt_pending = false;
+      ++interrupted_ends;
+      return Status(ErrorCode::interrupted, "FAKE: a call began; the release stopped");
+    }
     if (fail_end_residency) {
       ++failed_ends;
       return Status(ErrorCode::out_of_memory, "FAKE: no host memory for the backup");
@@ -201,6 +217,11 @@ class FakeBackend : public Backend {
     ++sets[set].refreshes;
     ++total_refreshes;
     return {};
+  }
+  void interrupt_release() override {
+    interrupts.fetch_add(1);
+    std::lock_guard<std::recursive_mutex> g(mu);
+    if (releasing_now) interrupt_pending = true;
   }
   void after_release() override {
     std::lock_guard<std::recursive_mutex> g(mu);
@@ -269,6 +290,13 @@ class FakeBackend : public Backend {
   std::set<char*> tracked;
   std::vector<std::pair<std::uintptr_t, std::size_t>> writes;  // (address, bytes)
   std::vector<FileFill> fills;
+  // Release interruption: run (without the lock) inside each end_residency; interrupt_release()
+  // calls, and the releases they stopped.
+  std::function<void()> during_end_residency;
+  std::atomic<int> interrupts{0};
+  bool releasing_now = false;
+  bool interrupt_pending = false;
+  int interrupted_ends = 0;
   int sets_created = 0, sets_destroyed = 0, total_commits = 0, total_requests = 0, total_ends = 0,
       total_refreshes = 0, after_release_calls = 0;
   std::uint64_t rewired_bytes = 0;

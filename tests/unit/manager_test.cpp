@@ -785,6 +785,45 @@ TEST_F(ManagerTest, AFailedReleaseIsReportedAndTheStateStaysTrue) {
   EXPECT_EQ(m->stats().wired_bytes, 0u);
 }
 
+// DESIGN §14: a call that begins while the keep-alive's release runs asks the backend to stop it;
+// a backend that stops before giving anything back leaves the memory wired, and the call finds it
+// in place (no re-wire). That is an info line, not a failure, and the keep-alive releases as
+// always after that use.
+TEST_F(ManagerTest, ACallThatBeginsDuringAReleaseStopsItAndFindsTheMemoryInPlace) {
+  auto m = make(with_keep_alive("10s"));
+  reg(*m, 100 * MiB);
+  std::thread toucher;
+  fake->during_end_residency = [&] {
+    toucher = std::thread([&] { m->touch(); });
+    for (int i = 0; i < 5000 && fake->interrupts.load() == 0; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  };
+  advance(std::chrono::seconds(11));
+  m->run_due();
+  ASSERT_TRUE(toucher.joinable());
+  toucher.join();
+  fake->during_end_residency = nullptr;
+  EXPECT_EQ(fake->interrupts.load(), 1);
+  EXPECT_EQ(fake->interrupted_ends, 1);
+  EXPECT_EQ(fake->resident_bytes(), 100 * MiB) << "the backend still holds it";
+  const Stats s = m->stats();
+  EXPECT_EQ(s.wired_bytes, 100 * MiB);
+  EXPECT_EQ(s.release_failures, 0u);
+  EXPECT_EQ(s.releases, 0u);
+  EXPECT_EQ(s.rewires, 0u) << "the memory never left: nothing to re-wire";
+  EXPECT_TRUE(logs.contains(LogLevel::info, "release stopped"));
+  EXPECT_TRUE(logs.contains(LogLevel::info, "a call began; 100.00 MiB stay wired"));
+  EXPECT_FALSE(logs.contains(LogLevel::warn, "could not release"));
+
+  // The keep-alive counts from that use and releases after it.
+  advance(std::chrono::seconds(11));
+  m->run_due();
+  EXPECT_EQ(fake->resident_bytes(), 0u);
+  EXPECT_EQ(m->stats().releases, 1u);
+  m->touch();
+  EXPECT_EQ(fake->resident_bytes(), 100 * MiB);
+  EXPECT_EQ(m->stats().rewires, 1u);
+}
+
 // touch(id) is what makes least-recently-used mean the engine's order: the regions it touched
 // last stay when the budget shrinks, whatever the registration order.
 TEST_F(ManagerTest, TouchByIdDecidesWhoLeavesWhenTheBudgetShrinks) {

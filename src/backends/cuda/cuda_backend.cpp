@@ -457,6 +457,7 @@ Status CudaBackend::wake(DeviceAllocation& a) {
       unmap_chunks(a, a.chunks.size());
       return st;
     }
+    copied_to_device_ += a.size;
   }
   a.resident = true;
   if (a.tracked && restore) {
@@ -474,6 +475,21 @@ Status CudaBackend::wake(DeviceAllocation& a) {
 // failure the allocation stays resident: nothing is released before the backup is whole.
 // The first sleep builds the backup while it copies (pin_backup).
 Status CudaBackend::sleep(DeviceAllocation& a) {
+  Status st = save(a);
+  if (!st) return st;
+  drop(a);
+  return {};
+}
+
+void CudaBackend::drop(DeviceAllocation& a) {
+  if (!a.resident) return;
+  unmap_chunks(a, a.chunks.size());
+  a.resident = false;
+  mapped_bytes_ -= a.reserved;
+}
+
+// What a sleep keeps of `a` (weights only), made while the memory is still mapped.
+Status CudaBackend::save(DeviceAllocation& a) {
   if (!a.resident) return {};
   if (a.cls == RegionClass::weights && a.tracked && !a.pieces.empty()) {
     Status st = sleep_from_files(a);
@@ -487,17 +503,29 @@ Status CudaBackend::sleep(DeviceAllocation& a) {
       if (!st) return st;
       copied_to_host_ += a.size;
     } else {
+      // Pieces of at most kCopyPiece, one in flight per stream: a call that begins meanwhile
+      // (interrupt_release) stops the copying within a piece's time per stream, and the
+      // allocation stays resident (its backup is then not valid, so the next sleep copies again).
       const std::size_t n = (a.size + chunk_ - 1) / chunk_;
+      std::size_t k = 0;  // pieces issued
       for (std::size_t i = 0; i < n; ++i) {
         if (only_written && a.dirty[i] == 0) continue;
-        const std::size_t off = i * chunk_;
-        const std::size_t bytes = std::min(chunk_, a.size - off);
-        const CUresult r = d_->cuMemcpyDtoHAsync(a.backup + off, a.va + off, bytes, streams_[i % streams_.size()]);
-        if (r != CUDA_SUCCESS) {
-          (void)sync_streams();
-          return d_->error(r, "copying weights at " + hex(a.va) + " to the host backup; the allocation stays resident", "cuMemcpyDtoHAsync");
+        const std::size_t end = std::min(a.size, (i + 1) * chunk_);
+        for (std::size_t off = i * chunk_; off < end; off += kCopyPiece, ++k) {
+          CUstream stream = streams_[k % streams_.size()];
+          if (k >= streams_.size()) (void)d_->cuStreamSynchronize(stream);  // its previous piece
+          if (interrupt_wanted()) {
+            (void)sync_streams();
+            return Status(ErrorCode::interrupted, "cuda: a call began; the release stopped while copying");
+          }
+          const std::size_t bytes = std::min(kCopyPiece, end - off);
+          const CUresult r = d_->cuMemcpyDtoHAsync(a.backup + off, a.va + off, bytes, stream);
+          if (r != CUDA_SUCCESS) {
+            (void)sync_streams();
+            return d_->error(r, "copying weights at " + hex(a.va) + " to the host backup; the allocation stays resident", "cuMemcpyDtoHAsync");
+          }
+          copied_to_host_ += bytes;
         }
-        copied_to_host_ += bytes;
       }
       Status st = sync_streams();
       if (!st) return Status(st.code(), st.message() + "; the allocation stays resident");
@@ -505,9 +533,6 @@ Status CudaBackend::sleep(DeviceAllocation& a) {
     a.backup_valid = true;
     if (a.tracked) a.dirty.assign((a.size + chunk_ - 1) / chunk_, 0);
   }
-  unmap_chunks(a, a.chunks.size());
-  a.resident = false;
-  mapped_bytes_ -= a.reserved;
   return {};
 }
 
@@ -784,7 +809,7 @@ SetOutcome CudaBackend::wake_members(const std::vector<RegionDesc>& members) {
   return out;
 }
 
-Status CudaBackend::sleep_members(const std::vector<RegionDesc>& members) {
+Status CudaBackend::sleep_members(const std::vector<RegionDesc>& members, bool interruptible) {
   if (members.empty()) return {};
   ContextScope scope(*d_, ctx_);
   if (!scope.ok()) return Status(ErrorCode::backend_error, "cuda: cannot make the primary context current");
@@ -798,11 +823,56 @@ Status CudaBackend::sleep_members(const std::vector<RegionDesc>& members) {
       return d_->error(r, "waiting for the device before a release (nothing was released)", "cuCtxSynchronize");
     }
   }
+  // First every device member's backup, while its memory is mapped: a call that begins meanwhile
+  // (interrupt_release) stops the release here and finds everything in place. Then, past the last
+  // look, the memory is given back.
+  std::vector<DeviceAllocation*> saved;
+  auto interrupted = [&] {
+    if (!interruptible || !interrupt_wanted()) return false;
+    // Still resident: an untracked backup is only valid from a sleep to the next wake.
+    for (DeviceAllocation* a : saved)
+      if (!a->tracked) a->backup_valid = false;
+    return true;
+  };
+  const Status stopped(ErrorCode::interrupted, "cuda: a call began; the release stopped before giving anything back");
   for (const auto& m : members) {
+    if (!m.backend_allocated) continue;
+    if (interrupted()) return stopped;
+    auto it = allocations_.find(static_cast<CUdeviceptr>(reinterpret_cast<std::uintptr_t>(m.base)));
+    if (it == allocations_.end()) continue;  // unwire_region says so below
+    Status st = save(it->second);
+    if (st.code() == ErrorCode::interrupted) {
+      (void)interrupted();
+      return stopped;
+    }
+    if (!st) {
+      if (first) first = st;
+      continue;
+    }
+    saved.push_back(&it->second);
+  }
+  if (interrupted()) return stopped;
+  for (const auto& m : members) {
+    if (m.backend_allocated) {
+      auto it = allocations_.find(static_cast<CUdeviceptr>(reinterpret_cast<std::uintptr_t>(m.base)));
+      if (it != allocations_.end() && std::find(saved.begin(), saved.end(), &it->second) != saved.end()) {
+        drop(it->second);
+        continue;
+      }
+      if (it != allocations_.end()) continue;  // its save failed: it stays resident (reported above)
+    }
     Status st = unwire_region(m);
     if (!st && first) first = st;
   }
   return first;
+}
+
+bool CudaBackend::interrupt_wanted() const {
+  return releasing_.load(std::memory_order_acquire) && interrupt_.load(std::memory_order_acquire);
+}
+
+void CudaBackend::interrupt_release() {
+  if (releasing_.load(std::memory_order_acquire)) interrupt_.store(true, std::memory_order_release);
 }
 
 Status CudaBackend::create_set(SetId set, std::uint64_t /*capacity_bytes*/) {
@@ -901,7 +971,10 @@ Status CudaBackend::end_residency(SetId set) {
   std::vector<RegionDesc> release;
   for (const auto& m : it->second.members)
     if (!wanted(m.id)) release.push_back(m);
-  last_release_ = sleep_members(release);
+  releasing_.store(true, std::memory_order_release);
+  interrupt_.store(false, std::memory_order_release);  // one of an earlier release, come too late
+  last_release_ = sleep_members(release, /*interruptible=*/true);
+  releasing_.store(false, std::memory_order_release);
   // What could not sleep is still resident: the set stays requested, as the manager will see.
   if (!last_release_) it->second.requested = true;
   return last_release_;
@@ -1213,6 +1286,11 @@ Status CudaBackend::sleep_from_files(DeviceAllocation& a) {
 std::uint64_t CudaBackend::bytes_copied_to_host() const {
   std::lock_guard<std::mutex> lock(mu_);
   return copied_to_host_;
+}
+
+std::uint64_t CudaBackend::bytes_copied_to_device() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return copied_to_device_;
 }
 
 std::uint64_t CudaBackend::pinned_host_bytes() const {

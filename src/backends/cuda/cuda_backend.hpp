@@ -48,6 +48,11 @@ class CudaBackend final : public Backend {
   // CudaBackendOptions::notice.
   void filled_from_file(const void* addr, std::size_t bytes, int fd, std::uint64_t offset) override;
   std::uint64_t file_backed_bytes() const override;
+  // A release in end_residency() stops before its first unmap (DESIGN §14).
+  void interrupt_release() override;
+  // One copy of a release in flight per stream is at most this: how long a call that begins
+  // waits for the copies already issued (about 1.2 ms at 55 GB/s).
+  static constexpr std::size_t kCopyPiece = std::size_t{64} << 20;
   // The most bytes of a copy chunk that may be gaps (not from a file) for the chunk to sleep in
   // its file: 1/16 of a 256 MiB chunk.
   static constexpr std::size_t kMaxGapBytes = std::size_t{16} << 20;
@@ -112,6 +117,8 @@ class CudaBackend final : public Backend {
   // Bytes the sleeps of this backend copied to host backups, over its life (tests and tools: a
   // tracked allocation that nobody wrote copies nothing at its second sleep).
   std::uint64_t bytes_copied_to_host() const;
+  // Bytes the wakes of this backend restored to the device (from backups or files), over its life.
+  std::uint64_t bytes_copied_to_device() const;
   // Bytes this backend has allocated (reserved sizes), and holds resident now (device mappings
   // plus host ranges it registered): what its own books say, for tests and diagnostics.
   std::uint64_t allocated_bytes() const;
@@ -201,7 +208,9 @@ class CudaBackend final : public Backend {
 
   // Callers hold mu_ and have the context current.
   Status wake(DeviceAllocation& a);
-  Status sleep(DeviceAllocation& a);
+  Status sleep(DeviceAllocation& a);  // save, then drop
+  Status save(DeviceAllocation& a);   // the backup (weights), the memory still mapped
+  void drop(DeviceAllocation& a);     // the memory given back
   // Maps, faults in and registers a's backup chunk by chunk on backup_threads_ host threads;
   // with `copy`, each chunk's device-to-host copy is issued as soon as it is registered and
   // the call returns once all copies are done. On failure everything is undone.
@@ -237,7 +246,9 @@ class CudaBackend final : public Backend {
   Status unwire_region(const RegionDesc& r);
   bool wanted(RegionId id) const;
   SetOutcome wake_members(const std::vector<RegionDesc>& members);
-  Status sleep_members(const std::vector<RegionDesc>& members);
+  // With `interruptible` (end_residency), a call that begins before anything was given back
+  // stops the release: ErrorCode::interrupted, every member still resident.
+  Status sleep_members(const std::vector<RegionDesc>& members, bool interruptible = false);
   Status sync_streams();
 
   const Driver* d_;
@@ -274,8 +285,12 @@ class CudaBackend final : public Backend {
   std::uint64_t mapped_bytes_ = 0;     // reserved sizes of resident allocations
   std::uint64_t host_wired_bytes_ = 0; // host bytes registered by us
   std::uint64_t copied_to_host_ = 0;   // bytes sleeps copied device-to-host
+  std::uint64_t copied_to_device_ = 0; // bytes wakes restored
   std::map<std::pair<dev_t, ino_t>, std::unique_ptr<BackingFile>> files_;
   std::function<void(const std::string&)> notice_;
+  std::atomic<bool> releasing_{false};  // end_residency() is running
+  std::atomic<bool> interrupt_{false};  // a call began during it
+  bool interrupt_wanted() const;         // both
   Status last_release_;
 };
 
