@@ -91,6 +91,20 @@ class FileBackingTest : public CudaTest {
     }
   }
 
+  // A model file laid out as `l`, an allocation of `b` tracked in set 0 and filled from it (the
+  // bytes between tensors from the pattern of seed + 1).
+  void* load(CudaBackend& b, const Layout& l, const char* name, std::uint64_t seed) {
+    make_file(name, l.file_bytes, seed);
+    if (HasFatalFailure()) return nullptr;
+    void* p = allocate_filled(b, l.device_bytes, RegionClass::weights, seed + 1);
+    EXPECT_NE(p, nullptr);
+    if (p == nullptr) return nullptr;
+    b.track_writes(p);
+    resident_set(b, 0, device_region(1, p, l.device_bytes, RegionClass::weights));
+    fill_from_file(b, p, l);
+    return p;
+  }
+
   std::vector<char> read_device(const void* p, std::size_t bytes) {
     std::vector<char> out(bytes);
     ContextScope scope(d(), backend_->context());
@@ -208,13 +222,7 @@ TEST_F(FileBackingTest, AFileChangedSinceLoadIsNotTrustedTheWeightsSleepPinnedAn
   ASSERT_TRUE(made) << made.message();
   CudaBackend& b = **made;
   const Layout l = lay_out({std::size_t{100} << 20, std::size_t{200} << 20, 12345});
-  make_file("changed.gguf", l.file_bytes, 9);
-  if (HasFatalFailure()) return;
-  void* p = allocate_filled(b, l.device_bytes, RegionClass::weights, 51);
-  ASSERT_NE(p, nullptr);
-  b.track_writes(p);
-  resident_set(b, 0, device_region(1, p, l.device_bytes, RegionClass::weights));
-  fill_from_file(b, p, l);
+  void* p = load(b, l, "changed.gguf", 9);
   if (HasFatalFailure()) return;
   const std::vector<char> before = read_device(p, l.device_bytes);
   // Written in place after the load (one byte of the first tensor, a new modification time).
@@ -260,13 +268,7 @@ TEST_F(FileBackingTest, AFileTheDriverWillNotRegisterFallsBackToThePinnedBackupA
   ASSERT_TRUE(made) << made.message();
   CudaBackend& b = **made;
   const Layout l = lay_out({std::size_t{300} << 20, 777});
-  make_file("refused.gguf", l.file_bytes, 11);
-  if (HasFatalFailure()) return;
-  void* p = allocate_filled(b, l.device_bytes, RegionClass::weights, 61);
-  ASSERT_NE(p, nullptr);
-  b.track_writes(p);
-  resident_set(b, 0, device_region(1, p, l.device_bytes, RegionClass::weights));
-  fill_from_file(b, p, l);
+  void* p = load(b, l, "refused.gguf", 11);
   if (HasFatalFailure()) return;
   const std::vector<char> before = read_device(p, l.device_bytes);
   close_file();

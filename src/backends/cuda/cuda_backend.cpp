@@ -992,32 +992,35 @@ void CudaBackend::track_writes(void* base) {
   a.dirty.assign((a.size + chunk_ - 1) / chunk_, a.resident ? 1 : 0);
 }
 
-void CudaBackend::written(const void* addr, std::size_t bytes) {
+// With mu_ held: the tracked allocation that holds `addr`, with the chunks [first, last) touches
+// flagged as written and its file pieces cut there; null where no tracked allocation is.
+CudaBackend::DeviceAllocation* CudaBackend::note_write_locked(const void* addr, std::size_t bytes, std::size_t& first,
+                                                              std::size_t& last) {
   const auto p = static_cast<CUdeviceptr>(reinterpret_cast<std::uintptr_t>(addr));
-  std::lock_guard<std::mutex> lock(mu_);
   auto it = allocations_.upper_bound(p);
-  if (it == allocations_.begin()) return;
+  if (it == allocations_.begin() || bytes == 0) return nullptr;
   --it;
   DeviceAllocation& a = it->second;
-  if (!a.tracked || p >= a.va + a.size || a.dirty.empty()) return;
-  const std::size_t first = static_cast<std::size_t>(p - a.va);
-  const std::size_t last = std::min(a.size, first + std::min(bytes, a.size - first));  // exclusive
+  if (!a.tracked || p >= a.va + a.size || a.dirty.empty()) return nullptr;
+  first = static_cast<std::size_t>(p - a.va);
+  last = std::min(a.size, first + std::min(bytes, a.size - first));  // exclusive
   for (std::size_t i = first / chunk_; i * chunk_ < last && i < a.dirty.size(); ++i) a.dirty[i] = 1;
   cut_pieces(a, first, last);  // no longer the file's bytes
+  return &a;
+}
+
+void CudaBackend::written(const void* addr, std::size_t bytes) {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::size_t first = 0, last = 0;
+  (void)note_write_locked(addr, bytes, first, last);
 }
 
 void CudaBackend::filled_from_file(const void* addr, std::size_t bytes, int fd, std::uint64_t offset) {
-  const auto p = static_cast<CUdeviceptr>(reinterpret_cast<std::uintptr_t>(addr));
   std::lock_guard<std::mutex> lock(mu_);
-  auto it = allocations_.upper_bound(p);
-  if (it == allocations_.begin()) return;
-  --it;
-  DeviceAllocation& a = it->second;
-  if (!a.tracked || p >= a.va + a.size || a.dirty.empty() || bytes == 0) return;
-  const std::size_t first = static_cast<std::size_t>(p - a.va);
-  const std::size_t last = std::min(a.size, first + std::min(bytes, a.size - first));
-  for (std::size_t i = first / chunk_; i * chunk_ < last && i < a.dirty.size(); ++i) a.dirty[i] = 1;
-  cut_pieces(a, first, last);
+  std::size_t first = 0, last = 0;
+  DeviceAllocation* found = note_write_locked(addr, bytes, first, last);
+  if (found == nullptr) return;
+  DeviceAllocation& a = *found;
   if (a.cls != RegionClass::weights) return;
   struct stat st {};
   if (fd < 0 || fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) || st.st_size < 0 ||

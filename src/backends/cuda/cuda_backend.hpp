@@ -237,6 +237,7 @@ class CudaBackend final : public Backend {
   // Whether `f`, as its descriptor sees it now, is still what was first seen.
   static bool file_unchanged(const BackingFile& f);
   void cut_pieces(DeviceAllocation& a, std::size_t begin, std::size_t end);
+  DeviceAllocation* note_write_locked(const void* addr, std::size_t bytes, std::size_t& first, std::size_t& last);
   void free_gaps(Gaps& g);
   // Unregisters, unmaps and closes the files no allocation's pieces refer to any more.
   void drop_unused_files();
