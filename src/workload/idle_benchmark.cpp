@@ -38,7 +38,7 @@ IdleSchedule llama_idle_schedule() {
 }
 
 Result<std::vector<Nanos>> parse_pauses(std::string_view text) {
-  const std::string accepted = "expected comma-separated pauses in milliseconds (or with a unit: 500ms, 2s), e.g. 0,800,1600";
+  const std::string accepted = "accepted: comma-separated pauses in milliseconds (or with a unit: 500ms, 2s), e.g. 0,800,1600";
   std::vector<Nanos> out;
   std::size_t start = 0, index = 0;
   while (true) {

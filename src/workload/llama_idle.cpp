@@ -393,8 +393,8 @@ Status check_llama_idle_options(const LlamaIdleOptions& o, bool check_model) {
                  "'; give --engine, or leave it out of --configs");
   }
   if (o.keep_alive.count() <= 0 || o.keep_alive > std::chrono::milliseconds(3500))
-    return bad("--keep-alive " + keep_alive_text(o.keep_alive) +
-               ": must be more than 0 and at most 3.5 s, so that the last pause (4 s) shows what is given back");
+    return bad("--keep-alive '" + keep_alive_text(o.keep_alive) +
+               "': accepted: more than 0 and at most 3.5 s, so that the last pause (4 s) shows what is given back");
   if (o.rounds < 1 || o.rounds > 20) return bad("--rounds " + std::to_string(o.rounds) + ": accepted 1 to 20");
   if (o.pressure.kind == Pressure::Kind::pageout) {
     if (Status st = pageout_supported(); !st) return bad(st.message());

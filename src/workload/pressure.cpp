@@ -71,9 +71,9 @@ Result<Pressure> parse_pressure(std::string_view text) {
     auto size = parse_size(text.substr(4));
     if (!size) {
       return Status(ErrorCode::invalid_argument,
-                    "pressure '" + printable(text) + "': " + size.message() + " (example: hog:4GiB)");
+                    "'" + printable(text) + "': " + size.message() + " (example: hog:4GiB)");
     }
-    if (*size == 0) return Status(ErrorCode::invalid_argument, "pressure 'hog:0': the hog needs a size above 0");
+    if (*size == 0) return Status(ErrorCode::invalid_argument, "'hog:0': the hog needs a size above 0");
     p.kind = Pressure::Kind::hog;
     p.hog_bytes = *size;
     return p;

@@ -24,7 +24,7 @@ TEST(IdleParsing, Pauses) {
   EXPECT_EQ(*p, (std::vector<Nanos>{milliseconds(0), milliseconds(800), milliseconds(1600), milliseconds(2000),
                                     milliseconds(250)}));
   EXPECT_EQ(parse_pauses("0,,800").message(),
-            "--pauses '0,,800': item 2 is empty; expected comma-separated pauses in milliseconds (or with a unit: "
+            "--pauses '0,,800': item 2 is empty; accepted: comma-separated pauses in milliseconds (or with a unit: "
             "500ms, 2s), e.g. 0,800,1600");
   EXPECT_NE(parse_pauses("-5").message().find("item 1 '-5' is not a non-negative whole number"), std::string::npos);
   EXPECT_NE(parse_pauses("100x").message().find("has an unknown unit 'x'"), std::string::npos);
