@@ -76,6 +76,14 @@ void kill_and_reap(pid_t pid) {
 }
 
 // A pid that names no process: a child's, once reaped (the kernel does not reuse it at once).
+// In a forked child: `size` bytes of anonymous memory, written (resident), or exit status 12.
+void* touched_memory_or_exit(std::size_t size) {
+  void* p = ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (p == MAP_FAILED) ::_exit(12);
+  std::memset(p, 1, size);
+  return p;
+}
+
 pid_t dead_pid() {
   const pid_t c = ::fork();
   if (c == 0) ::_exit(0);
@@ -195,9 +203,7 @@ TEST(ResidencyPs, PrometheusTextIsValidAndCountsReleasesByReasonAndWakeTimes) {
     auto mgr = residency::Manager::create(std::move(o));
     if (!mgr) ::_exit(11);
     constexpr std::size_t kSize = 1u << 20;
-    void* p = ::mmap(nullptr, kSize, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    if (p == MAP_FAILED) ::_exit(12);
-    std::memset(p, 1, kSize);
+    void* p = touched_memory_or_exit(kSize);
     if (!(*mgr)->register_region(p, kSize, residency::RegionClass::weights)) ::_exit(13);
     (*mgr)->touch();
     clock.advance(200ms);
@@ -350,9 +356,7 @@ pid_t start_manager_child(End end, int ready_w, int go_r, bool state_file = true
   auto mgr = residency::Manager::create(std::move(o));
   if (!mgr) ::_exit(11);
   constexpr std::size_t kSize = 1u << 20;
-  void* p = ::mmap(nullptr, kSize, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-  if (p == MAP_FAILED) ::_exit(12);
-  std::memset(p, 1, kSize);
+  void* p = touched_memory_or_exit(kSize);
   if (!(*mgr)->register_region(p, kSize, residency::RegionClass::kv_cache)) ::_exit(13);
   (*mgr)->touch();
   for (int i = 0; i < 500 && (*mgr)->stats().releases == 0; ++i) std::this_thread::sleep_for(10ms);

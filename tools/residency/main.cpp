@@ -100,6 +100,11 @@ int main(int argc, char** argv) {
   std::map<CLI::App*, std::function<int()>> runners;
   auto& entries = registry();
   std::sort(entries.begin(), entries.end(), [](const Entry& a, const Entry& b) { return a.name < b.name; });
+  auto command_names = [&entries] {  // for the messages that list what is accepted
+    std::string names;
+    for (const auto& e : entries) names += (names.empty() ? "" : ", ") + e.name;
+    return names;
+  };
   for (auto& e : entries) {
     CLI::App* sub = app.add_subcommand(e.name, e.help);
     sub->group("Commands");
@@ -123,8 +128,7 @@ int main(int argc, char** argv) {
     }
     const auto e = std::find_if(entries.begin(), entries.end(), [&](const Entry& x) { return x.name == argv[2]; });
     if (argc > 3 || e == entries.end()) {
-      std::string names;
-      for (const auto& x : entries) names += (names.empty() ? "" : ", ") + x.name;
+      const std::string names = command_names();
       std::fprintf(stderr, "residency help: %s; accepted: one of %s, or nothing\n",
                    argc > 3 ? "one command at most" : ("unknown command '" + residency::printable(argv[2]) + "'").c_str(),
                    names.c_str());
@@ -136,15 +140,13 @@ int main(int argc, char** argv) {
   // An option before the command: only --help and --version are residency's own (CLI11 would say
   // only "a subcommand is required", or blame the command that follows).
   if (argv[1][0] == '-' && first != "-h" && first != "--help") {
-    std::string names;
-    for (const auto& e : entries) names += (names.empty() ? "" : ", ") + e.name;
+    const std::string names = command_names();
     std::fprintf(stderr, "residency: unknown option '%s'; accepted: --help, --version, or a command first: %s, help\n",
                  residency::printable(argv[1]).c_str(), names.c_str());
     return kExitBadInput;
   }
   if (argv[1][0] != '-' && std::none_of(entries.begin(), entries.end(), [&](const Entry& e) { return e.name == argv[1]; })) {
-    std::string names;
-    for (const auto& e : entries) names += (names.empty() ? "" : ", ") + e.name;
+    const std::string names = command_names();
     std::fprintf(stderr, "residency: unknown command '%s'; accepted: %s, help (residency help says more)\n",
                  residency::printable(argv[1]).c_str(), names.c_str());
     return kExitBadInput;
