@@ -59,6 +59,10 @@ struct Capabilities {
   // is charged to the wired limit and a shared budget as the whole units it touches, so that what
   // the kernel holds (VmLck) never exceeds them. 1: exactly its bytes. A power of two.
   std::uint64_t wire_granularity = 1;
+  // The backend calls the wake gate (Backend::set_wake_gate) before it maps each piece of a wake,
+  // so that the manager may start a wake in the room a shared budget has and make the rest
+  // while it runs. False: the manager makes all the room first.
+  bool paced_wake = false;
 };
 
 // Sizes in bytes, for the budget, limits and warnings. 0 means "unknown" for every field but
@@ -183,6 +187,14 @@ class Backend {
   // finds its memory in place instead of waiting for the release and then a wake. Lock-free, from
   // any thread; ignored when no release is running. Default: releases run to the end.
   virtual void interrupt_release();
+  // (optional) A wake paced by a budget (Capabilities::paced_wake). The manager sets a gate around
+  // one request of backend-allocated memory whose room in a shared budget is still being made:
+  // the backend calls gate(bytes) before it maps each piece of physical memory it wakes, and maps
+  // the piece once the gate returns (the budget then holds room for it). Copies already started
+  // go on meanwhile, so the wake overlaps the other process's release. Set to nullptr after the
+  // request; never called from another thread than the request's. Default: ignored.
+  using WakeGate = std::function<void(std::uint64_t bytes)>;
+  virtual void set_wake_gate(WakeGate gate);
 };
 
 }  // namespace residency

@@ -18,8 +18,10 @@ Admission::Admission(Backend& backend, const LogSink& log, const KeepAliveState&
       sets_(backend, std::move(layout), log),
       shared_(std::move(shared)),
       shared_priority_(shared_priority) {
-  const std::uint64_t g = backend.capabilities().wire_granularity;
+  const Capabilities caps = backend.capabilities();
+  const std::uint64_t g = caps.wire_granularity;
   granularity_ = g > 1 && (g & (g - 1)) == 0 ? g : 1;
+  paced_wake_ = caps.paced_wake;
   budget_.set_limit(limits_.initial_wired_limit());
 }
 
@@ -227,7 +229,43 @@ void Admission::on_failure(const SetOutcome& out, const char* what) {
   log_(LogLevel::warn, msg);
 }
 
-std::pair<std::uint64_t, std::uint32_t> Admission::request_all() { return sets_.request_all(failure_handler()); }
+std::pair<std::uint64_t, std::uint32_t> Admission::request_all() {
+  if (!pacing_) return sets_.request_all(failure_handler());
+  // A paced wake (reserve_for_wire()): the backend asks pace() before each piece it maps.
+  backend_.set_wake_gate([this](std::uint64_t bytes) { pace(bytes); });
+  const auto r = sets_.request_all(failure_handler());
+  backend_.set_wake_gate(nullptr);
+  pacing_ = false;
+  // What the pieces did not take (the backend mapped less than was charged): the ledger holds what
+  // is admitted before anything else is decided.
+  const std::uint64_t needed = shared_needed();
+  if (shared_->held() < needed && !exiting_) {
+    const std::uint64_t rest = needed - shared_->held();
+    if (shared_->acquire(rest, clock_.now().count(), Nanos(0), /*partial=*/false) != rest) (void)over_budget(rest);
+  }
+  return r;
+}
+
+// Before each piece a paced wake maps: the piece fits in what the ledger held when the wake began,
+// or the rest is made now: the others are asked (the least recently used holder not inside a call
+// first) and waited for, while the copies of the pieces already mapped go on. When nobody can give
+// way, the rest wakes over the budget, as an unpaced wake would after its ask (over_budget()).
+void Admission::pace(std::uint64_t bytes) {
+  if (bytes <= pace_credit_) {
+    pace_credit_ -= bytes;
+    return;
+  }
+  const std::uint64_t want = std::min(pace_owed_, bytes - pace_credit_);
+  pace_credit_ = 0;
+  if (want == 0 || exiting_) return;
+  pace_owed_ -= want;
+  if (shared_->acquire(want, clock_.now().count(), ledger::kAskWait, /*partial=*/false, ledger::kNoMinimumIdle) ==
+      want)
+    return;
+  const std::uint64_t rest = want + pace_owed_;
+  pace_owed_ = 0;
+  if (over_budget(rest)) pace_credit_ = rest - want;
+}
 ResidencySets::Released Admission::end_all() { return sets_.end_all(); }
 void Admission::refresh_all() { sets_.refresh_all(failure_handler()); }
 
@@ -364,7 +402,17 @@ bool Admission::reserve_for_wire() {
   const std::uint64_t missing = need - shared_->held();
   if (holds_backend_memory()) {
     // Device memory sleeps until there is room: the others are asked first, then it wakes, over
-    // the budget if nobody could give way.
+    // the budget if nobody could give way. A backend that paces its wakes begins in the room the
+    // ledger holds and the rest is asked for while it runs (pace()): the other's release and this
+    // wake overlap where the budget allows (DESIGN §14).
+    const std::uint64_t wired = sets_.requested_bytes();
+    if (asking() && paced_wake_ && shared_->held() > wired) {
+      pacing_ = true;
+      pace_credit_ = shared_->held() - wired;
+      pace_owed_ = missing;
+      paced_head_ = pace_credit_;
+      return true;
+    }
     if (asking()) {
       room_wanted_ += missing;
       room_for_device_ = true;

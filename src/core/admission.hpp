@@ -15,6 +15,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "keep_alive.hpp"
@@ -41,9 +42,11 @@ namespace residency::core {
 //     and, while the policy wants the memory resident, at least what is admitted: bytes are
 //     reserved there before a commit or a request can wire them (admit(), reserve_for_wire()) and
 //     given back after the backend unwired them (settle(), after every flush and release).
-//   - Nothing here waits on another process: the ledger is asked with a wait of 0 under the mutex.
-//     When it comes back short, room_wanted() says how much; the manager asks the other holders
-//     and waits for them with its mutex released, then calls retry (manager.cpp, make_room()).
+//   - Nothing here waits on another process but a paced wake: the ledger is asked with a wait of 0
+//     under the mutex. When it comes back short, room_wanted() says how much; the manager asks the
+//     other holders and waits for them with its mutex released, then calls retry (manager.cpp,
+//     make_room()). A backend that paces its wakes (Capabilities::paced_wake) begins in the room
+//     the ledger holds, and the rest is asked for between its pieces (request_all(), pace()).
 class Admission {
  public:
   Admission(Backend& backend, const LogSink& log, const KeepAliveState& ka, Clock& clock, Limits limits,
@@ -85,8 +88,13 @@ class Admission {
   // never leaves them: on a first attempt the wire waits (false: do not request; the others are
   // asked, then the wire is tried again), after it the device memory wakes over the budget.
   bool reserve_for_wire();
-  // Requests every admitted set; returns bytes and sets requested.
+  // Requests every admitted set; returns bytes and sets requested. A wake that reserve_for_wire()
+  // began in the room the ledger had is paced: the backend maps piece by piece and the rest of the
+  // room is asked for, and waited for, as it goes (pace(); the one wait on other processes made
+  // with the manager's lock held: this call is inside the wake the engine waits for).
   std::pair<std::uint64_t, std::uint32_t> request_all();
+  // Bytes the last request began to wake before the room for the rest was made (0: none), taken once.
+  std::uint64_t take_paced_head() { return std::exchange(paced_head_, 0); }
   ResidencySets::Released end_all();
   void refresh_all();
   // Commits what changed, unless a batch is open, and gives back the shared budget no longer needed.
@@ -202,6 +210,13 @@ class Admission {
   std::uint64_t room_wanted_ = 0;
   bool room_for_device_ = false;
   std::uint64_t ahead_ = 0;  // reserve_ahead()'s bytes, not yet a region's
+  // A paced wake (Capabilities::paced_wake): set by reserve_for_wire() for the next request_all().
+  // credit: reserved bytes the wake's pieces may still take; owed: what the ledger still lacks.
+  void pace(std::uint64_t bytes);
+  bool paced_wake_ = false;
+  bool pacing_ = false;
+  std::uint64_t pace_credit_ = 0, pace_owed_ = 0;
+  std::uint64_t paced_head_ = 0;  // bytes the last paced wake began with before room was made
   std::uint64_t device_short_ = 0;  // device memory that failed to wake out of memory (first attempt)
   std::uint64_t wire_failures_ = 0, shared_short_ = 0, shared_over_ = 0;
 };

@@ -30,5 +30,6 @@ void Backend::filled_from_file(const void* addr, std::size_t bytes, int /*fd*/, 
 }
 std::uint64_t Backend::file_backed_bytes() const { return 0; }
 void Backend::interrupt_release() {}
+void Backend::set_wake_gate(WakeGate) {}
 
 }  // namespace residency

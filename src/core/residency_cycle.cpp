@@ -75,6 +75,7 @@ void ResidencyCycle::wire(const char* why) {
   // the hard limit since.
   adm_.promote();
   const auto [bytes, n] = adm_.request_all();
+  const std::uint64_t paced_head = adm_.take_paced_head();
   adm_.flush();
   next_refresh_ = clock_.now() + caps_.refresh_period;
   if (ever_released_ && n > 0) {  // memory that had been given back was asked for again
@@ -88,8 +89,11 @@ void ResidencyCycle::wire(const char* why) {
     counters_.last_rewire_at = wall_now();
     counters_.last_rewire_dt = dt;
     counters_.last_rewire_bytes = bytes;
-    log_(LogLevel::info,
-         "re-wired " + mib(bytes) + " in " + std::to_string(n) + " set(s) in " + ms(dt) + " (" + why + ")");
+    log_(LogLevel::info, "re-wired " + mib(bytes) + " in " + std::to_string(n) + " set(s) in " + ms(dt) + " (" + why +
+                             (paced_head != 0 ? "; the first " + mib(paced_head) +
+                                                    " in the budget's room while the holders asked made the rest"
+                                              : "") +
+                             ")");
     if (publish_) publish_();  // flush() published before the re-wire was counted
   }
   wake_scheduler();

@@ -3,8 +3,13 @@
 // when the keep-alive expires (ManualClock + run_due, no sleeping in tests), touch() wakes
 // it at the same address with its contents, a use scope under keep-alive 0 releases after
 // the caller's synchronize, and destroying the manager while asleep frees everything.
+#include <unistd.h>
+
 #include <cstdio>
+#include <algorithm>
+#include <atomic>
 #include <memory>
+#include <optional>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -18,9 +23,12 @@ namespace {
 
 class CudaManagerTest : public CudaTest {
  protected:
-  std::unique_ptr<Manager> make_manager(std::shared_ptr<CudaBackend> b, KeepAlive ka) {
+  std::unique_ptr<Manager> make_manager(std::shared_ptr<CudaBackend> b, KeepAlive ka,
+                                        std::optional<SharedBudget> budget = std::nullopt) {
     ManagerOptions o;
     o.config.keep_alive = ka;
+    o.config.shared_budget = std::move(budget);
+    o.config.state_file = false;
     o.config.log_level = LogLevel::info;
     o.backend = std::move(b);
     o.clock = &clock_;
@@ -133,6 +141,82 @@ TEST_F(CudaManagerTest, ARequestDuringASleepStopsItAndFindsItsMemoryInPlace) {
   m->touch();
   EXPECT_EQ(mismatches(a->ptr, kSize, 71), 0u);
   EXPECT_TRUE(m->unregister_region(a->id));
+}
+
+// Issue 29 item 2: a switch under a GPU budget overlaps the asked holder's release with the
+// waker's wake. Two managers, each with its own backend and slot in one ledger (as two servers),
+// share a budget of one and a half models: b wakes its first half in the room while a, asked,
+// sleeps; the device never holds more than the budget (cuMemGetInfo sampled all along), and both
+// models come back intact. Timed against a's sleep and b's wake alone.
+TEST_F(CudaManagerTest, ASwitchUnderAGpuBudgetWakesInTheRoomWhileTheAskedHolderSleeps) {
+  constexpr std::size_t kSize = 4 * kGiB;
+  auto second = CudaBackend::create({});
+  ASSERT_TRUE(second) << second.message();
+  std::shared_ptr<CudaBackend> other = std::move(second.value());
+  const SharedBudget budget{"cuda-switch-" + std::to_string(::getpid()), WiredLimit{false, kSize + kSize / 2, 0}, ""};
+  auto ma = make_manager(backend_, KeepAlive::after(std::chrono::seconds(10)), budget);
+  auto mb = make_manager(other, KeepAlive::after(std::chrono::seconds(10)), budget);
+  ASSERT_TRUE(ma && mb);
+  const std::uint64_t free0 = device_free();
+  using Clock = std::chrono::steady_clock;
+
+  auto b = mb->allocate(kSize, RegionClass::weights);
+  ASSERT_TRUE(b) << b.message();
+  ASSERT_TRUE(kernels_->fill(dptr(b->ptr), kSize, 81));
+  sync();
+  ASSERT_TRUE(other->prepare_backup(b->ptr));  // the sleeps below only copy
+  mb->release_now();
+  ASSERT_FALSE(other->is_resident(b->ptr));
+  auto a = ma->allocate(kSize, RegionClass::weights);
+  ASSERT_TRUE(a) << a.message();
+  ASSERT_TRUE(kernels_->fill(dptr(a->ptr), kSize, 82));
+  sync();
+  ASSERT_TRUE(backend_->prepare_backup(a->ptr));
+  // For reference: a's sleep and b's wake, each alone.
+  auto t0 = Clock::now();
+  ma->release_now();
+  const double sleep_s = seconds_since(t0);
+  t0 = Clock::now();
+  mb->touch();
+  const double wake_s = seconds_since(t0);
+  ASSERT_TRUE(other->is_resident(b->ptr));
+  mb->release_now();
+  ma->touch();
+  ASSERT_TRUE(backend_->is_resident(a->ptr));
+  ASSERT_FALSE(other->is_resident(b->ptr));
+
+  // The switch, with the device's memory sampled throughout.
+  std::atomic<bool> sampling{true};
+  std::atomic<std::uint64_t> most{0};
+  std::thread sampler([&] {
+    while (sampling.load()) {
+      const std::uint64_t f = device_free();
+      if (f < free0) most.store(std::max(most.load(), free0 - f));
+      std::this_thread::sleep_for(std::chrono::microseconds(200));
+    }
+  });
+  clock_.advance(std::chrono::milliseconds(10));
+  t0 = Clock::now();
+  mb->touch();
+  const double switch_s = seconds_since(t0);
+  sampling.store(false);
+  sampler.join();
+  EXPECT_TRUE(other->is_resident(b->ptr));
+  EXPECT_FALSE(backend_->is_resident(a->ptr)) << "a was asked and slept";
+  EXPECT_TRUE(logged("the first 2048.00 MiB in the budget's room while the holders asked made the rest"));
+  EXPECT_FALSE(logged("over it")) << "nothing woke over the budget";
+  EXPECT_LE(most.load(), kSize + kSize / 2 + 64 * kMiB) << "the device held more than the budget";
+  EXPECT_EQ(mismatches(b->ptr, kSize, 81), 0u);
+  std::printf("4 GiB under a budget of 6 GiB: a's sleep alone %.1f ms, b's wake alone %.1f ms; the switch (b's "
+              "request while a held the device) %.1f ms, %.2fx the two in a row; the device held at most %.1f MiB\n",
+              sleep_s * 1e3, wake_s * 1e3, switch_s * 1e3, switch_s / (sleep_s + wake_s),
+              double(most.load()) / kMiB);
+  clock_.advance(std::chrono::milliseconds(10));
+  ma->touch();  // and back
+  EXPECT_FALSE(other->is_resident(b->ptr));
+  EXPECT_EQ(mismatches(a->ptr, kSize, 82), 0u);
+  EXPECT_TRUE(mb->unregister_region(b->id));
+  EXPECT_TRUE(ma->unregister_region(a->id));
 }
 
 TEST_F(CudaManagerTest, KeepAliveZeroReleasesAfterTheScopesSynchronize) {

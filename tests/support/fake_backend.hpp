@@ -52,6 +52,11 @@ class FakeBackend : public Backend {
   bool fail_end_residency = false;                // end_residency refuses (nothing given back)
   std::optional<std::uint64_t> available;         // memory_available(); nullopt: unknown
   std::function<bool()> device_full;              // allocate() and waking allocated memory fail with out_of_memory while it says so
+  // A paced wake (Capabilities::paced_wake), as the cuda backend's: waking allocated memory asks
+  // the wake gate before each piece of this many bytes, and calls on_paced(bytes mapped so far)
+  // after it (without the lock). 0: no pacing.
+  std::uint64_t pace_piece = 0;
+  std::function<void(std::uint64_t)> on_paced;
   int available_reads = 0;
 
   Capabilities capabilities() const override {
@@ -60,7 +65,12 @@ class FakeBackend : public Backend {
     c.needs_refresh = needs_refresh;
     c.refresh_period = needs_refresh ? refresh_period : Nanos(0);
     c.max_sets = max_sets;
+    c.paced_wake = pace_piece != 0;
     return c;
+  }
+  void set_wake_gate(WakeGate g) override {
+    std::lock_guard<std::recursive_mutex> l(mu);
+    gate = std::move(g);
   }
   std::optional<std::uint64_t> memory_available() override {
     std::lock_guard<std::recursive_mutex> g(mu);
@@ -158,6 +168,7 @@ class FakeBackend : public Backend {
     return out;
   }
   SetOutcome request_residency(SetId set) override {
+    pace_wake(set);
     std::lock_guard<std::recursive_mutex> g(mu);
     auto& s = sets[set];
     ++s.requests;
@@ -293,6 +304,28 @@ class FakeBackend : public Backend {
   // Release interruption: run (without the lock) inside each end_residency; interrupt_release()
   // calls, and the releases they stopped.
   std::function<void()> during_end_residency;
+  WakeGate gate;  // set_wake_gate()
+  // Before a set's wake: its allocated memory, piece by piece through the gate (pace_piece).
+  void pace_wake(SetId set) {
+    WakeGate g;
+    std::function<void(std::uint64_t)> seen;
+    std::uint64_t bytes = 0;
+    {
+      std::lock_guard<std::recursive_mutex> l(mu);
+      auto it = sets.find(set);
+      if (pace_piece == 0 || !gate || it == sets.end() || it->second.requested) return;
+      for (const auto& [id, r] : it->second.members)
+        if (r.backend_allocated) bytes += r.size;
+      g = gate;
+      seen = on_paced;
+    }
+    for (std::uint64_t mapped = 0; mapped < bytes;) {
+      const std::uint64_t piece = std::min(pace_piece, bytes - mapped);
+      g(piece);
+      mapped += piece;
+      if (seen) seen(mapped);
+    }
+  }
   std::atomic<int> interrupts{0};
   bool releasing_now = false;
   bool interrupt_pending = false;

@@ -11,6 +11,7 @@
 #include <functional>
 #include <thread>
 #include <utility>
+#include <vector>
 #include <string>
 
 #include "ledger/ledger.hpp"
@@ -164,6 +165,103 @@ TEST_F(DeviceBudgetTest, AHolderInsideACallDeclinesAndTheNextLeastRecentlyUsedSl
   EXPECT_TRUE(c.fake->is_resident(pc->id));
   EXPECT_EQ(used(), 8 * MiB);
   a.m->end_call();
+}
+
+// A switch (DESIGN §14): the waker's wake begins in the room the budget has while the holder it
+// asked gives its memory back, as the cuda backend paces its chunks. b (4 MiB, asleep) wakes
+// while a holds 6 MiB of an 8 MiB budget: b's first 2 MiB are mapped while a still holds its
+// memory, the rest only after a gave it back, and neither the ledger nor what the two backends
+// hold ever exceeds the budget.
+TEST_F(DeviceBudgetTest, AWakeBeginsInTheBudgetsRoomWhileTheHolderAskedGivesWay) {
+  b.fake->pace_piece = 1 * MiB;
+  start(a, 8 * MiB);
+  start(b, 8 * MiB);
+  auto pb = b.m->allocate(4 * MiB);
+  ASSERT_TRUE(pb) << pb.message();
+  b.m->release_now();
+  ASSERT_FALSE(b.fake->is_resident(pb->id));
+  auto pa = a.m->allocate(6 * MiB);
+  ASSERT_TRUE(pa) << pa.message();
+  clock.advance(10ms);
+  struct Seen {
+    std::uint64_t mapped;  // b's bytes mapped so far
+    bool a_awake;
+    std::uint64_t ledger;
+  };
+  std::vector<Seen> seen;
+  b.fake->on_paced = [&](std::uint64_t mapped) { seen.push_back({mapped, a.fake->is_resident(pa->id), used()}); };
+  b.m->begin_call();
+  EXPECT_TRUE(b.fake->is_resident(pb->id));
+  EXPECT_FALSE(a.fake->is_resident(pa->id)) << "a was asked and slept";
+  ASSERT_EQ(seen.size(), 4u) << "b mapped its 4 MiB in four pieces";
+  EXPECT_TRUE(seen[0].a_awake && seen[1].a_awake) << "b's first 2 MiB were mapped in the room, while a held its 6 MiB";
+  EXPECT_FALSE(seen[2].a_awake) << "b's third MiB waited for a to give way";
+  for (const Seen& x : seen) {
+    EXPECT_LE((x.a_awake ? 6 * MiB : 0) + x.mapped, 8 * MiB) << "what the two backends hold, at " << x.mapped;
+    EXPECT_LE(x.ledger, 8 * MiB) << "the ledger's sum, at " << x.mapped;
+  }
+  EXPECT_TRUE(b.logs.contains(LogLevel::info, "the first 2.00 MiB in the budget's room while the holders asked made the rest"));
+  EXPECT_FALSE(b.logs.contains(LogLevel::warn, "over it")) << "nothing woke over the budget";
+  b.m->end_call();
+  EXPECT_EQ(used(), 4 * MiB);
+  EXPECT_EQ(b.m->stats().shared_held, 4 * MiB);
+}
+
+// A paced wake whose room nobody can make (the holder is inside a call) wakes the rest over the
+// budget, as an unpaced one does after its ask, and says so once.
+TEST_F(DeviceBudgetTest, APacedWakeThatNobodyCanMakeRoomForGoesOverTheBudgetAndSaysSo) {
+  b.fake->pace_piece = 1 * MiB;
+  start(a, 8 * MiB);
+  start(b, 8 * MiB);
+  auto pb = b.m->allocate(4 * MiB);
+  ASSERT_TRUE(pb) << pb.message();
+  b.m->release_now();
+  auto pa = a.m->allocate(6 * MiB);
+  ASSERT_TRUE(pa) << pa.message();
+  a.m->begin_call();  // decoding
+  clock.advance(10ms);
+  b.m->begin_call();
+  EXPECT_TRUE(b.fake->is_resident(pb->id));
+  EXPECT_TRUE(a.fake->is_resident(pa->id)) << "a holder inside a call is never put to sleep";
+  EXPECT_TRUE(b.logs.contains(LogLevel::warn, "of device memory is awake over it"));
+  EXPECT_EQ(used(), 10 * MiB) << "the books show the 2 MiB over the budget";
+  EXPECT_EQ(b.m->stats().shared_held, 4 * MiB);
+  b.m->end_call();
+  a.m->end_call();
+}
+
+// A request to the holder asked stops its release (issue 29, item 4): the asker, whose wait ends
+// with no room made, asks the next least recently used holder instead. a keeps its memory (it never
+// left the device), c sleeps, b wakes within the budget.
+TEST_F(DeviceBudgetTest, WhenTheHolderAskedStopsItsReleaseForACallTheAskerAsksTheNext) {
+  start(a, 8 * MiB);
+  start(b, 8 * MiB);
+  start(c, 8 * MiB);
+  auto pb = b.m->allocate(4 * MiB);
+  ASSERT_TRUE(pb) << pb.message();
+  b.m->release_now();
+  auto pa = a.m->allocate(3 * MiB);
+  clock.advance(5ms);
+  auto pc = c.m->allocate(3 * MiB);
+  ASSERT_TRUE(pa && pc);
+  clock.advance(5ms);  // a is the least recently used: asked first
+  std::thread caller;
+  a.fake->during_end_residency = [&] {  // a request reaches a while it releases
+    caller = std::thread([&] { a.m->touch(); });
+    for (int i = 0; i < 5000 && a.fake->interrupts.load() == 0; ++i) std::this_thread::sleep_for(1ms);
+  };
+  b.m->begin_call();
+  a.fake->during_end_residency = nullptr;
+  ASSERT_TRUE(caller.joinable()) << "a was asked first";
+  caller.join();
+  EXPECT_EQ(a.fake->interrupted_ends, 1) << "a's release stopped";
+  EXPECT_TRUE(a.fake->is_resident(pa->id)) << "and its memory never left";
+  EXPECT_FALSE(c.fake->is_resident(pc->id)) << "the next least recently used was asked and slept";
+  EXPECT_TRUE(b.fake->is_resident(pb->id));
+  EXPECT_EQ(used(), 7 * MiB);
+  EXPECT_FALSE(b.logs.contains(LogLevel::warn, "over it")) << "nothing woke over the budget";
+  EXPECT_TRUE(a.logs.contains(LogLevel::info, "release stopped"));
+  b.m->end_call();
 }
 
 // A wake over the budget (every other holder inside a call) is repaid: once a call ends and the

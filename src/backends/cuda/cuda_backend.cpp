@@ -218,7 +218,13 @@ Capabilities CudaBackend::capabilities() const {
   c.needs_refresh = false;    // device mappings do not decay
   c.max_sets = 0;             // no limit: a set is only a list here
   c.device_uuid = uuid_;
+  c.paced_wake = true;  // wake() asks the gate before each chunk it maps
   return c;
+}
+
+void CudaBackend::set_wake_gate(WakeGate gate) {
+  std::lock_guard<std::mutex> lock(mu_);
+  gate_ = std::move(gate);
 }
 
 MemoryInfo CudaBackend::memory_info() {
@@ -431,6 +437,8 @@ Status CudaBackend::wake(DeviceAllocation& a) {
   for (std::size_t i = 0; i < n; ++i) {
     const std::size_t off = i * chunk_;
     const std::size_t len = std::min(chunk_, a.reserved - off);
+    // A paced wake: the budget makes room for this chunk (the copies queued so far go on meanwhile).
+    if (gate_) gate_(len);
     CUmemGenericAllocationHandle h = 0;
     CUresult r = d_->cuMemCreate(&h, len, &prop, 0);
     if (r != CUDA_SUCCESS) return fail(r, "cuMemCreate", off);

@@ -50,6 +50,7 @@ class CudaBackend final : public Backend {
   std::uint64_t file_backed_bytes() const override;
   // A release in end_residency() stops before its first unmap (DESIGN §14).
   void interrupt_release() override;
+  void set_wake_gate(WakeGate gate) override;
   // One copy of a release in flight per stream is at most this: how long a call that begins
   // waits for the copies already issued (about 1.2 ms at 55 GB/s).
   static constexpr std::size_t kCopyPiece = std::size_t{64} << 20;
@@ -291,6 +292,8 @@ class CudaBackend final : public Backend {
   std::function<void(const std::string&)> notice_;
   std::atomic<bool> releasing_{false};  // end_residency() is running
   std::atomic<bool> interrupt_{false};  // a call began during it
+  // Backend::set_wake_gate: asked before each chunk a wake maps, while a request is paced (mu_).
+  WakeGate gate_;
   bool interrupt_wanted() const;         // both
   Status last_release_;
 };
