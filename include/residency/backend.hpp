@@ -195,6 +195,11 @@ class Backend {
   // request; never called from another thread than the request's. Default: ignored.
   using WakeGate = std::function<void(std::uint64_t bytes)>;
   virtual void set_wake_gate(WakeGate gate);
+  // (optional) Device memory this process holds besides what allocate() returned and is awake
+  // (a GPU context, libraries' workspaces), as the device reports it: a shared budget counts it
+  // for this holder always, since no sleep gives it back. Read before each wake or allocation
+  // under a shared budget. Default: 0 (unknown).
+  virtual std::uint64_t unmanaged_device_bytes();
 };
 
 }  // namespace residency

@@ -260,8 +260,13 @@ void Admission::pace(std::uint64_t bytes) {
   if (want == 0 || exiting_) return;
   pace_owed_ -= want;
   if (shared_->acquire(want, clock_.now().count(), ledger::kAskWait, /*partial=*/false, ledger::kNoMinimumIdle) ==
-      want)
+      want) {
+    // The holder asked gave back at once what it had: the rest that is free now, in one take.
+    const std::uint64_t more = pace_owed_ != 0 ? shared_->acquire(pace_owed_, clock_.now().count(), Nanos(0), true) : 0;
+    pace_owed_ -= more;
+    pace_credit_ += more;
     return;
+  }
   const std::uint64_t rest = want + pace_owed_;
   pace_owed_ = 0;
   if (over_budget(rest)) pace_credit_ = rest - want;
@@ -312,11 +317,23 @@ Status Admission::unwired_status() const {
 // everything admitted (wired, or wired at the next commit); otherwise what the backend still has.
 std::uint64_t Admission::shared_needed() const {
   const std::uint64_t requested = sets_.requested_bytes();
-  return ka_.wants_resident() ? std::max(budget_.admitted() + ahead_, requested) : requested;
+  return (ka_.wants_resident() ? std::max(budget_.admitted() + ahead_, requested) : requested) + unmanaged_;
+}
+
+// A device holder's memory outside its allocations (the GPU context, libraries' workspaces) is
+// awake whatever the policy says: the ledger holds it too, and askers pass a holder that holds only
+// that (Ledger::set_floor). Read before a wake or an allocation, when it may have grown.
+void Admission::count_unmanaged() {
+  if (!shared_) return;
+  const std::uint64_t u = backend_.unmanaged_device_bytes();
+  if (u == unmanaged_) return;
+  unmanaged_ = u;
+  shared_->set_floor(u);
 }
 
 bool Admission::reserve_ahead(std::uint64_t bytes) {
   if (!shared_ || !ka_.wants_resident()) return true;
+  count_unmanaged();
   ahead_ += bytes;
   return reserve_shared(0, /*device=*/true);
 }
@@ -393,7 +410,8 @@ void Admission::short_by(std::uint64_t need, std::uint64_t bytes) {
 
 bool Admission::reserve_for_wire() {
   if (!shared_) return true;
-  const std::uint64_t need = budget_.admitted();
+  if (holds_backend_memory()) count_unmanaged();
+  const std::uint64_t need = budget_.admitted() + unmanaged_;
   if (shared_->held() >= need) return true;
   if (!exiting_ && !shared_full_)
     shared_->acquire(need - shared_->held(), clock_.now().count(), Nanos(0), /*partial=*/true);
@@ -405,7 +423,7 @@ bool Admission::reserve_for_wire() {
     // the budget if nobody could give way. A backend that paces its wakes begins in the room the
     // ledger holds and the rest is asked for while it runs (pace()): the other's release and this
     // wake overlap where the budget allows (DESIGN §14).
-    const std::uint64_t wired = sets_.requested_bytes();
+    const std::uint64_t wired = sets_.requested_bytes() + unmanaged_;
     if (asking() && paced_wake_ && shared_->held() > wired) {
       pacing_ = true;
       pace_credit_ = shared_->held() - wired;

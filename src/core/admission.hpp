@@ -217,6 +217,9 @@ class Admission {
   bool pacing_ = false;
   std::uint64_t pace_credit_ = 0, pace_owed_ = 0;
   std::uint64_t paced_head_ = 0;  // bytes the last paced wake began with before room was made
+  // Backend::unmanaged_device_bytes() when last read: part of what the ledger holds for us.
+  std::uint64_t unmanaged_ = 0;
+  void count_unmanaged();
   std::uint64_t device_short_ = 0;  // device memory that failed to wake out of memory (first attempt)
   std::uint64_t wire_failures_ = 0, shared_short_ = 0, shared_over_ = 0;
 };

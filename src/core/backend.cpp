@@ -31,5 +31,6 @@ void Backend::filled_from_file(const void* addr, std::size_t bytes, int /*fd*/, 
 std::uint64_t Backend::file_backed_bytes() const { return 0; }
 void Backend::interrupt_release() {}
 void Backend::set_wake_gate(WakeGate) {}
+std::uint64_t Backend::unmanaged_device_bytes() { return 0; }
 
 }  // namespace residency

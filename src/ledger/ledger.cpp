@@ -63,11 +63,15 @@ struct alignas(64) Slot {
   std::atomic<std::uint64_t> bytes;
   std::atomic<std::int64_t> last_use;  // CLOCK_MONOTONIC ns of the last use; 0: none yet
   std::atomic<std::int32_t> asker_pid;
-  std::uint32_t unused;
+  std::atomic<std::uint32_t> floor_mib;  // MiB of `bytes` that no ask gets back (Ledger::set_floor)
   std::atomic<std::uint64_t> asker_start;
   std::atomic<std::int64_t> ask_deadline;  // CLOCK_MONOTONIC ns
 };
 static_assert(sizeof(Slot) == 64, "one cache line per holder");
+// Whether an ask could get anything back from the holder: it holds more than its floor.
+bool askable(const Slot& sl) {
+  return sl.bytes.load(std::memory_order_relaxed) > (std::uint64_t{sl.floor_mib.load(std::memory_order_relaxed)} << 20);
+}
 static_assert(std::atomic<std::uint64_t>::is_always_lock_free, "the ledger needs lock-free 64-bit atomics");
 }  // namespace
 
@@ -592,6 +596,7 @@ Result<std::unique_ptr<Ledger>> Ledger::attach(const AttachOptions& o) {
       sl.priority.store(o.priority, std::memory_order_relaxed);
       sl.bytes.store(0, std::memory_order_relaxed);
       sl.last_use.store(0, std::memory_order_relaxed);
+      sl.floor_mib.store(0, std::memory_order_relaxed);
       sl.occupied.store(1, std::memory_order_release);
       l->slot_ = slot;
       l->self_start_ = self_start;
@@ -835,7 +840,7 @@ int Ledger::ask_until(const std::function<bool(Shared&)>& done, std::int64_t now
         std::uint32_t best = kMaxHolders;
         for (std::uint32_t i = 0; i < kMaxHolders; ++i) {
           const Slot& sl = s.slots[i];
-          if (i == slot_ || !sl.occupied.load(std::memory_order_relaxed) || sl.bytes.load(std::memory_order_relaxed) == 0 ||
+          if (i == slot_ || !sl.occupied.load(std::memory_order_relaxed) || !askable(sl) ||
               sl.ask.load(std::memory_order_relaxed) != 0 || sl.priority.load(std::memory_order_relaxed) > priority_ ||
               sl.last_use.load(std::memory_order_relaxed) > idle_before)
             continue;
@@ -962,7 +967,7 @@ bool Ledger::repay_turn() {
   std::uint32_t turn = kMaxHolders;
   for (std::uint32_t i = 0; i < kMaxHolders; ++i) {
     const Slot& sl = s.slots[i];
-    if (!sl.occupied.load(std::memory_order_relaxed) || sl.bytes.load(std::memory_order_relaxed) == 0) continue;
+    if (!sl.occupied.load(std::memory_order_relaxed) || !askable(sl)) continue;
     if (turn == kMaxHolders) {
       turn = i;
       continue;
@@ -978,6 +983,14 @@ bool Ledger::repay_turn() {
     asks_sent_.fetch_add(1, std::memory_order_relaxed);
   }
   return false;
+}
+
+void Ledger::set_floor(std::uint64_t bytes) {
+  if (!shm_ || detached_ || !mine() || !usable()) return;
+  const auto mib = static_cast<std::uint32_t>(std::min<std::uint64_t>(bytes >> 20, UINT32_MAX));
+  Lock lock(fd_, local_, shm_, kUseLockWait);
+  if (lock.corrupt() || !lock.ok() || !own_slot_sound()) return;  // a hint: the next change writes it
+  shm_->slots[slot_].floor_mib.store(mib, std::memory_order_relaxed);
 }
 
 void Ledger::release(std::uint64_t bytes) {
@@ -1172,6 +1185,7 @@ std::uint64_t Ledger::acquire(std::uint64_t, std::int64_t, Nanos, bool, Nanos) {
 std::uint64_t Ledger::ask_to_free(std::uint64_t, std::int64_t, Nanos, Nanos, bool*) { return 0; }
 std::uint64_t Ledger::over_budget() const { return 0; }
 bool Ledger::repay_turn() { return false; }
+void Ledger::set_floor(std::uint64_t) {}
 std::uint64_t Ledger::take_over_budget(std::uint64_t) { return 0; }
 std::string Ledger::problem() const { return {}; }
 bool Ledger::usable() const { return false; }

@@ -167,6 +167,9 @@ class Ledger {
   std::uint64_t take_over_budget(std::uint64_t bytes);
   // Gives back `bytes` (at most what is held) and wakes waiting askers.
   void release(std::uint64_t bytes);
+  // How much of what this holder holds no ask can get back (a GPU context: DESIGN §14): askers
+  // and the repayment of a debt pass a holder that holds no more than this. Kept in MiB.
+  void set_floor(std::uint64_t bytes);
   // The debt of a wake over the budget (DESIGN §14): how far the holders' sum exceeds the budget
   // now, read from a copy of the ledger (pread: no lock, nothing of the mapping touched), so that
   // a holder may look at every end of a call. 0 when within it, or unreadable.

@@ -230,6 +230,35 @@ TEST_F(DeviceBudgetTest, APacedWakeThatNobodyCanMakeRoomForGoesOverTheBudgetAndS
   a.m->end_call();
 }
 
+// A GPU context is device memory no sleep gives back (586 MiB per llama-server on the H200): the
+// ledger counts each holder's (Backend::unmanaged_device_bytes), so that the budget is what the
+// GPU holds, and an asker passes a holder that holds nothing else: a (asleep, its context only)
+// is the least recently used, yet c is the one asked.
+TEST_F(DeviceBudgetTest, EachHoldersContextCountsAndAHolderOfOnlyThatIsNotAsked) {
+  for (Device* d : {&a, &b, &c}) d->fake->unmanaged = 1 * MiB;
+  start(a, 10 * MiB);
+  start(b, 10 * MiB);
+  start(c, 10 * MiB);
+  auto pa = a.m->allocate(3 * MiB);
+  ASSERT_TRUE(pa) << pa.message();
+  EXPECT_EQ(used(), 4 * MiB) << "a's 3 MiB and its context";
+  a.m->release_now();
+  EXPECT_EQ(used(), 1 * MiB) << "asleep, a still holds its context";
+  EXPECT_EQ(a.m->stats().shared_held, 1 * MiB);
+  clock.advance(5ms);
+  auto pc = c.m->allocate(4 * MiB);
+  ASSERT_TRUE(pc) << pc.message();
+  EXPECT_EQ(used(), 6 * MiB);
+  clock.advance(5ms);
+  auto pb = b.m->allocate(5 * MiB);  // 6 MiB with its context; 4 free
+  ASSERT_TRUE(pb) << pb.message();
+  EXPECT_FALSE(c.fake->is_resident(pc->id)) << "c, holding more than its context, was asked and slept";
+  EXPECT_TRUE(b.fake->is_resident(pb->id));
+  EXPECT_EQ(b.m->stats().shared_asks, 1u) << "one ask, of c: a, holding only its context, was passed";
+  EXPECT_EQ(used(), 8 * MiB) << "three contexts and b's 5 MiB";
+  EXPECT_FALSE(b.logs.contains(LogLevel::warn, "over it"));
+}
+
 // A request to the holder asked stops its release (issue 29, item 4): the asker, whose wait ends
 // with no room made, asks the next least recently used holder instead. a keeps its memory (it never
 // left the device), c sleeps, b wakes within the budget.

@@ -16,9 +16,11 @@
 #include <cstring>
 #include <limits>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 
+#include "backends/cuda/nvml.hpp"
 #include "residency/config.hpp"
 #include "residency/text.hpp"
 
@@ -225,6 +227,22 @@ Capabilities CudaBackend::capabilities() const {
 void CudaBackend::set_wake_gate(WakeGate gate) {
   std::lock_guard<std::mutex> lock(mu_);
   gate_ = std::move(gate);
+}
+
+// NVML's figure for this process (what nvidia-smi shows) less the physical memory of our own awake
+// allocations. The caller holds the manager's lock, under which every wake and allocation runs.
+std::uint64_t CudaBackend::unmanaged_device_bytes() {
+  if (uuid_.empty()) return 0;
+  std::string why;
+  const std::optional<std::uint64_t> used = nvml_process_bytes(uuid_, ::getpid(), &why);
+  if (!used) {
+    if (!nvml_said_.exchange(true))
+      say("the memory this process holds on " + uuid_ + " besides its allocations (the CUDA context, libraries' "
+          "workspaces) is unknown: " + why + "; a GPU budget counts only the allocations");
+    return 0;
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  return *used > mapped_bytes_ ? *used - mapped_bytes_ : 0;
 }
 
 MemoryInfo CudaBackend::memory_info() {

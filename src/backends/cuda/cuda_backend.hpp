@@ -51,6 +51,7 @@ class CudaBackend final : public Backend {
   // A release in end_residency() stops before its first unmap (DESIGN §14).
   void interrupt_release() override;
   void set_wake_gate(WakeGate gate) override;
+  std::uint64_t unmanaged_device_bytes() override;
   // One copy of a release in flight per stream is at most this: how long a call that begins
   // waits for the copies already issued (about 1.2 ms at 55 GB/s).
   static constexpr std::size_t kCopyPiece = std::size_t{64} << 20;
@@ -294,6 +295,7 @@ class CudaBackend final : public Backend {
   std::atomic<bool> interrupt_{false};  // a call began during it
   // Backend::set_wake_gate: asked before each chunk a wake maps, while a request is paced (mu_).
   WakeGate gate_;
+  std::atomic<bool> nvml_said_{false};  // unmanaged_device_bytes() said once why it is unknown
   bool interrupt_wanted() const;         // both
   Status last_release_;
 };

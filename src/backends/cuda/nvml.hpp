@@ -1,0 +1,18 @@
+// SPDX-License-Identifier: MIT
+// What this process holds on a GPU, as nvidia-smi shows it: NVML's per-process used memory
+// (libnvidia-ml.so.1, which the driver installs beside libcuda; loaded at run time, like libcuda,
+// so nothing links it). The cuda backend subtracts its own allocations to know the rest (the
+// context, libraries' workspaces), which a GPU budget must count too (DESIGN §14).
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+
+namespace residency::cuda {
+
+// Bytes process `pid` holds on the GPU named by `uuid` ("GPU-..."); nullopt when NVML is missing,
+// fails, or does not list the process (another pid namespace). `why` says which, when given.
+std::optional<std::uint64_t> nvml_process_bytes(const std::string& uuid, int pid, std::string* why = nullptr);
+
+}  // namespace residency::cuda
