@@ -91,6 +91,14 @@ CUmemAllocationProp device_prop(CUdevice dev) {
 
 std::size_t round_up(std::size_t v, std::size_t unit) { return (v + unit - 1) / unit * unit; }
 
+// NVML reports a process, however many backends it has on a device: the physical memory of the
+// awake allocations of all of them, and the one that carries the rest (the context) in a budget,
+// the first made for the device (unmanaged_device_bytes()).
+constexpr int kMaxDevices = 64;
+std::atomic<std::uint64_t> g_mapped[kMaxDevices];
+std::atomic<const void*> g_carrier[kMaxDevices];
+std::size_t device_slot(CUdevice dev) { return static_cast<std::size_t>(dev) % kMaxDevices; }
+
 }  // namespace
 
 Result<std::shared_ptr<CudaBackend>> CudaBackend::create(const CudaBackendOptions& o) {
@@ -171,7 +179,20 @@ CudaBackend::CudaBackend(const Driver* d, CUdevice dev, CUcontext ctx, const Cud
       stream_count_(o.streams),
       backup_threads_(default_backup_threads()),
       backup_mode_(o.backup),
-      notice_(o.notice) {}
+      notice_(o.notice) {
+  const void* none = nullptr;
+  (void)g_carrier[device_slot(dev_)].compare_exchange_strong(none, this);
+}
+
+void CudaBackend::note_mapped(std::uint64_t bytes, bool added) {
+  if (added) {
+    mapped_bytes_ += bytes;
+    g_mapped[device_slot(dev_)].fetch_add(bytes, std::memory_order_relaxed);
+  } else {
+    mapped_bytes_ -= bytes;
+    g_mapped[device_slot(dev_)].fetch_sub(bytes, std::memory_order_relaxed);
+  }
+}
 
 Status CudaBackend::init_streams() {
   ContextScope scope(*d_, ctx_);
@@ -203,6 +224,7 @@ CudaBackend::~CudaBackend() {
       free_backup(a);
     }
     allocations_.clear();
+    note_mapped(mapped_bytes_, false);
     drop_unused_files();
     for (auto& [id, h] : host_ranges_) {
       if (h.registered && h.owned) (void)d_->cuMemHostUnregister(h.base);
@@ -211,6 +233,8 @@ CudaBackend::~CudaBackend() {
     for (CUstream s : streams_) (void)d_->cuStreamDestroy(s);
     streams_.clear();
   }
+  const void* self = this;
+  (void)g_carrier[device_slot(dev_)].compare_exchange_strong(self, nullptr);
   (void)d_->cuDevicePrimaryCtxRelease(dev_);
 }
 
@@ -229,8 +253,9 @@ void CudaBackend::set_wake_gate(WakeGate gate) {
   gate_ = std::move(gate);
 }
 
-// NVML's figure for this process (what nvidia-smi shows) less the physical memory of our own awake
-// allocations. The caller holds the manager's lock, under which every wake and allocation runs.
+// NVML's figure for this process (what nvidia-smi shows) less the physical memory of the process's
+// awake allocations on the device; carried by one backend per device. The caller holds the
+// manager's lock, under which this backend's wakes and allocations run.
 std::uint64_t CudaBackend::unmanaged_device_bytes() {
   if (uuid_.empty()) return 0;
   std::string why;
@@ -241,8 +266,9 @@ std::uint64_t CudaBackend::unmanaged_device_bytes() {
           "workspaces) is unknown: " + why + "; a GPU budget counts only the allocations");
     return 0;
   }
-  std::lock_guard<std::mutex> lock(mu_);
-  return *used > mapped_bytes_ ? *used - mapped_bytes_ : 0;
+  if (g_carrier[device_slot(dev_)].load() != this) return 0;  // another backend of the process carries it
+  const std::uint64_t mapped = g_mapped[device_slot(dev_)].load(std::memory_order_relaxed);
+  return *used > mapped ? *used - mapped : 0;
 }
 
 MemoryInfo CudaBackend::memory_info() {
@@ -384,7 +410,7 @@ void CudaBackend::deallocate(void* base) {
   (void)d_->cuCtxSynchronize();
   if (a.resident) {
     unmap_chunks(a, a.chunks.size());
-    mapped_bytes_ -= a.reserved;
+    note_mapped(a.reserved, false);
   }
   (void)d_->cuMemAddressFree(a.va, a.reserved);
   free_backup(a);
@@ -492,7 +518,7 @@ Status CudaBackend::wake(DeviceAllocation& a) {
   } else {
     a.backup_valid = false;  // the engine may write from now on; the next sleep copies again
   }
-  mapped_bytes_ += a.reserved;
+  note_mapped(a.reserved, true);
   return {};
 }
 
@@ -511,7 +537,7 @@ void CudaBackend::drop(DeviceAllocation& a) {
   if (!a.resident) return;
   unmap_chunks(a, a.chunks.size());
   a.resident = false;
-  mapped_bytes_ -= a.reserved;
+  note_mapped(a.reserved, false);
 }
 
 // What a sleep keeps of `a` (weights only), made while the memory is still mapped.

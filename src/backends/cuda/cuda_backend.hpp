@@ -253,6 +253,7 @@ class CudaBackend final : public Backend {
   // stops the release: ErrorCode::interrupted, every member still resident.
   Status sleep_members(const std::vector<RegionDesc>& members, bool interruptible = false);
   Status sync_streams();
+  void note_mapped(std::uint64_t bytes, bool added);  // mapped_bytes_ and the process's book
 
   const Driver* d_;
   CUdevice dev_;
