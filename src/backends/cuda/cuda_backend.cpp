@@ -245,6 +245,9 @@ Capabilities CudaBackend::capabilities() const {
   c.max_sets = 0;             // no limit: a set is only a list here
   c.device_uuid = uuid_;
   c.paced_wake = true;  // wake() asks the gate before each chunk it maps
+  // Physical memory comes in whole units of the allocation granularity (2 MiB here): a budget is
+  // charged what the device holds, not the bytes asked for.
+  c.wire_granularity = granularity_;
   return c;
 }
 
