@@ -9,6 +9,7 @@
 
 #include <atomic>
 #include <functional>
+#include <optional>
 #include <thread>
 #include <utility>
 #include <vector>
@@ -75,6 +76,22 @@ class DeviceBudgetTest : public ::testing::Test {
     EXPECT_FALSE(b.fake->is_resident(pb->id));
     const RegionId ida = pa->id;
     b.fake->device_full = [this, ida] { return a.fake->is_resident(ida); };
+    return {*pa, *pb};
+  }
+  // A switch to come, paced as the cuda backend paces it (1 MiB pieces): b's 4 MiB asleep while a
+  // holds 6 MiB of an 8 MiB budget, so 2 MiB of room.
+  std::pair<Allocation, Allocation> b_asleep_while_a_holds_6_of_8_mib() {
+    b.fake->pace_piece = 1 * MiB;
+    start(a, 8 * MiB);
+    start(b, 8 * MiB);
+    auto pb = b.m->allocate(4 * MiB);
+    EXPECT_TRUE(pb) << pb.message();
+    if (!pb) return {};
+    b.m->release_now();
+    EXPECT_FALSE(b.fake->is_resident(pb->id));
+    auto pa = a.m->allocate(6 * MiB);
+    EXPECT_TRUE(pa) << pa.message();
+    if (!pa) return {};
     return {*pa, *pb};
   }
   // What another holder's listener thread does in answer to an ask, waited for (real time).
@@ -173,15 +190,9 @@ TEST_F(DeviceBudgetTest, AHolderInsideACallDeclinesAndTheNextLeastRecentlyUsedSl
 // memory, the rest only after a gave it back, and neither the ledger nor what the two backends
 // hold ever exceeds the budget.
 TEST_F(DeviceBudgetTest, AWakeBeginsInTheBudgetsRoomWhileTheHolderAskedGivesWay) {
-  b.fake->pace_piece = 1 * MiB;
-  start(a, 8 * MiB);
-  start(b, 8 * MiB);
-  auto pb = b.m->allocate(4 * MiB);
-  ASSERT_TRUE(pb) << pb.message();
-  b.m->release_now();
-  ASSERT_FALSE(b.fake->is_resident(pb->id));
-  auto pa = a.m->allocate(6 * MiB);
-  ASSERT_TRUE(pa) << pa.message();
+  const std::pair<Allocation, Allocation> ab = b_asleep_while_a_holds_6_of_8_mib();
+  const Allocation &pa = ab.first, &pb = ab.second;
+  ASSERT_TRUE(pa.ptr != nullptr && pb.ptr != nullptr);
   clock.advance(10ms);
   struct Seen {
     std::uint64_t mapped;  // b's bytes mapped so far
@@ -189,10 +200,10 @@ TEST_F(DeviceBudgetTest, AWakeBeginsInTheBudgetsRoomWhileTheHolderAskedGivesWay)
     std::uint64_t ledger;
   };
   std::vector<Seen> seen;
-  b.fake->on_paced = [&](std::uint64_t mapped) { seen.push_back({mapped, a.fake->is_resident(pa->id), used()}); };
+  b.fake->on_paced = [&](std::uint64_t mapped) { seen.push_back({mapped, a.fake->is_resident(pa.id), used()}); };
   b.m->begin_call();
-  EXPECT_TRUE(b.fake->is_resident(pb->id));
-  EXPECT_FALSE(a.fake->is_resident(pa->id)) << "a was asked and slept";
+  EXPECT_TRUE(b.fake->is_resident(pb.id));
+  EXPECT_FALSE(a.fake->is_resident(pa.id)) << "a was asked and slept";
   ASSERT_EQ(seen.size(), 4u) << "b mapped its 4 MiB in four pieces";
   EXPECT_TRUE(seen[0].a_awake && seen[1].a_awake) << "b's first 2 MiB were mapped in the room, while a held its 6 MiB";
   EXPECT_FALSE(seen[2].a_awake) << "b's third MiB waited for a to give way";
@@ -210,19 +221,14 @@ TEST_F(DeviceBudgetTest, AWakeBeginsInTheBudgetsRoomWhileTheHolderAskedGivesWay)
 // A paced wake whose room nobody can make (the holder is inside a call) wakes the rest over the
 // budget, as an unpaced one does after its ask, and says so once.
 TEST_F(DeviceBudgetTest, APacedWakeThatNobodyCanMakeRoomForGoesOverTheBudgetAndSaysSo) {
-  b.fake->pace_piece = 1 * MiB;
-  start(a, 8 * MiB);
-  start(b, 8 * MiB);
-  auto pb = b.m->allocate(4 * MiB);
-  ASSERT_TRUE(pb) << pb.message();
-  b.m->release_now();
-  auto pa = a.m->allocate(6 * MiB);
-  ASSERT_TRUE(pa) << pa.message();
+  const std::pair<Allocation, Allocation> ab = b_asleep_while_a_holds_6_of_8_mib();
+  const Allocation &pa = ab.first, &pb = ab.second;
+  ASSERT_TRUE(pa.ptr != nullptr && pb.ptr != nullptr);
   a.m->begin_call();  // decoding
   clock.advance(10ms);
   b.m->begin_call();
-  EXPECT_TRUE(b.fake->is_resident(pb->id));
-  EXPECT_TRUE(a.fake->is_resident(pa->id)) << "a holder inside a call is never put to sleep";
+  EXPECT_TRUE(b.fake->is_resident(pb.id));
+  EXPECT_TRUE(a.fake->is_resident(pa.id)) << "a holder inside a call is never put to sleep";
   EXPECT_TRUE(b.logs.contains(LogLevel::warn, "of device memory is awake over it"));
   EXPECT_EQ(used(), 10 * MiB) << "the books show the 2 MiB over the budget";
   EXPECT_EQ(b.m->stats().shared_held, 4 * MiB);
