@@ -1143,6 +1143,7 @@ std::vector<SharedBudgetInfo> list_shared_budgets() {
       SharedBudgetHolder h;
       h.pid = sl.pid.load(std::memory_order_relaxed);
       h.bytes = sl.bytes.load(std::memory_order_relaxed);
+      h.unmanaged = std::min<std::uint64_t>(h.bytes, std::uint64_t{sl.floor_mib.load(std::memory_order_relaxed)} << 20);
       h.priority = sl.priority.load(std::memory_order_relaxed);
       const std::int64_t lu = sl.last_use.load(std::memory_order_relaxed);
       if (lu > 0) h.idle = Nanos(std::max<std::int64_t>(0, now - lu));

@@ -251,6 +251,11 @@ TEST_F(DeviceBudgetTest, EachHoldersContextCountsAndAHolderOfOnlyThatIsNotAsked)
   a.m->release_now();
   EXPECT_EQ(used(), 1 * MiB) << "asleep, a still holds its context";
   EXPECT_EQ(a.m->stats().shared_held, 1 * MiB);
+  for (const auto& info : list_shared_budgets()) {  // as `residency stat` shows it
+    if (info.name != name) continue;
+    for (const auto& h : info.holders)  // a's; b's and c's are read at their first allocation
+      EXPECT_EQ(h.unmanaged, h.bytes != 0 ? 1 * MiB : 0) << "pid " << h.pid << " holding " << h.bytes;
+  }
   clock.advance(5ms);
   auto pc = c.m->allocate(4 * MiB);
   ASSERT_TRUE(pc) << pc.message();

@@ -120,7 +120,9 @@ std::string limit_unknown_text(const PosixSystemInfo& info) {
           own += ", pinned host " + format_size(std::strtoull(f.pinned_host_bytes.c_str(), nullptr, 10));
       }
       rows.emplace_back("", "  pid " + std::to_string(h.pid) + (f.program.empty() ? "" : " (" + printable(f.program) + ")") +
-                                ": " + format_size(h.bytes) + own + ", " + idle_text(h.idle) + ", priority " +
+                                ": " + format_size(h.bytes) +
+                                (h.unmanaged != 0 ? " (" + format_size(h.unmanaged) + " of it the GPU context)" : "") + own +
+                                ", " + idle_text(h.idle) + ", priority " +
                                 std::to_string(h.priority) + (h.asked ? ", asked to give back" : "") +
                                 (h.alive ? "" : "  DEAD: its share is reclaimed by the next process that takes the lock"));
     }
@@ -153,6 +155,7 @@ std::string limit_unknown_text(const PosixSystemInfo& info) {
                     {"last_switch_ms", opt_num(f.last_switch_ms)},
                     {"pinned_host_bytes", opt_num(f.pinned_host_bytes)},
                     {"bytes", h.bytes},
+                    {"unmanaged_bytes", h.unmanaged},
                     {"idle_s", h.idle ? nlohmann::json(std::chrono::duration<double>(*h.idle).count()) : nlohmann::json(nullptr)},
                     {"priority", h.priority},
                     {"alive", h.alive},
