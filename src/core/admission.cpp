@@ -233,9 +233,17 @@ std::pair<std::uint64_t, std::uint32_t> Admission::request_all() {
   if (!pacing_) return sets_.request_all(failure_handler());
   // A paced wake (reserve_for_wire()): the backend asks pace() before each piece it maps.
   backend_.set_wake_gate([this](std::uint64_t bytes) { pace(bytes); });
-  const auto r = sets_.request_all(failure_handler());
-  backend_.set_wake_gate(nullptr);
-  pacing_ = false;
+  const auto r = [&] {
+    // No gate outlives its wake, even one left by an exception (std::bad_alloc) from the sets.
+    struct Ungate {
+      Admission& a;
+      ~Ungate() {
+        a.backend_.set_wake_gate(nullptr);
+        a.pacing_ = false;
+      }
+    } ungate{*this};
+    return sets_.request_all(failure_handler());
+  }();
   // What the pieces did not take (the backend mapped less than was charged): the ledger holds what
   // is admitted before anything else is decided.
   const std::uint64_t needed = shared_needed();
