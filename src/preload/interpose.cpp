@@ -21,6 +21,7 @@
 #include "buffer_plan.hpp"
 #include "engine_session.hpp"
 #include "ggml_api.hpp"
+#include "graph_writes.hpp"
 #include "next_calls.hpp"
 #include "process_session.hpp"
 
@@ -250,30 +251,14 @@ void buffer_write(ggml_backend_buffer_t b, const void* near) noexcept {
   }
 }
 
-// A graph about to run writes its nodes: every node but those that only view another tensor's
-// memory. The tracked ranges (weights) are never a node's in llama.cpp, so this finds nothing
-// there; it is what makes "never written after load" a fact checked at every compute rather than
-// an assumption.
+// A graph about to run writes its nodes (graph_writes.hpp). The tracked ranges (weights) are never
+// a node's in llama.cpp, so this finds nothing there; it is what makes "never written after load" a
+// fact checked at every compute rather than an assumption.
 void graph_write(ggml_cgraph* g, const void* near) noexcept {
   EngineSession* s = started_session();
   if (g == nullptr || s == nullptr || !s->tracks_device_writes()) return;
-  const GgmlApi* api = ggml_api(near);
-  if (api == nullptr || api->graph_n_nodes == nullptr) return;  // never tracked without them
-  const int n = api->graph_n_nodes(g);
-  for (int i = 0; i < n; ++i) {
-    const ggml_tensor* t = api->graph_node(g, i);
-    if (t == nullptr || t->data == nullptr) continue;
-    switch (t->op) {
-      case GGML_OP_NONE:
-      case GGML_OP_VIEW:
-      case GGML_OP_RESHAPE:
-      case GGML_OP_PERMUTE:
-      case GGML_OP_TRANSPOSE:
-        continue;
-      default:
-        tensor_write(t, 0, api->nbytes(t));
-    }
-  }
+  if (const GgmlApi* api = ggml_api(near))
+    graph_writes(*api, g, [s](std::uintptr_t b, std::uintptr_t e) { s->device_written(b, e); });
 }
 
 // A ggml graph compute: inside a decode the preload saw, it only wakes device memory; outside one
