@@ -47,9 +47,9 @@ constexpr std::uint64_t kPiece = 256 * kMiB;
   std::fprintf(stderr, "residency_cuda_release_probe: %s\n", what.c_str());
   std::exit(1);
 }
-[[noreturn]] void usage_error(const std::string& what) {
-  std::fprintf(stderr,
-               "residency_cuda_release_probe: %s\n"
+[[noreturn]] void usage(const std::string& what, int status = 2) {
+  std::fprintf(status == 0 ? stdout : stderr,
+               "%s%s"
                "usage: residency_cuda_release_probe [--free-gib G] [--copy-gib G] [--delays MS,MS,...]\n"
                "                                    [--quiet-ms MS] [--repeats N] [--json FILE]\n"
                "  --free-gib   device memory released before each measured copy (default 12)\n"
@@ -58,8 +58,8 @@ constexpr std::uint64_t kPiece = 256 * kMiB;
                "  --quiet-ms   pause before each release and before each baseline (default 1500)\n"
                "  --repeats    runs of each delay and kind (default 3)\n"
                "  --json FILE  write every run to FILE\n",
-               what.c_str());
-  std::exit(2);
+               what.empty() ? "" : "residency_cuda_release_probe: ", what.empty() ? "" : (what + "\n").c_str());
+  std::exit(status);
 }
 void check(const Status& s, const char* what) {
   if (!s) die(std::string(what) + ": " + s.message());
@@ -76,11 +76,12 @@ double median(std::vector<double> v) {
 }
 double gbps(std::uint64_t bytes, double s) { return s > 0 ? static_cast<double>(bytes) / s / 1e9 : 0; }
 
-double positive(const std::string& flag, const std::string& v, double max) {
+double positive(const std::string& flag, const std::string& v, double max, bool zero = false) {
   char* end = nullptr;
   const double x = std::strtod(v.c_str(), &end);
-  if (end == v.c_str() || *end != '\0' || !(x > 0) || x > max)
-    usage_error(flag + ": '" + v + "' is not accepted (a number above 0, at most " + std::to_string(static_cast<long>(max)) + ")");
+  if (end == v.c_str() || *end != '\0' || !(x > 0 || (zero && x == 0)) || x > max)
+    usage(flag + ": '" + v + "' is not accepted (a number " + (zero ? "from 0" : "above 0") + ", at most " +
+          std::to_string(static_cast<long>(max)) + ")");
   return x;
 }
 
@@ -106,7 +107,7 @@ Options parse(int argc, char** argv) {
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     auto value = [&]() -> std::string {
-      if (i + 1 >= argc) usage_error(a + " needs a value");
+      if (i + 1 >= argc) usage(a + " needs a value");
       return argv[++i];
     };
     if (a == "--free-gib") {
@@ -119,11 +120,7 @@ Options parse(int argc, char** argv) {
       for (std::size_t p = 0; p <= v.size();) {
         const std::size_t q = std::min(v.find(',', p), v.size());
         const std::string item = v.substr(p, q - p);
-        if (item == "0") {
-          o.delays.push_back(0);
-        } else {
-          o.delays.push_back(static_cast<int>(positive(a, item, 60'000)));
-        }
+        o.delays.push_back(static_cast<int>(positive(a, item, 60'000, /*zero=*/true)));
         p = q + 1;
       }
     } else if (a == "--quiet-ms") {
@@ -133,9 +130,9 @@ Options parse(int argc, char** argv) {
     } else if (a == "--json") {
       o.json = value();
     } else if (a == "--help" || a == "-h") {
-      usage_error("help");
+      usage("", 0);
     } else {
-      usage_error("unknown argument '" + a + "'");
+      usage("unknown argument '" + a + "'");
     }
   }
   return o;
@@ -147,7 +144,7 @@ int main(int argc, char** argv) {
   const Options o = parse(argc, argv);
   const auto free_bytes = static_cast<std::uint64_t>(o.free_gib * kGiB) / kPiece * kPiece;
   const auto copy_bytes = static_cast<std::uint64_t>(o.copy_gib * kGiB) / kPiece * kPiece;
-  if (free_bytes == 0 || copy_bytes == 0) usage_error("--free-gib and --copy-gib must be at least 0.25");
+  if (free_bytes == 0 || copy_bytes == 0) usage("--free-gib and --copy-gib must be at least 0.25");
 
   auto made = CudaBackend::create({});
   if (!made) die(made.message());
