@@ -29,24 +29,20 @@
 
 #include "backends/cuda/cuda_backend.hpp"
 
+#include "tool_support.hpp"
+
+const char* const residency::cuda::tools::kToolName = "residency_cuda_release_probe";
+
 namespace {
 
 using residency::RegionClass;
-using residency::RegionDesc;
-using residency::Status;
 using residency::cuda::ContextScope;
 using residency::cuda::CudaBackend;
 using residency::cuda::Driver;
-using Clock = std::chrono::steady_clock;
+using namespace residency::cuda::tools;
 
-constexpr std::uint64_t kGiB = std::uint64_t{1} << 30;
-constexpr std::uint64_t kMiB = std::uint64_t{1} << 20;
 constexpr std::uint64_t kPiece = 256 * kMiB;
 
-[[noreturn]] void die(const std::string& what) {
-  std::fprintf(stderr, "residency_cuda_release_probe: %s\n", what.c_str());
-  std::exit(1);
-}
 [[noreturn]] void usage(const std::string& what, int status = 2) {
   std::fprintf(status == 0 ? stdout : stderr,
                "%s%s"
@@ -61,21 +57,6 @@ constexpr std::uint64_t kPiece = 256 * kMiB;
                what.empty() ? "" : "residency_cuda_release_probe: ", what.empty() ? "" : (what + "\n").c_str());
   std::exit(status);
 }
-void check(const Status& s, const char* what) {
-  if (!s) die(std::string(what) + ": " + s.message());
-}
-void check(const Driver& d, CUresult r, const char* what) {
-  if (r != CUDA_SUCCESS) die(std::string(what) + ": " + d.describe(r));
-}
-double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
-double median(std::vector<double> v) {
-  if (v.empty()) return 0;
-  std::sort(v.begin(), v.end());
-  const std::size_t n = v.size();
-  return n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
-}
-double gbps(std::uint64_t bytes, double s) { return s > 0 ? static_cast<double>(bytes) / s / 1e9 : 0; }
-
 double positive(const std::string& flag, const std::string& v, double max, bool zero = false) {
   char* end = nullptr;
   const double x = std::strtod(v.c_str(), &end);
@@ -151,24 +132,12 @@ int main(int argc, char** argv) {
   CudaBackend& b = **made;
   const Driver& d = b.driver();
 
-  auto in_set = [&](residency::SetId set, residency::RegionId id, void* p, std::uint64_t bytes, RegionClass cls) {
-    RegionDesc desc;
-    desc.id = id;
-    desc.base = p;
-    desc.size = bytes;
-    desc.cls = cls;
-    desc.backend_allocated = true;
-    check(b.create_set(set, bytes), "create_set");
-    b.add_region(set, desc);
-    check(b.commit(set).status, "commit");
-    if (!b.request_residency(set).ok()) die("request_residency");
-  };
   auto ptr = [](void* p) { return static_cast<CUdeviceptr>(reinterpret_cast<std::uintptr_t>(p)); };
 
   // The waker: weights with a pinned backup, asleep. The victim: scratch, awake.
   auto w = b.allocate(copy_bytes, RegionClass::weights);
   if (!w) die(w.message());
-  in_set(0, 1, *w, copy_bytes, RegionClass::weights);
+  request_in_new_set(b, 0, 1, *w, copy_bytes, RegionClass::weights);
   {
     ContextScope scope(d, b.context());
     check(d, d.cuMemsetD8(ptr(*w), 0x5a, copy_bytes), "cuMemsetD8 (weights)");
@@ -182,7 +151,7 @@ int main(int argc, char** argv) {
 
   auto v = b.allocate(free_bytes, RegionClass::scratch);
   if (!v) die(v.message());
-  in_set(1, 2, *v, free_bytes, RegionClass::scratch);
+  request_in_new_set(b, 1, 2, *v, free_bytes, RegionClass::scratch);
   (void)b.end_residency(1);
 
   CUdeviceptr dst = 0;

@@ -35,6 +35,10 @@
 #include "backends/cuda/cuda_backend.hpp"
 #include "backends/cuda/pattern/pattern.hpp"
 
+#include "tool_support.hpp"
+
+const char* const residency::cuda::tools::kToolName = "residency_cuda_bench";
+
 namespace {
 
 using residency::RegionClass;
@@ -44,33 +48,9 @@ using residency::cuda::CudaBackend;
 using residency::cuda::ContextScope;
 using residency::cuda::Driver;
 using residency::cuda::PatternKernels;
-using Clock = std::chrono::steady_clock;
+using namespace residency::cuda::tools;
 
-constexpr std::uint64_t kGiB = std::uint64_t{1} << 30;
-constexpr std::uint64_t kMiB = std::uint64_t{1} << 20;
 constexpr std::uint64_t kSeed = 0x5eed5eedull;
-
-[[noreturn]] void die(const std::string& what) {
-  std::fprintf(stderr, "residency_cuda_bench: %s\n", what.c_str());
-  std::exit(1);
-}
-void check(const Status& s, const char* what) {
-  if (!s) die(std::string(what) + ": " + s.message());
-}
-void check(const Driver& d, CUresult r, const char* what) {
-  if (r != CUDA_SUCCESS) die(std::string(what) + ": " + d.describe(r));
-}
-
-double seconds_since(Clock::time_point t0) {
-  return std::chrono::duration<double>(Clock::now() - t0).count();
-}
-double median(std::vector<double> v) {
-  if (v.empty()) return 0;
-  std::sort(v.begin(), v.end());
-  const std::size_t n = v.size();
-  return n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
-}
-double gbps(std::uint64_t bytes, double s) { return s > 0 ? static_cast<double>(bytes) / s / 1e9 : 0; }
 
 std::string json_list(const std::vector<double>& v) {
   std::string out = "[";
@@ -166,16 +146,7 @@ SizeResult measure(std::uint64_t bytes, const Options& o, bool with_discard, boo
     if (*bad != 0) die(std::string(what) + ": " + std::to_string(*bad) + " wrong words of " + std::to_string(bytes) + " bytes");
   };
   auto in_set = [&](residency::SetId set, residency::RegionId id, void* p, RegionClass cls) {
-    RegionDesc desc;
-    desc.id = id;
-    desc.base = p;
-    desc.size = bytes;
-    desc.cls = cls;
-    desc.backend_allocated = true;
-    check(b.create_set(set, bytes), "create_set");
-    b.add_region(set, desc);
-    check(b.commit(set).status, "commit");
-    ok(b.request_residency(set), "request_residency");
+    request_in_new_set(b, set, id, p, bytes, cls);
   };
 
   void* p = filled(RegionClass::weights, kSeed);
