@@ -286,12 +286,20 @@ TEST_F(DeviceBudgetTest, WhenTheHolderAskedStopsItsReleaseForACallTheAskerAsksTh
   ASSERT_TRUE(pa && pc);
   clock.advance(5ms);  // a is the least recently used: asked first
   std::thread caller;
-  a.fake->during_end_residency = [&] {  // a request reaches a while it releases
-    caller = std::thread([&] { a.m->touch(); });
-    for (int i = 0; i < 5000 && a.fake->interrupts.load() == 0; ++i) std::this_thread::sleep_for(1ms);
-  };
+  // Set and reset under the fake's lock: a's release reads the hook on a's ask thread, which this
+  // thread reaches only through the ledger's futex (which ThreadSanitizer does not see).
+  {
+    std::lock_guard<std::recursive_mutex> g(a.fake->mu);
+    a.fake->during_end_residency = [&] {  // a request reaches a while it releases
+      caller = std::thread([&] { a.m->touch(); });
+      for (int i = 0; i < 5000 && a.fake->interrupts.load() == 0; ++i) std::this_thread::sleep_for(1ms);
+    };
+  }
   b.m->begin_call();
-  a.fake->during_end_residency = nullptr;
+  {
+    std::lock_guard<std::recursive_mutex> g(a.fake->mu);  // after a's release took it: `caller` is seen
+    a.fake->during_end_residency = nullptr;
+  }
   ASSERT_TRUE(caller.joinable()) << "a was asked first";
   caller.join();
   EXPECT_EQ(a.fake->interrupted_ends, 1) << "a's release stopped";
