@@ -6,9 +6,11 @@
 // each node's bytes to the session, which compares them with the tracked ranges. This measures
 // that walk on ggml graphs shaped like a llama decode (per layer: norms, the seven weight
 // products, attention over a KV cache view, the feed-forward; 29 nodes, 7 of them views), through
-// the same graph_writes() the hooks call and a real EngineSession over fake devices:
+// the same report_graph_writes() the hooks call and a real EngineSession over fake devices:
 //   BM_BaselineGraphWalk  the walk alone (each node's bytes summed, no session): the baseline
 //   BM_GraphScan          the walk reporting to the session, 1 or 8 tracked ranges (8 is the most)
+//   BM_GraphScanEachNodeAsked  the same, each node handed to EngineSession::device_written (which
+//                         reads the tracked ranges each time): the hooks' way before 2026-12-04
 // Counters: nodes per graph and ns per node. Compare with a decode step's time on the GPU
 // (docs/measurements.md); the graph is built once, as llama.cpp reuses its graphs' shape.
 #include <benchmark/benchmark.h>
@@ -97,8 +99,8 @@ void BM_BaselineGraphWalk(benchmark::State& state) {
 BENCHMARK(BM_BaselineGraphWalk)->ArgName("layers")->Arg(32)->Arg(80);
 
 // A session with `tracked` device weights ranges (fake device 0), none of them a node's: what a
-// llama-server with its model on the GPU has.
-void BM_GraphScan(benchmark::State& state) {
+// llama-server with its model on the GPU has. `each_node`: every node asked of the session.
+void graph_scan(benchmark::State& state, bool each_node) {
   DecodeGraph g(static_cast<int>(state.range(0)));
   const GgmlApi a = api();
   residency::ManualClock clock;
@@ -124,18 +126,24 @@ void BM_GraphScan(benchmark::State& state) {
     s.device_weights_buffer(reinterpret_cast<std::uintptr_t>(d.ptr), std::size_t{2} << 20);
     weights.push_back(d.ptr);
   }
-  if (!s.tracks_device_writes()) {
-    state.SkipWithError("no device range is tracked");
+  if (s.tracked_ranges().size() != static_cast<std::size_t>(state.range(1))) {
+    state.SkipWithError("the device ranges are not all tracked");
     return;
   }
-  for (auto _ : state) {
-    residency::preload::graph_writes(a, g.graph, [&](std::uintptr_t b, std::uintptr_t e) { s.device_written(b, e); });
+  if (each_node) {
+    for (auto _ : state)
+      residency::preload::graph_writes(a, g.graph, [&](std::uintptr_t b, std::uintptr_t e) { s.device_written(b, e); });
+  } else {
+    for (auto _ : state) residency::preload::report_graph_writes(a, g.graph, s);
   }
   counters(state, g);
   state.counters["tracked"] = static_cast<double>(state.range(1));
   for (void* p : weights) (void)s.device_free(p);
 }
+void BM_GraphScan(benchmark::State& state) { graph_scan(state, false); }
+void BM_GraphScanEachNodeAsked(benchmark::State& state) { graph_scan(state, true); }
 BENCHMARK(BM_GraphScan)->ArgNames({"layers", "tracked"})->ArgsProduct({{32, 80}, {1, 8}});
+BENCHMARK(BM_GraphScanEachNodeAsked)->ArgNames({"layers", "tracked"})->ArgsProduct({{32, 80}, {1, 8}});
 
 }  // namespace
 

@@ -632,6 +632,17 @@ void EngineSession::device_weights_buffer(std::uintptr_t base, std::size_t size)
   m->track_writes(reinterpret_cast<void*>(base));
 }
 
+EngineSession::TrackedRanges EngineSession::tracked_ranges() const noexcept {
+  TrackedRanges out;
+  if (!tracks_device_writes()) return out;
+  for (const Tracked& t : tracked_) {
+    const std::uintptr_t b = t.begin.load(std::memory_order_acquire);
+    if (b == 0) continue;
+    out.r_[out.n_++] = {b, t.end.load(std::memory_order_relaxed)};
+  }
+  return out;
+}
+
 void EngineSession::device_written(std::uintptr_t begin, std::uintptr_t end) noexcept {
   if (begin >= end || !tracks_device_writes()) return;
   for (const Tracked& t : tracked_) {

@@ -213,6 +213,28 @@ class EngineSession {
   // Lock-free: [begin, end) of device memory is about to be written (a tensor set, memset, copy,
   // buffer clear, or a node of a graph about to run); reported where it overlaps a tracked range.
   void device_written(std::uintptr_t begin, std::uintptr_t end) noexcept;
+  // Lock-free: the tracked device ranges as they are now, for a caller with many writes to check at
+  // once (a graph's nodes): only a write that meets one of them needs device_written(). The ranges
+  // change at a model's load and free, never during a decode.
+  static constexpr std::size_t kMaxTracked = 8;  // more ranges stay untracked (copied at each sleep)
+  class TrackedRanges {
+   public:
+    bool meets(std::uintptr_t begin, std::uintptr_t end) const noexcept {
+      for (std::size_t i = 0; i < n_; ++i)
+        if (begin < r_[i].end && end > r_[i].begin) return true;
+      return false;
+    }
+    std::size_t size() const noexcept { return n_; }
+
+   private:
+    friend class EngineSession;
+    struct Range {
+      std::uintptr_t begin = 0, end = 0;
+    };
+    std::array<Range, kMaxTracked> r_{};
+    std::size_t n_ = 0;
+  };
+  TrackedRanges tracked_ranges() const noexcept;
   // The same for a copy from host memory at `src` (a tensor set): where the source lies in one GGUF
   // mapping and the destination in one tracked range, reported as filled from that file
   // (Manager::filled_from_file); otherwise as a write.
@@ -314,7 +336,6 @@ class EngineSession {
     std::atomic<std::uintptr_t> end{0};
     std::atomic<int> device{0};
   };
-  static constexpr std::size_t kMaxTracked = 8;
   std::array<Tracked, kMaxTracked> tracked_{};
   std::atomic<int> tracked_count_{0};
   std::atomic<bool> warned_device_asleep_{false};

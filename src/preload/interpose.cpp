@@ -257,8 +257,7 @@ void buffer_write(ggml_backend_buffer_t b, const void* near) noexcept {
 void graph_write(ggml_cgraph* g, const void* near) noexcept {
   EngineSession* s = started_session();
   if (g == nullptr || s == nullptr || !s->tracks_device_writes()) return;
-  if (const GgmlApi* api = ggml_api(near))
-    graph_writes(*api, g, [s](std::uintptr_t b, std::uintptr_t e) { s->device_written(b, e); });
+  if (const GgmlApi* api = ggml_api(near)) report_graph_writes(*api, g, *s);
 }
 
 // A ggml graph compute: inside a decode the preload saw, it only wakes device memory; outside one
