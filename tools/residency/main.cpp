@@ -1,5 +1,7 @@
 // SPDX-License-Identifier: MIT
 // residency: the command-line tool. Subcommands register themselves (command.hpp).
+#include <unistd.h>
+
 #include <algorithm>
 #include <cctype>
 #include <cerrno>
@@ -88,6 +90,15 @@ int main(int argc, char** argv) {
 #else
   std::signal(SIGPIPE, SIG_IGN);  // no child processes without the workload library
 #endif
+  // Into a file or a pipe, what a command prints is written once, at the end (output_ok's flush),
+  // so that a failure (a full disk, a closed pipe) is found there with its errno. With stdio's own
+  // 4 KiB buffer a longer output (stat --json with many processes) failed mid-print, and by the end
+  // the errno was gone: "the reason is unknown". The commands that print as they go (idle,
+  // llama-idle, hold) flush each line themselves.
+  if (::isatty(STDOUT_FILENO) == 0) {
+    static char whole_output[1 << 20];
+    (void)std::setvbuf(stdout, whole_output, _IOFBF, sizeof whole_output);
+  }
   CLI::App app{"residency: keep model memory resident while requests flow, and measure what idle costs"};
   app.name("residency");
   app.require_subcommand(1);
