@@ -57,8 +57,10 @@ std::int64_t now_ns() {
 }
 
 // A budget name of this test run only: parallel ctest runs never share a ledger.
+// Ledgers that a run which died inside a test left under such names are removed first.
 std::string unique_name(const char* what) {
   static int n = 0;
+  residency::testing::remove_ledgers_of_dead_runs(std::string("test-") + what + "-");
   return std::string("test-") + what + "-" + std::to_string(::getpid()) + "-" + std::to_string(n++);
 }
 

@@ -18,6 +18,7 @@
 #include "ledger/ledger.hpp"
 #include "residency/shared_budget.hpp"
 #include "support/manager_fixture.hpp"
+#include "support/state_files.hpp"
 
 using namespace residency;
 using namespace residency::testing;
@@ -34,6 +35,9 @@ class DeviceBudgetTest : public ::testing::Test {
     LogCapture logs;
     std::unique_ptr<Manager> m;
   };
+
+  // A run that died inside a test (TSan's halt_on_error) left its ledgers: gone before this one.
+  DeviceBudgetTest() { remove_ledgers_of_dead_runs("unit-device-"); }
 
   static std::atomic<int>& serial() {
     static std::atomic<int> n{0};
