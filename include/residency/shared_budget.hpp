@@ -18,7 +18,7 @@ namespace residency {
 struct SharedBudgetHolder {
   int pid = 0;
   std::uint64_t bytes = 0;                       // reserved in the ledger (what it has wired, or is about to)
-  std::uint64_t unmanaged = 0;                   // of bytes, what no sleep gives back (a GPU context); MiB
+  std::uint64_t unmanaged = 0;                   // of bytes, what no sleep gives back (a GPU context), in whole MiB
   std::optional<std::chrono::nanoseconds> idle;  // since its last use; nullopt: never used
   int priority = 0;                              // RESIDENCY_SHARED_PRIORITY
   bool alive = true;                             // false: the process is gone (or its pid was reused); the next

@@ -261,6 +261,7 @@ void CudaBackend::set_wake_gate(WakeGate gate) {
 // manager's lock, under which this backend's wakes and allocations run.
 std::uint64_t CudaBackend::unmanaged_device_bytes() {
   if (uuid_.empty()) return 0;
+  if (g_carrier[device_slot(dev_)].load() != this) return 0;  // another backend of the process carries it
   std::string why;
   const std::optional<std::uint64_t> used = nvml_process_bytes(uuid_, ::getpid(), &why);
   if (!used) {
@@ -269,7 +270,6 @@ std::uint64_t CudaBackend::unmanaged_device_bytes() {
           "workspaces) is unknown: " + why + "; a GPU budget counts only the allocations");
     return 0;
   }
-  if (g_carrier[device_slot(dev_)].load() != this) return 0;  // another backend of the process carries it
   const std::uint64_t mapped = g_mapped[device_slot(dev_)].load(std::memory_order_relaxed);
   return *used > mapped ? *used - mapped : 0;
 }
