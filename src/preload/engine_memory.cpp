@@ -31,6 +31,8 @@ std::string_view field(std::string_view s, std::size_t& at) noexcept {
   return s.substr(b, at - b);
 }
 
+}  // namespace
+
 // The whole of /proc/self/maps; empty when it cannot be read.
 std::string read_own_maps() {
   std::string text;
@@ -46,8 +48,6 @@ std::string read_own_maps() {
   ::close(fd);
   return text;
 }
-
-}  // namespace
 
 std::vector<MapsEntry> parse_maps(std::string_view text) {
   std::vector<MapsEntry> out;
@@ -179,7 +179,8 @@ void EngineMemory::snapshot(const std::vector<Extent>& held, const EngineOwned& 
     Batch batch = manager_->batch();
     unregister();
     const std::size_t page = system_page_size();
-    const MemoryPlan plan = plan_engine_memory(parse_maps(read_own_maps()), held, owned, page, kMaxMapping);
+    const std::vector<MapsEntry> maps = parse_maps(read_own_maps());
+    const MemoryPlan plan = plan_engine_memory(maps, held, owned, page, kMaxMapping);
     std::vector<Extent> runs;
     std::vector<unsigned char> vec;
     for (const Extent& r : plan.ranges) {
@@ -191,15 +192,26 @@ void EngineMemory::snapshot(const std::vector<Extent>& held, const EngineOwned& 
     for (const Extent& r : runs) found_bytes += r.end - r.begin;
     const std::size_t found = runs.size();
     runs = runs_to_hold(std::move(runs), kMaxRuns, kMaxBytes);
-    for (const Extent& r : runs)
-      if (pieces_.add(r.begin, r.end, RegionClass::scratch, /*owner=*/1)) bytes_ += r.end - r.begin;
+    // What each held run is, by the mapping it lies in (maps and runs are sorted).
+    std::uint64_t stacks = 0, data = 0, made = 0;
+    std::size_t at = 0;
+    for (const Extent& r : runs) {
+      if (!pieces_.add(r.begin, r.end, RegionClass::scratch, /*owner=*/1)) continue;
+      bytes_ += r.end - r.begin;
+      while (at < maps.size() && maps[at].end <= r.begin) ++at;
+      const MapsEntry* m = at < maps.size() && maps[at].begin <= r.begin ? &maps[at] : nullptr;
+      if (m != nullptr && is_engine_data(*m)) data += r.end - r.begin;
+      else if (m != nullptr && holds_a_point(*m, owned.stack_points)) stacks += r.end - r.begin;
+      else made += r.end - r.begin;
+    }
     char took[32];
     std::snprintf(took, sizeof took, "%.2f ms",
                   std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
     std::string line = "engine memory: " + format_size(bytes_) + " in " + std::to_string(runs.size()) +
-                       " range(s) of the heap, the stacks the engine ran on, the memory it mapped and its libraries' "
-                       "data, registered with the model (" +
-                       why + "; " + took + ")";
+                       " range(s), registered with the model: " + format_size(stacks) + " of the " +
+                       std::to_string(owned.stack_points.size()) + " live thread stack(s) the engine ran on, " +
+                       format_size(made) + " the engine mapped or grew of the heap inside its calls, " +
+                       format_size(data) + " of its libraries' data (" + why + "; " + took + ")";
     if (found > runs.size()) {
       std::uint64_t kept_bytes = 0;
       for (const Extent& r : runs) kept_bytes += r.end - r.begin;
@@ -209,9 +221,13 @@ void EngineMemory::snapshot(const std::vector<Extent>& held, const EngineOwned& 
     if (plan.left_out > 0)
       line += "; " + format_size(plan.left_out) + " of anonymous mappings over " + format_size(kMaxMapping) +
               " left out";
-    if (said_) log_->debug(line);
-    else log_->info(line);
-    said_ = true;
+    // Said whenever it grows past what was said before (what is held is bounded, and never silent).
+    if (bytes_ > said_bytes_) {
+      said_bytes_ = bytes_;
+      log_->info(line);
+    } else {
+      log_->debug(line);
+    }
   } catch (...) {
     // Out of memory: what was registered stays.
   }

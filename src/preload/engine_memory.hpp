@@ -34,6 +34,9 @@ struct MapsEntry {
   std::string path;  // "", "[heap]", "[stack]", "[anon:name]", a file's path, ...
 };
 
+// The whole of /proc/self/maps; empty when it cannot be read.
+std::string read_own_maps();
+
 // The lines of a /proc/PID/maps text; a line that does not parse is skipped.
 std::vector<MapsEntry> parse_maps(std::string_view text);
 
@@ -97,7 +100,7 @@ class EngineMemory {
   static constexpr std::size_t kMaxRuns = 256;
   static constexpr std::uint64_t kMaxBytes = 256ULL << 20;
   static constexpr std::size_t kMaxGapPages = 4;
-  // `log` must outlive it: the first snapshot's line is info, the later ones debug.
+  // `log` must outlive it: a snapshot that holds more than any before says so at info, others at debug.
   EngineMemory(Manager& manager, const SessionLog& log)
       : manager_(&manager), pieces_(&manager, log, "engine memory"), log_(&log) {}
 
@@ -117,7 +120,7 @@ class EngineMemory {
   PieceTable pieces_;
   const SessionLog* log_;
   std::uint64_t bytes_ = 0;
-  bool said_ = false;  // the first snapshot's line is info, the later ones debug
+  std::uint64_t said_bytes_ = 0;  // the most an info line said: a snapshot that holds more says so at info
 };
 
 }  // namespace residency::preload

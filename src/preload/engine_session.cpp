@@ -5,13 +5,19 @@
 #include <sys/mman.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
+#include <linux/futex.h>
+
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <cstdio>
 #include <cstring>
 #include <utility>
+
+#include "platform/proc_stat.hpp"
 
 #include "residency/text.hpp"
 
@@ -69,10 +75,24 @@ EngineSession::EngineSession(Options options)
       holds_between_calls_(options_.config.keep_alive.holds_between_uses()),
       files_(nullptr, log_, "GGUF mappings"),
       engine_made_(nullptr, log_, "the engine's mappings"),
-      program_locked_(nullptr, log_, "the program's locked ranges") {}
+      program_locked_(nullptr, log_, "the program's locked ranges") {
+  program_locked_.defer_warnings();  // changed by hooks, which must not build a message
+}
 
 // Parts first, then the managers they registered with (members go in reverse order; this says so).
 EngineSession::~EngineSession() {
+  // The worker first, without the lock (it takes it to apply events).
+  std::thread worker;
+  {
+    MutexLock lock(mu_);
+    worker = std::move(worker_);
+  }
+  if (worker.joinable()) {
+    stop_worker_.store(true, std::memory_order_release);
+    wake_.fetch_add(1, std::memory_order_release);
+    ::syscall(SYS_futex, reinterpret_cast<std::uint32_t*>(&wake_), FUTEX_WAKE_PRIVATE, 1, nullptr, nullptr, 0);
+    worker.join();
+  }
   MutexLock lock(mu_);
   for (FileOfMapping& f : file_of_mapping_)
     if (f.fd >= 0) ::close(f.fd);
@@ -144,6 +164,7 @@ EngineSession::Host* EngineSession::host_locked() {
   host_.store(host_owner_.get(), std::memory_order_release);
   host_parts_ready_.store(host_parts_.get(), std::memory_order_release);
   host_state_ = Side::active;
+  if (options_.start_schedulers) start_worker();
   return host_parts_.get();
 }
 
@@ -197,6 +218,7 @@ void EngineSession::for_each_device(F&& f) noexcept {
 void EngineSession::file_mapped(void* addr, std::size_t bytes, int fd, std::uint64_t offset) noexcept {
   if (addr == nullptr || bytes == 0) return;
   MutexLock lock(mu_);
+  drain_locked();
   if (host_locked() == nullptr) return;
   const auto b = reinterpret_cast<std::uintptr_t>(addr);
   std::uint64_t owner = 0;
@@ -235,6 +257,7 @@ void EngineSession::device_filled(std::uintptr_t begin, std::uintptr_t end, std:
   if (m == nullptr) return;
   {
     MutexLock lock(mu_);
+    drain_locked();
     try {
       for (const PieceTable::Piece& p : files_.pieces()) {
         if (src < p.begin || src + (end - begin) > p.end || p.owner == 0 || p.owner > file_of_mapping_.size()) continue;
@@ -275,13 +298,6 @@ void EngineSession::after_unmap_locked(const Cuts& c, std::uintptr_t b, std::uin
   engine_made_.after_unmap(c.made, b, e, gone);
 }
 
-void EngineSession::program_unlocked(std::uintptr_t begin, std::uintptr_t end) noexcept {
-  if (!program_locked_.overlaps(begin, end)) return;
-  MutexLock lock(mu_);
-  const PieceTable::Cut cut = program_locked_.cut(begin, end);
-  program_locked_.after_unmap(cut, begin, end, /*unmapped=*/true);  // what is left stays the program's
-}
-
 void EngineSession::let_go_of_everything_locked(const char* why) noexcept {
   Host* h = active_locked();
   if (h == nullptr) return;
@@ -292,15 +308,152 @@ void EngineSession::let_go_of_everything_locked(const char* why) noexcept {
   log_.info(std::string(why) + ": residency lets go of the memory it held and holds none from now on");
 }
 
-void EngineSession::mapped_over(std::uintptr_t begin, std::uintptr_t end) noexcept {
-  MutexLock lock(mu_);
-  const Cuts cut = cut_locked(begin, end);
-  after_unmap_locked(cut, begin, end, /*gone=*/true);
+// ---- The program's memory calls ----
+
+void EngineSession::queue(MemoryEvents::Event e) noexcept {
+  if (forked_.load(std::memory_order_relaxed)) return;
+  events_.push(e);  // a full ring is said by lost(): the worker then checks everything it tracks
+  wake_.fetch_add(1, std::memory_order_release);
+  ::syscall(SYS_futex, reinterpret_cast<std::uint32_t*>(&wake_), FUTEX_WAKE_PRIVATE, 1, nullptr, nullptr, 0);
+}
+
+void EngineSession::memory_gone(std::uintptr_t begin, std::uintptr_t end) noexcept {
+  if (begin < end) queue({MemoryEvents::Kind::gone, begin, end});
 }
 
 void EngineSession::engine_mapped(std::uintptr_t begin, std::uintptr_t end) noexcept {
+  if (begin < end && active_host() != nullptr) queue({MemoryEvents::Kind::engine_mapped, begin, end});
+}
+
+void EngineSession::program_locked_all(int flags) noexcept {
+  if (active_host() != nullptr) queue({MemoryEvents::Kind::program_locks_all, static_cast<std::uintptr_t>(flags), 0});
+}
+
+// System calls only: the registered tables' pieces inside [begin, end), less what the program
+// locked itself, are unlocked (munlock of what is not locked does nothing). The manager still
+// counts them until the event is applied.
+void EngineSession::unlock_before_take_back(std::uintptr_t begin, std::uintptr_t end) const noexcept {
+  const Host* h = active_host();
+  if (h == nullptr || begin >= end) return;
+  const std::uintptr_t page = system_page_size();
+  MutexLock lock(program_mu_);
+  auto unlock = [&](std::uintptr_t b, std::uintptr_t e) {
+    b &= ~(page - 1);
+    e = (e + page - 1) & ~(page - 1);
+    // Around what the program locked (whole pages of it), in order.
+    std::uintptr_t at = b;
+    while (at < e) {
+      std::uintptr_t next_locked = e, locked_end = e;
+      program_locked_.for_each_overlap(at, e, [&](std::uintptr_t pb, std::uintptr_t pe) {
+        pb &= ~(page - 1);
+        if (pb < next_locked) {
+          next_locked = std::max(pb, at);
+          locked_end = (pe + page - 1) & ~(page - 1);
+        }
+      });
+      if (next_locked > at) ::syscall(SYS_munlock, at, next_locked - at);
+      at = std::max(next_locked, locked_end);
+      if (next_locked == e) break;
+    }
+  };
+  for (const PieceTable* t : {&h->buffers.pieces(), &h->code.pieces(), &h->memory.pieces()})
+    t->for_each_overlap(begin, end, unlock);
+}
+
+void EngineSession::settle() noexcept {
   MutexLock lock(mu_);
-  if (active_locked() != nullptr) engine_made_.add(begin, end, RegionClass::scratch, 0);
+  drain_locked();
+}
+
+void EngineSession::drain_locked() noexcept {
+  if (events_.take_lost()) check_tracked_against_maps_locked();
+  MemoryEvents::Event e;
+  while (events_.pop(e)) apply_locked(e);
+  program_locked_.say_deferred_warnings();
+}
+
+void EngineSession::apply_locked(const MemoryEvents::Event& e) noexcept {
+  switch (e.kind) {
+    case MemoryEvents::Kind::gone: {
+      const Cuts cut = cut_locked(e.begin, e.end);
+      after_unmap_locked(cut, e.begin, e.end, /*gone=*/true);
+      return;
+    }
+    case MemoryEvents::Kind::engine_mapped:
+      if (active_locked() != nullptr) engine_made_.add(e.begin, e.end, RegionClass::scratch, 0);
+      return;
+    case MemoryEvents::Kind::program_locked: {
+      // Unregistering what the session held there unlocked it, the program's lock with it: the
+      // program's lock is made again, as it stands now (a munlock since then is kept).
+      const Cuts cut = cut_locked(e.begin, e.end);
+      after_unmap_locked(cut, e.begin, e.end, /*gone=*/true);
+      MutexLock lock(program_mu_);
+      program_locked_.for_each_overlap(e.begin, e.end,
+                                       [](std::uintptr_t b, std::uintptr_t en) { ::syscall(SYS_mlock, b, en - b); });
+      return;
+    }
+    case MemoryEvents::Kind::program_locks_all:
+      if (active_locked() == nullptr) return;
+      let_go_of_everything_locked("the program locks all its memory itself (mlockall)");
+      ::syscall(SYS_mlockall, static_cast<int>(e.begin));  // what the let-go unlocked, locked again
+      return;
+  }
+}
+
+// Events were lost (the ring was full): whatever may be stale is found by the process's
+// mappings. A tracked piece not wholly inside mappings of the process is forgotten (its memory may
+// be gone or the program's now), and so is the engine memory, snapshot again after the next decode.
+void EngineSession::check_tracked_against_maps_locked() noexcept {
+  Host* h = active_locked();
+  if (h == nullptr) return;
+  log_.warn(std::string("more than ") + std::to_string(MemoryEvents::kCapacity) +
+            " of the program's memory calls on tracked memory came at once; what residency tracks is checked "
+            "against the process's mappings instead");
+  drop_engine_memory_locked();
+  try {
+    const std::vector<MapsEntry> maps = parse_maps(read_own_maps());
+    auto mapped = [&](std::uintptr_t b, std::uintptr_t e) {
+      for (const MapsEntry& m : maps) {  // sorted, adjacent mappings may cover a piece together
+        if (m.end <= b) continue;
+        if (m.begin > b) return false;
+        b = m.end;
+        if (b >= e) return true;
+      }
+      return false;
+    };
+    std::vector<Extent> stale;
+    for (const PieceTable* t : {&h->buffers.pieces(), &h->code.pieces(), &files_, &engine_made_})
+      for (const PieceTable::Piece& p : t->pieces())
+        if (!mapped(p.begin, p.end)) stale.push_back({p.begin, p.end});
+    for (const Extent& x : stale) {
+      const Cuts cut = cut_locked(x.begin, x.end);
+      after_unmap_locked(cut, x.begin, x.end, /*gone=*/true);
+    }
+  } catch (...) {
+    (void)cut_locked(0, UINTPTR_MAX);  // out of memory: nothing is held rather than something stale
+  }
+}
+
+void EngineSession::start_worker() noexcept {
+  if (worker_.joinable()) return;
+  try {
+    worker_ = std::thread([this] { worker_loop(); });
+  } catch (...) {
+    // No thread: events are applied at the session's next event instead.
+  }
+}
+
+void EngineSession::worker_loop() noexcept {
+  if (options_.worker_init != nullptr) options_.worker_init();
+  for (;;) {
+    const std::uint32_t seen = wake_.load(std::memory_order_acquire);
+    if (stop_worker_.load(std::memory_order_acquire)) return;
+    if (!events_.empty()) {
+      settle();
+      continue;
+    }
+    ::syscall(SYS_futex, reinterpret_cast<std::uint32_t*>(&wake_), FUTEX_WAIT_PRIVATE, seen, nullptr, nullptr, 0);
+  }
 }
 
 // ---- Buffers ----
@@ -308,6 +461,7 @@ void EngineSession::engine_mapped(std::uintptr_t begin, std::uintptr_t end) noex
 void EngineSession::buffer_created(BufferId b, bool from_ptr) noexcept {
   if (b == 0) return;
   MutexLock lock(mu_);
+  drain_locked();
   if (Host* h = host_locked()) h->buffers.created(b, from_ptr);
 }
 
@@ -318,17 +472,20 @@ bool EngineSession::wants_tensor_placements(BufferId b) const noexcept {
 
 void EngineSession::tensor_placed(BufferId b, std::uintptr_t begin, std::uintptr_t end) noexcept {
   MutexLock lock(mu_);
+  drain_locked();
   if (Host* h = active_locked()) h->buffers.tensor_placed(b, begin, end);
 }
 
 void EngineSession::buffer_usage(BufferId b, BufferUsage usage) noexcept {
   MutexLock lock(mu_);
+  drain_locked();
   if (Host* h = active_locked()) h->buffers.usage_set(b, usage);
 }
 
 void EngineSession::buffer_freed(BufferId b) noexcept {
   if (b == 0) return;
   MutexLock lock(mu_);
+  drain_locked();
   Host* h = active_locked();
   if (h == nullptr) return;
   // llama.cpp frees buffers when it frees a context or a model, or grows a compute buffer: the
@@ -342,6 +499,7 @@ void EngineSession::buffer_freed(BufferId b) noexcept {
 
 void EngineSession::model_loaded() noexcept {
   MutexLock lock(mu_);
+  drain_locked();
   if (active_locked() == nullptr) return;
   flush_locked("model loaded", /*model_loaded=*/true);
   give_back_unread_file_pages_locked();
@@ -349,6 +507,7 @@ void EngineSession::model_loaded() noexcept {
 
 void EngineSession::context_made() noexcept {
   MutexLock lock(mu_);
+  drain_locked();
   if (active_locked() != nullptr) flush_locked("context made", /*model_loaded=*/false);
 }
 
@@ -454,27 +613,58 @@ std::uint64_t EngineSession::engine_memory_bytes() const noexcept {
 
 // ---- Decodes ----
 
+namespace {
+
+// Whether thread `tid` of this process still runs (a thread id is reused only after the thread
+// ended and its stack was given back; a reused one names a live thread whose stack is elsewhere,
+// which the stack point's mapping then does not hold).
+bool thread_lives(int tid) noexcept {
+  return tid > 0 && (::syscall(SYS_tgkill, ::getpid(), tid, 0) == 0 || errno != ESRCH);
+}
+
+}  // namespace
+
 EngineOwned EngineSession::engine_owned_locked() const {
   EngineOwned owned;
+  owned.heap = false;  // the heap is the program's; what the engine grew of it is in engine_made_
   for (const PieceTable::Piece& p : engine_made_.pieces()) owned.made.push_back({p.begin, p.end});
-  for (const auto& point : stacks_)
-    if (const std::uintptr_t at = point.load(std::memory_order_relaxed)) owned.stack_points.push_back(at);
+  for (std::size_t i = 0; i < kMaxStacks; ++i) {
+    const std::uintptr_t at = stacks_[i].load(std::memory_order_relaxed);
+    if (at == 0) continue;
+    if (!thread_lives(stack_threads_[i].load(std::memory_order_relaxed))) continue;
+    owned.stack_points.push_back(at);
+  }
   return owned;
 }
 
 // One address per stack the engine's calls ran on: a point within 1 MiB of a known one is on the
-// same stack (thread stacks are 8 MiB apart at least, with guard pages between).
+// same stack (thread stacks are 8 MiB apart at least, with guard pages between). A slot whose
+// thread ended is taken again.
 void EngineSession::note_stack(std::uintptr_t stack) noexcept {
   constexpr std::uintptr_t kSameStack = std::uintptr_t{1} << 20;
-  for (const auto& point : stacks_) {
-    const std::uintptr_t at = point.load(std::memory_order_relaxed);
-    if (at != 0 && (at > stack ? at - stack : stack - at) < kSameStack) return;
+  const int tid = static_cast<int>(::syscall(SYS_gettid));
+  for (std::size_t i = 0; i < kMaxStacks; ++i) {
+    const std::uintptr_t at = stacks_[i].load(std::memory_order_relaxed);
+    if (at != 0 && (at > stack ? at - stack : stack - at) < kSameStack &&
+        stack_threads_[i].load(std::memory_order_relaxed) == tid)
+      return;
   }
   MutexLock lock(mu_);
-  for (auto& point : stacks_) {
-    std::uintptr_t expected = 0;
-    if (point.compare_exchange_strong(expected, stack, std::memory_order_relaxed)) return;
+  drain_locked();
+  std::size_t free_slot = kMaxStacks;
+  for (std::size_t i = 0; i < kMaxStacks; ++i) {
+    const std::uintptr_t at = stacks_[i].load(std::memory_order_relaxed);
+    const int owner = stack_threads_[i].load(std::memory_order_relaxed);
+    // The same stack under another thread (a thread ended, its stack reused by a new one), or a
+    // dead thread's stack: the slot is this stack's now.
+    if (at == 0 || (at > stack ? at - stack : stack - at) < kSameStack || !thread_lives(owner)) {
+      free_slot = i;
+      if (at != 0) break;
+    }
   }
+  if (free_slot == kMaxStacks) return;
+  stack_threads_[free_slot].store(tid, std::memory_order_relaxed);
+  stacks_[free_slot].store(stack, std::memory_order_relaxed);
 }
 
 void EngineSession::decodes_seen_as_graph_computes() noexcept {
@@ -508,14 +698,18 @@ EngineSession::DecodeScope EngineSession::decode_began(std::uintptr_t stack) noe
   // Buffers ggml made since the last flush (a compute buffer that grew): registered first.
   if (h->buffers.has_pending()) {
     MutexLock lock(mu_);
+    drain_locked();
     flush_locked("buffers made since the last decode", false);
   }
   // This decode wires what was released: the engine memory is snapshot again after it, not
   // wired as it was (part of it may be unmapped since).
   if (holds_between_calls_ && !m->wants_resident()) {
     MutexLock lock(mu_);
+    drain_locked();
     drop_engine_memory_locked();
   }
+  // What the program's memory calls changed is applied before anything is wired again.
+  if (!events_.empty()) settle();
   m->begin_call();  // lock-free while resident; re-wires when the keep-alive released it
   scope.host = true;
   return scope;
@@ -532,11 +726,17 @@ void EngineSession::decode_ended(DecodeScope scope, void* ctx) noexcept {
         MutexLock lock(mu_);
         Host* h = active_locked();
         if (h != nullptr && options_.engine_memory && h->buffers.holds_weights() && m->wants_resident()) {
-          snapshotting_.store(true, std::memory_order_release);
+          // From here every new mapping is reported: what the snapshot reads of the maps and
+          // then locks must not have become the program's meanwhile (applied after it).
+          snapshotting_.store(true, std::memory_order_seq_cst);
+          drain_locked();
           h->memory.snapshot(held_extents_locked(), engine_owned_locked(),
                              n == 1 ? "after a decode" : "after more decodes");
-          snapshotting_.store(false, std::memory_order_release);
+          drain_locked();
+          snapshotting_.store(false, std::memory_order_seq_cst);
           snapshots_.fetch_add(1, std::memory_order_relaxed);
+        } else {
+          drain_locked();
         }
       }
     }
@@ -565,6 +765,7 @@ EngineSession::DeviceAllocation EngineSession::device_allocate(int device, std::
     return {};
   if (devices_[static_cast<std::size_t>(device)].state.load(std::memory_order_acquire) == Side::pass_through) return {};
   MutexLock lock(mu_);
+  drain_locked();
   Manager* m = device_locked(device);
   if (m == nullptr) return {};
   // ggml's graph allocator makes the compute buffers: dropped at sleep, nothing copied. The rest
@@ -590,6 +791,7 @@ EngineSession::DeviceAllocation EngineSession::device_allocate(int device, std::
 bool EngineSession::device_free(void* ptr) noexcept {
   if (ptr == nullptr || active_devices_.load(std::memory_order_acquire) == 0) return false;
   MutexLock lock(mu_);
+  drain_locked();
   const auto it = routed_.find(ptr);
   if (it == routed_.end()) return false;
   Manager* m = devices_[static_cast<std::size_t>(it->second)].manager.load(std::memory_order_relaxed);
@@ -613,6 +815,7 @@ void EngineSession::device_weights_buffer(std::uintptr_t base, std::size_t size)
       active_devices_.load(std::memory_order_acquire) == 0)
     return;
   MutexLock lock(mu_);
+  drain_locked();
   const auto it = routed_.find(reinterpret_cast<void*>(base));
   if (it == routed_.end()) return;
   Manager* m = devices_[static_cast<std::size_t>(it->second)].manager.load(std::memory_order_relaxed);

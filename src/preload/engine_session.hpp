@@ -20,6 +20,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <thread>
 #include <unordered_map>
 #include <vector>
 
@@ -27,6 +28,7 @@
 #include "engine_code.hpp"
 #include "engine_memory.hpp"
 #include "ggml_buffers.hpp"
+#include "memory_events.hpp"
 #include "piece_table.hpp"
 #include "platform/thread_annotations.hpp"
 #include "residency/residency.hpp"
@@ -79,6 +81,9 @@ class EngineSession {
     bool machine_has_swap = true;  // false: repacked weights under pressure get a warning
     bool start_schedulers = true;  // false: managers run nothing on their own (tests)
     bool engine_memory = true;     // false: no snapshot of the engine's working memory
+    // Run first on the session's worker thread (the preload marks it as inside a hook, so that
+    // its own memory calls pass straight through).
+    void (*worker_init)() = nullptr;
   };
 
   explicit EngineSession(Options options);
@@ -96,73 +101,67 @@ class EngineSession {
   // filled from the file (device_filled), so that the file is those weights' backup.
   void file_mapped(void* addr, std::size_t bytes, int fd = -1, std::uint64_t offset = 0) noexcept RESIDENCY_EXCLUDES(mu_);
   // Lock-free: whether [begin, end) touches memory the session tracks (hooks of munmap and
-  // MAP_FIXED skip the lock for everything else).
+  // MAP_FIXED skip everything else).
   bool tracks(std::uintptr_t begin, std::uintptr_t end) const noexcept;
-  // [begin, end) is unmapped by `call` (munmap, or an mmap with MAP_FIXED over it), which returns
-  // whether the memory is gone: what it touches is unregistered before, while still mapped, and
-  // what is left registered after (all of it when the call failed).
-  template <class Call>
-  bool unmap(std::uintptr_t begin, std::uintptr_t end, Call&& call) noexcept RESIDENCY_EXCLUDES(mu_) {
-    MutexLock lock(mu_);
-    const Cuts cut = cut_locked(begin, end);
-    const bool gone = call();
-    after_unmap_locked(cut, begin, end, gone);
-    return gone;
-  }
 
-  // ---- What the program does to memory (the session holds only the engine's, and unlocks only
-  // what it locked: DESIGN §16) ----
+  // ---- The program's memory calls (docs/design.md, "The preload's memory hooks") ----
+  // An allocator makes these calls while it holds its own lock, so none of these waits for the
+  // session's lock or allocates: what changes is queued (memory_events.hpp) and applied under the
+  // lock, in order, by the next event or the session's worker thread. What must happen before
+  // the program's call (letting go of a lock the call would trip on) is done here with system
+  // calls only. The session holds only the engine's memory and unlocks only what it locked
+  // (DESIGN §16).
 
-  // The program takes [begin, end) back (madvise DONTNEED/FREE/PAGEOUT/COLD/REMOVE, mprotect to
-  // PROT_NONE, mremap's old range): what the session holds there is let go of before `call`, so
+  // [begin, end) no longer holds what it held: unmapped (munmap, or an mmap with MAP_FIXED over
+  // it), taken back (see below), or a new mapping landed there (the old one went through calls no
+  // hook sees, such as glibc's own munmap). What the session tracked there is forgotten.
+  void memory_gone(std::uintptr_t begin, std::uintptr_t end) noexcept;
+  // Before the program takes [begin, end) back (madvise DONTNEED/FREE/PAGEOUT/COLD/REMOVE,
+  // mprotect to PROT_NONE, mremap's old range): what the session locked there is unlocked now, so
   // that the call does what it would without the preload (a locked page makes
-  // madvise(MADV_DONTNEED) fail, and V8 aborts on that). Returns what `call` returns.
+  // madvise(MADV_DONTNEED) fail, and V8 aborts on that). Follow the call with memory_gone().
+  void unlock_before_take_back(std::uintptr_t begin, std::uintptr_t end) const noexcept RESIDENCY_EXCLUDES(program_mu_);
+  // A private anonymous mapping made inside the engine's calls, or heap the engine grew: the
+  // engine's own memory.
+  void engine_mapped(std::uintptr_t begin, std::uintptr_t end) noexcept;
+  // The program locks [begin, end) (mlock, mlock2; `call` makes the call and returns whether it
+  // locked): noted first, so that the session never registers it (it would unlock it later);
+  // what the session held there is let go of once the event is applied, and the program's lock
+  // is made again after that let-go.
   template <class Call>
-  auto program_takes_back(std::uintptr_t begin, std::uintptr_t end, Call&& call) noexcept RESIDENCY_EXCLUDES(mu_) {
-    MutexLock lock(mu_);
-    const Cuts cut = cut_locked(begin, end);
-    auto r = call();
-    after_unmap_locked(cut, begin, end, /*gone=*/true);
-    return r;
-  }
-  // The program locks [begin, end) (mlock, mlock2; `call` returns whether it did): the session
-  // lets go of it first and holds none of it while the program's lock stands, so it never
-  // unlocks what the program locked.
-  template <class Call>
-  bool program_locks(std::uintptr_t begin, std::uintptr_t end, Call&& call) noexcept RESIDENCY_EXCLUDES(mu_) {
-    MutexLock lock(mu_);
-    const bool noted = program_locked_.add(begin, end, RegionClass::weights, 0);
-    const Cuts cut = cut_locked(begin, end);
-    after_unmap_locked(cut, begin, end, /*gone=*/true);
-    const bool locked = call();
-    if (!locked && noted) (void)program_locked_.cut(begin, end);
+  bool program_locks(std::uintptr_t begin, std::uintptr_t end, Call&& call) noexcept RESIDENCY_EXCLUDES(program_mu_) {
+    bool locked = false;
+    {
+      MutexLock lock(program_mu_);
+      const bool noted = program_locked_.add(begin, end, RegionClass::weights, 0);
+      locked = call();
+      if (!locked && noted) program_locked_.subtract(begin, end);
+    }
+    if (locked && tracks(begin, end)) queue({MemoryEvents::Kind::program_locked, begin, end});
     return locked;
   }
-  // The program unlocked [begin, end) (munlock): its lock no longer stands.
-  void program_unlocked(std::uintptr_t begin, std::uintptr_t end) noexcept RESIDENCY_EXCLUDES(mu_);
-  // mlockall: the program locks everything itself; the session lets go of everything first and
-  // holds nothing from then on (its unlocks would undo the program's).
+  // The program unlocks [begin, end) (munlock; `call` makes the call and returns whether it
+  // worked): its lock no longer stands.
   template <class Call>
-  auto program_locks_all(Call&& call) noexcept RESIDENCY_EXCLUDES(mu_) {
-    MutexLock lock(mu_);
-    let_go_of_everything_locked("the program locks all its memory itself (mlockall)");
-    return call();
+  bool program_unlocks(std::uintptr_t begin, std::uintptr_t end, Call&& call) noexcept RESIDENCY_EXCLUDES(program_mu_) {
+    MutexLock lock(program_mu_);
+    const bool unlocked = call();
+    if (unlocked) program_locked_.subtract(begin, end);
+    return unlocked;
   }
+  // mlockall(flags) succeeded: the program locks everything itself; the session lets go of
+  // everything (and locks it again as the program asked) and holds nothing from then on.
+  void program_locked_all(int flags) noexcept;
   // Lock-free: whether [begin, end) touches what the program locked itself.
   bool program_locked(std::uintptr_t begin, std::uintptr_t end) const noexcept {
     return program_locked_.overlaps(begin, end);
   }
-  // A new mapping at [begin, end) that the program made where the session still tracked memory:
-  // the old mapping went through calls no hook sees (glibc's own munmap); what was there is
-  // forgotten, so the new mapping is never locked for it.
-  void mapped_over(std::uintptr_t begin, std::uintptr_t end) noexcept RESIDENCY_EXCLUDES(mu_);
-  // Lock-free: a snapshot of the engine memory is being taken. A program's new mapping waits for
-  // it to end (wait_for_snapshot): between the snapshot's read of the maps and its locks, an
-  // address the program unmapped and mapped again (a shared file) would be locked for it.
-  bool snapshotting() const noexcept { return snapshotting_.load(std::memory_order_acquire); }
-  void wait_for_snapshot() const noexcept RESIDENCY_EXCLUDES(mu_) { MutexLock lock(mu_); }
-  // A private anonymous mapping made inside the engine's calls: the engine's own memory.
-  void engine_mapped(std::uintptr_t begin, std::uintptr_t end) noexcept RESIDENCY_EXCLUDES(mu_);
+  // Lock-free: a snapshot of the engine memory is being taken. Every mapping made meanwhile is
+  // reported (memory_gone) whatever it lands on: between the snapshot's read of the maps and its
+  // locks, an address the program unmapped and mapped again must not stay locked for it.
+  bool snapshotting() const noexcept { return snapshotting_.load(std::memory_order_seq_cst); }
+  // Applies every queued memory event now (the worker does it on its own; tests call this).
+  void settle() noexcept RESIDENCY_EXCLUDES(mu_);
 
   // ggml made buffer `b` (from_ptr: over memory that is not ggml's); starts the host side.
   void buffer_created(BufferId b, bool from_ptr) noexcept RESIDENCY_EXCLUDES(mu_);
@@ -287,6 +286,14 @@ class EngineSession {
   EngineOwned engine_owned_locked() const RESIDENCY_REQUIRES(mu_);
   void note_stack(std::uintptr_t stack) noexcept RESIDENCY_EXCLUDES(mu_);
   std::vector<Extent> held_extents_locked() const RESIDENCY_REQUIRES(mu_);
+  // Memory events: queued by the hooks, applied under the lock (drain_locked: every locked section
+  // starts with it), on the worker thread soon after they are queued.
+  void queue(MemoryEvents::Event e) noexcept;
+  void drain_locked() noexcept RESIDENCY_REQUIRES(mu_);
+  void apply_locked(const MemoryEvents::Event& e) noexcept RESIDENCY_REQUIRES(mu_);
+  void check_tracked_against_maps_locked() noexcept RESIDENCY_REQUIRES(mu_);
+  void start_worker() noexcept RESIDENCY_REQUIRES(mu_);
+  void worker_loop() noexcept;
   template <class F>
   void for_each_device(F&& f) noexcept;
 
@@ -313,12 +320,26 @@ class EngineSession {
     std::uint64_t offset = 0;
   };
   std::vector<FileOfMapping> file_of_mapping_ RESIDENCY_GUARDED_BY(mu_);
-  PieceTable engine_made_;                        // anonymous mappings made inside engine calls
-  PieceTable program_locked_;                     // what the program locked itself (mlock)
+  PieceTable engine_made_;  // anonymous mappings made inside engine calls, and heap they grew
+  // What the program locked itself (mlock), changed by the mlock and munlock hooks under
+  // program_mu_: a lock under which nothing allocates (a hook may hold the program's allocator's
+  // lock) and nothing waits but the program's own mlock and munlock calls. Lock order: mu_, then
+  // program_mu_.
+  mutable Mutex program_mu_ RESIDENCY_ACQUIRED_AFTER(mu_);
+  PieceTable program_locked_;
   bool program_locks_all_ RESIDENCY_GUARDED_BY(mu_) = false;
-  // Addresses on the stacks engine calls ran on (one per stack; 0: free).
+  MemoryEvents events_;
+  // The worker: applies queued events soon after they are queued (it sleeps on wake_, a futex
+  // word, while there are none: no wake-ups while idle).
+  std::atomic<std::uint32_t> wake_{0};
+  std::atomic<bool> stop_worker_{false};
+  std::thread worker_ RESIDENCY_GUARDED_BY(mu_);
+  // Addresses on the stacks engine calls ran on (one per stack; 0: free), and the thread each
+  // stack belongs to: a stack is held only while its thread lives (a dead thread's stack may be
+  // unmapped and the address reused by the program), and a dead thread's slot is free again.
   static constexpr std::size_t kMaxStacks = 64;
   std::array<std::atomic<std::uintptr_t>, kMaxStacks> stacks_{};
+  std::array<std::atomic<int>, kMaxStacks> stack_threads_{};
   std::atomic<bool> said_graph_computes_{false};
   std::atomic<bool> snapshotting_{false};
   bool warned_unwired_ RESIDENCY_GUARDED_BY(mu_) = false;

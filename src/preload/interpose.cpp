@@ -3,6 +3,7 @@
 // functions it interposes. Each keeps the re-entry, errno and fork guards, calls the real
 // function (next_calls.hpp), and tells the process's EngineSession what the engine did
 // (process_session.hpp); the session decides everything.
+#include <dlfcn.h>
 #include <sys/mman.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -12,6 +13,7 @@
 #include <cstdarg>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <string>
 
 #include <ggml-alloc.h>
@@ -19,6 +21,7 @@
 #include <llama.h>
 
 #include "buffer_plan.hpp"
+#include "call_targets.hpp"
 #include "engine_session.hpp"
 #include "ggml_api.hpp"
 #include "graph_writes.hpp"
@@ -59,44 +62,31 @@ void tell(const void* near, F&& f) noexcept {
   if (EngineSession* s = process_session(near)) f(*s);
 }
 
+// The memory hooks below (mmap, munmap, madvise, mprotect, mremap, mlock, munlock, mlockall) are
+// the calls an allocator makes while it holds its own lock: they never wait for the session's
+// lock and never allocate; they tell the session what changed (EngineSession::memory_gone and the
+// others queue it) after the real call, and let go of the session's locks before a call that
+// would trip on them (docs/design.md, "The preload's memory hooks").
 template <class Call>
-void* map(void* addr, std::size_t len, int prot, int flags, int fd, off64_t off, const void* caller, Call call) noexcept {
+void* map(std::size_t len, int prot, int flags, int fd, off64_t off, const void* caller, Call call) noexcept {
   if (in_hook() || forked_child()) return call();
   const bool wanted = SessionRules::may_be_model_file(prot, flags, fd, len);
-  EngineSession* s = started_session();
-  if (s != nullptr && s->snapshotting() && !called_from_preload(caller)) s->wait_for_snapshot();
-  const auto b = reinterpret_cast<std::uintptr_t>(addr);
-  void* r = MAP_FAILED;
-  if ((flags & MAP_FIXED) != 0 && s != nullptr && s->tracks(b, page_end(b, len))) {
-    // The new mapping replaces tracked memory: that part is unmapped first.
-    HookScope hook;
-    const int saved = errno;
-    int err = 0;
-    s->unmap(b, page_end(b, len), [&] {
-      errno = saved;
-      r = call();
-      err = errno;
-      return r != MAP_FAILED;
-    });
-    errno = err;
-  } else {
-    r = call();
-  }
+  void* r = call();
   if (r == MAP_FAILED) return r;
   const auto rb = reinterpret_cast<std::uintptr_t>(r);
-  if (s != nullptr && (flags & MAP_FIXED) == 0) {
+  const std::uintptr_t re = page_end(rb, len);
+  if (EngineSession* s = started_session()) {
+    ErrnoKeeper keep;
+    // Whatever the session tracked where the new mapping lies is gone: replaced (MAP_FIXED), or
+    // unmapped through calls no hook sees (glibc's own munmap). While a snapshot is taken every
+    // new mapping is said, whatever it lands on.
+    if (s->snapshotting() || s->tracks(rb, re)) s->memory_gone(rb, re);
     const bool anonymous_private = (flags & MAP_ANONYMOUS) != 0 && (flags & MAP_PRIVATE) != 0;
-    if (in_engine_call() && anonymous_private) {
-      HookScope hook;
-      ErrnoKeeper keep;
-      s->engine_mapped(rb, page_end(rb, len));
-    } else if (s->tracks(rb, page_end(rb, len))) {
-      HookScope hook;
-      ErrnoKeeper keep;
-      s->mapped_over(rb, page_end(rb, len));
-    }
+    if (in_engine_call() && anonymous_private && (flags & MAP_FIXED) == 0) s->engine_mapped(rb, re);
   }
   if (!wanted) return r;
+  // A model file's mapping: made by the engine, or by the program's own GGUF reader, never by an
+  // allocator; this one may start the session.
   HookScope hook;
   ErrnoKeeper keep;  // what the real mmap left
   if (const std::size_t n = SessionRules::gguf_bytes(fd, off, len))
@@ -105,22 +95,111 @@ void* map(void* addr, std::size_t len, int prot, int flags, int fd, off64_t off,
 }
 
 int unmap(void* addr, std::size_t len) noexcept {
-  if (in_hook()) return next_munmap(addr, len);
+  const int r = next_munmap(addr, len);
+  if (r != 0 || len == 0 || in_hook()) return r;
   EngineSession* s = started_session();
   const auto b = reinterpret_cast<std::uintptr_t>(addr);
   const std::uintptr_t e = page_end(b, len);
-  if (s == nullptr || len == 0 || !s->tracks(b, e)) return next_munmap(addr, len);
-  HookScope hook;
-  const int saved = errno;
-  int r = -1, err = 0;
-  s->unmap(b, e, [&] {
-    errno = saved;
-    r = next_munmap(addr, len);
-    err = errno;
-    return r == 0;
-  });
-  errno = err;
+  if (s != nullptr && s->tracks(b, e)) {
+    ErrnoKeeper keep;
+    s->memory_gone(b, e);
+  }
   return r;
+}
+
+// A hooked name no object the caller can reach defines: said once.
+void warn_missing(CallSite& site, const char* name) noexcept {
+  if (!resolving_now() && !site.warned.exchange(true)) warn_unresolved(name);
+}
+
+// The heap the engine grew during its call, from `before` (heap_top() when it began): the engine's.
+void report_heap_growth(EngineSession& s, std::uintptr_t before) noexcept {
+  const HeapGrowth g = engine_heap_growth(before);
+  if (g.end > g.begin) s.engine_mapped(g.begin, g.end);
+}
+
+// ---- The program's callbacks, called from inside the engine ----
+// Each (function, data) pair the program gives is kept in a box of a fixed table, never freed (the
+// engine may call it from another thread at any time); the engine is given a trampoline and the
+// box. A full table leaves further callbacks as they are (what they map then counts as the
+// engine's, as before).
+template <class Fn>
+struct CallbackBox {
+  std::atomic<int> state{0};  // 0: free, 1: being filled, 2: ready
+  std::atomic<Fn> fn{nullptr};
+  std::atomic<void*> data{nullptr};
+};
+template <class Fn>
+using CallbackBoxes = std::array<CallbackBox<Fn>, 64>;
+
+template <class Fn>
+CallbackBox<Fn>* box_of(CallbackBoxes<Fn>& boxes, Fn fn, void* data) noexcept {
+  for (CallbackBox<Fn>& b : boxes)
+    if (b.state.load(std::memory_order_acquire) == 2 && b.fn.load(std::memory_order_relaxed) == fn &&
+        b.data.load(std::memory_order_relaxed) == data)
+      return &b;
+  for (CallbackBox<Fn>& b : boxes) {
+    int expected = 0;
+    if (!b.state.compare_exchange_strong(expected, 1, std::memory_order_acq_rel)) continue;
+    b.fn.store(fn, std::memory_order_relaxed);
+    b.data.store(data, std::memory_order_relaxed);
+    b.state.store(2, std::memory_order_release);
+    return &b;
+  }
+  return nullptr;
+}
+
+template <class Fn>
+CallbackBox<Fn>& box_at(void* p) noexcept {
+  return *static_cast<CallbackBox<Fn>*>(p);
+}
+
+CallbackBoxes<ggml_abort_callback> g_abort_boxes;
+CallbackBoxes<ggml_backend_sched_eval_callback> g_eval_boxes;
+CallbackBoxes<llama_progress_callback> g_progress_boxes;
+CallbackBoxes<ggml_log_callback> g_log_boxes;
+
+bool abort_trampoline(void* box) {
+  auto& b = box_at<ggml_abort_callback>(box);
+  ProgramCallbackScope program;
+  return b.fn.load(std::memory_order_relaxed)(b.data.load(std::memory_order_relaxed));
+}
+bool eval_trampoline(ggml_tensor* t, bool ask, void* box) {
+  auto& b = box_at<ggml_backend_sched_eval_callback>(box);
+  ProgramCallbackScope program;
+  return b.fn.load(std::memory_order_relaxed)(t, ask, b.data.load(std::memory_order_relaxed));
+}
+bool progress_trampoline(float progress, void* box) {
+  auto& b = box_at<llama_progress_callback>(box);
+  ProgramCallbackScope program;
+  return b.fn.load(std::memory_order_relaxed)(progress, b.data.load(std::memory_order_relaxed));
+}
+void log_trampoline(ggml_log_level level, const char* text, void* box) {
+  auto& b = box_at<ggml_log_callback>(box);
+  ProgramCallbackScope program;
+  b.fn.load(std::memory_order_relaxed)(level, text, b.data.load(std::memory_order_relaxed));
+}
+
+template <class Fn>
+void wrap(CallbackBoxes<Fn>& boxes, Fn trampoline, Fn& fn, void*& data) noexcept {
+  if (fn == nullptr || fn == trampoline || in_hook()) return;
+  if (CallbackBox<Fn>* b = box_of(boxes, fn, data)) {
+    fn = trampoline;
+    data = b;
+  }
+}
+void wrap_abort(ggml_abort_callback& fn, void*& data) noexcept { wrap(g_abort_boxes, &abort_trampoline, fn, data); }
+void wrap_eval(ggml_backend_sched_eval_callback& fn, void*& data) noexcept { wrap(g_eval_boxes, &eval_trampoline, fn, data); }
+void wrap_progress(llama_progress_callback& fn, void*& data) noexcept {
+  wrap(g_progress_boxes, &progress_trampoline, fn, data);
+}
+void wrap_log(ggml_log_callback& fn, void*& data) noexcept { wrap(g_log_boxes, &log_trampoline, fn, data); }
+// What the program gave, for a callback ggml hands back (ggml_log_get).
+void unwrap_log(ggml_log_callback& fn, void*& data) noexcept {
+  if (fn != &log_trampoline || data == nullptr) return;
+  auto& b = box_at<ggml_log_callback>(data);
+  fn = b.fn.load(std::memory_order_relaxed);
+  data = b.data.load(std::memory_order_relaxed);
 }
 
 // llama_decode's "< -1: fatal error": nothing of the batch was processed, and llama-server fails
@@ -143,13 +222,16 @@ std::int32_t decode(DecodeFn next, llama_context* ctx, llama_batch batch) {
     }
   }
   std::int32_t r = 0;
+  const std::uintptr_t heap = heap_top();
   {
     EngineCallScope engine;
+    ForwardScope forward(reinterpret_cast<const void*>(next));
     r = next(ctx, batch);
   }
   {
     ErrnoKeeper keep;
     HookScope hook;
+    report_heap_growth(*s, heap);
     s->decode_ended(scope, ctx);
   }
   return r;
@@ -163,12 +245,14 @@ constexpr int kCudaErrorInitialization = 3;
 int device_malloc(void** ptr, std::size_t size, const void* caller) noexcept {
   using CudaMallocFn = int (*)(void**, std::size_t);
   using CudaGetDeviceFn = int (*)(int*);
-  static std::atomic<CudaMallocFn> malloc_cache{nullptr};
-  static std::atomic<bool> malloc_warned{false};
+  static CallSite site;
   static std::atomic<CudaGetDeviceFn> device_cache{nullptr};
   static std::atomic<bool> device_warned{false};
-  const CudaMallocFn next = resolve_next(malloc_cache, malloc_warned, "cudaMalloc", caller);
-  if (next == nullptr) return kCudaErrorInitialization;  // no CUDA runtime behind the preload
+  const CudaMallocFn next = target_of<CudaMallocFn>(site, "cudaMalloc", CallKind::other, caller).fn;
+  if (next == nullptr) {  // no CUDA runtime behind the preload
+    warn_missing(site, "cudaMalloc");
+    return kCudaErrorInitialization;
+  }
   if (in_hook() || ptr == nullptr || size < SessionRules::kMinRoutedDeviceBytes || forked_child())
     return next(ptr, size);
   const CudaGetDeviceFn get_device = resolve_next(device_cache, device_warned, "cudaGetDevice",
@@ -191,10 +275,12 @@ int device_malloc(void** ptr, std::size_t size, const void* caller) noexcept {
 
 int device_free(void* ptr, const void* caller) noexcept {
   using CudaFreeFn = int (*)(void*);
-  static std::atomic<CudaFreeFn> cache{nullptr};
-  static std::atomic<bool> warned{false};
-  const CudaFreeFn next = resolve_next(cache, warned, "cudaFree", caller);
-  if (next == nullptr) return kCudaErrorInitialization;
+  static CallSite site;
+  const CudaFreeFn next = target_of<CudaFreeFn>(site, "cudaFree", CallKind::other, caller).fn;
+  if (next == nullptr) {
+    warn_missing(site, "cudaFree");
+    return kCudaErrorInitialization;
+  }
   if (ptr == nullptr || in_hook()) return next(ptr);
   EngineSession* s = started_session();
   if (s == nullptr) return next(ptr);
@@ -283,6 +369,7 @@ auto graph_compute(Call call, Writes writes) noexcept {
     }
     writes();
   }
+  const std::uintptr_t heap = heap_top();
   auto r = [&] {
     EngineCallScope engine;
     return call();
@@ -290,13 +377,11 @@ auto graph_compute(Call call, Writes writes) noexcept {
   {
     ErrnoKeeper keep;
     HookScope hook;
+    report_heap_growth(*s, heap);
     s->decode_ended(scope, nullptr);
   }
   return r;
 }
-
-template <class Call>
-int program_locks(const void* addr, std::size_t len, const void* caller, Call call) noexcept;
 
 // The program's own memory calls: what the session holds there is let go of first (so the call
 // does what it would without the preload); the preload's own calls (the residency library's mlock
@@ -321,29 +406,47 @@ bool takes_back(int advice) noexcept {
   }
 }
 
+// The program takes [addr, addr + len) back: what the session locked there is unlocked before the
+// call (system calls only), and forgotten after it.
 template <class Call>
 auto around_take_back(void* addr, std::size_t len, Call call) noexcept {
   EngineSession* s = started_session();
   const auto b = reinterpret_cast<std::uintptr_t>(addr);
-  if (s == nullptr || len == 0 || !s->tracks(b, page_end(b, len))) return call();
-  HookScope hook;
-  const int saved = errno;
-  int err = 0;
-  auto r = s->program_takes_back(b, page_end(b, len), [&] {
-    errno = saved;
-    auto result = call();
-    err = errno;
-    return result;
-  });
-  errno = err;
+  const std::uintptr_t e = page_end(b, len);
+  if (s == nullptr || len == 0 || !s->tracks(b, e)) return call();
+  {
+    ErrnoKeeper keep;
+    s->unlock_before_take_back(b, e);
+  }
+  auto r = call();
+  ErrnoKeeper keep;
+  s->memory_gone(b, e);
   return r;
+}
+
+// madvise's advice that takes memory back: as above, and where a wire of the session locked a page
+// again between the unlock and the call (madvise then fails with EINVAL on it), unlocked again
+// and the call made again, a few times at most.
+int advise_take_back(MadviseFn next, void* addr, std::size_t len, int advice) noexcept {
+  return around_take_back(addr, len, [&]() noexcept {
+    int r = next(addr, len, advice);
+    for (int again = 0; again < 3 && r != 0 && errno == EINVAL; ++again) {
+      EngineSession* s = started_session();
+      const auto b = reinterpret_cast<std::uintptr_t>(addr);
+      if (s == nullptr || !s->tracks(b, page_end(b, len))) break;
+      const int err = errno;
+      s->unlock_before_take_back(b, page_end(b, len));
+      errno = err;
+      r = next(addr, len, advice);
+    }
+    return r;
+  });
 }
 
 template <class Call>
 int program_locks(const void* addr, std::size_t len, const void* caller, Call call) noexcept {
   EngineSession* s = program_call(caller) ? started_session() : nullptr;
   if (s == nullptr || len == 0) return call();
-  HookScope hook;
   const int saved = errno;
   int r = -1, err = 0;
   const auto b = reinterpret_cast<std::uintptr_t>(addr);
@@ -362,17 +465,24 @@ int program_locks(const void* addr, std::size_t len, const void* caller, Call ca
 
 namespace rp = residency::preload;
 
-// A ggml function, forwarded to libggml's definition after `before` (a statement) ran; with no
-// definition behind the preload there is nothing to forward to, and `fallback` is returned.
-#define RESIDENCY_GGML_HOOK(ret, name, params, args, fallback, before)                   \
-  RESIDENCY_PRELOAD_EXPORT ret name params {                                             \
-    using Fn = ret(*) params;                                                            \
-    static std::atomic<Fn> cache{nullptr};                                               \
-    static std::atomic<bool> warned{false};                                              \
-    const Fn next = rp::resolve_next(cache, warned, #name, __builtin_return_address(0)); \
-    if (next == nullptr) return fallback;                                                \
-    before;                                                                              \
-    return next args;                                                                    \
+// A ggml function, forwarded to the definition its caller's scope reaches (call_targets.hpp); when
+// that is the engine's, after `before` (a statement) ran. With no definition behind the preload
+// there is nothing to forward to, and `fallback` is returned.
+#define RESIDENCY_GGML_HOOK(ret, name, params, args, fallback, before)                                        \
+  RESIDENCY_PRELOAD_EXPORT ret name params {                                                                  \
+    using Fn = ret(*) params;                                                                                 \
+    static rp::CallSite site;                                                                                 \
+    const auto target = rp::target_of<Fn>(site, #name, rp::CallKind::ggml, __builtin_return_address(0));     \
+    const Fn next = target.fn;                                                                                \
+    if (next == nullptr) {                                                                                    \
+      rp::warn_missing(site, #name);                                                                          \
+      return fallback;                                                                                        \
+    }                                                                                                         \
+    if (target.engine) {                                                                                      \
+      before;                                                                                                 \
+    }                                                                                                         \
+    rp::ForwardScope forward(reinterpret_cast<const void*>(next));                                            \
+    return next args;                                                                                         \
   }
 // An entry point that may read or write backend memory: device memory is woken first.
 #define RESIDENCY_GGML_ACCESS(ret, name, params, args, fallback) \
@@ -388,13 +498,13 @@ namespace rp = residency::preload;
 extern "C" {
 
 RESIDENCY_PRELOAD_EXPORT void* mmap(void* addr, std::size_t len, int prot, int flags, int fd, off_t off) noexcept {
-  return rp::map(addr, len, prot, flags, fd, off, __builtin_return_address(0),
+  return rp::map(len, prot, flags, fd, off, __builtin_return_address(0),
                  [&]() noexcept { return rp::next_mmap(addr, len, prot, flags, fd, off); });
 }
 
 #if defined(__GLIBC__)
 RESIDENCY_PRELOAD_EXPORT void* mmap64(void* addr, std::size_t len, int prot, int flags, int fd, off64_t off) noexcept {
-  return rp::map(addr, len, prot, flags, fd, off, __builtin_return_address(0),
+  return rp::map(len, prot, flags, fd, off, __builtin_return_address(0),
                  [&]() noexcept { return rp::next_mmap64(addr, len, prot, flags, fd, off); });
 }
 #endif
@@ -405,7 +515,7 @@ RESIDENCY_PRELOAD_EXPORT int madvise(void* addr, std::size_t len, int advice) no
   const rp::MadviseFn next = rp::next_madvise();
   if (next == nullptr) return static_cast<int>(::syscall(SYS_madvise, addr, len, advice));
   if (!rp::takes_back(advice) || !rp::program_call(__builtin_return_address(0))) return next(addr, len, advice);
-  return rp::around_take_back(addr, len, [&]() noexcept { return next(addr, len, advice); });
+  return rp::advise_take_back(next, addr, len, advice);
 }
 
 RESIDENCY_PRELOAD_EXPORT int mprotect(void* addr, std::size_t len, int prot) noexcept {
@@ -451,39 +561,45 @@ RESIDENCY_PRELOAD_EXPORT int mlock2(const void* addr, std::size_t len, unsigned 
 
 RESIDENCY_PRELOAD_EXPORT int munlock(const void* addr, std::size_t len) noexcept {
   const rp::MlockFn next = rp::next_munlock();
-  const int r = next != nullptr ? next(addr, len) : static_cast<int>(::syscall(SYS_munlock, addr, len));
-  if (r == 0 && rp::program_call(__builtin_return_address(0)))
-    rp::tell_started([&](rp::EngineSession& s) {
-      const auto b = reinterpret_cast<std::uintptr_t>(addr);
-      s.program_unlocked(b, rp::page_end(b, len));
-    });
-  return r;
-}
-
-RESIDENCY_PRELOAD_EXPORT int mlockall(int flags) noexcept {
-  const rp::MlockallFn next = rp::next_mlockall();
-  auto call = [&]() noexcept { return next != nullptr ? next(flags) : static_cast<int>(::syscall(SYS_mlockall, flags)); };
+  auto call = [&]() noexcept { return next != nullptr ? next(addr, len) : static_cast<int>(::syscall(SYS_munlock, addr, len)); };
   rp::EngineSession* s = rp::program_call(__builtin_return_address(0)) ? rp::started_session() : nullptr;
   if (s == nullptr) return call();
-  rp::HookScope hook;
   const int saved = errno;
-  int err = 0;
-  const int r = s->program_locks_all([&] {
+  int r = -1, err = 0;
+  const auto b = reinterpret_cast<std::uintptr_t>(addr);
+  s->program_unlocks(b, rp::page_end(b, len), [&] {
     errno = saved;
-    const int result = call();
+    r = call();
     err = errno;
-    return result;
+    return r == 0;
   });
   errno = err;
   return r;
 }
 
+RESIDENCY_PRELOAD_EXPORT int mlockall(int flags) noexcept {
+  const rp::MlockallFn next = rp::next_mlockall();
+  const int r = next != nullptr ? next(flags) : static_cast<int>(::syscall(SYS_mlockall, flags));
+  if (r != 0 || !rp::program_call(__builtin_return_address(0))) return r;
+  if (rp::EngineSession* s = rp::started_session()) {
+    rp::ErrnoKeeper keep;
+    s->program_locked_all(flags);
+  }
+  return r;
+}
+
 RESIDENCY_PRELOAD_EXPORT std::int32_t llama_decode(llama_context* ctx, llama_batch batch) {
-  return rp::decode(rp::next_llama_decode(__builtin_return_address(0)), ctx, batch);
+  static rp::CallSite site;
+  const auto t = rp::target_of<rp::DecodeFn>(site, "llama_decode", rp::CallKind::llama, __builtin_return_address(0));
+  if (t.fn == nullptr) rp::warn_missing(site, "llama_decode");
+  return rp::decode(t.fn, ctx, batch);
 }
 
 RESIDENCY_PRELOAD_EXPORT std::int32_t llama_encode(llama_context* ctx, llama_batch batch) {
-  return rp::decode(rp::next_llama_encode(__builtin_return_address(0)), ctx, batch);
+  static rp::CallSite site;
+  const auto t = rp::target_of<rp::DecodeFn>(site, "llama_encode", rp::CallKind::llama, __builtin_return_address(0));
+  if (t.fn == nullptr) rp::warn_missing(site, "llama_encode");
+  return rp::decode(t.fn, ctx, batch);
 }
 
 // CUDA runtime (libcudart): device memory of 2 MiB or more goes through the cuda backend.
@@ -529,60 +645,72 @@ RESIDENCY_GGML_WRITE(void, ggml_backend_tensor_copy_async,
 RESIDENCY_GGML_WRITE(void, ggml_backend_buffer_clear, (ggml_backend_buffer_t buffer, uint8_t value), (buffer, value), ,
                      rp::buffer_write(buffer, reinterpret_cast<const void*>(next)))
 // A graph compute: the engine's call itself where llama_decode went past the preload.
-#define RESIDENCY_GGML_COMPUTE(name, params, args)                                       \
-  RESIDENCY_PRELOAD_EXPORT enum ggml_status name params {                                \
-    using Fn = enum ggml_status(*) params;                                               \
-    static std::atomic<Fn> cache{nullptr};                                               \
-    static std::atomic<bool> warned{false};                                              \
-    const Fn next = rp::resolve_next(cache, warned, #name, __builtin_return_address(0)); \
-    if (next == nullptr) return GGML_STATUS_FAILED;                                      \
-    return rp::graph_compute([&]() noexcept { return next args; },                        \
-                             [&]() noexcept { rp::graph_write(g, reinterpret_cast<const void*>(next)); }); \
+#define RESIDENCY_GGML_COMPUTE(name, params, args)                                                            \
+  RESIDENCY_PRELOAD_EXPORT enum ggml_status name params {                                                     \
+    using Fn = enum ggml_status(*) params;                                                                    \
+    static rp::CallSite site;                                                                                 \
+    const auto target = rp::target_of<Fn>(site, #name, rp::CallKind::ggml, __builtin_return_address(0));     \
+    const Fn next = target.fn;                                                                                \
+    if (next == nullptr) {                                                                                    \
+      rp::warn_missing(site, #name);                                                                          \
+      return GGML_STATUS_FAILED;                                                                              \
+    }                                                                                                         \
+    rp::ForwardScope forward(reinterpret_cast<const void*>(next));                                            \
+    if (!target.engine) return next args;                                                                     \
+    return rp::graph_compute([&]() noexcept { return next args; },                                            \
+                             [&]() noexcept { rp::graph_write(g, reinterpret_cast<const void*>(next)); });    \
   }
 RESIDENCY_GGML_COMPUTE(ggml_backend_graph_compute, (ggml_backend_t b, struct ggml_cgraph* g), (b, g))
 RESIDENCY_GGML_COMPUTE(ggml_backend_graph_compute_async, (ggml_backend_t b, struct ggml_cgraph* g), (b, g))
 RESIDENCY_GGML_COMPUTE(ggml_backend_sched_graph_compute, (ggml_backend_sched_t s, struct ggml_cgraph* g), (s, g))
 RESIDENCY_GGML_COMPUTE(ggml_backend_sched_graph_compute_async, (ggml_backend_sched_t s, struct ggml_cgraph* g), (s, g))
 
-// llama.cpp's buffers (ggml_buffers.hpp): made, placed in, marked, freed.
-#define RESIDENCY_NEXT(name)                              \
-  static std::atomic<decltype(&name)> cache{nullptr};     \
-  static std::atomic<bool> warned{false};                 \
-  const void* const caller = __builtin_return_address(0); \
-  const auto next = rp::resolve_next(cache, warned, #name, caller)
+// llama.cpp's buffers (ggml_buffers.hpp): made, placed in, marked, freed. `next`: the definition
+// the caller's scope reaches; `engine`: it is the engine's (else the call passes through untouched).
+#define RESIDENCY_NEXT(name, kind)                                                                \
+  static rp::CallSite site;                                                                       \
+  const void* const caller = __builtin_return_address(0);                                         \
+  const auto target = rp::target_of<decltype(&name)>(site, #name, rp::CallKind::kind, caller);    \
+  const auto next = target.fn;                                                                    \
+  [[maybe_unused]] const bool engine = target.engine;                                             \
+  if (next == nullptr) rp::warn_missing(site, #name);                                             \
+  rp::ForwardScope forward_scope(reinterpret_cast<const void*>(next))
 
 RESIDENCY_PRELOAD_EXPORT ggml_backend_buffer_t ggml_backend_buft_alloc_buffer(ggml_backend_buffer_type_t buft, size_t size) {
-  RESIDENCY_NEXT(ggml_backend_buft_alloc_buffer);
+  RESIDENCY_NEXT(ggml_backend_buft_alloc_buffer, ggml);
   if (next == nullptr) return nullptr;
   ggml_backend_buffer_t b = next(buft, size);
-  rp::tell(reinterpret_cast<const void*>(next), [b](rp::EngineSession& s) { s.buffer_created(rp::buffer_id(b), false); });
+  if (engine)
+    rp::tell(reinterpret_cast<const void*>(next), [b](rp::EngineSession& s) { s.buffer_created(rp::buffer_id(b), false); });
   return b;
 }
 
 RESIDENCY_PRELOAD_EXPORT ggml_backend_buffer_t ggml_backend_cpu_buffer_from_ptr(void* ptr, size_t size) {
-  RESIDENCY_NEXT(ggml_backend_cpu_buffer_from_ptr);
+  RESIDENCY_NEXT(ggml_backend_cpu_buffer_from_ptr, ggml);
   if (next == nullptr) return nullptr;
   ggml_backend_buffer_t b = next(ptr, size);
-  rp::tell(reinterpret_cast<const void*>(next), [b](rp::EngineSession& s) { s.buffer_created(rp::buffer_id(b), true); });
+  if (engine)
+    rp::tell(reinterpret_cast<const void*>(next), [b](rp::EngineSession& s) { s.buffer_created(rp::buffer_id(b), true); });
   return b;
 }
 
 RESIDENCY_PRELOAD_EXPORT ggml_backend_buffer_t ggml_backend_dev_buffer_from_host_ptr(ggml_backend_dev_t device, void* ptr,
                                                                                      size_t size, size_t max_tensor_size) {
-  RESIDENCY_NEXT(ggml_backend_dev_buffer_from_host_ptr);
+  RESIDENCY_NEXT(ggml_backend_dev_buffer_from_host_ptr, ggml);
   if (next == nullptr) return nullptr;
   ggml_backend_buffer_t b = next(device, ptr, size, max_tensor_size);
-  rp::tell(reinterpret_cast<const void*>(next), [b](rp::EngineSession& s) { s.buffer_created(rp::buffer_id(b), true); });
+  if (engine)
+    rp::tell(reinterpret_cast<const void*>(next), [b](rp::EngineSession& s) { s.buffer_created(rp::buffer_id(b), true); });
   return b;
 }
 
 RESIDENCY_PRELOAD_EXPORT enum ggml_status ggml_backend_tensor_alloc(ggml_backend_buffer_t buffer,
                                                                     struct ggml_tensor* tensor, void* addr) {
-  RESIDENCY_NEXT(ggml_backend_tensor_alloc);
+  RESIDENCY_NEXT(ggml_backend_tensor_alloc, ggml);
   if (next == nullptr) return GGML_STATUS_FAILED;
   const enum ggml_status st = next(buffer, tensor, addr);
   // Lock-free for every buffer but those over memory that is not ggml's (a model file's).
-  if (st != GGML_STATUS_SUCCESS || tensor == nullptr || addr == nullptr || rp::in_hook()) return st;
+  if (!engine || st != GGML_STATUS_SUCCESS || tensor == nullptr || addr == nullptr || rp::in_hook()) return st;
   rp::EngineSession* s = rp::started_session();
   if (s == nullptr || !s->wants_tensor_placements(rp::buffer_id(buffer))) return st;
   const rp::GgmlApi* api = rp::ggml_api(reinterpret_cast<const void*>(next));
@@ -595,9 +723,10 @@ RESIDENCY_PRELOAD_EXPORT enum ggml_status ggml_backend_tensor_alloc(ggml_backend
 
 RESIDENCY_PRELOAD_EXPORT void ggml_backend_buffer_set_usage(ggml_backend_buffer_t buffer,
                                                             enum ggml_backend_buffer_usage usage) {
-  RESIDENCY_NEXT(ggml_backend_buffer_set_usage);
+  RESIDENCY_NEXT(ggml_backend_buffer_set_usage, ggml);
   if (next == nullptr) return;
   next(buffer, usage);
+  if (!engine) return;
   rp::tell_started([&](rp::EngineSession& s) { s.buffer_usage(rp::buffer_id(buffer), rp::buffer_usage_of(usage)); });
   // Weights in device memory: their writes are tracked from now on (only where every graph's
   // nodes can be read, so that a write by a graph cannot go unseen).
@@ -610,47 +739,101 @@ RESIDENCY_PRELOAD_EXPORT void ggml_backend_buffer_set_usage(ggml_backend_buffer_
 }
 
 RESIDENCY_PRELOAD_EXPORT void ggml_backend_buffer_free(ggml_backend_buffer_t buffer) {
-  RESIDENCY_NEXT(ggml_backend_buffer_free);
+  RESIDENCY_NEXT(ggml_backend_buffer_free, ggml);
   if (next == nullptr) return;
-  if (buffer != nullptr) rp::tell_started([&](rp::EngineSession& s) { s.buffer_freed(rp::buffer_id(buffer)); });
+  if (engine && buffer != nullptr) rp::tell_started([&](rp::EngineSession& s) { s.buffer_freed(rp::buffer_id(buffer)); });
   next(buffer);
 }
 
+// The program's callbacks that run inside the engine's calls (a load's progress, a compute's abort
+// and eval callbacks, the log) are called through trampolines, so that what they map or grow of the
+// heap is the program's (rp::ProgramCallbackScope), not the engine's.
 RESIDENCY_PRELOAD_EXPORT llama_model* llama_model_load_from_file(const char* path, llama_model_params params) {
-  RESIDENCY_NEXT(llama_model_load_from_file);
+  RESIDENCY_NEXT(llama_model_load_from_file, llama);
   if (next == nullptr) return nullptr;
+  rp::wrap_progress(params.progress_callback, params.progress_callback_user_data);
+  const std::uintptr_t heap = rp::heap_top();
   llama_model* m = nullptr;
   {
-    rp::EngineCallScope engine;
+    rp::EngineCallScope engine_call;
     m = next(path, params);
   }
-  if (m != nullptr) rp::tell_started([](rp::EngineSession& s) { s.model_loaded(); });
+  rp::tell_started([&](rp::EngineSession& s) {
+    rp::report_heap_growth(s, heap);
+    if (m != nullptr) s.model_loaded();
+  });
   return m;
 }
 
 RESIDENCY_PRELOAD_EXPORT llama_model* llama_model_load_from_splits(const char** paths, size_t n_paths,
                                                                    llama_model_params params) {
-  RESIDENCY_NEXT(llama_model_load_from_splits);
+  RESIDENCY_NEXT(llama_model_load_from_splits, llama);
   if (next == nullptr) return nullptr;
+  rp::wrap_progress(params.progress_callback, params.progress_callback_user_data);
+  const std::uintptr_t heap = rp::heap_top();
   llama_model* m = nullptr;
   {
-    rp::EngineCallScope engine;
+    rp::EngineCallScope engine_call;
     m = next(paths, n_paths, params);
   }
-  if (m != nullptr) rp::tell_started([](rp::EngineSession& s) { s.model_loaded(); });
+  rp::tell_started([&](rp::EngineSession& s) {
+    rp::report_heap_growth(s, heap);
+    if (m != nullptr) s.model_loaded();
+  });
   return m;
 }
 
 RESIDENCY_PRELOAD_EXPORT llama_context* llama_init_from_model(llama_model* model, llama_context_params params) {
-  RESIDENCY_NEXT(llama_init_from_model);
+  RESIDENCY_NEXT(llama_init_from_model, llama);
   if (next == nullptr) return nullptr;
+  rp::wrap_abort(params.abort_callback, params.abort_callback_data);
+  rp::wrap_eval(params.cb_eval, params.cb_eval_user_data);
+  const std::uintptr_t heap = rp::heap_top();
   llama_context* c = nullptr;
   {
-    rp::EngineCallScope engine;
+    rp::EngineCallScope engine_call;
     c = next(model, params);
   }
-  if (c != nullptr) rp::tell_started([](rp::EngineSession& s) { s.context_made(); });
+  rp::tell_started([&](rp::EngineSession& s) {
+    rp::report_heap_growth(s, heap);
+    if (c != nullptr) s.context_made();
+  });
   return c;
+}
+
+RESIDENCY_PRELOAD_EXPORT void llama_set_abort_callback(llama_context* ctx, ggml_abort_callback callback, void* data) {
+  RESIDENCY_NEXT(llama_set_abort_callback, llama);
+  if (next == nullptr) return;
+  rp::wrap_abort(callback, data);
+  next(ctx, callback, data);
+}
+
+RESIDENCY_PRELOAD_EXPORT void llama_log_set(ggml_log_callback callback, void* data) {
+  RESIDENCY_NEXT(llama_log_set, llama);
+  if (next == nullptr) return;
+  rp::wrap_log(callback, data);
+  next(callback, data);
+}
+
+RESIDENCY_PRELOAD_EXPORT void ggml_log_get(ggml_log_callback* callback, void** data) {
+  RESIDENCY_NEXT(ggml_log_get, ggml);
+  if (next == nullptr) return;
+  next(callback, data);
+  if (callback != nullptr && data != nullptr) rp::unwrap_log(*callback, *data);
+}
+
+RESIDENCY_PRELOAD_EXPORT void llama_log_get(ggml_log_callback* callback, void** data) {
+  RESIDENCY_NEXT(llama_log_get, llama);
+  if (next == nullptr) return;
+  next(callback, data);
+  if (callback != nullptr && data != nullptr) rp::unwrap_log(*callback, *data);
+}
+
+RESIDENCY_PRELOAD_EXPORT void ggml_log_set(ggml_log_callback callback, void* data) {
+  RESIDENCY_NEXT(ggml_log_set, ggml);
+  if (next == nullptr) return;
+  if (engine) rp::wrap_log(callback, data);
+  next(callback, data);
 }
 
 RESIDENCY_GGML_COMPUTE_ALLOC(bool, ggml_gallocr_reserve_n,
@@ -658,5 +841,129 @@ RESIDENCY_GGML_COMPUTE_ALLOC(bool, ggml_gallocr_reserve_n,
                              (galloc, graph, node_ids, leaf_ids), false)
 RESIDENCY_GGML_COMPUTE_ALLOC(bool, ggml_gallocr_alloc_graph, (ggml_gallocr_t galloc, struct ggml_cgraph* graph),
                              (galloc, graph), false)
+
+// ---- dlopen and dlclose: the libraries change ----
+// Cached call targets are resolved again (call_targets.hpp), and a failed start of the session is
+// tried again (a libllama loaded after a GGUF reader or another ggml library ran first).
+//
+// glibc searches a bare name in the RPATH/RUNPATH of the object dlopen returns to, so the hook must
+// not become the caller: dlopen itself is a few instructions (below) that call
+// residency_dlopen_route and jump to what it returns, with the caller's arguments and return
+// address as they were. For a name with a '/' (no search) the route is the hook's own function,
+// which also looks at what was loaded: a libllama loaded with RTLD_DEEPBIND binds its calls inside
+// its own scope, past the preload, and that is said.
+using DlopenFn = void* (*)(const char*, int);
+
+namespace residency::preload {
+namespace {
+
+DlopenFn real_dlopen() noexcept {
+  static std::atomic<DlopenFn> cache{nullptr};
+  static std::atomic<bool> warned{true};  // libc's own: never missing, never said
+  return resolve_next(cache, warned, "dlopen", nullptr);
+}
+
+void* no_dlopen(const char*, int) { return nullptr; }
+
+void* dlopen_with_path(const char* file, int mode) {
+  const DlopenFn next = real_dlopen();
+  if (next == nullptr) return nullptr;
+  void* h = next(file, mode);
+  if (h == nullptr || in_hook()) return h;
+  libraries_changed();
+  if ((mode & RTLD_DEEPBIND) != 0) {
+    static std::atomic<bool> said{false};
+    HookScope hook;
+    ErrnoKeeper keep;
+    if (brings_in_libllama(h) && !said.exchange(true))
+      warn(std::string("libllama was loaded with dlopen(RTLD_DEEPBIND) (") + file +
+           "): its calls into ggml and the C library bind inside its own scope, past the preload, so residency "
+           "cannot see its memory and the program runs without residency; load it without RTLD_DEEPBIND");
+    (void)::dlerror();  // a failed lookup above is not the program's error
+  }
+  return h;
+}
+
+}  // namespace
+}  // namespace residency::preload
+
+extern "C" __attribute__((visibility("hidden"))) DlopenFn residency_dlopen_route(const char* file, int mode) {
+  if (rp::in_hook() || rp::resolving_now() || (mode & RTLD_NOLOAD) != 0) {
+    const DlopenFn next = rp::real_dlopen();
+    return next != nullptr ? next : &rp::no_dlopen;
+  }
+  rp::libraries_changed();
+  if (file != nullptr && std::strchr(file, '/') != nullptr) return &rp::dlopen_with_path;
+  const DlopenFn next = rp::real_dlopen();
+  return next != nullptr ? next : &rp::no_dlopen;
+}
+
+#if defined(__x86_64__)
+asm(R"(
+  .text
+  .globl dlopen
+  .type dlopen, @function
+  .p2align 4
+dlopen:
+  .cfi_startproc
+  endbr64
+  push %rdi
+  .cfi_adjust_cfa_offset 8
+  push %rsi
+  .cfi_adjust_cfa_offset 8
+  sub $8, %rsp
+  .cfi_adjust_cfa_offset 8
+  call residency_dlopen_route
+  add $8, %rsp
+  .cfi_adjust_cfa_offset -8
+  pop %rsi
+  .cfi_adjust_cfa_offset -8
+  pop %rdi
+  .cfi_adjust_cfa_offset -8
+  jmp *%rax
+  .cfi_endproc
+  .size dlopen, .-dlopen
+)");
+#elif defined(__aarch64__)
+asm(R"(
+  .text
+  .globl dlopen
+  .type dlopen, %function
+  .p2align 4
+dlopen:
+  .cfi_startproc
+  stp x29, x30, [sp, #-32]!
+  .cfi_def_cfa_offset 32
+  .cfi_offset 29, -32
+  .cfi_offset 30, -24
+  mov x29, sp
+  stp x0, x1, [sp, #16]
+  bl residency_dlopen_route
+  mov x16, x0
+  ldp x0, x1, [sp, #16]
+  ldp x29, x30, [sp], #32
+  .cfi_restore 29
+  .cfi_restore 30
+  .cfi_def_cfa_offset 0
+  br x16
+  .cfi_endproc
+  .size dlopen, .-dlopen
+)");
+#else
+#error "the preload's dlopen is written for x86_64 and aarch64"
+#endif
+
+RESIDENCY_PRELOAD_EXPORT int dlclose(void* handle) {
+  using DlcloseFn = int (*)(void*);
+  static std::atomic<DlcloseFn> cache{nullptr};
+  static std::atomic<bool> warned{true};
+  const DlcloseFn next = rp::resolve_next(cache, warned, "dlclose", nullptr);
+  if (next == nullptr) return -1;
+  const bool ours = rp::in_hook() || rp::resolving_now();
+  if (!ours) rp::libraries_changed();
+  const int r = next(handle);
+  if (!ours) rp::libraries_changed();
+  return r;
+}
 
 }  // extern "C"

@@ -19,6 +19,8 @@ namespace {
 [[gnu::tls_model("initial-exec")]] thread_local bool t_resolving = false;
 [[gnu::tls_model("initial-exec")]] thread_local int t_compute_depth = 0;
 [[gnu::tls_model("initial-exec")]] thread_local int t_engine_depth = 0;
+// Where the heap first grew inside a program callback during the current engine call (0: it did not).
+[[gnu::tls_model("initial-exec")]] thread_local std::uintptr_t t_callback_heap_from = 0;
 
 using MmapFn = void* (*)(void*, std::size_t, int, int, int, off_t);
 using MunmapFn = int (*)(void*, std::size_t);
@@ -155,9 +157,72 @@ void* resolve_symbol(const char* name, const void* near) noexcept {
   return f;
 }
 
-EngineCallScope::EngineCallScope() noexcept { ++t_engine_depth; }
+void* resolve_for_object(const char* name, const char* caller_path) noexcept {
+  if (t_resolving) return nullptr;
+  const int saved = errno;
+  t_resolving = true;
+  const bool was = t_in_hook;
+  t_in_hook = true;
+  void* f = ::dlsym(RTLD_NEXT, name);
+  if (f != nullptr && in_self(f)) f = nullptr;
+  if (f == nullptr && caller_path != nullptr && *caller_path != '\0') f = find_in_object(caller_path, name);
+  t_in_hook = was;
+  t_resolving = false;
+  errno = saved;
+  return f;
+}
+
+void* resolve_anywhere(const char* name) noexcept {
+  if (t_resolving) return nullptr;
+  const int saved = errno;
+  t_resolving = true;
+  const bool was = t_in_hook;
+  t_in_hook = true;
+  void* f = find_anywhere(name);
+  t_in_hook = was;
+  t_resolving = false;
+  errno = saved;
+  return f;
+}
+
+bool in_preload(const void* p) noexcept { return in_self(p); }
+
+namespace {
+[[gnu::tls_model("initial-exec")]] thread_local const void* t_forwarded_to = nullptr;
+}  // namespace
+
+ForwardScope::ForwardScope(const void* target) noexcept : was_(t_forwarded_to) { t_forwarded_to = target; }
+ForwardScope::~ForwardScope() { t_forwarded_to = was_; }
+const void* forwarded_to() noexcept { return t_forwarded_to; }
+
+EngineCallScope::EngineCallScope() noexcept {
+  if (t_engine_depth++ == 0) t_callback_heap_from = 0;
+}
 EngineCallScope::~EngineCallScope() { --t_engine_depth; }
 bool in_engine_call() noexcept { return t_engine_depth > 0; }
+
+ProgramCallbackScope::ProgramCallbackScope() noexcept : depth_(t_engine_depth), heap_top_(heap_top()) {
+  t_engine_depth = 0;
+}
+ProgramCallbackScope::~ProgramCallbackScope() {
+  const std::uintptr_t now = heap_top();
+  if (now > heap_top_ && (t_callback_heap_from == 0 || heap_top_ < t_callback_heap_from))
+    t_callback_heap_from = heap_top_;
+  t_engine_depth = depth_;
+}
+
+// sbrk(0) reads glibc's cached program break: no system call once malloc has run, no allocation.
+std::uintptr_t heap_top() noexcept {
+  void* top = ::sbrk(0);
+  return top == reinterpret_cast<void*>(-1) ? 0 : reinterpret_cast<std::uintptr_t>(top);
+}
+
+HeapGrowth engine_heap_growth(std::uintptr_t before) noexcept {
+  std::uintptr_t end = heap_top();
+  if (t_callback_heap_from != 0 && t_callback_heap_from < end) end = t_callback_heap_from;
+  if (before == 0 || end <= before) return {};
+  return {before, end};
+}
 
 namespace {
 
@@ -224,6 +289,8 @@ RESIDENCY_LIBC_NEXT(MremapFn, next_mremap, "mremap")
 ComputeAllocationScope::ComputeAllocationScope() noexcept { ++t_compute_depth; }
 ComputeAllocationScope::~ComputeAllocationScope() { --t_compute_depth; }
 bool in_compute_allocation() noexcept { return t_compute_depth > 0; }
+
+void mark_thread_inside_hook() noexcept { t_in_hook = true; }
 
 HookScope::HookScope() noexcept : was_(t_in_hook) { t_in_hook = true; }
 HookScope::~HookScope() { t_in_hook = was_; }

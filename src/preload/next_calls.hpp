@@ -48,6 +48,30 @@ bool resolving_now() noexcept;
 // good (a cached pointer must never dangle); else in any loaded object but the preload. Null when
 // no object defines it, or while this thread is resolving a symbol already.
 void* resolve_symbol(const char* name, const void* near) noexcept;
+// The same for a caller in the loaded object at `caller_path` (empty or null: the main program,
+// whose scope is the global one): dlsym(RTLD_NEXT), else in that object's own scope (it and its
+// dependencies); null when neither defines it.
+void* resolve_for_object(const char* name, const char* caller_path) noexcept;
+// Any loaded object's definition but the preload's, in load order.
+void* resolve_anywhere(const char* name) noexcept;
+
+// While one is open on this thread, a hook is forwarding its call to `target`. A hooked call made
+// from there by a tail call (ggml-cpu's buffer_from_host_ptr jumps to ggml_backend_cpu_buffer_from_ptr)
+// returns into the preload, which then is not its caller: the target's object is.
+class ForwardScope {
+ public:
+  explicit ForwardScope(const void* target) noexcept;
+  ~ForwardScope();
+  ForwardScope(const ForwardScope&) = delete;
+  ForwardScope& operator=(const ForwardScope&) = delete;
+
+ private:
+  const void* was_;
+};
+// The target the innermost hook of this thread forwards to (null: none).
+const void* forwarded_to() noexcept;
+// Whether `p` lies in the preload itself.
+bool in_preload(const void* p) noexcept;
 // One warning per name: a hook was called whose real function no loaded library defines.
 void warn_unresolved(const char* name) noexcept;
 
@@ -66,6 +90,9 @@ Fn resolve_next(std::atomic<Fn>& cache, std::atomic<bool>& warned, const char* n
 // guard and the session pointer (process_session.hpp).
 // True while this thread runs inside one of the preload's hooks.
 bool in_hook() noexcept;
+
+// Marks this thread as inside a hook for the rest of its life (the session's worker thread).
+void mark_thread_inside_hook() noexcept;
 
 // Marks this thread as inside a hook for the scope's life.
 class HookScope {
@@ -101,6 +128,30 @@ class EngineCallScope {
   EngineCallScope& operator=(const EngineCallScope&) = delete;
 };
 bool in_engine_call() noexcept;
+
+// While one is open on this thread, the thread runs the program's own code called back from inside
+// the engine (an abort or eval callback, a load's progress callback, a log callback): memory it
+// maps or heap it grows is the program's, not the engine's.
+class ProgramCallbackScope {
+ public:
+  ProgramCallbackScope() noexcept;
+  ~ProgramCallbackScope();
+  ProgramCallbackScope(const ProgramCallbackScope&) = delete;
+  ProgramCallbackScope& operator=(const ProgramCallbackScope&) = delete;
+
+ private:
+  int depth_;
+  std::uintptr_t heap_top_;
+};
+
+// The heap the engine grew during one of its calls on this thread: [begin, end) of the program
+// break's growth from `before` (heap_top() when the call began) to now, less what program callbacks
+// inside the call grew (from the first such growth on); empty when it did not grow.
+std::uintptr_t heap_top() noexcept;
+struct HeapGrowth {
+  std::uintptr_t begin = 0, end = 0;
+};
+HeapGrowth engine_heap_growth(std::uintptr_t before) noexcept;
 
 // Whether `caller` is the preload's own code (the residency library linked into it calls mlock,
 // munlock and madvise through the same symbols the program does).

@@ -10,7 +10,9 @@
 namespace residency::preload {
 
 bool PieceTable::overlaps(std::uintptr_t begin, std::uintptr_t end) const noexcept {
-  for (const Slot& s : slots_) {
+  const std::size_t used = used_.load(std::memory_order_acquire);
+  for (std::size_t i = 0; i < used; ++i) {
+    const Slot& s = slots_[i];
     const std::uintptr_t e = s.end.load(std::memory_order_acquire);
     if (e == 0) continue;
     const std::uintptr_t b = s.begin.load(std::memory_order_relaxed);
@@ -50,11 +52,10 @@ bool PieceTable::add_one(std::uintptr_t begin, std::uintptr_t end, RegionClass c
   }
   try {
     if (free_slot == nullptr) {
-      if (!warned_full_) {
-        warned_full_ = true;
+      if (defer_warnings_) full_unsaid_.store(true, std::memory_order_relaxed);
+      else if (!warned_full_.exchange(true, std::memory_order_relaxed))
         log_->warn("more than " + std::to_string(kMaxPieces) + " pieces of " + what_ +
                    " at once; the ones made from now on stay unmanaged");
-      }
       return false;
     }
     RegionId id = 0;
@@ -74,6 +75,8 @@ bool PieceTable::add_one(std::uintptr_t begin, std::uintptr_t end, RegionClass c
     free_slot->owner = owner;
     free_slot->begin.store(begin, std::memory_order_relaxed);
     free_slot->end.store(end, std::memory_order_release);
+    const auto index = static_cast<std::size_t>(free_slot - slots_.data()) + 1;
+    if (index > used_.load(std::memory_order_relaxed)) used_.store(index, std::memory_order_release);
     return true;
   } catch (...) {
     return false;  // out of memory while building a message or registering: stays unmanaged
@@ -118,6 +121,28 @@ void PieceTable::after_unmap(const Cut& cut, std::uintptr_t begin, std::uintptr_
     }
     if (p.begin < begin) add(p.begin, begin, p.cls, p.owner);
     if (end < p.end) add(end, p.end, p.cls, p.owner);
+  }
+}
+
+void PieceTable::say_deferred_warnings() noexcept {
+  if (!full_unsaid_.exchange(false, std::memory_order_relaxed) || warned_full_.exchange(true, std::memory_order_relaxed))
+    return;
+  log_->warn("more than " + std::to_string(kMaxPieces) + " pieces of " + what_ +
+             " at once; the ones made from now on stay unmanaged");
+}
+
+void PieceTable::subtract(std::uintptr_t begin, std::uintptr_t end) noexcept {
+  for (Slot& s : slots_) {
+    const std::uintptr_t e = s.end.load(std::memory_order_relaxed);
+    if (e == 0) continue;
+    const std::uintptr_t b = s.begin.load(std::memory_order_relaxed);
+    if (!(begin < e && b < end)) continue;
+    const RegionClass cls = s.cls;
+    const std::uint64_t owner = s.owner;
+    clear(s);  // no manager: nothing to unregister
+    // The slot just freed takes the first part left, so this never runs out of slots.
+    if (b < begin) add_one(b, begin, cls, owner);
+    if (end < e) add_one(end, e, cls, owner);
   }
 }
 

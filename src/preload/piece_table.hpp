@@ -46,6 +46,26 @@ class PieceTable {
 
   // Lock-free: whether [begin, end) overlaps a tracked piece.
   bool overlaps(std::uintptr_t begin, std::uintptr_t end) const noexcept;
+  // Lock-free: f(b, e) for the part of each tracked piece inside [begin, end). A piece changed
+  // meanwhile may be seen as it was: callers use this only to let go of memory early.
+  template <class F>
+  void for_each_overlap(std::uintptr_t begin, std::uintptr_t end, F&& f) const noexcept {
+    const std::size_t used = used_.load(std::memory_order_acquire);
+    for (std::size_t i = 0; i < used; ++i) {
+      const Slot& s = slots_[i];
+      const std::uintptr_t e = s.end.load(std::memory_order_acquire);
+      if (e == 0) continue;
+      const std::uintptr_t b = s.begin.load(std::memory_order_relaxed);
+      if (begin < e && b < end) f(b > begin ? b : begin, e < end ? e : end);
+    }
+  }
+  // For a table without a manager, from a hook (with the table's lock held): what it tracks of
+  // [begin, end) is no longer tracked. Allocates nothing and logs nothing.
+  void subtract(std::uintptr_t begin, std::uintptr_t end) noexcept;
+  // A table a hook changes (without a manager) says that it is full later, from the session's
+  // lock: a hook must not build a message (it may run inside the program's allocator).
+  void defer_warnings() noexcept { defer_warnings_ = true; }
+  void say_deferred_warnings() noexcept;
   // Ranges this table never tracks (whole pages of them): the program's own locks, which the
   // preload must never unlock. Set once, before the first add().
   void exclude(const PieceTable* other) noexcept { exclude_ = other; }
@@ -77,9 +97,13 @@ class PieceTable {
   const SessionLog* log_;
   const char* what_;
   const PieceTable* exclude_ = nullptr;
-  bool warned_full_ = false;
+  bool defer_warnings_ = false;
+  std::atomic<bool> full_unsaid_{false};
+  std::atomic<bool> warned_full_{false};
   bool warned_register_ = false;
   std::array<Slot, kMaxPieces> slots_{};
+  // 1 + the highest slot ever used: lock-free readers look no further (a hook of every munmap asks).
+  std::atomic<std::size_t> used_{0};
 };
 
 }  // namespace residency::preload

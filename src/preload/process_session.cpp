@@ -9,6 +9,7 @@
 #include <string>
 
 #include "backends/posix/proc_info.hpp"
+#include "call_targets.hpp"
 #include "ggml_api.hpp"
 #include "next_calls.hpp"
 #include "platform/thread_annotations.hpp"
@@ -43,6 +44,11 @@ constinit std::atomic<EngineSession*> g_session{nullptr};
 constinit std::atomic<bool> g_forked{false};
 constinit std::atomic<bool> g_made{false};
 constinit Mutex g_make_mu;
+// The libraries' generation (call_targets.hpp) at the last start that failed for want of a
+// libllama: tried again only once libraries changed (a GGUF reader or another ggml library that
+// ran first never turns residency off for good).
+constinit std::atomic<std::uint64_t> g_waiting_since{0};
+constinit std::atomic<bool> g_said_waiting{false};
 
 void on_fork_child() {
   g_forked.store(true, std::memory_order_relaxed);
@@ -93,7 +99,8 @@ Result<std::shared_ptr<Backend>> real_backend(int where, const Config& device_co
 #endif
 }
 
-EngineSession* make_session(const void* near) noexcept {
+EngineSession* make_session(const void* near, bool& waiting) noexcept {
+  waiting = false;
   try {
     auto config = Config::from_env();
     if (!config) {
@@ -120,12 +127,15 @@ EngineSession* make_session(const void* near) noexcept {
                ", besides " + (theirs.dli_fname ? theirs.dli_fname : "?") + "); this copy stays out of the way");
       return nullptr;
     }
-    // Looked up, not called: no "was called" warning from resolve_next here.
+    // Looked up, not called: no "was called" warning from resolve_next here. Not yet there, it is
+    // looked for again once libraries change (a program's own GGUF reader, or a ggml-based library,
+    // may come before libllama).
     if (resolve_symbol("llama_decode", near) == nullptr || resolve_symbol("llama_synchronize", near) == nullptr) {
-      log.warn(std::string("llama_decode is not reachable from the preload (the program does not load libllama, or "
-                           "links it statically), so the model's memory stays unmanaged: without its decodes the "
-                           "keep-alive would release the model and never wire it again") +
-               kWithout);
+      waiting = true;
+      if (!g_said_waiting.exchange(true))
+        log.warn(
+            "a model file was mapped, but llama_decode is not reachable from the preload: no libllama is loaded "
+            "yet. Residency starts when one is; a program that links llama.cpp statically runs without it");
       return nullptr;
     }
     if (const int err = ::pthread_atfork(nullptr, nullptr, &on_fork_child); err != 0) {
@@ -147,6 +157,7 @@ EngineSession* make_session(const void* near) noexcept {
     o.synchronize = &synchronize_context;
     o.machine_has_swap = machine_has_swap();
     o.engine_memory = config->engine_memory;
+    o.worker_init = &mark_thread_inside_hook;  // the worker's own memory calls pass straight through
     return new EngineSession(std::move(o));
   } catch (...) {
     return nullptr;  // out of memory while starting: pass through
@@ -164,11 +175,18 @@ EngineSession* process_session(const void* near) noexcept {
   if (g_forked.load(std::memory_order_relaxed)) return nullptr;
   if (g_made.load(std::memory_order_acquire)) return g_session.load(std::memory_order_acquire);
   MutexLock lock(g_make_mu);
-  if (!g_made.load(std::memory_order_relaxed)) {
-    g_session.store(make_session(near), std::memory_order_release);
-    g_made.store(true, std::memory_order_release);
+  if (g_made.load(std::memory_order_relaxed)) return g_session.load(std::memory_order_acquire);
+  const std::uint64_t generation = libraries_generation();
+  if (g_waiting_since.load(std::memory_order_relaxed) == generation) return nullptr;  // nothing changed since
+  bool waiting = false;
+  EngineSession* s = make_session(near, waiting);
+  if (waiting) {
+    g_waiting_since.store(generation, std::memory_order_relaxed);
+    return nullptr;
   }
-  return g_session.load(std::memory_order_acquire);
+  g_session.store(s, std::memory_order_release);
+  g_made.store(true, std::memory_order_release);
+  return s;
 }
 
 bool forked_child() noexcept { return g_forked.load(std::memory_order_relaxed); }

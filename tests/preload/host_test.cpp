@@ -93,16 +93,20 @@ class HostTest : public ::testing::Test {
     int status = -1;
     std::string out, err;
   };
-  Run run(std::vector<std::string> argv, bool preload, const std::string& name) {
+  Run run(std::vector<std::string> argv, bool preload, const std::string& name, double timeout_s = 300,
+          std::vector<std::string> env = {"RESIDENCY_KEEP_ALIVE=1s", "RESIDENCY_LOG=info"}) {
     ChildSpec s;
     s.argv = std::move(argv);
     s.drop_env_prefixes = {"RESIDENCY_", "LD_PRELOAD"};
-    if (preload) s.env = {std::string("LD_PRELOAD=") + PRELOAD_PATH, "RESIDENCY_KEEP_ALIVE=1s", "RESIDENCY_LOG=info"};
+    if (preload) {
+      s.env = std::move(env);
+      s.env.push_back(std::string("LD_PRELOAD=") + PRELOAD_PATH);
+    }
     s.stderr_path = dir_ + "/" + name + (preload ? "-preload" : "-plain") + ".err";
     ChildProcess c(s);
     Run r;
     if (!c.started()) return r;
-    r.status = c.finish(300);
+    r.status = c.finish(timeout_s);
     r.out = c.stdout_text();
     r.err = c.stderr_text();
     return r;
@@ -237,6 +241,117 @@ TEST_F(HostTest, LlamaCppsOwnMlockModeKeepsTheModelLockedThroughTheKeepAlive) {
   EXPECT_GE(std::stoull(v["vm_lck_after_idle_kb"]) * 1024, 16 * kMiB + 90 * kMiB)
       << "the program's 16 MiB and llama.cpp's locked model stay locked after the keep-alive\n"
       << with.err;
+}
+
+// ---- Hosts shaped unlike ours (issue 37) ----
+
+std::string value(const std::string& out, const std::string& key) {
+  auto v = values_of(out);
+  return v.count(key) != 0 ? v[key] : std::string("(missing)");
+}
+std::uint64_t kb(const std::string& out, const std::string& key) {
+  const std::string v = value(out, key);
+  return v.find_first_not_of("0123456789") == std::string::npos && !v.empty() ? std::stoull(v) : ~0ULL;
+}
+
+// An allocator that maps and unmaps under its own lock (tcmalloc's shape) in a thread that churns
+// 2 MiB blocks while the engine decodes 70 tokens and the preload snapshots its memory 7 times: a
+// hook that waited for a lock under which the preload allocates deadlocked here at the first
+// snapshot (92b9934). The run is bounded; the tokens are those of the run without the preload.
+TEST_F(HostTest, AnAllocatorThatMapsUnderItsOwnLockNeverDeadlocksAgainstTheEngineMemorySnapshot) {
+  const Run plain = run({OWN_ALLOCATOR_PATH, model_, "70"}, false, "allocator", 120);
+  ASSERT_EQ(plain.status, 0) << plain.out << plain.err;
+  for (int attempt = 0; attempt < 2; ++attempt) {
+    const Run with = run({OWN_ALLOCATOR_PATH, model_, "70"}, true, "allocator", 120);
+    ASSERT_EQ(with.status, 0) << "the program must finish as without the preload (a deadlock is killed after 120 s)\n"
+                              << with.out << with.err;
+    EXPECT_EQ(value(with.out, "tokens"), value(plain.out, "tokens"));
+    EXPECT_GT(kb(with.out, "blocks"), 0u) << with.out;
+    EXPECT_NE(with.err.find("preload: wired"), std::string::npos) << "the model was managed\n" << with.err;
+    EXPECT_NE(with.err.find("engine memory:"), std::string::npos) << "snapshots were taken\n" << with.err;
+  }
+}
+
+// A plugin loaded RTLD_LOCAL with ggml functions of its own (tests/preload/plugin), next to libllama
+// loaded RTLD_LOCAL, in both orders: each call reaches the definition its caller's scope reaches.
+// On 92b9934 the first caller's definition served both: plugin first, llama's logits were copied
+// by the plugin's function (other tokens, no error); llama first, the plugin's call went into
+// libggml-base and aborted. The plugin first also started the session without a libllama, which
+// turned residency off for good (item 8): the model must be managed in both orders.
+TEST_F(HostTest, APluginsOwnGgmlFunctionsAndLibllamasEachReachTheirOwnDefinitionInEitherOrder) {
+  for (const char* order : {"plugin-first", "plugin-last"}) {
+    SCOPED_TRACE(order);
+    const std::vector<std::string> argv = {DLOPEN_HOST_PATH, LIBLLAMA_PATH, model_, order, GGML_PLUGIN_PATH};
+    const Run plain = run(argv, false, std::string("plugin-") + order, 120);
+    ASSERT_EQ(plain.status, 0) << plain.out << plain.err;
+    ASSERT_EQ(value(plain.out, "plugin_ok"), "1") << plain.out;
+    const Run with = run(argv, true, std::string("plugin-") + order, 120);
+    ASSERT_EQ(with.status, 0) << with.out << with.err;
+    EXPECT_EQ(value(with.out, "tokens"), value(plain.out, "tokens")) << with.err;
+    EXPECT_EQ(value(with.out, "plugin_ok"), "1") << "the plugin's calls reach the plugin's functions";
+    EXPECT_GE(kb(with.out, "locked_while_generating_kb") * 1024, 90 * kMiB) << "the model was managed\n" << with.err;
+  }
+}
+
+// A program that maps the model itself before libllama is loaded (gguf-py's reader, numpy.memmap):
+// residency starts once libllama is there (92b9934: off for the process's life, VmLck 0).
+TEST_F(HostTest, AModelMappedBeforeLibllamaIsLoadedDoesNotTurnResidencyOff) {
+  const std::vector<std::string> argv = {DLOPEN_HOST_PATH, LIBLLAMA_PATH, model_, "map-first"};
+  const Run plain = run(argv, false, "map-first", 120);
+  ASSERT_EQ(plain.status, 0) << plain.out << plain.err;
+  const Run with = run(argv, true, "map-first", 120);
+  ASSERT_EQ(with.status, 0) << with.out << with.err;
+  EXPECT_EQ(value(with.out, "tokens"), value(plain.out, "tokens"));
+  EXPECT_GE(kb(with.out, "locked_while_generating_kb") * 1024, 90 * kMiB) << "the model was managed\n" << with.err;
+}
+
+// libllama loaded with RTLD_DEEPBIND binds its calls past the preload: one warning says so and
+// why, and the program runs as without the preload (92b9934: silence).
+TEST_F(HostTest, LibllamaLoadedWithDeepbindIsOneWarningAndTheProgramRunsAsWithout) {
+  const std::vector<std::string> argv = {DLOPEN_HOST_PATH, LIBLLAMA_PATH, model_, "deepbind"};
+  const Run plain = run(argv, false, "deepbind", 120);
+  ASSERT_EQ(plain.status, 0) << plain.out << plain.err;
+  const Run with = run(argv, true, "deepbind", 120, {"RESIDENCY_KEEP_ALIVE=1s", "RESIDENCY_LOG=warn"});
+  ASSERT_EQ(with.status, 0) << with.out << with.err;
+  EXPECT_EQ(value(with.out, "tokens"), value(plain.out, "tokens"));
+  std::size_t warnings = 0;
+  std::stringstream lines(with.err);
+  for (std::string l; std::getline(lines, l);)
+    if (l.find("warn") != std::string::npos && l.find("RTLD_DEEPBIND") != std::string::npos) ++warnings;
+  EXPECT_EQ(warnings, 1u) << with.err;
+  EXPECT_NE(with.err.find("load it without RTLD_DEEPBIND"), std::string::npos) << with.err;
+}
+
+// ---- What is held as the engine's memory is the engine's (issue 37, item 7) ----
+
+// A thread that decoded on a stack the program mapped, then ended; the program maps a buffer where
+// that stack was. 92b9934 still took the stack's point for an engine stack and locked the buffer.
+TEST_F(HostTest, AStackIsHeldOnlyWhileItsThreadLives) {
+  const Run with = run({ENGINE_MEMORY_PATH, model_, "stack", "1500"}, true, "stack", 120);
+  ASSERT_EQ(with.status, 0) << with.out << with.err;
+  EXPECT_NE(with.err.find("engine memory:"), std::string::npos) << "snapshots were taken\n" << with.err;
+  EXPECT_EQ(kb(with.out, "buffer_locked_kb"), 0u) << "the program's buffer where a dead thread's stack was\n"
+                                                  << with.out << with.err;
+}
+
+// 150 MiB of the program's own heap, made between decodes: never the engine's (92b9934 locked all
+// of [heap]: 6 MB became 156 MB in a Python host).
+TEST_F(HostTest, HeapTheProgramGrowsBetweenDecodesIsNeverHeld) {
+  const Run with = run({ENGINE_MEMORY_PATH, model_, "heap", "0"}, true, "heap", 120);
+  ASSERT_EQ(with.status, 0) << with.out << with.err;
+  ASSERT_GE(kb(with.out, "program_heap_kb") * 1024, 140 * kMiB) << "the program's heap grew\n" << with.out;
+  EXPECT_NE(with.err.find("engine memory:"), std::string::npos) << with.err;
+  EXPECT_LT(kb(with.out, "heap_locked_kb") * 1024, 64 * kMiB) << with.out << with.err;
+}
+
+// Memory the program maps inside its abort callback, which ggml calls from inside the decode's
+// compute, is the program's (92b9934 counted it as made by the engine and locked it).
+TEST_F(HostTest, MemoryTheProgramsCallbackMapsInsideADecodeIsNotTheEngines) {
+  const Run with = run({ENGINE_MEMORY_PATH, model_, "callback", "0"}, true, "callback", 120);
+  ASSERT_EQ(with.status, 0) << with.out << with.err;
+  ASSERT_GT(kb(with.out, "callback_calls"), 0u) << "ggml called the program's callback\n" << with.out;
+  EXPECT_NE(with.err.find("engine memory:"), std::string::npos) << with.err;
+  EXPECT_EQ(kb(with.out, "callback_locked_kb"), 0u) << with.out << with.err;
 }
 
 }  // namespace

@@ -6,6 +6,7 @@
 // (tests/preload/preload_test.cpp) are the end-to-end proof of the same rules.
 #include <fcntl.h>
 #include <sys/mman.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #include <gtest/gtest.h>
@@ -312,15 +313,16 @@ TEST_F(EngineSessionTest, AnUnmapTakesItsPartOfARegionAndLeavesTheRestRegistered
   s->context_made();
   ASSERT_EQ(member_at(*host, m->begin()), 16 * page);
   ASSERT_TRUE(s->tracks(m->begin() + 4 * page, m->begin() + 5 * page));
-  // The middle four pages go: two pieces are left.
+  // The middle four pages go. The hook only queues it (it may run inside the program's allocator):
+  // nothing changes until the session applies it, then two pieces are left.
   const std::uintptr_t b = m->begin() + 6 * page, e = b + 4 * page;
-  EXPECT_TRUE(s->unmap(b, e, [&] { return ::munmap(reinterpret_cast<void*>(b), e - b) == 0; }));
+  ASSERT_EQ(::munmap(reinterpret_cast<void*>(b), e - b), 0);
+  s->memory_gone(b, e);
+  EXPECT_EQ(member_at(*host, m->begin()), 16 * page);
+  s->settle();
   EXPECT_EQ(member_at(*host, m->begin()), 6 * page);
   EXPECT_EQ(member_at(*host, e), 6 * page);
   EXPECT_FALSE(any_member_overlaps(*host, b, e));
-  // An unmap that fails leaves the piece whole.
-  EXPECT_FALSE(s->unmap(m->begin(), m->begin() + page, [] { return false; }));
-  EXPECT_EQ(member_at(*host, m->begin()), 6 * page);
   s->buffer_freed(m->begin());
   ::munmap(m->base, 6 * page);
   ::munmap(reinterpret_cast<void*>(e), 6 * page);
@@ -368,6 +370,7 @@ TEST_F(EngineSessionTest, WhatTheProgramLockedItselfIsNeverRegisteredSoNeverUnlo
   bool called = false;
   EXPECT_TRUE(s->program_locks(w.begin() + 4 * page, w.begin() + 8 * page, [&] { return called = true; }));
   EXPECT_TRUE(called);
+  s->settle();
   EXPECT_FALSE(any_member_overlaps(*host, w.begin() + 4 * page, w.begin() + 8 * page));
   EXPECT_EQ(member_at(*host, w.begin()), 4 * page);
   EXPECT_EQ(member_at(*host, w.begin() + 8 * page), 8 * page);
@@ -376,28 +379,46 @@ TEST_F(EngineSessionTest, WhatTheProgramLockedItselfIsNeverRegisteredSoNeverUnlo
   s->context_made();
   EXPECT_FALSE(any_member_overlaps(*host, w.begin() + 4 * page, w.begin() + 8 * page));
   // Once the program unlocks them, they may be held again at the next registration.
-  s->program_unlocked(w.begin() + 4 * page, w.begin() + 8 * page);
+  EXPECT_TRUE(s->program_unlocks(w.begin() + 4 * page, w.begin() + 8 * page, [] { return true; }));
   s->buffer_usage(w.begin(), BufferUsage::weights);
   s->context_made();
   EXPECT_EQ(member_at(*host, w.begin()), 16 * page);
 }
 
-TEST_F(EngineSessionTest, WhatTheProgramTakesBackIsLetGoOfBeforeItsCall) {
+// What the program takes back (madvise DONTNEED, mprotect PROT_NONE, mremap): the hook unlocks what
+// the session locked there before the call, with system calls only (the kernel's locks are checked
+// here: the fake backend locks nothing, so this test locks the pages the session holds itself), and
+// what the program locked itself stays locked; the session forgets the range once the event applies.
+TEST_F(EngineSessionTest, WhatTheProgramTakesBackIsUnlockedBeforeItsCallAndForgottenAfter) {
   auto s = make();
   const std::size_t page = system_page_size();
   Mapping w(16 * page);
   buffer(*s, w, BufferUsage::weights);
   s->context_made();
-  // madvise(DONTNEED) of pages 0-3: nothing of them is held while the call runs.
-  const int r = s->program_takes_back(w.begin(), w.begin() + 4 * page, [&] {
-    EXPECT_FALSE(any_member_overlaps(*host, w.begin(), w.begin() + 4 * page));
-    return 0;
-  });
-  EXPECT_EQ(r, 0);
+  ASSERT_TRUE(s->program_locks(w.begin() + 2 * page, w.begin() + 3 * page,
+                               [&] { return ::mlock(w.base + 2 * page, page) == 0; }));
+  s->settle();
+  ASSERT_EQ(::mlock(w.base, 2 * page), 0) << "as the session's backend would have";
+  ASSERT_EQ(::mlock(w.base + 3 * page, page), 0);
+  auto locked = [&](std::size_t first_page) {
+    // madvise(MADV_DONTNEED) as a system call fails with EINVAL on a locked page.
+    return ::syscall(SYS_madvise, w.base + first_page * page, page, MADV_DONTNEED) != 0 && errno == EINVAL;
+  };
+  s->unlock_before_take_back(w.begin(), w.begin() + 4 * page);
+  EXPECT_FALSE(locked(0));
+  EXPECT_FALSE(locked(1));
+  EXPECT_TRUE(locked(2)) << "the program's own lock stays";
+  EXPECT_FALSE(locked(3));
+  s->memory_gone(w.begin(), w.begin() + 4 * page);
+  s->settle();
   EXPECT_FALSE(any_member_overlaps(*host, w.begin(), w.begin() + 4 * page));
   EXPECT_EQ(member_at(*host, w.begin() + 4 * page), 12 * page);
-  // mlockall: everything is let go of, nothing is held from then on.
-  EXPECT_EQ(s->program_locks_all([] { return 0; }), 0);
+  EXPECT_TRUE(s->program_unlocks(w.begin() + 2 * page, w.begin() + 3 * page,
+                                 [&] { return ::munlock(w.base + 2 * page, page) == 0; }));
+  // mlockall: everything is let go of, nothing is held from then on. (Flags 0: the session's
+  // mlockall again after the let-go fails with EINVAL here rather than lock this test.)
+  s->program_locked_all(0);
+  s->settle();
   EXPECT_FALSE(any_member_overlaps(*host, w.begin(), w.end()));
   Mapping other(kMiB);
   buffer(*s, other, BufferUsage::weights);
@@ -442,7 +463,8 @@ TEST_F(EngineSessionTest, AMappingTheProgramMakesWhereHeldMemoryWasIsForgotten) 
   ::close(fd);
   ASSERT_EQ(file, engine);
   EXPECT_TRUE(s->tracks(e, e + 4 * kMiB));
-  s->mapped_over(e, e + 4 * kMiB);
+  s->memory_gone(e, e + 4 * kMiB);
+  s->settle();
   EXPECT_FALSE(any_member_overlaps(*host, e, e + 4 * kMiB)) << "the program's file mapping stays unlocked";
   EXPECT_FALSE(s->tracks(e, e + 4 * kMiB));
   ::munmap(file, 4 * kMiB);
@@ -557,11 +579,11 @@ TEST_F(EngineSessionTest, WritesIntoDeviceWeightsAreReportedToTheBackendAndNothi
     std::lock_guard<std::recursive_mutex> g(gpu->mu);
     EXPECT_EQ(gpu->tracked, std::set<char*>{static_cast<char*>(weights.ptr)});
   }
-  s->device_written(w + 100, w + 200);          // inside
-  s->device_written(w - 50, w + 10);            // across the start: clipped
+  s->device_written(w + 100, w + 200);                     // inside
+  s->device_written(w - 50, w + 10);                       // across the start: clipped
   s->device_written(w + 8 * kMiB - 5, w + 8 * kMiB + 99);  // across the end: clipped
-  s->device_written(c, c + 4 * kMiB);          // the compute buffer: not reported
-  s->device_written(w + 8 * kMiB, w + 9 * kMiB);  // just past it: not reported
+  s->device_written(c, c + 4 * kMiB);                      // the compute buffer: not reported
+  s->device_written(w + 8 * kMiB, w + 9 * kMiB);           // just past it: not reported
   using W = std::pair<std::uintptr_t, std::size_t>;
   EXPECT_EQ(writes(), (std::vector<W>{{w + 100, 100}, {w, 10}, {w + 8 * kMiB - 5, 5}}));
 
@@ -599,7 +621,7 @@ TEST_F(EngineSessionTest, ATensorCopiedFromAModelFileIntoDeviceWeightsIsReported
   ASSERT_NE(map, MAP_FAILED);
   auto s = make();
   s->file_mapped(map, len - 8 * page, fd, 8 * page);  // as the mmap hook says it, with the fd open
-  ::close(fd);  // the session keeps its own descriptor
+  ::close(fd);                                        // the session keeps its own descriptor
   using Outcome = EngineSession::DeviceAllocation::Outcome;
   const auto weights = s->device_allocate(0, 8 * kMiB, false);
   ASSERT_EQ(weights.outcome, Outcome::routed);
@@ -620,7 +642,8 @@ TEST_F(EngineSessionTest, ATensorCopiedFromAModelFileIntoDeviceWeightsIsReported
     EXPECT_EQ(gpu->writes, (std::vector<W>{{w + 8192, 4096}, {w + 16384, 2 * page}}));
   }
   // Unmapped by the program: a copy from there is a plain write (the address may be reused).
-  ASSERT_TRUE(s->unmap(m, m + len - 8 * page, [&] { return ::munmap(map, len - 8 * page) == 0; }));
+  ASSERT_EQ(::munmap(map, len - 8 * page), 0);
+  s->memory_gone(m, m + len - 8 * page);
   s->device_filled(w + 128, w + 256, m + page);
   {
     std::lock_guard<std::recursive_mutex> g(gpu->mu);
