@@ -526,9 +526,17 @@ RESIDENCY_PRELOAD_EXPORT int mprotect(void* addr, std::size_t len, int prot) noe
   return rp::around_take_back(addr, len, [&]() noexcept { return next(addr, len, prot); });
 }
 
+#ifndef MREMAP_DONTUNMAP
+#define MREMAP_DONTUNMAP 4  // Linux 5.7; older C library headers lack it
+#endif
+
 RESIDENCY_PRELOAD_EXPORT void* mremap(void* old_addr, std::size_t old_size, std::size_t new_size, int flags, ...) noexcept {
+  // new_address is read when the flags take one (FIXED, DONTUNMAP), as glibc 2.36 and the kernel
+  // read it, and always forwarded: given four arguments, glibc read a leftover register for
+  // DONTUNMAP and the kernel failed with EINVAL. Where the flags take none, the C library reads
+  // none either, and NULL is what it gives the kernel itself.
   void* new_addr = nullptr;
-  if ((flags & MREMAP_FIXED) != 0) {
+  if ((flags & (MREMAP_FIXED | MREMAP_DONTUNMAP)) != 0) {
     va_list ap;
     va_start(ap, flags);
     new_addr = va_arg(ap, void*);
@@ -538,8 +546,7 @@ RESIDENCY_PRELOAD_EXPORT void* mremap(void* old_addr, std::size_t old_size, std:
   auto call = [&]() noexcept {
     if (next == nullptr)
       return reinterpret_cast<void*>(::syscall(SYS_mremap, old_addr, old_size, new_size, flags, new_addr));
-    return (flags & MREMAP_FIXED) != 0 ? next(old_addr, old_size, new_size, flags, new_addr)
-                                       : next(old_addr, old_size, new_size, flags);
+    return next(old_addr, old_size, new_size, flags, new_addr);
   };
   // A locked mapping moved or grown stays locked, and the kernel populates all of it: what the
   // session held of it is let go of first.
