@@ -342,14 +342,35 @@ std::string group_name_of(gid_t gid) {
   return std::to_string(gid);
 }
 
+// What a file that is not a regular file is, for messages: "a FIFO", "a socket", ...
+std::string file_kind(mode_t mode) {
+  if (S_ISFIFO(mode)) return "a FIFO";
+  if (S_ISSOCK(mode)) return "a socket";
+  if (S_ISDIR(mode)) return "a directory";
+  if (S_ISLNK(mode)) return "a symbolic link";
+  if (S_ISCHR(mode)) return "a character device";
+  if (S_ISBLK(mode)) return "a block device";
+  return S_ISREG(mode) ? "a regular file" : "not a regular file";
+}
+
+// The message for a path in /dev/shm that is not a regular file (any user may make one there).
+std::string not_a_ledger(const std::string& path, mode_t mode) {
+  return path + " is " + file_kind(mode) + ", not a ledger; remove it";
+}
+
+// Opens a path in /dev/shm (world-writable: anyone may put a FIFO, a socket or a link there)
+// without ever blocking: O_NONBLOCK, so that opening a FIFO returns at once (ENXIO for a socket),
+// and O_NOFOLLOW. The caller checks the file's type with fstat before it reads a byte.
+int open_in_shm(const std::string& path, int access) {
+  return ::open(path.c_str(), access | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
+}
+
 // Checks an open ledger: a regular file of this user (or of our group with mode 0660), mode
 // 0600 or 0660, magic, format version, layout size. `group`: the gid configured, or -1.
 Status check_file(int fd, const std::string& path, long group, const std::string& group_name = "") {
   struct stat st {};
   if (::fstat(fd, &st) != 0) return Status(ErrorCode::io_error, "cannot stat " + path + ": " + errno_text(errno));
-  if (!S_ISREG(st.st_mode))
-    return Status(ErrorCode::permission_denied,
-                  path + " is not a regular file; remove it (it is not a residency ledger)");
+  if (!S_ISREG(st.st_mode)) return Status(ErrorCode::permission_denied, not_a_ledger(path, st.st_mode));
   const unsigned mode = st.st_mode & 07777;
   if (st.st_uid != ::geteuid()) {
     const bool group_ledger = group >= 0 && mode == 0660 && st.st_gid == static_cast<gid_t>(group);
@@ -481,7 +502,7 @@ std::uint64_t process_start_time(int pid) {
 }
 
 int lock_owner(const std::string& path) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
+  const int fd = open_in_shm(path, O_RDONLY);
   if (fd < 0) return 0;
   const int pid = locker_of(fd);
   ::close(fd);
@@ -517,7 +538,7 @@ Result<std::unique_ptr<Ledger>> Ledger::attach(const AttachOptions& o) {
       if (std::chrono::steady_clock::now() >= give_up || g_joins_cancelled.load(std::memory_order_acquire)) break;
       std::this_thread::sleep_for(std::chrono::microseconds(10 * std::min(attempt, 100)));
     }
-    int fd = ::open(path.c_str(), O_RDWR | O_NOFOLLOW | O_CLOEXEC);
+    int fd = open_in_shm(path, O_RDWR);
     if (fd < 0 && errno == ENOENT) {
       auto made = create(path, o.name, o.budget, group, o.group);
       if (!made) return made.status();
@@ -527,6 +548,11 @@ Result<std::unique_ptr<Ledger>> Ledger::attach(const AttachOptions& o) {
       return Status(ErrorCode::permission_denied,
                     path + " is a symbolic link; a ledger must be a regular file in " + kDir +
                         " (a link could point anywhere, it is never followed): remove it, or use another budget name");
+    } else if (fd < 0 && errno == ENXIO) {  // a socket (or a FIFO without a reader, opened to write)
+      struct stat st {};
+      if (::lstat(path.c_str(), &st) == 0 && !S_ISREG(st.st_mode))
+        return Status(ErrorCode::permission_denied, not_a_ledger(path, st.st_mode));
+      return Status(ErrorCode::io_error, "cannot open the shared budget ledger " + path + ": " + errno_text(ENXIO));
     } else if (fd < 0) {
       const int e = errno;
       return Status(e == EACCES ? ErrorCode::permission_denied : ErrorCode::io_error,
@@ -942,8 +968,7 @@ std::uint64_t Ledger::take_over_budget(std::uint64_t bytes) {
 }
 
 std::uint64_t Ledger::over_budget() const {
-  if (!shm_ || detached_ || !mine() || broken_.load(std::memory_order_acquire) ||
-      removed_.load(std::memory_order_acquire))
+  if (!shm_ || detached_ || !mine() || broken_.load(std::memory_order_acquire) || removed_.load(std::memory_order_acquire))
     return 0;
   // A copy, as `residency stat` reads it: a few kB, no lock, nothing of the mapping touched.
   Shared copy;  // on the stack: read at every end of a device holder's call, no allocation
@@ -960,7 +985,8 @@ bool Ledger::repay_turn() {
   Lock lock(fd_, local_, shm_, kUseLockWait);
   if (lock.corrupt()) return corrupt(lock.why()), false;
   if (!lock.ok()) return false;  // the next end of a call looks again
-  if (!own_slot_sound()) return corrupt("the slot of this process (" + std::to_string(slot_) + ") was overwritten"), false;
+  if (!own_slot_sound())
+    return corrupt("the slot of this process (" + std::to_string(slot_) + ") was overwritten"), false;
   const int self = ::getpid();
   reclaim(s, self, self_start_);
   if (used_bytes(s) <= s.budget) return false;
@@ -1108,7 +1134,18 @@ std::vector<SharedBudgetInfo> list_shared_budgets() {
     SharedBudgetInfo info;
     info.name = n.substr(prefix.size());
     info.path = std::string(kDir) + "/" + n;
-    const int fd = ::open(info.path.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
+    // Anyone may make a FIFO, a socket or a link under this name: it is listed as what it is, and
+    // never opened in a way that blocks (open_in_shm; an open of a FIFO without O_NONBLOCK waits
+    // for a writer, forever).
+    struct stat lst {};
+    if (::lstat(info.path.c_str(), &lst) != 0) continue;  // gone meanwhile
+    if (!S_ISREG(lst.st_mode)) {
+      info.mode = lst.st_mode & 07777;
+      info.error = not_a_ledger(info.path, lst.st_mode);
+      out.push_back(std::move(info));
+      continue;
+    }
+    const int fd = open_in_shm(info.path, O_RDONLY);
     if (fd < 0) continue;  // not readable by this user: not listed
     struct stat st {};
     if (::fstat(fd, &st) == 0) info.mode = st.st_mode & 07777;

@@ -10,7 +10,9 @@
 #include <signal.h>
 #include <sys/mount.h>
 #include <sys/resource.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/un.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -25,6 +27,7 @@
 #include <sstream>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <vector>
 
 #include "backends/posix/proc_info.hpp"
@@ -653,6 +656,58 @@ TEST_F(ToolHardening, AClosedPipeEndsIdleAndHoldCleanlyWithoutLeavingTheLedger) 
     EXPECT_FALSE(fs::exists(ledger));
   }
   ::unlink(ledger.c_str());  // only if a failure above left it
+}
+
+// Issue 42, item 1: anyone may make a FIFO or a socket in /dev/shm under a ledger's name. Every
+// reader of /dev/shm (stat, stat --json, ps, ps --json, ps --prometheus) ends at once and stat
+// says what the file is; a hold that names it as its budget gets one message saying so. Before:
+// each of them blocked in open() on the FIFO, forever (each run here is bounded and killed).
+TEST_F(ToolHardening, AFifoOrASocketInDevShmHangsNothingAndIsListedAsWhatItIs) {
+  if (::access("/dev/shm", W_OK) != 0) GTEST_SKIP() << "/dev/shm is not writable here";
+  const std::string fifo_name = "test-fifo-" + std::to_string(::getpid());
+  const std::string sock_name = "test-sock-" + std::to_string(::getpid());
+  const std::string fifo = "/dev/shm/residency-budget-" + fifo_name, sock = "/dev/shm/residency-budget-" + sock_name;
+  struct Removed {
+    std::vector<std::string> paths;
+    ~Removed() {
+      for (const auto& p : paths) ::unlink(p.c_str());
+    }
+  } removed{{fifo, sock}};
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0666), 0) << std::strerror(errno);
+  const int sfd = ::socket(AF_UNIX, SOCK_STREAM, 0);
+  ASSERT_GE(sfd, 0);
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  std::snprintf(addr.sun_path, sizeof addr.sun_path, "%s", sock.c_str());
+  ASSERT_EQ(::bind(sfd, reinterpret_cast<const sockaddr*>(&addr), sizeof addr), 0) << std::strerror(errno);
+  ::close(sfd);
+
+  for (const std::vector<std::string>& args : {std::vector<std::string>{"stat"},
+                                               {"stat", "--json"},
+                                               {"ps"},
+                                               {"ps", "--json"},
+                                               {"ps", "--prometheus"}}) {
+    SCOPED_TRACE(args.size() == 1 ? args[0] : args[0] + " " + args[1]);
+    const ToolRun r = run(args, {}, 10);
+    EXPECT_LT(r.seconds, 10) << "a hang";
+    EXPECT_EQ(r.exit_code, 0) << "signal " << r.signal << ": " << r.err;
+    if (args[0] == "stat") {
+      EXPECT_NE(r.out.find(fifo + " is a FIFO, not a ledger"), std::string::npos) << r.out;
+      EXPECT_NE(r.out.find(sock + " is a socket, not a ledger"), std::string::npos) << r.out;
+    }
+  }
+  const std::string file = root_ + "/held";
+  {
+    std::ofstream f(file, std::ios::binary);
+    f << std::string(1 << 20, 'x');
+  }
+  for (const auto& [name, path, kind] : {std::tuple{fifo_name, fifo, "a FIFO"}, std::tuple{sock_name, sock, "a socket"}}) {
+    SCOPED_TRACE(std::string("hold under ") + kind);
+    const ToolRun r = run({"hold", file}, {"RESIDENCY_SHARED_BUDGET=" + name + ":8MiB"}, 20);
+    EXPECT_EQ(r.exit_code, 2) << "signal " << r.signal << ": " << r.out << r.err;
+    EXPECT_NE(r.err.find(path + " is " + kind + ", not a ledger"), std::string::npos) << r.err;
+    EXPECT_TRUE(printable_line(r.err)) << "one line: " << r.err;
+  }
 }
 
 // Issue 18, item 10: a memory cgroup limit file that is missing or holds garbage is not shown as
