@@ -2,22 +2,27 @@
 // /proc/PID/stat (see proc_stat.hpp).
 #include "platform/proc_stat.hpp"
 
+#include <cerrno>
 #include <charconv>
-#include <fstream>
 #include <string>
+
+#if defined(__linux__)
+#include <fcntl.h>
+#include <unistd.h>
+#endif
 
 namespace residency::platform {
 namespace {
 
-// The next field of `rest`, separated by spaces; empty at the end.
+// The next field of `rest`, separated by spaces (the file ends with a newline); empty at the end.
 std::string_view next_field(std::string_view& rest) {
-  const std::size_t begin = rest.find_first_not_of(' ');
+  const std::size_t begin = rest.find_first_not_of(" \n");
   if (begin == std::string_view::npos) {
     rest = {};
     return {};
   }
   rest.remove_prefix(begin);
-  const std::size_t end = rest.find(' ');
+  const std::size_t end = rest.find_first_of(" \n");
   const std::string_view field = rest.substr(0, end);
   rest.remove_prefix(end == std::string_view::npos ? rest.size() : end);
   return field;
@@ -25,10 +30,21 @@ std::string_view next_field(std::string_view& rest) {
 
 std::optional<ProcStat> read_file(const std::string& path) {
 #if defined(__linux__)
-  std::ifstream f(path);
-  std::string line;
-  if (!f || !std::getline(f, line)) return std::nullopt;
-  return parse_proc_stat(line);
+  // The whole file, not one line: COMM is whatever the process named itself (prctl PR_SET_NAME),
+  // a newline included, and a line read would end inside it, so that field 22 would not parse
+  // and a live holder would be taken for a dead one. The file is below 1 KiB; 4 KiB bounds it.
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return std::nullopt;
+  std::string text;
+  char buf[1024];
+  while (text.size() < 4096) {
+    const ssize_t n = ::read(fd, buf, sizeof buf);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) break;
+    text.append(buf, static_cast<std::size_t>(n));
+  }
+  ::close(fd);
+  return parse_proc_stat(text);
 #else
   (void)path;
   return std::nullopt;

@@ -8,8 +8,9 @@
 // below the ledger and the core: it knows nothing of either, only the platform, so every layer
 // may use it without an arrow pointing up.
 //
-// The line is "PID (COMM) STATE ...": COMM may hold spaces and ')' of its own, so fields are
-// counted from the last ')'.
+// The line is "PID (COMM) STATE ...": COMM is what the process named itself (prctl PR_SET_NAME)
+// and may hold spaces, ')' and newlines of its own, so the whole file is read (not one line) and
+// fields are counted from its last ')'.
 #pragma once
 
 #include <cstdint>
@@ -25,8 +26,8 @@ struct ProcStat {
   bool gone() const { return state == 'Z' || state == 'X' || state == 'x'; }
 };
 
-// One line of /proc/PID/stat; nullopt when it does not have 22 fields or field 22 is not a
-// decimal number.
+// The text of /proc/PID/stat (one line, unless COMM holds a newline); nullopt when it does not
+// have 22 fields or field 22 is not a decimal number.
 std::optional<ProcStat> parse_proc_stat(std::string_view line);
 
 // /proc/PID/stat of process `pid` (> 0); nullopt when there is no such process, no /proc, or this

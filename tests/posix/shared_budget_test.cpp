@@ -8,10 +8,12 @@
 // Sizes: 4 MiB per holder, so that each process stays under the default RLIMIT_MEMLOCK of a
 // non-root user (8 MiB); budgets of 6 to 10 MiB. Each test takes one to three seconds, most of it
 // the one second a holder must be idle before it can be asked (ledger::kIdleBeforeAsked).
-#include <gtest/gtest.h>
 #include <grp.h>
+#include <gtest/gtest.h>
+#include <poll.h>
 #include <signal.h>
 #include <sys/mman.h>
+#include <sys/prctl.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 
@@ -773,6 +775,68 @@ std::string run_stat(const char* args) {
     ::pclose(p);
   }
   return out;
+}
+
+// Issue 42, item 4: a holder whose process named itself with a newline, a ')' and spaces
+// (prctl PR_SET_NAME) joins, is listed alive by `stat` and `ps`, and its share is not reclaimed by
+// the next holder (before: it could not join, "cannot read this process's start time"; one that
+// renamed itself after joining was reclaimed as dead while it kept its memory locked).
+TEST(SharedBudgetIdentity, AHolderNamedWithANewlineIsAliveAndKeepsItsShare) {
+  const std::string name = unique_name("newline-name");
+  int ready[2], done[2];
+  ASSERT_EQ(::pipe(ready), 0);
+  ASSERT_EQ(::pipe(done), 0);
+  std::fflush(stdout);
+  const pid_t child = ::fork();
+  if (child == 0) {
+    ::close(ready[0]);
+    ::close(done[1]);
+    ::prctl(PR_SET_NAME, "hold\nA) b c");
+    auto l = ledger::Ledger::attach({name, 8 * MiB, "", 0});
+    char r = 'n';
+    if (l && (*l)->acquire(6 * MiB, now_ns(), 0ns, false) == 6 * MiB) r = 'y';
+    if (::write(ready[1], &r, 1) != 1) ::_exit(3);
+    char b = 0;
+    (void)::read(done[0], &b, 1);  // until the test is done (or gone)
+    ::_exit(r == 'y' ? 0 : 4);
+  }
+  ::close(ready[1]);
+  ::close(done[0]);
+  struct Ended {  // the child killed and its ledger removed, however the test ends
+    pid_t pid;
+    int done_fd;
+    std::string path;
+    ~Ended() {
+      ::close(done_fd);
+      ::kill(pid, SIGKILL);
+      ::waitpid(pid, nullptr, 0);
+      ::unlink(path.c_str());
+    }
+  } ended{child, done[1], ledger::ledger_path(name)};
+  pollfd p{ready[0], POLLIN, 0};
+  ASSERT_EQ(::poll(&p, 1, 10000), 1) << "the child did not answer within 10 s";
+  char r = 0;
+  ASSERT_EQ(::read(ready[0], &r, 1), 1);
+  ::close(ready[0]);
+  ASSERT_EQ(r, 'y') << "a process named 'hold\\nA) b c' could not join the budget";
+
+  bool listed_alive = false;
+  for (const auto& b : list_shared_budgets())
+    if (b.name == name)
+      for (const auto& h : b.holders) listed_alive = listed_alive || (h.pid == child && h.alive);
+  EXPECT_TRUE(listed_alive) << "stat's listing takes the holder for dead";
+  auto other = ledger::Ledger::attach({name, 8 * MiB, "", 0});
+  ASSERT_TRUE(other) << other.message();
+  EXPECT_EQ((*other)->acquire(8 * MiB, now_ns(), 0ns, false), 0u) << "the renamed holder's share was reclaimed";
+  EXPECT_EQ((*other)->acquire(2 * MiB, now_ns(), 0ns, false), 2 * MiB);
+  (*other)->release(2 * MiB);
+  std::string ps;
+  if (FILE* f = ::popen((std::string(RESIDENCY_TOOL_PATH) + " ps --json 2>&1").c_str(), "r")) {
+    char buf[4096];
+    while (std::size_t n = std::fread(buf, 1, sizeof buf, f)) ps.append(buf, n);
+    ::pclose(f);
+  }
+  EXPECT_NE(ps.find("\"pid\": " + std::to_string(child)), std::string::npos) << "ps does not list it:\n" << ps;
 }
 
 // `residency stat` lists the budget with its holder (pid, bytes, idle time), in text and JSON,

@@ -4,6 +4,9 @@
 // the benchmark's owner tags see the same start time.
 #include <gtest/gtest.h>
 #include <unistd.h>
+#if defined(__linux__)
+#include <sys/prctl.h>
+#endif
 
 #include <string>
 
@@ -21,7 +24,8 @@ std::string stat_line(const std::string& comm, const std::string& state, const s
 }
 
 TEST(ProcStat, FieldsCountFromTheLastParenthesis) {
-  for (const std::string comm : {"sleep", "a b", "x) S 1 2 (y", ")", "(("}) {
+  // A name holds what the process gave prctl(PR_SET_NAME): spaces, ')' and newlines included.
+  for (const std::string comm : {"sleep", "a b", "x) S 1 2 (y", ")", "((", "hold\nA", "a) b\nc d", "\n) \n"}) {
     auto s = parse_proc_stat(stat_line(comm, "S", "987654321"));
     ASSERT_TRUE(s) << comm;
     EXPECT_EQ(s->state, 'S') << comm;
@@ -63,6 +67,27 @@ TEST(ProcStat, EveryReaderSeesThisProcessAlike) {
   EXPECT_EQ(by_pid->start_time, own->start_time);
   EXPECT_EQ(ledger::process_start_time(::getpid()), own->start_time);
   EXPECT_EQ(core::process_start_time(::getpid()), own->start_time);
+}
+
+// Issue 42, item 4: a process that names itself with a newline (and ')' and spaces) keeps its
+// identity: /proc/self/stat is read whole, not up to the first newline. Before, field 22 did not
+// parse, so a holder of a shared budget was taken for dead and its share reclaimed.
+TEST(ProcStat, AProcessNamedWithANewlineKeepsItsStartTime) {
+  const auto before = read_own_proc_stat();
+  ASSERT_TRUE(before);
+  char old_name[32] = {};
+  ASSERT_EQ(::prctl(PR_GET_NAME, old_name), 0);
+  ASSERT_EQ(::prctl(PR_SET_NAME, "hold\nA) b c"), 0);  // this test's thread: the main thread, the process's name
+  const auto own = read_own_proc_stat();
+  const auto by_pid = read_proc_stat(::getpid());
+  const std::uint64_t ledger_view = ledger::process_start_time(::getpid());
+  ::prctl(PR_SET_NAME, old_name);
+  ASSERT_TRUE(own) << "/proc/self/stat with a newline in the name did not parse";
+  ASSERT_TRUE(by_pid);
+  EXPECT_EQ(own->start_time, before->start_time);
+  EXPECT_EQ(by_pid->start_time, before->start_time);
+  EXPECT_EQ(ledger_view, before->start_time);
+  EXPECT_TRUE(ledger::holder_alive(::getpid(), before->start_time));
 }
 #endif
 

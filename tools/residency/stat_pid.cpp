@@ -520,7 +520,11 @@ int run_stat_pid(int pid, bool json) {
 
 HolderFacts holder_facts(int pid, const std::string& budget) {
   HolderFacts f;
-  if (std::ifstream comm("/proc/" + std::to_string(pid) + "/comm"); comm) std::getline(comm, f.program);
+  // The whole of comm (a process may name itself with a newline in it), less the kernel's final newline.
+  if (std::ifstream comm("/proc/" + std::to_string(pid) + "/comm", std::ios::binary); comm) {
+    f.program.assign(std::istreambuf_iterator<char>(comm), {});
+    if (!f.program.empty() && f.program.back() == '\n') f.program.pop_back();
+  }
   for (const auto& s : core::read_state_files(pid, ::geteuid(), core::process_start_time(pid))) {
     const auto field = [&](const char* k) {
       const auto it = s.fields.find(k);
