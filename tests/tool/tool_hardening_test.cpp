@@ -710,6 +710,132 @@ TEST_F(ToolHardening, AFifoOrASocketInDevShmHangsNothingAndIsListedAsWhatItIs) {
   }
 }
 
+// A process (`sleep`) with a state file in /dev/shm that the test writes as another user of the
+// machine could write its own: fields holding escape sequences, a newline, quotes and bytes that
+// are not UTF-8. Both are gone when it goes out of scope.
+class ForgedManager {
+ public:
+  explicit ForgedManager(const std::string& fields) {
+    pid_ = fork();
+    if (pid_ == 0) {
+      execl("/bin/sleep", "sleep", "60", static_cast<char*>(nullptr));
+      _exit(127);
+    }
+    std::string start;
+    for (int i = 0; i < 200 && start.empty(); ++i) {  // exec'd: /proc shows sleep
+      std::ifstream comm("/proc/" + std::to_string(pid_) + "/comm");
+      std::string name;
+      if (std::getline(comm, name) && name == "sleep") {
+        std::ifstream st("/proc/" + std::to_string(pid_) + "/stat");
+        std::string text((std::istreambuf_iterator<char>(st)), {});
+        std::istringstream rest(text.substr(text.rfind(')') + 2));
+        std::string field;
+        for (int f = 3; f <= 22 && rest >> field; ++f) start = field;
+      } else {
+        std::this_thread::sleep_for(std::chrono::milliseconds(5));
+      }
+    }
+    path_ = "/dev/shm/residency-state." + std::to_string(geteuid()) + "." + std::to_string(pid_) + ".0";
+    const int fd = ::open(path_.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+    const std::string text = "residency-state 1\npid=" + std::to_string(pid_) + "\nstart_time=" + start +
+                             "\nuid=" + std::to_string(geteuid()) + "\n" + fields;
+    ok_ = fd >= 0 && !start.empty() && ::write(fd, text.data(), text.size()) == static_cast<ssize_t>(text.size());
+    if (fd >= 0) ::close(fd);
+  }
+  ~ForgedManager() {
+    ::unlink(path_.c_str());
+    kill(pid_, SIGKILL);
+    waitpid(pid_, nullptr, 0);
+  }
+  ForgedManager(const ForgedManager&) = delete;
+  ForgedManager& operator=(const ForgedManager&) = delete;
+  bool ok() const { return ok_; }
+  pid_t pid() const { return pid_; }
+
+ private:
+  pid_t pid_ = -1;
+  std::string path_;
+  bool ok_ = false;
+};
+
+// Issue 42, item 9: `residency ps` (run by root, say) shows other users' state files and ledger
+// names. No escape sequence of theirs reaches the terminal through any column (before: RELEASES
+// and BUDGETS printed the bytes raw: a window title, a screen clear), `ps --json` lists everything
+// whatever the bytes (before: one byte that is not UTF-8 made it exit 1, "invalid UTF-8 byte",
+// for everyone), and `ps --prometheus` escapes its label values.
+TEST_F(ToolHardening, PsEscapesOtherUsersBytesInEveryOutput) {
+  if (::access("/dev/shm", W_OK) != 0) GTEST_SKIP() << "/dev/shm is not writable here";
+  const std::string hostile = "\x1b]0;PWNED\x07\x1b[2J\xff\xfe\"q\\";
+  ForgedManager m("manager=0\nbackend=posix" + hostile + "\nresident=1\nkeep_alive=5m" + hostile + "\nshared_budget=b" +
+                  hostile + "\nwired_bytes=4096\n");
+  ASSERT_TRUE(m.ok());
+  const std::string pid = std::to_string(m.pid());
+
+  const ToolRun text = run({"ps"}, {}, 30);
+  EXPECT_EQ(text.exit_code, 0) << text.err;
+  EXPECT_NE(text.out.find(pid), std::string::npos) << "the process is listed:\n" << text.out;
+  EXPECT_EQ(text.out.find('\x1b'), std::string::npos) << "a raw escape sequence reached the terminal:\n" << text.out;
+  EXPECT_EQ(text.out.find('\x07'), std::string::npos) << text.out;
+  EXPECT_EQ(text.out.find('\xff'), std::string::npos) << text.out;
+  EXPECT_NE(text.out.find("\\x1B]0;PWNED"), std::string::npos) << "shown escaped:\n" << text.out;
+
+  const ToolRun json = run({"ps", "--json"}, {}, 30);
+  EXPECT_EQ(json.exit_code, 0) << "one name that is not UTF-8 fails the listing for everyone: " << json.err;
+  EXPECT_NE(json.out.find("\"pid\": " + pid), std::string::npos) << json.out;
+  EXPECT_EQ(json.out.find('\x1b'), std::string::npos) << json.out;
+  EXPECT_EQ(json.out.find('\xff'), std::string::npos) << json.out;
+  EXPECT_NE(json.out.find("\xef\xbf\xbd"), std::string::npos) << "replaced with U+FFFD, as docs/tool.md says:\n"
+                                                              << json.out;
+
+  const ToolRun prom = run({"ps", "--prometheus"}, {}, 30);
+  EXPECT_EQ(prom.exit_code, 0) << prom.err;
+  EXPECT_NE(prom.out.find("pid=\"" + pid + "\""), std::string::npos) << prom.out;
+  EXPECT_EQ(prom.out.find('\x1b'), std::string::npos) << prom.out;
+  std::istringstream lines(prom.out);
+  for (std::string line; std::getline(lines, line);) {
+    // Every line a comment or one sample: name{label="value",...} number, each quote of a value escaped.
+    if (line.rfind("# ", 0) == 0) continue;
+    EXPECT_EQ(line.rfind("residency_", 0), 0u) << line;
+    const auto open = line.find('{'), close = line.rfind('}');
+    if (open == std::string::npos) continue;
+    ASSERT_NE(close, std::string::npos) << line;
+    bool in_value = false;
+    for (std::size_t i = open + 1; i < close; ++i) {
+      if (line[i] == '\\' && in_value) {
+        ++i;
+        continue;
+      }
+      if (line[i] == '"') in_value = !in_value;
+    }
+    EXPECT_FALSE(in_value) << "an unescaped quote in a label value: " << line;
+  }
+}
+
+// Issue 42, item 9: `residency hold` on a file whose name is Latin-1 (not UTF-8): `ps --json`
+// lists it, the byte replaced (before: exit 1, "invalid UTF-8 byte", nothing listed for anyone).
+TEST_F(ToolHardening, PsJsonListsAModelWhoseNameIsNotUtf8) {
+  const std::string file = root_ + "/mod\xe8le-\xe9t\xe9.gguf";
+  {
+    std::ofstream f(file, std::ios::binary);
+    f << std::string(1 << 20, 'x');
+  }
+  Spawn s{{"hold", file}, {}, tmp_, logs_, nullptr};
+  const pid_t pid = start_until(s, "holding");
+  const std::string logs = logs_;
+  // The holder's own logs are kept apart from ps's runs (run() writes to the same files).
+  fs::create_directory(logs_ = root_ + "/ps-logs");
+  const ToolRun json = run({"ps", "--json"}, {}, 30);
+  const ToolRun text = run({"ps"}, {}, 30);
+  kill(pid, SIGTERM);
+  const ToolRun held = finish(pid, logs, Clock::now(), 30);
+  EXPECT_EQ(held.exit_code, 0) << held.err;
+  EXPECT_EQ(json.exit_code, 0) << json.err;
+  EXPECT_NE(json.out.find("\"pid\": " + std::to_string(pid)), std::string::npos) << json.out;
+  EXPECT_NE(json.out.find("mod\xef\xbf\xbdle-\xef\xbf\xbdt\xef\xbf\xbd.gguf"), std::string::npos) << json.out;
+  EXPECT_EQ(text.exit_code, 0) << text.err;
+  EXPECT_NE(text.out.find("mod\\xE8le-\\xE9t\\xE9.gguf"), std::string::npos) << text.out;
+}
+
 // Issue 18, item 10: a memory cgroup limit file that is missing or holds garbage is not shown as
 // "none", which reads as "no limit": stat says "missing" or "unreadable" and why. The cgroup's
 // directory is replaced, in a private mount namespace, by one without the file or with garbage.

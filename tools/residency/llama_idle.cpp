@@ -22,6 +22,7 @@
 
 #include "command.hpp"
 #include "core/config_keys.hpp"
+#include "json_text.hpp"
 #include "residency/config.hpp"
 #include "residency/text.hpp"
 #include "workload/cleanup.hpp"
@@ -246,7 +247,7 @@ int run(const Args& a) {
   const std::string json = out + "/llama-idle.json";
   {
     std::ofstream f(json);
-    f << j.dump(2) << "\n";
+    f << json_text(j) << "\n";
     f.close();
     if (!f) throw std::runtime_error(printable(json) + ": cannot write the results file: " + std::strerror(errno));
   }

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "command.hpp"
+#include "json_text.hpp"
 #include "residency/config.hpp"
 #include "residency/shared_budget.hpp"
 #include "residency/text.hpp"
@@ -324,7 +325,7 @@ int run_ps(bool json, bool prometheus) {
       j["managers"] = ms;
       a.push_back(j);
     }
-    std::printf("%s\n", a.dump(2).c_str());
+    std::printf("%s\n", json_text(a).c_str());
     return kExitOk;
   }
   if (all.empty()) {
@@ -336,11 +337,14 @@ int run_ps(bool json, bool prometheus) {
   for (const auto& m : all) {
     std::string models;
     for (const auto& p : m.models) models += (models.empty() ? "" : ",") + base_name(p);
+    // Every column but the numbers comes from files other users may write (a process's name, its
+    // state files, ledger names in /dev/shm): through printable(), so that none of their bytes
+    // drives the terminal (an escape sequence, a newline). The state is the tool's own words.
     std::string budgets;
-    for (const auto& b : m.budgets) budgets += (budgets.empty() ? "" : ",") + b;
+    for (const auto& b : m.budgets) budgets += (budgets.empty() ? "" : ",") + printable(b);
     rows.push_back({std::to_string(m.pid), printable(m.program), models.empty() ? "-" : printable(models, 200), m.state,
                     m.host_locked ? format_size(*m.host_locked) : "unknown", m.gpu_awake ? format_size(m.gpu_awake) : "-",
-                    m.releases, budgets.empty() ? "-" : budgets});
+                    printable(m.releases, 400), budgets.empty() ? "-" : budgets});
   }
   std::vector<std::size_t> width(rows.front().size(), 0);
   for (const auto& r : rows)

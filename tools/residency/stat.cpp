@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "command.hpp"
+#include "json_text.hpp"
 #include "residency/backends.hpp"
 #include "residency/config.hpp"
 #include "residency/shared_budget.hpp"
@@ -114,7 +115,8 @@ std::string limit_unknown_text(const PosixSystemInfo& info) {
       std::string own;
       if (!f.state.empty()) {
         own = ", " + f.state;
-        if (!f.switches.empty()) own += ", " + f.switches + (f.state == "awake" || f.state == "asleep" ? " wake(s)" : " re-wire(s)");
+        if (!f.switches.empty())
+          own += ", " + printable(f.switches) + (f.state == "awake" || f.state == "asleep" ? " wake(s)" : " re-wire(s)");
         if (!f.last_switch_ms.empty()) own += " (last " + printable(f.last_switch_ms) + " ms)";
         if (!f.pinned_host_bytes.empty())
           own += ", pinned host " + format_size(std::strtoull(f.pinned_host_bytes.c_str(), nullptr, 10));
@@ -262,7 +264,7 @@ int run_stat(bool json) {
     j["backends_not_here"] = backends_json(here);
     j["shared_budgets"] = shared_budgets_json(list_shared_budgets());
     j["problems"] = info.problems;
-    std::printf("%s\n", j.dump(2).c_str());
+    std::printf("%s\n", json_text(j).c_str());
     return kExitOk;
   }
 
@@ -313,10 +315,9 @@ int run_stat(bool json) {
 int run_stat(bool json) {
   const BackendsHere here = backends_here();
   if (json) {
-    std::printf("%s\n", nlohmann::json({{"backends", here.working},
-                                         {"backends_not_here", backends_json(here)},
-                                         {"shared_budgets", shared_budgets_json(list_shared_budgets())}})
-                            .dump(2)
+    std::printf("%s\n", json_text(nlohmann::json({{"backends", here.working},
+                                                  {"backends_not_here", backends_json(here)},
+                                                  {"shared_budgets", shared_budgets_json(list_shared_budgets())}}))
                             .c_str());
   } else {
     std::vector<Row> rows = {{"backends", backends_text(here)}};

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "command.hpp"
+#include "json_text.hpp"
 #include "residency/backends/metal.hpp"
 #include "residency/config.hpp"
 #include "residency/text.hpp"
@@ -61,7 +62,7 @@ int run_stat_apple(bool json, const std::string& backends_line, const nlohmann::
     }
     for (const auto& [k, v] : backends.items()) j[k] = v;
     j["problems"] = sys.problems;
-    std::printf("%s\n", j.dump(2).c_str());
+    std::printf("%s\n", json_text(j).c_str());
     return kExitOk;
   }
 

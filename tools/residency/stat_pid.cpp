@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "command.hpp"
+#include "json_text.hpp"
 #include "residency/config.hpp"
 #include "residency/text.hpp"
 
@@ -467,7 +468,7 @@ int run_stat_pid(int pid, bool json) {
     for (const auto& u : gpu.uses) uses.push_back({{"gpu", u.gpu}, {"uuid", u.uuid}, {"used", u.used}});
     g["processes"] = uses;
     j["gpu"] = g;
-    std::printf("%s\n", j.dump(2).c_str());
+    std::printf("%s\n", json_text(j).c_str());
     return kExitOk;
   }
 
