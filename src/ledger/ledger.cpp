@@ -21,6 +21,7 @@
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
+#include <sys/uio.h>
 #include <time.h>
 #include <unistd.h>
 #endif
@@ -42,7 +43,9 @@ std::string ledger_path(const std::string& name) { return std::string(kDir) + "/
 
 namespace {
 constexpr std::uint64_t kMagic = 0x5245444752444c52ULL;  // "RLDRGDER" little-endian: residency ledger
-constexpr std::uint32_t kStopWord = 0xffffffffu;         // our own slot's ask word: the listener stops
+// Never given out as an ask id: builds before 2027-01 wrote it into their own ask word to stop
+// their listener (the same format), and such a listener must not take an ask for it.
+constexpr std::uint32_t kStopWord = 0xffffffffu;
 
 // One holder. Invariant: `occupied` is 1 exactly while pid/start_time name a holder; `bytes` is what
 // that holder has reserved. Each is one aligned word, written under the ledger's lock (last_use
@@ -109,8 +112,9 @@ std::int64_t monotonic_ns() {
 
 auto* word(std::atomic<std::uint32_t>& a) { return reinterpret_cast<std::uint32_t*>(&a); }
 
-void futex_wake(std::atomic<std::uint32_t>& a, int n) {
-  ::syscall(SYS_futex, word(a), FUTEX_WAKE, n, nullptr, nullptr, 0);
+// Returns the number woken, or -1 with errno (EFAULT: the page is gone, the file was truncated).
+long futex_wake(std::atomic<std::uint32_t>& a, int n) {
+  return ::syscall(SYS_futex, word(a), FUTEX_WAKE, n, nullptr, nullptr, 0);
 }
 // Sleeps while `a` holds `expected`, at most `timeout` (nullptr: no limit).
 // Returns 0 when woken (or spuriously), else -1 with errno: EAGAIN (the word differed), ETIMEDOUT,
@@ -121,6 +125,26 @@ long futex_wait(std::atomic<std::uint32_t>& a, std::uint32_t expected, const tim
 }
 
 std::string errno_text(int e) { return std::strerror(e); }
+
+// Writes `size` bytes at offset `at` of a ledger: one word of it. Not a store through the mapping
+// (a page another member cut off by truncating the file would fault it: SIGBUS), not pwrite()
+// either (a write past the end of a file that another member truncated meanwhile grows it again):
+// process_vm_writev() of this process into the mapping, which the kernel answers with EFAULT when
+// the page is gone and which never changes the file's size. Where a sandbox refuses the call
+// (seccomp: EPERM or ENOSYS) it falls back to pwrite(), whose one flaw is that growth, back to at
+// most this word's end with zeros before it, which every check finds corrupt (the magic is gone).
+// Returns false when nothing was written.
+bool write_word(int fd, void* mapping, std::size_t at, const void* value, std::size_t size) {
+  static std::atomic<bool> vm_write_refused{false};
+  if (!vm_write_refused.load(std::memory_order_relaxed)) {
+    iovec local{const_cast<void*>(value), size}, remote{static_cast<char*>(mapping) + at, size};
+    const ssize_t n = ::process_vm_writev(::getpid(), &local, 1, &remote, 1, 0);
+    if (n == static_cast<ssize_t>(size)) return true;
+    if (n >= 0 || (errno != EPERM && errno != ENOSYS)) return false;  // EFAULT: cut off
+    vm_write_refused.store(true, std::memory_order_relaxed);
+  }
+  return ::pwrite(fd, value, size, static_cast<off_t>(at)) == static_cast<ssize_t>(size);
+}
 
 // What is wrong with a ledger's bytes ("" when nothing is). Every field another process may have
 // written is read here before it is used: the header, the retired word, each slot's `occupied`, pid
@@ -168,6 +192,11 @@ constexpr Nanos kLeaveLockWait = std::chrono::milliseconds(300);  // destruction
 // it, so a decode's 10 ms would make it decline asks whenever the ledger is busy.
 constexpr Nanos kAnswerLockWait = std::chrono::milliseconds(300);
 constexpr Nanos kCancelPoll = std::chrono::milliseconds(50);  // the ask wait checks for cancellation this often
+// A listener asleep on an ask word whose page is gone (the file truncated by another member)
+// cannot be woken; after this many failed wakes, 1 ms apart, it is detached instead of joined.
+constexpr int kStopWakeTries = 20;
+
+}  // namespace
 
 // The ledger's lock: an exclusive OFD lock (fcntl F_OFD_SETLK) on the whole file, owned by the
 // kernel. Nothing of it lives in the shared bytes, so a member that scribbles on the ledger can
@@ -177,21 +206,31 @@ constexpr Nanos kCancelPoll = std::chrono::milliseconds(50);  // the ask wait ch
 // Every wait is bounded (a holder that is SIGSTOPped, paused by a container runtime or a
 // debugger inside the lock, or hostile, must not stall another process): the lock is polled
 // with a short backoff until `bound` has passed, and then not taken, with the reason in why().
+//
+// Taken, it holds a copy of the ledger read with pread (table()), checked whole, and every change
+// is one word written by write_word() (put()): no load or store of this process's instructions
+// ever goes through the mapping, which serves the kernel only (futex words, write_word's target).
+// Another member may truncate the file at any moment: a read then comes back short (corrupt,
+// never a fault), a write fails with EFAULT, and the next check finds the ledger corrupt
+// (docs/design-notes.md, "a ledger's bytes are never touched through its mapping").
 class RESIDENCY_SCOPED_CAPABILITY Lock {
  public:
   Lock(int fd, Mutex& local, Shared* s, Nanos bound, bool cancellable = false) RESIDENCY_ACQUIRE(local)
       : fd_(fd), local_(local.native(), std::defer_lock), s_(s) {
     take(bound, cancellable);
     if (!ok_) return;
-    // Nothing of the mapping is touched before the file is known to cover it (a file truncated
-    // by another process would fault the access: SIGBUS) and its bytes are known to make sense.
     struct stat st {};
     std::string bad;
     if (::fstat(fd_, &st) != 0) bad = "cannot stat it: " + errno_text(errno);
     else if (st.st_size != static_cast<off_t>(sizeof(Shared)))
       bad = "it is " + std::to_string(st.st_size) + " bytes long, a ledger is " + std::to_string(sizeof(Shared)) +
             " (another process truncated or extended it)";
-    else bad = check_table(*s_);
+    else if (const ssize_t got = ::pread(fd_, static_cast<void*>(&table_), sizeof(Shared), 0);
+             got != static_cast<ssize_t>(sizeof(Shared)))
+      bad = got < 0 ? "cannot read it: " + errno_text(errno)
+                    : "it is " + std::to_string(got) + " bytes long, a ledger is " + std::to_string(sizeof(Shared)) +
+                          " (another process truncated it)";
+    else bad = check_table(table_);
     if (!bad.empty()) {
       release_file_lock();
       ok_ = false;
@@ -199,7 +238,7 @@ class RESIDENCY_SCOPED_CAPABILITY Lock {
       why_ = bad;
       return;
     }
-    s_->locker.store(::getpid(), std::memory_order_relaxed);
+    put(table_.locker, static_cast<std::int32_t>(::getpid()));
   }
 
  private:
@@ -241,10 +280,9 @@ class RESIDENCY_SCOPED_CAPABILITY Lock {
 
  public:
   ~Lock() RESIDENCY_RELEASE() { unlock(); }
-  // Unlocks now; the ledger must still be mapped. Called before it is unmapped inside the scope.
   void unlock() RESIDENCY_RELEASE() {
     if (ok_) {
-      s_->locker.store(0, std::memory_order_relaxed);
+      put(table_.locker, std::int32_t{0});
       release_file_lock();
       ok_ = false;
     }
@@ -252,12 +290,29 @@ class RESIDENCY_SCOPED_CAPABILITY Lock {
   }
   Lock(const Lock&) = delete;
   Lock& operator=(const Lock&) = delete;
-  // Taken, and the ledger's size and table are sound: the mapping may be used until unlock().
+  // Taken, and the ledger's size and table are sound: table() and put() may be used until unlock().
   bool ok() const { return ok_; }
   // Not taken because the ledger is corrupt (why() says what); never becomes usable again.
   bool corrupt() const { return corrupt_; }
   // Why the lock was not taken (empty when it was).
   const std::string& why() const { return why_; }
+  // The ledger as read when the lock was taken, with this holder's writes since (ok() only). The
+  // words other holders write without the lock (their last use) may be a little old.
+  const Shared& table() const { return table_; }
+  // Writes `field` (a word of table()) to the ledger (write_word), and to table(). A write that
+  // fails (the file was cut short meanwhile) is found by the next check.
+  template <typename T>
+  void put(const std::atomic<T>& field, T value) {
+    const auto at = reinterpret_cast<const char*>(&field) - reinterpret_cast<const char*>(&table_);
+    (void)write_word(fd_, s_, static_cast<std::size_t>(at), &value, sizeof value);
+    const_cast<std::atomic<T>&>(field).store(value, std::memory_order_relaxed);
+  }
+  // The address of `field` (a word of table()) in the mapping: for the futex calls only, which the
+  // kernel answers with EFAULT, never a fault, when the page is gone.
+  std::atomic<std::uint32_t>& mapped(const std::atomic<std::uint32_t>& field) const {
+    const auto at = reinterpret_cast<const char*>(&field) - reinterpret_cast<const char*>(&table_);
+    return *reinterpret_cast<std::atomic<std::uint32_t>*>(reinterpret_cast<char*>(s_) + at);
+  }
 
  private:
   // "by process N" when the ledger names the locker (read with pread: only the lock owner may
@@ -271,7 +326,10 @@ class RESIDENCY_SCOPED_CAPABILITY Lock {
   Shared* s_;
   bool ok_ = false, corrupt_ = false;
   std::string why_;
+  Shared table_;
 };
+
+namespace {
 
 std::uint64_t used_bytes(const Shared& s) {
   std::uint64_t sum = 0;
@@ -280,28 +338,30 @@ std::uint64_t used_bytes(const Shared& s) {
   return sum;
 }
 
-void bump(Shared& s) {
-  s.generation.fetch_add(1, std::memory_order_release);
-  futex_wake(s.generation, INT32_MAX);
+// With the lock held: bumps the generation word and wakes whoever waits on it.
+void bump(Lock& lock) {
+  const Shared& s = lock.table();
+  lock.put(s.generation, s.generation.load(std::memory_order_relaxed) + 1);
+  futex_wake(lock.mapped(s.generation), INT32_MAX);
 }
 
 // With the lock held: drops every holder whose process is gone. Returns the bytes reclaimed.
-std::uint64_t reclaim(Shared& s, int self_pid, std::uint64_t self_start) {
+std::uint64_t reclaim(Lock& lock, int self_pid, std::uint64_t self_start) {
   std::uint64_t freed = 0;
   bool any = false;
-  for (Slot& sl : s.slots) {
+  for (const Slot& sl : lock.table().slots) {
     if (!sl.occupied.load(std::memory_order_relaxed)) continue;
     const int pid = sl.pid.load(std::memory_order_relaxed);
     const std::uint64_t start = sl.start_time.load(std::memory_order_relaxed);
     if (pid == self_pid && start == self_start) continue;
     if (holder_alive(pid, start)) continue;
     freed += sl.bytes.load(std::memory_order_relaxed);
-    sl.bytes.store(0, std::memory_order_relaxed);
-    sl.ask.store(0, std::memory_order_relaxed);
-    sl.occupied.store(0, std::memory_order_release);
+    lock.put(sl.bytes, std::uint64_t{0});
+    lock.put(sl.ask, std::uint32_t{0});
+    lock.put(sl.occupied, std::uint32_t{0});
     any = true;
   }
-  if (any) bump(s);
+  if (any) bump(lock);
   return freed;
 }
 
@@ -439,8 +499,11 @@ Status check_file(int fd, const std::string& path, long group, const std::string
   return {};
 }
 
-Shared* map(int fd, bool writable) {
-  void* p = ::mmap(nullptr, sizeof(Shared), writable ? PROT_READ | PROT_WRITE : PROT_READ, MAP_SHARED, fd, 0);
+// The mapping gives the futex words their address and write_word() its target; nothing is loaded
+// from it or stored into it by this process's instructions (Lock's comment), so a truncation by
+// another member can never fault this process.
+Shared* map(int fd) {
+  void* p = ::mmap(nullptr, sizeof(Shared), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   return p == MAP_FAILED ? nullptr : static_cast<Shared*>(p);
 }
 
@@ -474,15 +537,17 @@ Result<int> create(const std::string& path, const std::string& name, std::uint64
                            : ""));
   }
   if (::fchmod(fd, group >= 0 ? 0660 : 0600) != 0) return fail("cannot set the mode of");
-  Shared* s = map(fd, true);
-  if (!s) return fail("cannot map");
-  // The file is zero-filled: every atomic and slot starts at 0 (free), and the lock is the file's.
-  s->budget = budget;
-  std::snprintf(s->name, sizeof s->name, "%s", name.c_str());
-  s->version = kFormatVersion;
-  s->layout_size = sizeof(Shared);
-  s->magic = kMagic;
-  ::munmap(s, sizeof(Shared));
+  // Written with pwrite (the file is still ours alone, under its temporary name): zero-filled,
+  // every atomic and slot starts at 0 (free), and the lock is the file's.
+  auto image = std::make_unique<Shared>();
+  std::memset(static_cast<void*>(image.get()), 0, sizeof(Shared));
+  image->budget = budget;
+  std::snprintf(image->name, sizeof image->name, "%s", name.c_str());
+  image->version = kFormatVersion;
+  image->layout_size = sizeof(Shared);
+  image->magic = kMagic;
+  if (::pwrite(fd, static_cast<const void*>(image.get()), sizeof(Shared), 0) != static_cast<ssize_t>(sizeof(Shared)))
+    return fail("cannot write");
   if (::link(tmp.c_str(), path.c_str()) != 0) {
     const int e = errno;
     ::unlink(tmp.c_str());
@@ -563,7 +628,7 @@ Result<std::unique_ptr<Ledger>> Ledger::attach(const AttachOptions& o) {
       ::close(fd);
       return st;
     }
-    Shared* s = map(fd, true);
+    Shared* s = map(fd);
     if (!s) {
       const int e = errno;
       ::close(fd);
@@ -592,7 +657,8 @@ Result<std::unique_ptr<Ledger>> Ledger::attach(const AttachOptions& o) {
         return Status(ErrorCode::io_error, "cannot join the shared budget " + o.name + ": the lock of its ledger " +
                                                path + " was not obtained: " + lock.why());
       }
-      if (s->retired.load(std::memory_order_acquire)) {
+      const Shared& t = lock.table();
+      if (t.retired.load(std::memory_order_relaxed)) {
         // Its last holder removed it after we opened it: open (or create) the one in place now.
         // Unlocked before the unmap (unlocking writes the locker word in the mapping).
         lock.unlock();
@@ -600,10 +666,10 @@ Result<std::unique_ptr<Ledger>> Ledger::attach(const AttachOptions& o) {
         ::munmap(s, sizeof(Shared));
         continue;
       }
-      reclaim(*s, self, self_start);
+      reclaim(lock, self, self_start);
       std::uint32_t slot = kMaxHolders;
       for (std::uint32_t i = 0; i < kMaxHolders; ++i)
-        if (!s->slots[i].occupied.load(std::memory_order_relaxed)) {
+        if (!t.slots[i].occupied.load(std::memory_order_relaxed)) {
           slot = i;
           break;
         }
@@ -615,19 +681,19 @@ Result<std::unique_ptr<Ledger>> Ledger::attach(const AttachOptions& o) {
                       "the shared budget " + o.name + " has " + std::to_string(kMaxHolders) +
                           " holders already (the most a ledger keeps); use another budget name");
       }
-      Slot& sl = s->slots[slot];
-      sl.ask.store(0, std::memory_order_relaxed);
-      sl.pid.store(self, std::memory_order_relaxed);
-      sl.start_time.store(self_start, std::memory_order_relaxed);
-      sl.priority.store(o.priority, std::memory_order_relaxed);
-      sl.bytes.store(0, std::memory_order_relaxed);
-      sl.last_use.store(0, std::memory_order_relaxed);
-      sl.floor_mib.store(0, std::memory_order_relaxed);
-      sl.occupied.store(1, std::memory_order_release);
+      const Slot& sl = t.slots[slot];
+      lock.put(sl.ask, std::uint32_t{0});
+      lock.put(sl.pid, std::int32_t{self});
+      lock.put(sl.start_time, self_start);
+      lock.put(sl.priority, std::int32_t{o.priority});
+      lock.put(sl.bytes, std::uint64_t{0});
+      lock.put(sl.last_use, std::int64_t{0});
+      lock.put(sl.floor_mib, std::uint32_t{0});
+      lock.put(sl.occupied, std::uint32_t{1});  // last: the slot is whole when it counts
       l->slot_ = slot;
       l->self_start_ = self_start;
-      l->budget_ = s->budget;
-      if (s->budget != o.budget) l->requested_budget_ = o.budget;
+      l->budget_ = t.budget;
+      if (t.budget != o.budget) l->requested_budget_ = o.budget;
     }
     return l;
   }
@@ -657,29 +723,39 @@ bool Ledger::mine() const { return ::getpid() == owner_pid_; }
 // (under the lock, so that an opener waiting for it sees `retired`).
 void Ledger::leave() {
   if (broken_.load(std::memory_order_acquire)) return;  // nothing of a corrupt ledger is touched
-  Shared* s = shm_;
   const int self = ::getpid();
   // Bounded: a lock stopped elsewhere costs this process its exit time, at most this long. Not
   // obtained, our slot is still ours to clear; reclaiming the dead and retiring wait for the next.
-  Lock lock(fd_, local_, s, kLeaveLockWait, /*cancellable=*/true);
-  if (lock.corrupt() || (!lock.ok() && !covers_mapping()) || (lock.ok() && !own_slot_sound())) {
+  Lock lock(fd_, local_, shm_, kLeaveLockWait, /*cancellable=*/true);
+  if (lock.corrupt() || (!lock.ok() && !covers_mapping()) || (lock.ok() && !own_slot_sound(lock.table()))) {
     broken_.store(true, std::memory_order_release);
     return;
   }
-  Slot& sl = s->slots[slot_];
-  sl.bytes.store(0, std::memory_order_relaxed);
-  sl.ask.store(0, std::memory_order_relaxed);
-  sl.occupied.store(0, std::memory_order_release);
-  if (lock.ok()) {
-    reclaim(*s, self, self_start_);
-    bool anyone = false;
-    for (const Slot& o : s->slots) anyone = anyone || o.occupied.load(std::memory_order_relaxed) != 0;
-    if (!anyone) {
-      s->retired.store(1, std::memory_order_release);
-      if (path_is_ours(fd_, path_)) ::unlink(path_.c_str());
-    }
+  if (!lock.ok()) {  // our own words (no copy was read); the next locker sees the slot free
+    put_own(offsetof(Slot, bytes), std::uint64_t{0});
+    put_own(offsetof(Slot, ask), std::uint32_t{0});
+    put_own(offsetof(Slot, occupied), std::uint32_t{0});
+    futex_wake(shm_->generation, INT32_MAX);
+    return;
   }
-  bump(*s);
+  const Shared& t = lock.table();
+  const Slot& sl = t.slots[slot_];
+  lock.put(sl.bytes, std::uint64_t{0});
+  lock.put(sl.ask, std::uint32_t{0});
+  lock.put(sl.occupied, std::uint32_t{0});
+  reclaim(lock, self, self_start_);
+  bool anyone = false;
+  for (const Slot& o : t.slots) anyone = anyone || o.occupied.load(std::memory_order_relaxed) != 0;
+  if (!anyone) {
+    lock.put(t.retired, std::uint32_t{1});
+    if (path_is_ours(fd_, path_)) ::unlink(path_.c_str());
+  }
+  bump(lock);
+}
+
+template <typename T>
+void Ledger::put_own(std::size_t field, T value) const {
+  (void)write_word(fd_, shm_, static_cast<std::size_t>(own_offset(field)), &value, sizeof value);
 }
 
 bool Ledger::covers_mapping() const {
@@ -687,9 +763,9 @@ bool Ledger::covers_mapping() const {
   return ::fstat(fd_, &st) == 0 && st.st_size == static_cast<off_t>(sizeof(Shared));
 }
 
-// Under the lock: our slot still names us and what we hold (only we write it).
-bool Ledger::own_slot_sound() const {
-  const Slot& sl = shm_->slots[slot_];
+// Under the lock (`t` is its copy): our slot still names us and what we hold (only we write it).
+bool Ledger::own_slot_sound(const Shared& t) const {
+  const Slot& sl = t.slots[slot_];
   return sl.occupied.load(std::memory_order_relaxed) == 1 && sl.pid.load(std::memory_order_relaxed) == owner_pid_ &&
          sl.start_time.load(std::memory_order_relaxed) == self_start_ &&
          sl.bytes.load(std::memory_order_relaxed) == held_.load(std::memory_order_relaxed);
@@ -755,25 +831,45 @@ Ledger::~Ledger() {
   ::close(fd_);
 }
 
-void Ledger::tell_listener_to_stop() {
-  stopping_.store(true, std::memory_order_release);
-  stop_word_.store(1, std::memory_order_release);
-  futex_wake(stop_word_, 1);  // a listener that found the ledger corrupt sleeps here
-  // One that sleeps on its ask word is woken there. If another process truncated the file, that
-  // word's page is gone (a store to it would fault): give the file its size back first (zero
-  // pages, which the corrupt check refuses from now on) so that the word exists again.
-  if (!covers_mapping() && ::ftruncate(fd_, sizeof(Shared)) != 0) return;  // (the thread is detached then)
-  Slot& mine = shm_->slots[slot_];
-  mine.ask.store(kStopWord, std::memory_order_release);
-  futex_wake(mine.ask, 1);
+// Tells the listener to stop and waits until it has, without a store into the ledger: a wake
+// needs none (the kernel wakes whoever sleeps on the word's key, whatever the word holds). The
+// listener may be between its look at `stopping` and its wait, so it is woken again until it says
+// it is done. Returns false (the thread is detached, not joined) only when it sleeps on its ask
+// word and that word's page is gone (another member truncated the file: the wake fails with
+// EFAULT): nothing can wake it then, and once woken (if the file regains its size and someone
+// wakes the word) it looks at its own ListenerState first and returns without touching this object.
+bool Ledger::tell_listener_to_stop() {
+  ListenerState& st = *listener_state_;
+  st.stopping.store(true, std::memory_order_release);
+  st.stop_word.store(1, std::memory_order_release);
+  futex_wake(st.stop_word, 1);         // a listener that found the ledger corrupt sleeps there
+  auto& ask = shm_->slots[slot_].ask;  // its address only
+  int gone = 0;
+  while (st.done.load(std::memory_order_acquire) == 0) {
+    const bool faulted = futex_wake(ask, INT32_MAX) < 0 && errno == EFAULT;
+    gone = faulted && st.on_ask_word.load(std::memory_order_acquire) ? gone + 1 : 0;
+    if (gone >= kStopWakeTries) return false;
+    const timespec ms{0, 1'000'000};
+    futex_wait(st.done, 0, &ms);
+  }
+  return true;
+}
+
+void Ledger::end_listener() {
+  if (!listener_.joinable()) return;
+  if (listener_.get_id() == std::this_thread::get_id()) {  // exit() from on_asked_: it returns after it
+    listener_state_->stopping.store(true, std::memory_order_release);
+    return;
+  }
+  if (tell_listener_to_stop()) listener_.join();
+  else listener_.detach();
 }
 
 void Ledger::detach_at_exit() {
   if (!shm_ || detached_ || held_.load() != 0 || !mine()) return;
-  tell_listener_to_stop();
-  // The listener returns at once now: join it, so that nothing of ours runs past exit (and no
+  // The listener returns at once now: joined, so that nothing of ours runs past exit (and no
   // thread is left unjoined for a sanitizer to report).
-  if (listener_.joinable() && listener_.get_id() != std::this_thread::get_id()) listener_.join();
+  end_listener();
   detached_ = true;
   leave();
 }
@@ -782,15 +878,17 @@ std::uint64_t Ledger::budget() const { return budget_; }
 
 namespace {
 // Writes an ask into holder `i`'s word and wakes its listener (under the lock). Returns its id.
-std::uint32_t ask_holder(Shared& s, std::uint32_t i, int self, std::uint64_t self_start, std::int64_t deadline) {
-  Slot& v = s.slots[i];
-  std::uint32_t id = s.ask_serial.fetch_add(1, std::memory_order_relaxed) + 1;
-  if (id == 0 || id == kStopWord) id = s.ask_serial.fetch_add(2, std::memory_order_relaxed) + 2;
-  v.asker_pid.store(self, std::memory_order_relaxed);
-  v.asker_start.store(self_start, std::memory_order_relaxed);
-  v.ask_deadline.store(deadline, std::memory_order_relaxed);
-  v.ask.store(id, std::memory_order_release);
-  futex_wake(v.ask, 1);
+std::uint32_t ask_holder(Lock& lock, std::uint32_t i, int self, std::uint64_t self_start, std::int64_t deadline) {
+  const Shared& s = lock.table();
+  const Slot& v = s.slots[i];
+  std::uint32_t id = s.ask_serial.load(std::memory_order_relaxed) + 1;
+  if (id == 0 || id == kStopWord) id = 1;  // 0 means "nothing asked"
+  lock.put(s.ask_serial, id);
+  lock.put(v.asker_pid, std::int32_t{self});
+  lock.put(v.asker_start, self_start);
+  lock.put(v.ask_deadline, deadline);
+  lock.put(v.ask, id);  // last: the listener reads the rest under the lock once woken
+  futex_wake(lock.mapped(v.ask), 1);
   return id;
 }
 }  // namespace
@@ -798,9 +896,12 @@ std::uint32_t ask_holder(Shared& s, std::uint32_t i, int self, std::uint64_t sel
 void Ledger::publish_last_use(void* ledger, std::int64_t last_use) noexcept {
   auto* l = static_cast<Ledger*>(ledger);
   if (!l->shm_ || l->detached_ || l->broken_.load(std::memory_order_relaxed) || !l->mine()) return;
-  const off_t at = static_cast<off_t>(offsetof(Shared, slots) + l->slot_ * sizeof(Slot) + offsetof(Slot, last_use));
   // Failing (a file cut short or gone) costs nothing but the idle time others see.
-  if (::pwrite(l->fd_, &last_use, sizeof last_use, at) != static_cast<ssize_t>(sizeof last_use)) return;
+  l->put_own(offsetof(Slot, last_use), last_use);
+}
+
+off_t Ledger::own_offset(std::size_t field) const {
+  return static_cast<off_t>(offsetof(Shared, slots) + slot_ * sizeof(Slot) + field);
 }
 
 // Asks the other holders, one at a time, until `done` (run under the lock, on a sound ledger)
@@ -809,7 +910,7 @@ void Ledger::publish_last_use(void* ledger, std::int64_t last_use) noexcept {
 // One inside a call declines (its answer clears the word at once) and the next is asked. The asks
 // still in their holders' words are withdrawn before it returns. Returns 1 when done said so, 0
 // when not, -1 when the ledger could not be used (problem() says why).
-int Ledger::ask_until(const std::function<bool(Shared&)>& done, std::int64_t now, Nanos wait, Nanos min_idle) {
+int Ledger::ask_until(const std::function<bool(Lock&)>& done, std::int64_t now, Nanos wait, Nanos min_idle) {
   if (detached_ || !mine()) return -1;
   if (broken_.load(std::memory_order_acquire)) {
     if (problem().empty())
@@ -817,14 +918,13 @@ int Ledger::ask_until(const std::function<bool(Shared&)>& done, std::int64_t now
     return -1;
   }
   if (removed_.load(std::memory_order_acquire)) return -1;  // problem() says so still
-  Shared& s = *shm_;
   const int self = ::getpid();
   const std::uint64_t self_start = self_start_;
   // Whether a lock just taken may be used; else problem() says why and nothing is granted.
   auto usable = [&](const Lock& lock) {
     if (lock.corrupt()) return corrupt(lock.why()), false;
     if (!lock.ok()) return lock_not_obtained(lock.why()), false;
-    if (!own_slot_sound())
+    if (!own_slot_sound(lock.table()))
       return corrupt("the slot of this process (" + std::to_string(slot_) + ") was overwritten"), false;
     if (!path_is_ours(fd_, path_)) return removed(), false;
     set_problem({});
@@ -837,10 +937,10 @@ int Ledger::ask_until(const std::function<bool(Shared&)>& done, std::int64_t now
   };
   std::vector<Asked> asked;
   // Under the lock: the asks still in their holders' words are withdrawn (this wait is over).
-  auto withdraw = [&] {
+  auto withdraw = [&](Lock& lock) {
     for (const Asked& a : asked) {
-      std::uint32_t expected = a.id;
-      s.slots[a.slot].ask.compare_exchange_strong(expected, 0, std::memory_order_acq_rel);
+      const Slot& sl = lock.table().slots[a.slot];
+      if (sl.ask.load(std::memory_order_relaxed) == a.id) lock.put(sl.ask, std::uint32_t{0});
     }
     asked.clear();
   };
@@ -850,15 +950,16 @@ int Ledger::ask_until(const std::function<bool(Shared&)>& done, std::int64_t now
     {
       Lock lock(fd_, local_, shm_, kUseLockWait);
       if (!usable(lock)) return -1;  // the asks expire at their deadline
-      reclaim(s, self, self_start);
-      if (done(s)) {
-        withdraw();
+      reclaim(lock, self, self_start);
+      if (done(lock)) {
+        withdraw(lock);
         return 1;
       }
       if (!first && (wait.count() <= 0 || monotonic_ns() >= deadline)) {
-        withdraw();
+        withdraw(lock);
         return 0;
       }
+      const Shared& s = lock.table();
       for (const Asked& a : asked)
         if (s.slots[a.slot].ask.load(std::memory_order_relaxed) == a.id) outstanding = true;
       if (!outstanding && wait.count() > 0) {
@@ -882,46 +983,47 @@ int Ledger::ask_until(const std::function<bool(Shared&)>& done, std::int64_t now
             best = i;
         }
         if (best != kMaxHolders) {
-          asked.push_back({best, ask_holder(s, best, self, self_start, deadline)});
+          asked.push_back({best, ask_holder(lock, best, self, self_start, deadline)});
           asks_sent_.fetch_add(1, std::memory_order_relaxed);
           asked_now = true;
         }
       }
       if (!outstanding && !asked_now) {  // nobody left to ask
-        withdraw();
+        withdraw(lock);
         return 0;
       }
-      gen = s.generation.load(std::memory_order_acquire);
+      gen = s.generation.load(std::memory_order_relaxed);
     }
     // In slices, so that cancel_shared_budget_waits() (a signal to the process) ends it soon.
     const std::int64_t left = std::min<std::int64_t>(deadline - monotonic_ns(), kCancelPoll.count());
     if (g_joins_cancelled.load(std::memory_order_acquire)) wait = Nanos(0);  // the next pass is the last
     if (left > 0 && wait.count() > 0) {
       const timespec ts{static_cast<time_t>(left / 1'000'000'000), static_cast<long>(left % 1'000'000'000)};
-      futex_wait(s.generation, gen, &ts);
+      futex_wait(shm_->generation, gen, &ts);  // the kernel compares: nothing of the mapping is loaded
     }
   }
 }
 
 std::uint64_t Ledger::acquire(std::uint64_t bytes, std::int64_t now, Nanos wait, bool partial, Nanos min_idle) {
   if (bytes == 0) return 0;
-  Slot& mine = shm_->slots[slot_];
   std::uint64_t got = 0;
-  auto take = [&](std::uint64_t n) {
-    mine.bytes.store(mine.bytes.load(std::memory_order_relaxed) + n, std::memory_order_relaxed);
+  auto take = [&](Lock& lock, std::uint64_t n) {
+    const Slot& mine = lock.table().slots[slot_];
+    lock.put(mine.bytes, mine.bytes.load(std::memory_order_relaxed) + n);
     held_.fetch_add(n, std::memory_order_relaxed);
     got = n;
   };
   // The whole of it once it fits; what is free if `partial`, without a wait or after it.
-  auto fit = [&](Shared& s, bool final) {
+  auto fit = [&](Lock& lock, bool final) {
+    const Shared& s = lock.table();
     const std::uint64_t used = used_bytes(s), free = used < s.budget ? s.budget - used : 0;
-    if (free >= bytes) return take(bytes), true;
-    if (final && partial && free > 0) return take(free), true;
+    if (free >= bytes) return take(lock, bytes), true;
+    if (final && partial && free > 0) return take(lock, free), true;
     return false;
   };
-  const int r = ask_until([&](Shared& s) { return fit(s, wait.count() <= 0); }, now, wait, min_idle);
+  const int r = ask_until([&](Lock& lock) { return fit(lock, wait.count() <= 0); }, now, wait, min_idle);
   if (r != 0 || wait.count() <= 0) return got;
-  return ask_until([&](Shared& s) { return fit(s, true); }, now, Nanos(0), min_idle) > 0 ? got : 0;
+  return ask_until([&](Lock& lock) { return fit(lock, true); }, now, Nanos(0), min_idle) > 0 ? got : 0;
 }
 
 std::uint64_t Ledger::ask_to_free(std::uint64_t bytes, std::int64_t now, Nanos wait, Nanos min_idle, bool* asked) {
@@ -937,10 +1039,10 @@ std::uint64_t Ledger::ask_to_free(std::uint64_t bytes, std::int64_t now, Nanos w
   if (bytes == 0 || !shm_) return 0;
   std::uint64_t others_before = 0, others_now = 0;
   bool measured = false;
-  auto others = [&](Shared& s) { return used_bytes(s) - s.slots[slot_].bytes.load(std::memory_order_relaxed); };
+  auto others = [&](const Shared& s) { return used_bytes(s) - s.slots[slot_].bytes.load(std::memory_order_relaxed); };
   (void)ask_until(
-      [&](Shared& s) {
-        others_now = others(s);
+      [&](Lock& lock) {
+        others_now = others(lock.table());
         if (!measured) {
           measured = true;
           others_before = others_now;
@@ -953,16 +1055,16 @@ std::uint64_t Ledger::ask_to_free(std::uint64_t bytes, std::int64_t now, Nanos w
 
 std::uint64_t Ledger::take_over_budget(std::uint64_t bytes) {
   if (bytes == 0 || detached_ || !mine() || !usable()) return 0;
-  Shared& s = *shm_;
   Lock lock(fd_, local_, shm_, kUseLockWait);
   if (lock.corrupt()) return corrupt(lock.why());
   if (!lock.ok()) return lock_not_obtained(lock.why());
-  if (!own_slot_sound()) return corrupt("the slot of this process (" + std::to_string(slot_) + ") was overwritten");
+  if (!own_slot_sound(lock.table()))
+    return corrupt("the slot of this process (" + std::to_string(slot_) + ") was overwritten");
   if (!path_is_ours(fd_, path_)) return removed();
   set_problem({});
-  reclaim(s, ::getpid(), self_start_);
-  Slot& mine = s.slots[slot_];
-  mine.bytes.store(mine.bytes.load(std::memory_order_relaxed) + bytes, std::memory_order_relaxed);
+  reclaim(lock, ::getpid(), self_start_);
+  const Slot& mine = lock.table().slots[slot_];
+  lock.put(mine.bytes, mine.bytes.load(std::memory_order_relaxed) + bytes);
   held_.fetch_add(bytes, std::memory_order_relaxed);
   return bytes;
 }
@@ -970,7 +1072,7 @@ std::uint64_t Ledger::take_over_budget(std::uint64_t bytes) {
 std::uint64_t Ledger::over_budget() const {
   if (!shm_ || detached_ || !mine() || broken_.load(std::memory_order_acquire) || removed_.load(std::memory_order_acquire))
     return 0;
-  // A copy, as `residency stat` reads it: a few kB, no lock, nothing of the mapping touched.
+  // A copy, as `residency stat` reads it: a few kB, no lock.
   Shared copy;  // on the stack: read at every end of a device holder's call, no allocation
   if (::pread(fd_, static_cast<void*>(&copy), sizeof(Shared), 0) != static_cast<ssize_t>(sizeof(Shared)) ||
       !check_table(copy).empty())
@@ -981,14 +1083,14 @@ std::uint64_t Ledger::over_budget() const {
 
 bool Ledger::repay_turn() {
   if (!shm_ || detached_ || !mine() || !usable()) return false;
-  Shared& s = *shm_;
   Lock lock(fd_, local_, shm_, kUseLockWait);
   if (lock.corrupt()) return corrupt(lock.why()), false;
   if (!lock.ok()) return false;  // the next end of a call looks again
-  if (!own_slot_sound())
+  if (!own_slot_sound(lock.table()))
     return corrupt("the slot of this process (" + std::to_string(slot_) + ") was overwritten"), false;
   const int self = ::getpid();
-  reclaim(s, self, self_start_);
+  reclaim(lock, self, self_start_);
+  const Shared& s = lock.table();
   if (used_bytes(s) <= s.budget) return false;
   std::uint32_t turn = kMaxHolders;
   for (std::uint32_t i = 0; i < kMaxHolders; ++i) {
@@ -1005,7 +1107,7 @@ bool Ledger::repay_turn() {
   }
   if (turn == slot_) return true;
   if (turn != kMaxHolders && s.slots[turn].ask.load(std::memory_order_relaxed) == 0) {
-    (void)ask_holder(s, turn, self, self_start_, monotonic_ns() + kAskWait.count());
+    (void)ask_holder(lock, turn, self, self_start_, monotonic_ns() + kAskWait.count());
     asks_sent_.fetch_add(1, std::memory_order_relaxed);
   }
   return false;
@@ -1015,8 +1117,8 @@ void Ledger::set_floor(std::uint64_t bytes) {
   if (!shm_ || detached_ || !mine() || !usable()) return;
   const auto mib = static_cast<std::uint32_t>(std::min<std::uint64_t>(bytes >> 20, UINT32_MAX));
   Lock lock(fd_, local_, shm_, kUseLockWait);
-  if (lock.corrupt() || !lock.ok() || !own_slot_sound()) return;  // a hint: the next change writes it
-  shm_->slots[slot_].floor_mib.store(mib, std::memory_order_relaxed);
+  if (lock.corrupt() || !lock.ok() || !own_slot_sound(lock.table())) return;  // a hint: the next change writes it
+  lock.put(lock.table().slots[slot_].floor_mib, mib);
 }
 
 void Ledger::release(std::uint64_t bytes) {
@@ -1026,19 +1128,24 @@ void Ledger::release(std::uint64_t bytes) {
     held_.fetch_sub(bytes, std::memory_order_relaxed);
     return;
   }
-  Slot& mine = shm_->slots[slot_];
   {
     // Even if the lock could not be taken, our own slot is ours to write (once the file is known
     // to cover it).
     Lock lock(fd_, local_, shm_, kUseLockWait);
-    if (lock.corrupt() || (!lock.ok() && !covers_mapping()) || (lock.ok() && !own_slot_sound())) {
+    if (lock.corrupt() || (!lock.ok() && !covers_mapping()) || (lock.ok() && !own_slot_sound(lock.table()))) {
       broken_.store(true, std::memory_order_release);
       held_.fetch_sub(bytes, std::memory_order_relaxed);
       return;
     }
-    mine.bytes.store(held_.load(std::memory_order_relaxed) - bytes, std::memory_order_relaxed);
+    const std::uint64_t left = held_.load(std::memory_order_relaxed) - bytes;
+    if (lock.ok()) {
+      lock.put(lock.table().slots[slot_].bytes, left);
+      held_.fetch_sub(bytes, std::memory_order_relaxed);
+      bump(lock);
+      return;
+    }
+    put_own(offsetof(Slot, bytes), left);
     held_.fetch_sub(bytes, std::memory_order_relaxed);
-    shm_->generation.fetch_add(1, std::memory_order_release);
   }
   futex_wake(shm_->generation, INT32_MAX);
 }
@@ -1046,7 +1153,11 @@ void Ledger::release(std::uint64_t bytes) {
 void Ledger::listen(OnAsked on_asked) {
   if (listener_.joinable() || !shm_) return;
   on_asked_ = std::move(on_asked);
-  listener_ = std::thread([this] { listen_loop(); });
+  listener_ = std::thread([this, st = listener_state_] {
+    listen_loop(*st);
+    st->done.store(1, std::memory_order_release);
+    futex_wake(st->done, 1);
+  });
 }
 
 void Ledger::stop_listening() {
@@ -1055,62 +1166,76 @@ void Ledger::stop_listening() {
     listener_.detach();
     return;
   }
-  if (detached_) {  // told to stop at exit already; the slot is not ours to write
-    listener_.join();
-    return;
-  }
-  tell_listener_to_stop();
-  listener_.join();
+  end_listener();
 }
 
-void Ledger::listen_loop() {
+void Ledger::listen_loop(ListenerState& st) {
   // Signals go to the process's other threads: this one only ever wakes when asked.
   sigset_t all;
   sigfillset(&all);
   ::pthread_sigmask(SIG_BLOCK, &all, nullptr);
   ::pthread_setname_np(::pthread_self(), "residency-ask");
-  Slot& mine = shm_->slots[slot_];
+  auto& ask = shm_->slots[slot_].ask;  // its address, for the kernel's compare; never loaded here
+  // The ask this thread saw last and could not clear (the lock was not obtained): it sleeps while
+  // the word still holds it, so that an ask it could not answer does not spin it; the asker
+  // withdraws it, or the next asker writes its own and wakes it.
+  std::uint32_t seen = 0;
   for (;;) {
-    if (stopping_.load(std::memory_order_acquire)) return;
+    if (st.stopping.load(std::memory_order_acquire)) return;
     if (broken_.load(std::memory_order_acquire)) {  // the ledger is not touched again: wait to be stopped
-      futex_wait(stop_word_, 0, nullptr);
+      futex_wait(st.stop_word, 0, nullptr);
       continue;
     }
-    // The kernel compares the word with 0: nothing of the mapping is read outside the lock.
-    if (futex_wait(mine.ask, 0, nullptr) != 0 && errno == EFAULT) {
+    st.on_ask_word.store(true, std::memory_order_release);
+    const long w = futex_wait(ask, seen, nullptr);
+    const int e = errno;
+    st.on_ask_word.store(false, std::memory_order_release);
+    // Before anything of this object: a thread detached while it slept here (end_listener) returns.
+    if (st.stopping.load(std::memory_order_acquire)) return;
+    if (w != 0 && e == EFAULT) {
       broken_.store(true, std::memory_order_release);  // truncated under us
       continue;
     }
-    if (stopping_.load(std::memory_order_acquire)) return;
     // Answered only if it is still a live ask: the word unchanged, the asker alive, its wait not
     // over. Checked under the lock; without the lock it cannot be checked and is declined.
     std::uint32_t v = 0;
     int asker = 0;
     {
       Lock lock(fd_, local_, shm_, kAnswerLockWait);
-      if (lock.corrupt() || (!lock.ok() && !covers_mapping()) || (lock.ok() && !own_slot_sound())) {
+      if (lock.corrupt() || (!lock.ok() && !covers_mapping()) || (lock.ok() && !own_slot_sound(lock.table()))) {
         broken_.store(true, std::memory_order_release);
         continue;
       }
-      v = mine.ask.load(std::memory_order_acquire);
-      if (v == 0 || v == kStopWord) continue;  // spurious, or told to stop (stopping_ is set)
+      if (!lock.ok()) {  // cannot be read: wait for the next wake, unless the word is still 0
+        std::uint32_t now = 0;
+        seen = ::pread(fd_, &now, sizeof now, own_offset(offsetof(Slot, ask))) == static_cast<ssize_t>(sizeof now) ? now
+                                                                                                                   : 0;
+        continue;
+      }
+      const Slot& mine = lock.table().slots[slot_];
+      v = mine.ask.load(std::memory_order_relaxed);
+      seen = 0;
+      if (v == 0) continue;  // spurious, or withdrawn
       const int pid = mine.asker_pid.load(std::memory_order_relaxed);
-      if (lock.ok() && monotonic_ns() < mine.ask_deadline.load(std::memory_order_relaxed) &&
+      if (monotonic_ns() < mine.ask_deadline.load(std::memory_order_relaxed) &&
           holder_alive(pid, mine.asker_start.load(std::memory_order_relaxed)))
         asker = pid;
     }
     if (asker != 0 && on_asked_) on_asked_(asker);
     {
-      Lock lock(fd_, local_, shm_, kAnswerLockWait);  // not obtained: our own word is still ours to clear
+      Lock lock(fd_, local_, shm_, kAnswerLockWait);
       if (lock.corrupt() || (!lock.ok() && !covers_mapping())) {
         broken_.store(true, std::memory_order_release);
         continue;
       }
-      std::uint32_t expected = v;
-      mine.ask.compare_exchange_strong(expected, 0, std::memory_order_acq_rel);  // kStopWord stays
-      shm_->generation.fetch_add(1, std::memory_order_release);
+      if (!lock.ok()) {  // not cleared: the asker withdraws it; meanwhile this thread sleeps while it stays
+        seen = v;
+        continue;
+      }
+      const Shared& t = lock.table();
+      if (t.slots[slot_].ask.load(std::memory_order_relaxed) == v) lock.put(t.slots[slot_].ask, std::uint32_t{0});
+      bump(lock);
     }
-    futex_wake(shm_->generation, INT32_MAX);
   }
 }
 
@@ -1186,7 +1311,7 @@ std::vector<SharedBudgetInfo> list_shared_budgets() {
       if (lu > 0) h.idle = Nanos(std::max<std::int64_t>(0, now - lu));
       h.alive = holder_alive(h.pid, sl.start_time.load(std::memory_order_relaxed));
       const std::uint32_t ask = sl.ask.load(std::memory_order_relaxed);
-      h.asked = ask != 0 && ask != 0xffffffffu;
+      h.asked = ask != 0 && ask != kStopWord;
       info.used += h.bytes;
       info.holders.push_back(h);
     }

@@ -15,17 +15,22 @@
 
 #include <atomic>
 #include <chrono>
+#include <cstddef>
 #include <cstdint>
 #include <functional>
 #include <memory>
 #include <string>
 #include <thread>
 
+#include <sys/types.h>
+
 #include "platform/thread_annotations.hpp"
 #include "residency/shared_budget.hpp"
 #include "residency/status.hpp"
 
 namespace residency::ledger {
+
+class Lock;  // the ledger's lock and its copy of the table (ledger.cpp)
 
 // Holders per ledger: a machine runs a handful of inference servers, each with a few models; 64
 // is far above that and keeps the ledger in 5 pages.
@@ -90,14 +95,15 @@ struct AttachOptions {
 //
 // Trust: everyone who may write the file (its user; with a group, the group's members) may deny
 // the others budget, never corrupt their processes. Nothing in the shared bytes is a lock or a
-// pointer; under the lock the file's size is checked before the mapping is touched (a truncated
-// file would fault) and every field is validated before use (header, slots, pids, the sum of the
-// reservations, this holder's own slot). A ledger that fails is an error with a message ("ledger
-// PATH is corrupt: ..."); its holders keep what they have wired, wire nothing more under it, and
-// never touch it again. Outside the lock nothing is loaded or stored through the mapping: the
-// listener waits with the kernel comparing its word, and touch() publishes the last use with
-// pwrite(). What remains is a truncation in the microseconds between the size check and an access
-// under the lock (the kernel offers no way to pin a tmpfs file's size).
+// pointer, and no instruction of this process loads or stores through the mapping: under the lock
+// the ledger is read whole with pread() into a copy (a short read: corrupt) and validated before
+// use (size, header, slots, pids, the sum of the reservations, this holder's own slot), and each
+// change is one word written by the kernel (process_vm_writev into the mapping: EFAULT, never
+// SIGBUS, when another member truncated the file, and the file's size never changes). The mapping
+// serves the futex words, which the kernel compares and wakes (EFAULT again). A ledger that fails
+// is an error with a message ("ledger PATH is corrupt: ..."); its holders keep what they have
+// wired, wire nothing more under it, and never write or resize it again (their listener is
+// stopped by a wake alone, no store; docs/design-notes.md).
 //
 // Ownership: created 0600 for its user, or 0660 for a named group, under a temporary name and
 // link()ed into place, so nobody ever opens a half-written ledger. Opening checks owner, mode,
@@ -188,8 +194,9 @@ class Ledger {
 
   // Records this holder's time of last use (CLOCK_MONOTONIC nanoseconds) in its slot, so that
   // askers and `residency stat` read real idle times; called by the manager's touch() at most once
-  // per coarse clock tick. A pwrite() of the word, not a store through the mapping: the hot path
-  // takes no lock, and a store into a file another process truncated would fault (SIGBUS).
+  // per coarse clock tick. The word is written by the kernel (process_vm_writev), not stored
+  // through the mapping: the hot path takes no lock, and a store into a file another process
+  // truncated would fault (SIGBUS).
   static void publish_last_use(void* ledger, std::int64_t last_use) noexcept;
 
   std::uint64_t asks_sent() const { return asks_sent_.load(std::memory_order_relaxed); }
@@ -197,14 +204,27 @@ class Ledger {
   struct Shared;  // the layout in shared memory (ledger.cpp)
 
  private:
+  // What the listener thread and its stopper share. Owned by the thread too: a thread that could
+  // not be woken (its ask word's page is gone) is detached and, if it ever wakes, reads only this.
+  struct ListenerState {
+    std::atomic<bool> stopping{false};
+    std::atomic<std::uint32_t> stop_word{0};  // futex word (private): a listener of a broken ledger sleeps on it
+    std::atomic<std::uint32_t> done{0};       // futex word (private): 1 once the thread returned
+    std::atomic<bool> on_ask_word{false};     // it sleeps (or is about to) on its ask word
+  };
   Ledger() = default;
-  void listen_loop();
-  int ask_until(const std::function<bool(Shared&)>& done, std::int64_t now, std::chrono::nanoseconds wait,
+  void listen_loop(ListenerState& st);
+  int ask_until(const std::function<bool(Lock&)>& done, std::int64_t now, std::chrono::nanoseconds wait,
                 std::chrono::nanoseconds min_idle);
   void leave() RESIDENCY_EXCLUDES(local_);
-  void tell_listener_to_stop();
+  bool tell_listener_to_stop();
+  void end_listener();
   bool covers_mapping() const;
-  bool own_slot_sound() const;
+  bool own_slot_sound(const Shared& table) const;
+  // A word of our own slot (`field`: its offset in a Slot), written by write_word() without the lock.
+  template <typename T>
+  void put_own(std::size_t field, T value) const;
+  off_t own_offset(std::size_t field) const;
   std::uint64_t lock_not_obtained(const std::string& why);
   std::uint64_t corrupt(const std::string& what);
   std::uint64_t removed();
@@ -219,7 +239,7 @@ class Ledger {
   int priority_ = 0;
   OnAsked on_asked_;
   std::thread listener_;
-  std::atomic<bool> stopping_{false};
+  std::shared_ptr<ListenerState> listener_state_ = std::make_shared<ListenerState>();
   // Written by acquire(), which may run on two threads of the owner at once (one under the
   // manager's lock, one waiting for room without it).
   mutable Mutex problem_mu_;
@@ -229,7 +249,6 @@ class Ledger {
   std::atomic<bool> broken_{false};
   // The file at path_ is not ours any more (removed from outside): nothing more is taken under it.
   std::atomic<bool> removed_{false};
-  std::atomic<std::uint32_t> stop_word_{0};  // the listener of a broken ledger sleeps on it
   std::uint64_t self_start_ = 0, budget_ = 0;
   // The lock is an OFD lock on fd_, shared by this object's threads: they take this one first.
   Mutex local_;

@@ -1280,6 +1280,147 @@ TEST(SharedBudgetHostileMember, ALedgerTruncatedWhileTwoHoldersUseItIsAnErrorNev
                                                 "bytes long where its header says");
 }
 
+// Issue 42, item 5: holders in child processes (a Ledger each, with its listener) under a ledger
+// that another member (this test) damages. `leave` says how each child ends: 0 destroys its
+// Ledger (the destructor stops the listener, leaves), 1 calls detach_at_exit() as a preload's
+// exit hook does. Each child takes and gives back the lock in a loop until `stop` is written, and
+// exits 0 unless something killed it.
+class HolderChildren {
+ public:
+  HolderChildren(const std::string& name, int n) {
+    int ready[2];
+    if (::pipe(ready) != 0 || ::pipe(stop_) != 0) return;
+    std::fflush(stdout);
+    for (int c = 0; c < n; ++c) {
+      const pid_t pid = ::fork();
+      if (pid == 0) {
+        ::close(ready[0]);
+        ::close(stop_[1]);
+        auto l = ledger::Ledger::attach({name, 8 * MiB, "", 0});
+        const char r = l ? 'y' : 'n';
+        if (::write(ready[1], &r, 1) != 1 || !l) ::_exit(3);
+        (*l)->listen([](int) {});
+        ::fcntl(stop_[0], F_SETFL, O_NONBLOCK);
+        char b = 0;
+        while (::read(stop_[0], &b, 1) != 0)  // until the test closes its end
+          if ((*l)->acquire(MiB, now_ns(), 0ns, false) == MiB) (*l)->release(MiB);
+        if (c % 2 == 0) {
+          (*l).reset();
+        } else {
+          (*l)->detach_at_exit();
+        }
+        ::_exit(0);
+      }
+      pids_.push_back(pid);
+    }
+    ::close(ready[1]);
+    ::close(stop_[0]);
+    for (int c = 0; c < n; ++c) {
+      pollfd p{ready[0], POLLIN, 0};
+      char r = 0;
+      if (::poll(&p, 1, 10000) != 1 || ::read(ready[0], &r, 1) != 1 || r != 'y') return;
+    }
+    ::close(ready[0]);
+    ok_ = true;
+  }
+  ~HolderChildren() {
+    for (pid_t pid : pids_) {
+      ::kill(pid, SIGKILL);
+      ::waitpid(pid, nullptr, 0);
+    }
+  }
+  HolderChildren(const HolderChildren&) = delete;
+  HolderChildren& operator=(const HolderChildren&) = delete;
+  bool ok() const { return ok_; }
+  // Tells every child to end, and returns how each ended ("exit 0", "killed by Bus error", ...):
+  // within 10 s each, else "still running".
+  std::vector<std::string> end() {
+    if (stop_[1] >= 0) ::close(stop_[1]);
+    stop_[1] = -1;
+    std::vector<std::string> out;
+    for (pid_t& pid : pids_) {
+      int st = 0;
+      pid_t w = 0;
+      for (int i = 0; i < 1000 && (w = ::waitpid(pid, &st, WNOHANG)) == 0; ++i) std::this_thread::sleep_for(10ms);
+      if (w != pid) {
+        out.push_back("still running");
+        continue;
+      }
+      pid = -1;
+      out.push_back(WIFSIGNALED(st) ? "killed by " + std::string(strsignal(WTERMSIG(st)))
+                                    : "exit " + std::to_string(WEXITSTATUS(st)));
+    }
+    std::erase(pids_, -1);
+    return out;
+  }
+
+ private:
+  std::vector<pid_t> pids_;
+  int stop_[2] = {-1, -1};
+  bool ok_ = false;
+};
+
+// A group member loops "truncate the ledger, write its bytes back" while two holders use it and
+// then end, one through its destructor and one through detach_at_exit(). Before: SIGBUS in a
+// holder (a load or store through the mapping while the file was short: under the lock between
+// its size check and the access, and at exit in tell_listener_to_stop, which grew the file back
+// and stored into it). Now no access to the ledger goes through the mapping: both exit 0.
+TEST(SharedBudgetHostileMember, AMemberThatTruncatesAndRewritesInALoopKillsNoHolder) {
+  for (int round = 0; round < 8; ++round) {
+    SCOPED_TRACE("round " + std::to_string(round));
+    const std::string name = unique_name("truncate-loop");
+    const std::string path = ledger::ledger_path(name);
+    HolderChildren holders(name, 2);
+    ASSERT_TRUE(holders.ok());
+    const int fd = ::open(path.c_str(), O_RDWR);
+    ASSERT_GE(fd, 0);
+    std::vector<char> bytes(8192);
+    const ssize_t n = ::pread(fd, bytes.data(), bytes.size(), 0);
+    ASSERT_GT(n, 0);
+    std::atomic<bool> attacking{true};
+    std::thread attacker([&] {
+      while (attacking.load()) {
+        (void)!::ftruncate(fd, 0);
+        (void)!::pwrite(fd, bytes.data(), static_cast<std::size_t>(n), 0);
+      }
+    });
+    std::this_thread::sleep_for(150ms);
+    const std::vector<std::string> ended = holders.end();  // the holders leave while the file keeps changing size
+    attacking = false;
+    attacker.join();
+    ::close(fd);
+    ::unlink(path.c_str());
+    for (const std::string& e : ended) EXPECT_EQ(e, "exit 0") << "a holder under a hostile member";
+  }
+}
+
+// Once a holder found its ledger corrupt (here: truncated to 100 bytes), nothing of it writes or
+// resizes the file again, at its destructor or at exit either. Before: tell_listener_to_stop()
+// grew the file back to a ledger's size with ftruncate and stored into it.
+TEST(SharedBudgetHostileMember, ACorruptLedgerIsNeverResizedOrWrittenByItsHolders) {
+  const std::string name = unique_name("corrupt-untouched");
+  const std::string path = ledger::ledger_path(name);
+  HolderChildren holders(name, 2);
+  ASSERT_TRUE(holders.ok());
+  const int fd = ::open(path.c_str(), O_RDWR);
+  ASSERT_GE(fd, 0);
+  ASSERT_EQ(::ftruncate(fd, 100), 0);
+  std::vector<char> before(100);
+  ASSERT_EQ(::pread(fd, before.data(), before.size(), 0), 100);
+  std::this_thread::sleep_for(100ms);  // the holders' loops find it corrupt
+  const std::vector<std::string> ended = holders.end();
+  struct stat st {};
+  ASSERT_EQ(::fstat(fd, &st), 0);
+  std::vector<char> after(200);
+  const ssize_t n = ::pread(fd, after.data(), after.size(), 0);
+  ::close(fd);
+  ::unlink(path.c_str());
+  for (const std::string& e : ended) EXPECT_EQ(e, "exit 0");
+  EXPECT_EQ(st.st_size, 100) << "a holder resized the corrupt ledger";
+  ASSERT_EQ(n, 100);
+  EXPECT_TRUE(std::equal(before.begin(), before.end(), after.begin())) << "a holder wrote into the corrupt ledger";
+}
+
 TEST(SharedBudgetHostileMember, GarbageOverTheSlotsIsAnErrorWithAMessage) {
   a_damaged_ledger_costs_budget_never_a_process(
       [](int fd) {
