@@ -32,6 +32,10 @@ else()
                       "not ${RESIDENCY_LLAMA_COMMIT} (${RESIDENCY_LLAMA_TAG}) that scripts/llama-cpp builds")
     endif()
     message(STATUS "residency: llama.cpp ${LLAMA_VERSION} (commit ${LLAMA_BUILD_COMMIT}) at ${llama_DIR}")
+  elseif(RESIDENCY_LLAMA_DIR STREQUAL "")
+    # The README's -DRESIDENCY_LLAMA_DIR="$llama" with llama unset (scripts/llama-cpp failed, or
+    # another shell) once printed "not found at ," here.
+    set(RESIDENCY_LLAMA_REASON "llama.cpp not found: RESIDENCY_LLAMA_DIR is empty (was \"$llama\" unset?), run scripts/llama-cpp (then cmake again)")
   else()
     set(RESIDENCY_LLAMA_REASON "llama.cpp not found at ${RESIDENCY_LLAMA_DIR}, run scripts/llama-cpp (then cmake again)")
   endif()
