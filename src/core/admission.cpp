@@ -412,7 +412,8 @@ void Admission::short_by(std::uint64_t need, std::uint64_t bytes) {
        "shared budget " + shared_->name() + " (" + mib(shared_->budget()) + ") is full: " + mib(bytes) +
            " stays tracked but unwired (this process holds " + mib(ours) +
            " of it; no idle holder of priority <= " + std::to_string(shared_priority_) +
-           " could give back). It is wired at the next use after room appears; `residency stat` lists the holders");
+           " could give back). It is wired when this process wires again (a registration, or its first use after "
+           "a release), and asks again then; `residency stat` lists the holders");
   warned_shared_ = true;
 }
 

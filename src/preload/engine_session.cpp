@@ -555,11 +555,27 @@ void EngineSession::flush_locked(const char* why, bool model_loaded) noexcept {
       std::string line = "wired " + format_size(after.wired_bytes - std::min(after.wired_bytes, before.wired_bytes)) +
                          " in " + took_since(t0) + " (" + why + ")";
       if (after.pending_bytes > 0) {
+        // The limit that left it out, by the order admission applies them: the process's wired
+        // limit (RLIMIT_MEMLOCK when it is enforced and lower: no CAP_IPC_LOCK), then the shared
+        // budget. A server run as root under a full shared budget was once told "over the wired
+        // limit of 17.7 GiB (RLIMIT_MEMLOCK is 8 MiB)": neither applied.
+        const MemoryInfo mem = m->backend().memory_info();
+        const std::uint64_t wanted = after.admitted_bytes + after.pending_bytes;
+        const auto& shared = m->config().shared_budget;
+        const auto cause = [&]() -> std::string {
+          if (mem.hard_limit != 0 && wanted > mem.hard_limit && after.wired_limit >= mem.hard_limit)
+            return "over " + mem.hard_limit_name + ", " + format_size(mem.hard_limit) + " (no CAP_IPC_LOCK)";
+          if (wanted > after.wired_limit) return "over the wired limit of " + format_size(after.wired_limit);
+          if (after.pressure_cap != UINT64_MAX && wanted > after.pressure_cap)
+            return "over the wired limit, lowered to " + format_size(after.pressure_cap) + " by memory pressure";
+          if (after.shared_budget > 0 && shared)
+            return "the shared budget " + shared->name + " (" + format_size(after.shared_budget) +
+                   ") is full: this process holds " + format_size(after.shared_held) +
+                   " of it, other processes the rest (`residency stat` lists them)";
+          return "the backend refused it (its warning says why)";
+        };
         line += "; " + format_size(after.pending_bytes) + " of the " + format_size(after.tracked_bytes) +
-                " registered is not locked: over the wired limit of " + format_size(after.wired_limit);
-        rlimit lim{};
-        if (::getrlimit(RLIMIT_MEMLOCK, &lim) == 0 && lim.rlim_cur != RLIM_INFINITY)
-          line += " (RLIMIT_MEMLOCK is " + format_size(static_cast<std::uint64_t>(lim.rlim_cur)) + ")";
+                " registered is not locked: " + cause();
       }
       log_.info(line);
     }
