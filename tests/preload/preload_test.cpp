@@ -845,12 +845,12 @@ TEST_F(PreloadTest, AFullSharedBudgetIsNamedAsWhatLeftMemoryUnlocked) {
     rlimit rl{};
     ::getrlimit(RLIMIT_MEMLOCK, &rl);
     if (rl.rlim_cur != RLIM_INFINITY && rl.rlim_cur < model_bytes + 16 * kMiB)
-      GTEST_SKIP() << "RLIMIT_MEMLOCK is " << rl.rlim_cur / kMiB << " MiB; each program locks its " << model_bytes / kMiB
-                   << " MiB model (ulimit -l unlimited, or run as root)";
+      GTEST_SKIP() << "RLIMIT_MEMLOCK is " << rl.rlim_cur / kMiB << " MiB; each program locks its "
+                   << model_bytes / kMiB << " MiB model (ulimit -l unlimited, or run as root)";
   }
   const std::string name = "preload-full-" + std::to_string(::getpid());
-  std::vector<std::pair<std::string, std::string>> env = {
-      {"RESIDENCY_KEEP_ALIVE", "forever"}, {"RESIDENCY_SHARED_BUDGET", name + ":" + std::to_string(budget)}};
+  std::vector<std::pair<std::string, std::string>> env = {{"RESIDENCY_KEEP_ALIVE", "forever"},
+                                                          {"RESIDENCY_SHARED_BUDGET", name + ":" + std::to_string(budget)}};
   auto env_a = env;
   env_a.emplace_back("RESIDENCY_SHARED_PRIORITY", "1000");
   Child a(decode_loop(env_a, true), err_file("full-a"));
