@@ -549,9 +549,17 @@ RESIDENCY_PRELOAD_EXPORT void* mremap(void* old_addr, std::size_t old_size, std:
     return next(old_addr, old_size, new_size, flags, new_addr);
   };
   // A locked mapping moved or grown stays locked, and the kernel populates all of it: what the
-  // session held of it is let go of first.
+  // session held of it is let go of first. MREMAP_FIXED also replaces what was at new_address.
   if (!rp::program_call(__builtin_return_address(0))) return call();
-  return rp::around_take_back(old_addr, old_size, call);
+  void* r = rp::around_take_back(old_addr, old_size, call);
+  if (r != MAP_FAILED && (flags & MREMAP_FIXED) != 0)
+    if (rp::EngineSession* s = rp::started_session()) {
+      const auto b = reinterpret_cast<std::uintptr_t>(r);
+      const std::uintptr_t e = rp::page_end(b, new_size);
+      rp::ErrnoKeeper keep;
+      if (s->tracks(b, e)) s->memory_gone(b, e);
+    }
+  return r;
 }
 
 RESIDENCY_PRELOAD_EXPORT int mlock(const void* addr, std::size_t len) noexcept {
