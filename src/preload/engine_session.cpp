@@ -329,6 +329,13 @@ void EngineSession::program_locked_all(int flags) noexcept {
   if (active_host() != nullptr) queue({MemoryEvents::Kind::program_locks_all, static_cast<std::uintptr_t>(flags), 0});
 }
 
+bool EngineSession::step_aside_for_program_lock() noexcept {
+  if (active_host() == nullptr) return false;
+  unlock_before_take_back(0, UINTPTR_MAX);
+  queue({MemoryEvents::Kind::program_needs_limit, 0, 0});
+  return true;
+}
+
 // System calls only: the registered tables' pieces inside [begin, end), less what the program
 // locked itself, are unlocked (munlock of what is not locked does nothing). The manager still
 // counts them until the event is applied.
@@ -392,6 +399,12 @@ void EngineSession::apply_locked(const MemoryEvents::Event& e) noexcept {
                                        [](std::uintptr_t b, std::uintptr_t en) { ::syscall(SYS_mlock, b, en - b); });
       return;
     }
+    case MemoryEvents::Kind::program_needs_limit:
+      if (active_locked() == nullptr) return;
+      let_go_of_everything_locked(
+          "the program's own lock failed on RLIMIT_MEMLOCK, which what residency locked counts against (no "
+          "CAP_IPC_LOCK); the program's locks come first");
+      return;
     case MemoryEvents::Kind::program_locks_all:
       if (active_locked() == nullptr) return;
       let_go_of_everything_locked("the program locks all its memory itself (mlockall)");

@@ -152,6 +152,12 @@ class EngineSession {
   // mlockall(flags) succeeded: the program locks everything itself; the session lets go of
   // everything (and locks it again as the program asked) and holds nothing from then on.
   void program_locked_all(int flags) noexcept;
+  // A lock of the program's own (mlock, mlock2, mmap with MAP_LOCKED) failed on RLIMIT_MEMLOCK,
+  // which the session's locks count against: the program's locks come first. Everything the
+  // session locked is unlocked now (system calls only; the caller then makes the program's call
+  // again), and the session lets go of its memory and holds none from then on. False when the
+  // session holds no host memory (the failure is the program's own).
+  bool step_aside_for_program_lock() noexcept RESIDENCY_EXCLUDES(program_mu_);
   // Lock-free: whether [begin, end) touches what the program locked itself.
   bool program_locked(std::uintptr_t begin, std::uintptr_t end) const noexcept {
     return program_locked_.overlaps(begin, end);

@@ -72,6 +72,13 @@ void* map(std::size_t len, int prot, int flags, int fd, off64_t off, const void*
   if (in_hook() || forked_child()) return call();
   const bool wanted = SessionRules::may_be_model_file(prot, flags, fd, len);
   void* r = call();
+  if (r == MAP_FAILED && (flags & MAP_LOCKED) != 0 && errno == EAGAIN) {
+    // A locked mapping over the limit the session's locks count against: the program comes first.
+    EngineSession* s = started_session();
+    const int err = errno;
+    if (s != nullptr && s->step_aside_for_program_lock()) r = call();
+    else errno = err;
+  }
   if (r == MAP_FAILED) return r;
   const auto rb = reinterpret_cast<std::uintptr_t>(r);
   const std::uintptr_t re = page_end(rb, len);
@@ -443,6 +450,10 @@ int advise_take_back(MadviseFn next, void* addr, std::size_t len, int advice) no
   });
 }
 
+// A lock of the program's that failed on RLIMIT_MEMLOCK (ENOMEM from mlock, EAGAIN from mmap with
+// MAP_LOCKED) where the session's locks count against it.
+bool failed_on_lock_limit(int err) noexcept { return err == ENOMEM || err == EAGAIN; }
+
 template <class Call>
 int program_locks(const void* addr, std::size_t len, const void* caller, Call call) noexcept {
   EngineSession* s = program_call(caller) ? started_session() : nullptr;
@@ -450,12 +461,17 @@ int program_locks(const void* addr, std::size_t len, const void* caller, Call ca
   const int saved = errno;
   int r = -1, err = 0;
   const auto b = reinterpret_cast<std::uintptr_t>(addr);
-  s->program_locks(b, page_end(b, len), [&] {
-    errno = saved;
-    r = call();
-    err = errno;
-    return r == 0;
-  });
+  auto lock = [&] {
+    s->program_locks(b, page_end(b, len), [&] {
+      errno = saved;
+      r = call();
+      err = errno;
+      return r == 0;
+    });
+  };
+  lock();
+  // The program's locks come first: over the limit the session holds part of, it steps aside.
+  if (r != 0 && failed_on_lock_limit(err) && s->step_aside_for_program_lock()) lock();
   errno = err;
   return r;
 }

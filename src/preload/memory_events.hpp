@@ -24,10 +24,11 @@ namespace residency::preload {
 class MemoryEvents {
  public:
   enum class Kind : std::uint8_t {
-    gone,               // [begin, end) no longer holds what it held: unmapped, taken back, or mapped anew
-    engine_mapped,      // the engine made [begin, end) inside its call (a mapping, or heap it grew)
-    program_locked,     // the program locked [begin, end) itself (mlock, mlock2)
-    program_locks_all,  // mlockall(begin) succeeded: the program locks all its memory itself
+    gone,                 // [begin, end) no longer holds what it held: unmapped, taken back, or mapped anew
+    engine_mapped,        // the engine made [begin, end) inside its call (a mapping, or heap it grew)
+    program_locked,       // the program locked [begin, end) itself (mlock, mlock2)
+    program_locks_all,    // mlockall(begin) succeeded: the program locks all its memory itself
+    program_needs_limit,  // a lock of the program's failed on the limit the session held part of
   };
   struct Event {
     Kind kind = Kind::gone;
