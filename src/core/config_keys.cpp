@@ -253,8 +253,8 @@ constexpr ConfigKey kKeys[] = {
     {nullptr,
      "RESIDENCY_ENGINE_MEMORY",
      {},
-     "the preload only: hold the engine's working memory with the model (its libraries' data, the heap, the stacks "
-     "its calls ran on, what it mapped inside its calls; never the program's own mappings)",
+     "the preload only: hold the engine's working memory with the model (its libraries' data, the stacks of live "
+     "threads its calls ran on, what it mapped or grew of the heap inside its calls; never the program's own memory)",
      "`1` (default) or `0`",
      read_flag<&Config::engine_memory, kEngineMemoryForms>,
      copy_field<&Config::engine_memory>},
