@@ -210,11 +210,6 @@ void libraries_changed() noexcept { g_generation.fetch_add(1, std::memory_order_
 
 std::uint64_t libraries_generation() noexcept { return g_generation.load(std::memory_order_acquire); }
 
-bool engine_library_loaded() noexcept {
-  list_libllamas();
-  return read_libllamas().n > 0;
-}
-
 bool brings_in_libllama(void* handle) noexcept {
   if (handle == nullptr) return false;
   const int saved = errno;

@@ -69,8 +69,6 @@ TypedTarget<Fn> target_of(CallSite& site, const char* name, CallKind kind, const
 // Libraries were loaded or unloaded (the dlopen and dlclose hooks): every cached target is
 // resolved again at its next call.
 void libraries_changed() noexcept;
-// Whether a libllama is loaded in the process now (an object that defines llama_decode itself).
-bool engine_library_loaded() noexcept;
 // Changes whenever libraries_changed() is called: a failed start is tried again after a change.
 std::uint64_t libraries_generation() noexcept;
 // Whether the object loaded at `handle` (a dlopen handle) is, or brings in, a libllama.

@@ -963,6 +963,7 @@ asm(R"(
   .p2align 4
 dlopen:
   .cfi_startproc
+  hint #34
   stp x29, x30, [sp, #-32]!
   .cfi_def_cfa_offset 32
   .cfi_offset 29, -32
