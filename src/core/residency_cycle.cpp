@@ -45,7 +45,7 @@ void ResidencyCycle::end_call() {
     left = ka_.call_ended();
   }
   if (left == 0 && ka_.wants_resident()) {
-    release_now("end of use (keep_alive = 0)");
+    release_now({ReleaseKind::engine, "end of use (keep_alive = 0)"});
   } else {
     wake_scheduler();
   }
@@ -115,18 +115,21 @@ void ResidencyCycle::retry(bool keep_asking) {
 // Gives the sets back; the caller has already marked the memory as not resident. The line is
 // logged before the share goes back to a shared budget, so that a process let in by this release
 // logs after it (a reader of both logs sees the release first).
-void ResidencyCycle::release(const char* why) {
+void ResidencyCycle::release(const ReleaseReason& reason) {
+  const char* why = reason.words.c_str();
   const Nanos t0 = clock_.now();
   const auto r = adm_.end_all();
   if (r.sets > 0) backend_.after_release();
   ever_released_ = true;
   counters_.last_release_at = wall_now();
   counters_.last_release_reason = why;
-  const std::string_view reason(why);
   if (r.sets > 0 || r.failed == 0) {
-    if (reason.rfind("keep-alive", 0) == 0) ++counters_.releases_keep_alive;
-    else if (reason.rfind("asked by process", 0) == 0 || reason.rfind("shared budget", 0) == 0) ++counters_.releases_asked;
-    else if (reason.rfind("asked by the engine", 0) == 0 || reason.rfind("end of use", 0) == 0) ++counters_.releases_engine;
+    switch (reason.kind) {
+      case ReleaseKind::keep_alive: ++counters_.releases_keep_alive; break;
+      case ReleaseKind::asked: ++counters_.releases_asked; break;
+      case ReleaseKind::engine: ++counters_.releases_engine; break;
+      case ReleaseKind::exit: break;
+    }
   }
   if (r.failed == 0) {
     ++counters_.releases;
@@ -150,7 +153,7 @@ void ResidencyCycle::release(const char* why) {
 }
 
 // A release the policy did not time (pressure, the engine's request, the end of a 0 call).
-void ResidencyCycle::release_now(const char* why) {
+void ResidencyCycle::release_now(const ReleaseReason& why) {
   ka_.set_wants_resident(false);
   heavy_fence();  // a touch() in flight either sees it and re-wires, or is already past
   release(why);
@@ -163,7 +166,7 @@ bool ResidencyCycle::release_by_engine() {
          "release_now: " + std::to_string(ka_.calls()) + " call(s) or use scope(s) still open; not releasing");
     return false;
   }
-  release_now("asked by the engine");
+  release_now({ReleaseKind::engine, "asked by the engine"});
   return true;
 }
 
@@ -175,18 +178,16 @@ bool ResidencyCycle::give_back_if_idle(int asker, Nanos idle_before_asked) {
     return false;
   }
   ++counters_.shared_gave_back;
-  release_now(("asked by process " + std::to_string(asker) + ": shared budget " + adm_.shared()->name() +
-               " is full; idle for " + ms(idle) + "; the next use wires it again")
-                  .c_str());
+  release_now({ReleaseKind::asked, "asked by process " + std::to_string(asker) + ": shared budget " + adm_.shared()->name() +
+                                       " is full; idle for " + ms(idle) + "; the next use wires it again"});
   return true;
 }
 
 void ResidencyCycle::repay_debt(std::uint64_t over) {
   ++counters_.shared_gave_back;
-  release_now(("shared budget " + adm_.shared()->name() + " is " + mib(over) +
-               " over (a wake went over it while every other holder was inside a call): this holder, the least "
-               "recently used, sleeps; the next use wakes it")
-                  .c_str());
+  release_now({ReleaseKind::asked, "shared budget " + adm_.shared()->name() + " is " + mib(over) +
+                                       " over (a wake went over it while every other holder was inside a call): "
+                                       "this holder, the least recently used, sleeps; the next use wakes it"});
 }
 
 void ResidencyCycle::release_at_exit(bool device_memory) {
@@ -194,7 +195,7 @@ void ResidencyCycle::release_at_exit(bool device_memory) {
   if (!device_memory && adm_.sets().requested_bytes() > 0) {
     ka_.set_wants_resident(false);
     heavy_fence();
-    release("the process is exiting");
+    release({ReleaseKind::exit, "the process is exiting"});
   }
   adm_.settle();
 }
@@ -298,7 +299,7 @@ std::optional<Nanos> ResidencyCycle::residency_due() {
       next = std::max(expiry, ka_.expiry(now.count()));  // a call is open: look again one keep-alive later
     } else if (now >= expiry) {
       if (ka_.begin_release_unless_used(lu)) {
-        release(("keep-alive " + config_.keep_alive.to_string() + " expired").c_str());
+        release({ReleaseKind::keep_alive, "keep-alive " + config_.keep_alive.to_string() + " expired"});
         return std::nullopt;  // nothing scheduled until the next use: zero wake-ups
       }
       // A use won (expire a keep-alive after it), or a call began just now (look again later).

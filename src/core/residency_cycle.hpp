@@ -112,9 +112,15 @@ class ResidencyCycle {
   void on_published(std::function<void()> f) { publish_ = std::move(f); }
 
  private:
+  // Why memory is given back: counted by its kind (Counters), said in its words (the log).
+  enum class ReleaseKind { keep_alive, asked, engine, exit };
+  struct ReleaseReason {
+    ReleaseKind kind;
+    std::string words;
+  };
   void wire(const char* why);
-  void release(const char* why);
-  void release_now(const char* why);
+  void release(const ReleaseReason& why);
+  void release_now(const ReleaseReason& why);
   void pressure_step();
   void lift_pressure_cap_if_quiet(Nanos now);
   std::optional<Nanos> residency_due();

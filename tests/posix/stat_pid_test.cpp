@@ -425,6 +425,10 @@ TEST(StatPid, ShowsTheKeepAlivesReleaseAndItsReasonThenTheFileGoesWithTheManager
   EXPECT_EQ(s["resident"], 0);
   EXPECT_EQ(s["wired_bytes"], 0);
   EXPECT_EQ(s["releases"], 1);
+  // Counted by the release's kind, not by its words.
+  EXPECT_EQ(s["releases.keep_alive"], 1) << s.dump();
+  EXPECT_EQ(s["releases.asked"], 0) << s.dump();
+  EXPECT_EQ(s["releases.engine"], 0) << s.dump();
   EXPECT_EQ(s["last_release_reason"], "keep-alive 300 ms expired");
   EXPECT_TRUE(s["last_release_at"].is_number());
   EXPECT_EQ(doc["vm_lck"], 0u) << "released: nothing locked";
