@@ -344,6 +344,26 @@ TEST_F(HostTest, HeapTheProgramGrowsBetweenDecodesIsNeverHeld) {
   EXPECT_LT(kb(with.out, "heap_locked_kb") * 1024, 64 * kMiB) << with.out << with.err;
 }
 
+// A Python server's shape: a thread per request (each round generates on a new thread) and a cache
+// the main thread grows by 20 MiB of small objects between requests (60 MiB over three rounds):
+// what is locked while generating must not grow with the cache (92b9934 held the heap it lives in;
+// a server like it had 43 MiB of its 60 MiB cache locked).
+TEST_F(HostTest, APythonServersThreadsAndCacheAreNeverTheEngines) {
+  if (std::string(PYTHON_PATH).empty()) RESIDENCY_SKIP_OR_FAIL_IN_CI("no python3 found at configure time");
+  const Run with = run({PYTHON_PATH, HOSTS_DIR "/ctypes_host.py", LIBLLAMA_PATH, model_, "4", "1500",
+                        std::to_string(sizeof(llama_model_params)), std::to_string(sizeof(llama_context_params)),
+                        std::to_string(sizeof(llama_batch)), "threads-cache"},
+                       true, "python-threads", 180);
+  ASSERT_EQ(with.status, 0) << with.out << with.err;
+  const std::vector<Round> rounds = rounds_of(with.out);
+  ASSERT_EQ(rounds.size(), 4u) << with.out << with.err;
+  EXPECT_GE(rounds[0].locked_while_generating_kb * 1024, 90 * kMiB) << "the model was managed\n" << with.err;
+  // Round 0 before any cache, round 3 after 60 MiB of it.
+  const std::uint64_t grown_kb = rounds[3].locked_while_generating_kb - std::min(rounds[3].locked_while_generating_kb,
+                                                                                   rounds[0].locked_while_generating_kb);
+  EXPECT_LT(grown_kb * 1024, 16 * kMiB) << "locked grew with the program's cache\n" << with.out << with.err;
+}
+
 // Memory the program maps inside its abort callback, which ggml calls from inside the decode's
 // compute, is the program's (92b9934 counted it as made by the engine and locked it).
 TEST_F(HostTest, MemoryTheProgramsCallbackMapsInsideADecodeIsNotTheEngines) {

@@ -3,14 +3,19 @@
 # (dlopen, RTLD_LOCAL) and every function, llama_decode too, called through a pointer from dlsym,
 # past the preload. Loads MODEL, then ROUNDS times: generates greedily, then idles IDLE_MS. One
 # JSON line per round: the tokens, VmLck while generating and after the idle.
-# Usage: python3 ctypes_host.py LIBLLAMA MODEL ROUNDS IDLE_MS SIZEOF_MODEL_PARAMS SIZEOF_CONTEXT_PARAMS SIZEOF_BATCH
+# "threads-cache" (an 8th argument): as a Python server with a thread per request does, each round
+# generates on a new thread, and after each round the main thread adds 20 MiB of small objects to
+# a cache it keeps (the heap grows between decodes; none of it is the engine's).
+# Usage: python3 ctypes_host.py LIBLLAMA MODEL ROUNDS IDLE_MS SIZEOF_MODEL_PARAMS SIZEOF_CONTEXT_PARAMS SIZEOF_BATCH [threads-cache]
 import ctypes as C
 import json
 import re
 import sys
+import threading
 import time
 
 lib_path, model_path, rounds, idle_ms, model_params_size, context_params_size, batch_size = sys.argv[1:8]
+threads_and_cache = len(sys.argv) > 8 and sys.argv[8] == "threads-cache"
 
 
 def opaque(size):
@@ -59,7 +64,10 @@ llama.llama_set_n_threads(ctx, 1, 1)
 vocab = llama.llama_model_get_vocab(model)
 n_vocab = llama.llama_vocab_n_tokens(vocab)
 prompt = b"Once upon a time"
-for rnd in range(int(rounds)):
+cache = []
+
+
+def generate(rnd):
     toks = (C.c_int32 * 64)()
     n = llama.llama_tokenize(vocab, prompt, len(prompt), toks, 64, True, False)
     assert n > 0
@@ -73,6 +81,19 @@ for rnd in range(int(rounds)):
         locked = max(locked, vmlck_kb())
         batch_tokens, count = (C.c_int32 * 1)(best), 1
     llama.llama_memory_clear(llama.llama_get_memory(ctx), True)
+    result[rnd] = (out, locked)
+
+
+result = {}
+for rnd in range(int(rounds)):
+    if threads_and_cache:
+        t = threading.Thread(target=generate, args=(rnd,))
+        t.start()
+        t.join()
+        cache.extend(bytes([rnd % 251]) * 10240 for _ in range(2048))  # 20 MiB in 10 KiB objects
+    else:
+        generate(rnd)
+    out, locked = result[rnd]
     time.sleep(int(idle_ms) / 1000)
     print(json.dumps({"round": rnd, "tokens": out, "locked_while_generating_kb": locked,
                       "locked_after_idle_kb": vmlck_kb()}), flush=True)
