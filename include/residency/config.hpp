@@ -97,12 +97,12 @@ struct WiredLimit {
 // 0% are the same limit, 0 bytes: nothing is wired (until Manager::set_wired_limit raises it).
 Result<WiredLimit> parse_wired_limit(std::string_view text);
 
-// A machine-wide wired budget that the processes naming it share (DESIGN.md section 11): each
-// reserves its wired bytes in a ledger in shared memory before wiring them, so that together they
-// never wire more than `size`. Linux only (futexes, /proc); elsewhere Manager::create refuses it.
-// The longest NAME of RESIDENCY_SHARED_BUDGET, and of RESIDENCY_GPU_BUDGET, whose ledger is
-// NAME.GPU-UUID: 41 characters more ('.', "GPU-" and the UUID's 36). The checks and their
-// messages both use these.
+// A machine-wide wired budget that the processes naming it share
+// (docs/design.md, "The ledger protocol"): each reserves its wired bytes in a ledger in shared
+// memory before wiring them, so that together they never wire more than `size`. Linux only
+// (futexes, /proc); elsewhere Manager::create refuses it. The longest NAME of
+// RESIDENCY_SHARED_BUDGET, and of RESIDENCY_GPU_BUDGET, whose ledger is NAME.GPU-UUID: 41
+// characters more ('.', "GPU-" and the UUID's 36). The checks and their messages both use these.
 inline constexpr std::size_t kSharedBudgetNameMax = 64;
 inline constexpr std::size_t kGpuBudgetNameMax = 31;
 
@@ -141,7 +141,7 @@ struct Config {
   Nanos pressure_quiet = std::chrono::seconds(30);
   LogLevel log_level = LogLevel::info;
   bool log_time = false;                      // RESIDENCY_LOG_TIME=1: the default log lines carry the local time
-  std::optional<std::uint64_t> memory_limit;  // cap on tracked bytes; default see DESIGN.md
+  std::optional<std::uint64_t> memory_limit;  // cap on tracked bytes; default min(1.5 x recommended, 0.95 x physical)
   // A wired budget shared with the other processes naming it; none by default. When it is full,
   // the holder idle longest among those of priority <= ours is asked to give back (see README).
   std::optional<SharedBudget> shared_budget;

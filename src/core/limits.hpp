@@ -1,10 +1,10 @@
 // SPDX-License-Identifier: MIT
 // Limits: what the backend's memory allows, decided once at create and checked in one place.
 //
-// The peers' limits, kept (DESIGN.md §2): a wired limit above the recommended working set is an
-// error (MLX); a warning when tracked bytes exceed the recommended working set (llama.cpp) and
-// when a use scope wires a model above 0.9 x recommended (mlx-lm); a memory limit on tracked
-// bytes, default min(1.5 x recommended, 0.95 x physical) (MLX). The backend's hard limit
+// The peers' limits, kept (docs/design.md, "Concepts"): a wired limit above the recommended working
+// set is an error (MLX); a warning when tracked bytes exceed the recommended working set
+// (llama.cpp) and when a use scope wires a model above 0.9 x recommended (mlx-lm); a memory limit
+// on tracked bytes, default min(1.5 x recommended, 0.95 x physical) (MLX). The backend's hard limit
 // (RLIMIT_MEMLOCK) clamps the budget, with one warning per process naming the fix: a server
 // with many models would otherwise print the same line for each of them.
 #pragma once

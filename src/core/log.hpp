@@ -1,8 +1,8 @@
 // SPDX-License-Identifier: MIT
 // LogSink: the manager's one way to speak, filtered by the configured level.
 //
-// Lines follow llama.cpp's and MLX's wording where they have one (DESIGN.md §6), so that their
-// users recognise them. Formatting a line costs more than most of what the manager does, so a
+// Lines follow llama.cpp's and MLX's wording where they have one (docs/design.md, "Logs"), so that
+// their users recognise them. Formatting a line costs more than most of what the manager does, so a
 // line is only built when its level is enabled (ask enabled() first for expensive ones).
 #pragma once
 

@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: MIT
 // The text forms of the library in one unit: printable() and format_size() for messages
 // (declared in the public residency/text.hpp), and the two forms of the log lines that follow
-// llama.cpp's and MLX's wording (DESIGN.md section 6), which stay in fixed units on purpose so
+// llama.cpp's and MLX's wording (docs/design.md, "Logs"), which stay in fixed units on purpose so
 // that they read like llama.cpp's own lines.
 #pragma once
 

@@ -42,8 +42,8 @@ inline constexpr std::uint32_t kFormatVersion = 2;  // 2: the lock is the file's
 // a decoding process is never asked and two busy processes never take the budget from each other
 // per token. Host memory that does not fit waits unwired, so waiting for this costs no budget.
 // Device memory cannot wait (a decode reads it): there any holder not inside a call is asked,
-// however short its idle, the least recently used first (DESIGN §14), since a minimum idle would
-// only push the waker over the budget. kNoMinimumIdle says so.
+// however short its idle, the least recently used first (docs/design.md, "The GPU budget"), since a
+// minimum idle would only push the waker over the budget. kNoMinimumIdle says so.
 inline constexpr std::chrono::nanoseconds kIdleBeforeAsked = std::chrono::seconds(1);
 inline constexpr std::chrono::nanoseconds kNoMinimumIdle{0};
 // How long an asker waits for asked holders to give back before it wires what fits.
@@ -173,12 +173,13 @@ class Ledger {
   std::uint64_t take_over_budget(std::uint64_t bytes);
   // Gives back `bytes` (at most what is held) and wakes waiting askers.
   void release(std::uint64_t bytes);
-  // How much of what this holder holds no ask can get back (a GPU context: DESIGN §14): askers
-  // and the repayment of a debt pass a holder that holds no more than this. Kept in MiB.
+  // How much of what this holder holds no ask can get back (a GPU context:
+  // docs/design.md, "The GPU budget"): askers and the repayment of a debt pass a holder that holds
+  // no more than this. Kept in MiB.
   void set_floor(std::uint64_t bytes);
-  // The debt of a wake over the budget (DESIGN §14): how far the holders' sum exceeds the budget
-  // now, read from a copy of the ledger (pread: no lock, nothing of the mapping touched), so that
-  // a holder may look at every end of a call. 0 when within it, or unreadable.
+  // The debt of a wake over the budget (docs/design.md, "The GPU budget"): how far the holders' sum
+  // exceeds the budget now, read from a copy of the ledger (pread: no lock, nothing of the mapping
+  // touched), so that a holder may look at every end of a call. 0 when within it, or unreadable.
   std::uint64_t over_budget() const;
   // Whose turn it is to repay the debt, decided under the lock: the holder of bytes of the lowest
   // priority, least recently used first. True when it is this holder (the caller sleeps); else

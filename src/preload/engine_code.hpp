@@ -1,10 +1,11 @@
 // SPDX-License-Identifier: MIT
-// The engine's own code, held with the model (DESIGN §13: residency holds the memory a decode
+// The engine's own code, held with the model
+// (docs/design.md, "The model's memory: llama.cpp's buffers": residency holds the memory a decode
 // reads). A decode executes libllama's and ggml's code and reads their constant tables; after a
-// pageout from outside (process_madvise, or reclaim under pressure) every decode faults those
-// pages back in from the library files (docs/measurements.md has how much). So while a model is
-// loaded the read-only segments of the engine's libraries are registered as weights: they never
-// change, and releasing them is only munlock.
+// pageout from outside (process_madvise, or reclaim under pressure) every decode faults those pages
+// back in from the library files (docs/measurements.md has how much). So while a model is loaded
+// the read-only segments of the engine's libraries are registered as weights: they never change,
+// and releasing them is only munlock.
 //
 // The pieces are registered at the end of the model's load and unregistered when the last weights
 // buffer is freed: a library is not unloaded while a model it decodes is loaded (an unload

@@ -1,9 +1,10 @@
 // SPDX-License-Identifier: MIT
-// The engine's own working memory, held with the model (DESIGN §13: residency holds the memory a
-// decode reads). Besides llama.cpp's buffers and code, a decode reads and writes memory that is
-// no ggml buffer: the graph's metadata, ggml's scheduler tables, the CPU backend's work buffer,
-// the decoding threads' stacks. That is anonymous memory: under pressure with swap it moves out,
-// and the next token reads it back page by page (docs/measurements.md has the cost).
+// The engine's own working memory, held with the model
+// (docs/design.md, "The model's memory: llama.cpp's buffers": residency holds the memory a decode
+// reads). Besides llama.cpp's buffers and code, a decode reads and writes memory that is no ggml
+// buffer: the graph's metadata, ggml's scheduler tables, the CPU backend's work buffer, the
+// decoding threads' stacks. That is anonymous memory: under pressure with swap it moves out, and
+// the next token reads it back page by page (docs/measurements.md has the cost).
 //
 // The decision that shapes it: which pages a decode touches cannot be read from the kernel
 // without privilege or soft-dirty bits, so what is held is a snapshot of what is resident after a
@@ -83,12 +84,13 @@ std::vector<Extent> resident_runs(const Extent& range, const std::vector<unsigne
 // arenas or a large buffer of the program), returned sorted by address.
 std::vector<Extent> runs_to_hold(std::vector<Extent> runs, std::size_t max_runs, std::uint64_t max_bytes);
 
-// What a snapshot holds (DESIGN §16: the engine's memory, never the program's): the resident pages
-// of the engine's candidates (plan_engine_memory), not registered already. The main heap is the
-// C library's, where llama.cpp's small allocations sit beside the program's; glibc never fails on a
-// locked page there (its trims and madvise results are ignored), and the preload's madvise and
-// mprotect hooks unlock what the program takes back before its call. At most kMaxRuns runs and
-// kMaxBytes are held, the smallest first (runs_to_hold). RESIDENCY_ENGINE_MEMORY=off holds none.
+// What a snapshot holds (docs/design.md, "The engine session": the engine's memory, never the
+// program's): the resident pages of the engine's candidates (plan_engine_memory), not registered
+// already. The main heap is the C library's, where llama.cpp's small allocations sit beside the
+// program's; glibc never fails on a locked page there (its trims and madvise results are ignored),
+// and the preload's madvise and mprotect hooks unlock what the program takes back before its call.
+// At most kMaxRuns runs and kMaxBytes are held, the smallest first (runs_to_hold).
+// RESIDENCY_ENGINE_MEMORY=off holds none.
 //
 // The allocator changes this memory without any call the preload sees (glibc's free() unmaps and
 // trims through internal system calls), so a held piece may stop being mapped: its lock goes with

@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: MIT
-// The preload's one engine session per process (DESIGN §16): every decision the preload takes
-// about llama.cpp's memory, in one object the hooks only feed with events.
+// The preload's one engine session per process (docs/design.md, "The engine session"): every
+// decision the preload takes about llama.cpp's memory, in one object the hooks only feed with
+// events.
 //
 // The hooks (interpose.cpp) keep the re-entry, errno and fork guards and the real functions;
 // they tell this session what the engine did (a model file mapped, a buffer made or freed, a model
@@ -110,7 +111,7 @@ class EngineSession {
   // lock, in order, by the next event or the session's worker thread. What must happen before
   // the program's call (letting go of a lock the call would trip on) is done here with system
   // calls only. The session holds only the engine's memory and unlocks only what it locked
-  // (DESIGN §16).
+  // (docs/design.md, "The engine session").
 
   // [begin, end) no longer holds what it held: unmapped (munmap, or an mmap with MAP_FIXED over
   // it), taken back (see below), or a new mapping landed there (the old one went through calls no

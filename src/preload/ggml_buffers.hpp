@@ -1,8 +1,9 @@
 // SPDX-License-Identifier: MIT
-// llama.cpp's memory as ggml's own backend buffers (DESIGN §13): every buffer in host memory that
+// llama.cpp's memory as ggml's own backend buffers
+// (docs/design.md, "The model's memory: llama.cpp's buffers"): every buffer in host memory that
 // ggml makes is followed from creation to free, and registered with the session's manager as
-// buffer_plan.hpp decides: the model's weights in whatever buffer type holds them (CPU_Mapped
-// file ranges, AMX, CPU_REPACK, plain CPU), the KV cache, the compute buffers.
+// buffer_plan.hpp decides: the model's weights in whatever buffer type holds them (CPU_Mapped file
+// ranges, AMX, CPU_REPACK, plain CPU), the KV cache, the compute buffers.
 //
 // The hooks (interpose.cpp) read each buffer through ggml's public ggml-backend.h functions
 // (ggml_api.hpp) and hand the facts here: made (ggml_backend_buft_alloc_buffer, or from_ptr over

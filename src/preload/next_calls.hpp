@@ -6,7 +6,8 @@
 // real function) or dlopen'ed without RTLD_GLOBAL (Node addons such as node-llama-cpp, Python's
 // ctypes): there libllama's calls into ggml still bind to the preload, which is global, while the
 // real function sits in a local scope RTLD_NEXT never searches. So a hook also looks where its
-// caller's library is, and a lookup that fails is never cached (DESIGN §16).
+// caller's library is, and a lookup that fails is never cached
+// (docs/design.md, "The engine session").
 //
 // Re-entry: while a thread is inside a hook, what the hook itself causes (dlsym, malloc, the
 // manager's mlock and logging) may call mmap or munmap again; those go straight to the real

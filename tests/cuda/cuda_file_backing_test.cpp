@@ -1,11 +1,12 @@
 // SPDX-License-Identifier: MIT
-// Weights backed by their file (issue 29 item 3, DESIGN §15): a tracked allocation whose ranges
-// were filled from a model file keeps no pinned copy of them. Its sleep copies only what is not
-// the file's (alignment gaps, a tensor written from elsewhere), its wake copies the rest from the
-// file, mapped read-only and registered, and the device holds exactly what it held before. A file
-// that changed since load, or that the driver will not register read-only, falls back to the
-// pinned backup, and the backend says which. What is checked is what the GPU and the host hold:
-// the device's bytes after a wake, the bytes copied, the pinned host bytes.
+// A model file as the backup of the weights it filled
+// (docs/design.md, "Weights backed by their file"): a tracked allocation whose ranges were filled
+// from a model file keeps no pinned copy of them. Its sleep copies only what is not the file's
+// (alignment gaps, a tensor written from elsewhere), its wake copies the rest from the file, mapped
+// read-only and registered, and the device holds exactly what it held before. A file that changed
+// since load, or that the driver will not register read-only, falls back to the pinned backup, and
+// the backend says which. What is checked is what the GPU and the host hold: the device's bytes
+// after a wake, the bytes copied, the pinned host bytes.
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>

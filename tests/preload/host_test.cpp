@@ -1,9 +1,9 @@
 // SPDX-License-Identifier: MIT
-// The preload in hosts it must never break (DESIGN §16): real third-party hosts that load
-// llama.cpp with dlopen (node-llama-cpp from npm with its prebuilt binaries; a Python ctypes host
-// of libllama, which also calls llama_decode through dlsym, past the preload), and a C program
-// with memory of its own (own_memory.c). Each runs with and without the preload: the same
-// tokens, the model locked while generating and released while idle, and the program's own
+// The preload in hosts it must never break (docs/design.md, "The engine session"): real third-party
+// hosts that load llama.cpp with dlopen (node-llama-cpp from npm with its prebuilt binaries; a
+// Python ctypes host of libllama, which also calls llama_decode through dlsym, past the preload),
+// and a C program with memory of its own (own_memory.c). Each runs with and without the preload:
+// the same tokens, the model locked while generating and released while idle, and the program's own
 // memory never locked, its madvise never failing, its own locks never undone.
 #include <gtest/gtest.h>
 
@@ -157,7 +157,8 @@ TEST_F(HostTest, APythonCtypesHostOfLibllamaIsManagedThoughItsDecodesGoPastThePr
                               "ctypes");
 }
 
-// The program's own memory (DESIGN §16): never locked, its calls never changed, its locks kept.
+// The program's own memory (docs/design.md, "The engine session"): never locked, its calls never
+// changed, its locks kept.
 TEST_F(HostTest, TheProgramsOwnMemoryIsNeverHeldItsCallsWorkAndItsLocksStay) {
   const Run plain = run({OWN_MEMORY_PATH, model_, std::to_string(kIdleMs)}, false, "own");
   ASSERT_EQ(plain.status, 0) << plain.out << plain.err;

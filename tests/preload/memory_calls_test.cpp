@@ -1,11 +1,12 @@
 // SPDX-License-Identifier: MIT
 // The preload forwards every C library memory call it interposes exactly as the C library reads
-// it (DESIGN §16: a program's own calls do what they would without the preload). memory_calls.c
-// runs each hooked call (mmap, mmap64, munmap, madvise, mprotect, mremap, mlock, mlock2,
-// munlock, mlockall) over the flag combinations it takes, valid and invalid, and prints one line
-// per case with the result and errno; the lines with and without LD_PRELOAD must be the same.
-// Once as a plain program (the preload's session never starts), once after the program loaded a
-// llama.cpp model and decoded a token (the session runs and holds the model while the table runs).
+// it (docs/design.md, "The engine session": a program's own calls do what they would without the
+// preload). memory_calls.c runs each hooked call (mmap, mmap64, munmap, madvise, mprotect, mremap,
+// mlock, mlock2, munlock, mlockall) over the flag combinations it takes, valid and invalid, and
+// prints one line per case with the result and errno; the lines with and without LD_PRELOAD must be
+// the same. Once as a plain program (the preload's session never starts), once after the program
+// loaded a llama.cpp model and decoded a token (the session runs and holds the model while the
+// table runs).
 //
 // mremap(MREMAP_MAYMOVE | MREMAP_DONTUNMAP) failed with EINVAL under the preload until its hook
 // forwarded new_address for DONTUNMAP too: glibc read a leftover register in its place. Which

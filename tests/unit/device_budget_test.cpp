@@ -151,8 +151,9 @@ TEST_F(DeviceBudgetTest, WhenNoHolderCanSleepTheWakeGoesOverTheBudgetAndSaysSo) 
   a.m->end_call();
 }
 
-// Device budgets (DESIGN §14): a holder not inside a call is asked however short its idle: a waker
-// cannot wait unwired, so a minimum idle would only push it over the budget.
+// Device budgets (docs/design.md, "The GPU budget"): a holder not inside a call is asked however
+// short its idle: a waker cannot wait unwired, so a minimum idle would only push it over the
+// budget.
 TEST_F(DeviceBudgetTest, AHolderIdleForMillisecondsIsAskedToSleep) {
   const Allocation pa = two_holders_a_with_6_mib();
   // The GPU is as full as the budget: room must be made before the allocation, not after.
@@ -188,11 +189,11 @@ TEST_F(DeviceBudgetTest, AHolderInsideACallDeclinesAndTheNextLeastRecentlyUsedSl
   a.m->end_call();
 }
 
-// A switch (DESIGN §14): the waker's wake begins in the room the budget has while the holder it
-// asked gives its memory back, as the cuda backend paces its chunks. b (4 MiB, asleep) wakes
-// while a holds 6 MiB of an 8 MiB budget: b's first 2 MiB are mapped while a still holds its
-// memory, the rest only after a gave it back, and neither the ledger nor what the two backends
-// hold ever exceeds the budget.
+// A switch (docs/design.md, "The GPU budget"): the waker's wake begins in the room the budget has
+// while the holder it asked gives its memory back, as the cuda backend paces its chunks. b (4 MiB,
+// asleep) wakes while a holds 6 MiB of an 8 MiB budget: b's first 2 MiB are mapped while a still
+// holds its memory, the rest only after a gave it back, and neither the ledger nor what the two
+// backends hold ever exceeds the budget.
 TEST_F(DeviceBudgetTest, AWakeBeginsInTheBudgetsRoomWhileTheHolderAskedGivesWay) {
   const std::pair<Allocation, Allocation> ab = b_asleep_while_a_holds_6_of_8_mib();
   const Allocation &pa = ab.first, &pb = ab.second;

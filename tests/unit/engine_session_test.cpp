@@ -595,10 +595,10 @@ TEST_F(EngineSessionTest, WritesIntoDeviceWeightsAreReportedToTheBackendAndNothi
   EXPECT_TRUE(s->device_free(compute.ptr));
 }
 
-// DESIGN §15: a weight copied from a GGUF mapping into tracked device weights is reported as filled
-// from the file (its device, inode and offset, through a descriptor valid during the call), so that
-// the backend keeps no pinned copy of it; a copy from anywhere else is a write, and so is a copy
-// from a mapping the program unmapped since.
+// docs/design.md, "Weights backed by their file": a weight copied from a GGUF mapping into tracked
+// device weights is reported as filled from the file (its device, inode and offset, through a
+// descriptor valid during the call), so that the backend keeps no pinned copy of it; a copy from
+// anywhere else is a write, and so is a copy from a mapping the program unmapped since.
 TEST_F(EngineSessionTest, ATensorCopiedFromAModelFileIntoDeviceWeightsIsReportedAsFilledFromThatFile) {
   TempDir dir;
   const std::string path = dir.path() + "/model.gguf";

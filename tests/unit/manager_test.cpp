@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: MIT
-// Every rule of DESIGN.md section 2 on the fake backend with a ManualClock: layouts, budget,
-// commit batching, policies, touch, scheduler deadlines, limits, logs and teardown.
+// Every rule of docs/design.md, "Concepts", on the fake backend with a ManualClock: layouts,
+// budget, commit batching, policies, touch, scheduler deadlines, limits, logs and teardown.
 #include <gtest/gtest.h>
 
 #include <cstdio>
@@ -785,10 +785,10 @@ TEST_F(ManagerTest, AFailedReleaseIsReportedAndTheStateStaysTrue) {
   EXPECT_EQ(m->stats().wired_bytes, 0u);
 }
 
-// DESIGN §14: a call that begins while the keep-alive's release runs asks the backend to stop it;
-// a backend that stops before giving anything back leaves the memory wired, and the call finds it
-// in place (no re-wire). That is an info line, not a failure, and the keep-alive releases as
-// always after that use.
+// docs/design.md, "The GPU budget": a call that begins while the keep-alive's release runs asks the
+// backend to stop it; a backend that stops before giving anything back leaves the memory wired, and
+// the call finds it in place (no re-wire). That is an info line, not a failure, and the keep-alive
+// releases as always after that use.
 TEST_F(ManagerTest, ACallThatBeginsDuringAReleaseStopsItAndFindsTheMemoryInPlace) {
   auto m = make(with_keep_alive("10s"));
   reg(*m, 100 * MiB);

@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: MIT
-// The view planner (DESIGN.md section 5): hand-checked cases, every error, and properties over
-// thousands of generated layouts (a seeded PRNG, so a failure names a seed that reproduces it).
+// The view planner (docs/design.md, "Large mappings: overlapping views"): hand-checked cases, every
+// error, and properties over thousands of generated layouts (a seeded PRNG, so a failure names a
+// seed that reproduces it).
 #include <gtest/gtest.h>
 
 #include <algorithm>

@@ -39,16 +39,16 @@ class CudaBackend final : public Backend {
   std::uint64_t pinned_host_bytes() const override;
   void track_writes(void* base) override;
   void written(const void* addr, std::size_t bytes) override;
-  // A tracked allocation's range filled from a file (DESIGN §15): while the file is unchanged
-  // (inode, size, modification time) its bytes sleep in the file itself, which the first sleep maps
-  // read-only and registers (cuMemHostRegister READ_ONLY) so that a wake copies from it at the
-  // link's rate; the rest of such a copy chunk (alignment gaps, up to kMaxGapBytes) sleeps in a small
-  // pinned buffer. A chunk with more gaps, or whose file changed or cannot be registered, sleeps in
-  // the pinned backup as before; the fallback is said once per file through
-  // CudaBackendOptions::notice.
+  // A tracked allocation's range filled from a file
+  // (docs/design.md, "Weights backed by their file"): while the file is unchanged (inode, size,
+  // modification time) its bytes sleep in the file itself, which the first sleep maps read-only and
+  // registers (cuMemHostRegister READ_ONLY) so that a wake copies from it at the link's rate; the
+  // rest of such a copy chunk (alignment gaps, up to kMaxGapBytes) sleeps in a small pinned buffer.
+  // A chunk with more gaps, or whose file changed or cannot be registered, sleeps in the pinned
+  // backup as before; the fallback is said once per file through CudaBackendOptions::notice.
   void filled_from_file(const void* addr, std::size_t bytes, int fd, std::uint64_t offset) override;
   std::uint64_t file_backed_bytes() const override;
-  // A release in end_residency() stops before its first unmap (DESIGN §14).
+  // A release in end_residency() stops before its first unmap (docs/design.md, "The GPU budget").
   void interrupt_release() override;
   void set_wake_gate(WakeGate gate) override;
   std::uint64_t unmanaged_device_bytes() override;

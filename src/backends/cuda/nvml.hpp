@@ -2,7 +2,8 @@
 // What this process holds on a GPU, as nvidia-smi shows it: NVML's per-process used memory
 // (libnvidia-ml.so.1, which the driver installs beside libcuda; loaded at run time, like libcuda,
 // so nothing links it). The cuda backend subtracts its own allocations to know the rest (the
-// context, libraries' workspaces), which a GPU budget must count too (DESIGN §14).
+// context, libraries' workspaces), which a GPU budget must count too
+// (docs/design.md, "The GPU budget").
 #pragma once
 
 #include <cstdint>
