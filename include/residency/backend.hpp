@@ -20,7 +20,7 @@
 
 // The version of this interface, for backends kept outside this repository: 2 since
 // end_residency / destroy_set return Status, pressure watches have ids and the hard limit is
-// reserved per manager (1: before 2026-12-01).
+// reserved per manager (1: before those changes).
 #define RESIDENCY_BACKEND_INTERFACE_VERSION 2
 
 namespace residency {

@@ -27,7 +27,7 @@ namespace residency {
 using LogCallback = std::function<void(LogLevel level, std::string_view message)>;
 // Writes "residency[<pid>]: <level>: <message>" lines to stderr, each with one write(2), so that
 // lines of several threads or processes never interleave. With `with_time` (RESIDENCY_LOG_TIME=1)
-// the local time follows the pid: "residency[1234]: 2026-12-01 12:34:56.789 info: ...". A line starts
+// the local time follows the pid: "residency[1234]: YYYY-MM-DD hh:mm:ss.mmm info: ...". A line starts
 // on a fresh line where that can be known: when stderr is a regular file whose last byte is not a
 // newline (a host program's partial line), a newline goes first. On a terminal or a pipe what
 // others wrote last cannot be read back, so there a line follows a partial one on the same line.

@@ -3,13 +3,12 @@
 // this boundary; every enum a caller passes is checked as an integer first.
 //
 // A manager handle may be destroyed while it is still in use: a scope of it ending on another
-// thread, a call in flight there, or the destroy called from inside a scope's synchronize
-// callback (issue 28 item 5; residency.h, "Destroying a manager"). So every call on a manager,
-// and every end of one of its scopes, is counted in the handle's gate while it runs;
-// residency_manager_destroy() closes the gate (a call that comes after is refused without
-// touching the manager), and the last call out, destroy's own or another, tears the manager down.
-// The handle's memory stays until its last scope struct is freed as well, so that a scope can
-// always reach it.
+// thread, a call in flight there, or the destroy called from inside a scope's synchronize callback
+// (residency.h, "Destroying a manager"). So every call on a manager, and every end of one of its
+// scopes, is counted in the handle's gate while it runs; residency_manager_destroy() closes the
+// gate (a call that comes after is refused without touching the manager), and the last call out,
+// destroy's own or another, tears the manager down. The handle's memory stays until its last scope
+// struct is freed as well, so that a scope can always reach it.
 #include "residency/residency.h"
 
 #include <algorithm>

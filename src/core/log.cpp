@@ -35,7 +35,7 @@ bool stderr_ends_mid_line() noexcept {
 #endif
 }
 
-// "2026-12-01 14:03:07.123 " in local time.
+// "YYYY-MM-DD hh:mm:ss.mmm " in local time.
 std::string local_time_now() {
   const auto now = std::chrono::system_clock::now();
   const std::time_t t = std::chrono::system_clock::to_time_t(now);

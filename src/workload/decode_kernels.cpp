@@ -140,8 +140,8 @@ std::uint64_t sum_generic(const std::uint8_t* p, std::size_t n) {
 #if RESIDENCY_DECODE_X86
 #define RESIDENCY_AVX2 __attribute__((target("avx2,fma,f16c")))
 
-// Why the kernels below walk several rows side by side (docs/measurements.md has the figures, see
-// bench/results/2026-12-01-decode-vs-llama.md): one thread reading one sequential stream gets far
+// Why the kernels below walk several rows side by side (docs/measurements.md has the figures): one
+// thread reading one sequential stream gets far
 // less than its share of memory bandwidth, because the number of cache misses it has in flight is
 // limited by what the hardware prefetcher runs ahead of a single stream, and that prefetcher stops
 // at every 4 KiB page (the model is a file mapping: 4 KiB pages scattered in physical memory). A

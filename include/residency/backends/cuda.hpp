@@ -40,8 +40,8 @@ struct CudaBackendOptions {
   // Unit of physical memory and of one copy, rounded up to the allocation granularity
   // (2 MiB on current GPUs). 256 MiB: long enough that a copy's launch costs < 0.1% of it at
   // 55 GB/s, short enough that the first chunk's mapping, which nothing overlaps, is short.
-  // A sweep of chunk sizes (see bench/results/2026-11-29-h200-cuda.md, docs/measurements.md):
-  // wake hardly depends on it; sleep loses more to a plain copy below 256 MiB.
+  // A sweep of chunk sizes (docs/measurements.md): wake hardly depends on it; sleep loses more to
+  // a plain copy below 256 MiB.
   std::size_t chunk_bytes = std::size_t{256} << 20;
   // Streams the chunks are spread over, round robin (1 to 16).
   int streams = 4;

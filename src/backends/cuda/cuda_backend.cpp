@@ -69,7 +69,7 @@ int fault_in(char* p, std::size_t len) {
 
 // Half the hardware threads, at most 16: past half the cores the faulting threads slow each
 // other down, and far fewer leave the pinning behind the copies (the thread sweep is in
-// docs/measurements.md; see bench/results/2026-12-01-h200-first-sleep.md).
+// docs/measurements.md).
 int default_backup_threads() {
   const int hw = static_cast<int>(std::thread::hardware_concurrency());
   return std::clamp(hw <= 0 ? 4 : hw / 2, 1, kDefaultMaxBackupThreads);

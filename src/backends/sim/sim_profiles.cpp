@@ -3,7 +3,7 @@
 // calibrated to the only published measurement of the idle penalty (llama.cpp PR 10119,
 // `llama-idle`: sleep, decode one token, repeat; no residency sets).
 //
-// Published decode times (reference/residency-dossier.txt):
+// Published decode times (the tables of llama.cpp PR 10119):
 //   F16   29 ms up to a 1000 ms pause, 227 ms at 1200 ms, 413-472 ms from 1400 ms up
 //   Q8_0  19 ms up to 1000 ms,         106 ms at 1200 ms, 225-299 ms from 1400 ms up
 //   Q4_0  14 ms up to 800 ms, 24 ms at 1000 ms, 86 ms at 1200 ms, 158-216 ms from 1400 ms up

@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: MIT
 // The decode-equivalent pass on the GPU: one matrix-vector product per weight matrix of a GGUF
 // model held in device memory, all matrices in one launch (a model has hundreds of matrices;
-// one launch each would cost more in launch overhead than the pass itself on an H200).
+// one launch each would cost more in launch overhead than the pass itself on a fast GPU).
 // Each warp computes whole rows: global row g belongs to the matrix whose [row_start,
 // row_start + rows) holds it (binary search over the table). Memory-bound by design: every
 // weight byte is read once, as in a real decode step.

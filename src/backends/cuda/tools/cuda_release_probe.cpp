@@ -3,9 +3,9 @@
 // was released, as in a switch under a GPU budget (one server releases its model, the next
 // wakes its own at once).
 //
-// A wake right after a sleep ran at 0.93 of a plain pinned copy, and at 0.99 after a pause of
-// 2 s (bench/results/2026-12-01-h200-wake-after-idle.md); a switch is exactly that case. This
-// program measures the window: for each delay d,
+// A wake right after a sleep ran measurably slower than a plain pinned copy, and at the copy's
+// rate after a pause of a few seconds (docs/measurements.md, "cuda backend"); a switch is exactly
+// that case. This program measures the window: for each delay d,
 //   - the "victim": --free-gib of scratch device memory through a cuda backend (cuMemCreate
 //     chunks of 256 MiB, mapped, then written with cuMemsetD8), left quiet for --quiet-ms, then
 //     released (end_residency: a scratch set is discarded, so the release is unmap + release

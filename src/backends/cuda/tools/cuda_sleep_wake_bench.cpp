@@ -8,7 +8,7 @@
 //
 //   for each size: allocate `weights` through the backend and fill it with a pattern; then
 //     plain copies: a cuMemAlloc buffer and a cuMemHostAlloc buffer of the same size (the
-//       pinning is timed too: it is what the first sleep cost before 2026-12-01), per
+//       pinning is timed too: it is what a first sleep that pins with cuMemHostAlloc costs), per
 //       iteration one cuMemcpyDtoH and one cuMemcpyHtoD of the whole size; the host buffer is
 //       freed before the backend's first sleep (a 64 GiB backup and a second 64 GiB pinned
 //       buffer would not both fit in the 128 GiB of a typical GPU host)

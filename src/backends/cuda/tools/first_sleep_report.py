@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 # SPDX-License-Identifier: MIT
-"""Tables of residency's cuda sleep/wake rates against PyTorch's in the same run (issue 11,
-items 3 and 4), from the JSON that residency_cuda_bench (--json) and
-torch_sleep_wake_baseline.py (--json) wrote. Markdown on stdout.
+"""Tables of residency's cuda sleep/wake rates against PyTorch's in the same run, from the JSON
+that residency_cuda_bench (--json) and torch_sleep_wake_baseline.py (--json) wrote. Markdown on
+stdout.
 
 usage: first_sleep_report.py CUDA_BENCH_JSON TORCH_BASELINE_JSON
 """

@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 # SPDX-License-Identifier: MIT
 """PyTorch's own ways to put a GPU tensor to sleep in host memory and wake it, timed the way
-residency_cuda_bench times the cuda backend (issue 11, item 4), so that one run can report
-residency's rates as ratios to them.
+residency_cuda_bench times the cuda backend, so that one run can report residency's rates as ratios
+to them.
 
 Per size, each mode in a process of its own (so that one mode's pinned or cached memory does
 not stay around for the next):
