@@ -267,8 +267,7 @@ void Admission::pace(std::uint64_t bytes) {
   pace_credit_ = 0;
   if (want == 0 || exiting_) return;
   pace_owed_ -= want;
-  if (shared_->acquire(want, clock_.now().count(), ledger::kAskWait, /*partial=*/false, ledger::kNoMinimumIdle) ==
-      want) {
+  if (shared_->acquire(want, clock_.now().count(), ledger::kAskWait, /*partial=*/false, ledger::kNoMinimumIdle) == want) {
     // The holder asked gave back at once what it had: the rest that is free now, in one take.
     const std::uint64_t more = pace_owed_ != 0 ? shared_->acquire(pace_owed_, clock_.now().count(), Nanos(0), true) : 0;
     pace_owed_ -= more;
@@ -431,7 +430,7 @@ bool Admission::reserve_for_wire() {
     // Device memory sleeps until there is room: the others are asked first, then it wakes, over
     // the budget if nobody could give way. A backend that paces its wakes begins in the room the
     // ledger holds and the rest is asked for while it runs (pace()): the other's release and this
-    // wake overlap where the budget allows (DESIGN §14).
+    // wake overlap where the budget allows (docs/design.md, "The GPU budget").
     const std::uint64_t wired = sets_.requested_bytes() + unmanaged_;
     if (asking() && paced_wake_ && shared_->held() > wired) {
       pacing_ = true;

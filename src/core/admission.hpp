@@ -115,8 +115,8 @@ class Admission {
   // this much without its lock, then tries again after begin_retry() (ResidencyCycle::retry()),
   // and that attempt says what still does not fit.
   // Whether that room is for device memory (asked of any holder not inside a call, however short
-  // its idle: DESIGN §14) or for host memory (asked of holders idle for ledger::kIdleBeforeAsked).
-  // `device_full`: device memory that could not wake because the device itself is full (the
+  // its idle: docs/design.md, "The GPU budget") or for host memory (asked of holders idle for
+  // ledger::kIdleBeforeAsked). `device_full`: device memory that could not wake because the device itself is full (the
   // budget had room): the others are asked to give back that much (Ledger::ask_to_free).
   struct RoomWanted {
     std::uint64_t bytes = 0;

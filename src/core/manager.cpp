@@ -189,7 +189,7 @@ struct Manager::Impl {
     if (!try_lock_for(20)) return;
     MutexLock g(mu, std::adopt_lock);
     cycle.give_back_if_idle(asker, device_holder.load(std::memory_order_relaxed) ? ledger::kNoMinimumIdle
-                                                                                : ledger::kIdleBeforeAsked);
+                                                                                 : ledger::kIdleBeforeAsked);
   }
 
   // The backend's allocation. When the device itself is full (the budget had room, or processes
@@ -197,8 +197,7 @@ struct Manager::Impl {
   // boundedly; it fails only when nobody could give way.
   Result<void*> allocate_locked(std::size_t size, RegionClass cls) RESIDENCY_REQUIRES(mu) {
     Result<void*> p = backend->allocate(size, cls);
-    for (int i = 0; i < kOutOfMemoryRetries && !p && p.status().code() == ErrorCode::out_of_memory && shared_ledger;
-         ++i) {
+    for (int i = 0; i < kOutOfMemoryRetries && !p && p.status().code() == ErrorCode::out_of_memory && shared_ledger; ++i) {
       mu.unlock();
       std::uint64_t freed = 0;
       try {
@@ -230,7 +229,7 @@ struct Manager::Impl {
     }
   }
 
-  // Device memory under a shared budget (DESIGN §14): set by the first allocate(). Such a holder
+  // Device memory under a shared budget (docs/design.md, "The GPU budget"): set by the first allocate(). Such a holder
   // is asked however short its idle, and at the end of each call it looks whether the budget is
   // over (a wake over it, when every other holder was inside a call) and repays: the least
   // recently used holder sleeps until the sum fits (repay()).
@@ -374,7 +373,7 @@ Result<Allocation> Manager::allocate(std::size_t size, RegionClass cls, int prio
   Impl& m = *impl_;
   if (size == 0) return Status(ErrorCode::invalid_argument, "allocate: size is 0");
   if (m.shared_ledger) {
-    // Room first (DESIGN §14): reserved in the shared budget, the others asked at the end of this
+    // Room first (docs/design.md, "The GPU budget"): reserved in the shared budget, the others asked at the end of this
     // scope when it is full, and only then allocated.
     m.device_holder.store(true, std::memory_order_relaxed);
     Impl::Locked g(m);
