@@ -1353,7 +1353,7 @@ std::uint64_t Ledger::take_over_budget(std::uint64_t) { return 0; }
 std::string Ledger::problem() const { return {}; }
 bool Ledger::usable() const { return false; }
 void Ledger::release(std::uint64_t) {}
-void Ledger::listen_loop() {}
+void Ledger::listen_loop(ListenerState&) {}
 
 }  // namespace residency::ledger
 
