@@ -30,7 +30,7 @@
 
 namespace residency::ledger {
 
-class Lock;  // the ledger's lock and its copy of the table (ledger.cpp)
+class Lock;  // the ledger's lock and its copy of the table (ledger_lock.hpp)
 
 // Holders per ledger: a machine runs a handful of inference servers, each with a few models; 64
 // is far above that and keeps the ledger in 5 pages.
@@ -49,7 +49,7 @@ inline constexpr std::chrono::nanoseconds kNoMinimumIdle{0};
 // How long an asker waits for asked holders to give back before it wires what fits.
 inline constexpr std::chrono::nanoseconds kAskWait = std::chrono::seconds(2);
 // How long attach() waits for the ledger's lock before it fails with a message naming the ledger
-// and the process that holds the lock. Other waits for the lock are shorter (ledger.cpp): a
+// and the process that holds the lock. Other waits for the lock are shorter (ledger_lock.hpp): a
 // decode's acquire() gives up after milliseconds and the caller goes on unwired (problem()).
 inline constexpr std::chrono::nanoseconds kJoinWait = std::chrono::seconds(3);
 
@@ -202,7 +202,7 @@ class Ledger {
 
   std::uint64_t asks_sent() const { return asks_sent_.load(std::memory_order_relaxed); }
 
-  struct Shared;  // the layout in shared memory (ledger.cpp)
+  struct Shared;  // the layout in shared memory (ledger_file.hpp)
 
  private:
   // What the listener thread and its stopper share. Owned by the thread too: a thread that could

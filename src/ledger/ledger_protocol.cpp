@@ -1,0 +1,295 @@
+// SPDX-License-Identifier: MIT
+// The ledger's protocol (ledger.hpp, "Asking"): reserving and giving back, asking holders to give
+// back when the budget is full, and whose turn it is to repay a debt over the budget.
+#include "ledger.hpp"
+
+#include "ledger_file.hpp"
+
+#if RESIDENCY_LEDGER_LINUX
+
+#include <algorithm>
+#include <cerrno>
+#include <cstddef>
+#include <vector>
+
+#include <unistd.h>
+
+#include "ledger_lock.hpp"
+
+namespace residency::ledger {
+
+namespace {
+
+constexpr Nanos kCancelPoll = std::chrono::milliseconds(50);  // the ask wait checks for cancellation this often
+
+// Whether an ask could get anything back from the holder: it holds more than its floor.
+bool askable(const Slot& sl) {
+  return sl.bytes.load(std::memory_order_relaxed) > (std::uint64_t{sl.floor_mib.load(std::memory_order_relaxed)} << 20);
+}
+
+// Writes an ask into holder `i`'s word and wakes its listener (under the lock). Returns its id.
+std::uint32_t ask_holder(Lock& lock, std::uint32_t i, int self, std::uint64_t self_start, std::int64_t deadline) {
+  const Shared& s = lock.table();
+  const Slot& v = s.slots[i];
+  std::uint32_t id = s.ask_serial.load(std::memory_order_relaxed) + 1;
+  if (id == 0 || id == kStopWord) id = 1;  // 0 means "nothing asked"
+  lock.put(s.ask_serial, id);
+  lock.put(v.asker_pid, std::int32_t{self});
+  lock.put(v.asker_start, self_start);
+  lock.put(v.ask_deadline, deadline);
+  lock.put(v.ask, id);  // last: the listener reads the rest under the lock once woken
+  futex_wake(lock.mapped(v.ask), 1);
+  return id;
+}
+
+}  // namespace
+
+// Asks the other holders, one at a time, until `done` (run under the lock, on a sound ledger)
+// says so, nobody is left to ask, or `wait` is over. The holder to ask: priority <= ours, idle at
+// least `min_idle` at `now`, holding bytes; the lowest priority first, then the one idle longest.
+// One inside a call declines (its answer clears the word at once) and the next is asked. The asks
+// still in their holders' words are withdrawn before it returns. Returns 1 when done said so, 0
+// when not, -1 when the ledger could not be used (problem() says why).
+int Ledger::ask_until(const std::function<bool(Lock&)>& done, std::int64_t now, Nanos wait, Nanos min_idle) {
+  if (detached_ || !mine()) return -1;
+  if (broken_.load(std::memory_order_acquire)) {
+    if (problem().empty())
+      set_problem("its ledger " + path_ + " was found corrupt; this process wires nothing more under it");
+    return -1;
+  }
+  if (removed_.load(std::memory_order_acquire)) return -1;  // problem() says so still
+  const int self = ::getpid();
+  const std::uint64_t self_start = self_start_;
+  // Whether a lock just taken may be used; else problem() says why and nothing is granted.
+  auto usable = [&](const Lock& lock) {
+    if (lock.corrupt()) return corrupt(lock.why()), false;
+    if (!lock.ok()) return lock_not_obtained(lock.why()), false;
+    if (!own_slot_sound(lock.table()))
+      return corrupt("the slot of this process (" + std::to_string(slot_) + ") was overwritten"), false;
+    if (!path_is_ours(fd_, path_)) return removed(), false;
+    set_problem({});
+    return true;
+  };
+  const std::int64_t deadline = monotonic_ns() + wait.count();
+  struct Asked {
+    std::uint32_t slot;
+    std::uint32_t id;
+  };
+  std::vector<Asked> asked;
+  // Under the lock: the asks still in their holders' words are withdrawn (this wait is over).
+  auto withdraw = [&](Lock& lock) {
+    for (const Asked& a : asked) {
+      const Slot& sl = lock.table().slots[a.slot];
+      if (sl.ask.load(std::memory_order_relaxed) == a.id) lock.put(sl.ask, std::uint32_t{0});
+    }
+    asked.clear();
+  };
+  for (bool first = true;; first = false) {
+    std::uint32_t gen = 0;
+    bool outstanding = false, asked_now = false;
+    {
+      Lock lock(fd_, local_, shm_, kUseLockWait);
+      if (!usable(lock)) return -1;  // the asks expire at their deadline
+      reclaim(lock, self, self_start);
+      if (done(lock)) {
+        withdraw(lock);
+        return 1;
+      }
+      if (!first && (wait.count() <= 0 || monotonic_ns() >= deadline)) {
+        withdraw(lock);
+        return 0;
+      }
+      const Shared& s = lock.table();
+      for (const Asked& a : asked)
+        if (s.slots[a.slot].ask.load(std::memory_order_relaxed) == a.id) outstanding = true;
+      if (!outstanding && wait.count() > 0) {
+        const std::int64_t idle_before = now - min_idle.count();
+        std::uint32_t best = kMaxHolders;
+        for (std::uint32_t i = 0; i < kMaxHolders; ++i) {
+          const Slot& sl = s.slots[i];
+          if (i == slot_ || !sl.occupied.load(std::memory_order_relaxed) || !askable(sl) ||
+              sl.ask.load(std::memory_order_relaxed) != 0 || sl.priority.load(std::memory_order_relaxed) > priority_ ||
+              sl.last_use.load(std::memory_order_relaxed) > idle_before)
+            continue;
+          if (std::any_of(asked.begin(), asked.end(), [&](const Asked& a) { return a.slot == i; })) continue;
+          if (best == kMaxHolders) {
+            best = i;
+            continue;
+          }
+          const Slot& b = s.slots[best];
+          const int pa = sl.priority.load(std::memory_order_relaxed), pb = b.priority.load(std::memory_order_relaxed);
+          if (pa < pb ||
+              (pa == pb && sl.last_use.load(std::memory_order_relaxed) < b.last_use.load(std::memory_order_relaxed)))
+            best = i;
+        }
+        if (best != kMaxHolders) {
+          asked.push_back({best, ask_holder(lock, best, self, self_start, deadline)});
+          asks_sent_.fetch_add(1, std::memory_order_relaxed);
+          asked_now = true;
+        }
+      }
+      if (!outstanding && !asked_now) {  // nobody left to ask
+        withdraw(lock);
+        return 0;
+      }
+      gen = s.generation.load(std::memory_order_relaxed);
+    }
+    // In slices, so that cancel_shared_budget_waits() (a signal to the process) ends it soon.
+    const std::int64_t left = std::min<std::int64_t>(deadline - monotonic_ns(), kCancelPoll.count());
+    if (g_joins_cancelled.load(std::memory_order_acquire)) wait = Nanos(0);  // the next pass is the last
+    if (left > 0 && wait.count() > 0) {
+      const timespec ts{static_cast<time_t>(left / 1'000'000'000), static_cast<long>(left % 1'000'000'000)};
+      futex_wait(shm_->generation, gen, &ts);  // the kernel compares: nothing of the mapping is loaded
+    }
+  }
+}
+
+std::uint64_t Ledger::acquire(std::uint64_t bytes, std::int64_t now, Nanos wait, bool partial, Nanos min_idle) {
+  if (bytes == 0) return 0;
+  std::uint64_t got = 0;
+  auto take = [&](Lock& lock, std::uint64_t n) {
+    const Slot& mine = lock.table().slots[slot_];
+    lock.put(mine.bytes, mine.bytes.load(std::memory_order_relaxed) + n);
+    held_.fetch_add(n, std::memory_order_relaxed);
+    got = n;
+  };
+  // The whole of it once it fits; what is free if `partial`, without a wait or after it.
+  auto fit = [&](Lock& lock, bool final) {
+    const Shared& s = lock.table();
+    const std::uint64_t used = used_bytes(s), free = used < s.budget ? s.budget - used : 0;
+    if (free >= bytes) return take(lock, bytes), true;
+    if (final && partial && free > 0) return take(lock, free), true;
+    return false;
+  };
+  const int r = ask_until([&](Lock& lock) { return fit(lock, wait.count() <= 0); }, now, wait, min_idle);
+  if (r != 0 || wait.count() <= 0) return got;
+  return ask_until([&](Lock& lock) { return fit(lock, true); }, now, Nanos(0), min_idle) > 0 ? got : 0;
+}
+
+std::uint64_t Ledger::ask_to_free(std::uint64_t bytes, std::int64_t now, Nanos wait, Nanos min_idle, bool* asked) {
+  const std::uint64_t asks_before = asks_sent_.load(std::memory_order_relaxed);
+  struct Said {
+    bool* asked;
+    const std::atomic<std::uint64_t>& sent;
+    std::uint64_t before;
+    ~Said() {
+      if (asked) *asked = sent.load(std::memory_order_relaxed) != before;
+    }
+  } said{asked, asks_sent_, asks_before};
+  if (bytes == 0 || !shm_) return 0;
+  std::uint64_t others_before = 0, others_now = 0;
+  bool measured = false;
+  auto others = [&](const Shared& s) { return used_bytes(s) - s.slots[slot_].bytes.load(std::memory_order_relaxed); };
+  (void)ask_until(
+      [&](Lock& lock) {
+        others_now = others(lock.table());
+        if (!measured) {
+          measured = true;
+          others_before = others_now;
+        }
+        return others_before - std::min(others_before, others_now) >= bytes;
+      },
+      now, wait, min_idle);
+  return others_before - std::min(others_before, others_now);
+}
+
+std::uint64_t Ledger::take_over_budget(std::uint64_t bytes) {
+  if (bytes == 0 || detached_ || !mine() || !usable()) return 0;
+  Lock lock(fd_, local_, shm_, kUseLockWait);
+  if (lock.corrupt()) return corrupt(lock.why());
+  if (!lock.ok()) return lock_not_obtained(lock.why());
+  if (!own_slot_sound(lock.table()))
+    return corrupt("the slot of this process (" + std::to_string(slot_) + ") was overwritten");
+  if (!path_is_ours(fd_, path_)) return removed();
+  set_problem({});
+  reclaim(lock, ::getpid(), self_start_);
+  const Slot& mine = lock.table().slots[slot_];
+  lock.put(mine.bytes, mine.bytes.load(std::memory_order_relaxed) + bytes);
+  held_.fetch_add(bytes, std::memory_order_relaxed);
+  return bytes;
+}
+
+std::uint64_t Ledger::over_budget() const {
+  if (!shm_ || detached_ || !mine() || broken_.load(std::memory_order_acquire) || removed_.load(std::memory_order_acquire))
+    return 0;
+  // A copy, as `residency stat` reads it: a few kB, no lock.
+  Shared copy;  // on the stack: read at every end of a device holder's call, no allocation
+  if (::pread(fd_, static_cast<void*>(&copy), sizeof(Shared), 0) != static_cast<ssize_t>(sizeof(Shared)) ||
+      !check_table(copy).empty())
+    return 0;
+  const std::uint64_t used = used_bytes(copy);
+  return used > copy.budget ? used - copy.budget : 0;
+}
+
+bool Ledger::repay_turn() {
+  if (!shm_ || detached_ || !mine() || !usable()) return false;
+  Lock lock(fd_, local_, shm_, kUseLockWait);
+  if (lock.corrupt()) return corrupt(lock.why()), false;
+  if (!lock.ok()) return false;  // the next end of a call looks again
+  if (!own_slot_sound(lock.table()))
+    return corrupt("the slot of this process (" + std::to_string(slot_) + ") was overwritten"), false;
+  const int self = ::getpid();
+  reclaim(lock, self, self_start_);
+  const Shared& s = lock.table();
+  if (used_bytes(s) <= s.budget) return false;
+  std::uint32_t turn = kMaxHolders;
+  for (std::uint32_t i = 0; i < kMaxHolders; ++i) {
+    const Slot& sl = s.slots[i];
+    if (!sl.occupied.load(std::memory_order_relaxed) || !askable(sl)) continue;
+    if (turn == kMaxHolders) {
+      turn = i;
+      continue;
+    }
+    const Slot& b = s.slots[turn];
+    const int pa = sl.priority.load(std::memory_order_relaxed), pb = b.priority.load(std::memory_order_relaxed);
+    if (pa < pb || (pa == pb && sl.last_use.load(std::memory_order_relaxed) < b.last_use.load(std::memory_order_relaxed)))
+      turn = i;
+  }
+  if (turn == slot_) return true;
+  if (turn != kMaxHolders && s.slots[turn].ask.load(std::memory_order_relaxed) == 0) {
+    (void)ask_holder(lock, turn, self, self_start_, monotonic_ns() + kAskWait.count());
+    asks_sent_.fetch_add(1, std::memory_order_relaxed);
+  }
+  return false;
+}
+
+void Ledger::set_floor(std::uint64_t bytes) {
+  if (!shm_ || detached_ || !mine() || !usable()) return;
+  const auto mib = static_cast<std::uint32_t>(std::min<std::uint64_t>(bytes >> 20, UINT32_MAX));
+  Lock lock(fd_, local_, shm_, kUseLockWait);
+  if (lock.corrupt() || !lock.ok() || !own_slot_sound(lock.table())) return;  // a hint: the next change writes it
+  lock.put(lock.table().slots[slot_].floor_mib, mib);
+}
+
+void Ledger::release(std::uint64_t bytes) {
+  bytes = std::min(bytes, held_.load(std::memory_order_relaxed));
+  if (bytes == 0 || detached_ || !mine()) return;
+  if (broken_.load(std::memory_order_acquire)) {  // only our own count; the ledger is not touched
+    held_.fetch_sub(bytes, std::memory_order_relaxed);
+    return;
+  }
+  {
+    // Even if the lock could not be taken, our own slot is ours to write (once the file is known
+    // to cover it).
+    Lock lock(fd_, local_, shm_, kUseLockWait);
+    if (lock.corrupt() || (!lock.ok() && !covers_mapping()) || (lock.ok() && !own_slot_sound(lock.table()))) {
+      broken_.store(true, std::memory_order_release);
+      held_.fetch_sub(bytes, std::memory_order_relaxed);
+      return;
+    }
+    const std::uint64_t left = held_.load(std::memory_order_relaxed) - bytes;
+    if (lock.ok()) {
+      lock.put(lock.table().slots[slot_].bytes, left);
+      held_.fetch_sub(bytes, std::memory_order_relaxed);
+      bump(lock);
+      return;
+    }
+    put_own(offsetof(Slot, bytes), left);
+    held_.fetch_sub(bytes, std::memory_order_relaxed);
+  }
+  futex_wake(shm_->generation, INT32_MAX);
+}
+
+}  // namespace residency::ledger
+
+#endif  // RESIDENCY_LEDGER_LINUX
