@@ -147,10 +147,7 @@ void Ledger::leave() {
   // Bounded: a lock stopped elsewhere costs this process its exit time, at most this long. Not
   // obtained, our slot is still ours to clear; reclaiming the dead and retiring wait for the next.
   Lock lock(fd_, local_, shm_, kLeaveLockWait, /*cancellable=*/true);
-  if (lock.corrupt() || (!lock.ok() && !covers_mapping()) || (lock.ok() && !own_slot_sound(lock.table()))) {
-    broken_.store(true, std::memory_order_release);
-    return;
-  }
+  if (found_broken(lock)) return;
   if (!lock.ok()) {  // our own words (no copy was read); the next locker sees the slot free
     put_own(offsetof(Slot, bytes), std::uint64_t{0});
     put_own(offsetof(Slot, ask), std::uint32_t{0});
@@ -193,6 +190,49 @@ bool Ledger::own_slot_sound(const Shared& t) const {
   return sl.occupied.load(std::memory_order_relaxed) == 1 && sl.pid.load(std::memory_order_relaxed) == owner_pid_ &&
          sl.start_time.load(std::memory_order_relaxed) == self_start_ &&
          sl.bytes.load(std::memory_order_relaxed) == held_.load(std::memory_order_relaxed);
+}
+
+// The preamble of a section that reserves, asks or repays, run as soon as `lock` was taken.
+// Returns whether the section may go on: the lock was obtained on a sound ledger and our slot
+// still names us and what we hold. A ledger found corrupt, or our slot overwritten, is not used
+// again (corrupt()). Then the slots of dead holders are reclaimed. Section::grant (acquire,
+// ask_to_free, take_over_budget) also keeps problem() about why nothing was granted: a lock not
+// obtained is recorded (lock_not_obtained()), a path that no longer names our file ends the
+// ledger's use (removed(): taking more under a removed file would split the budget), and a section
+// that goes on clears the record. Section::repay (repay_turn(), at every end of a call) records
+// nothing for a lock not obtained (the next end of a call looks again), and neither checks the
+// path nor clears problem().
+bool Ledger::begin_section(Lock& lock, Section section) {
+  const bool grant = section == Section::grant;
+  if (lock.corrupt()) return corrupt(lock.why()), false;
+  if (!lock.ok()) {
+    if (grant) lock_not_obtained(lock.why());
+    return false;
+  }
+  if (!own_slot_sound(lock.table()))
+    return corrupt("the slot of this process (" + std::to_string(slot_) + ") was overwritten"), false;
+  if (grant) {
+    if (!path_is_ours(fd_, path_)) return removed(), false;
+    set_problem({});
+  }
+  reclaim(lock, ::getpid(), self_start_);
+  return true;
+}
+
+// The check of a section that writes only this holder's own slot (release(), leave(), the
+// listener's answer). True when the ledger must be given up, and then marks it broken (nothing of
+// it is touched again): the lock found it corrupt; or was not obtained, and the file no longer
+// covers our mapping; or was obtained, and our slot no longer names us or what we hold
+// (OwnSlot::skip leaves this last check out: the listener's clearing of an ask it answered, as it
+// always has). A lock not obtained on a file of the right size is no failure: our own slot is ours
+// to write without it (put_own()).
+bool Ledger::found_broken(const Lock& lock, OwnSlot own_slot) {
+  if (lock.corrupt() || (!lock.ok() && !covers_mapping()) ||
+      (own_slot == OwnSlot::check && lock.ok() && !own_slot_sound(lock.table()))) {
+    broken_.store(true, std::memory_order_release);
+    return true;
+  }
+  return false;
 }
 
 // The reason a lock taken for this holder cannot be used, recorded for problem(); the ledger is

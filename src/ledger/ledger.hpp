@@ -222,6 +222,13 @@ class Ledger {
   void end_listener();
   bool covers_mapping() const;
   bool own_slot_sound(const Shared& table) const;
+  // The checks a section runs once it has taken the lock, each written once (ledger.cpp says what
+  // each checks): begin_section() before reserving, asking or repaying; found_broken() before
+  // writing only this holder's own slot (giving back, leaving, answering an ask).
+  enum class Section { grant, repay };
+  bool begin_section(Lock& lock, Section section) RESIDENCY_REQUIRES(local_);
+  enum class OwnSlot { check, skip };
+  bool found_broken(const Lock& lock, OwnSlot own_slot = OwnSlot::check) RESIDENCY_REQUIRES(local_);
   // A word of our own slot (`field`: its offset in a Slot), written by write_word() without the lock.
   template <typename T>
   void put_own(std::size_t field, T value) const;

@@ -111,10 +111,7 @@ void Ledger::listen_loop(ListenerState& st) {
     int asker = 0;
     {
       Lock lock(fd_, local_, shm_, kAnswerLockWait);
-      if (lock.corrupt() || (!lock.ok() && !covers_mapping()) || (lock.ok() && !own_slot_sound(lock.table()))) {
-        broken_.store(true, std::memory_order_release);
-        continue;
-      }
+      if (found_broken(lock)) continue;
       if (!lock.ok()) {  // cannot be read: wait for the next wake, unless the word is still 0
         std::uint32_t now = 0;
         seen = ::pread(fd_, &now, sizeof now, own_offset(offsetof(Slot, ask))) == static_cast<ssize_t>(sizeof now) ? now
@@ -133,10 +130,7 @@ void Ledger::listen_loop(ListenerState& st) {
     if (asker != 0 && on_asked_) on_asked_(asker);
     {
       Lock lock(fd_, local_, shm_, kAnswerLockWait);
-      if (lock.corrupt() || (!lock.ok() && !covers_mapping())) {
-        broken_.store(true, std::memory_order_release);
-        continue;
-      }
+      if (found_broken(lock, OwnSlot::skip)) continue;
       if (!lock.ok()) {  // not cleared: the asker withdraws it; meanwhile this thread sleeps while it stays
         seen = v;
         continue;

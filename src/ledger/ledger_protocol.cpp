@@ -27,6 +27,45 @@ bool askable(const Slot& sl) {
   return sl.bytes.load(std::memory_order_relaxed) > (std::uint64_t{sl.floor_mib.load(std::memory_order_relaxed)} << 20);
 }
 
+// Which holders the choice may fall on, besides holding more than their floor (askable()). The
+// defaults leave none out: whose turn it is to repay a debt is decided among all the holders.
+struct Candidates {
+  std::uint32_t except = kMaxHolders;  // never this slot (an asker's own)
+  int max_priority = INT32_MAX;        // only holders of this priority or a lower one (an asker's)
+  // Only holders whose last use is at most this: the asker's `now - min_idle`, min_idle being
+  // kIdleBeforeAsked for host memory (a decoding process is never asked) and kNoMinimumIdle for
+  // device memory (any holder is asked, and one inside a call declines: ledger.hpp says why).
+  std::int64_t idle_before = INT64_MAX;
+  bool unasked_only = false;  // only holders with no ask in their word already
+  std::uint64_t passed = 0;   // bit i: slot i was asked already in this wait, and is passed over
+};
+static_assert(kMaxHolders <= 64, "Candidates::passed has a bit per slot");
+
+// The holder choice (docs/design.md, "The ledger protocol"), for asking and for repaying: among the
+// occupied holders that hold more than their floor and are candidates, the one of the lowest
+// priority, then the one idle longest (least recently used); the lowest slot on a tie. Returns
+// kMaxHolders when there is none.
+std::uint32_t choose_holder(const Shared& s, const Candidates& c) {
+  std::uint32_t best = kMaxHolders;
+  for (std::uint32_t i = 0; i < kMaxHolders; ++i) {
+    const Slot& sl = s.slots[i];
+    if (i == c.except || !sl.occupied.load(std::memory_order_relaxed) || !askable(sl) ||
+        (c.unasked_only && sl.ask.load(std::memory_order_relaxed) != 0) ||
+        sl.priority.load(std::memory_order_relaxed) > c.max_priority ||
+        sl.last_use.load(std::memory_order_relaxed) > c.idle_before || ((c.passed >> i) & 1) != 0)
+      continue;
+    if (best == kMaxHolders) {
+      best = i;
+      continue;
+    }
+    const Slot& b = s.slots[best];
+    const int pa = sl.priority.load(std::memory_order_relaxed), pb = b.priority.load(std::memory_order_relaxed);
+    if (pa < pb || (pa == pb && sl.last_use.load(std::memory_order_relaxed) < b.last_use.load(std::memory_order_relaxed)))
+      best = i;
+  }
+  return best;
+}
+
 // Writes an ask into holder `i`'s word and wakes its listener (under the lock). Returns its id.
 std::uint32_t ask_holder(Lock& lock, std::uint32_t i, int self, std::uint64_t self_start, std::int64_t deadline) {
   const Shared& s = lock.table();
@@ -45,8 +84,8 @@ std::uint32_t ask_holder(Lock& lock, std::uint32_t i, int self, std::uint64_t se
 }  // namespace
 
 // Asks the other holders, one at a time, until `done` (run under the lock, on a sound ledger)
-// says so, nobody is left to ask, or `wait` is over. The holder to ask: priority <= ours, idle at
-// least `min_idle` at `now`, holding bytes; the lowest priority first, then the one idle longest.
+// says so, nobody is left to ask, or `wait` is over. The holder to ask: choose_holder() among those
+// of priority <= ours, idle at least `min_idle` at `now`, not asked already.
 // One inside a call declines (its answer clears the word at once) and the next is asked. The asks
 // still in their holders' words are withdrawn before it returns. Returns 1 when done said so, 0
 // when not, -1 when the ledger could not be used (problem() says why).
@@ -60,16 +99,6 @@ int Ledger::ask_until(const std::function<bool(Lock&)>& done, std::int64_t now, 
   if (removed_.load(std::memory_order_acquire)) return -1;  // problem() says so still
   const int self = ::getpid();
   const std::uint64_t self_start = self_start_;
-  // Whether a lock just taken may be used; else problem() says why and nothing is granted.
-  auto usable = [&](const Lock& lock) {
-    if (lock.corrupt()) return corrupt(lock.why()), false;
-    if (!lock.ok()) return lock_not_obtained(lock.why()), false;
-    if (!own_slot_sound(lock.table()))
-      return corrupt("the slot of this process (" + std::to_string(slot_) + ") was overwritten"), false;
-    if (!path_is_ours(fd_, path_)) return removed(), false;
-    set_problem({});
-    return true;
-  };
   const std::int64_t deadline = monotonic_ns() + wait.count();
   struct Asked {
     std::uint32_t slot;
@@ -89,8 +118,7 @@ int Ledger::ask_until(const std::function<bool(Lock&)>& done, std::int64_t now, 
     bool outstanding = false, asked_now = false;
     {
       Lock lock(fd_, local_, shm_, kUseLockWait);
-      if (!usable(lock)) return -1;  // the asks expire at their deadline
-      reclaim(lock, self, self_start);
+      if (!begin_section(lock, Section::grant)) return -1;  // the asks expire at their deadline
       if (done(lock)) {
         withdraw(lock);
         return 1;
@@ -103,25 +131,13 @@ int Ledger::ask_until(const std::function<bool(Lock&)>& done, std::int64_t now, 
       for (const Asked& a : asked)
         if (s.slots[a.slot].ask.load(std::memory_order_relaxed) == a.id) outstanding = true;
       if (!outstanding && wait.count() > 0) {
-        const std::int64_t idle_before = now - min_idle.count();
-        std::uint32_t best = kMaxHolders;
-        for (std::uint32_t i = 0; i < kMaxHolders; ++i) {
-          const Slot& sl = s.slots[i];
-          if (i == slot_ || !sl.occupied.load(std::memory_order_relaxed) || !askable(sl) ||
-              sl.ask.load(std::memory_order_relaxed) != 0 || sl.priority.load(std::memory_order_relaxed) > priority_ ||
-              sl.last_use.load(std::memory_order_relaxed) > idle_before)
-            continue;
-          if (std::any_of(asked.begin(), asked.end(), [&](const Asked& a) { return a.slot == i; })) continue;
-          if (best == kMaxHolders) {
-            best = i;
-            continue;
-          }
-          const Slot& b = s.slots[best];
-          const int pa = sl.priority.load(std::memory_order_relaxed), pb = b.priority.load(std::memory_order_relaxed);
-          if (pa < pb ||
-              (pa == pb && sl.last_use.load(std::memory_order_relaxed) < b.last_use.load(std::memory_order_relaxed)))
-            best = i;
-        }
+        Candidates c;
+        c.except = slot_;
+        c.max_priority = priority_;
+        c.idle_before = now - min_idle.count();
+        c.unasked_only = true;
+        for (const Asked& a : asked) c.passed |= std::uint64_t{1} << a.slot;
+        const std::uint32_t best = choose_holder(s, c);
         if (best != kMaxHolders) {
           asked.push_back({best, ask_holder(lock, best, self, self_start, deadline)});
           asks_sent_.fetch_add(1, std::memory_order_relaxed);
@@ -196,13 +212,7 @@ std::uint64_t Ledger::ask_to_free(std::uint64_t bytes, std::int64_t now, Nanos w
 std::uint64_t Ledger::take_over_budget(std::uint64_t bytes) {
   if (bytes == 0 || detached_ || !mine() || !usable()) return 0;
   Lock lock(fd_, local_, shm_, kUseLockWait);
-  if (lock.corrupt()) return corrupt(lock.why());
-  if (!lock.ok()) return lock_not_obtained(lock.why());
-  if (!own_slot_sound(lock.table()))
-    return corrupt("the slot of this process (" + std::to_string(slot_) + ") was overwritten");
-  if (!path_is_ours(fd_, path_)) return removed();
-  set_problem({});
-  reclaim(lock, ::getpid(), self_start_);
+  if (!begin_section(lock, Section::grant)) return 0;
   const Slot& mine = lock.table().slots[slot_];
   lock.put(mine.bytes, mine.bytes.load(std::memory_order_relaxed) + bytes);
   held_.fetch_add(bytes, std::memory_order_relaxed);
@@ -224,30 +234,13 @@ std::uint64_t Ledger::over_budget() const {
 bool Ledger::repay_turn() {
   if (!shm_ || detached_ || !mine() || !usable()) return false;
   Lock lock(fd_, local_, shm_, kUseLockWait);
-  if (lock.corrupt()) return corrupt(lock.why()), false;
-  if (!lock.ok()) return false;  // the next end of a call looks again
-  if (!own_slot_sound(lock.table()))
-    return corrupt("the slot of this process (" + std::to_string(slot_) + ") was overwritten"), false;
-  const int self = ::getpid();
-  reclaim(lock, self, self_start_);
+  if (!begin_section(lock, Section::repay)) return false;  // the next end of a call looks again
   const Shared& s = lock.table();
   if (used_bytes(s) <= s.budget) return false;
-  std::uint32_t turn = kMaxHolders;
-  for (std::uint32_t i = 0; i < kMaxHolders; ++i) {
-    const Slot& sl = s.slots[i];
-    if (!sl.occupied.load(std::memory_order_relaxed) || !askable(sl)) continue;
-    if (turn == kMaxHolders) {
-      turn = i;
-      continue;
-    }
-    const Slot& b = s.slots[turn];
-    const int pa = sl.priority.load(std::memory_order_relaxed), pb = b.priority.load(std::memory_order_relaxed);
-    if (pa < pb || (pa == pb && sl.last_use.load(std::memory_order_relaxed) < b.last_use.load(std::memory_order_relaxed)))
-      turn = i;
-  }
+  const std::uint32_t turn = choose_holder(s, Candidates{});  // among all holders, this one included
   if (turn == slot_) return true;
   if (turn != kMaxHolders && s.slots[turn].ask.load(std::memory_order_relaxed) == 0) {
-    (void)ask_holder(lock, turn, self, self_start_, monotonic_ns() + kAskWait.count());
+    (void)ask_holder(lock, turn, ::getpid(), self_start_, monotonic_ns() + kAskWait.count());
     asks_sent_.fetch_add(1, std::memory_order_relaxed);
   }
   return false;
@@ -272,8 +265,7 @@ void Ledger::release(std::uint64_t bytes) {
     // Even if the lock could not be taken, our own slot is ours to write (once the file is known
     // to cover it).
     Lock lock(fd_, local_, shm_, kUseLockWait);
-    if (lock.corrupt() || (!lock.ok() && !covers_mapping()) || (lock.ok() && !own_slot_sound(lock.table()))) {
-      broken_.store(true, std::memory_order_release);
+    if (found_broken(lock)) {
       held_.fetch_sub(bytes, std::memory_order_relaxed);
       return;
     }
