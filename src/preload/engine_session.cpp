@@ -301,9 +301,12 @@ void EngineSession::after_unmap_locked(const Cuts& c, std::uintptr_t b, std::uin
 void EngineSession::let_go_of_everything_locked(const char* why) noexcept {
   Host* h = active_locked();
   if (h == nullptr) return;
+  // Released first: unregistering a wired region promotes regions that waited for room, which a
+  // released manager only admits, never locks (the program's next lock must find the limit free).
+  if (Manager* m = host_.load(std::memory_order_relaxed)) m->release_now();
+  host_parts_ready_.store(nullptr, std::memory_order_release);  // lock-free readers see no host side
   drop_engine_memory_locked();
   (void)cut_locked(0, UINTPTR_MAX);
-  host_parts_ready_.store(nullptr, std::memory_order_release);  // lock-free readers see no host side
   program_locks_all_ = true;
   log_.info(std::string(why) + ": residency lets go of the memory it held and holds none from now on");
 }
@@ -330,7 +333,11 @@ void EngineSession::program_locked_all(int flags) noexcept {
 }
 
 bool EngineSession::step_aside_for_program_lock() noexcept {
-  if (active_host() == nullptr) return false;
+  const Host* h = active_host();
+  // Nothing registered: nothing of the session's counts against the limit.
+  if (h == nullptr || !(h->buffers.pieces().overlaps(0, UINTPTR_MAX) || h->code.pieces().overlaps(0, UINTPTR_MAX) ||
+                        h->memory.pieces().overlaps(0, UINTPTR_MAX)))
+    return false;
   unlock_before_take_back(0, UINTPTR_MAX);
   queue({MemoryEvents::Kind::program_needs_limit, 0, 0});
   return true;

@@ -71,13 +71,18 @@ template <class Call>
 void* map(std::size_t len, int prot, int flags, int fd, off64_t off, const void* caller, Call call) noexcept {
   if (in_hook() || forked_child()) return call();
   const bool wanted = SessionRules::may_be_model_file(prot, flags, fd, len);
+  const int saved = errno;
   void* r = call();
   if (r == MAP_FAILED && (flags & MAP_LOCKED) != 0 && errno == EAGAIN) {
-    // A locked mapping over the limit the session's locks count against: the program comes first.
+    // A locked mapping over the limit the session's locks count against: the program comes first
+    // (and its call, made again, leaves errno as one call would).
     EngineSession* s = started_session();
-    const int err = errno;
-    if (s != nullptr && s->step_aside_for_program_lock()) r = call();
-    else errno = err;
+    if (s != nullptr && s->step_aside_for_program_lock()) {
+      errno = saved;
+      r = call();
+    } else {
+      errno = EAGAIN;
+    }
   }
   if (r == MAP_FAILED) return r;
   const auto rb = reinterpret_cast<std::uintptr_t>(r);
@@ -567,7 +572,19 @@ RESIDENCY_PRELOAD_EXPORT void* mremap(void* old_addr, std::size_t old_size, std:
   // A locked mapping moved or grown stays locked, and the kernel populates all of it: what the
   // session held of it is let go of first. MREMAP_FIXED also replaces what was at new_address.
   if (!rp::program_call(__builtin_return_address(0))) return call();
+  const int saved = errno;
   void* r = rp::around_take_back(old_addr, old_size, call);
+  // EAGAIN: a locked mapping could not grow within RLIMIT_MEMLOCK, which the session's locks count
+  // against; the program comes first.
+  if (r == MAP_FAILED && errno == EAGAIN) {
+    rp::EngineSession* s = rp::started_session();
+    if (s != nullptr && s->step_aside_for_program_lock()) {
+      errno = saved;
+      r = rp::around_take_back(old_addr, old_size, call);
+    } else {
+      errno = EAGAIN;
+    }
+  }
   if (r != MAP_FAILED && (flags & MREMAP_FIXED) != 0)
     if (rp::EngineSession* s = rp::started_session()) {
       const auto b = reinterpret_cast<std::uintptr_t>(r);
