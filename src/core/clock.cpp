@@ -45,9 +45,11 @@ void SteadyClock::wait_until(std::unique_lock<std::mutex>& lock, std::condition_
                           std::chrono::duration_cast<std::chrono::steady_clock::duration>(*deadline)));
 }
 
+// Never destroyed: a manager nobody destroyed (the preload leaks its own on purpose) keeps its
+// scheduler thread, which may read the clock while exit() runs the static destructors.
 SteadyClock& SteadyClock::instance() {
-  static SteadyClock clock;
-  return clock;
+  static SteadyClock* const clock = new SteadyClock;
+  return *clock;
 }
 
 Nanos ManualClock::now() const noexcept { return Nanos(now_ns_.load(std::memory_order_acquire)); }
