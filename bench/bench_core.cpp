@@ -153,8 +153,8 @@ void BM_Commits(benchmark::State& state) {
     m.reset();
     state.ResumeTiming();
   }
-  state.counters["commits_per_64_regions"] =
-      benchmark::Counter(static_cast<double>(commits) / static_cast<double>(state.iterations()));
+  state.counters["commits_per_64_regions"] = benchmark::Counter(static_cast<double>(commits) /
+                                                                static_cast<double>(state.iterations()));
 }
 BENCHMARK(BM_Commits)->Arg(0)->Arg(1)->ArgName("batched");
 
@@ -201,13 +201,22 @@ void BM_IdleWakeups(benchmark::State& state) {
       (void)m->register_region(reinterpret_cast<void*>(std::uintptr_t(1) << 40), 1 << 20);
       while (m->stats().releases == 0) std::this_thread::sleep_for(std::chrono::milliseconds(10));
       const std::uint64_t w0 = m->stats().scheduler_wakeups;
-      const rusage r0 = [] { rusage r{}; getrusage(RUSAGE_SELF, &r); return r; }();
+      const rusage r0 = [] {
+        rusage r{};
+        getrusage(RUSAGE_SELF, &r);
+        return r;
+      }();
       std::this_thread::sleep_for(kWindow);
-      const rusage r1 = [] { rusage r{}; getrusage(RUSAGE_SELF, &r); return r; }();
+      const rusage r1 = [] {
+        rusage r{};
+        getrusage(RUSAGE_SELF, &r);
+        return r;
+      }();
       wakeups = m->stats().scheduler_wakeups - w0;
       // The whole process, this sleeping thread included: an upper bound for the scheduler.
-      used.cpu_s = static_cast<double>(r1.ru_utime.tv_sec - r0.ru_utime.tv_sec + r1.ru_stime.tv_sec - r0.ru_stime.tv_sec) +
-                   static_cast<double>(r1.ru_utime.tv_usec - r0.ru_utime.tv_usec + r1.ru_stime.tv_usec - r0.ru_stime.tv_usec) / 1e6;
+      used.cpu_s =
+          static_cast<double>(r1.ru_utime.tv_sec - r0.ru_utime.tv_sec + r1.ru_stime.tv_sec - r0.ru_stime.tv_sec) +
+          static_cast<double>(r1.ru_utime.tv_usec - r0.ru_utime.tv_usec + r1.ru_stime.tv_usec - r0.ru_stime.tv_usec) / 1e6;
       used.csw = (r1.ru_nvcsw - r0.ru_nvcsw) + (r1.ru_nivcsw - r0.ru_nivcsw) - 1;  // minus our own sleep
       if (used.csw < 0) used.csw = 0;
     }

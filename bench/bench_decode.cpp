@@ -279,10 +279,11 @@ int main(int argc, char** argv) {
     return 1;
   }
   bool all_ok = true;
-  std::printf("\ndecode pass vs a plain sum over the same bytes and llama.cpp's decode of the same file\n"
-              "(%llu MiB models, warm, %s kernels, %u threads; llama.cpp: %s):\n",
-              static_cast<unsigned long long>(mib), std::string(to_string(fixtures.begin()->second.pass->isa())).c_str(),
-              g_threads, g_llama_bench.empty() ? ("none, " + g_llama_reason).c_str() : g_llama_bench.c_str());
+  std::printf(
+      "\ndecode pass vs a plain sum over the same bytes and llama.cpp's decode of the same file\n"
+      "(%llu MiB models, warm, %s kernels, %u threads; llama.cpp: %s):\n",
+      static_cast<unsigned long long>(mib), std::string(to_string(fixtures.begin()->second.pass->isa())).c_str(),
+      g_threads, g_llama_bench.empty() ? ("none, " + g_llama_reason).c_str() : g_llama_bench.c_str());
   for (const auto& [type, o] : g_outcomes) {
     const double vs_sum = o.decode_gbps / o.sum_gbps;
     bool ok = vs_sum >= kRequiredRatio;
@@ -291,10 +292,11 @@ int main(int argc, char** argv) {
     if (o.llama_tps > 0) {
       const double vs_llama = o.decode_gbps / o.llama_gbps;
       ok = ok && vs_llama >= kRequiredLlamaRatio;
-      std::printf(", llama.cpp %.2f tok/s = %6.2f GB/s read (%.2f GB/s counting all tensor bytes) (decode/llama %.2f "
-                  ">= %.2f: %s; %.2f on all bytes)",
-                  o.llama_tps, o.llama_gbps, o.llama_all_gbps, vs_llama, kRequiredLlamaRatio,
-                  vs_llama >= kRequiredLlamaRatio ? "yes" : "NO", o.decode_gbps / o.llama_all_gbps);
+      std::printf(
+          ", llama.cpp %.2f tok/s = %6.2f GB/s read (%.2f GB/s counting all tensor bytes) (decode/llama %.2f "
+          ">= %.2f: %s; %.2f on all bytes)",
+          o.llama_tps, o.llama_gbps, o.llama_all_gbps, vs_llama, kRequiredLlamaRatio,
+          vs_llama >= kRequiredLlamaRatio ? "yes" : "NO", o.decode_gbps / o.llama_all_gbps);
     }
     std::printf("; decode/baseline %.2f\n", o.ratio);
     all_ok = all_ok && ok;

@@ -83,8 +83,9 @@ void BM_RegisterFreeRandom(benchmark::State& state) {
     m = Status(ErrorCode::ok, "");
     state.ResumeTiming();
   }
-  state.counters["regions_per_s"] =
-      benchmark::Counter(static_cast<double>(kRegions) * static_cast<double>(state.iterations()), benchmark::Counter::kIsRate);
+  state.counters["regions_per_s"] = benchmark::Counter(static_cast<double>(kRegions) *
+                                                           static_cast<double>(state.iterations()),
+                                                       benchmark::Counter::kIsRate);
 }
 BENCHMARK(BM_RegisterFreeRandom)->Arg(0)->Arg(1)->Unit(benchmark::kMillisecond)->Iterations(3)->UseRealTime();
 

@@ -108,9 +108,10 @@ int main(void) {
 
   residency_stats stats = RESIDENCY_STATS_INIT;
   if (residency_get_stats(m, &stats) == RESIDENCY_OK)
-    printf("tracked %llu bytes, wired %llu bytes (the kernel's VmLck: %lld), %u set(s), %llu commit(s), checksum %.0f\n",
-           (unsigned long long)stats.tracked_bytes, (unsigned long long)stats.wired_bytes, vm_lck(), stats.sets,
-           (unsigned long long)stats.commits, (double)sum);
+    printf(
+        "tracked %llu bytes, wired %llu bytes (the kernel's VmLck: %lld), %u set(s), %llu commit(s), checksum %.0f\n",
+        (unsigned long long)stats.tracked_bytes, (unsigned long long)stats.wired_bytes, vm_lck(), stats.sets,
+        (unsigned long long)stats.commits, (double)sum);
 
   residency_unregister_ptr(m, kv);
   residency_unregister(m, wid);

@@ -53,8 +53,10 @@ struct DecodeGraph {
       ggml_tensor* k = ggml_mul_mat(ctx, w(n, n), cur);
       ggml_tensor* v = ggml_mul_mat(ctx, w(n, n), cur);
       // The new key and value go into the cache (a view of it: llama.cpp's ggml_set_rows / cpy).
-      ggml_tensor* k_cache = ggml_cpy(ctx, k, ggml_view_1d(ctx, kv, n, static_cast<std::size_t>(2 * l) * n * sizeof(float)));
-      ggml_tensor* v_cache = ggml_cpy(ctx, v, ggml_view_1d(ctx, kv, n, static_cast<std::size_t>(2 * l + 1) * n * sizeof(float)));
+      ggml_tensor* k_cache = ggml_cpy(ctx, k,
+                                      ggml_view_1d(ctx, kv, n, static_cast<std::size_t>(2 * l) * n * sizeof(float)));
+      ggml_tensor* v_cache = ggml_cpy(ctx, v,
+                                      ggml_view_1d(ctx, kv, n, static_cast<std::size_t>(2 * l + 1) * n * sizeof(float)));
       ggml_tensor* kq = ggml_soft_max(ctx, ggml_mul_mat(ctx, ggml_reshape_3d(ctx, k_cache, 4, 2, 1), q));
       ggml_tensor* kqv = ggml_mul_mat(ctx, ggml_cont(ctx, ggml_transpose(ctx, ggml_reshape_2d(ctx, v_cache, 4, 2))), kq);
       ggml_tensor* attn = ggml_mul_mat(ctx, w(n, n), ggml_reshape_2d(ctx, ggml_cont(ctx, kqv), n, 1));
@@ -82,8 +84,8 @@ GgmlApi api() {
 void counters(benchmark::State& state, const DecodeGraph& g) {
   const int nodes = ggml_graph_n_nodes(g.graph);
   state.counters["nodes"] = nodes;
-  state.counters["ns_per_node"] =
-      benchmark::Counter(static_cast<double>(state.iterations()) * nodes, benchmark::Counter::kIsRate | benchmark::Counter::kInvert);
+  state.counters["ns_per_node"] = benchmark::Counter(static_cast<double>(state.iterations()) * nodes,
+                                                     benchmark::Counter::kIsRate | benchmark::Counter::kInvert);
 }
 
 void BM_BaselineGraphWalk(benchmark::State& state) {

@@ -25,11 +25,11 @@
 
 #include <algorithm>
 #include <chrono>
-#include <map>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <map>
 #include <string>
 #include <thread>
 #include <vector>
@@ -133,7 +133,9 @@ int main(int argc, char** argv) {
     }
   }
   if (!ok) {
-    std::fprintf(stderr, "usage: llama_engine [--no-repack] MODEL.gguf [REQUESTS 1-1000] [TOKENS 1-4096] [PAUSES_MS 0-3600000[,...]]\n");
+    std::fprintf(
+        stderr,
+        "usage: llama_engine [--no-repack] MODEL.gguf [REQUESTS 1-1000] [TOKENS 1-4096] [PAUSES_MS 0-3600000[,...]]\n");
     return 2;
   }
   const char* path = argv[1];
@@ -165,9 +167,11 @@ int main(int argc, char** argv) {
     return 2;
   }
 
-  llama_log_set([](ggml_log_level level, const char* text, void*) {
-    if (level >= GGML_LOG_LEVEL_WARN) std::fputs(text, stderr);
-  }, nullptr);
+  llama_log_set(
+      [](ggml_log_level level, const char* text, void*) {
+        if (level >= GGML_LOG_LEVEL_WARN) std::fputs(text, stderr);
+      },
+      nullptr);
   llama_backend_init();
   llama_model_params mp = llama_model_default_params();
   if (no_repack) mp.use_extra_bufts = false;
@@ -228,7 +232,8 @@ int main(int argc, char** argv) {
         usage == GGML_BACKEND_BUFFER_USAGE_COMPUTE ? residency::RegionClass::scratch : residency::RegionClass::kv_cache);
   }
   std::string buffers;
-  for (auto& [buf, ranges] : observed.weights) buffers += std::string(buffers.empty() ? "" : ", ") + ggml_backend_buffer_name(buf);
+  for (auto& [buf, ranges] : observed.weights)
+    buffers += std::string(buffers.empty() ? "" : ", ") + ggml_backend_buffer_name(buf);
   std::printf("llama_engine: registered %zu region(s): weights %llu bytes (in %s), kv_cache %llu, scratch %llu\n",
               ids.size(), static_cast<unsigned long long>(by_class[0]), buffers.c_str(),
               static_cast<unsigned long long>(by_class[1]), static_cast<unsigned long long>(by_class[2]));

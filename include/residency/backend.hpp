@@ -48,10 +48,10 @@ struct RegionDesc {
 
 // What the manager asks of a backend; everything here is read by the core.
 struct Capabilities {
-  std::string name;              // "posix", "sim", "metal", "cuda", ...: for logs and messages
-  bool needs_refresh = false;    // residency requests decay and must be repeated while in use
-  Nanos refresh_period{0};       // how often, when needs_refresh
-  std::uint32_t max_sets = 0;    // most sets of one manager at once (Metal: 32 per queue); 0 = no limit
+  std::string name;            // "posix", "sim", "metal", "cuda", ...: for logs and messages
+  bool needs_refresh = false;  // residency requests decay and must be repeated while in use
+  Nanos refresh_period{0};     // how often, when needs_refresh
+  std::uint32_t max_sets = 0;  // most sets of one manager at once (Metal: 32 per queue); 0 = no limit
   // A GPU's UUID as nvidia-smi prints it ("GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx"): what names
   // its budget (Config::gpu_budget), never its index. Empty for host memory, or when unknown.
   std::string device_uuid;
@@ -68,11 +68,11 @@ struct Capabilities {
 // Sizes in bytes, for the budget, limits and warnings. 0 means "unknown" for every field but
 // hard_limit, where 0 means "none".
 struct MemoryInfo {
-  std::uint64_t physical = 0;             // RAM, or device memory for a discrete GPU
+  std::uint64_t physical = 0;                 // RAM, or device memory for a discrete GPU
   std::uint64_t recommended_working_set = 0;  // what one process should keep resident at most
-  std::uint64_t hard_limit = 0;           // most the process may wire (RLIMIT_MEMLOCK); 0 = none
-  std::string hard_limit_name;            // e.g. "RLIMIT_MEMLOCK", for messages
-  std::string hard_limit_fix;             // how to raise it, for messages
+  std::uint64_t hard_limit = 0;               // most the process may wire (RLIMIT_MEMLOCK); 0 = none
+  std::string hard_limit_name;                // e.g. "RLIMIT_MEMLOCK", for messages
+  std::string hard_limit_fix;                 // how to raise it, for messages
 };
 
 using PressureWatchId = std::uint64_t;

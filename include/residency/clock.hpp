@@ -10,9 +10,9 @@
 
 #include <atomic>
 #include <chrono>
-#include <memory>
 #include <condition_variable>
 #include <cstdint>
+#include <memory>
 #include <mutex>
 #include <optional>
 #include <vector>
@@ -48,8 +48,7 @@ class SteadyClock final : public Clock {
   Nanos now() const noexcept override;
   Nanos now_coarse() const noexcept override;
   Nanos coarse_resolution() const noexcept override;
-  void wait_until(std::unique_lock<std::mutex>& lock, std::condition_variable& cv,
-                  std::optional<Nanos> deadline) override;
+  void wait_until(std::unique_lock<std::mutex>& lock, std::condition_variable& cv, std::optional<Nanos> deadline) override;
   // One instance shared by every manager that is not given a clock.
   static SteadyClock& instance();
 };
@@ -61,8 +60,7 @@ class ManualClock final : public Clock {
  public:
   explicit ManualClock(Nanos start = Nanos(0)) : now_ns_(start.count()) {}
   Nanos now() const noexcept override;
-  void wait_until(std::unique_lock<std::mutex>& lock, std::condition_variable& cv,
-                  std::optional<Nanos> deadline) override;
+  void wait_until(std::unique_lock<std::mutex>& lock, std::condition_variable& cv, std::optional<Nanos> deadline) override;
   void advance(Nanos d);
   void set(Nanos t);  // never moves backwards: a smaller t is ignored
   // Number of threads currently blocked in wait_until (tests use it to know that the

@@ -113,25 +113,28 @@ typedef void (*residency_log_fn)(residency_log_level level, const char* message,
  * RESIDENCY_STATS_INIT or to sizeof(residency_stats). */
 typedef struct residency_stats {
   size_t struct_size; /* set to sizeof(residency_stats) before the call */
-#define RESIDENCY_STATS_C_FIELD_(TYPE, name, cpp_default) RESIDENCY_STATS_C_TYPE_##TYPE RESIDENCY_STATS_C_NAME_##TYPE(name);
+#define RESIDENCY_STATS_C_FIELD_(TYPE, name, cpp_default) \
+  RESIDENCY_STATS_C_TYPE_##TYPE RESIDENCY_STATS_C_NAME_##TYPE(name);
   RESIDENCY_STATS_FIELDS(RESIDENCY_STATS_C_FIELD_)
 #undef RESIDENCY_STATS_C_FIELD_
 } residency_stats;
 #define RESIDENCY_STATS_INIT_ZERO_(TYPE, name, cpp_default) 0,
-#define RESIDENCY_STATS_INIT {sizeof(residency_stats), RESIDENCY_STATS_FIELDS(RESIDENCY_STATS_INIT_ZERO_)}
+#define RESIDENCY_STATS_INIT \
+  { sizeof(residency_stats), RESIDENCY_STATS_FIELDS(RESIDENCY_STATS_INIT_ZERO_) }
 
 /* The fields after `kind` are each for one backend; the library hands them as they are to its
  * backend registry (residency/backends.hpp, BackendOptions), the one place that knows which
  * backend takes what. Left at their defaults, every backend kind accepts them. */
 typedef struct residency_backend_options {
-  size_t struct_size; /* sizeof(residency_backend_options) */
-  const char* kind;   /* "auto" (NULL), "posix", "cuda", "metal", "sim" */
-  int cuda_device;    /* cuda: device ordinal (default 0) */
-  void* metal_device; /* metal: an MTL::Device* / id<MTLDevice>; NULL = the system default */
+  size_t struct_size;         /* sizeof(residency_backend_options) */
+  const char* kind;           /* "auto" (NULL), "posix", "cuda", "metal", "sim" */
+  int cuda_device;            /* cuda: device ordinal (default 0) */
+  void* metal_device;         /* metal: an MTL::Device* / id<MTLDevice>; NULL = the system default */
   int metal_attach_to_queues; /* metal: attach every set to each queue given to
                                  residency_backend_add_command_queue (MLX); at most 32 sets */
 } residency_backend_options;
-#define RESIDENCY_BACKEND_OPTIONS_INIT {sizeof(residency_backend_options), "auto", 0, NULL, 0}
+#define RESIDENCY_BACKEND_OPTIONS_INIT \
+  { sizeof(residency_backend_options), "auto", 0, NULL, 0 }
 
 /* Version: "0.1.0", and the ABI number (RESIDENCY_ABI_VERSION of the library's build). */
 RESIDENCY_API const char* residency_version(void);
@@ -158,8 +161,7 @@ RESIDENCY_API void residency_config_free(residency_config* cfg);
 
 /* One backend per kind per process: with default options, every call for a kind returns the
  * instance already alive. options NULL = RESIDENCY_BACKEND_OPTIONS_INIT. */
-RESIDENCY_API residency_status residency_backend_create(const residency_backend_options* options,
-                                                        residency_backend** out);
+RESIDENCY_API residency_status residency_backend_create(const residency_backend_options* options, residency_backend** out);
 RESIDENCY_API void residency_backend_release(residency_backend* backend);
 /* "posix", "cuda", ...; valid while the handle is. */
 RESIDENCY_API const char* residency_backend_name(const residency_backend* backend);
@@ -171,20 +173,18 @@ RESIDENCY_API residency_status residency_backend_add_command_queue(residency_bac
 
 /* backend: "auto" (NULL), "posix", "cuda", "metal", "sim". cfg NULL = the defaults. */
 RESIDENCY_API residency_status residency_manager_create(const residency_config* cfg, const char* backend,
-                                                        residency_log_fn log, void* log_user,
-                                                        residency_manager** out);
+                                                        residency_log_fn log, void* log_user, residency_manager** out);
 /* The same over a backend made with residency_backend_create (kept alive by the manager). */
 RESIDENCY_API residency_status residency_manager_create_with_backend(const residency_config* cfg,
-                                                                     residency_backend* backend,
-                                                                     residency_log_fn log, void* log_user,
-                                                                     residency_manager** out);
+                                                                     residency_backend* backend, residency_log_fn log,
+                                                                     void* log_user, residency_manager** out);
 /* Safe while calls on m or residency_use_end of its scopes run on other threads, and from inside
  * a scope's synchronize callback: see "Destroying a manager while it is in use" above. */
 RESIDENCY_API void residency_manager_destroy(residency_manager* m);
 
 /* Tracks [base, base+size). cls: a residency_class. id_out may be NULL. */
-RESIDENCY_API residency_status residency_register(residency_manager* m, void* base, size_t size, int cls,
-                                                  int priority, uint64_t* id_out);
+RESIDENCY_API residency_status residency_register(residency_manager* m, void* base, size_t size, int cls, int priority,
+                                                  uint64_t* id_out);
 /* The same with the backend's own object for the memory (metal: the MTL::Buffer* it lives in). */
 RESIDENCY_API residency_status residency_register_object(residency_manager* m, void* base, size_t size, int cls,
                                                          int priority, void* backend_object, uint64_t* id_out);
@@ -216,8 +216,8 @@ RESIDENCY_API void residency_prefetch(residency_manager* m);
  * RESIDENCY_LIMIT_EXCEEDED in *status_out and the reason in residency_last_error().
  * status_out may be NULL. residency_use_end may run on any thread, also while the manager is being
  * destroyed; if the destroy ended the scope first, it only frees it. */
-RESIDENCY_API residency_scope* residency_use_begin(residency_manager* m, void (*synchronize)(void* user),
-                                                   void* user, residency_status* status_out);
+RESIDENCY_API residency_scope* residency_use_begin(residency_manager* m, void (*synchronize)(void* user), void* user,
+                                                   residency_status* status_out);
 RESIDENCY_API void residency_use_end(residency_scope* scope);
 
 RESIDENCY_API void residency_notify_memory_pressure(residency_manager* m);

@@ -124,12 +124,10 @@ class Manager {
   // Tracks [base, base+size). Admitted into a set if it fits the wired budget, else pending.
   // Registration counts as a use (the engine is loading the model). Errors: size 0, overlap
   // with a tracked region, tracked bytes over the memory limit.
-  Result<RegionId> register_region(void* base, std::size_t size,
-                                   RegionClass cls = RegionClass::weights, int priority = 0,
-                                   void* backend_object = nullptr);
+  Result<RegionId> register_region(void* base, std::size_t size, RegionClass cls = RegionClass::weights,
+                                   int priority = 0, void* backend_object = nullptr);
   // Allocates backend memory (e.g. CUDA device memory at a stable address) and registers it.
-  Result<Allocation> allocate(std::size_t size, RegionClass cls = RegionClass::weights,
-                              int priority = 0);
+  Result<Allocation> allocate(std::size_t size, RegionClass cls = RegionClass::weights, int priority = 0);
   // Stops tracking (and frees, for allocate()d regions). Pending regions that now fit are
   // promoted into sets.
   Status unregister_region(RegionId id);

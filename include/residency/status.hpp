@@ -48,7 +48,7 @@ class [[nodiscard]] Status {
 template <typename T>
 class [[nodiscard]] Result {
  public:
-  Result(T value) : v_(std::move(value)) {}  // NOLINT(google-explicit-constructor)
+  Result(T value) : v_(std::move(value)) {}       // NOLINT(google-explicit-constructor)
   Result(Status error) : v_(std::move(error)) {}  // NOLINT(google-explicit-constructor)
   Result(ErrorCode code, std::string message) : v_(Status(code, std::move(message))) {}
 

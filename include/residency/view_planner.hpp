@@ -45,9 +45,8 @@ struct View {
 // Errors: invalid_argument for size 0, a page that is not a power of two, max_len < page, a
 // tensor outside the mapping; limit_exceeded for a tensor longer than the room a view leaves
 // (max_len minus two pages), or more than `max_views` views (the message says how many).
-Result<std::vector<View>> plan_views(std::uint64_t size, std::uint64_t max_len,
-                                     std::uint64_t page, std::span<const Extent> tensors,
-                                     std::uint32_t max_views);
+Result<std::vector<View>> plan_views(std::uint64_t size, std::uint64_t max_len, std::uint64_t page,
+                                     std::span<const Extent> tensors, std::uint32_t max_views);
 
 // The index of the first view that holds `tensor` entirely (where an engine binds it), or
 // nullopt when none does.

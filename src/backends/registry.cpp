@@ -127,7 +127,8 @@ Result<std::shared_ptr<Backend>> make_backend(std::string_view name, const Backe
   }
   return Status(ErrorCode::invalid_argument,
                 "cuda_device, metal_device and metal_attach_to_queues apply to the cuda and metal backends only; kind "
-                "is '" + printable(name) + "'");
+                "is '" +
+                    printable(name) + "'");
 }
 
 Status add_command_queue(Backend& backend, void* queue) {

@@ -55,9 +55,9 @@ struct residency_manager {
 // destroy (which then frees it only if residency_use_end came meanwhile).
 struct residency_scope {
   residency_scope(residency_manager* m, UseScope s) : manager(m), scope(std::move(s)) {}
-  residency_manager* const manager;  // outlives the scope struct (a reference in manager->refs)
-  UseScope scope;  // ended by the one that claimed it, without the lock
-  bool ended RESIDENCY_GUARDED_BY(manager->mu) = false;          // the destroy claimed and ended it
+  residency_manager* const manager;                      // outlives the scope struct (a reference in manager->refs)
+  UseScope scope;                                        // ended by the one that claimed it, without the lock
+  bool ended RESIDENCY_GUARDED_BY(manager->mu) = false;  // the destroy claimed and ended it
   bool use_end_called RESIDENCY_GUARDED_BY(manager->mu) = false;  // while the destroy was ending it
 };
 
@@ -343,9 +343,8 @@ residency_status residency_manager_create_with_backend(const residency_config* c
   if (!out) return null_arg("residency_manager_create_with_backend", "out");
   *out = nullptr;
   if (!backend) return null_arg("residency_manager_create_with_backend", "backend");
-  return guarded("residency_manager_create_with_backend", [&] {
-    return create_manager(cfg, backend->backend, log, log_user, out);
-  });
+  return guarded("residency_manager_create_with_backend",
+                 [&] { return create_manager(cfg, backend->backend, log, log_user, out); });
 }
 
 void residency_manager_destroy(residency_manager* m) {
@@ -365,14 +364,12 @@ void residency_manager_destroy(residency_manager* m) {
       }
       return;
     }
-  } while (!m->gate.compare_exchange_weak(g, (g + kCall) | kClosed, std::memory_order_acq_rel,
-                                          std::memory_order_relaxed));
+  } while (!m->gate.compare_exchange_weak(g, (g + kCall) | kClosed, std::memory_order_acq_rel, std::memory_order_relaxed));
   Call self = Call::adopt(m);
   end_open_scopes(m, "residency_manager_destroy");
 }
 
-residency_status residency_register(residency_manager* m, void* base, size_t size, int cls, int priority,
-                                    uint64_t* id_out) {
+residency_status residency_register(residency_manager* m, void* base, size_t size, int cls, int priority, uint64_t* id_out) {
   return residency_register_object(m, base, size, cls, priority, nullptr, id_out);
 }
 
@@ -517,7 +514,7 @@ void residency_use_end(residency_scope* s) {
     }
   }
   if (end_here) s->scope = UseScope();  // synchronize, then (keep-alive 0) release
-  call.leave();  // may finish the manager (a destroy came meanwhile, or from the synchronize)
+  call.leave();                         // may finish the manager (a destroy came meanwhile, or from the synchronize)
   if (end_here || free_here) free_scope(s);
 }
 

@@ -5,9 +5,9 @@
 namespace residency {
 
 Result<void*> Backend::allocate(std::size_t, RegionClass) {
-  return Status(ErrorCode::unsupported,
-                capabilities().name + " backend does not allocate memory; register memory you "
-                                      "allocated with register_region() instead");
+  return Status(ErrorCode::unsupported, capabilities().name +
+                                            " backend does not allocate memory; register memory you "
+                                            "allocated with register_region() instead");
 }
 void Backend::deallocate(void*) {}
 SetOutcome Backend::refresh(SetId set) { return request_residency(set); }
@@ -15,8 +15,7 @@ void Backend::after_release() {}
 Status Backend::reserve_wired(std::uint64_t) { return Status::ok(); }
 void Backend::unreserve_wired(std::uint64_t) {}
 Result<PressureWatchId> Backend::watch_pressure(std::function<void()>) {
-  return Status(ErrorCode::unsupported,
-                capabilities().name + " backend cannot watch memory pressure");
+  return Status(ErrorCode::unsupported, capabilities().name + " backend cannot watch memory pressure");
 }
 void Backend::stop_pressure_watch(PressureWatchId) {}
 std::string Backend::pressure_source() const { return {}; }

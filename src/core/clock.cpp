@@ -76,16 +76,14 @@ void ManualClock::advance(Nanos d) {
 
 void ManualClock::set(Nanos t) {
   std::int64_t cur = now_ns_.load(std::memory_order_acquire);
-  while (cur < t.count() &&
-         !now_ns_.compare_exchange_weak(cur, t.count(), std::memory_order_acq_rel)) {
+  while (cur < t.count() && !now_ns_.compare_exchange_weak(cur, t.count(), std::memory_order_acq_rel)) {
   }
   wake_due();
 }
 
 int ManualClock::waiters() const {
   std::lock_guard<std::mutex> g(m_);
-  return static_cast<int>(std::count_if(waiters_.begin(), waiters_.end(),
-                                        [](const auto& w) { return !w->woken; }));
+  return static_cast<int>(std::count_if(waiters_.begin(), waiters_.end(), [](const auto& w) { return !w->woken; }));
 }
 
 void ManualClock::wake_due() {

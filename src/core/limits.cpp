@@ -32,11 +32,13 @@ Result<Limits> Limits::resolve(const Config& config, const MemoryInfo& mem, cons
   std::uint64_t limit = UINT64_MAX;
   if (config.wired_limit) {
     if (config.wired_limit->is_percent && l.recommended_ == 0)
-      return Status(ErrorCode::invalid_argument, "wired limit " + config.wired_limit->to_string() + " is a percent, but the " +
-                                                     backend + " backend reports no recommended working set; give bytes instead");
+      return Status(ErrorCode::invalid_argument, "wired limit " + config.wired_limit->to_string() +
+                                                     " is a percent, but the " + backend +
+                                                     " backend reports no recommended working set; give bytes instead");
     limit = config.wired_limit->resolve(l.recommended_);
     if (l.recommended_ != 0 && limit > l.recommended_)
-      return Status(ErrorCode::limit_exceeded, "wired limit " + format_size(limit) + " is above the recommended working set of " +
+      return Status(ErrorCode::limit_exceeded, "wired limit " + format_size(limit) +
+                                                   " is above the recommended working set of " +
                                                    format_size(l.recommended_) + " (" + backend +
                                                    " backend); choose at most that, e.g. RESIDENCY_WIRED_LIMIT=100%");
   } else if (l.recommended_ != 0) {
@@ -58,8 +60,9 @@ Result<Limits> Limits::resolve(const Config& config, const MemoryInfo& mem, cons
 
 Result<std::uint64_t> Limits::check_wired_limit(std::uint64_t bytes, const MemoryInfo& mem, const LogSink& log) const {
   if (recommended_ != 0 && bytes > recommended_)
-    return Status(ErrorCode::limit_exceeded, "set_wired_limit: " + format_size(bytes) + " is above the recommended working set of " +
-                                                 format_size(recommended_) + " (" + backend_ + " backend); choose at most that");
+    return Status(ErrorCode::limit_exceeded,
+                  "set_wired_limit: " + format_size(bytes) + " is above the recommended working set of " +
+                      format_size(recommended_) + " (" + backend_ + " backend); choose at most that");
   return clamp_to_hard(bytes, mem, " (asked for " + format_size(bytes) + ")", log);
 }
 
@@ -75,8 +78,8 @@ Status Limits::check_track(std::uint64_t tracked, std::uint64_t more) const {
 void Limits::warn_if_over_recommended(std::uint64_t tracked, const LogSink& log) {
   if (recommended_ == 0 || tracked <= recommended_ || warned_over_recommended_) return;
   warned_over_recommended_ = true;
-  log(LogLevel::warn, "current allocated size " + mib(tracked) + " is greater than the recommended max working set size " +
-                          mib(recommended_));
+  log(LogLevel::warn, "current allocated size " + mib(tracked) +
+                          " is greater than the recommended max working set size " + mib(recommended_));
 }
 
 void Limits::warn_if_scope_large(std::uint64_t admitted, const LogSink& log) {
@@ -84,8 +87,9 @@ void Limits::warn_if_scope_large(std::uint64_t admitted, const LogSink& log) {
       static_cast<double>(admitted) <= kScopeWarnFraction * static_cast<double>(recommended_))
     return;
   warned_scope_size_ = true;
-  log(LogLevel::warn, "generating with a model that requires " + mib(admitted) + ", close to the maximum recommended size of " +
-                          mib(recommended_) + "; this can be slow (other applications compete for the memory)");
+  log(LogLevel::warn, "generating with a model that requires " + mib(admitted) +
+                          ", close to the maximum recommended size of " + mib(recommended_) +
+                          "; this can be slow (other applications compete for the memory)");
 }
 
 }  // namespace residency::core

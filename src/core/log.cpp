@@ -40,7 +40,7 @@ std::string local_time_now() {
   const auto now = std::chrono::system_clock::now();
   const std::time_t t = std::chrono::system_clock::to_time_t(now);
   const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(now.time_since_epoch()).count() % 1000;
-  std::tm tm {};
+  std::tm tm{};
   if (::localtime_r(&t, &tm) == nullptr) return {};
   char buf[40];
   const std::size_t n = std::strftime(buf, sizeof buf, "%Y-%m-%d %H:%M:%S", &tm);

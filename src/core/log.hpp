@@ -9,9 +9,9 @@
 #include <cstdint>
 #include <string>
 
+#include "core/text.hpp"  // mib(), ms(): the numbers in the log lines
 #include "residency/clock.hpp"
 #include "residency/config.hpp"
-#include "core/text.hpp"  // mib(), ms(): the numbers in the log lines
 #include "residency/residency.hpp"
 
 namespace residency::core {
@@ -19,9 +19,7 @@ namespace residency::core {
 class LogSink {
  public:
   LogSink(LogCallback callback, LogLevel level) : callback_(std::move(callback)), level_(level) {}
-  bool enabled(LogLevel l) const {
-    return callback_ && static_cast<int>(l) <= static_cast<int>(level_);
-  }
+  bool enabled(LogLevel l) const { return callback_ && static_cast<int>(l) <= static_cast<int>(level_); }
   void operator()(LogLevel l, const std::string& message) const {
     if (enabled(l)) callback_(l, message);
   }

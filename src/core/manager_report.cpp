@@ -17,11 +17,12 @@ void ManagerReport::log_start(bool managing) const {
   for (const auto& note : config_.notes) log_(LogLevel::info, note);
   const std::uint64_t limit = adm_.budget().limit();
   log_(LogLevel::info, "creating a residency set collection (keep_alive = " + config_.keep_alive.to_string() +
-                            ", layout = " + to_string(config_.layout) + ", wired limit = " +
-                            (limit == UINT64_MAX ? std::string("unlimited") : mib(limit)) +
-                            ", backend = " + caps_.name + ")");
+                           ", layout = " + to_string(config_.layout) +
+                           ", wired limit = " + (limit == UINT64_MAX ? std::string("unlimited") : mib(limit)) +
+                           ", backend = " + caps_.name + ")");
   if (managing && limit == 0) {
-    log_(LogLevel::info, "use residency sets = false (wired limit = 0: nothing is wired until set_wired_limit() raises it)");
+    log_(LogLevel::info,
+         "use residency sets = false (wired limit = 0: nothing is wired until set_wired_limit() raises it)");
   } else if (managing) {
     log_(LogLevel::info, "use residency sets = true");
   } else {
@@ -29,11 +30,11 @@ void ManagerReport::log_start(bool managing) const {
   }
   if (const ledger::Ledger* shared = adm_.shared()) {
     log_(LogLevel::info, "shared budget " + shared->name() + " = " + mib(shared->budget()) + " (ledger " +
-                              shared->path() + ", priority " + std::to_string(config_.shared_priority) + ")");
+                             shared->path() + ", priority " + std::to_string(config_.shared_priority) + ")");
     if (shared->requested_budget() != 0)
       log_(LogLevel::warn, "shared budget " + shared->name() + " exists with " + mib(shared->budget()) +
-                                "; this process asked for " + mib(shared->requested_budget()) +
-                                ": the ledger's size stays (the first process sets it)");
+                               "; this process asked for " + mib(shared->requested_budget()) +
+                               ": the ledger's size stays (the first process sets it)");
   }
 }
 

@@ -17,15 +17,17 @@ RegionTable::~RegionTable() {
 }
 
 Result<Region*> RegionTable::insert(const RegionDesc& in, int priority, std::int64_t now) {
-  if (in.size == 0) return Status(ErrorCode::invalid_argument, "register_region: size is 0; a region needs at least one byte");
+  if (in.size == 0)
+    return Status(ErrorCode::invalid_argument, "register_region: size is 0; a region needs at least one byte");
   if (in.base == nullptr) return Status(ErrorCode::invalid_argument, "register_region: base is null");
   const auto b = reinterpret_cast<std::uintptr_t>(in.base);
   if (b + in.size < b)
     return Status(ErrorCode::invalid_argument, "register_region: base + size wraps around the address space");
   auto next = by_address_.lower_bound(b);
   if (next != by_address_.end() && next->first < b + in.size)
-    return Status(ErrorCode::invalid_argument, "register_region: [" + std::to_string(b) + ", +" + std::to_string(in.size) +
-                                                   ") overlaps region " + std::to_string(next->second) + " already tracked");
+    return Status(ErrorCode::invalid_argument, "register_region: [" + std::to_string(b) + ", +" +
+                                                   std::to_string(in.size) + ") overlaps region " +
+                                                   std::to_string(next->second) + " already tracked");
   if (next != by_address_.begin()) {
     auto prev = std::prev(next);
     if (prev->first + regions_.at(prev->second).desc.size > b)
@@ -38,8 +40,8 @@ Result<Region*> RegionTable::insert(const RegionDesc& in, int priority, std::int
     free_slots_.pop_back();
   } else {
     if (next_slot_ >= (1u << kSlotBits))
-      return Status(ErrorCode::limit_exceeded, "register_region: a manager tracks at most " +
-                                                   std::to_string(1u << kSlotBits) + " regions at once");
+      return Status(ErrorCode::limit_exceeded,
+                    "register_region: a manager tracks at most " + std::to_string(1u << kSlotBits) + " regions at once");
     index = next_slot_++;
     auto& chunk = chunks_[index / kChunkSlots];
     if (!chunk.load(std::memory_order_relaxed)) chunk.store(new Slot[kChunkSlots], std::memory_order_release);

@@ -30,9 +30,9 @@ namespace residency::core {
 struct Region {
   RegionDesc desc;
   int priority = 0;
-  bool admitted = false;  // in a set (within the wired budget)
+  bool admitted = false;          // in a set (within the wired budget)
   std::uint32_t layout_slot = 0;  // the SetLayout slot of its set, when admitted
-  bool eligible = true;   // false after the backend failed to wire it, until the limit changes
+  bool eligible = true;           // false after the backend failed to wire it, until the limit changes
 };
 
 class RegionTable {

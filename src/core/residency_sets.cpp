@@ -30,8 +30,9 @@ Result<std::uint32_t> ResidencySets::add(const RegionDesc& r, std::uint64_t byte
     }
     state(p.set) = SetState{id, false};
     if (log_.enabled(LogLevel::debug))
-      log_(LogLevel::debug, "created residency set " + std::to_string(p.set) + " (max_bytes_per_set = " +
-                                (layout_.cap_bytes() == UINT64_MAX ? std::string("unlimited") : mib(layout_.cap_bytes())) + ")");
+      log_(LogLevel::debug,
+           "created residency set " + std::to_string(p.set) + " (max_bytes_per_set = " +
+               (layout_.cap_bytes() == UINT64_MAX ? std::string("unlimited") : mib(layout_.cap_bytes())) + ")");
   }
   backend_.add_region(state(p.set).backend_id, r);
   dirty_[p.set] += static_cast<std::int64_t>(bytes);

@@ -6,8 +6,7 @@
 
 namespace residency::core {
 
-SetLayout::SetLayout(Layout layout, double set_max_pct, std::uint64_t recommended,
-                     std::uint32_t backend_max_sets)
+SetLayout::SetLayout(Layout layout, double set_max_pct, std::uint64_t recommended, std::uint32_t backend_max_sets)
     : layout_(layout) {
   std::uint32_t limit = backend_max_sets == 0 ? std::numeric_limits<std::uint32_t>::max() : backend_max_sets;
   if (layout == Layout::sharded) {

@@ -34,8 +34,7 @@ class SetLayout {
  public:
   // `backend_max_sets`: Capabilities::max_sets (0 = none). The limit is the backend's to state
   // (Metal: 32 per command queue); the layout names no platform.
-  SetLayout(Layout layout, double set_max_pct, std::uint64_t recommended_working_set,
-            std::uint32_t backend_max_sets);
+  SetLayout(Layout layout, double set_max_pct, std::uint64_t recommended_working_set, std::uint32_t backend_max_sets);
 
   struct Placement {
     LayoutSlot set;

@@ -72,7 +72,8 @@ void sweep_stale_files() {
       const std::string rest = n.substr(mine.size());
       const auto dot = rest.find('.');
       const std::string pid = rest.substr(0, dot);
-      if (dot == std::string::npos || pid.empty() || pid.size() > 9 || pid.find_first_not_of("0123456789") != std::string::npos)
+      if (dot == std::string::npos || pid.empty() || pid.size() > 9 ||
+          pid.find_first_not_of("0123456789") != std::string::npos)
         continue;
       if (const int p = std::stoi(pid); p != ::getpid()) pids.insert(p);
     }

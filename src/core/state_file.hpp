@@ -46,7 +46,7 @@ void remove_state_files_at_exit();
 // reported once through `why_not()` and publishing stops (it never fails the manager).
 class StateFile {
  public:
-  StateFile();  // takes the next number of this process
+  StateFile();   // takes the next number of this process
   ~StateFile();  // removes the file (only in the process that wrote it)
   StateFile(const StateFile&) = delete;
   StateFile& operator=(const StateFile&) = delete;
@@ -72,9 +72,9 @@ class StateFile {
 struct StateFileRead {
   std::string path;
   std::map<std::string, std::string> fields;  // empty unless read
-  std::string error;    // not read (and why), or a bad file
-  bool stale = false;   // its process is gone or its pid was reused
-  bool removed = false; // stale and removed
+  std::string error;                          // not read (and why), or a bad file
+  bool stale = false;                         // its process is gone or its pid was reused
+  bool removed = false;                       // stale and removed
 };
 
 // Every state file of `pid` in kStateDir. `owner_uid`: the uid the process runs as (files of any

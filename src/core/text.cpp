@@ -48,10 +48,10 @@ std::string printable(std::string_view value, std::size_t max_bytes) {
       const std::size_t n = c >= 0xF0 && c <= 0xF4 ? 4 : c >= 0xE0 && c <= 0xEF ? 3 : c >= 0xC2 && c <= 0xDF ? 2 : 0;
       bool ok = n != 0 && i + n <= value.size();
       for (std::size_t k = 1; ok && k < n; ++k) ok = (static_cast<unsigned char>(value[i + k]) & 0xC0) == 0x80;
-      if (ok && n == 2 && c == 0xC2 && static_cast<unsigned char>(value[i + 1]) < 0xA0) ok = false;  // C1
-      if (ok && n == 3 && c == 0xE0 && static_cast<unsigned char>(value[i + 1]) < 0xA0) ok = false;  // overlong
+      if (ok && n == 2 && c == 0xC2 && static_cast<unsigned char>(value[i + 1]) < 0xA0) ok = false;   // C1
+      if (ok && n == 3 && c == 0xE0 && static_cast<unsigned char>(value[i + 1]) < 0xA0) ok = false;   // overlong
       if (ok && n == 3 && c == 0xED && static_cast<unsigned char>(value[i + 1]) >= 0xA0) ok = false;  // surrogate
-      if (ok && n == 4 && c == 0xF0 && static_cast<unsigned char>(value[i + 1]) < 0x90) ok = false;  // overlong
+      if (ok && n == 4 && c == 0xF0 && static_cast<unsigned char>(value[i + 1]) < 0x90) ok = false;   // overlong
       if (ok && n == 4 && c == 0xF4 && static_cast<unsigned char>(value[i + 1]) >= 0x90) ok = false;  // > U+10FFFF
       if (ok) {
         pieces.emplace_back(value.substr(i, n));

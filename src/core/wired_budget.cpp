@@ -18,8 +18,8 @@ bool admits_before(const BudgetEntry& a, const BudgetEntry& b) {
 // again and again, the first entry in admission order that fits the room left: entries skipped
 // before it did not fit a larger room. A free makes room for a few regions: one pass each over
 // what waits, no sort. When many are admitted at once (the limit rose), sorting is cheaper.
-std::vector<RegionId> choose_promotions(std::span<const BudgetEntry> entries,
-                                        std::uint64_t admitted_bytes, std::uint64_t limit) {
+std::vector<RegionId> choose_promotions(std::span<const BudgetEntry> entries, std::uint64_t admitted_bytes,
+                                        std::uint64_t limit) {
   constexpr int kPassesBeforeSorting = 8;
   std::vector<RegionId> out;
   std::uint64_t room = limit > admitted_bytes ? limit - admitted_bytes : 0;
@@ -49,9 +49,8 @@ std::vector<RegionId> choose_promotions(std::span<const BudgetEntry> entries,
   return out;
 }
 
-std::vector<RegionId> choose_evictions(std::span<const BudgetEntry> entries,
-                                       std::uint64_t admitted_bytes, std::uint64_t limit, bool by_class,
-                                       std::uint64_t floor) {
+std::vector<RegionId> choose_evictions(std::span<const BudgetEntry> entries, std::uint64_t admitted_bytes,
+                                       std::uint64_t limit, bool by_class, std::uint64_t floor) {
   std::vector<const BudgetEntry*> cand;
   for (const auto& e : entries)
     if (e.admitted) cand.push_back(&e);

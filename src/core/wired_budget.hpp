@@ -26,24 +26,23 @@ struct BudgetEntry {
   RegionId id = 0;
   std::uint64_t bytes = 0;
   int priority = 0;
-  std::int64_t last_use = 0;   // time of last use: larger = more recent
-  bool admitted = false;       // inside a set now
-  bool eligible = true;        // may be admitted (false after the backend failed to wire it)
+  std::int64_t last_use = 0;  // time of last use: larger = more recent
+  bool admitted = false;      // inside a set now
+  bool eligible = true;       // may be admitted (false after the backend failed to wire it)
   RegionClass cls = RegionClass::weights;
 };
 
 // Pending, eligible entries to admit, in admission order, taken greedily while they fit in
 // `limit - admitted_bytes` (an entry too large is skipped; smaller ones after it may fit).
-std::vector<RegionId> choose_promotions(std::span<const BudgetEntry> entries,
-                                        std::uint64_t admitted_bytes, std::uint64_t limit);
+std::vector<RegionId> choose_promotions(std::span<const BudgetEntry> entries, std::uint64_t admitted_bytes,
+                                        std::uint64_t limit);
 // Admitted entries to remove, in eviction order, until admitted bytes are at most `limit`.
 // by_class (memory pressure): scratch first, then kv_cache, then weights, each by priority and
 // recency; otherwise (a lower limit) by priority and recency alone. `floor` (memory pressure): an
 // entry whose removal would take admitted bytes below it is skipped (a smaller one later in the
 // order may still go), so the limit may stay unmet rather than the floor be crossed.
-std::vector<RegionId> choose_evictions(std::span<const BudgetEntry> entries,
-                                       std::uint64_t admitted_bytes, std::uint64_t limit,
-                                       bool by_class = false, std::uint64_t floor = 0);
+std::vector<RegionId> choose_evictions(std::span<const BudgetEntry> entries, std::uint64_t admitted_bytes,
+                                       std::uint64_t limit, bool by_class = false, std::uint64_t floor = 0);
 
 // The budget's state: the limit, the bytes admitted under it, and which regions wait.
 // Invariant: admitted() <= limit() except just after the limit fell, until the caller has

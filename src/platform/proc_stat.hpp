@@ -20,7 +20,7 @@
 namespace residency::platform {
 
 struct ProcStat {
-  char state = '?';             // field 3: R, S, D, Z (zombie), X (dead), ...
+  char state = '?';              // field 3: R, S, D, Z (zombie), X (dead), ...
   std::uint64_t start_time = 0;  // field 22: clock ticks after boot
   // A zombie or dead process: its pid is still taken, but its memory is gone.
   bool gone() const { return state == 'Z' || state == 'X' || state == 'x'; }

@@ -28,8 +28,7 @@ void graph_writes(const GgmlApi& api, ggml_cgraph* g, Write&& write) noexcept {
       case GGML_OP_VIEW:
       case GGML_OP_RESHAPE:
       case GGML_OP_PERMUTE:
-      case GGML_OP_TRANSPOSE:
-        continue;
+      case GGML_OP_TRANSPOSE: continue;
       default: {
         const auto b = reinterpret_cast<std::uintptr_t>(t->data);
         write(b, b + api.nbytes(t));

@@ -102,7 +102,8 @@ void* map(std::size_t len, int prot, int flags, int fd, off64_t off, const void*
   HookScope hook;
   ErrnoKeeper keep;  // what the real mmap left
   if (const std::size_t n = SessionRules::gguf_bytes(fd, off, len))
-    if (EngineSession* session = process_session(caller)) session->file_mapped(r, n, fd, static_cast<std::uint64_t>(off));
+    if (EngineSession* session = process_session(caller))
+      session->file_mapped(r, n, fd, static_cast<std::uint64_t>(off));
   return r;
 }
 
@@ -201,7 +202,9 @@ void wrap(CallbackBoxes<Fn>& boxes, Fn trampoline, Fn& fn, void*& data) noexcept
   }
 }
 void wrap_abort(ggml_abort_callback& fn, void*& data) noexcept { wrap(g_abort_boxes, &abort_trampoline, fn, data); }
-void wrap_eval(ggml_backend_sched_eval_callback& fn, void*& data) noexcept { wrap(g_eval_boxes, &eval_trampoline, fn, data); }
+void wrap_eval(ggml_backend_sched_eval_callback& fn, void*& data) noexcept {
+  wrap(g_eval_boxes, &eval_trampoline, fn, data);
+}
 void wrap_progress(llama_progress_callback& fn, void*& data) noexcept {
   wrap(g_progress_boxes, &progress_trampoline, fn, data);
 }
@@ -489,21 +492,21 @@ namespace rp = residency::preload;
 // A ggml function, forwarded to the definition its caller's scope reaches (call_targets.hpp); when
 // that is the engine's, after `before` (a statement) ran. With no definition behind the preload
 // there is nothing to forward to, and `fallback` is returned.
-#define RESIDENCY_GGML_HOOK(ret, name, params, args, fallback, before)                                        \
-  RESIDENCY_PRELOAD_EXPORT ret name params {                                                                  \
-    using Fn = ret(*) params;                                                                                 \
-    static rp::CallSite site;                                                                                 \
-    const auto target = rp::target_of<Fn>(site, #name, rp::CallKind::ggml, __builtin_return_address(0));     \
-    const Fn next = target.fn;                                                                                \
-    if (next == nullptr) {                                                                                    \
-      rp::warn_missing(site, #name);                                                                          \
-      return fallback;                                                                                        \
-    }                                                                                                         \
-    if (target.engine) {                                                                                      \
-      before;                                                                                                 \
-    }                                                                                                         \
-    rp::ForwardScope forward(reinterpret_cast<const void*>(next));                                            \
-    return next args;                                                                                         \
+#define RESIDENCY_GGML_HOOK(ret, name, params, args, fallback, before)                                   \
+  RESIDENCY_PRELOAD_EXPORT ret name params {                                                             \
+    using Fn = ret(*) params;                                                                            \
+    static rp::CallSite site;                                                                            \
+    const auto target = rp::target_of<Fn>(site, #name, rp::CallKind::ggml, __builtin_return_address(0)); \
+    const Fn next = target.fn;                                                                           \
+    if (next == nullptr) {                                                                               \
+      rp::warn_missing(site, #name);                                                                     \
+      return fallback;                                                                                   \
+    }                                                                                                    \
+    if (target.engine) {                                                                                 \
+      before;                                                                                            \
+    }                                                                                                    \
+    rp::ForwardScope forward(reinterpret_cast<const void*>(next));                                       \
+    return next args;                                                                                    \
   }
 // An entry point that may read or write backend memory: device memory is woken first.
 #define RESIDENCY_GGML_ACCESS(ret, name, params, args, fallback) \
@@ -609,7 +612,9 @@ RESIDENCY_PRELOAD_EXPORT int mlock2(const void* addr, std::size_t len, unsigned 
 
 RESIDENCY_PRELOAD_EXPORT int munlock(const void* addr, std::size_t len) noexcept {
   const rp::MlockFn next = rp::next_munlock();
-  auto call = [&]() noexcept { return next != nullptr ? next(addr, len) : static_cast<int>(::syscall(SYS_munlock, addr, len)); };
+  auto call = [&]() noexcept {
+    return next != nullptr ? next(addr, len) : static_cast<int>(::syscall(SYS_munlock, addr, len));
+  };
   rp::EngineSession* s = rp::program_call(__builtin_return_address(0)) ? rp::started_session() : nullptr;
   if (s == nullptr) return call();
   const int saved = errno;
@@ -657,9 +662,8 @@ RESIDENCY_PRELOAD_EXPORT int cudaMalloc(void** ptr, std::size_t size) {
 
 RESIDENCY_PRELOAD_EXPORT int cudaFree(void* ptr) { return rp::device_free(ptr, __builtin_return_address(0)); }
 
-RESIDENCY_GGML_WRITE(void, ggml_backend_tensor_set,
-                     (struct ggml_tensor * t, const void* data, size_t offset, size_t size), (t, data, offset, size), ,
-                     rp::tensor_fill(t, data, offset, size))
+RESIDENCY_GGML_WRITE(void, ggml_backend_tensor_set, (struct ggml_tensor * t, const void* data, size_t offset, size_t size),
+                     (t, data, offset, size), , rp::tensor_fill(t, data, offset, size))
 RESIDENCY_GGML_ACCESS(void, ggml_backend_tensor_get,
                       (const struct ggml_tensor* t, void* data, size_t offset, size_t size), (t, data, offset, size), )
 RESIDENCY_GGML_WRITE(void, ggml_backend_tensor_set_2d,
@@ -668,9 +672,8 @@ RESIDENCY_GGML_WRITE(void, ggml_backend_tensor_set_2d,
 RESIDENCY_GGML_ACCESS(void, ggml_backend_tensor_get_2d,
                       (const struct ggml_tensor* t, void* data, size_t offset, size_t size, size_t n, size_t st, size_t sd),
                       (t, data, offset, size, n, st, sd), )
-RESIDENCY_GGML_WRITE(void, ggml_backend_tensor_memset,
-                     (struct ggml_tensor * t, uint8_t value, size_t offset, size_t size), (t, value, offset, size), ,
-                     rp::tensor_write(t, offset, size))
+RESIDENCY_GGML_WRITE(void, ggml_backend_tensor_memset, (struct ggml_tensor * t, uint8_t value, size_t offset, size_t size),
+                     (t, value, offset, size), , rp::tensor_write(t, offset, size))
 RESIDENCY_GGML_WRITE(void, ggml_backend_tensor_set_async,
                      (ggml_backend_t b, struct ggml_tensor* t, const void* data, size_t offset, size_t size),
                      (b, t, data, offset, size), , rp::tensor_write(t, offset, size))
@@ -680,33 +683,34 @@ RESIDENCY_GGML_ACCESS(void, ggml_backend_tensor_get_async,
 RESIDENCY_GGML_WRITE(void, ggml_backend_tensor_set_2d_async,
                      (ggml_backend_t b, struct ggml_tensor* t, const void* data, size_t offset, size_t size, size_t n,
                       size_t st, size_t sd),
-                     (b, t, data, offset, size, n, st, sd), , rp::tensor_write(t, offset, n == 0 ? 0 : (n - 1) * st + size))
+                     (b, t, data, offset, size, n, st, sd), ,
+                     rp::tensor_write(t, offset, n == 0 ? 0 : (n - 1) * st + size))
 RESIDENCY_GGML_ACCESS(void, ggml_backend_tensor_get_2d_async,
                       (ggml_backend_t b, const struct ggml_tensor* t, void* data, size_t offset, size_t size, size_t n,
                        size_t st, size_t sd),
                       (b, t, data, offset, size, n, st, sd), )
-RESIDENCY_GGML_WRITE(void, ggml_backend_tensor_copy, (const struct ggml_tensor* src, struct ggml_tensor* dst), (src, dst), ,
-                     rp::tensor_write_whole(dst, reinterpret_cast<const void*>(next)))
+RESIDENCY_GGML_WRITE(void, ggml_backend_tensor_copy, (const struct ggml_tensor* src, struct ggml_tensor* dst),
+                     (src, dst), , rp::tensor_write_whole(dst, reinterpret_cast<const void*>(next)))
 RESIDENCY_GGML_WRITE(void, ggml_backend_tensor_copy_async,
                      (ggml_backend_t bs, ggml_backend_t bd, const struct ggml_tensor* src, struct ggml_tensor* dst),
                      (bs, bd, src, dst), , rp::tensor_write_whole(dst, reinterpret_cast<const void*>(next)))
 RESIDENCY_GGML_WRITE(void, ggml_backend_buffer_clear, (ggml_backend_buffer_t buffer, uint8_t value), (buffer, value), ,
                      rp::buffer_write(buffer, reinterpret_cast<const void*>(next)))
 // A graph compute: the engine's call itself where llama_decode went past the preload.
-#define RESIDENCY_GGML_COMPUTE(name, params, args)                                                            \
-  RESIDENCY_PRELOAD_EXPORT enum ggml_status name params {                                                     \
-    using Fn = enum ggml_status(*) params;                                                                    \
-    static rp::CallSite site;                                                                                 \
-    const auto target = rp::target_of<Fn>(site, #name, rp::CallKind::ggml, __builtin_return_address(0));     \
-    const Fn next = target.fn;                                                                                \
-    if (next == nullptr) {                                                                                    \
-      rp::warn_missing(site, #name);                                                                          \
-      return GGML_STATUS_FAILED;                                                                              \
-    }                                                                                                         \
-    rp::ForwardScope forward(reinterpret_cast<const void*>(next));                                            \
-    if (!target.engine) return next args;                                                                     \
-    return rp::graph_compute([&]() noexcept { return next args; },                                            \
-                             [&]() noexcept { rp::graph_write(g, reinterpret_cast<const void*>(next)); });    \
+#define RESIDENCY_GGML_COMPUTE(name, params, args)                                                         \
+  RESIDENCY_PRELOAD_EXPORT enum ggml_status name params {                                                  \
+    using Fn = enum ggml_status(*) params;                                                                 \
+    static rp::CallSite site;                                                                              \
+    const auto target = rp::target_of<Fn>(site, #name, rp::CallKind::ggml, __builtin_return_address(0));   \
+    const Fn next = target.fn;                                                                             \
+    if (next == nullptr) {                                                                                 \
+      rp::warn_missing(site, #name);                                                                       \
+      return GGML_STATUS_FAILED;                                                                           \
+    }                                                                                                      \
+    rp::ForwardScope forward(reinterpret_cast<const void*>(next));                                         \
+    if (!target.engine) return next args;                                                                  \
+    return rp::graph_compute([&]() noexcept { return next args; },                                         \
+                             [&]() noexcept { rp::graph_write(g, reinterpret_cast<const void*>(next)); }); \
   }
 RESIDENCY_GGML_COMPUTE(ggml_backend_graph_compute, (ggml_backend_t b, struct ggml_cgraph* g), (b, g))
 RESIDENCY_GGML_COMPUTE(ggml_backend_graph_compute_async, (ggml_backend_t b, struct ggml_cgraph* g), (b, g))
@@ -715,13 +719,13 @@ RESIDENCY_GGML_COMPUTE(ggml_backend_sched_graph_compute_async, (ggml_backend_sch
 
 // llama.cpp's buffers (ggml_buffers.hpp): made, placed in, marked, freed. `next`: the definition
 // the caller's scope reaches; `engine`: it is the engine's (else the call passes through untouched).
-#define RESIDENCY_NEXT(name, kind)                                                                \
-  static rp::CallSite site;                                                                       \
-  const void* const caller = __builtin_return_address(0);                                         \
-  const auto target = rp::target_of<decltype(&name)>(site, #name, rp::CallKind::kind, caller);    \
-  const auto next = target.fn;                                                                    \
-  [[maybe_unused]] const bool engine = target.engine;                                             \
-  if (next == nullptr) rp::warn_missing(site, #name);                                             \
+#define RESIDENCY_NEXT(name, kind)                                                             \
+  static rp::CallSite site;                                                                    \
+  const void* const caller = __builtin_return_address(0);                                      \
+  const auto target = rp::target_of<decltype(&name)>(site, #name, rp::CallKind::kind, caller); \
+  const auto next = target.fn;                                                                 \
+  [[maybe_unused]] const bool engine = target.engine;                                          \
+  if (next == nullptr) rp::warn_missing(site, #name);                                          \
   rp::ForwardScope forward_scope(reinterpret_cast<const void*>(next))
 
 RESIDENCY_PRELOAD_EXPORT ggml_backend_buffer_t ggml_backend_buft_alloc_buffer(ggml_backend_buffer_type_t buft, size_t size) {
@@ -729,7 +733,8 @@ RESIDENCY_PRELOAD_EXPORT ggml_backend_buffer_t ggml_backend_buft_alloc_buffer(gg
   if (next == nullptr) return nullptr;
   ggml_backend_buffer_t b = next(buft, size);
   if (engine)
-    rp::tell(reinterpret_cast<const void*>(next), [b](rp::EngineSession& s) { s.buffer_created(rp::buffer_id(b), false); });
+    rp::tell(reinterpret_cast<const void*>(next),
+             [b](rp::EngineSession& s) { s.buffer_created(rp::buffer_id(b), false); });
   return b;
 }
 
@@ -789,7 +794,8 @@ RESIDENCY_PRELOAD_EXPORT void ggml_backend_buffer_set_usage(ggml_backend_buffer_
 RESIDENCY_PRELOAD_EXPORT void ggml_backend_buffer_free(ggml_backend_buffer_t buffer) {
   RESIDENCY_NEXT(ggml_backend_buffer_free, ggml);
   if (next == nullptr) return;
-  if (engine && buffer != nullptr) rp::tell_started([&](rp::EngineSession& s) { s.buffer_freed(rp::buffer_id(buffer)); });
+  if (engine && buffer != nullptr)
+    rp::tell_started([&](rp::EngineSession& s) { s.buffer_freed(rp::buffer_id(buffer)); });
   next(buffer);
 }
 

@@ -78,8 +78,8 @@ extern "C" void remove_on_signal(int sig, siginfo_t* si, void*) {
 
 const std::vector<int>& CleanupRegistry::signals() {
   // Every signal whose default action ends the process without a core dump, and SIGQUIT: the
-  // ways a user, kill or a job controller ends a run (a closed pipe does not: own_broken_pipe). Crash signals (SIGSEGV, SIGBUS,
-  // SIGABRT ...) are left to their defaults and sanitizers: the next run removes what they leave.
+  // ways a user, kill or a job controller ends a run (a closed pipe does not: own_broken_pipe). Crash signals (SIGSEGV,
+  // SIGBUS, SIGABRT ...) are left to their defaults and sanitizers: the next run removes what they leave.
   static const std::vector<int> s = {SIGINT,  SIGTERM,   SIGHUP,  SIGQUIT, SIGPIPE, SIGUSR1, SIGUSR2,
                                      SIGALRM, SIGVTALRM, SIGPROF, SIGXCPU, SIGXFSZ, SIGIO};
   return s;
@@ -246,7 +246,11 @@ Status check_writable(const std::string& dir, std::uint64_t bytes, const std::st
 #if defined(__GLIBC__)
     const char* name = strerrorname_np(err);
 #else
-    const char* name = err == EROFS ? "EROFS" : err == ENOSPC ? "ENOSPC" : err == EACCES ? "EACCES" : err == EPERM ? "EPERM" : nullptr;
+    const char* name = err == EROFS    ? "EROFS"
+                       : err == ENOSPC ? "ENOSPC"
+                       : err == EACCES ? "EACCES"
+                       : err == EPERM  ? "EPERM"
+                                       : nullptr;
 #endif
     return Status(err == ENOSPC ? ErrorCode::limit_exceeded : ErrorCode::permission_denied,
                   what + ": cannot write there: " + std::strerror(err) + (name ? std::string(" (") + name + ")" : "") +
@@ -259,7 +263,8 @@ Status check_writable(const std::string& dir, std::uint64_t bytes, const std::st
   int err = 0;
   std::vector<char> zeros(64 << 10, 0);
   for (std::uint64_t done = 0; err == 0 && done < bytes;) {
-    const ssize_t n = ::write(fd, zeros.data(), static_cast<std::size_t>(std::min<std::uint64_t>(zeros.size(), bytes - done)));
+    const ssize_t n = ::write(fd, zeros.data(),
+                              static_cast<std::size_t>(std::min<std::uint64_t>(zeros.size(), bytes - done)));
     if (n < 0 && errno == EINTR) continue;
     if (n < 0) err = errno;
     else done += static_cast<std::uint64_t>(n);
@@ -278,9 +283,8 @@ Result<TempDir> TempDir::create(const std::string& parent, const std::string& pr
   std::vector<char> buf(tmpl.begin(), tmpl.end());
   buf.push_back('\0');
   if (mkdtemp(buf.data()) == nullptr) {
-    return Status(ErrorCode::io_error,
-                  "cannot create a temporary directory in " + printable(parent) + ": " + std::strerror(errno) +
-                      " (set TMPDIR to a writable directory)");
+    return Status(ErrorCode::io_error, "cannot create a temporary directory in " + printable(parent) + ": " +
+                                           std::strerror(errno) + " (set TMPDIR to a writable directory)");
   }
   TempDir d;
   d.path_ = buf.data();
@@ -291,7 +295,12 @@ Result<TempDir> TempDir::create(const std::string& parent, const std::string& pr
 }
 
 TempDir::TempDir(TempDir&& o) noexcept
-    : path_(std::move(o.path_)), parent_(std::move(o.parent_)), prefix_(std::move(o.prefix_)), tracked_(std::move(o.tracked_)), dir_slot_(o.dir_slot_), keep_(o.keep_) {
+    : path_(std::move(o.path_)),
+      parent_(std::move(o.parent_)),
+      prefix_(std::move(o.prefix_)),
+      tracked_(std::move(o.tracked_)),
+      dir_slot_(o.dir_slot_),
+      keep_(o.keep_) {
   o.path_.clear();
   o.tracked_.clear();
   o.dir_slot_ = -1;
@@ -344,8 +353,9 @@ void TempDir::keep() {
       path_ = target;
       break;
     }
-    if (errno != EEXIST) break;  // the tagged name stays (a later run would take it for a leftover
-                                 // once this process is gone); renaming in place does not fail so
+    if (errno != EEXIST)
+      break;  // the tagged name stays (a later run would take it for a leftover
+              // once this process is gone); renaming in place does not fail so
   }
   for (auto& [file, slot] : tracked_) CleanupRegistry::forget(slot);
   tracked_.clear();

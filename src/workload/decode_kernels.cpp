@@ -116,8 +116,7 @@ float dot_q4_0_generic(const std::uint8_t* w, std::size_t n, const MatvecInput& 
 }
 
 template <float (*Dot)(const std::uint8_t*, std::size_t, const MatvecInput&)>
-void matvec(const std::uint8_t* w, std::size_t row_bytes, std::size_t n, std::size_t rows, const MatvecInput& in,
-            float* y) {
+void matvec(const std::uint8_t* w, std::size_t row_bytes, std::size_t n, std::size_t rows, const MatvecInput& in, float* y) {
   for (std::size_t r = 0; r < rows; ++r) y[r] = Dot(w + r * row_bytes, n, in);
 }
 
@@ -469,9 +468,7 @@ const DecodeKernels kAvx2{DecodeIsa::avx2,
 
 }  // namespace
 
-std::string_view to_string(DecodeIsa isa) noexcept {
-  return isa == DecodeIsa::avx2 ? "avx2" : "generic";
-}
+std::string_view to_string(DecodeIsa isa) noexcept { return isa == DecodeIsa::avx2 ? "avx2" : "generic"; }
 
 void quantize_input_q8_0(float* x, std::size_t n, std::int8_t* q8, float* q8_scale) {
   for (std::size_t b = 0; b < n / kQ8Block; ++b) {

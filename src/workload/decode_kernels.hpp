@@ -31,9 +31,9 @@ std::string_view to_string(DecodeIsa isa) noexcept;
 // than memory); `x` then holds exactly the values the quantisation represents, so every kernel,
 // and the tests' reference, compute with the same vector.
 struct MatvecInput {
-  const float* x = nullptr;            // n floats
-  const std::int8_t* q8 = nullptr;     // n int8 in blocks of 32 (only for Q8_0 and Q4_0 weights)
-  const float* q8_scale = nullptr;     // n / 32 block scales: x[i] == q8_scale[i / 32] * q8[i]
+  const float* x = nullptr;         // n floats
+  const std::int8_t* q8 = nullptr;  // n int8 in blocks of 32 (only for Q8_0 and Q4_0 weights)
+  const float* q8_scale = nullptr;  // n / 32 block scales: x[i] == q8_scale[i / 32] * q8[i]
 };
 
 // Quantises x (n a multiple of 32) to Q8_0 blocks: scale = max|x| / 127, q = round(x / scale), and
@@ -45,8 +45,8 @@ void quantize_input_q8_0(float* x, std::size_t n, std::int8_t* q8, float* q8_sca
 // stream per thread cannot draw its share of memory bandwidth; see decode_kernels.cpp).
 // y[r] = dot(row r, x) for `rows` rows of `n` elements starting at `w`, rows `row_bytes` apart.
 // `w` may have any alignment. A row's y does not depend on `rows` or on where the call starts.
-using MatvecFn = void (*)(const std::uint8_t* w, std::size_t row_bytes, std::size_t n,
-                          std::size_t rows, const MatvecInput& in, float* y);
+using MatvecFn = void (*)(const std::uint8_t* w, std::size_t row_bytes, std::size_t n, std::size_t rows,
+                          const MatvecInput& in, float* y);
 // Sum of the n bytes at p read as little-endian 64-bit words (the tail as bytes): the fastest
 // plain read of the same memory, the bandwidth baseline (the AVX2 sum reads four streams, as the
 // matvec kernels do). bench_decode reports the pass's bandwidth as a ratio of the faster of this

@@ -31,15 +31,15 @@ struct DecodeMatrix {
   const GgufTensor* tensor = nullptr;
   const std::uint8_t* data = nullptr;  // inside the caller's mapping
   std::uint64_t rows = 0, row_length = 0, row_bytes = 0;
-  std::size_t input = 0;        // index of the input vector (one per distinct row length)
-  std::size_t output_first = 0; // first of its `rows` outputs
+  std::size_t input = 0;         // index of the input vector (one per distinct row length)
+  std::size_t output_first = 0;  // first of its `rows` outputs
 };
 
 class DecodePass {
  public:
   struct Options {
-    unsigned threads = 0;           // 0 = one per core
-    std::optional<DecodeIsa> isa;   // default: the best this CPU has
+    unsigned threads = 0;          // 0 = one per core
+    std::optional<DecodeIsa> isa;  // default: the best this CPU has
   };
 
   // Every non-empty tensor of 2 or more dims is a weight matrix (ne[0] = row length, the rest
@@ -47,8 +47,7 @@ class DecodePass {
   // pass does not compute (names the tensor, its type and the accepted types), a model without
   // any weight matrix, an ISA this CPU lacks.
   static Status check(const GgufModel& model);
-  static Result<std::unique_ptr<DecodePass>> create(const GgufModel& model, const std::uint8_t* file_base,
-                                                    Options options);
+  static Result<std::unique_ptr<DecodePass>> create(const GgufModel& model, const std::uint8_t* file_base, Options options);
   static Result<std::unique_ptr<DecodePass>> create(const GgufModel& model, const std::uint8_t* file_base) {
     return create(model, file_base, Options{});
   }
@@ -83,9 +82,9 @@ class DecodePass {
   std::vector<MatvecFn> fns_;  // per matrix
   struct Input {
     std::vector<float> x;
-    std::vector<std::int8_t> q8;    // for Q8_0 and Q4_0 weights of this row length
+    std::vector<std::int8_t> q8;  // for Q8_0 and Q4_0 weights of this row length
     std::vector<float> q8_scale;
-    MatvecInput view;               // pointers into the vectors above
+    MatvecInput view;  // pointers into the vectors above
   };
   std::vector<Input> inputs_;
   std::vector<float> outputs_;

@@ -28,11 +28,38 @@ namespace residency::workload {
 // ggml tensor element types, with the numbers the file stores. Ids 4, 5, 31-33 and 36-38 were
 // used by types ggml has since removed; the reader rejects them as unknown.
 enum class GgmlType : std::uint32_t {
-  f32 = 0, f16 = 1, q4_0 = 2, q4_1 = 3, q5_0 = 6, q5_1 = 7, q8_0 = 8, q8_1 = 9,
-  q2_k = 10, q3_k = 11, q4_k = 12, q5_k = 13, q6_k = 14, q8_k = 15,
-  iq2_xxs = 16, iq2_xs = 17, iq3_xxs = 18, iq1_s = 19, iq4_nl = 20, iq3_s = 21, iq2_s = 22,
-  iq4_xs = 23, i8 = 24, i16 = 25, i32 = 26, i64 = 27, f64 = 28, iq1_m = 29, bf16 = 30,
-  tq1_0 = 34, tq2_0 = 35, mxfp4 = 39,
+  f32 = 0,
+  f16 = 1,
+  q4_0 = 2,
+  q4_1 = 3,
+  q5_0 = 6,
+  q5_1 = 7,
+  q8_0 = 8,
+  q8_1 = 9,
+  q2_k = 10,
+  q3_k = 11,
+  q4_k = 12,
+  q5_k = 13,
+  q6_k = 14,
+  q8_k = 15,
+  iq2_xxs = 16,
+  iq2_xs = 17,
+  iq3_xxs = 18,
+  iq1_s = 19,
+  iq4_nl = 20,
+  iq3_s = 21,
+  iq2_s = 22,
+  iq4_xs = 23,
+  i8 = 24,
+  i16 = 25,
+  i32 = 26,
+  i64 = 27,
+  f64 = 28,
+  iq1_m = 29,
+  bf16 = 30,
+  tq1_0 = 34,
+  tq2_0 = 35,
+  mxfp4 = 39,
 };
 
 // How a type is stored: `block_elems` elements take `block_bytes` bytes; a row's length must be
@@ -53,8 +80,19 @@ bool decode_supported(GgmlType t) noexcept;
 Result<GgmlType> parse_model_type(std::string_view text);
 
 enum class GgufValueType : std::uint32_t {
-  uint8 = 0, int8 = 1, uint16 = 2, int16 = 3, uint32 = 4, int32 = 5, float32 = 6, boolean = 7,
-  string = 8, array = 9, uint64 = 10, int64 = 11, float64 = 12,
+  uint8 = 0,
+  int8 = 1,
+  uint16 = 2,
+  int16 = 3,
+  uint32 = 4,
+  int32 = 5,
+  float32 = 6,
+  boolean = 7,
+  string = 8,
+  array = 9,
+  uint64 = 10,
+  int64 = 11,
+  float64 = 12,
 };
 std::string_view to_string(GgufValueType t) noexcept;
 
@@ -109,8 +147,8 @@ struct GgufTensor {
   GgmlType type = GgmlType::f32;
   std::uint32_t n_dims = 0;
   std::array<std::uint64_t, kGgufMaxDims> ne{1, 1, 1, 1};  // ne[0] is the row length
-  std::uint64_t offset = 0;       // relative to the data section, as stored
-  std::uint64_t file_offset = 0;  // absolute: data_offset + offset
+  std::uint64_t offset = 0;                                // relative to the data section, as stored
+  std::uint64_t file_offset = 0;                           // absolute: data_offset + offset
   std::uint64_t n_elements = 0;
   std::uint64_t n_bytes = 0;
   std::uint64_t info_offset = 0;  // where this tensor's info starts in the file

@@ -22,22 +22,38 @@ namespace {
 
 // Block sizes as ggml defines them (ggml-common.h); Q8_1 is 2 halves + 32 int8 = 36 bytes.
 constexpr GgmlTypeInfo kTypes[] = {
-    {GgmlType::f32, "F32", 1, 4},          {GgmlType::f16, "F16", 1, 2},
-    {GgmlType::q4_0, "Q4_0", 32, 18},      {GgmlType::q4_1, "Q4_1", 32, 20},
-    {GgmlType::q5_0, "Q5_0", 32, 22},      {GgmlType::q5_1, "Q5_1", 32, 24},
-    {GgmlType::q8_0, "Q8_0", 32, 34},      {GgmlType::q8_1, "Q8_1", 32, 36},
-    {GgmlType::q2_k, "Q2_K", 256, 84},     {GgmlType::q3_k, "Q3_K", 256, 110},
-    {GgmlType::q4_k, "Q4_K", 256, 144},    {GgmlType::q5_k, "Q5_K", 256, 176},
-    {GgmlType::q6_k, "Q6_K", 256, 210},    {GgmlType::q8_k, "Q8_K", 256, 292},
-    {GgmlType::iq2_xxs, "IQ2_XXS", 256, 66}, {GgmlType::iq2_xs, "IQ2_XS", 256, 74},
-    {GgmlType::iq3_xxs, "IQ3_XXS", 256, 98}, {GgmlType::iq1_s, "IQ1_S", 256, 50},
-    {GgmlType::iq4_nl, "IQ4_NL", 32, 18},  {GgmlType::iq3_s, "IQ3_S", 256, 110},
-    {GgmlType::iq2_s, "IQ2_S", 256, 82},   {GgmlType::iq4_xs, "IQ4_XS", 256, 136},
-    {GgmlType::i8, "I8", 1, 1},            {GgmlType::i16, "I16", 1, 2},
-    {GgmlType::i32, "I32", 1, 4},          {GgmlType::i64, "I64", 1, 8},
-    {GgmlType::f64, "F64", 1, 8},          {GgmlType::iq1_m, "IQ1_M", 256, 56},
-    {GgmlType::bf16, "BF16", 1, 2},        {GgmlType::tq1_0, "TQ1_0", 256, 54},
-    {GgmlType::tq2_0, "TQ2_0", 256, 66},   {GgmlType::mxfp4, "MXFP4", 32, 17},
+    {GgmlType::f32, "F32", 1, 4},
+    {GgmlType::f16, "F16", 1, 2},
+    {GgmlType::q4_0, "Q4_0", 32, 18},
+    {GgmlType::q4_1, "Q4_1", 32, 20},
+    {GgmlType::q5_0, "Q5_0", 32, 22},
+    {GgmlType::q5_1, "Q5_1", 32, 24},
+    {GgmlType::q8_0, "Q8_0", 32, 34},
+    {GgmlType::q8_1, "Q8_1", 32, 36},
+    {GgmlType::q2_k, "Q2_K", 256, 84},
+    {GgmlType::q3_k, "Q3_K", 256, 110},
+    {GgmlType::q4_k, "Q4_K", 256, 144},
+    {GgmlType::q5_k, "Q5_K", 256, 176},
+    {GgmlType::q6_k, "Q6_K", 256, 210},
+    {GgmlType::q8_k, "Q8_K", 256, 292},
+    {GgmlType::iq2_xxs, "IQ2_XXS", 256, 66},
+    {GgmlType::iq2_xs, "IQ2_XS", 256, 74},
+    {GgmlType::iq3_xxs, "IQ3_XXS", 256, 98},
+    {GgmlType::iq1_s, "IQ1_S", 256, 50},
+    {GgmlType::iq4_nl, "IQ4_NL", 32, 18},
+    {GgmlType::iq3_s, "IQ3_S", 256, 110},
+    {GgmlType::iq2_s, "IQ2_S", 256, 82},
+    {GgmlType::iq4_xs, "IQ4_XS", 256, 136},
+    {GgmlType::i8, "I8", 1, 1},
+    {GgmlType::i16, "I16", 1, 2},
+    {GgmlType::i32, "I32", 1, 4},
+    {GgmlType::i64, "I64", 1, 8},
+    {GgmlType::f64, "F64", 1, 8},
+    {GgmlType::iq1_m, "IQ1_M", 256, 56},
+    {GgmlType::bf16, "BF16", 1, 2},
+    {GgmlType::tq1_0, "TQ1_0", 256, 54},
+    {GgmlType::tq2_0, "TQ2_0", 256, 66},
+    {GgmlType::mxfp4, "MXFP4", 32, 17},
 };
 
 // Nested arrays are legal GGUF; nothing real nests more than 2 deep. The limit keeps a hostile
@@ -45,9 +61,9 @@ constexpr GgmlTypeInfo kTypes[] = {
 constexpr int kMaxArrayDepth = 8;
 // Smallest possible encodings, used to reject counts that cannot fit in the bytes left before
 // allocating anything for them.
-constexpr std::uint64_t kMinKeyValueBytes = 8 + 4 + 1;              // empty key, type, 1-byte value
-constexpr std::uint64_t kMinTensorInfoBytes = 8 + 4 + 8 + 4 + 8;    // empty name, 1 dim, type, offset
-constexpr std::uint64_t kMaxAlignment = std::uint64_t{1} << 30;     // 1 GiB: far above any real use
+constexpr std::uint64_t kMinKeyValueBytes = 8 + 4 + 1;            // empty key, type, 1-byte value
+constexpr std::uint64_t kMinTensorInfoBytes = 8 + 4 + 8 + 4 + 8;  // empty name, 1 dim, type, offset
+constexpr std::uint64_t kMaxAlignment = std::uint64_t{1} << 30;   // 1 GiB: far above any real use
 
 struct ParseError {
   std::uint64_t offset;
@@ -136,8 +152,7 @@ GgufValue read_array(Cursor& c, const std::string& field, int depth) {
   const std::uint64_t type_at = c.pos();
   const auto elem = c.read<std::uint32_t>(field + " array element type");
   if (!is_known_value_type(elem)) {
-    c.fail(type_at, field + " array element type",
-           std::to_string(elem) + " is not a GGUF value type (accepted: 0..12)");
+    c.fail(type_at, field + " array element type", std::to_string(elem) + " is not a GGUF value type (accepted: 0..12)");
   }
   v.elem_type = static_cast<GgufValueType>(elem);
   const std::uint64_t count_at = c.pos();
@@ -226,8 +241,7 @@ GgufModel parse(Cursor& c) {
                " bytes long, shorter than the 4-byte GGUF magic: not a GGUF file");
   }
   if (std::memcmp(c.here(), "GGUF", 4) != 0) {
-    c.fail(0, "magic",
-           "expected 'GGUF' (47 47 55 46), found " + hex_bytes(c.here(), 4) + ": not a GGUF file");
+    c.fail(0, "magic", "expected 'GGUF' (47 47 55 46), found " + hex_bytes(c.here(), 4) + ": not a GGUF file");
   }
   c.skip(4);
   m.version = c.read<std::uint32_t>("version");
@@ -243,13 +257,13 @@ GgufModel parse(Cursor& c) {
   const auto kv_count = c.read<std::uint64_t>("metadata_kv_count");
   if (kv_count > c.left() / kMinKeyValueBytes) {
     c.fail(kc_at, "metadata_kv_count",
-           std::to_string(kv_count) + " key-value pairs cannot fit in the " +
-               std::to_string(c.left()) + " bytes left in the file: the file is truncated or the count is corrupt");
+           std::to_string(kv_count) + " key-value pairs cannot fit in the " + std::to_string(c.left()) +
+               " bytes left in the file: the file is truncated or the count is corrupt");
   }
   if (tensor_count > c.left() / kMinTensorInfoBytes) {
     c.fail(tc_at, "tensor_count",
-           std::to_string(tensor_count) + " tensor infos cannot fit in the " +
-               std::to_string(c.left()) + " bytes left in the file: the file is truncated or the count is corrupt");
+           std::to_string(tensor_count) + " tensor infos cannot fit in the " + std::to_string(c.left()) +
+               " bytes left in the file: the file is truncated or the count is corrupt");
   }
 
   std::unordered_set<std::string> keys;
@@ -264,8 +278,7 @@ GgufModel parse(Cursor& c) {
     const std::uint64_t type_at = c.pos();
     const auto type = c.read<std::uint32_t>(named + " value type");
     if (!is_known_value_type(type)) {
-      c.fail(type_at, named + " value type",
-             std::to_string(type) + " is not a GGUF value type (accepted: 0..12)");
+      c.fail(type_at, named + " value type", std::to_string(type) + " is not a GGUF value type (accepted: 0..12)");
     }
     kv.value = read_value(c, static_cast<GgufValueType>(type), named, 0);
     if (kv.key == "general.alignment") m.alignment = checked_alignment(kv, c);
@@ -293,8 +306,8 @@ GgufModel parse(Cursor& c) {
       t.ne[d] = c.read<std::uint64_t>(dim_field);
       if (t.ne[d] > static_cast<std::uint64_t>(std::numeric_limits<std::int64_t>::max()) ||
           (t.ne[d] != 0 && elements > static_cast<std::uint64_t>(std::numeric_limits<std::int64_t>::max()) / t.ne[d])) {
-        c.fail(at, dim_field, "dimension " + std::to_string(t.ne[d]) +
-                                  " makes the element count overflow a 64-bit integer");
+        c.fail(at, dim_field,
+               "dimension " + std::to_string(t.ne[d]) + " makes the element count overflow a 64-bit integer");
       }
       elements *= t.ne[d];
     }
@@ -330,8 +343,8 @@ GgufModel parse(Cursor& c) {
   if (!m.tensors.empty() && m.data_offset > c.size()) {
     c.fail(end_of_infos, "data section",
            "the data section would start at byte " + std::to_string(m.data_offset) +
-               " (after padding to general.alignment " + std::to_string(m.alignment) +
-               ") but the file ends at byte " + std::to_string(c.size()) + ": the file is truncated");
+               " (after padding to general.alignment " + std::to_string(m.alignment) + ") but the file ends at byte " +
+               std::to_string(c.size()) + ": the file is truncated");
   }
   for (std::size_t k = 0; k < m.tensors.size(); ++k) {
     GgufTensor& t = m.tensors[k];
@@ -339,16 +352,16 @@ GgufModel parse(Cursor& c) {
     const std::string field = "tensor[" + std::to_string(k) + "] " + quoted_name(t.name) + " offset";
     if (t.offset % m.alignment != 0) {
       c.fail(off_at, field,
-             std::to_string(t.offset) + " is not a multiple of general.alignment (" +
-                 std::to_string(m.alignment) + "): the tensor data is misaligned");
+             std::to_string(t.offset) + " is not a multiple of general.alignment (" + std::to_string(m.alignment) +
+                 "): the tensor data is misaligned");
     }
     const std::uint64_t room = c.size() - m.data_offset;
     if (t.offset > room || t.n_bytes > room - t.offset) {
       c.fail(off_at, field,
-             "the tensor's " + std::to_string(t.n_bytes) + " bytes at data offset " +
-                 std::to_string(t.offset) + " (file byte " + std::to_string(m.data_offset) + " + " +
-                 std::to_string(t.offset) + ") end past the end of the file (" +
-                 std::to_string(c.size()) + " bytes): the file is truncated or corrupt");
+             "the tensor's " + std::to_string(t.n_bytes) + " bytes at data offset " + std::to_string(t.offset) +
+                 " (file byte " + std::to_string(m.data_offset) + " + " + std::to_string(t.offset) +
+                 ") end past the end of the file (" + std::to_string(c.size()) +
+                 " bytes): the file is truncated or corrupt");
     }
     t.file_offset = m.data_offset + t.offset;
   }
@@ -623,12 +636,10 @@ Result<GgufModel> parse_gguf(std::span<const std::uint8_t> bytes, std::string_vi
   try {
     return parse(c);
   } catch (const ParseError& e) {
-    return Status(ErrorCode::invalid_argument, printable(source) + ": byte " +
-                                                   std::to_string(e.offset) + " (" + e.field +
-                                                   "): " + e.what);
+    return Status(ErrorCode::invalid_argument,
+                  printable(source) + ": byte " + std::to_string(e.offset) + " (" + e.field + "): " + e.what);
   } catch (const std::bad_alloc&) {
-    return Status(ErrorCode::out_of_memory,
-                  printable(source) + ": not enough memory to hold the file's metadata");
+    return Status(ErrorCode::out_of_memory, printable(source) + ": not enough memory to hold the file's metadata");
   }
 }
 
@@ -685,8 +696,8 @@ Result<GgufFile> GgufFile::open(const std::string& path) {
   if (p == MAP_FAILED) {
     const int err = errno;
     f.size_ = 0;
-    return Status(ErrorCode::io_error, printable(path) + ": cannot map " + std::to_string(st.st_size) +
-                                           " bytes: " + std::strerror(err));
+    return Status(ErrorCode::io_error,
+                  printable(path) + ": cannot map " + std::to_string(st.st_size) + " bytes: " + std::strerror(err));
   }
   f.data_ = static_cast<const std::uint8_t*>(p);
   auto model = parse_gguf({f.data_, f.size_}, path);

@@ -204,15 +204,14 @@ Result<GgufLayout> GgufBuilder::layout() const {
   std::uint64_t offset = 0;
   for (const auto& t : tensors_) {
     if (t.ne.empty() || t.ne.size() > kGgufMaxDims) {
-      return Status(ErrorCode::invalid_argument, "tensor '" + t.name + "' has " +
-                                                     std::to_string(t.ne.size()) + " dims (1 to 4)");
+      return Status(ErrorCode::invalid_argument,
+                    "tensor '" + t.name + "' has " + std::to_string(t.ne.size()) + " dims (1 to 4)");
     }
     const GgmlTypeInfo* info = ggml_type_info(static_cast<std::uint32_t>(t.type));
     if (t.ne[0] % info->block_elems != 0) {
-      return Status(ErrorCode::invalid_argument,
-                    "tensor '" + t.name + "': row length " + std::to_string(t.ne[0]) +
-                        " is not a multiple of " + std::string(info->name) + "'s block of " +
-                        std::to_string(info->block_elems));
+      return Status(ErrorCode::invalid_argument, "tensor '" + t.name + "': row length " + std::to_string(t.ne[0]) +
+                                                     " is not a multiple of " + std::string(info->name) +
+                                                     "'s block of " + std::to_string(info->block_elems));
     }
     std::uint64_t elements = 1;
     for (auto d : t.ne) elements *= d;
@@ -275,9 +274,9 @@ Status write_gguf_file(const std::string& final_path, const GgufLayout& layout, 
   const int fa = ::posix_fallocate(fd, 0, static_cast<off_t>(layout.file_size));
 #endif
   if (fa == ENOSPC) {
-    return fail(Status(ErrorCode::out_of_memory,
-                       printable(final_path) + ": not enough disk space for " + std::to_string(layout.file_size) +
-                           " bytes; free space or choose another directory"));
+    return fail(Status(ErrorCode::out_of_memory, printable(final_path) + ": not enough disk space for " +
+                                                     std::to_string(layout.file_size) +
+                                                     " bytes; free space or choose another directory"));
   }
   if (fa != 0 && ::ftruncate(fd, static_cast<off_t>(layout.file_size)) != 0) {
     return fail(Status(ErrorCode::io_error, printable(final_path) + ": cannot size the file: " + std::strerror(errno)));
@@ -291,7 +290,8 @@ Status write_gguf_file(const std::string& final_path, const GgufLayout& layout, 
   std::vector<Task> tasks;
   for (std::size_t t = 0; t < layout.tensors.size(); ++t) {
     if (layout.n_bytes[t] == 0) continue;
-    const std::uint64_t per = std::max<std::uint64_t>(1, kWriteChunkBytes / std::max<std::uint64_t>(1, layout.row_bytes[t]));
+    const std::uint64_t per = std::max<std::uint64_t>(1, kWriteChunkBytes /
+                                                             std::max<std::uint64_t>(1, layout.row_bytes[t]));
     for (std::uint64_t r = 0; r < layout.rows[t]; r += per) tasks.push_back({t, r, std::min(per, layout.rows[t] - r)});
   }
   if (threads == 0) threads = std::max(1u, std::thread::hardware_concurrency());
@@ -332,7 +332,8 @@ Status write_gguf_file(const std::string& final_path, const GgufLayout& layout, 
     CleanupRegistry::forget(slot);
     return Status(ErrorCode::io_error, printable(final_path) + ": close failed: " + std::strerror(err));
   }
-  const int rc = overwrite ? std::rename(path.c_str(), final_path.c_str()) : rename_no_replace(path.c_str(), final_path.c_str());
+  const int rc = overwrite ? std::rename(path.c_str(), final_path.c_str())
+                           : rename_no_replace(path.c_str(), final_path.c_str());
   const int err = errno;
   if (rc != 0) ::unlink(path.c_str());
   CleanupRegistry::forget(slot);
@@ -341,7 +342,8 @@ Status write_gguf_file(const std::string& final_path, const GgufLayout& layout, 
       return Status(ErrorCode::invalid_argument,
                     printable(final_path) + ": already exists; choose another name or allow overwriting (--force)");
     }
-    return Status(ErrorCode::io_error, printable(final_path) + ": cannot rename the written file into place: " + std::strerror(err));
+    return Status(ErrorCode::io_error,
+                  printable(final_path) + ": cannot rename the written file into place: " + std::strerror(err));
   }
   return {};
 }
@@ -370,23 +372,22 @@ Status check_free_space(const std::string& dir, std::uint64_t bytes) {
   struct statvfs s {};
   if (statvfs(dir.c_str(), &s) != 0) {
     const int err = errno;
-    return Status(err == ENOENT ? ErrorCode::not_found : ErrorCode::io_error,
-                  printable(dir) + ": " + std::strerror(err));
+    return Status(err == ENOENT ? ErrorCode::not_found : ErrorCode::io_error, printable(dir) + ": " + std::strerror(err));
   }
   const std::uint64_t free_bytes = static_cast<std::uint64_t>(s.f_bavail) * s.f_frsize;
   if (free_bytes < bytes) {
-    return Status(ErrorCode::limit_exceeded,
-                  printable(dir) + " has " + std::to_string(free_bytes >> 20) + " MiB free; the model needs " +
-                      std::to_string((bytes + (1u << 20) - 1) >> 20) + " MiB (choose a smaller size or another directory)");
+    return Status(ErrorCode::limit_exceeded, printable(dir) + " has " + std::to_string(free_bytes >> 20) +
+                                                 " MiB free; the model needs " +
+                                                 std::to_string((bytes + (1u << 20) - 1) >> 20) +
+                                                 " MiB (choose a smaller size or another directory)");
   }
   return {};
 }
 
 std::string LlamaShape::to_string() const {
-  return "llama, " + std::string(ggml_type_name(type)) + ", n_vocab " + std::to_string(n_vocab) +
-         ", n_embd " + std::to_string(n_embd) + ", n_layer " + std::to_string(n_layer) + ", n_head " +
-         std::to_string(n_head) + ", n_head_kv " + std::to_string(n_head_kv) + ", n_ff " +
-         std::to_string(n_ff);
+  return "llama, " + std::string(ggml_type_name(type)) + ", n_vocab " + std::to_string(n_vocab) + ", n_embd " +
+         std::to_string(n_embd) + ", n_layer " + std::to_string(n_layer) + ", n_head " + std::to_string(n_head) +
+         ", n_head_kv " + std::to_string(n_head_kv) + ", n_ff " + std::to_string(n_ff);
 }
 
 SyntheticVocab synthetic_vocab(std::uint64_t n_vocab) {
@@ -494,7 +495,9 @@ Result<LlamaShape> plan_llama_shape(std::uint64_t target, GgmlType type) {
   auto tb = [type](std::uint64_t n) { return tensor_bytes(type, n); };
   // Metadata estimate: the vocabulary strings, scores and types (~24 bytes a token) plus the
   // tensor infos; checked exactly against the real layout below.
-  auto header_estimate = [](std::uint64_t vocab, std::uint64_t layers) { return 24 * vocab + 80 * (9 * layers + 3) + 4096; };
+  auto header_estimate = [](std::uint64_t vocab, std::uint64_t layers) {
+    return 24 * vocab + 80 * (9 * layers + 3) + 4096;
+  };
   // Widths: multiples of 128 from 8192 down to 1024, then multiples of 64.
   std::vector<std::uint64_t> widths;
   for (std::uint64_t e = 8192; e >= 1024; e -= 128) widths.push_back(e);
@@ -508,8 +511,8 @@ Result<LlamaShape> plan_llama_shape(std::uint64_t target, GgmlType type) {
     s.n_head_kv = (s.n_head % 4 == 0 && s.n_head >= 8) ? s.n_head / 4 : s.n_head;
     // Embedding + output about a quarter of the file at most, but never below the vocabulary
     // that tokenizes any text.
-    s.n_vocab = std::clamp<std::uint64_t>(target / 8 / std::max<std::uint64_t>(1, tb(e)) / 64 * 64,
-                                          kMinSyntheticVocab, kMaxSyntheticVocab);
+    s.n_vocab = std::clamp<std::uint64_t>(target / 8 / std::max<std::uint64_t>(1, tb(e)) / 64 * 64, kMinSyntheticVocab,
+                                          kMaxSyntheticVocab);
     const std::uint64_t ff0 = (8 * e / 3 + 63) / 64 * 64;
     const std::uint64_t attn = 2 * tb(e * e) + 2 * tb(e * s.n_embd_kv()) + 2 * 4 * e;
     const std::uint64_t fixed = 2 * tb(s.n_vocab * e) + 4 * e + header_estimate(s.n_vocab, e / 32);
@@ -531,10 +534,9 @@ Result<LlamaShape> plan_llama_shape(std::uint64_t target, GgmlType type) {
   // The smallest shape: one layer at width 64, the smallest vocabulary.
   LlamaShape smallest{type, kMinSyntheticVocab, 64, 1, 1, 1, 192, 4096};
   const auto min_layout = llama_builder(smallest, 0).layout();
-  return Status(ErrorCode::invalid_argument,
-                std::to_string(target) + " bytes is too small for a llama-shaped " +
-                    std::string(ggml_type_name(type)) + " model; the smallest is " +
-                    std::to_string(min_layout ? min_layout->file_size : 0) + " bytes");
+  return Status(ErrorCode::invalid_argument, std::to_string(target) + " bytes is too small for a llama-shaped " +
+                                                 std::string(ggml_type_name(type)) + " model; the smallest is " +
+                                                 std::to_string(min_layout ? min_layout->file_size : 0) + " bytes");
 }
 
 TensorFill synthetic_fill(const GgufLayout& layout, std::uint64_t seed) {
@@ -580,8 +582,8 @@ TensorFill synthetic_fill(const GgufLayout& layout, std::uint64_t seed) {
   };
 }
 
-Status write_synthetic_model(const std::string& path, const LlamaShape& shape, std::uint64_t seed,
-                             unsigned threads, bool overwrite) {
+Status write_synthetic_model(const std::string& path, const LlamaShape& shape, std::uint64_t seed, unsigned threads,
+                             bool overwrite) {
   auto layout = llama_builder(shape, seed).layout();
   if (!layout) return layout.status();
   return write_gguf_file(path, *layout, synthetic_fill(*layout, seed), threads, overwrite);

@@ -33,12 +33,12 @@ struct GgufTensorSpec {
 
 // The bytes before the data section and where every tensor's data goes.
 struct GgufLayout {
-  std::vector<std::uint8_t> header;     // magic .. padding; header.size() == data_offset
+  std::vector<std::uint8_t> header;  // magic .. padding; header.size() == data_offset
   std::uint64_t alignment = kGgufDefaultAlignment;
   std::uint64_t data_offset = 0;
   std::uint64_t file_size = 0;
   std::vector<GgufTensorSpec> tensors;
-  std::vector<std::uint64_t> offsets;   // relative to data_offset, aligned
+  std::vector<std::uint64_t> offsets;  // relative to data_offset, aligned
   std::vector<std::uint64_t> n_bytes;
   std::vector<std::uint64_t> row_bytes;  // bytes of one row (ne[0] elements)
   std::vector<std::uint64_t> rows;       // ne[1] * ne[2] * ne[3]
@@ -63,8 +63,8 @@ class GgufBuilder {
 void encode_gguf_value(const GgufValue& value, std::vector<std::uint8_t>& out);
 
 // Fills `out` with rows [first_row, first_row + rows) of tensor `tensor` (row_bytes each).
-using TensorFill = std::function<void(std::size_t tensor, std::uint64_t first_row,
-                                      std::uint64_t rows, std::span<std::uint8_t> out)>;
+using TensorFill =
+    std::function<void(std::size_t tensor, std::uint64_t first_row, std::uint64_t rows, std::span<std::uint8_t> out)>;
 
 // Writes the file: header, then every tensor (filled in parallel by `threads` threads, 0 = one
 // per core), zero padding between tensors, then fdatasync so that the page cache holds clean
@@ -74,8 +74,8 @@ using TensorFill = std::function<void(std::size_t tensor, std::uint64_t first_ro
 // when complete: an interrupted write never leaves a complete-looking file. On any failure, and
 // on the signals of CleanupRegistry (when its handlers are installed), the partial file is
 // removed; one a killed writer left is removed by the next write to the same path.
-Status write_gguf_file(const std::string& path, const GgufLayout& layout, const TensorFill& fill,
-                       unsigned threads = 0, bool overwrite = false);
+Status write_gguf_file(const std::string& path, const GgufLayout& layout, const TensorFill& fill, unsigned threads = 0,
+                       bool overwrite = false);
 
 // What `overwrite` may replace: nothing (ok), or a regular file. Anything else that exists under
 // `path` (a directory, a device such as /dev/null, a FIFO, a socket, a symbolic link, which the
@@ -144,8 +144,7 @@ GgufBuilder llama_builder(const LlamaShape& shape, std::uint64_t seed);
 TensorFill synthetic_fill(const GgufLayout& layout, std::uint64_t seed);
 
 // plan + build + write. `overwrite` as in write_gguf_file.
-Status write_synthetic_model(const std::string& path, const LlamaShape& shape,
-                             std::uint64_t seed = kSyntheticSeed, unsigned threads = 0,
-                             bool overwrite = false);
+Status write_synthetic_model(const std::string& path, const LlamaShape& shape, std::uint64_t seed = kSyntheticSeed,
+                             unsigned threads = 0, bool overwrite = false);
 
 }  // namespace residency::workload

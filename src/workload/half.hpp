@@ -25,8 +25,7 @@ inline float f16_to_f32(std::uint16_t h) {
   const std::uint32_t special = (em << 13) | 0x7f800000u;
   const std::uint32_t is_subnormal = 0u - static_cast<std::uint32_t>(em < 0x0400u);  // all ones or 0
   const std::uint32_t is_special = 0u - static_cast<std::uint32_t>(em >= 0x7c00u);
-  const std::uint32_t bits =
-      (subnormal & is_subnormal) | (special & is_special) | (normal & ~(is_subnormal | is_special));
+  const std::uint32_t bits = (subnormal & is_subnormal) | (special & is_special) | (normal & ~(is_subnormal | is_special));
   return std::bit_cast<float>(bits | sign);
 }
 
@@ -45,9 +44,7 @@ inline std::uint16_t f32_to_f16(float f) {
   return static_cast<std::uint16_t>(sign | ((a - 0x38000000u + 0xfffu + odd) >> 13));
 }
 
-inline float bf16_to_f32(std::uint16_t h) {
-  return std::bit_cast<float>(static_cast<std::uint32_t>(h) << 16);
-}
+inline float bf16_to_f32(std::uint16_t h) { return std::bit_cast<float>(static_cast<std::uint32_t>(h) << 16); }
 
 // Round to nearest, ties to even; NaN stays NaN.
 inline std::uint16_t f32_to_bf16(float f) {

@@ -38,12 +38,14 @@ IdleSchedule llama_idle_schedule() {
 }
 
 Result<std::vector<Nanos>> parse_pauses(std::string_view text) {
-  const std::string accepted = "accepted: comma-separated pauses in milliseconds (or with a unit: 500ms, 2s), e.g. 0,800,1600";
+  const std::string accepted =
+      "accepted: comma-separated pauses in milliseconds (or with a unit: 500ms, 2s), e.g. 0,800,1600";
   std::vector<Nanos> out;
   std::size_t start = 0, index = 0;
   while (true) {
     const std::size_t comma = text.find(',', start);
-    const std::string item = trim(text.substr(start, comma == std::string_view::npos ? std::string_view::npos : comma - start));
+    const std::string item = trim(
+        text.substr(start, comma == std::string_view::npos ? std::string_view::npos : comma - start));
     ++index;
     const std::string where = "--pauses '" + printable(text) + "': item " + std::to_string(index);
     if (item.empty()) return Status(ErrorCode::invalid_argument, where + " is empty; " + accepted);
@@ -55,7 +57,8 @@ Result<std::vector<Nanos>> parse_pauses(std::string_view text) {
     }
     const std::string unit = item.substr(digits);
     if (!unit.empty() && unit != "ms" && unit != "s") {
-      return Status(ErrorCode::invalid_argument, where + shown + " has an unknown unit '" + printable(unit) + "'; " + accepted);
+      return Status(ErrorCode::invalid_argument,
+                    where + shown + " has an unknown unit '" + printable(unit) + "'; " + accepted);
     }
     const std::string too_long = where + shown + " is longer than one hour (3600000 ms), the longest pause accepted";
     if (digits > 10) return Status(ErrorCode::invalid_argument, too_long);
@@ -337,11 +340,13 @@ std::string format_hog_waits(const IdleResults& results) {
     if (n == 0) continue;
     char line[256];
     if (got > 0) {
-      std::snprintf(line, sizeof line,
-                    "  %-26s got it %d/%d times, after %.0f ms on average (at most %.0f ms); %d attempt(s) OOM-killed\n",
-                    results.policies[k].name.c_str(), got, n, sum / got, worst, killed);
+      std::snprintf(
+          line, sizeof line,
+          "  %-26s got it %d/%d times, after %.0f ms on average (at most %.0f ms); %d attempt(s) OOM-killed\n",
+          results.policies[k].name.c_str(), got, n, sum / got, worst, killed);
     } else {
-      std::snprintf(line, sizeof line, "  %-26s never got it (%d times; gave up after %.0f s each); %d attempt(s) OOM-killed\n",
+      std::snprintf(line, sizeof line,
+                    "  %-26s never got it (%d times; gave up after %.0f s each); %d attempt(s) OOM-killed\n",
                     results.policies[k].name.c_str(), n, kHogGiveUpSeconds, killed);
     }
     out += line;
@@ -371,7 +376,8 @@ std::string format_idle_table(const IdleResults& r) {
   }
   auto line = [&](const std::vector<std::string>& cells) {
     std::string s = "|";
-    for (std::size_t k = 0; k < cells.size(); ++k) s += " " + std::string(width[k] - cells[k].size(), ' ') + cells[k] + " |";
+    for (std::size_t k = 0; k < cells.size(); ++k)
+      s += " " + std::string(width[k] - cells[k].size(), ' ') + cells[k] + " |";
     return s + "\n";
   };
   std::string out = line(header) + "|";

@@ -39,7 +39,7 @@ struct IdleSample {
   std::size_t pause = 0;   // index into the schedule's pauses
   int iter = 0;
   double decode_ms = 0;
-  double idle_ms = 0;       // measured pause, pressure included
+  double idle_ms = 0;  // measured pause, pressure included
   double pressure_ms = 0;
   double resident_before = -1;  // fraction of the model resident before the decode; < 0 unknown
   std::optional<HogRun> hog;    // hog:SIZE: what the hog got and how long it waited
@@ -54,7 +54,7 @@ struct IdleWarmup {
 struct IdleCell {
   int n = 0;
   double mean_ms = 0;
-  double sd_ms = 0;  // sample standard deviation (n - 1), as llama-idle prints it
+  double sd_ms = 0;             // sample standard deviation (n - 1), as llama-idle prints it
   double resident_before = -1;  // mean over the samples; < 0 unknown
 };
 

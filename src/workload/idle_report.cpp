@@ -11,9 +11,9 @@
 #include <algorithm>
 #include <cerrno>
 #include <cmath>
-#include <cstring>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -25,7 +25,6 @@
 
 namespace residency::workload {
 namespace {
-
 
 double ms_of(Nanos d) { return static_cast<double>(d.count()) / 1e6; }
 
@@ -216,8 +215,9 @@ std::string idle_plot_script(const std::string& terminal, const std::string& pat
   s += "set output " + gp_quote(path) + "\n";
   // Two title lines: single-quoted strings joined by gnuplot's "\n" (single quotes keep every other
   // character literal).
-  s += "set title " + gp_quote(info.tool + ": decode time after a pause (" + format_size(info.model_bytes) +
-                               " model, pressure " + r.pressure.to_string() + ")") +
+  s += "set title " +
+       gp_quote(info.tool + ": decode time after a pause (" + format_size(info.model_bytes) + " model, pressure " +
+                r.pressure.to_string() + ")") +
        ".\"\\n\"." + gp_quote(info.backend) + "\n";
   s += "set xlabel 'pause before the decode (ms)'\n";
   // The legend below the plot area, one entry per line, at the bottom of the picture; the plot area
@@ -256,7 +256,8 @@ std::string idle_plot_script(const std::string& terminal, const std::string& pat
   const std::string columns = baseline > 0 ? " using 1:2:($2 - $3 > 0 ? $2 - $3 : 1e-9):($2 + $3)" : " using 1:2:3";
   // Okabe-Ito colours (told apart with any colour vision; no yellow on white), and a dash type and
   // a point type of each line's own, so that two lines differ even in grey.
-  static constexpr const char* kColours[] = {"#0072B2", "#D55E00", "#009E73", "#CC79A7", "#E69F00", "#56B4E9", "#555555"};
+  static constexpr const char* kColours[] = {"#0072B2", "#D55E00", "#009E73", "#CC79A7",
+                                             "#E69F00", "#56B4E9", "#555555"};
   static constexpr int kPoints[] = {7, 5, 9, 11, 13, 3, 1};
   constexpr std::size_t kStyles = sizeof kPoints / sizeof kPoints[0];
   for (std::size_t k = 0; k < r.policies.size(); ++k) {
@@ -290,7 +291,8 @@ Status write_idle_json(const std::string& path, const IdleResults& r, const Idle
   for (Nanos p : r.schedule.pauses) pauses.push_back(ms_of(p));
   j["schedule"] = {{"pauses_ms", pauses}, {"iters", r.schedule.iters}};
   json policies = json::array();
-  for (const auto& p : r.policies) policies.push_back({{"id", p.id}, {"name", p.name}, {"keep_alive", p.keep_alive.to_string()}});
+  for (const auto& p : r.policies)
+    policies.push_back({{"id", p.id}, {"name", p.name}, {"keep_alive", p.keep_alive.to_string()}});
   j["policies"] = policies;
   json summary = json::array();
   for (std::size_t p = 0; p < r.schedule.pauses.size(); ++p) {
@@ -324,7 +326,8 @@ Status write_idle_json(const std::string& path, const IdleResults& r, const Idle
   j["samples"] = samples;
   json warmups = json::array();
   for (const auto& w : r.warmups) {
-    warmups.push_back({{"policy", r.policies[w.policy].id}, {"pause_ms", ms_of(r.schedule.pauses[w.pause])}, {"decode_ms", w.decode_ms}});
+    warmups.push_back(
+        {{"policy", r.policies[w.policy].id}, {"pause_ms", ms_of(r.schedule.pauses[w.pause])}, {"decode_ms", w.decode_ms}});
   }
   j["warmups"] = warmups;
   j["wall_seconds"] = r.wall_seconds;
@@ -341,7 +344,8 @@ std::string write_idle_plot(const std::string& path, const IdleResults& r, const
   const std::string dir = p.has_parent_path() ? p.parent_path().string() : ".";
   // The file name is the program's own (idle.png, llama-idle.png); refuse anything else rather
   // than put it in a script.
-  if (name.empty() || name.find_first_not_of("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-") != std::string::npos) {
+  if (name.empty() ||
+      name.find_first_not_of("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-") != std::string::npos) {
     return "no plot: the file name '" + printable(name) + "' is not a plain name";
   }
   for (const char* terminal : {"pngcairo", "png"}) {

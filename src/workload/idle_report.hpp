@@ -14,8 +14,8 @@ struct IdleRunInfo {
   std::string model_path;
   bool synthetic_model = false;
   std::uint64_t model_bytes = 0;
-  std::string model_summary;  // "llama, F16, n_vocab 32000, ..." or "123 weight matrices, F16"
-  std::string backend;        // IdleTarget::describe()
+  std::string model_summary;            // "llama, F16, n_vocab 32000, ..." or "123 weight matrices, F16"
+  std::string backend;                  // IdleTarget::describe()
   std::string tool = "residency idle";  // the plot's title starts with it ("residency llama-idle")
 };
 

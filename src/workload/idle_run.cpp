@@ -62,7 +62,8 @@ std::string temp_parent_dir(std::string* warning) {
     if (!on_memory_filesystem(c)) return c;
   }
   if (first_writable.empty()) return "/tmp";
-  *warning = printable(first_writable) + " is a memory filesystem (tmpfs): the model cannot be evicted there, so pressure "
+  *warning = printable(first_writable) +
+             " is a memory filesystem (tmpfs): the model cannot be evicted there, so pressure "
              "will not show; set TMPDIR to a directory on disk";
   return first_writable;
 }
@@ -127,8 +128,9 @@ Result<std::unique_ptr<IdleRun>> IdleRun::create(IdleOptions options) {
     if (!f) return bad(f.message());
     if (Status st = DecodePass::check(f->model()); !st) return bad(printable(options.model_path) + ": " + st.message());
     if (pressure.kind != Pressure::Kind::none && on_memory_filesystem(options.model_path)) {
-      run->tmpfs_warning_ = printable(options.model_path) +
-                            " is on a memory filesystem (tmpfs): its pages cannot be evicted, so pressure will not show";
+      run->tmpfs_warning_ =
+          printable(options.model_path) +
+          " is on a memory filesystem (tmpfs): its pages cannot be evicted, so pressure will not show";
     }
     run->user_model_ = std::move(f).value();
   } else {
@@ -218,21 +220,24 @@ Result<IdleOutcome> IdleRun::run(IdleReporter& reporter) {
   } else {
     std::size_t matrices = 0;
     for (const auto& t : model.model().tensors) matrices += t.n_dims >= 2;
-    info.model_summary =
-        std::to_string(model.model().tensors.size()) + " tensors, " + std::to_string(matrices) + " weight matrices";
+    info.model_summary = std::to_string(model.model().tensors.size()) + " tensors, " + std::to_string(matrices) +
+                         " weight matrices";
   }
   info.backend = target_->describe();
   const IdleSchedule& schedule = o.benchmark.schedule;
   const auto& policies = o.benchmark.policies;
   std::string policy_names;
   for (const auto& p : policies) policy_names += (policy_names.empty() ? "" : ", ") + p.name;
-  reporter.line("model: " + printable(model_path, 400) + " (" + format_size(model.size()) + ", " + info.model_summary + ")");
+  reporter.line("model: " + printable(model_path, 400) + " (" + format_size(model.size()) + ", " + info.model_summary +
+                ")");
   reporter.line("backend: " + info.backend);
   // sim runs on virtual time and models its own model: say so instead of file sizes and minutes.
   const bool simulated = target_->virtual_clock() != nullptr;
-  outcome.model_text = simulated ? "profile " + (o.target.sim_profile.empty() ? sim_profile_names().front() : o.target.sim_profile) +
-                                       ", modelled"
-                                 : format_size(model.size()) + " model";
+  outcome.model_text = simulated
+                           ? "profile " +
+                                 (o.target.sim_profile.empty() ? sim_profile_names().front() : o.target.sim_profile) +
+                                 ", modelled"
+                           : format_size(model.size()) + " model";
   reporter.line("policies: " + policy_names + "; pressure: " + o.benchmark.pressure.to_string() +
                 "; pauses: " + join_pauses(schedule) + ", " + std::to_string(schedule.iters) + " iterations each (" +
                 (simulated ? std::string("virtual time")

@@ -47,8 +47,8 @@ struct IdleOptions {
 // from the managers' scheduler threads.
 class IdleReporter : public IdleObserver {
  public:
-  virtual void line(const std::string& text) = 0;     // for the user (stdout), without newline
-  virtual void warning(const std::string& text) = 0;  // one line
+  virtual void line(const std::string& text) = 0;                // for the user (stdout), without newline
+  virtual void warning(const std::string& text) = 0;             // one line
   virtual void note(const std::string& text) { warning(text); }  // one line: what was done with an input
   virtual void log(LogLevel level, std::string_view message) = 0;
   // The benchmark is about to start / has ended (progress bars).
@@ -87,7 +87,7 @@ class IdleRun {
   IdleOptions options_;
   std::unique_ptr<IdleTarget> target_;
   std::optional<GgufFile> user_model_;
-  std::string model_parent_;  // synthetic model only
+  std::string model_parent_;    // synthetic model only
   std::string results_parent_;  // no out_dir only
   std::string tmpfs_warning_;
 };

@@ -82,8 +82,8 @@ Result<std::vector<IdlePolicy>> parse_policies(std::string_view list, Nanos keep
   std::size_t start = 0;
   while (start <= list.size()) {
     const std::size_t comma = list.find(',', start);
-    const std::string_view item =
-        list.substr(start, comma == std::string_view::npos ? std::string_view::npos : comma - start);
+    const std::string_view item = list.substr(start,
+                                              comma == std::string_view::npos ? std::string_view::npos : comma - start);
     IdlePolicy p;
     if (item == "off") {
       p = {IdlePolicy::Kind::off, KeepAlive::off(), "off", "off"};

@@ -33,8 +33,8 @@ struct IdlePolicy {
   enum class Kind : std::uint8_t { off, keep_alive, zero, forever };
   Kind kind = Kind::off;
   KeepAlive keep_alive = KeepAlive::off();  // what the Manager is configured with
-  std::string id;    // as --policies spells it: "off", "keep-alive", "pressure-aware", "0", "forever"
-  std::string name;  // for tables and plots: "off", "keep-alive 2 s", "0", "forever"
+  std::string id;                    // as --policies spells it: "off", "keep-alive", "pressure-aware", "0", "forever"
+  std::string name;                  // for tables and plots: "off", "keep-alive 2 s", "0", "forever"
   bool release_on_pressure = false;  // pressure-aware: the keep-alive, given back under pressure
 };
 

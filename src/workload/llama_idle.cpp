@@ -38,11 +38,11 @@ using Clock = std::chrono::steady_clock;
 using std::chrono::milliseconds;
 
 constexpr int kItersPerPause = 3;
-constexpr int kPauses = 6;                        // 0, 800, ..., 4000 ms
-constexpr milliseconds kPressureLead{150};        // pressure this long before a pause ends
-constexpr milliseconds kHeldLead{300};            // what is held: read this long before the last pause ends
-constexpr milliseconds kChildLimit{180'000};      // one llama-idle run takes ~45 s; 4x that is a hang
-constexpr double kImplausibleDecodeMs = 0.1;      // a failed llama_decode "takes" ~0.02 ms
+constexpr int kPauses = 6;                    // 0, 800, ..., 4000 ms
+constexpr milliseconds kPressureLead{150};    // pressure this long before a pause ends
+constexpr milliseconds kHeldLead{300};        // what is held: read this long before the last pause ends
+constexpr milliseconds kChildLimit{180'000};  // one llama-idle run takes ~45 s; 4x that is a hang
+constexpr double kImplausibleDecodeMs = 0.1;  // a failed llama_decode "takes" ~0.02 ms
 constexpr const char* kDecodePrefix = "  - decode time:";
 
 Status bad(std::string m) { return Status(ErrorCode::invalid_argument, std::move(m)); }
@@ -63,9 +63,10 @@ std::vector<iovec> mappings_of(pid_t pid, dev_t dev, ino_t ino) {
     unsigned long long b = 0, e = 0, off = 0, inode = 0;
     unsigned dmaj = 0, dmin = 0;
     char perms[8] = {};
-    if (std::sscanf(line.c_str(), "%llx-%llx %7s %llx %x:%x %llu", &b, &e, perms, &off, &dmaj, &dmin, &inode) != 7) continue;
-    const bool anonymous = inode == 0 && line.find("[vsyscall]") == std::string::npos && line.find("[vvar") == std::string::npos &&
-                           line.find("[vdso]") == std::string::npos;
+    if (std::sscanf(line.c_str(), "%llx-%llx %7s %llx %x:%x %llu", &b, &e, perms, &off, &dmaj, &dmin, &inode) != 7)
+      continue;
+    const bool anonymous = inode == 0 && line.find("[vsyscall]") == std::string::npos &&
+                           line.find("[vvar") == std::string::npos && line.find("[vdso]") == std::string::npos;
     if ((inode == ino && makedev(dmaj, dmin) == dev) || anonymous)
       out.push_back({reinterpret_cast<void*>(b), static_cast<std::size_t>(e - b)});
   }
@@ -176,8 +177,8 @@ std::string read_file(const std::string& path) {
 // and llama-idle flushes only after each pause's three decodes: through a pipe the lines would
 // arrive late, and pressure timed from them would fall anywhere in the pause. On a terminal stdio
 // writes each line as it ends (raw mode: no \r added). The child dies with us (PR_SET_PDEATHSIG).
-Result<pid_t> spawn(const std::vector<std::string>& argv, const std::vector<std::string>& env, const std::string& err_path,
-                    int* out_fd, bool pass_environment) {
+Result<pid_t> spawn(const std::vector<std::string>& argv, const std::vector<std::string>& env,
+                    const std::string& err_path, int* out_fd, bool pass_environment) {
   const int master = ::posix_openpt(O_RDWR | O_NOCTTY | O_CLOEXEC);
   if (master < 0 || ::grantpt(master) != 0 || ::unlockpt(master) != 0)
     return Status(ErrorCode::backend_error, std::string("posix_openpt: ") + std::strerror(errno));
@@ -258,13 +259,13 @@ Result<ChildResult> run_child(const LlamaIdleConfig& cfg, const std::vector<std:
   for (;;) {
     const auto now = Clock::now();
     if (now > deadline) {
-      failure = Status(ErrorCode::backend_error, cfg.id + ": no output for " + std::to_string(kChildLimit.count() / 1000) +
-                                                     " s; stopped");
+      failure = Status(ErrorCode::backend_error,
+                       cfg.id + ": no output for " + std::to_string(kChildLimit.count() / 1000) + " s; stopped");
       break;
     }
     const auto next_event = std::min({deadline, pressure_at, held_at});
-    const int timeout = static_cast<int>(std::max<long long>(
-        0, std::chrono::duration_cast<milliseconds>(next_event - now).count()));
+    const int timeout = static_cast<int>(
+        std::max<long long>(0, std::chrono::duration_cast<milliseconds>(next_event - now).count()));
     pollfd pfd{fd, POLLIN, 0};
     const int r = ::poll(&pfd, 1, timeout);
     if (r < 0 && errno == EINTR) continue;
@@ -330,14 +331,17 @@ Result<ChildResult> run_child(const LlamaIdleConfig& cfg, const std::vector<std:
                                                                    : "signal " + std::to_string(WTERMSIG(status))) +
                                                 "; its stderr ends with:\n" + out.stderr_tail);
   if (out.decode_ms.size() != expected)
-    return Status(ErrorCode::backend_error, cfg.id + ": printed " + std::to_string(out.decode_ms.size()) + " decode times, not " +
-                                                std::to_string(expected) + "; its stderr ends with:\n" + out.stderr_tail);
+    return Status(ErrorCode::backend_error, cfg.id + ": printed " + std::to_string(out.decode_ms.size()) +
+                                                " decode times, not " + std::to_string(expected) +
+                                                "; its stderr ends with:\n" + out.stderr_tail);
   if (err.find("failed to decode") != std::string::npos || err.find("llama_decode: failed") != std::string::npos ||
       *std::min_element(out.decode_ms.begin(), out.decode_ms.end()) < kImplausibleDecodeMs)
-    return Status(ErrorCode::backend_error,
-                  cfg.id + ": its decodes failed (times under " + std::to_string(kImplausibleDecodeMs) +
-                      " ms, or a decode error on stderr): a model without a BOS token (tokenizer.ggml.model = none) makes "
-                      "llama-idle's decodes fail; its stderr ends with:\n" + out.stderr_tail);
+    return Status(
+        ErrorCode::backend_error,
+        cfg.id + ": its decodes failed (times under " + std::to_string(kImplausibleDecodeMs) +
+            " ms, or a decode error on stderr): a model without a BOS token (tokenizer.ggml.model = none) makes "
+            "llama-idle's decodes fail; its stderr ends with:\n" +
+            out.stderr_tail);
   return out;
 }
 
@@ -377,11 +381,13 @@ Status check_llama_idle_options(const LlamaIdleOptions& o, bool check_model) {
   if (!executable(o.llama_idle))
     return bad("llama-idle not found or not executable at '" + printable(o.llama_idle) +
                "'; build llama.cpp with scripts/llama-cpp, or give --llama-dir");
-  auto configs = parse_llama_idle_configs([&] {
-    std::string s;
-    for (const auto& c : o.configs) s += (s.empty() ? "" : ",") + c;
-    return s;
-  }(), o.keep_alive);
+  auto configs = parse_llama_idle_configs(
+      [&] {
+        std::string s;
+        for (const auto& c : o.configs) s += (s.empty() ? "" : ",") + c;
+        return s;
+      }(),
+      o.keep_alive);
   if (!configs) return configs.status();
   for (const auto& c : *configs) {
     if ((c.id == "keep-alive" || c.id == "pressure-aware" || c.id == "0") &&
@@ -407,7 +413,8 @@ Status check_llama_idle_options(const LlamaIdleOptions& o, bool check_model) {
   const GgufValue* tok = model->model().find("tokenizer.ggml.model");
   const GgufValue* bos = model->model().find("tokenizer.ggml.bos_token_id");
   if (!tok || tok->str == "none" || !bos)
-    return bad("'" + printable(o.model) + "' has no BOS token (tokenizer.ggml.model " + (tok ? "= " + tok->str : std::string("missing")) +
+    return bad("'" + printable(o.model) + "' has no BOS token (tokenizer.ggml.model " +
+               (tok ? "= " + tok->str : std::string("missing")) +
                "): llama-idle decodes its BOS token and would fail; `residency make-model` writes models it can run");
   return {};
 }
@@ -438,7 +445,8 @@ Result<LlamaIdleOutcome> run_llama_idle(const LlamaIdleOptions& o, LlamaIdleObse
   }
   outcome.held.resize(configs->size());
   outcome.stderr_tails.resize(configs->size());
-  const std::string ka = "RESIDENCY_KEEP_ALIVE=" + std::to_string(std::chrono::duration_cast<milliseconds>(o.keep_alive).count()) + "ms";
+  const std::string ka = "RESIDENCY_KEEP_ALIVE=" +
+                         std::to_string(std::chrono::duration_cast<milliseconds>(o.keep_alive).count()) + "ms";
   std::string engine_pauses = "0";  // the warm-up request
   for (const auto& p : r.schedule.pauses)
     for (int i = 0; i < kItersPerPause; ++i)
@@ -456,7 +464,8 @@ Result<LlamaIdleOutcome> run_llama_idle(const LlamaIdleOptions& o, LlamaIdleObse
       // for --load-mode, with the same meanings: --mlock was "mlock", --no-mmap "none".
       if (c.id == "mlock") argv.insert(argv.end(), {"--load-mode", "mlock"});
       if (c.id == "no-mmap") argv.insert(argv.end(), {"--load-mode", "none"});
-      if (c.id == "keep-alive" || c.id == "0") env = {"LD_PRELOAD=" + o.preload, c.id == "0" ? "RESIDENCY_KEEP_ALIVE=0" : ka};
+      if (c.id == "keep-alive" || c.id == "0")
+        env = {"LD_PRELOAD=" + o.preload, c.id == "0" ? "RESIDENCY_KEEP_ALIVE=0" : ka};
       if (c.id == "pressure-aware") env = {"LD_PRELOAD=" + o.preload, ka, "RESIDENCY_RELEASE_ON_PRESSURE=1"};
       if (c.id == "engine") {
         argv = {o.engine, o.model, std::to_string(1 + kPauses * kItersPerPause), "1", engine_pauses};
@@ -497,8 +506,8 @@ std::string format_llama_idle_held(const LlamaIdleOutcome& o) {
     const double f = o.held[i].resident_fraction;
     if (f < 0) std::snprintf(pct, sizeof pct, "unknown");
     else std::snprintf(pct, sizeof pct, "%.1f %%", 100.0 * f);
-    s += "| " + o.results.policies[i].name + " | " + format_size(o.held[i].vm_lck) + " | " + format_size(o.held[i].rss_anon) +
-         " | " + format_size(o.held[i].vm_swap) + " | " + pct + " |\n";
+    s += "| " + o.results.policies[i].name + " | " + format_size(o.held[i].vm_lck) + " | " +
+         format_size(o.held[i].rss_anon) + " | " + format_size(o.held[i].vm_swap) + " | " + pct + " |\n";
   }
   return s;
 }

@@ -37,10 +37,10 @@ struct LlamaIdleConfig {
 };
 
 struct LlamaIdleOptions {
-  std::string llama_idle;  // the llama-idle binary
-  std::string preload;     // libresidency_preload.so; needed by keep-alive and 0
-  std::string engine;      // the llama_engine example; needed by engine
-  std::string model;       // GGUF file
+  std::string llama_idle;            // the llama-idle binary
+  std::string preload;               // libresidency_preload.so; needed by keep-alive and 0
+  std::string engine;                // the llama_engine example; needed by engine
+  std::string model;                 // GGUF file
   std::vector<std::string> configs;  // ids, in the order of the table
   Nanos keep_alive = std::chrono::seconds(2);
   // Pressure, from outside, at the end of each pause (150 ms before its end, for pauses > 0):
@@ -73,7 +73,7 @@ Status check_llama_idle_options(const LlamaIdleOptions& options, bool check_mode
 // the last 4 s pause (so 3.7 s after a decode, past a keep-alive of up to 3.5 s): the child's
 // VmLck, RssAnon and VmSwap, and the fraction of the model file's pages resident (mincore).
 struct LlamaIdleHeld {
-  std::uint64_t vm_lck = 0;      // bytes
+  std::uint64_t vm_lck = 0;  // bytes
   // Anonymous memory in RAM and swapped out, bytes: where llama.cpp keeps weights it repacked at
   // load (AMX, CPU_REPACK), its KV cache and compute buffers.
   std::uint64_t rss_anon = 0;
@@ -82,8 +82,8 @@ struct LlamaIdleHeld {
 };
 
 struct LlamaIdleOutcome {
-  IdleResults results;                // one "policy" per configuration
-  std::vector<LlamaIdleHeld> held;    // per configuration (the last round's)
+  IdleResults results;                    // one "policy" per configuration
+  std::vector<LlamaIdleHeld> held;        // per configuration (the last round's)
   std::vector<std::string> stderr_tails;  // per configuration: the last lines a child wrote there
 };
 

@@ -134,8 +134,7 @@ Result<PageoutResult> page_out(const void* base, std::size_t len, int fd) {
     } else if (errno == EINVAL) {
       r.locked_bytes += n;
     } else {
-      return Status(ErrorCode::backend_error,
-                    std::string("madvise(MADV_PAGEOUT) failed: ") + std::strerror(errno));
+      return Status(ErrorCode::backend_error, std::string("madvise(MADV_PAGEOUT) failed: ") + std::strerror(errno));
     }
   }
 #if defined(__APPLE__)
@@ -182,7 +181,8 @@ Result<HogRun> run_hog(std::uint64_t bytes, double give_up_s, std::chrono::milli
   while (!run.got) {
     ++run.attempts;
     const pid_t pid = fork();
-    if (pid < 0) return Status(ErrorCode::backend_error, std::string("cannot start the hog: fork: ") + std::strerror(errno));
+    if (pid < 0)
+      return Status(ErrorCode::backend_error, std::string("cannot start the hog: fork: ") + std::strerror(errno));
     if (pid == 0) {
       // The child: system calls and plain stores only (the parent has threads; nothing else is
       // safe after fork). Default signal actions, so an interrupt ends it and runs no cleanup.
@@ -198,7 +198,8 @@ Result<HogRun> run_hog(std::uint64_t bytes, double give_up_s, std::chrono::milli
       // Expendable: in a memory cgroup the OOM killer takes the hog, not the engine beside it.
       const int adj = open("/proc/self/oom_score_adj", O_WRONLY | O_CLOEXEC);
       if (adj >= 0) {
-        if (write(adj, "1000", 4) < 0) { /* the OOM killer then chooses by size alone */ }
+        if (write(adj, "1000", 4) < 0) { /* the OOM killer then chooses by size alone */
+        }
         close(adj);
       }
       void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
@@ -220,13 +221,15 @@ Result<HogRun> run_hog(std::uint64_t bytes, double give_up_s, std::chrono::milli
       w = waitpid(pid, &status, 0);
     } while (w < 0 && errno == EINTR);
     CleanupRegistry::set_child(0);
-    if (w < 0) return Status(ErrorCode::backend_error, std::string("waiting for the hog failed: ") + std::strerror(errno));
+    if (w < 0)
+      return Status(ErrorCode::backend_error, std::string("waiting for the hog failed: ") + std::strerror(errno));
     if (WIFEXITED(status) && WEXITSTATUS(status) == 0) {
       run.got = true;
       break;
     }
     if (WIFEXITED(status) && WEXITSTATUS(status) == kHogOrphaned) {
-      return Status(ErrorCode::backend_error, "the hog could not tie its life to this process (prctl PR_SET_PDEATHSIG)");
+      return Status(ErrorCode::backend_error,
+                    "the hog could not tie its life to this process (prctl PR_SET_PDEATHSIG)");
     }
     if (WIFEXITED(status) && WEXITSTATUS(status) == kHogNoMemory) {
       return Status(ErrorCode::out_of_memory,

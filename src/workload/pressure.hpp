@@ -14,9 +14,9 @@
 // decode, so every sample says what the pause left behind.
 #pragma once
 
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
-#include <chrono>
 #include <string>
 #include <string_view>
 
@@ -27,7 +27,7 @@ namespace residency::workload {
 struct Pressure {
   enum class Kind : std::uint8_t { none, pageout, hog };
   Kind kind = Kind::none;
-  std::uint64_t hog_bytes = 0;  // for hog
+  std::uint64_t hog_bytes = 0;    // for hog
   std::string to_string() const;  // "none", "pageout", "hog:2 GiB"
 };
 
@@ -59,7 +59,7 @@ struct HogRun {
   bool got = false;      // every page was touched
   double waited_ms = 0;  // from the first attempt until it got everything, or until it gave up
   int attempts = 0;
-  int oom_killed = 0;    // attempts ended by SIGKILL (the OOM killer)
+  int oom_killed = 0;  // attempts ended by SIGKILL (the OOM killer)
 };
 // The default bound: long enough for a release on pressure (one PSI window, 2 s, and the
 // unlock), short enough that a benchmark with `forever` beside a hog that cannot fit ends.

@@ -216,8 +216,7 @@ TEST_F(CudaTest, DestroyWhileAsleepFreesDeviceAndPinnedHostMemory) {
     ASSERT_FALSE(b.is_resident(kv));
     const auto host_asleep = host_memory();
     if (host_before && host_asleep && host_before->total == host_asleep->total) {
-      EXPECT_GE(static_cast<double>(host_before->available) - static_cast<double>(host_asleep->available),
-                0.75 * kWeights)
+      EXPECT_GE(static_cast<double>(host_before->available) - static_cast<double>(host_asleep->available), 0.75 * kWeights)
           << "the backup should hold pinned host memory";
     }
   }  // the backend goes here, asleep
@@ -254,8 +253,8 @@ TEST_F(CudaTest, DiscardedClassesSleepWithoutACopy) {
   const double weights_s = time_sleep(0);
   const double scratch_s = time_sleep(1);
   const double kv_s = time_sleep(2);
-  std::printf("sleep of 4 GiB: weights %.1f ms, scratch %.1f ms, kv_cache %.1f ms\n", weights_s * 1e3,
-              scratch_s * 1e3, kv_s * 1e3);
+  std::printf("sleep of 4 GiB: weights %.1f ms, scratch %.1f ms, kv_cache %.1f ms\n", weights_s * 1e3, scratch_s * 1e3,
+              kv_s * 1e3);
   EXPECT_LT(scratch_s, weights_s / 5);
   EXPECT_LT(kv_s, weights_s / 5);
   EXPECT_EQ(backend_->host_backup(s), nullptr);
@@ -389,8 +388,7 @@ TEST_F(CudaTest, HostRangeIsRegisteredWhileResidentAndUnregisteredAfter) {
 // A read-only file mapping (how engines map model files) is registered read-only.
 TEST_F(CudaTest, ReadOnlyFileMappingIsRegistered) {
   int ro_ok = 0;
-  ASSERT_EQ(d().cuDeviceGetAttribute(&ro_ok, CU_DEVICE_ATTRIBUTE_READ_ONLY_HOST_REGISTER_SUPPORTED,
-                                     backend_->device()),
+  ASSERT_EQ(d().cuDeviceGetAttribute(&ro_ok, CU_DEVICE_ATTRIBUTE_READ_ONLY_HOST_REGISTER_SUPPORTED, backend_->device()),
             CUDA_SUCCESS);
   constexpr std::size_t kSize = 64 * kMiB;
   char path[] = "/tmp/residency_cuda_ro_XXXXXX";

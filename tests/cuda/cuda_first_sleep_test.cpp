@@ -65,8 +65,8 @@ TEST_F(CudaTest, FirstSleepBackupIsExactInSizeKeepsTheContentsAndIsFreedWithTheA
   const auto t0 = std::chrono::steady_clock::now();
   ASSERT_TRUE(backend_->end_residency(0)) << backend_->last_release_status().message();
   const double took = seconds_since(t0);
-  std::printf("first sleep of %.2f GiB: %.3f s, %.2f GB/s with %d pinning threads\n",
-              static_cast<double>(kSize) / kGiB, took, kSize / took / 1e9, backend_->backup_threads());
+  std::printf("first sleep of %.2f GiB: %.3f s, %.2f GB/s with %d pinning threads\n", static_cast<double>(kSize) / kGiB,
+              took, kSize / took / 1e9, backend_->backup_threads());
   ASSERT_FALSE(backend_->is_resident(p));
   ASSERT_NE(backend_->host_backup(p), nullptr);
   EXPECT_EQ(backend_->host_backup_bytes(p), page_rounded(kSize)) << "the backup must be the allocation's size";
@@ -75,8 +75,7 @@ TEST_F(CudaTest, FirstSleepBackupIsExactInSizeKeepsTheContentsAndIsFreedWithTheA
   const auto host_asleep = host_memory();
   if (same_total(host_awake, host_asleep)) {
     const double used = static_cast<double>(host_awake->available) - static_cast<double>(host_asleep->available);
-    std::printf("host memory taken by the backup: %.1f MiB for %.1f MiB\n", used / kMiB,
-                static_cast<double>(kSize) / kMiB);
+    std::printf("host memory taken by the backup: %.1f MiB for %.1f MiB\n", used / kMiB, static_cast<double>(kSize) / kMiB);
     EXPECT_GE(used, 0.9 * kSize) << "the backup should hold host memory";
     EXPECT_LE(used, static_cast<double>(kSize + kSlack)) << "the backup holds more than the allocation's size";
   } else {

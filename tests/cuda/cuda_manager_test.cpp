@@ -5,12 +5,12 @@
 // the caller's synchronize, and destroying the manager while asleep frees everything.
 #include <unistd.h>
 
-#include <cstdio>
 #include <algorithm>
 #include <atomic>
+#include <cstdio>
 #include <memory>
-#include <optional>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -129,10 +129,11 @@ TEST_F(CudaManagerTest, ARequestDuringASleepStopsItAndFindsItsMemoryInPlace) {
   EXPECT_LT(backend_->bytes_copied_to_host() - to_host, kSize) << "the sleep's copy stopped part-way";
   EXPECT_TRUE(logged("release stopped")) << "the stopped sleep should be said";
   EXPECT_EQ(mismatches(a->ptr, kSize, 71), 0u);
-  std::printf("8 GiB: sleep %.1f ms, wake %.1f ms, a touch while awake %.3f ms; a request %.1f ms into a sleep "
-              "waited %.1f ms (%.1f MiB had been copied)\n",
-              sleep_s * 1e3, wake_s * 1e3, awake_s * 1e3, sleep_s / 3 * 1e3, during_s * 1e3,
-              double(backend_->bytes_copied_to_host() - to_host) / kMiB);
+  std::printf(
+      "8 GiB: sleep %.1f ms, wake %.1f ms, a touch while awake %.3f ms; a request %.1f ms into a sleep "
+      "waited %.1f ms (%.1f MiB had been copied)\n",
+      sleep_s * 1e3, wake_s * 1e3, awake_s * 1e3, sleep_s / 3 * 1e3, during_s * 1e3,
+      double(backend_->bytes_copied_to_host() - to_host) / kMiB);
 
   // The keep-alive releases after that use as always, and the next sleep copies everything again.
   clock_.advance(std::chrono::seconds(11));
@@ -210,11 +211,12 @@ TEST_F(CudaManagerTest, ASwitchUnderAGpuBudgetWakesInTheRoomWhileTheAskedHolderS
   EXPECT_FALSE(logged("over it")) << "nothing woke over the budget";
   EXPECT_LE(most.load(), kSize + kSize / 2 + 64 * kMiB) << "the device held more than the budget";
   EXPECT_EQ(mismatches(b->ptr, kSize, 81), 0u);
-  std::printf("4 GiB under a budget of 6 GiB: a's sleep alone %.1f ms, b's wake alone %.1f ms; the switch (b's "
-              "request while a held the device) %.1f ms, %.2fx the two in a row; the device held at most %.1f MiB; "
-              "a held %.1f MiB of the budget awake (its 4096 MiB and the process's context)\n",
-              sleep_s * 1e3, wake_s * 1e3, switch_s * 1e3, switch_s / (sleep_s + wake_s),
-              double(most.load()) / kMiB, double(a_held) / kMiB);
+  std::printf(
+      "4 GiB under a budget of 6 GiB: a's sleep alone %.1f ms, b's wake alone %.1f ms; the switch (b's "
+      "request while a held the device) %.1f ms, %.2fx the two in a row; the device held at most %.1f MiB; "
+      "a held %.1f MiB of the budget awake (its 4096 MiB and the process's context)\n",
+      sleep_s * 1e3, wake_s * 1e3, switch_s * 1e3, switch_s / (sleep_s + wake_s), double(most.load()) / kMiB,
+      double(a_held) / kMiB);
   clock_.advance(std::chrono::milliseconds(10));
   ma->touch();  // and back
   EXPECT_FALSE(other->is_resident(b->ptr));

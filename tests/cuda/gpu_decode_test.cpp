@@ -52,8 +52,7 @@ TEST_P(GpuDecodeTest, MatchesTheCpuReferenceAndRepeats) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Types, GpuDecodeTest,
-                         ::testing::Values(GgmlType::f32, GgmlType::f16, GgmlType::bf16, GgmlType::q8_0,
-                                           GgmlType::q4_0),
+                         ::testing::Values(GgmlType::f32, GgmlType::f16, GgmlType::bf16, GgmlType::q8_0, GgmlType::q4_0),
                          [](const auto& type) { return std::string(workload::ggml_type_name(type.param)); });
 
 TEST_F(CudaTest, IdleTargetRefusesHostMemoryPressure) {

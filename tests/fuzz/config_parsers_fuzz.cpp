@@ -37,7 +37,7 @@ void check_line(const std::string& message, std::size_t lines = 1, bool allow_em
     }
     if (u < 0x20 || u == 0x7f) __builtin_trap();  // a raw control character in a message
   }
-  if (newlines + 1 > lines) __builtin_trap();       // more lines than bad values
+  if (newlines + 1 > lines) __builtin_trap();           // more lines than bad values
   if (message.size() > 1000 * lines) __builtin_trap();  // a long value was not shortened
   if (message.empty() && !allow_empty) __builtin_trap();
 }

@@ -163,9 +163,7 @@ void run_one(Input in) {
       case 1:
         a->acquire(static_cast<std::uint64_t>(in.byte()) * 4096, std::chrono::milliseconds(in.byte() % 4), in.byte() & 1);
         break;
-      case 2:
-        a->release(static_cast<std::uint64_t>(in.byte()) * 4096);
-        break;
+      case 2: a->release(static_cast<std::uint64_t>(in.byte()) * 4096); break;
       case 3: {  // truncated or extended (between two operations of b), or given its size back
         const std::uint32_t size = in.u16() % (full_size + 4096);
         quiet();

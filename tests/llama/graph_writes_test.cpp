@@ -3,8 +3,8 @@
 // every node's bytes but a view's, and only where they meet a tracked device range (the weights),
 // read once per graph. Real ggml graphs (libggml from scripts/llama-cpp) over a real EngineSession
 // with a fake device; the tensors' data pointers are placed by hand (nothing is computed).
-#include <gtest/gtest.h>
 #include <ggml.h>
+#include <gtest/gtest.h>
 
 #include <cstdint>
 #include <memory>
@@ -79,7 +79,7 @@ TEST_F(GraphWritesTest, ANodeInTrackedWeightsIsAWriteAndViewsAndOtherMemoryAreNo
 
   ggml_tensor* x = at(ggml_new_tensor_1d(ctx, GGML_TYPE_F32, 256), h);  // a leaf: never a node
   ggml_tensor* into_weights = at(ggml_add(ctx, x, x), w + 4096);        // 1 KiB into the weights
-  ggml_tensor* view = at(ggml_view_1d(ctx, into_weights, 64, 0), w);     // views write nothing
+  ggml_tensor* view = at(ggml_view_1d(ctx, into_weights, 64, 0), w);    // views write nothing
   ggml_tensor* in_kv = at(ggml_mul(ctx, view, view), kv + 128);
   ggml_tensor* last = at(ggml_scale(ctx, in_kv, 2.0f), w + 4 * kMiB - 256);  // the weights' last 256 bytes
   ggml_cgraph* g = ggml_new_graph(ctx);

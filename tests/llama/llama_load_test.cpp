@@ -205,8 +205,8 @@ TEST(LlamaVocab, TextTokenizesAndDetokenizesToItself) {
     EXPECT_LT(tokens.size(), text.size() + 1);
     for (llama_token t : tokens) EXPECT_TRUE(t > 2 && t < llama_vocab_n_tokens(vocab)) << t;
     std::string back(text.size() * 2 + 16, '\0');
-    const std::int32_t m = llama_detokenize(vocab, tokens.data(), n, back.data(), static_cast<std::int32_t>(back.size()),
-                                            false, false);
+    const std::int32_t m = llama_detokenize(vocab, tokens.data(), n, back.data(),
+                                            static_cast<std::int32_t>(back.size()), false, false);
     ASSERT_GE(m, 0);
     back.resize(static_cast<std::size_t>(m));
     EXPECT_EQ(back, text);

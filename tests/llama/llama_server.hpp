@@ -24,7 +24,7 @@
 namespace residency::testing {
 
 struct HttpReply {
-  int status = 0;    // 0: no answer (connection refused, reset or timed out)
+  int status = 0;  // 0: no answer (connection refused, reset or timed out)
   std::string body;
 };
 
@@ -47,8 +47,7 @@ inline int free_local_port() {
 }
 
 // One request to 127.0.0.1:port; `body` empty: GET, else POST with a JSON body.
-inline HttpReply http_request(int port, const std::string& path, const std::string& body = "",
-                              double timeout_s = 120) {
+inline HttpReply http_request(int port, const std::string& path, const std::string& body = "", double timeout_s = 120) {
   HttpReply r;
   const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
   if (fd < 0) return r;
@@ -97,7 +96,12 @@ inline HttpReply http_request(int port, const std::string& path, const std::stri
 inline std::string json_string(const std::string& s) {
   std::string out = "\"";
   for (unsigned char c : s) {
-    const char* named = c == '\b' ? "\\b" : c == '\f' ? "\\f" : c == '\n' ? "\\n" : c == '\r' ? "\\r" : c == '\t' ? "\\t" : nullptr;
+    const char* named = c == '\b'   ? "\\b"
+                        : c == '\f' ? "\\f"
+                        : c == '\n' ? "\\n"
+                        : c == '\r' ? "\\r"
+                        : c == '\t' ? "\\t"
+                                    : nullptr;
     if (named != nullptr) {
       out += named;
     } else if (c == '"' || c == '\\') {
@@ -143,8 +147,8 @@ inline std::optional<LlamaServer> start_llama_server(const std::string& server_p
   s.port = free_local_port();
   s.stderr_path = stderr_path;
   ChildSpec spec;
-  spec.argv = {server_path, "-m", model, "--host", "127.0.0.1", "--port", std::to_string(s.port),
-               "-t", "2", "-c", "256", "-np", "1", "-ngl", "0", "--no-webui"};
+  spec.argv = {server_path, "-m",  model, "--host", "127.0.0.1", "--port",    std::to_string(s.port), "-t", "2", "-c",
+               "256",       "-np", "1",   "-ngl",   "0",         "--no-webui"};
   spec.argv.insert(spec.argv.end(), extra.begin(), extra.end());
   spec.env = std::move(env);
   spec.drop_env_prefixes = std::move(drop_env_prefixes);

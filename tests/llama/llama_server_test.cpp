@@ -57,7 +57,8 @@ TEST_F(LlamaServerTest, TextPromptCompletesWithTheTokensAskedFor) {
   }
   ASSERT_FALSE(banned.empty());
   const HttpReply r = http_request(server->port, "/completion",
-                                   R"({"prompt":"Hello","n_predict":8,"ignore_eos":true,"logit_bias":[)" + banned + "]}");
+                                   R"({"prompt":"Hello","n_predict":8,"ignore_eos":true,"logit_bias":[)" + banned +
+                                       "]}");
   EXPECT_EQ(r.status, 200) << r.body << "\n" << server->process->stderr_text();
   EXPECT_EQ(json_number(r.body, "tokens_predicted"), 8) << r.body;
   EXPECT_GE(json_number(r.body, "tokens_evaluated").value_or(0), 2) << "BOS and at least one token of 'Hello': " << r.body;

@@ -245,8 +245,8 @@ TEST(MetalBackend, TeardownInAnyOrder) {
     o.attach_to_queues = true;
     auto backend = backend_with(o);
     ASSERT_TRUE(backend);
-    NS::SharedPtr<MTL::CommandQueue> queue =
-        NS::TransferPtr(static_cast<MTL::Device*>(backend->device())->newCommandQueue());
+    NS::SharedPtr<MTL::CommandQueue> queue = NS::TransferPtr(
+        static_cast<MTL::Device*>(backend->device())->newCommandQueue());
     ASSERT_TRUE(backend->add_command_queue(queue.get()));
     ASSERT_TRUE(backend->create_set(1, mem.size()));
     backend->add_region(1, host_region(1, mem));

@@ -35,9 +35,9 @@ inline constexpr double kGiveBackShare = 0.75;
 inline constexpr std::chrono::seconds kGiveBackWithin{10};
 
 // Skips the test with the reason when this machine cannot run it (macOS < 15, no Metal3 GPU).
-#define RESIDENCY_METAL_REQUIRE()                                                  \
-  do {                                                                             \
-    const ::residency::MetalSupport s_ = ::residency::metal_residency_support();   \
+#define RESIDENCY_METAL_REQUIRE()                                                          \
+  do {                                                                                     \
+    const ::residency::MetalSupport s_ = ::residency::metal_residency_support();           \
     if (!s_.available) GTEST_SKIP() << "use residency sets = false (" << s_.reason << ")"; \
   } while (0)
 
@@ -90,8 +90,8 @@ inline ::testing::AssertionResult grew_by_about(std::uint64_t before, std::uint6
     return ::testing::AssertionSuccess();
   }
   return ::testing::AssertionFailure() << "system wired memory grew by " << grown / static_cast<double>(kMiB)
-                                       << " MiB; expected about " << bytes / kMiB << " MiB (before "
-                                       << before / kMiB << " MiB, after " << after / kMiB << " MiB)";
+                                       << " MiB; expected about " << bytes / kMiB << " MiB (before " << before / kMiB
+                                       << " MiB, after " << after / kMiB << " MiB)";
 }
 
 // Waits until wired memory is back below `peak - share x growth`; the assertion says how much
@@ -106,8 +106,8 @@ inline ::testing::AssertionResult gives_back(std::uint64_t before, std::uint64_t
   });
   if (ok) return ::testing::AssertionSuccess();
   return ::testing::AssertionFailure() << "within " << within.count() << " s of the release, wired memory went from "
-                                       << peak / kMiB << " to " << now / kMiB << " MiB: "
-                                       << (static_cast<double>(peak) - static_cast<double>(now)) / growth * 100
+                                       << peak / kMiB << " to " << now / kMiB
+                                       << " MiB: " << (static_cast<double>(peak) - static_cast<double>(now)) / growth * 100
                                        << " % of the " << growth / static_cast<double>(kMiB)
                                        << " MiB growth given back, " << share * 100 << " % expected";
 }

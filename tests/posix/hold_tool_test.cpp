@@ -9,9 +9,9 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
-#include <algorithm>
 #include <fstream>
 #include <functional>
 #include <string>
@@ -218,7 +218,8 @@ TEST(HoldTool, BadInputIsOneLineAndExitStatus2) {
       {{path_of(model), "--keep-alive", "soon"}, "--keep-alive: "},
       {{path_of(model), "--wired-limit", "lots"}, "--wired-limit: "},
       // 0 and 0% are one limit, 0 bytes, which wires nothing (before: exit 1 after starting).
-      {{path_of(model), "--wired-limit", "0"}, "--wired-limit '0': a wired limit of 0 wires nothing, and hold only wires"},
+      {{path_of(model), "--wired-limit", "0"},
+       "--wired-limit '0': a wired limit of 0 wires nothing, and hold only wires"},
       {{path_of(model), "--wired-limit", "0%"}, "--wired-limit '0%': a wired limit of 0 wires nothing"},
   };
   for (const auto& c : cases) {

@@ -16,8 +16,8 @@
 #include "backends/posix/proc_info.hpp"
 #include "backends/posix/system_info.hpp"
 #include "posix_test_support.hpp"
-#include "support/proc_cgroup.hpp"
 #include "residency/backends/posix.hpp"
+#include "support/proc_cgroup.hpp"
 
 namespace residency {
 namespace {
@@ -124,8 +124,7 @@ TEST(PosixBackend, RequestResidencyLocksTheSetAndEndResidencyUnlocksIt) {
   EXPECT_TRUE(b->end_residency(0));
   const double unlock_ms = ms_since(t1);
   expect_near(vm_lck(), before, "VmLck after end_residency");
-  std::printf("[ measured ] mlock of a resident 256 MiB file mapping: %.2f ms; munlock: %.2f ms\n", lock_ms,
-              unlock_ms);
+  std::printf("[ measured ] mlock of a resident 256 MiB file mapping: %.2f ms; munlock: %.2f ms\n", lock_ms, unlock_ms);
   RecordProperty("mlock_256MiB_resident_ms", std::to_string(lock_ms));
 
   EXPECT_TRUE(b->destroy_set(0));
@@ -180,8 +179,8 @@ TEST(PosixBackend, PageSharedByTwoSetsStaysLockedUntilBothEnd) {
 
   ASSERT_TRUE(b->create_set(0, 0));
   ASSERT_TRUE(b->create_set(1, 0));
-  b->add_region(0, region(1, file.data(), seam));                        // pages 0..3
-  b->add_region(1, region(2, file.data() + seam, size - seam));          // pages 3..7
+  b->add_region(0, region(1, file.data(), seam));                // pages 0..3
+  b->add_region(1, region(2, file.data() + seam, size - seam));  // pages 3..7
   ASSERT_TRUE(b->commit(0).ok());
   ASSERT_TRUE(b->commit(1).ok());
   ASSERT_TRUE(b->request_residency(0).ok());
@@ -226,9 +225,10 @@ TEST(PosixBackend, LockedPagesSurvivePageoutAndUnlockedOnesDoNot) {
   ASSERT_TRUE(b->request_residency(0).ok());
   const double rewire_ms = ms_since(t0);
   EXPECT_EQ(file.resident_fraction(), 1.0) << "request_residency must fault every page back in";
-  std::printf("[ measured ] resident after pageout while unlocked: %.1f %%; re-wire (mlock) of 256 MiB "
-              "after pageout: %.2f ms\n",
-              after * 100, rewire_ms);
+  std::printf(
+      "[ measured ] resident after pageout while unlocked: %.1f %%; re-wire (mlock) of 256 MiB "
+      "after pageout: %.2f ms\n",
+      after * 100, rewire_ms);
   RecordProperty("rewire_256MiB_after_pageout_ms", std::to_string(rewire_ms));
   EXPECT_TRUE(b->destroy_set(0));
 }
@@ -310,7 +310,7 @@ TEST(PosixBackend, RlimitMemlockRefusalNamesTheLimitAndTheFix) {
       return 1;
     }
     (void)be.create_set(0, 0);
-    be.add_region(0, region(1, file.data(), 64 * KiB));          // fits the limit
+    be.add_region(0, region(1, file.data(), 64 * KiB));              // fits the limit
     be.add_region(0, region(2, file.data() + MiB, 64 * MiB - MiB));  // does not
     (void)be.commit(0);
     const SetOutcome out = be.request_residency(0);
@@ -356,7 +356,8 @@ TEST(PosixBackend, PressureWatchStartsAndStopsAtOnceOrSaysWhyNot) {
     EXPECT_EQ(st.status().code(), ErrorCode::unsupported) << st.message();
     EXPECT_NE(st.message().find("pressure"), std::string::npos) << st.message();
     // As root a readable PSI file is also writable and the 2 s window is accepted.
-    if (psi.available && ::geteuid() == 0) ADD_FAILURE() << "PSI is readable here but the watch failed: " << st.message();
+    if (psi.available && ::geteuid() == 0)
+      ADD_FAILURE() << "PSI is readable here but the watch failed: " << st.message();
     GTEST_SKIP() << st.message();
   }
   // Two managers add two watchers to the one system watch; the watch ends with the last.
@@ -419,8 +420,9 @@ TEST(PosixBackend, PressureWatchReportsRealMemoryPressure) {
   EXPECT_TRUE(fired) << "no pressure event within 15 s of thrashing in a 16 MiB cgroup; source: " << source;
   for (std::size_t i = 1; i < calls.size(); ++i)
     EXPECT_GE(calls[i] - calls[i - 1], std::chrono::milliseconds(1990)) << "call " << i << " came inside the 2 s window";
-  std::printf("[ measured ] pressure watch (%s) fired %.0f ms after the thrashing began; %zu call(s) in the next 2.5 s\n",
-              source.c_str(), after_ms, calls.empty() ? 0 : calls.size() - 1);
+  std::printf(
+      "[ measured ] pressure watch (%s) fired %.0f ms after the thrashing began; %zu call(s) in the next 2.5 s\n",
+      source.c_str(), after_ms, calls.empty() ? 0 : calls.size() - 1);
 }
 
 // The watch listens where the memory controller that governs this process is, read here from

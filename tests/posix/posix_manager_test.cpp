@@ -97,9 +97,10 @@ TEST(PosixManager, KeepAliveHoldsTheModelThroughPageoutAndExpiryGivesItBack) {
   EXPECT_EQ(s.rewires, 1u);
   EXPECT_EQ(model.resident_fraction(), 1.0);
   EXPECT_GE(vm_lck(), before + kSize);
-  std::printf("[ measured ] through the Manager: %.1f %% resident after expiry + pageout; touch() re-wire of "
-              "128 MiB: %.2f ms\n",
-              evicted_left * 100, rewire_ms);
+  std::printf(
+      "[ measured ] through the Manager: %.1f %% resident after expiry + pageout; touch() re-wire of "
+      "128 MiB: %.2f ms\n",
+      evicted_left * 100, rewire_ms);
 
   ASSERT_TRUE(mgr.unregister_region(*id));
   EXPECT_LE(vm_lck(), before + 2 * page_size());

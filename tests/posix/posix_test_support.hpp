@@ -38,9 +38,7 @@ constexpr std::uint64_t MiB = 1024 * KiB;
 inline std::uint64_t page_size() { return static_cast<std::uint64_t>(::sysconf(_SC_PAGESIZE)); }
 
 // mlock through the system call: the sanitizers' mlock interceptor does nothing.
-inline int raw_mlock(const void* addr, std::size_t len) {
-  return static_cast<int>(::syscall(SYS_mlock, addr, len));
-}
+inline int raw_mlock(const void* addr, std::size_t len) { return static_cast<int>(::syscall(SYS_mlock, addr, len)); }
 
 // This process's VmLck, bytes (0 when unreadable).
 inline std::uint64_t vm_lck() {

@@ -52,10 +52,10 @@ TEST(ParseMeminfo, MalformedInputIsAnErrorThatQuotesTheLine) {
   ASSERT_FALSE(bad_number);
   EXPECT_NE(bad_number.message().find("'MemTotal: 12x4 kB'"), std::string::npos) << bad_number.message();
 
-  EXPECT_FALSE(parse_meminfo("MemTotal: 1024\n"));            // unit missing
-  EXPECT_FALSE(parse_meminfo("MemTotal: 1024 MB\n"));         // wrong unit
-  EXPECT_FALSE(parse_meminfo("MemTotal 1024 kB\n"));          // no colon
-  EXPECT_FALSE(parse_meminfo("MemTotal: -5 kB\n"));           // negative
+  EXPECT_FALSE(parse_meminfo("MemTotal: 1024\n"));                     // unit missing
+  EXPECT_FALSE(parse_meminfo("MemTotal: 1024 MB\n"));                  // wrong unit
+  EXPECT_FALSE(parse_meminfo("MemTotal 1024 kB\n"));                   // no colon
+  EXPECT_FALSE(parse_meminfo("MemTotal: -5 kB\n"));                    // negative
   EXPECT_FALSE(parse_meminfo("MemTotal: 99999999999999999999 kB\n"));  // overflows
   EXPECT_FALSE(parse_meminfo(""));
 }
@@ -228,10 +228,10 @@ TEST(PsiTrigger, RejectsWhatTheKernelWouldRejectWithTheReason) {
   auto unpriv = make_psi_trigger(150ms, 1s, false);
   ASSERT_FALSE(unpriv);
   EXPECT_NE(unpriv.message().find("multiples of 2 s"), std::string::npos) << unpriv.message();
-  EXPECT_FALSE(make_psi_trigger(150ms, 400ms, true));   // window below 500 ms
-  EXPECT_FALSE(make_psi_trigger(150ms, 12s, true));     // window above 10 s
-  EXPECT_FALSE(make_psi_trigger(0ms, 2s, true));        // no stall
-  EXPECT_FALSE(make_psi_trigger(3s, 2s, true));         // stall longer than the window
+  EXPECT_FALSE(make_psi_trigger(150ms, 400ms, true));  // window below 500 ms
+  EXPECT_FALSE(make_psi_trigger(150ms, 12s, true));    // window above 10 s
+  EXPECT_FALSE(make_psi_trigger(0ms, 2s, true));       // no stall
+  EXPECT_FALSE(make_psi_trigger(3s, 2s, true));        // stall longer than the window
 }
 
 TEST(Readers, ReadTheLiveFilesOfThisMachine) {
@@ -260,8 +260,7 @@ namespace {
 // A VM guest's layout: cgroup v1's memory controller beside an unrelated cgroup v2 mount. The
 // memory cgroup is the v1 one; the v2 "0::/" entry says nothing about memory there.
 TEST(ParseCgroupV1, FindsTheMemoryControllersHierarchyBesideAV2Mount) {
-  const char* cgroup =
-      "9:name=systemd:/\n8:pids:/\n4:memory:/process_api/f7c2\n3:cpuset:/\n2:cpuacct,cpu:/\n0::/\n";
+  const char* cgroup = "9:name=systemd:/\n8:pids:/\n4:memory:/process_api/f7c2\n3:cpuset:/\n2:cpuacct,cpu:/\n0::/\n";
   auto p = parse_cgroup_v1_memory_path(cgroup);
   ASSERT_TRUE(p) << p.message();
   ASSERT_TRUE(p->has_value());
@@ -332,13 +331,14 @@ TEST(MemoryCgroupHeadroom, TheTightestLimitedLevelWinsAndPageCacheCountsAsRoom) 
   const MemoryCgroup leaf{2, "/srv/llama", mount + "/srv/llama"};
   EXPECT_EQ(memory_cgroup_headroom(leaf).value_or(0), 224 * MiB);  // 1024 - 900 + 60 + 40
 
-  write(mount + "/srv/llama/memory.max", std::to_string(700 * MiB) + "\n");  // tighter still
-  EXPECT_EQ(memory_cgroup_headroom(leaf).value_or(0), 100 * MiB);             // 700 - 600 + 0
+  write(mount + "/srv/llama/memory.max", std::to_string(700 * MiB) + "\n");      // tighter still
+  EXPECT_EQ(memory_cgroup_headroom(leaf).value_or(0), 100 * MiB);                // 700 - 600 + 0
   write(mount + "/srv/llama/memory.current", std::to_string(800 * MiB) + "\n");  // over its limit
   EXPECT_EQ(memory_cgroup_headroom(leaf).value_or(1), 0u);
 
   EXPECT_FALSE(memory_cgroup_headroom(MemoryCgroup{2, "/", mount})) << "the root has no limit";
-  EXPECT_FALSE(memory_cgroup_headroom(MemoryCgroup{2, "/srv/llama", mount + "/elsewhere"})) << "dir not ending in the path";
+  EXPECT_FALSE(memory_cgroup_headroom(MemoryCgroup{2, "/srv/llama", mount + "/elsewhere"}))
+      << "dir not ending in the path";
   const MemoryCgroup unlimited{2, "/other", mount + "/other"};
   EXPECT_FALSE(memory_cgroup_headroom(unlimited)) << "no limit anywhere (and no files)";
 }

@@ -17,14 +17,14 @@
 #include <sys/stat.h>
 #include <sys/wait.h>
 
+#include <dirent.h>
+#include <fcntl.h>
 #include <algorithm>
 #include <atomic>
 #include <chrono>
-#include <cstring>
 #include <cstdio>
 #include <cstdlib>
-#include <dirent.h>
-#include <fcntl.h>
+#include <cstring>
 #include <fstream>
 #include <functional>
 #include <memory>
@@ -89,8 +89,8 @@ struct Hold {
   std::string out_path, err_path;
   Hold(const std::string& file, const std::vector<std::string>& env) {
     static int serial = 0;
-    const std::string stem =
-        ::testing::TempDir() + "/residency-shared-test-" + std::to_string(::getpid()) + "-" + std::to_string(serial++);
+    const std::string stem = ::testing::TempDir() + "/residency-shared-test-" + std::to_string(::getpid()) + "-" +
+                             std::to_string(serial++);
     out_path = stem + ".out";
     err_path = stem + ".err";
     std::fflush(stdout);  // or the child's freopen writes our buffered lines a second time
@@ -392,8 +392,7 @@ TEST(SharedBudgetProcesses, TheIdlestHolderIsAskedAndTheSumOfVmLckNeverExceedsTh
   sampler.add(&c);
   ASSERT_TRUE(c.wait_vm_lck(kHold, 10s)) << c.all() << "\n--- a:\n" << a.all();
   EXPECT_EQ(a.wait_exit(5s), 0) << "hold exits once its memory is released: " << a.all();
-  EXPECT_NE(a.out().find("asked by process " + std::to_string(c.pid) + ": shared budget " + name + " is full"),
-            std::string::npos)
+  EXPECT_NE(a.out().find("asked by process " + std::to_string(c.pid) + ": shared budget " + name + " is full"), std::string::npos)
       << a.all();
   EXPECT_EQ(b.vm_lck(), kHold) << "the holder idle for less time keeps its memory";
   EXPECT_EQ(b.all().find("asked by"), std::string::npos) << b.all();
@@ -464,10 +463,10 @@ TEST(SharedBudgetProcesses, BadConfigurationIsOneLineAndLeavesNoLedger) {
     std::string value, expect;
   };
   const std::string name = unique_name("bad");
-  for (const Case& c : {Case{"nosize", "no ':' between the name and the size"},
-                        Case{"a/b:1MiB", "the name 'a/b' is not accepted"},
-                        Case{name + ":0", "the size is 0"},
-                        Case{name + ":1MiB:no-such-group-residency", "group 'no-such-group-residency' does not exist"}}) {
+  for (const Case& c :
+       {Case{"nosize", "no ':' between the name and the size"}, Case{"a/b:1MiB", "the name 'a/b' is not accepted"},
+        Case{name + ":0", "the size is 0"},
+        Case{name + ":1MiB:no-such-group-residency", "group 'no-such-group-residency' does not exist"}}) {
     Hold h(path_of(f), {"RESIDENCY_SHARED_BUDGET=" + c.value});
     EXPECT_EQ(h.wait_exit(10s), 2) << c.value << ": " << h.all();
     const std::string err = h.err();
@@ -855,8 +854,7 @@ TEST(SharedBudgetProcesses, StatListsTheBudgetAndItsHoldersAndMarksTheDead) {
             std::string::npos)
       << text;
   // A live holder by program and state, from its own state file (issue 29, item 6).
-  EXPECT_NE(text.find("pid " + std::to_string(a.pid) + " (residency): 4 MiB, resident, 0 re-wire(s), idle "),
-            std::string::npos)
+  EXPECT_NE(text.find("pid " + std::to_string(a.pid) + " (residency): 4 MiB, resident, 0 re-wire(s), idle "), std::string::npos)
       << text;
   EXPECT_NE(text.find("pid " + std::to_string(dead) + ": 4 MiB, idle "), std::string::npos) << text;
   EXPECT_NE(text.find("DEAD: its share is reclaimed"), std::string::npos) << text;
@@ -996,7 +994,8 @@ TEST(SharedBudgetStoppedLock, AJoiningHoldGivesUpAfterTheBoundAndNamesTheLedgerA
   EXPECT_NE(err.find("cannot join the shared budget " + name + ": the lock of its ledger " + ledger::ledger_path(name)),
             std::string::npos)
       << err;
-  EXPECT_NE(err.find("held by process " + std::to_string(locker.pid()) + " for more than 3000 ms"), std::string::npos) << err;
+  EXPECT_NE(err.find("held by process " + std::to_string(locker.pid()) + " for more than 3000 ms"), std::string::npos)
+      << err;
   EXPECT_EQ(h.vm_lck(), 0u);
 }
 
@@ -1041,8 +1040,9 @@ class Warnings {
   }
   std::size_t containing(const std::string& part) const {
     std::lock_guard<std::mutex> g(mu_);
-    return static_cast<std::size_t>(
-        std::count_if(lines_.begin(), lines_.end(), [&](const std::string& w) { return w.find(part) != std::string::npos; }));
+    return static_cast<std::size_t>(std::count_if(lines_.begin(), lines_.end(), [&](const std::string& w) {
+      return w.find(part) != std::string::npos;
+    }));
   }
 
  private:
@@ -1120,8 +1120,7 @@ TEST(SharedBudgetStoppedLock, ATouchThatMustRewireReturnsAtOnceUnwiredAndSaysWhy
   }
   EXPECT_LT(longest, 200ms) << "a touch() waited for the stopped process";
   EXPECT_EQ(vm_lck(), 0u) << "nothing is wired without the ledger";
-  EXPECT_EQ(here.warnings.containing("was not obtained at once: it has been held by process " + std::to_string(locker.pid())),
-            1u)
+  EXPECT_EQ(here.warnings.containing("was not obtained at once: it has been held by process " + std::to_string(locker.pid())), 1u)
       << "one warning, naming the process";
   locker.resume();
   (void)here.manager->unregister_region(here.region);
@@ -1264,7 +1263,8 @@ void a_damaged_ledger_costs_budget_never_a_process(const std::function<void(int 
     here.manager->touch();
     EXPECT_EQ(vm_lck(), 0u) << "nothing is wired under a corrupt ledger";
     EXPECT_EQ(here.warnings.containing("is corrupt: "), 1u) << "one warning";
-    EXPECT_EQ(here.warnings.containing("once the ledger answers"), 0u) << "a corrupt ledger is not used again: no promise";
+    EXPECT_EQ(here.warnings.containing("once the ledger answers"), 0u)
+        << "a corrupt ledger is not used again: no promise";
     EXPECT_EQ(b.vm_lck(), kHold) << "the other holder keeps its memory";
     ::kill(b.pid, SIGTERM);
     EXPECT_EQ(b.wait_exit(5s), 0) << "the hold ends normally (135 would be SIGBUS): " << b.all();
@@ -1501,7 +1501,8 @@ TEST(SharedBudgetProcesses, TwoProcessesJoiningAndLeavingOneBudgetNeverCrash) {
     int st = 0;
     ASSERT_EQ(::waitpid(pid, &st, 0), pid);
     EXPECT_TRUE(WIFEXITED(st) && WEXITSTATUS(st) == 0)
-        << (WIFSIGNALED(st) ? "killed by " + std::string(strsignal(WTERMSIG(st))) : "exit " + std::to_string(WEXITSTATUS(st)));
+        << (WIFSIGNALED(st) ? "killed by " + std::string(strsignal(WTERMSIG(st)))
+                            : "exit " + std::to_string(WEXITSTATUS(st)));
   }
   EXPECT_FALSE(exists(ledger::ledger_path(name))) << "the last holder removes the ledger";
 }

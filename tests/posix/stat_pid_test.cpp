@@ -5,8 +5,8 @@
 // destruction and at exit, kept by a fork child's exit, left by a SIGKILL and then reported stale
 // and removed). Bad pids exit 2 with a message; a file in the process's name owned by another
 // user or readable by others is never read. Every /dev/shm file a test makes is removed.
-#include <gtest/gtest.h>
 #include <fcntl.h>
+#include <gtest/gtest.h>
 #include <signal.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
@@ -27,11 +27,10 @@
 
 #include "core/state_file.hpp"
 #include "residency/backends.hpp"
-#include "support/child_process.hpp"
-#include "support/tool_run.hpp"
 #include "residency/clock.hpp"
 #include "residency/residency.hpp"
-
+#include "support/child_process.hpp"
+#include "support/tool_run.hpp"
 
 namespace {
 
@@ -54,8 +53,8 @@ bool exists(const std::string& p) {
 }
 
 std::string state_path(pid_t pid, unsigned n = 0) {
-  return std::string(residency::core::kStateDir) + "/" + residency::core::kStatePrefix + std::to_string(::getuid()) + "." +
-         std::to_string(pid) + "." + std::to_string(n);
+  return std::string(residency::core::kStateDir) + "/" + residency::core::kStatePrefix + std::to_string(::getuid()) +
+         "." + std::to_string(pid) + "." + std::to_string(n);
 }
 
 // Waits until `pred` holds (polled every 20 ms), at most `limit`.
@@ -149,10 +148,11 @@ TEST(ResidencyPs, AHolderIsOneLineWithItsModelStateBytesReleaseAndBudget) {
     return line.find("host resident") != std::string::npos;
   })) << run_tool("ps").out;
   EXPECT_NE(run_tool("ps").out.rfind("PID ", 0), std::string::npos) << "a header line first";
-  for (const std::string& want : {std::string("residency"), h.file.substr(h.file.rfind('/') + 1), std::string("host resident"),
-                                  std::string("2 MiB"), h.budget})
+  for (const std::string& want : {std::string("residency"), h.file.substr(h.file.rfind('/') + 1),
+                                  std::string("host resident"), std::string("2 MiB"), h.budget})
     EXPECT_NE(line.find(want), std::string::npos) << "'" << want << "' not in: " << line;
-  EXPECT_TRUE(std::regex_search(line, std::regex(" in (2[0-9][0-9]|300) s "))) << "the 5 m keep-alive less its idle: " << line;
+  EXPECT_TRUE(std::regex_search(line, std::regex(" in (2[0-9][0-9]|300) s ")))
+      << "the 5 m keep-alive less its idle: " << line;
 
   const ToolRun j = run_tool("ps --json");
   ASSERT_EQ(j.exit_code, 0) << j.out;
@@ -209,7 +209,7 @@ TEST(ResidencyPs, PrometheusTextIsValidAndCountsReleasesByReasonAndWakeTimes) {
     clock.advance(200ms);
     (void)(*mgr)->run_due();
     if ((*mgr)->stats().releases != 1) ::_exit(14);  // the keep-alive did not release
-    (*mgr)->touch();                                  // re-wires
+    (*mgr)->touch();                                 // re-wires
     if ((*mgr)->stats().rewires != 1) ::_exit(15);
     if (::write(ready[1], "r", 1) != 1) ::_exit(16);
     char byte = 0;
@@ -234,7 +234,8 @@ TEST(ResidencyPs, PrometheusTextIsValidAndCountsReleasesByReasonAndWakeTimes) {
     text = run_tool("ps --prometheus").out;
     return text.find("residency_rewire_duration_seconds_count{" + me) != std::string::npos &&
            text.find("_count{" + me + ",program=") != std::string::npos &&
-           text.find(",backend=\"posix\"} 1\n", text.find("residency_rewire_duration_seconds_count{" + me)) != std::string::npos;
+           text.find(",backend=\"posix\"} 1\n", text.find("residency_rewire_duration_seconds_count{" + me)) !=
+               std::string::npos;
   })) << text;
   auto has = [&](const std::string& line) { return text.find(line + "\n") != std::string::npos; };
   const std::string mgr_labels = me + ",program=\"" + std::string(program_invocation_short_name).substr(0, 15) +
@@ -248,7 +249,8 @@ TEST(ResidencyPs, PrometheusTextIsValidAndCountsReleasesByReasonAndWakeTimes) {
   EXPECT_TRUE(has("residency_asks_received_total{" + mgr_labels + ",budget=\"" + budget + "\"} 0")) << text;
 
   // promtool (Debian's prometheus package) accepts it.
-  if (std::system("command -v promtool > /dev/null 2>&1") != 0) GTEST_SKIP() << "promtool is not installed (Debian: prometheus)";
+  if (std::system("command -v promtool > /dev/null 2>&1") != 0)
+    GTEST_SKIP() << "promtool is not installed (Debian: prometheus)";
   const std::string file = ::testing::TempDir() + "residency-ps.prom";
   {
     std::ofstream f(file);
@@ -314,14 +316,14 @@ TEST(StatPid, HoldChildLockedBytesManagerStateAndSharedBudget) {
   EXPECT_EQ(s["shared_budget_size"], 64u << 20);
   EXPECT_EQ(s["shared_held"], kHoldSize);
   EXPECT_EQ(s["pid"], h.pid);
-  EXPECT_FALSE(doc["gpu"]["available"].get<bool>() && doc["gpu"]["processes"].size() > 0)
-      << "hold has no GPU context";
+  EXPECT_FALSE(doc["gpu"]["available"].get<bool>() && doc["gpu"]["processes"].size() > 0) << "hold has no GPU context";
 
   const ToolRun t = run_tool("stat --pid " + std::to_string(h.pid));
   ASSERT_EQ(t.exit_code, 0) << t.out;
-  for (const std::string& want : std::vector<std::string>{"VmLck", "2 MiB of 2 MiB resident: file " + h.file, "manager 0", "posix, keep-alive forever, resident",
-                                 "weights 2 MiB (2 MiB wired)", "shared budget", h.budget + ": holds 2 MiB of 64 MiB",
-                                 "none yet", "GPU"})
+  for (const std::string& want :
+       std::vector<std::string>{"VmLck", "2 MiB of 2 MiB resident: file " + h.file, "manager 0",
+                                "posix, keep-alive forever, resident", "weights 2 MiB (2 MiB wired)", "shared budget",
+                                h.budget + ": holds 2 MiB of 64 MiB", "none yet", "GPU"})
     EXPECT_NE(t.out.find(want), std::string::npos) << "missing '" << want << "' in:\n" << t.out;
 
   ::kill(h.pid, SIGTERM);
@@ -414,7 +416,8 @@ TEST(StatPid, ShowsTheKeepAlivesReleaseAndItsReasonThenTheFileGoesWithTheManager
   ASSERT_TRUE(c.wait_ready()) << "the child's manager never released";
   const ToolRun t = run_tool("stat --pid " + std::to_string(c.pid));
   ASSERT_EQ(t.exit_code, 0) << t.out;
-  for (const char* want : {"keep-alive 300 ms, released", "kv_cache 1 MiB (0 B wired)", "(keep-alive 300 ms expired); 1 release(s)"})
+  for (const char* want :
+       {"keep-alive 300 ms, released", "kv_cache 1 MiB (0 B wired)", "(keep-alive 300 ms expired); 1 release(s)"})
     EXPECT_NE(t.out.find(want), std::string::npos) << "missing '" << want << "' in:\n" << t.out;
   const ToolRun j = run_tool("stat --pid " + std::to_string(c.pid) + " --json");
   ASSERT_EQ(j.exit_code, 0) << j.out;
@@ -470,22 +473,31 @@ TEST(StatPid, StateFileOffPublishesNothing) {
 // built: the loader ignored it and the server ran unmanaged. stat says so, and why.
 TEST(StatPid, APreloadNamedButNotLoadedIsSaidWithItsLikelyCause) {
   const std::string missing = "/nonexistent-residency-prefix/lib/libresidency_preload.so";
-  residency::testing::ChildProcess sleeper(residency::testing::ChildSpec{{"/bin/sleep", "30"}, {"LD_PRELOAD=" + missing}, {"LD_PRELOAD="}, false,
-                                 ::testing::TempDir() + "stat_preload_missing.err", {}});
+  residency::testing::ChildProcess sleeper(
+      residency::testing::ChildSpec{{"/bin/sleep", "30"},
+                                    {"LD_PRELOAD=" + missing},
+                                    {"LD_PRELOAD="},
+                                    false,
+                                    ::testing::TempDir() + "stat_preload_missing.err",
+                                    {}});
   // The loader's complaint comes first; wait until the program runs.
-  for (int i = 0; i < 200 && run_tool("stat --pid " + std::to_string(sleeper.pid())).out.find("(sleep)") == std::string::npos; ++i)
+  for (int i = 0;
+       i < 200 && run_tool("stat --pid " + std::to_string(sleeper.pid())).out.find("(sleep)") == std::string::npos; ++i)
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
   const ToolRun t = run_tool("stat --pid " + std::to_string(sleeper.pid()));
   EXPECT_EQ(t.exit_code, 0) << t.out;
-  EXPECT_NE(t.out.find("no state file: LD_PRELOAD names " + missing + ", which does not exist"), std::string::npos) << t.out;
+  EXPECT_NE(t.out.find("no state file: LD_PRELOAD names " + missing + ", which does not exist"), std::string::npos)
+      << t.out;
   EXPECT_NE(t.out.find("cannot be preloaded"), std::string::npos) << t.out;
   const ToolRun j = run_tool("stat --json --pid " + std::to_string(sleeper.pid()));
   ASSERT_EQ(j.exit_code, 0) << j.out;
   EXPECT_NE(nlohmann::json::parse(j.out).value("preload_problem", "").find("does not exist"), std::string::npos) << j.out;
 
   // Without the preload in its environment: the plain line, no guess.
-  residency::testing::ChildProcess plain(residency::testing::ChildSpec{{"/bin/sleep", "30"}, {}, {"LD_PRELOAD="}, false, "", {}});
-  for (int i = 0; i < 200 && run_tool("stat --pid " + std::to_string(plain.pid())).out.find("(sleep)") == std::string::npos; ++i)
+  residency::testing::ChildProcess plain(
+      residency::testing::ChildSpec{{"/bin/sleep", "30"}, {}, {"LD_PRELOAD="}, false, "", {}});
+  for (int i = 0;
+       i < 200 && run_tool("stat --pid " + std::to_string(plain.pid())).out.find("(sleep)") == std::string::npos; ++i)
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
   const ToolRun u = run_tool("stat --pid " + std::to_string(plain.pid()));
   EXPECT_NE(u.out.find("no state file (no residency manager"), std::string::npos) << u.out;

@@ -12,10 +12,9 @@
 #include "backends/posix/proc_info.hpp"
 #include "backends/posix/system_info.hpp"
 #include "residency/backends.hpp"
-#include "support/tool_run.hpp"
-#include "support/proc_cgroup.hpp"
 #include "residency/backends/posix.hpp"
-
+#include "support/proc_cgroup.hpp"
+#include "support/tool_run.hpp"
 
 namespace {
 
@@ -57,8 +56,9 @@ TEST(StatTool, PrintsEveryFigureWithAlignedColumns) {
 TEST(StatTool, JsonHasRawByteValues) {
   const ToolRun r = run_tool("stat --json");
   ASSERT_EQ(r.exit_code, 0) << r.out;
-  for (const char* key : {"\"mem_total\"", "\"mem_available\"", "\"mlocked\"", "\"rlimit_memlock\"", "\"soft\"",
-                          "\"hard\"", "\"cap_ipc_lock\"", "\"psi_memory\"", "\"backends\"", "\"recommended_working_set\""}) {
+  for (const char* key :
+       {"\"mem_total\"", "\"mem_available\"", "\"mlocked\"", "\"rlimit_memlock\"", "\"soft\"", "\"hard\"",
+        "\"cap_ipc_lock\"", "\"psi_memory\"", "\"backends\"", "\"recommended_working_set\""}) {
     EXPECT_NE(r.out.find(key), std::string::npos) << "missing " << key << " in:\n" << r.out;
   }
   EXPECT_EQ(r.out.find("\"vm_lck\""), std::string::npos) << "the stat process's own VmLck: " << r.out;
@@ -99,7 +99,8 @@ TEST(StatTool, CgroupAndPressureWatchAreWhereTheMemoryControllerIs) {
   for (const auto& name : residency::available_backends()) {
     const bool listed = backends.find(" " + name) != std::string::npos || backends.find(name + ",") != std::string::npos;
     const bool starts = residency::make_backend(name).is_ok();
-    EXPECT_EQ(listed, starts) << name << (starts ? " starts here but is not listed: " : " does not start here but is listed: ")
+    EXPECT_EQ(listed, starts) << name
+                              << (starts ? " starts here but is not listed: " : " does not start here but is listed: ")
                               << backends;
     if (!starts) {
       bool reason = false;  // a "not here   NAME: why" line

@@ -83,7 +83,9 @@ static void print_reads(void) {
     ggml_backend_buffer_t b = g_reads[i].t->buffer;
     const enum ggml_backend_buffer_usage u = ggml_backend_buffer_get_usage(b);
     printf("read %s %s %zx %zu %zx %zu\n",
-           u == GGML_BACKEND_BUFFER_USAGE_WEIGHTS ? "weights" : u == GGML_BACKEND_BUFFER_USAGE_COMPUTE ? "compute" : "any",
+           u == GGML_BACKEND_BUFFER_USAGE_WEIGHTS   ? "weights"
+           : u == GGML_BACKEND_BUFFER_USAGE_COMPUTE ? "compute"
+                                                    : "any",
            ggml_backend_buffer_name(b), (size_t)g_reads[i].addr, g_reads[i].bytes,
            (size_t)ggml_backend_buffer_get_base(b), ggml_backend_buffer_get_size(b));
   }
@@ -202,7 +204,7 @@ int main(int argc, char** argv) {
     printf("token %d %d\n", i, best);
     fflush(stdout);
   }
-  if (stepped) {  /* stay until the end of input, so that the test can look at the last state */
+  if (stepped) { /* stay until the end of input, so that the test can look at the last state */
     while (fgets(line, sizeof line, stdin) != NULL) {
     }
   }

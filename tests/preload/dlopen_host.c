@@ -28,13 +28,13 @@
 
 #include "vm_lck.h"
 
-#define LOAD(var, name)                                                 \
-  do {                                                                  \
-    *(void**)(&var) = dlsym(lib, name);                                 \
-    if (var == NULL) {                                                  \
+#define LOAD(var, name)                                                    \
+  do {                                                                     \
+    *(void**)(&var) = dlsym(lib, name);                                    \
+    if (var == NULL) {                                                     \
       fprintf(stderr, "dlopen_host: %s not found: %s\n", name, dlerror()); \
-      return 1;                                                         \
-    }                                                                   \
+      return 1;                                                            \
+    }                                                                      \
   } while (0)
 
 static void quiet_log(enum ggml_log_level level, const char* text, void* user) {
@@ -74,7 +74,7 @@ int main(int argc, char** argv) {
     const volatile char* m = mmap(NULL, (size_t)st.st_size, PROT_READ, MAP_SHARED, fd, 0);
     close(fd);
     if (m == MAP_FAILED) return 1;
-    (void)m[0];  /* read, as a reader of the header does; kept mapped */
+    (void)m[0]; /* read, as a reader of the header does; kept mapped */
   }
   void* plugin = NULL;
   int plugin_ok = 1;

@@ -93,7 +93,7 @@ int main(int argc, char** argv) {
   if (model == NULL) return 1;
   struct llama_context_params cp = llama_context_default_params();
   cp.n_ctx = 256;
-  cp.n_threads = cp.n_threads_batch = 1;  /* the callback runs on the decoding thread */
+  cp.n_threads = cp.n_threads_batch = 1; /* the callback runs on the decoding thread */
   g_ctx = llama_init_from_model(model, cp);
   if (g_ctx == NULL) return 1;
   const struct llama_vocab* vocab = llama_model_get_vocab(model);
@@ -125,7 +125,7 @@ int main(int argc, char** argv) {
     for (int i = 0; i < 150 * 16; ++i) {
       char* p = malloc(64 * 1024);
       if (p == NULL) return 1;
-      memset(p, 0x5a, 64 * 1024);  /* kept: the program's data */
+      memset(p, 0x5a, 64 * 1024); /* kept: the program's data */
     }
     const uintptr_t after = (uintptr_t)sbrk(0);
     ok = ok && decode_n(6);
@@ -146,10 +146,9 @@ int main(int argc, char** argv) {
     llama_set_abort_callback(g_ctx, abort_callback, NULL);
     ok = ok && decode_n(8);
     printf("callback_calls=%d\n", g_callback_calls);
-    printf("callback_locked_kb=%ld\n",
-           g_callback_map != NULL && g_callback_map != MAP_FAILED
-               ? locked_kb((uintptr_t)g_callback_map, (uintptr_t)g_callback_map + 32 * kMiB)
-               : -1L);
+    printf("callback_locked_kb=%ld\n", g_callback_map != NULL && g_callback_map != MAP_FAILED
+                                           ? locked_kb((uintptr_t)g_callback_map, (uintptr_t)g_callback_map + 32 * kMiB)
+                                           : -1L);
   } else {
     fprintf(stderr, "engine_memory: unknown mode '%s'\n", mode);
     return 2;

@@ -360,8 +360,8 @@ TEST_F(HostTest, APythonServersThreadsAndCacheAreNeverTheEngines) {
   ASSERT_EQ(rounds.size(), 4u) << with.out << with.err;
   EXPECT_GE(rounds[0].locked_while_generating_kb * 1024, 90 * kMiB) << "the model was managed\n" << with.err;
   // Round 0 before any cache, round 3 after 60 MiB of it.
-  const std::uint64_t grown_kb = rounds[3].locked_while_generating_kb - std::min(rounds[3].locked_while_generating_kb,
-                                                                                   rounds[0].locked_while_generating_kb);
+  const std::uint64_t grown_kb = rounds[3].locked_while_generating_kb -
+                                 std::min(rounds[3].locked_while_generating_kb, rounds[0].locked_while_generating_kb);
   EXPECT_LT(grown_kb * 1024, 16 * kMiB) << "locked grew with the program's cache\n" << with.out << with.err;
 }
 

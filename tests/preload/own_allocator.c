@@ -172,7 +172,7 @@ int main(int argc, char** argv) {
       if (l[c] > l[best]) best = c;
     printf(i == 0 ? "%d" : ",%d", best);
     tok = best;
-    usleep(1000);  /* the churning thread gets the lock between tokens too */
+    usleep(1000); /* the churning thread gets the lock between tokens too */
   }
   atomic_store(&g_stop, 1);
   pthread_join(t, NULL);

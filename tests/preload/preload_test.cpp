@@ -22,8 +22,8 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <cctype>
 #include <atomic>
+#include <cctype>
 #include <cerrno>
 #include <chrono>
 #include <csignal>
@@ -42,8 +42,8 @@
 
 #include "llama/llama_server.hpp"
 #include "support/child_process.hpp"
-#include "support/temp_dir.hpp"
 #include "support/strict.hpp"
+#include "support/temp_dir.hpp"
 #include "workload/gguf_writer.hpp"
 
 extern char** environ;
@@ -57,10 +57,7 @@ constexpr int kTokens = 6;  // decodes per run
 // decode is this prompt's tokens in one batch, the others one generated token each).
 constexpr const char* kPrompt = "Once upon a time, in a small town,\n";
 
-double seconds_since(Clock::time_point t0) {
-  return std::chrono::duration<double>(Clock::now() - t0).count();
-}
-
+double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
 
 std::vector<std::string> lines_of(const std::string& text) {
   std::vector<std::string> out;
@@ -70,7 +67,8 @@ std::vector<std::string> lines_of(const std::string& text) {
 }
 
 // Residency's lines start "residency[PID]: " (and, with RESIDENCY_LOG_TIME=1, the time).
-const std::regex kResidencyLine(R"(^residency\[[0-9]+\]: (?:[0-9]{4}-[0-9]{2}-[0-9]{2} [0-9]{2}:[0-9]{2}:[0-9]{2}\.[0-9]{3} )?([a-z]+): )");
+const std::regex kResidencyLine(
+    R"(^residency\[[0-9]+\]: (?:[0-9]{4}-[0-9]{2}-[0-9]{2} [0-9]{2}:[0-9]{2}:[0-9]{2}\.[0-9]{3} )?([a-z]+): )");
 
 std::vector<std::string> residency_lines(const std::string& err, const std::string& level) {
   std::vector<std::string> out;
@@ -158,7 +156,8 @@ void walk_smaps(pid_t pid, Header&& header, Field&& field) {
   SmapsVma v;
   for (std::string line; std::getline(in, line);) {
     const auto dash = line.find('-');
-    if (dash != std::string::npos && dash > 0 && std::isxdigit(static_cast<unsigned char>(line[0])) && line.find(' ') > dash) {
+    if (dash != std::string::npos && dash > 0 && std::isxdigit(static_cast<unsigned char>(line[0])) &&
+        line.find(' ') > dash) {
       std::istringstream ls(line);
       std::string range, offset, dev;
       v = SmapsVma{};
@@ -175,9 +174,11 @@ void walk_smaps(pid_t pid, Header&& header, Field&& field) {
 // The address ranges of `pid`'s locked VMAs (VmFlags "lo" in /proc/PID/smaps), sorted.
 std::vector<std::pair<std::uintptr_t, std::uintptr_t>> locked_vmas(pid_t pid) {
   std::vector<std::pair<std::uintptr_t, std::uintptr_t>> out;
-  walk_smaps(pid, [](const SmapsVma&) {}, [&](const SmapsVma& v, const std::string& line) {
-    if (is_locked_flags(line)) out.emplace_back(v.b, v.e);
-  });
+  walk_smaps(
+      pid, [](const SmapsVma&) {},
+      [&](const SmapsVma& v, const std::string& line) {
+        if (is_locked_flags(line)) out.emplace_back(v.b, v.e);
+      });
   std::sort(out.begin(), out.end());
   return out;
 }
@@ -226,7 +227,8 @@ EngineVmas engine_vmas(pid_t pid) {
 }
 
 // Bytes of [b, e) not inside the sorted ranges.
-std::uint64_t uncovered(std::uintptr_t b, std::uintptr_t e, const std::vector<std::pair<std::uintptr_t, std::uintptr_t>>& r) {
+std::uint64_t uncovered(std::uintptr_t b, std::uintptr_t e,
+                        const std::vector<std::pair<std::uintptr_t, std::uintptr_t>>& r) {
   std::uint64_t missing = 0;
   std::uintptr_t at = b;
   for (auto& [rb, re] : r) {
@@ -263,8 +265,8 @@ EngineMemoryVmas engine_memory_vmas(pid_t pid, const std::vector<std::pair<std::
         const bool anonymous = m.inode == "0" && (m.path.empty() || m.path == "[heap]" || m.path == "[stack]" ||
                                                   m.path.rfind("[anon:", 0) == 0);
         bool engine_data = false;
-        for (const char* prefix : {"libllama", "libggml", "libgomp", "libresidency_preload", "libstdc++.", "libc.", "libc-",
-                                   "libm.", "libm-"})
+        for (const char* prefix : {"libllama", "libggml", "libgomp", "libresidency_preload", "libstdc++.", "libc.",
+                                   "libc-", "libm.", "libm-"})
           engine_data = engine_data || (m.inode != "0" && name.rfind(prefix, 0) == 0);
         candidate = rw_private && (anonymous || engine_data);
       },
@@ -278,7 +280,6 @@ EngineMemoryVmas engine_memory_vmas(pid_t pid, const std::vector<std::pair<std::
       });
   return v;
 }
-
 
 // What the kernel holds locked against what decode read, from outside the process: every byte
 // decode read from host memory is in a locked mapping (`unlocked_read` 0), so is the code of
@@ -330,17 +331,17 @@ LockCheck check_locks(pid_t pid, const std::vector<Read>& reads, const std::stri
   c.vm_lck = vm_lck(pid).value_or(0);
   return c;
 }
-#define EXPECT_LOCKS_WHAT_DECODE_READS(c)                                                                  \
-  do {                                                                                                    \
-    EXPECT_GT((c).reads, 0U) << "decode_loop --reads printed nothing";                                    \
-    EXPECT_EQ((c).unlocked_read, 0U) << "bytes decode read that are not locked";                           \
-    EXPECT_GT((c).engine.code, 0U) << "no executable mapping of libllama or libggml in the child";          \
-    EXPECT_EQ((c).engine.code_locked, (c).engine.code) << "libllama's and ggml's code is not all locked";   \
-    EXPECT_LE((c).vm_lck, (c).bound) << "VmLck above what decode reads (file pages " << (c).file_read      \
-                                     << ", buffers " << (c).other_buffers << ": " << (c).buffers            \
-                                     << ", engine memory " << (c).memory.locked << ")";                    \
-    EXPECT_GT((c).memory.stack_locked, 0U) << "the stack decode runs on is not locked";                   \
-    EXPECT_LE((c).memory.locked, 64 * kMiB) << "the engine memory held is not small next to the model";   \
+#define EXPECT_LOCKS_WHAT_DECODE_READS(c)                                                                             \
+  do {                                                                                                                \
+    EXPECT_GT((c).reads, 0U) << "decode_loop --reads printed nothing";                                                \
+    EXPECT_EQ((c).unlocked_read, 0U) << "bytes decode read that are not locked";                                      \
+    EXPECT_GT((c).engine.code, 0U) << "no executable mapping of libllama or libggml in the child";                    \
+    EXPECT_EQ((c).engine.code_locked, (c).engine.code) << "libllama's and ggml's code is not all locked";             \
+    EXPECT_LE((c).vm_lck, (c).bound) << "VmLck above what decode reads (file pages " << (c).file_read << ", buffers " \
+                                     << (c).other_buffers << ": " << (c).buffers << ", engine memory "                \
+                                     << (c).memory.locked << ")";                                                     \
+    EXPECT_GT((c).memory.stack_locked, 0U) << "the stack decode runs on is not locked";                               \
+    EXPECT_LE((c).memory.locked, 64 * kMiB) << "the engine memory held is not small next to the model";               \
   } while (0)
 
 // A child process: argv/env as given, stdout through a pipe read line by line, stderr into a
@@ -481,14 +482,16 @@ class PreloadTest : public ::testing::Test {
   }
   static std::string err_file(const char* name) { return dir_ + "/" + name + ".err"; }
   std::vector<std::string> baseline_prefix(std::size_t n) const {
-    return {baseline_tokens_.begin(), baseline_tokens_.begin() + static_cast<std::ptrdiff_t>(std::min(n, baseline_tokens_.size()))};
+    return {baseline_tokens_.begin(),
+            baseline_tokens_.begin() + static_cast<std::ptrdiff_t>(std::min(n, baseline_tokens_.size()))};
   }
 
   static inline std::string dir_, model_, setup_error_, baseline_err_;
   static std::string layout_of(const std::vector<Read>& reads) {
     std::string types;
     for (const Read& r : reads)
-      if (r.usage == "weights" && types.find(r.buffer_type) == std::string::npos) types += (types.empty() ? "" : "+") + r.buffer_type;
+      if (r.usage == "weights" && types.find(r.buffer_type) == std::string::npos)
+        types += (types.empty() ? "" : "+") + r.buffer_type;
     return types;
   }
   static inline bool on_tmpfs_ = false;
@@ -545,7 +548,8 @@ TEST_P(PreloadLayoutTest, KeepAliveLocksWhatDecodeReadsReleasesItAfterTheKeepAli
   const LockCheck again = check_locks(c.pid(), reads, model_);
   EXPECT_LOCKS_WHAT_DECODE_READS(again);
   // The engine memory is a new snapshot after each wire (the heap may have grown): the rest is the same.
-  EXPECT_EQ(again.vm_lck - again.memory.locked, first.vm_lck - first.memory.locked) << "not locked again by the next decode";
+  EXPECT_EQ(again.vm_lck - again.memory.locked, first.vm_lck - first.memory.locked)
+      << "not locked again by the next decode";
   for (int i = 2; i < kTokens; ++i) ASSERT_TRUE(c.send_line());
   EXPECT_EQ(c.finish(), 0);
   EXPECT_EQ(c.tokens(), baseline());
@@ -557,8 +561,8 @@ TEST_P(PreloadLayoutTest, KeepAliveLocksWhatDecodeReadsReleasesItAfterTheKeepAli
   EXPECT_GE(count_containing(err, "(touch after release)"), 1U) << err;
   std::cerr << "[ measured ] weights in " << layout_of(reads) << "; decode read " << first.read_bytes << " bytes in "
             << first.reads << " tensors (file pages " << first.file_read << ", buffers " << first.buffers << "); VmLck "
-            << first.vm_lck << " bytes (bound " << first.bound << "); first decode " << decode_s << " s; VmLck 0 " << *released_after
-            << " s after the decode was asked for; locked again by the next decode\n";
+            << first.vm_lck << " bytes (bound " << first.bound << "); first decode " << decode_s << " s; VmLck 0 "
+            << *released_after << " s after the decode was asked for; locked again by the next decode\n";
 }
 
 // (2) While resident, paging the model out from outside evicts none of what decode reads from
@@ -587,7 +591,8 @@ TEST_P(PreloadLayoutTest, PageoutFromOutsideEvictsNothingOfTheResidentModel) {
   std::vector<std::pair<std::uint64_t, std::size_t>> live;
   for (auto& p : mapped_pieces(c.pid(), model_))
     for (const Read& r : reads)
-      if (r.addr >= p.addr && r.addr + r.bytes <= p.addr + p.len) live.emplace_back(p.offset + (r.addr - p.addr), r.bytes);
+      if (r.addr >= p.addr && r.addr + r.bytes <= p.addr + p.len)
+        live.emplace_back(p.offset + (r.addr - p.addr), r.bytes);
   ASSERT_FALSE(live.empty()) << "decode reads nothing from the file mapping (the token embeddings stay there)";
   const std::size_t page = static_cast<std::size_t>(::sysconf(_SC_PAGESIZE));
   // Pages the child out (MADV_PAGEOUT on its mappings of the model, Linux >= 5.10), drops the
@@ -600,7 +605,8 @@ TEST_P(PreloadLayoutTest, PageoutFromOutsideEvictsNothingOfTheResidentModel) {
     *madvise_errno = 0;
     for (auto& p : pieces) {
       iovec one{reinterpret_cast<void*>(p.addr), p.len};
-      if (::syscall(SYS_process_madvise, pidfd, &one, 1, MADV_PAGEOUT, 0U) < 0 && *madvise_errno == 0) *madvise_errno = errno;
+      if (::syscall(SYS_process_madvise, pidfd, &one, 1, MADV_PAGEOUT, 0U) < 0 && *madvise_errno == 0)
+        *madvise_errno = errno;
     }
     // The engine's code too (a pageout of every mapping, as under pressure).
     for (auto& [addr, len] : engine_vmas(c.pid()).code_ranges) {
@@ -627,11 +633,13 @@ TEST_P(PreloadLayoutTest, PageoutFromOutsideEvictsNothingOfTheResidentModel) {
   EXPECT_EQ(kept, 1.0) << "resident fraction of what decode reads from the file after a pageout from outside";
   const EngineVmas code_kept = engine_vmas(c.pid());
   EXPECT_GT(code_kept.code, 0U);
-  EXPECT_EQ(code_kept.code_rss, code_kept.code) << "libllama's and ggml's code was paged out while the model was resident";
+  EXPECT_EQ(code_kept.code_rss, code_kept.code)
+      << "libllama's and ggml's code was paged out while the model was resident";
 
   // Control: once released, the same pageout evicts.
   const auto t0 = Clock::now();
-  while (vm_lck(c.pid()).value_or(1) != 0 && seconds_since(t0) < 5) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  while (vm_lck(c.pid()).value_or(1) != 0 && seconds_since(t0) < 5)
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
   ASSERT_EQ(vm_lck(c.pid()).value_or(1), 0U);
   int err_released = 0;
   const double left = page_out(&err_released);
@@ -655,10 +663,10 @@ TEST_P(PreloadLayoutTest, PageoutFromOutsideEvictsNothingOfTheResidentModel) {
   EXPECT_EQ(c.tokens(), std::vector<std::string>(baseline().begin(), baseline().begin() + 2));
   ::munmap(ours, size);
   ::close(fd);
-  std::cerr << "[ measured ] resident after pageout: locked " << kept << " (process_madvise: "
-            << (err_locked ? std::strerror(err_locked) : "ok") << "), released " << left << "; engine code resident "
-            << code_kept.code_rss << " of " << code_kept.code << " bytes while locked, " << code_left.code_rss
-            << " once released\n";
+  std::cerr << "[ measured ] resident after pageout: locked " << kept
+            << " (process_madvise: " << (err_locked ? std::strerror(err_locked) : "ok") << "), released " << left
+            << "; engine code resident " << code_kept.code_rss << " of " << code_kept.code << " bytes while locked, "
+            << code_left.code_rss << " once released\n";
 #endif
 }
 
@@ -763,12 +771,14 @@ TEST_F(PreloadTest, AtInfoTheLoadIsOneSummaryAndOneWireLineWithThePidOnFreshLine
       }
       if (l.find("preload: registered ") != std::string::npos) {
         ++summaries;
-        EXPECT_TRUE(std::regex_search(l, std::regex(R"(preload: registered [0-9]+ buffers?: (weights|kv_cache|scratch) [0-9.]+ [KMG]iB \()")))
+        EXPECT_TRUE(std::regex_search(
+            l, std::regex(R"(preload: registered [0-9]+ buffers?: (weights|kv_cache|scratch) [0-9.]+ [KMG]iB \()")))
             << l;
       }
       if (l.find("preload: wired ") != std::string::npos) {
         ++wires;
-        EXPECT_TRUE(std::regex_search(l, std::regex(R"(preload: wired [0-9.]+ [KMG]iB in [0-9.]+ ms \((model loaded|context made)\))"))) << l;
+        EXPECT_TRUE(std::regex_search(l, std::regex(R"(preload: wired [0-9.]+ [KMG]iB in [0-9.]+ ms \((model loaded|context made)\))")))
+            << l;
       }
     }
     EXPECT_GE(summaries, 2U) << "the model, then the context:\n" << err;
@@ -778,13 +788,17 @@ TEST_F(PreloadTest, AtInfoTheLoadIsOneSummaryAndOneWireLineWithThePidOnFreshLine
     EXPECT_NE(err.find("weights "), std::string::npos) << err;
     EXPECT_NE(err.find("kv_cache "), std::string::npos) << err;
     // Never glued to someone else's line.
-    for (const std::string& l : lines_of(err)) EXPECT_TRUE(l.find("residency[") == std::string::npos || l.rfind("residency[", 0) == 0) << l;
+    for (const std::string& l : lines_of(err))
+      EXPECT_TRUE(l.find("residency[") == std::string::npos || l.rfind("residency[", 0) == 0) << l;
   }
 }
 
 // A wired limit below the model wires nothing of it, and says so once, at warn.
 TEST_F(PreloadTest, AWiredLimitBelowTheModelIsOneWarning) {
-  Child c(decode_loop({{"RESIDENCY_KEEP_ALIVE", "forever"}, {"RESIDENCY_WIRED_LIMIT", "1MiB"}, {"RESIDENCY_LOG", "warn"}}, true),
+  Child c(decode_loop({{"RESIDENCY_KEEP_ALIVE", "forever"},
+                       {"RESIDENCY_WIRED_LIMIT", "1MiB"},
+                       {"RESIDENCY_LOG", "warn"}},
+                      true),
           err_file("below-limit"));
   ASSERT_TRUE(c.started());
   ASSERT_TRUE(c.wait_for("loaded")) << c.stderr_text();
@@ -890,12 +904,13 @@ TEST_F(PreloadTest, TwoProgramsUnderOneSharedBudgetNeverLockMoreThanItAndTheIdle
     rlimit rl{};
     ::getrlimit(RLIMIT_MEMLOCK, &rl);
     if (rl.rlim_cur != RLIM_INFINITY && rl.rlim_cur < model_bytes + 16 * kMiB)
-      GTEST_SKIP() << "RLIMIT_MEMLOCK is " << rl.rlim_cur / kMiB << " MiB; each program locks its " << model_bytes / kMiB
-                   << " MiB model (ulimit -l unlimited, or run as root)";
+      GTEST_SKIP() << "RLIMIT_MEMLOCK is " << rl.rlim_cur / kMiB << " MiB; each program locks its "
+                   << model_bytes / kMiB << " MiB model (ulimit -l unlimited, or run as root)";
   }
   const std::string name = "preload-test-" + std::to_string(::getpid());
-  const std::vector<std::pair<std::string, std::string>> env = {
-      {"RESIDENCY_KEEP_ALIVE", "forever"}, {"RESIDENCY_SHARED_BUDGET", name + ":" + std::to_string(budget)}};
+  const std::vector<std::pair<std::string, std::string>> env = {{"RESIDENCY_KEEP_ALIVE", "forever"},
+                                                                {"RESIDENCY_SHARED_BUDGET",
+                                                                 name + ":" + std::to_string(budget)}};
   Child a(decode_loop(env, true), err_file("shared-a"));
   ASSERT_TRUE(a.started());
   ASSERT_TRUE(a.wait_for("loaded")) << a.stderr_text();
@@ -965,9 +980,9 @@ TEST_F(PreloadTest, LlamaServerAnswersTextAndHoldsTheModelOnlyWhileServing) {
     GTEST_SKIP() << "no llama-server at " << LLAMA_SERVER_PATH << " (a scripts/llama-cpp --libs-only install has none)";
   }
   std::string error;
-  auto server = residency::testing::start_llama_server(
-      LLAMA_SERVER_PATH, model_, err_file("server"), error, {},
-      {"LD_PRELOAD=" PRELOAD_PATH, "RESIDENCY_KEEP_ALIVE=1s"}, {"RESIDENCY_", "LD_PRELOAD=", "GGML_METAL_"});
+  auto server = residency::testing::start_llama_server(LLAMA_SERVER_PATH, model_, err_file("server"), error, {},
+                                                       {"LD_PRELOAD=" PRELOAD_PATH, "RESIDENCY_KEEP_ALIVE=1s"},
+                                                       {"RESIDENCY_", "LD_PRELOAD=", "GGML_METAL_"});
   ASSERT_TRUE(server) << error;
   const pid_t pid = server->process->pid();
   const std::string request = R"({"prompt":"Hello, world!\nOnce upon a time","n_predict":8,"ignore_eos":true})";
@@ -976,10 +991,12 @@ TEST_F(PreloadTest, LlamaServerAnswersTextAndHoldsTheModelOnlyWhileServing) {
     const auto r = residency::testing::http_request(server->port, "/completion", request);
     ASSERT_EQ(r.status, 200) << r.body << "\n" << server->process->stderr_text();
     EXPECT_EQ(residency::testing::json_number(r.body, "tokens_predicted"), 8) << r.body;
-    EXPECT_GT(vm_lck(pid).value_or(0), 0U) << "nothing locked right after a request\n" << server->process->stderr_text();
+    EXPECT_GT(vm_lck(pid).value_or(0), 0U) << "nothing locked right after a request\n"
+                                           << server->process->stderr_text();
     // Given back after the keep-alive: VmLck 0 within a few seconds of the last request.
     const auto t0 = Clock::now();
-    while (vm_lck(pid).value_or(0) != 0 && seconds_since(t0) < 10) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    while (vm_lck(pid).value_or(0) != 0 && seconds_since(t0) < 10)
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
     EXPECT_EQ(vm_lck(pid).value_or(1), 0U) << "still locked 10 s after the last request";
   }
   EXPECT_TRUE(server->process->alive()) << server->process->stderr_text();

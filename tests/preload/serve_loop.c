@@ -32,7 +32,7 @@ static int g_llama_log;
 static void quiet_log(enum ggml_log_level level, const char* text, void* user) {
   (void)user;
   static enum ggml_log_level last = GGML_LOG_LEVEL_INFO;
-  if (level == GGML_LOG_LEVEL_CONT) level = last;  /* a continuation has its line's level */
+  if (level == GGML_LOG_LEVEL_CONT) level = last; /* a continuation has its line's level */
   last = level;
   if (level == GGML_LOG_LEVEL_ERROR || (g_llama_log && level >= GGML_LOG_LEVEL_INFO)) fputs(text, stderr);
 }

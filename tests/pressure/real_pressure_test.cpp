@@ -52,8 +52,8 @@
 
 #include "backends/posix/proc_info.hpp"
 #include "support/child_process.hpp"
-#include "support/temp_dir.hpp"
 #include "support/strict.hpp"
+#include "support/temp_dir.hpp"
 #include "workload/gguf_writer.hpp"
 
 extern char** environ;
@@ -129,8 +129,8 @@ class TestCgroup {
         // As root, beside this process's cgroup: the hierarchy's root delegates whatever processes
         // it holds (a job runner's or a VM agent's cgroup often holds the runner itself). The
         // test's own memory.max is the limit that matters.
-        const std::string root =
-            cg->cgroup_path == "/" ? cg->dir : cg->dir.substr(0, cg->dir.size() - cg->cgroup_path.size());
+        const std::string root = cg->cgroup_path == "/" ? cg->dir
+                                                        : cg->dir.substr(0, cg->dir.size() - cg->cgroup_path.size());
         if (::geteuid() != 0 || root == cg->dir || !delegates(root))
           return "cgroup v2 " + cg->dir + " does not delegate the memory controller and cannot be made to (" + why +
                  "; it must hold no processes, or be the root)";
@@ -233,7 +233,7 @@ struct HogOutcome {
   bool got = false;
   double waited_s = 0;  // from the first attempt to the moment the memory was all touched
   int attempts = 0;
-  int killed = 0;       // attempts ended by SIGKILL (the OOM killer)
+  int killed = 0;                 // attempts ended by SIGKILL (the OOM killer)
   bool killed_after_got = false;  // the attempt that got its memory was killed while holding it
   std::optional<std::uint64_t> server_vm_lck_when_got;
 };
@@ -346,7 +346,8 @@ class RealPressureTest : public ::testing::TestWithParam<bool> {
     if (model_dir_.empty()) return;
     struct statfs sfs {};
     if (::statfs(model_dir_.c_str(), &sfs) == 0 && static_cast<long>(sfs.f_type) == 0x01021994) {
-      suite_error_ = model_dir_ + " is tmpfs: unlocked model pages could not be reclaimed without swap; set TMPDIR to a disk";
+      suite_error_ = model_dir_ +
+                     " is tmpfs: unlocked model pages could not be reclaimed without swap; set TMPDIR to a disk";
       suite_strict_skip_ = true;
       return;
     }
@@ -362,11 +363,13 @@ class RealPressureTest : public ::testing::TestWithParam<bool> {
     }
     model_path_ = model_dir_ + "/model-2GiB-q4_0.gguf";
     const auto t0 = Clock::now();
-    if (auto st = residency::workload::write_synthetic_model(model_path_, *shape, residency::workload::kSyntheticSeed, 2); !st) {
+    if (auto st = residency::workload::write_synthetic_model(model_path_, *shape, residency::workload::kSyntheticSeed, 2);
+        !st) {
       suite_error_ = st.message();
       return;
     }
-    std::printf("[ model    ] %s written in %.1f s (%s)\n", model_path_.c_str(), seconds_since(t0), shape->to_string().c_str());
+    std::printf("[ model    ] %s written in %.1f s (%s)\n", model_path_.c_str(), seconds_since(t0),
+                shape->to_string().c_str());
   }
   static void TearDownTestSuite() {
     std::error_code ec;
@@ -411,8 +414,7 @@ class RealPressureTest : public ::testing::TestWithParam<bool> {
     err_path_ = model_dir_ + "/" + name + ".err";
     std::vector<std::string> argv{DECODE_LOOP_PATH, model_path_, "100", "stdin"};
     if (GetParam()) argv.insert(argv.begin() + 1, "--no-repack");
-    server_ = std::make_unique<Server>(argv, e,
-                                       cg_.procs(), err_path_);
+    server_ = std::make_unique<Server>(argv, e, cg_.procs(), err_path_);
     if (server_->pid() <= 0) {
       ADD_FAILURE() << "cannot start decode_loop";
       return 0;
@@ -442,7 +444,8 @@ class RealPressureTest : public ::testing::TestWithParam<bool> {
   // buffer types off the weights are file pages and the warning must not appear.
   bool anonymous_weights_without_swap() {
     const std::string err = server_->stderr_text();
-    bool warned = err.find("this machine has no swap: releasing them under memory pressure frees nothing") != std::string::npos;
+    bool warned = err.find("this machine has no swap: releasing them under memory pressure frees nothing") !=
+                  std::string::npos;
     // On a machine with swap the test's cgroup is closed to it (ram_only): repacked weights are as
     // stuck there as without swap, and the preload cannot know (its machine has swap).
     const auto weights = err.find(": weights ");  // "registered N buffers: weights 1.9 GiB (CPU_REPACK ...)"
@@ -451,7 +454,8 @@ class RealPressureTest : public ::testing::TestWithParam<bool> {
       warned = warned || line.find("(AMX ") != std::string::npos || line.find("(CPU_REPACK ") != std::string::npos;
     }
     if (GetParam()) {
-      EXPECT_FALSE(warned) << "warned about anonymous weights with the extra buffer types off:\n" << server_->stderr_text();
+      EXPECT_FALSE(warned) << "warned about anonymous weights with the extra buffer types off:\n"
+                           << server_->stderr_text();
     }
     return warned;
   }
@@ -477,39 +481,44 @@ TEST_P(RealPressureTest, ForeverKeepsTheModelAndTheHogDoesNotGetItsMemory) {
   const std::uint64_t locked = start_server({"RESIDENCY_KEEP_ALIVE=forever"}, "forever");
   ASSERT_FALSE(HasFailure());
   ASSERT_GE(locked, kModelBytes * 95 / 100) << "the model is not locked:\n" << server_->stderr_text();
-  ASSERT_GE(cg_.usage(), kModelBytes * 95 / 100) << "the model is not charged to the test's cgroup: nothing would be tested";
+  ASSERT_GE(cg_.usage(), kModelBytes * 95 / 100)
+      << "the model is not charged to the test's cgroup: nothing would be tested";
   const std::uint64_t hog = hog_bytes(locked);
   const std::uint64_t ooms = cg_.oom_kills();
   const HogOutcome h = run_hog(cg_.procs(), hog, /*deadline_s=*/8, /*hold_s=*/0.5, server_->pid());
-  EXPECT_FALSE(h.got) << "the hog got " << hog / kMiB << " MiB beside a locked 2 GiB model in a cgroup of " << cg_.limit() / kMiB << " MiB";
+  EXPECT_FALSE(h.got) << "the hog got " << hog / kMiB << " MiB beside a locked 2 GiB model in a cgroup of "
+                      << cg_.limit() / kMiB << " MiB";
   EXPECT_GT(cg_.oom_kills(), ooms) << "the cgroup's OOM killer never ran";
   EXPECT_TRUE(server_->alive()) << "the server was killed instead of the hog";
   EXPECT_GE(vm_lck(server_->pid()).value_or(0), kModelBytes * 95 / 100) << "forever gave the model up";
   EXPECT_TRUE(server_->request()) << "the server no longer serves:\n" << server_->stderr_text();
-  std::printf("[ measured ] forever: the hog (%llu MiB) did not get its memory in 8 s: %d attempt(s), %d OOM-killed in "
-              "the cgroup (%llu cgroup OOM kills); the server kept %llu MiB locked\n",
-              static_cast<unsigned long long>(hog / kMiB), h.attempts, h.killed,
-              static_cast<unsigned long long>(cg_.oom_kills() - ooms),
-              static_cast<unsigned long long>(vm_lck(server_->pid()).value_or(0) / kMiB));
+  std::printf(
+      "[ measured ] forever: the hog (%llu MiB) did not get its memory in 8 s: %d attempt(s), %d OOM-killed in "
+      "the cgroup (%llu cgroup OOM kills); the server kept %llu MiB locked\n",
+      static_cast<unsigned long long>(hog / kMiB), h.attempts, h.killed,
+      static_cast<unsigned long long>(cg_.oom_kills() - ooms),
+      static_cast<unsigned long long>(vm_lck(server_->pid()).value_or(0) / kMiB));
 }
 
 TEST_P(RealPressureTest, PressureAwareGivesTheHogItsMemoryAndWiresTheModelAgainWhenRequestsResume) {
-  const std::uint64_t locked = start_server(
-      {"RESIDENCY_KEEP_ALIVE=10m", "RESIDENCY_RELEASE_ON_PRESSURE=1", "RESIDENCY_PRESSURE_QUIET=3s"}, "pressure-aware");
+  const std::uint64_t locked = start_server({"RESIDENCY_KEEP_ALIVE=10m", "RESIDENCY_RELEASE_ON_PRESSURE=1",
+                                             "RESIDENCY_PRESSURE_QUIET=3s"},
+                                            "pressure-aware");
   ASSERT_FALSE(HasFailure());
   if (anonymous_weights_without_swap())
-    GTEST_SKIP() << "llama.cpp repacked the weights into anonymous memory and neither the machine nor the test's cgroup has swap: pressure can take none "
+    GTEST_SKIP() << "llama.cpp repacked the weights into anonymous memory and neither the machine nor the test's "
+                    "cgroup has swap: pressure can take none "
                     "of them (the preload's warning says so; the ExtraBufferTypesOff case tests pressure on this CPU)";
   ASSERT_GE(locked, kModelBytes * 95 / 100) << "the model is not locked:\n" << server_->stderr_text();
-  ASSERT_GE(cg_.usage(), kModelBytes * 95 / 100) << "the model is not charged to the test's cgroup: nothing would be tested";
+  ASSERT_GE(cg_.usage(), kModelBytes * 95 / 100)
+      << "the model is not charged to the test's cgroup: nothing would be tested";
   // The server watches the pressure of the cgroup it is in, with the kernel's source for it.
   const std::string err = server_->stderr_text();
   const auto watch = err.find("watching memory pressure: ");
   ASSERT_NE(watch, std::string::npos) << "the watch did not start:\n" << err;
   const std::string watch_line = err.substr(watch, err.find('\n', watch) - watch);
   const std::string cg_name = cg_.dir().substr(cg_.dir().rfind('/'));
-  EXPECT_NE(watch_line.find(cg_name + (cg_.version() == 1 ? "/memory.pressure_level" : "/memory.pressure")),
-            std::string::npos)
+  EXPECT_NE(watch_line.find(cg_name + (cg_.version() == 1 ? "/memory.pressure_level" : "/memory.pressure")), std::string::npos)
       << watch_line;
 
   const std::uint64_t hog = hog_bytes(locked);
@@ -517,19 +526,22 @@ TEST_P(RealPressureTest, PressureAwareGivesTheHogItsMemoryAndWiresTheModelAgainW
   ASSERT_TRUE(h.got) << "the hog did not get " << hog / kMiB << " MiB within 30 s (" << h.attempts << " attempts)\n"
                      << server_->stderr_text();
   EXPECT_TRUE(server_->alive()) << "the server was killed";
-  EXPECT_LT(h.server_vm_lck_when_got.value_or(0), kModelBytes / 2) << "the hog got its memory while the model stayed locked?";
+  EXPECT_LT(h.server_vm_lck_when_got.value_or(0), kModelBytes / 2)
+      << "the hog got its memory while the model stayed locked?";
   EXPECT_NE(server_->stderr_text().find("under memory pressure"), std::string::npos) << server_->stderr_text();
-  std::printf("[ measured ] pressure-aware: the hog (%llu MiB) got its memory %.2f s after its first attempt (%d "
-              "attempt(s), %d OOM-killed); the server held %llu MiB locked then\n",
-              static_cast<unsigned long long>(hog / kMiB), h.waited_s, h.attempts, h.killed,
-              static_cast<unsigned long long>(h.server_vm_lck_when_got.value_or(0) / kMiB));
+  std::printf(
+      "[ measured ] pressure-aware: the hog (%llu MiB) got its memory %.2f s after its first attempt (%d "
+      "attempt(s), %d OOM-killed); the server held %llu MiB locked then\n",
+      static_cast<unsigned long long>(hog / kMiB), h.waited_s, h.attempts, h.killed,
+      static_cast<unsigned long long>(h.server_vm_lck_when_got.value_or(0) / kMiB));
 
   // The hog is done. Pressure goes quiet for 3 s and the budget comes back; requests resume.
   const auto t0 = Clock::now();
   while (server_->stderr_text().find("memory pressure has been quiet") == std::string::npos && seconds_since(t0) < 20)
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
   EXPECT_NE(server_->stderr_text().find("memory pressure has been quiet"), std::string::npos)
-      << "the budget did not come back within 20 s:\n" << server_->stderr_text();
+      << "the budget did not come back within 20 s:\n"
+      << server_->stderr_text();
   const double quiet_s = seconds_since(t0);
   ASSERT_TRUE(server_->request()) << server_->stderr_text();
   ASSERT_TRUE(server_->request()) << server_->stderr_text();
@@ -537,9 +549,10 @@ TEST_P(RealPressureTest, PressureAwareGivesTheHogItsMemoryAndWiresTheModelAgainW
   EXPECT_GE(again, kModelBytes * 95 / 100) << "the model is not wired again after requests resumed";
   const double cached = page_cache_fraction(model_path_);
   EXPECT_GE(cached, 0.99) << "mincore: the model's pages are not all in memory again";
-  std::printf("[ measured ] pressure-aware: budget back %.1f s after the hog got its memory; after two requests the "
-              "server holds %llu MiB locked, %.1f %% of the model in memory\n",
-              quiet_s, static_cast<unsigned long long>(again / kMiB), cached * 100);
+  std::printf(
+      "[ measured ] pressure-aware: budget back %.1f s after the hog got its memory; after two requests the "
+      "server holds %llu MiB locked, %.1f %% of the model in memory\n",
+      quiet_s, static_cast<unsigned long long>(again / kMiB), cached * 100);
 }
 
 // Quiet is not free memory: here the hog keeps what it got for several quiet periods. The budget
@@ -555,7 +568,8 @@ TEST_P(RealPressureTest, AfterQuietTheModelTakesBackOnlyWhatTheCgroupHasRoomFor)
                                             "room");
   ASSERT_FALSE(HasFailure());
   if (anonymous_weights_without_swap())
-    GTEST_SKIP() << "llama.cpp repacked the weights into anonymous memory and neither the machine nor the test's cgroup has swap: pressure can take none "
+    GTEST_SKIP() << "llama.cpp repacked the weights into anonymous memory and neither the machine nor the test's "
+                    "cgroup has swap: pressure can take none "
                     "of them (the preload's warning says so; the ExtraBufferTypesOff case tests pressure on this CPU)";
   ASSERT_GE(locked, kModelBytes * 95 / 100) << "the model is not locked:\n" << server_->stderr_text();
   const std::uint64_t hog = hog_bytes(locked);
@@ -574,13 +588,16 @@ TEST_P(RealPressureTest, AfterQuietTheModelTakesBackOnlyWhatTheCgroupHasRoomFor)
   const std::string while_held = server_->stderr_text();
   hog_thread.join();
   ASSERT_TRUE(h.got) << "the hog did not get " << hog / kMiB << " MiB within 30 s\n" << while_held;
-  EXPECT_FALSE(h.killed_after_got) << "the hog was killed while it held its memory: the re-wire took more than there was room for\n"
-                                   << server_->stderr_text();
+  EXPECT_FALSE(h.killed_after_got)
+      << "the hog was killed while it held its memory: the re-wire took more than there was room for\n"
+      << server_->stderr_text();
   EXPECT_TRUE(server_->alive()) << "the server was killed";
   EXPECT_NE(while_held.find("memory pressure has been quiet, but only"), std::string::npos)
-      << "no quiet period was seen with the hog holding its memory:\n" << while_held;
+      << "no quiet period was seen with the hog holding its memory:\n"
+      << while_held;
   EXPECT_EQ(while_held.find("memory pressure has been quiet: the budget is back"), std::string::npos)
-      << "the whole budget came back while the hog held its memory:\n" << while_held;
+      << "the whole budget came back while the hog held its memory:\n"
+      << while_held;
   EXPECT_LT(most_locked_while_held + hog, cg_.limit()) << "locked beside the hog";
   EXPECT_LT(most_locked_while_held, kModelBytes / 8)
       << "the 2 GiB model's weights do not fit beside the hog: only its small buffers may be locked";
@@ -591,19 +608,22 @@ TEST_P(RealPressureTest, AfterQuietTheModelTakesBackOnlyWhatTheCgroupHasRoomFor)
          seconds_since(t1) < 20)
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
   ASSERT_NE(server_->stderr_text().find("memory pressure has been quiet: the budget is back"), std::string::npos)
-      << "the budget did not come back within 20 s of the hog's exit:\n" << server_->stderr_text();
+      << "the budget did not come back within 20 s of the hog's exit:\n"
+      << server_->stderr_text();
   const double back_s = seconds_since(t1);
   ASSERT_TRUE(server_->request()) << server_->stderr_text();
   ASSERT_TRUE(server_->request()) << server_->stderr_text();
   const std::uint64_t again = vm_lck(server_->pid()).value_or(0);
   EXPECT_GE(again, kModelBytes * 95 / 100) << "the model is not wired again after the hog left";
   std::size_t checks = 0;
-  for (std::size_t at = while_held.find("but only"); at != std::string::npos; at = while_held.find("but only", at + 1)) ++checks;
-  std::printf("[ measured ] room: while the hog held %llu MiB for %.0f s (%zu quiet-period checks) the server locked at "
-              "most %llu MiB and the hog was %s; budget back %.1f s after the hog left, then %llu MiB locked\n",
-              static_cast<unsigned long long>(hog / kMiB), kHold, checks,
-              static_cast<unsigned long long>(most_locked_while_held / kMiB),
-              h.killed_after_got ? "KILLED" : "not killed", back_s, static_cast<unsigned long long>(again / kMiB));
+  for (std::size_t at = while_held.find("but only"); at != std::string::npos; at = while_held.find("but only", at + 1))
+    ++checks;
+  std::printf(
+      "[ measured ] room: while the hog held %llu MiB for %.0f s (%zu quiet-period checks) the server locked at "
+      "most %llu MiB and the hog was %s; budget back %.1f s after the hog left, then %llu MiB locked\n",
+      static_cast<unsigned long long>(hog / kMiB), kHold, checks,
+      static_cast<unsigned long long>(most_locked_while_held / kMiB), h.killed_after_got ? "KILLED" : "not killed",
+      back_s, static_cast<unsigned long long>(again / kMiB));
 }
 
 INSTANTIATE_TEST_SUITE_P(Layouts, RealPressureTest, ::testing::Values(false, true),

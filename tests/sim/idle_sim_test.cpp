@@ -33,15 +33,12 @@ struct Published {
 };
 
 const std::vector<Published>& published(const std::string& profile) {
-  static const std::vector<Published> f16{{0, 29, 29},       {500, 29, 29},      {1000, 29, 29},
-                                          {1200, 227, 227},  {1400, 413, 472},   {2000, 413, 472},
-                                          {3000, 413, 472}};
-  static const std::vector<Published> q8{{0, 19, 19},       {500, 19, 19},      {1000, 19, 19},
-                                         {1200, 106, 106},  {1400, 225, 299},   {2000, 225, 299},
-                                         {3000, 225, 299}};
-  static const std::vector<Published> q4{{0, 14, 14},       {500, 14, 14},      {1000, 24, 24},
-                                         {1200, 86, 86},    {1400, 158, 216},   {2000, 158, 216},
-                                         {3000, 158, 216}};
+  static const std::vector<Published> f16{{0, 29, 29},      {500, 29, 29},    {1000, 29, 29},  {1200, 227, 227},
+                                          {1400, 413, 472}, {2000, 413, 472}, {3000, 413, 472}};
+  static const std::vector<Published> q8{{0, 19, 19},      {500, 19, 19},    {1000, 19, 19},  {1200, 106, 106},
+                                         {1400, 225, 299}, {2000, 225, 299}, {3000, 225, 299}};
+  static const std::vector<Published> q4{{0, 14, 14},      {500, 14, 14},    {1000, 24, 24},  {1200, 86, 86},
+                                         {1400, 158, 216}, {2000, 158, 216}, {3000, 158, 216}};
   if (profile == "m2-ultra-8b-q8_0") return q8;
   if (profile == "m2-ultra-8b-q4_0") return q4;
   return f16;

@@ -442,8 +442,8 @@ TEST(SimProfiles, F16DecodeAfterAPauseMatchesLlamaIdle) {
     int pause_ms;
     double lo, hi;
   };
-  for (Point pt : {Point{0, 29, 29}, Point{1000, 29, 29}, Point{1200, 227, 227},
-                   Point{1400, 413, 472}, Point{3000, 413, 472}}) {
+  for (Point pt :
+       {Point{0, 29, 29}, Point{1000, 29, 29}, Point{1200, 227, 227}, Point{1400, 413, 472}, Point{3000, 413, 472}}) {
     clock.advance(std::chrono::milliseconds(pt.pause_ms));
     const double t = decode();
     EXPECT_GE(t, pt.lo * 0.85) << "pause " << pt.pause_ms;

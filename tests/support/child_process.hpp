@@ -183,9 +183,7 @@ class ChildProcess {
 
  private:
   using Clock = std::chrono::steady_clock;
-  static double seconds_since(Clock::time_point t0) {
-    return std::chrono::duration<double>(Clock::now() - t0).count();
-  }
+  static double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
   void close_fds() {
     close_stdin();
     if (out_fd_ >= 0) ::close(out_fd_);

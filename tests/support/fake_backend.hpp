@@ -52,7 +52,7 @@ class FakeBackend : public Backend {
   std::uint64_t reserve_limit = UINT64_MAX;       // bytes reserve_wired() grants in all
   bool fail_end_residency = false;                // end_residency refuses (nothing given back)
   std::optional<std::uint64_t> available;         // memory_available(); nullopt: unknown
-  std::function<bool()> device_full;              // allocate() and waking allocated memory fail with out_of_memory while it says so
+  std::function<bool()> device_full;  // allocate() and waking allocated memory fail with out_of_memory while it says so
   // A paced wake (Capabilities::paced_wake), as the cuda backend's: waking allocated memory asks
   // the wake gate before each piece of this many bytes, and calls on_paced(bytes mapped so far)
   // after it (without the lock). 0: no pacing.
@@ -93,8 +93,8 @@ class FakeBackend : public Backend {
   Status reserve_wired(std::uint64_t bytes) override {
     std::lock_guard<std::recursive_mutex> g(mu);
     if (bytes > reserve_limit || reserved > reserve_limit - bytes)
-      return Status(ErrorCode::limit_exceeded, "FAKE_LIMIT: " + std::to_string(reserved) + " of " +
-                                                   std::to_string(reserve_limit) + " reserved");
+      return Status(ErrorCode::limit_exceeded,
+                    "FAKE_LIMIT: " + std::to_string(reserved) + " of " + std::to_string(reserve_limit) + " reserved");
     reserved += bytes;
     max_reserved = std::max(max_reserved, reserved);
     return {};
@@ -158,8 +158,8 @@ class FakeBackend : public Backend {
     s.staged_remove.clear();
     SetOutcome out;
     for (auto& [id, r] : s.staged_add) {
-      if (s.requested && (resident_bytes() + r.size > refuse_above_bytes ||
-                          (r.backend_allocated && device_full && device_full()))) {
+      if (s.requested &&
+          (resident_bytes() + r.size > refuse_above_bytes || (r.backend_allocated && device_full && device_full()))) {
         out.failed.push_back(id);
         out.status = Status(ErrorCode::out_of_memory, "FAKE_LIMIT reached");
         continue;
@@ -181,8 +181,7 @@ class FakeBackend : public Backend {
       // Refuse members that do not fit, as mlock does past its limit.
       std::uint64_t have = resident_bytes();
       for (auto it = s.members.begin(); it != s.members.end();) {
-        if (have + it->second.size > refuse_above_bytes ||
-            (it->second.backend_allocated && device_full && device_full())) {
+        if (have + it->second.size > refuse_above_bytes || (it->second.backend_allocated && device_full && device_full())) {
           out.failed.push_back(it->first);
           out.status = Status(ErrorCode::out_of_memory, "FAKE_LIMIT reached");
           ++it;
@@ -333,8 +332,8 @@ class FakeBackend : public Backend {
   bool releasing_now = false;
   bool interrupt_pending = false;
   int interrupted_ends = 0;
-  int sets_created = 0, sets_destroyed = 0, total_commits = 0, total_requests = 0, total_ends = 0,
-      total_refreshes = 0, after_release_calls = 0;
+  int sets_created = 0, sets_destroyed = 0, total_commits = 0, total_requests = 0, total_ends = 0, total_refreshes = 0,
+      after_release_calls = 0;
   std::uint64_t rewired_bytes = 0;
   std::uint64_t reserved = 0, max_reserved = 0;
   std::uint64_t max_resident = 0;  // the most bytes ever resident at once (after each call)

@@ -37,8 +37,10 @@ inline void remove_ledgers_of_dead_runs(const std::string& prefix) {
     const std::string n = e->d_name;
     if (n.rfind(file_prefix, 0) != 0) continue;
     const std::size_t digits = n.find_first_not_of("0123456789", file_prefix.size());
-    const std::string pid = n.substr(file_prefix.size(), digits == std::string::npos ? std::string::npos : digits - file_prefix.size());
-    if (pid.empty() || pid.size() > 9 || (digits != std::string::npos && n[digits] != '-' && n[digits] != '.')) continue;
+    const std::string pid = n.substr(file_prefix.size(),
+                                     digits == std::string::npos ? std::string::npos : digits - file_prefix.size());
+    if (pid.empty() || pid.size() > 9 || (digits != std::string::npos && n[digits] != '-' && n[digits] != '.'))
+      continue;
     if (::kill(static_cast<pid_t>(std::stol(pid)), 0) != 0 && errno == ESRCH) ::unlink(("/dev/shm/" + n).c_str());
   }
   ::closedir(d);

@@ -17,8 +17,8 @@ inline bool strict_tests() {
 }
 }  // namespace residency::testing
 
-#define RESIDENCY_SKIP_OR_FAIL_IN_CI(why)                                                   \
-  do {                                                                                      \
+#define RESIDENCY_SKIP_OR_FAIL_IN_CI(why)                                                     \
+  do {                                                                                        \
     if (::residency::testing::strict_tests()) FAIL() << "(RESIDENCY_TESTS_STRICT=1) " << why; \
-    GTEST_SKIP() << why;                                                                    \
+    GTEST_SKIP() << why;                                                                      \
   } while (0)

@@ -63,7 +63,9 @@ struct HoldRun {
   std::string out, err;
 };
 
-bool one_line(const std::string& s) { return !s.empty() && s.back() == '\n' && std::count(s.begin(), s.end(), '\n') == 1; }
+bool one_line(const std::string& s) {
+  return !s.empty() && s.back() == '\n' && std::count(s.begin(), s.end(), '\n') == 1;
+}
 
 class LedgerMessages : public ::testing::Test {
  protected:
@@ -95,10 +97,12 @@ class LedgerMessages : public ::testing::Test {
       running_.push_back(pid);
       return pid;
     }
-    const int o = ::open(out.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0666), e = ::open(err.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0666);
+    const int o = ::open(out.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0666),
+              e = ::open(err.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0666);
     ::dup2(o, 1);
     ::dup2(e, 2);
-    if (as >= 0 && (::setgroups(0, nullptr) != 0 || ::setgid(static_cast<gid_t>(as)) != 0 || ::setuid(static_cast<uid_t>(as)) != 0))
+    if (as >= 0 &&
+        (::setgroups(0, nullptr) != 0 || ::setgid(static_cast<gid_t>(as)) != 0 || ::setuid(static_cast<uid_t>(as)) != 0))
       ::_exit(126);
     for (const auto& kv : env) ::putenv(const_cast<char*>(kv.c_str()));
     if (in_child) in_child();
@@ -153,7 +157,8 @@ TEST_F(LedgerMessages, SizesAndNumbersSayWhatIsWrongAndWhatIsAccepted) {
        "the size '18446744073709551615': too large: more than 2^63 bytes (8 EiB); accepted: NAME:SIZE"},
       {"RESIDENCY_SHARED_BUDGET=x:1e2%", "the size '1e2%': an exponent ('e2') is not accepted; write the number out"},
       {"RESIDENCY_SET_MAX_PCT=1e2",
-       "RESIDENCY_SET_MAX_PCT=\"1e2\": an exponent ('e2') is not accepted; write the number out (100, not 1e2); accepted: a "
+       "RESIDENCY_SET_MAX_PCT=\"1e2\": an exponent ('e2') is not accepted; write the number out (100, not 1e2); "
+       "accepted: a "
        "decimal number"},
   };
   for (const auto& c : cases) {
@@ -172,8 +177,7 @@ TEST_F(LedgerMessages, ASymlinkedLedgerIsNamedAsOne) {
   ::unlink(ledger_path(name).c_str());
   EXPECT_EQ(r.exit_code, 2) << r.err;
   EXPECT_TRUE(one_line(r.err)) << r.err;
-  EXPECT_NE(r.err.find(ledger_path(name) + " is a symbolic link; a ledger must be a regular file in /dev/shm"),
-            std::string::npos)
+  EXPECT_NE(r.err.find(ledger_path(name) + " is a symbolic link; a ledger must be a regular file in /dev/shm"), std::string::npos)
       << r.err;
   EXPECT_EQ(r.err.find("Too many levels"), std::string::npos) << r.err;
 }
@@ -211,9 +215,7 @@ TEST_F(LedgerMessages, AFullSharedBudgetIsNotCalledTheWiredLimit) {
 // More than the memory limit: hold's advice is hold's (before: "set Config::memory_limit").
 TEST_F(LedgerMessages, OverTheMemoryLimitHoldSaysWhatAHoldUserCanDo) {
   const std::string big = root_ + "/big";
-  {
-    std::ofstream f(big);
-  }
+  { std::ofstream f(big); }
   // Twice the physical memory: above the memory limit (at most 0.95 x physical memory) on every
   // machine, and a mapping a sanitizer build can make (a 1 TiB file could not be mapped in one
   // of CI's sanitizer builds: "Cannot allocate memory").
@@ -240,7 +242,8 @@ TEST_F(LedgerMessages, GroupLedgerMessagesNameTheGroupAndTheMembership) {
   if (group == "root") GTEST_SKIP() << "group 65534 is root";
   {
     const HoldRun probe = hold({"--help"}, {}, 65534);
-    if (probe.exit_code != 0) GTEST_SKIP() << "uid 65534 cannot execute the tool (a directory above it is not searchable)";
+    if (probe.exit_code != 0)
+      GTEST_SKIP() << "uid 65534 cannot execute the tool (a directory above it is not searchable)";
   }
   // nobody creates a ledger for its group; root, not a member, names the same group.
   const std::string name = unique_name("group");
@@ -250,7 +253,8 @@ TEST_F(LedgerMessages, GroupLedgerMessagesNameTheGroupAndTheMembership) {
   const HoldRun r = hold({file_}, {env});
   EXPECT_EQ(r.exit_code, 2) << r.err;
   EXPECT_TRUE(one_line(r.err)) << r.err;
-  EXPECT_NE(r.err.find(ledger_path(name) + " is the ledger of group '" + group + "' (mode 0660, owner uid 65534), and this "
+  EXPECT_NE(r.err.find(ledger_path(name) + " is the ledger of group '" + group +
+                       "' (mode 0660, owner uid 65534), and this "
                        "process (uid 0) is not a member of that group"),
             std::string::npos)
       << r.err;
@@ -260,8 +264,10 @@ TEST_F(LedgerMessages, GroupLedgerMessagesNameTheGroupAndTheMembership) {
   const HoldRun u = hold({file_}, {"RESIDENCY_SHARED_BUDGET=" + name + ":8MiB"});
   EXPECT_EQ(u.exit_code, 2) << u.err;
   EXPECT_TRUE(one_line(u.err)) << u.err;
-  EXPECT_NE(u.err.find(ledger_path(name) + " is the ledger of group '" + group + "' (mode 0660, owner uid 65534), and "
-                       "this budget names no group; to share it, name the group: NAME:SIZE:" + group),
+  EXPECT_NE(u.err.find(ledger_path(name) + " is the ledger of group '" + group +
+                       "' (mode 0660, owner uid 65534), and "
+                       "this budget names no group; to share it, name the group: NAME:SIZE:" +
+                       group),
             std::string::npos)
       << u.err;
   EXPECT_EQ(u.err.find("private to the user"), std::string::npos) << u.err;

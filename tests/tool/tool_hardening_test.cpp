@@ -171,7 +171,8 @@ class ToolHardening : public ::testing::Test {
 
 // Item 1: a path never reaches gnuplot's script; a newline in --out does not run a command.
 TEST_F(ToolHardening, AnOutDirectoryWithANewlineRunsNoGnuplotCommand) {
-  if (system("command -v gnuplot >/dev/null 2>&1") != 0) GTEST_SKIP() << "gnuplot is not installed: nothing could inject";
+  if (system("command -v gnuplot >/dev/null 2>&1") != 0)
+    GTEST_SKIP() << "gnuplot is not installed: nothing could inject";
   const std::string pwned = root_ + "/PWNED";
   const std::string parent = root_ + "/o\nsystem(\"touch " + root_;
   fs::create_directories(parent);
@@ -219,7 +220,8 @@ TEST_F(ToolHardening, EveryEchoedValueIsOnePrintableLine) {
     EXPECT_TRUE(printable_line(r.err)) << "not one printable line: " << r.err.substr(0, 300);
     EXPECT_LT(r.err.size(), 1000u) << "a long value is shortened";
   }
-  for (const char* var : {"RESIDENCY_KEEP_ALIVE", "RESIDENCY_WIRED_LIMIT", "RESIDENCY_LOG", "GGML_METAL_RESIDENCY_KEEP_ALIVE_S"}) {
+  for (const char* var :
+       {"RESIDENCY_KEEP_ALIVE", "RESIDENCY_WIRED_LIMIT", "RESIDENCY_LOG", "GGML_METAL_RESIDENCY_KEEP_ALIVE_S"}) {
     const ToolRun r = run({"idle", "--backend", "sim", "--pauses", "0", "--iters", "1"}, {std::string(var) + "=" + esc});
     EXPECT_EQ(r.exit_code, 2) << var << ": " << r.err;
     EXPECT_TRUE(printable_line(r.err)) << var << ": " << r.err.substr(0, 300);
@@ -265,7 +267,9 @@ TEST_F(ToolHardening, NoSilentReinterpretation) {
       {{"idle", "--keep-alive", ""}, {}, "--keep-alive: \"\": empty"},
       {{"idle", model, "--type", "f32"}, {}, "--type describes the synthetic model, but MODEL was given"},
       {{"idle", model, "--model-size", "8MiB"}, {}, "--model-size describes the synthetic model, but MODEL was given"},
-      {{"idle", "--backend", "sim"}, {"RESIDENCY_WIRED_LIMIT=0.5"}, "RESIDENCY_WIRED_LIMIT=\"0.5\": not a whole number of bytes"},
+      {{"idle", "--backend", "sim"},
+       {"RESIDENCY_WIRED_LIMIT=0.5"},
+       "RESIDENCY_WIRED_LIMIT=\"0.5\": not a whole number of bytes"},
       {{"idle", "--keep-alive", "0." + std::string(300, '0') + "1"}, {}, "shorter than 1 ns, but not 0"},
       {{"hold", "--keep-alive", "", model}, {}, "--keep-alive: \"\": empty"},
       {{"hold", "--wired-limit", "0.5", model}, {}, "not a whole number of bytes"},
@@ -284,8 +288,8 @@ TEST_F(ToolHardening, NoSilentReinterpretation) {
   }
   // What is not used is said in one line, and the run goes on.
   const ToolRun r = run({"idle", "--backend", "sim", "--pauses", "0", "--iters", "1", "--no-plot", "--policies", "off",
-                     "--keep-alive", "5s", "--out", root_ + "/out"},
-                    {"RESIDENCY_RELEASE_ON_PRESSURE=1"});
+                         "--keep-alive", "5s", "--out", root_ + "/out"},
+                        {"RESIDENCY_RELEASE_ON_PRESSURE=1"});
   EXPECT_EQ(r.exit_code, 0) << r.err;
   EXPECT_NE(r.err.find("note: --keep-alive is not used"), std::string::npos) << r.err;
   EXPECT_NE(r.err.find("note: RESIDENCY_RELEASE_ON_PRESSURE is not used"), std::string::npos) << r.err;
@@ -296,8 +300,8 @@ TEST_F(ToolHardening, NoSilentReinterpretation) {
 TEST_F(ToolHardening, TheEnvironmentMeansWhatTheReadmeSays) {
   const std::string model = root_ + "/m.gguf";
   ASSERT_EQ(run({"make-model", "--size", "3MiB", model}).exit_code, 0);
-  const std::vector<std::string> quick = {"idle", model, "--pauses", "0", "--iters", "1", "--pressure", "none",
-                                          "--no-plot", "--out", root_ + "/out"};
+  const std::vector<std::string> quick = {"idle",       model,  "--pauses",  "0",     "--iters",     "1",
+                                          "--pressure", "none", "--no-plot", "--out", root_ + "/out"};
   // A wired limit of 1 byte: the forever column cannot wire the model, and says why.
   auto args = quick;
   args.insert(args.end(), {"--policies", "forever"});
@@ -330,7 +334,7 @@ TEST_F(ToolHardening, TheEnvironmentMeansWhatTheReadmeSays) {
 TEST_F(ToolHardening, AnySizeIsAnsweredAtOnce) {
   for (const std::string size : {"2000TiB", "10000TiB", "9223372036854775807", "8388607TiB"}) {
     for (const auto& args : std::vector<std::vector<std::string>>{{"make-model", "--size", size, root_ + "/big.gguf"},
-                                                                   {"idle", "--model-size", size}}) {
+                                                                  {"idle", "--model-size", size}}) {
       const ToolRun r = run(args, {}, 30);
       EXPECT_EQ(r.exit_code, 2) << args[0] << " " << size << ": " << r.err;
       EXPECT_TRUE(printable_line(r.err)) << r.err;
@@ -381,7 +385,10 @@ TEST_F(ToolHardening, IdleRemovesItsModelOnEveryTerminatingSignal) {
   for (int sig : {SIGQUIT, SIGUSR1, SIGPIPE, SIGALRM}) {
     SCOPED_TRACE(strsignal(sig));
     Spawn s{{"idle", "--model-size", "4MiB", "--pauses", "5000", "--iters", "3", "--policies", "off", "--no-plot"},
-            {}, tmp_, logs_, nullptr};
+            {},
+            tmp_,
+            logs_,
+            nullptr};
     const pid_t pid = start_until(s, "warm-up decode");
     EXPECT_FALSE(tmp_entries().empty());
     kill(pid, sig);
@@ -392,8 +399,12 @@ TEST_F(ToolHardening, IdleRemovesItsModelOnEveryTerminatingSignal) {
   }
   // `| head` that has exited is not a signal death (issue 18, item 9): the write fails, the run
   // ends with exit 1 and one message, and its files are removed all the same.
-  Spawn s{{"idle", "--model-size", "4MiB", "--pauses", "0", "--iters", "1", "--policies", "off", "--no-plot"}, {}, tmp_, logs_,
-          nullptr, true};
+  Spawn s{{"idle", "--model-size", "4MiB", "--pauses", "0", "--iters", "1", "--policies", "off", "--no-plot"},
+          {},
+          tmp_,
+          logs_,
+          nullptr,
+          true};
   const pid_t pid = start(s);
   const ToolRun r = finish(pid, logs_, Clock::now());
   residency::testing::remove_state_files_of(pid);
@@ -507,7 +518,8 @@ TEST_F(ToolHardening, AnUnwritableOutIsFoundBeforeTheRun) {
     EXPECT_EQ(r.out, "") << "nothing ran";
     EXPECT_LT(r.seconds, 20.0);
   }
-  if (!not_set_up.empty()) GTEST_SKIP() << "could not set up the " << not_set_up << " case(s) here (126: no private mount namespace)";
+  if (!not_set_up.empty())
+    GTEST_SKIP() << "could not set up the " << not_set_up << " case(s) here (126: no private mount namespace)";
 }
 
 // Issue 18, item 10: --out is checked for what the results need (kilobytes), not a large fixed
@@ -567,8 +579,9 @@ TEST_F(ToolHardening, OutputThatCannotBeWrittenIsAFailureWithAMessage) {
   ASSERT_TRUE(WIFEXITED(st)) << cmd;
   EXPECT_EQ(WEXITSTATUS(st), 1) << cmd << ": " << err;
   EXPECT_EQ(lines_containing(err, "cannot write").size(), 1u) << err;
-  EXPECT_NE(err.find("residency hold: error: cannot write the output to stdout: the reason is unknown (the C library gave "
-                     "no error number)\n"),
+  EXPECT_NE(err.find(
+                "residency hold: error: cannot write the output to stdout: the reason is unknown (the C library gave "
+                "no error number)\n"),
             std::string::npos)
       << err;
   EXPECT_EQ(err.find("write error"), std::string::npos) << err;
@@ -607,9 +620,14 @@ TEST_F(ToolHardening, AClosedPipeEndsIdleAndHoldCleanlyWithoutLeavingTheLedger) 
   {
     SCOPED_TRACE("idle");
     int reader = -1;
-    Spawn s{{"idle", "--model-size", "4MiB", "--pauses", "300", "--iters", "5", "--policies", "keep-alive", "--pressure",
-             "none", "--no-plot"},
-            {budget}, tmp_, logs_, nullptr, false, &reader};
+    Spawn s{{"idle", "--model-size", "4MiB", "--pauses", "300", "--iters", "5", "--policies", "keep-alive",
+             "--pressure", "none", "--no-plot"},
+            {budget},
+            tmp_,
+            logs_,
+            nullptr,
+            false,
+            &reader};
     const pid_t pid = start(s);
     ASSERT_GE(reader, 0);
     const std::string got = read_until(reader, "warm-up decode");
@@ -645,9 +663,10 @@ TEST_F(ToolHardening, AClosedPipeEndsIdleAndHoldCleanlyWithoutLeavingTheLedger) 
     EXPECT_EQ(lines_containing(r.err, "cannot write the output").size(), 1u) << r.err;
     EXPECT_FALSE(fs::exists(ledger)) << "the ledger outlived its last holder";
   }
-  for (const std::vector<std::string>& args :
-       {std::vector<std::string>{"stat"}, {"stat", "--json"}, {"make-model", "--size", "3MiB", root_ + "/n.gguf"},
-        {"hold", root_ + "/held"}}) {
+  for (const std::vector<std::string>& args : {std::vector<std::string>{"stat"},
+                                               {"stat", "--json"},
+                                               {"make-model", "--size", "3MiB", root_ + "/n.gguf"},
+                                               {"hold", root_ + "/held"}}) {
     SCOPED_TRACE(args[0] + " to a pipe closed before it starts");
     Spawn s{args, {budget}, tmp_, logs_, nullptr, true};
     const ToolRun r = finish(start(s), logs_, Clock::now(), 30);
@@ -682,11 +701,8 @@ TEST_F(ToolHardening, AFifoOrASocketInDevShmHangsNothingAndIsListedAsWhatItIs) {
   ASSERT_EQ(::bind(sfd, reinterpret_cast<const sockaddr*>(&addr), sizeof addr), 0) << std::strerror(errno);
   ::close(sfd);
 
-  for (const std::vector<std::string>& args : {std::vector<std::string>{"stat"},
-                                               {"stat", "--json"},
-                                               {"ps"},
-                                               {"ps", "--json"},
-                                               {"ps", "--prometheus"}}) {
+  for (const std::vector<std::string>& args :
+       {std::vector<std::string>{"stat"}, {"stat", "--json"}, {"ps"}, {"ps", "--json"}, {"ps", "--prometheus"}}) {
     SCOPED_TRACE(args.size() == 1 ? args[0] : args[0] + " " + args[1]);
     const ToolRun r = run(args, {}, 10);
     EXPECT_LT(r.seconds, 10) << "a hang";
@@ -701,7 +717,8 @@ TEST_F(ToolHardening, AFifoOrASocketInDevShmHangsNothingAndIsListedAsWhatItIs) {
     std::ofstream f(file, std::ios::binary);
     f << std::string(1 << 20, 'x');
   }
-  for (const auto& [name, path, kind] : {std::tuple{fifo_name, fifo, "a FIFO"}, std::tuple{sock_name, sock, "a socket"}}) {
+  for (const auto& [name, path, kind] :
+       {std::tuple{fifo_name, fifo, "a FIFO"}, std::tuple{sock_name, sock, "a socket"}}) {
     SCOPED_TRACE(std::string("hold under ") + kind);
     const ToolRun r = run({"hold", file}, {"RESIDENCY_SHARED_BUDGET=" + name + ":8MiB"}, 20);
     EXPECT_EQ(r.exit_code, 2) << "signal " << r.signal << ": " << r.out << r.err;
@@ -925,7 +942,9 @@ TEST_F(ToolHardening, TheClampWarningIsPrintedOncePerRun) {
   const ToolRun r = finish(start(s), logs_, Clock::now());
   ASSERT_EQ(r.exit_code, 0) << r.err;
   std::size_t clamps = 0;
-  for (std::size_t at = r.err.find("wired limit clamped"); at != std::string::npos; at = r.err.find("wired limit clamped", at + 1)) ++clamps;
+  for (std::size_t at = r.err.find("wired limit clamped"); at != std::string::npos;
+       at = r.err.find("wired limit clamped", at + 1))
+    ++clamps;
   EXPECT_EQ(clamps, 1u) << "eight managers, one warning: " << r.err;
   EXPECT_NE(r.err.find("ulimit -l"), std::string::npos) << "the warning names the fix: " << r.err;
 }
@@ -934,24 +953,66 @@ TEST_F(ToolHardening, TheClampWarningIsPrintedOncePerRun) {
 // 2, one printable line when 2, never a crash or a hang.
 TEST_F(ToolHardening, HostileStringsInEveryOptionAreRefusedOrAccepted) {
   std::mt19937 rng(1234);
-  const std::vector<std::string> atoms = {"0", "1", "9", ".", "-", "+", "e", "x", "%", ":", ",", "s", "ms", "GiB", "KB", "T",
-                                          "hog:", "\n", "\r", "\t", "\x1b[31m", "\x7f", "\xc2\x9b", "\xff", "\xef\xbc\x91",
-                                          "\xd9\xa3", "\xe0\xa5\xa7", " ", "'", "\"", "\\", "$(id)", "`id`", "%s%n",
-                                          std::string(400, '9'), std::string(40, '0'), "off", "forever", "pageout"};
+  const std::vector<std::string> atoms = {"0",
+                                          "1",
+                                          "9",
+                                          ".",
+                                          "-",
+                                          "+",
+                                          "e",
+                                          "x",
+                                          "%",
+                                          ":",
+                                          ",",
+                                          "s",
+                                          "ms",
+                                          "GiB",
+                                          "KB",
+                                          "T",
+                                          "hog:",
+                                          "\n",
+                                          "\r",
+                                          "\t",
+                                          "\x1b[31m",
+                                          "\x7f",
+                                          "\xc2\x9b",
+                                          "\xff",
+                                          "\xef\xbc\x91",
+                                          "\xd9\xa3",
+                                          "\xe0\xa5\xa7",
+                                          " ",
+                                          "'",
+                                          "\"",
+                                          "\\",
+                                          "$(id)",
+                                          "`id`",
+                                          "%s%n",
+                                          std::string(400, '9'),
+                                          std::string(40, '0'),
+                                          "off",
+                                          "forever",
+                                          "pageout"};
   auto hostile = [&] {
     std::string s;
     const int n = static_cast<int>(rng() % 6);
     for (int i = 0; i < n; ++i) s += atoms[rng() % atoms.size()];
     return s;
   };
-  const std::vector<std::string> base = {"idle", "--backend", "sim", "--pauses", "0", "--iters", "1", "--no-plot", "--out",
-                                         root_ + "/out"};
-  const std::vector<std::string> idle_options = {"--keep-alive", "--pauses", "--iters", "--threads", "--pressure",
-                                                 "--policies", "--type", "--profile", "--backend"};
-  const std::vector<std::string> vars = {"RESIDENCY_KEEP_ALIVE", "RESIDENCY_WIRED_LIMIT", "RESIDENCY_SET_MAX_PCT",
-                                         "RESIDENCY_LAYOUT", "RESIDENCY_PRESSURE_FLOOR", "RESIDENCY_PRESSURE_QUIET",
-                                         "RESIDENCY_LOG", "GGML_METAL_RESIDENCY_KEEP_ALIVE_S", "GGML_METAL_NO_RESIDENCY",
-                                         "MLX_RESIDENCY_SET_MAX_PCT", "MLX_RESIDENCY_DEBUG"};
+  const std::vector<std::string> base = {"idle",    "--backend", "sim",       "--pauses", "0",
+                                         "--iters", "1",         "--no-plot", "--out",    root_ + "/out"};
+  const std::vector<std::string> idle_options = {"--keep-alive", "--pauses", "--iters",   "--threads", "--pressure",
+                                                 "--policies",   "--type",   "--profile", "--backend"};
+  const std::vector<std::string> vars = {"RESIDENCY_KEEP_ALIVE",
+                                         "RESIDENCY_WIRED_LIMIT",
+                                         "RESIDENCY_SET_MAX_PCT",
+                                         "RESIDENCY_LAYOUT",
+                                         "RESIDENCY_PRESSURE_FLOOR",
+                                         "RESIDENCY_PRESSURE_QUIET",
+                                         "RESIDENCY_LOG",
+                                         "GGML_METAL_RESIDENCY_KEEP_ALIVE_S",
+                                         "GGML_METAL_NO_RESIDENCY",
+                                         "MLX_RESIDENCY_SET_MAX_PCT",
+                                         "MLX_RESIDENCY_DEBUG"};
   const auto deadline = Clock::now() + std::chrono::seconds(20);
   int runs = 0;
   while (Clock::now() < deadline && runs < 300) {
@@ -968,7 +1029,8 @@ TEST_F(ToolHardening, HostileStringsInEveryOptionAreRefusedOrAccepted) {
     std::string shown;
     for (const auto& a : args) shown += "[" + a + "] ";
     for (const auto& e : env) shown += "env[" + e + "]";
-    ASSERT_TRUE(r.exit_code == 0 || r.exit_code == 2) << shown << " -> exit " << r.exit_code << " signal " << r.signal << ": " << r.err;
+    ASSERT_TRUE(r.exit_code == 0 || r.exit_code == 2)
+        << shown << " -> exit " << r.exit_code << " signal " << r.signal << ": " << r.err;
     if (r.exit_code == 2) {
       ASSERT_TRUE(printable_line(r.err)) << shown << ": " << r.err;
     }

@@ -29,13 +29,16 @@ ToolRun run_tool(const std::string& args) {
 TEST(ToolMain, WithoutASubcommandItShowsTheSubcommandsAndExits2) {
   const ToolRun r = run_tool("");
   EXPECT_EQ(r.status, 2);
-  for (const char* name : {"hold", "idle", "make-model", "stat"}) EXPECT_NE(r.output.find(name), std::string::npos) << r.output;
+  for (const char* name : {"hold", "idle", "make-model", "stat"})
+    EXPECT_NE(r.output.find(name), std::string::npos) << r.output;
 }
 
 TEST(ToolMain, AnUnknownSubcommandIsNamedWithTheAcceptedOnes) {
   const ToolRun r = run_tool("idel");
   EXPECT_EQ(r.status, 2);
-  EXPECT_NE(r.output.find("unknown command 'idel'; accepted: hold, idle, llama-idle, make-model, ps, stat, help"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("unknown command 'idel'; accepted: hold, idle, llama-idle, make-model, ps, stat, help"),
+            std::string::npos)
+      << r.output;
   EXPECT_EQ(std::count(r.output.begin(), r.output.end(), '\n'), 1) << "one line: " << r.output;
 }
 
@@ -80,7 +83,8 @@ TEST(ToolMain, VersionAndHelpCommandFollowTheConventions) {
   EXPECT_EQ(hs.output, run_tool("stat --help").output) << "help stat is stat --help";
   const ToolRun bad = run_tool("help nope");
   EXPECT_EQ(bad.status, 2);
-  EXPECT_NE(bad.output.find("residency help: unknown command 'nope'; accepted: one of hold, idle"), std::string::npos) << bad.output;
+  EXPECT_NE(bad.output.find("residency help: unknown command 'nope'; accepted: one of hold, idle"), std::string::npos)
+      << bad.output;
   const ToolRun opt = run_tool("stat --bogus");
   EXPECT_EQ(opt.status, 2);
   EXPECT_NE(opt.output.find("--bogus"), std::string::npos) << opt.output;

@@ -30,7 +30,7 @@ BufferFacts mapped_with_repacked_matrices() {
   f.device = DeviceKind::none;  // ggml's CPU_Mapped buffer type has no device
   f.from_ptr = true;
   f.usage = BufferUsage::weights;
-  f.tensors = {{0x100000 + 100, 0x100000 + 8 * kPage},             // token_embd
+  f.tensors = {{0x100000 + 100, 0x100000 + 8 * kPage},                      // token_embd
                {0x100000 + 20 * kPage + 16, 0x100000 + 20 * kPage + 2064},  // a norm, inside one page
                {0x100000 + 40 * kPage - 8, 0x100000 + 40 * kPage + 100},    // a norm across a page boundary
                {0x100000 + 64 * kPage - 1000, 0x100000 + 64 * kPage - 100}};
@@ -56,7 +56,9 @@ TEST(BufferPlan, AFileMappedBufferIsThePagesOfItsTensorsNotItsWholeRange) {
 
 TEST(BufferPlan, TensorsThatShareOrTouchAPageMergeIntoOneRange) {
   BufferFacts f = mapped_with_repacked_matrices();
-  f.tensors = {{0x200000 + 10, 0x200000 + 100}, {0x200000 + 200, 0x200000 + kPage + 1}, {0x200000 + 2 * kPage, 0x200000 + 3 * kPage}};
+  f.tensors = {{0x200000 + 10, 0x200000 + 100},
+               {0x200000 + 200, 0x200000 + kPage + 1},
+               {0x200000 + 2 * kPage, 0x200000 + 3 * kPage}};
   f.base = 0x200000;
   f.size = 3 * kPage;
   const BufferPlan p = plan_buffer(f, kPage);

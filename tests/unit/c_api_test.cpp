@@ -203,7 +203,8 @@ TEST(CApi, BackendsOfOneKindAreSharedAndKeptAliveByTheirManagers) {
   ASSERT_EQ(residency_backend_create(&o, &b), RESIDENCY_OK);
   EXPECT_STREQ(residency_backend_name(a), "posix");
   residency_manager* m = nullptr;
-  ASSERT_EQ(residency_manager_create_with_backend(nullptr, a, nullptr, nullptr, &m), RESIDENCY_OK) << residency_last_error();
+  ASSERT_EQ(residency_manager_create_with_backend(nullptr, a, nullptr, nullptr, &m), RESIDENCY_OK)
+      << residency_last_error();
   residency_backend_release(a);
   residency_backend_release(b);
   EXPECT_EQ(residency_backend_add_command_queue(nullptr, nullptr), RESIDENCY_INVALID_ARGUMENT);
@@ -237,7 +238,8 @@ TEST(CApi, RegisterUseAndTeardownHoldWhatTheKernelSays) {
 
   int synced = 0;
   residency_status s = RESIDENCY_BACKEND_ERROR;
-  residency_scope* scope = residency_use_begin(m, [](void* u) { ++*static_cast<int*>(u); }, &synced, &s);
+  residency_scope* scope = residency_use_begin(
+      m, [](void* u) { ++*static_cast<int*>(u); }, &synced, &s);
   ASSERT_NE(scope, nullptr) << residency_last_error();
   EXPECT_EQ(s, RESIDENCY_OK);
   EXPECT_EQ(vm_lck() - base, map.size) << "inside the scope the kernel holds the pages locked";
@@ -292,7 +294,8 @@ TEST(CApi, DestroyingAManagerWithAnOpenScopeDetachesTheScope) {
   Mapping map(256 << 10);
   ASSERT_EQ(residency_register(m, map.p, map.size, RESIDENCY_WEIGHTS, 0, nullptr), RESIDENCY_OK);
   int synced = 0;
-  residency_scope* scope = residency_use_begin(m, [](void* u) { ++*static_cast<int*>(u); }, &synced, nullptr);
+  residency_scope* scope = residency_use_begin(
+      m, [](void* u) { ++*static_cast<int*>(u); }, &synced, nullptr);
   ASSERT_NE(scope, nullptr);
   testing::internal::CaptureStderr();
   residency_manager_destroy(m);  // the scope is ended (synchronize runs) and detached
@@ -347,7 +350,8 @@ TEST(CApi, OutOfRangeClassesAreRefusedAsIntegers) {
   Mapping map(64 << 10);
   for (int cls : {-1, 3, 255, INT_MAX, INT_MIN}) {
     EXPECT_EQ(residency_register(m, map.p, map.size, cls, 0, nullptr), RESIDENCY_INVALID_ARGUMENT) << cls;
-    EXPECT_NE(std::string(residency_last_error()).find("RESIDENCY_SCRATCH (2)"), std::string::npos) << residency_last_error();
+    EXPECT_NE(std::string(residency_last_error()).find("RESIDENCY_SCRATCH (2)"), std::string::npos)
+        << residency_last_error();
     void* p = nullptr;
     EXPECT_EQ(residency_allocate(m, 4096, cls, 0, &p, nullptr), RESIDENCY_INVALID_ARGUMENT) << cls;
     EXPECT_EQ(p, nullptr);
@@ -390,10 +394,8 @@ TEST(CApi, UseEndRacingDestroyEndsTheScopeOnceAndFreesNothingInUse) {
   auto worker = [&](bool ends_scope) {
     for (int r = 1; r <= kRounds; ++r) {
       while (go.load(std::memory_order_acquire) != r) std::this_thread::yield();
-      if (ends_scope)
-        residency_use_end(round.scope);
-      else
-        residency_manager_destroy(round.m);
+      if (ends_scope) residency_use_end(round.scope);
+      else residency_manager_destroy(round.m);
       done.fetch_add(1, std::memory_order_acq_rel);
     }
   };
@@ -481,7 +483,8 @@ TEST(CApi, DestroyInsideASynchronizeCallbackIsDeferredToTheEndOfTheScope) {
     ASSERT_NE(c.m, nullptr) << residency_last_error();
     ASSERT_EQ(residency_register(c.m, map.p, map.size, RESIDENCY_WEIGHTS, 0, nullptr), RESIDENCY_OK);
     int other_synced = 0;  // a second scope, still open: the deferred destroy ends it
-    residency_scope* other = residency_use_begin(c.m, [](void* u) { ++*static_cast<int*>(u); }, &other_synced, nullptr);
+    residency_scope* other = residency_use_begin(
+        c.m, [](void* u) { ++*static_cast<int*>(u); }, &other_synced, nullptr);
     ASSERT_NE(other, nullptr) << residency_last_error();
     residency_scope* scope = residency_use_begin(c.m, destroying_sync, &c, nullptr);
     ASSERT_NE(scope, nullptr) << residency_last_error();

@@ -27,24 +27,15 @@ TEST(KeepAliveParse, GoodValues) {
     const char* text;
     KeepAlive expect;
   } cases[] = {
-      {"180s", KeepAlive::after(180s)},
-      {"180", KeepAlive::after(180s)},
-      {"500ms", KeepAlive::after(500ms)},
-      {"3m", KeepAlive::after(3min)},
-      {"1h", KeepAlive::after(1h)},
-      {"1h30m", KeepAlive::after(90min)},
-      {"1.5s", KeepAlive::after(1500ms)},
-      {" 2s ", KeepAlive::after(2s)},
-      {"250us", KeepAlive::after(250us)},
-      {"0", KeepAlive::zero()},
-      {"0s", KeepAlive::zero()},
-      {"0ms", KeepAlive::zero()},
-      {"forever", KeepAlive::forever()},
-      {"FOREVER", KeepAlive::forever()},
-      {"-1", KeepAlive::forever()},
-      {"-5m", KeepAlive::forever()},
-      {"off", KeepAlive::off()},
-      {"8760h", KeepAlive::after(std::chrono::hours(8760))},  // a year: no overflow
+      {"180s", KeepAlive::after(180s)},   {"180", KeepAlive::after(180s)},
+      {"500ms", KeepAlive::after(500ms)}, {"3m", KeepAlive::after(3min)},
+      {"1h", KeepAlive::after(1h)},       {"1h30m", KeepAlive::after(90min)},
+      {"1.5s", KeepAlive::after(1500ms)}, {" 2s ", KeepAlive::after(2s)},
+      {"250us", KeepAlive::after(250us)}, {"0", KeepAlive::zero()},
+      {"0s", KeepAlive::zero()},          {"0ms", KeepAlive::zero()},
+      {"forever", KeepAlive::forever()},  {"FOREVER", KeepAlive::forever()},
+      {"-1", KeepAlive::forever()},       {"-5m", KeepAlive::forever()},
+      {"off", KeepAlive::off()},          {"8760h", KeepAlive::after(std::chrono::hours(8760))},  // a year: no overflow
   };
   for (const auto& c : cases) {
     auto r = parse_keep_alive(c.text);
@@ -54,8 +45,8 @@ TEST(KeepAliveParse, GoodValues) {
 }
 
 TEST(KeepAliveParse, BadValuesNameTheValueAndTheAcceptedForms) {
-  for (const char* text : {"", "abc", "10x", "s", "1h-5m", "5 minutes", "1e3", "0x10", "nan", "inf s",
-                           "200y", "999999999h", "1.", "--1"}) {
+  for (const char* text :
+       {"", "abc", "10x", "s", "1h-5m", "5 minutes", "1e3", "0x10", "nan", "inf s", "200y", "999999999h", "1.", "--1"}) {
     auto r = parse_keep_alive(text);
     if (std::string(text) == "1.") {
       EXPECT_TRUE(r.is_ok());  // "1." is one second, as strtod reads it
@@ -144,10 +135,10 @@ TEST(KeepAliveParse, OneGrammarOneMessage) {
   struct Good {
     const char* text;
     KeepAlive expect;
-  } good[] = {{"5 s", KeepAlive::after(5s)},         {"5s", KeepAlive::after(5s)},
-              {"1h 30m", KeepAlive::after(90min)},   {"1m30s", KeepAlive::after(90s)},
-              {"2 min", KeepAlive::after(2min)},     {"1h30m15s500ms", KeepAlive::after(5415500ms)},
-              {"-1 s", KeepAlive::forever()},        {"Forever", KeepAlive::forever()}};
+  } good[] = {{"5 s", KeepAlive::after(5s)},       {"5s", KeepAlive::after(5s)},
+              {"1h 30m", KeepAlive::after(90min)}, {"1m30s", KeepAlive::after(90s)},
+              {"2 min", KeepAlive::after(2min)},   {"1h30m15s500ms", KeepAlive::after(5415500ms)},
+              {"-1 s", KeepAlive::forever()},      {"Forever", KeepAlive::forever()}};
   for (const auto& c : good) {
     auto r = parse_keep_alive(c.text);
     ASSERT_TRUE(r.is_ok()) << c.text << ": " << r.message();
@@ -189,8 +180,7 @@ TEST(ConfigFromEnv, GpuBudgetRefusalsQuoteItsOwnNameLimit) {
     EXPECT_EQ(c.message().find("up to " + std::to_string(kSharedBudgetNameMax)), std::string::npos) << c.message();
   }
   auto long_name = Config::from_env(env({{"RESIDENCY_GPU_BUDGET", std::string(kGpuBudgetNameMax + 1, 'n') + ":1GiB"}}));
-  EXPECT_NE(long_name.message().find("is longer than " + std::to_string(kGpuBudgetNameMax) + " characters"),
-            std::string::npos)
+  EXPECT_NE(long_name.message().find("is longer than " + std::to_string(kGpuBudgetNameMax) + " characters"), std::string::npos)
       << long_name.message();
   EXPECT_TRUE(Config::from_env(env({{"RESIDENCY_GPU_BUDGET", std::string(kGpuBudgetNameMax, 'n') + ":1GiB"}})));
   auto shared = Config::from_env(env({{"RESIDENCY_SHARED_BUDGET", "a/b:1GiB"}}));
@@ -236,9 +226,9 @@ TEST(ConfigFromEnv, EachBadValueIsOneLineNamingTheVariable) {
                                  {"RESIDENCY_SET_MAX_PCT", "five"}}));
   ASSERT_FALSE(c.is_ok());
   const std::string& msg = c.message();
-  for (const char* var : {"RESIDENCY_KEEP_ALIVE=\"soon\"", "RESIDENCY_WIRED_LIMIT=\"lots\"",
-                          "RESIDENCY_LAYOUT=\"striped\"", "RESIDENCY_RELEASE_ON_PRESSURE=\"maybe\"",
-                          "RESIDENCY_LOG=\"loud\"", "RESIDENCY_SET_MAX_PCT=\"five\""}) {
+  for (const char* var :
+       {"RESIDENCY_KEEP_ALIVE=\"soon\"", "RESIDENCY_WIRED_LIMIT=\"lots\"", "RESIDENCY_LAYOUT=\"striped\"",
+        "RESIDENCY_RELEASE_ON_PRESSURE=\"maybe\"", "RESIDENCY_LOG=\"loud\"", "RESIDENCY_SET_MAX_PCT=\"five\""}) {
     EXPECT_NE(msg.find(var), std::string::npos) << var << " missing in:\n" << msg;
   }
   EXPECT_EQ(std::count(msg.begin(), msg.end(), '\n'), 5);  // six lines
@@ -325,15 +315,15 @@ TEST(SharedBudgetParse, NameSizeAndGroup) {
     const char* why;
   };
   const std::string long_name = std::string(65, 'n') + ":1G";
-  for (const Bad& c : {Bad{"llm", "no ':'"}, Bad{":1G", "the name '' is not accepted"},
-                       Bad{"a/b:1G", "the name 'a/b' is not accepted"}, Bad{"-x:1G", "the name '-x'"},
-                       Bad{".x:1G", "the name '.x'"}, Bad{"x:", "the size '': empty"}, Bad{"x:lots", "the size 'lots'"},
-                       Bad{"x:0", "the size is 0"},
-                       Bad{"x:150%", "the size '150%': a percent must be from 0 to 100"}, Bad{"x:0%", "the size is 0"},
-                       Bad{"x:18446744073709551615", "the size '18446744073709551615': too large"},
-                       Bad{"x:1e2%", "the size '1e2%': an exponent ('e2') is not accepted"},
-                       Bad{"x:1G:a b", "the group 'a b' is not accepted"}, Bad{"x:1G:g:h", "more than three"},
-                       Bad{long_name.c_str(), "is longer than 64 characters"}}) {
+  for (const Bad& c :
+       {Bad{"llm", "no ':'"}, Bad{":1G", "the name '' is not accepted"},
+        Bad{"a/b:1G", "the name 'a/b' is not accepted"}, Bad{"-x:1G", "the name '-x'"}, Bad{".x:1G", "the name '.x'"},
+        Bad{"x:", "the size '': empty"}, Bad{"x:lots", "the size 'lots'"}, Bad{"x:0", "the size is 0"},
+        Bad{"x:150%", "the size '150%': a percent must be from 0 to 100"}, Bad{"x:0%", "the size is 0"},
+        Bad{"x:18446744073709551615", "the size '18446744073709551615': too large"},
+        Bad{"x:1e2%", "the size '1e2%': an exponent ('e2') is not accepted"},
+        Bad{"x:1G:a b", "the group 'a b' is not accepted"}, Bad{"x:1G:g:h", "more than three"},
+        Bad{long_name.c_str(), "is longer than 64 characters"}}) {
     auto r = parse_shared_budget(c.text);
     ASSERT_FALSE(r) << c.text;
     EXPECT_NE(r.message().find(c.why), std::string::npos) << c.text << ": " << r.message();
@@ -397,8 +387,10 @@ TEST(Printable, EscapesControlCharactersAndKeepsText) {
   EXPECT_EQ(printable("del\x7f"), "del\\x7F");
   EXPECT_EQ(printable("back\\slash"), "back\\\\slash");
   EXPECT_EQ(printable("caf\xc3\xa9 \xe6\x97\xa5"), "caf\xc3\xa9 \xe6\x97\xa5");  // UTF-8 passes
-  EXPECT_EQ(printable("csi\xc2\x9b" "2J"), "csi\\xC2\\x9B2J");                    // C1 control (U+009B)
-  EXPECT_EQ(printable("bad\xff\xc3"), "bad\\xFF\\xC3");                           // not UTF-8
+  EXPECT_EQ(printable("csi\xc2\x9b"
+                      "2J"),
+            "csi\\xC2\\x9B2J");                          // C1 control (U+009B)
+  EXPECT_EQ(printable("bad\xff\xc3"), "bad\\xFF\\xC3");  // not UTF-8
   const std::string long_value = "/" + std::string(5000, 'a') + "\n/name.gguf";
   const std::string p = printable(long_value);
   EXPECT_LE(p.size(), 120u) << p;
@@ -409,9 +401,9 @@ TEST(Printable, EscapesControlCharactersAndKeepsText) {
 
 TEST(Printable, ParserMessagesAreOneLineWithoutRawControlCharacters) {
   const std::string hostile = "1\n\x1b]0;owned\x07s" + std::string(3000, '9');
-  for (const Status& st : {parse_keep_alive(hostile).status(), parse_size(hostile).status(),
-                           parse_wired_limit(hostile).status(), parse_layout(hostile).status(),
-                           parse_log_level(hostile).status()}) {
+  for (const Status& st :
+       {parse_keep_alive(hostile).status(), parse_size(hostile).status(), parse_wired_limit(hostile).status(),
+        parse_layout(hostile).status(), parse_log_level(hostile).status()}) {
     ASSERT_FALSE(st.is_ok());
     EXPECT_LT(st.message().size(), 600u) << st.message();
     for (char c : st.message()) ASSERT_FALSE(static_cast<unsigned char>(c) < 0x20 || c == 0x7f) << st.message();
@@ -457,7 +449,8 @@ TEST(WiredLimitParse, AFractionOfAByteIsRefusedNotZero) {
   EXPECT_NE(parse_wired_limit("99999999999999999999999GiB").message().find("too large"), std::string::npos);
   auto c = Config::from_env(env({{"RESIDENCY_WIRED_LIMIT", "0.5"}}));
   ASSERT_FALSE(c.is_ok());
-  EXPECT_NE(c.message().find("RESIDENCY_WIRED_LIMIT=\"0.5\": not a whole number of bytes"), std::string::npos) << c.message();
+  EXPECT_NE(c.message().find("RESIDENCY_WIRED_LIMIT=\"0.5\": not a whole number of bytes"), std::string::npos)
+      << c.message();
 }
 
 TEST(KeepAliveParse, TinyAndHugeValuesAreRefusedNotRounded) {
@@ -467,7 +460,8 @@ TEST(KeepAliveParse, TinyAndHugeValuesAreRefusedNotRounded) {
   EXPECT_NE(t.message().find("shorter than 1 ns, but not 0"), std::string::npos) << t.message();
   EXPECT_NE(parse_keep_alive("0.5ns").message().find("shorter than 1 ns"), std::string::npos);
   EXPECT_NE(parse_keep_alive("1.5ns").message().find("not a whole number of nanoseconds"), std::string::npos);
-  EXPECT_NE(parse_keep_alive("1" + std::string(400, '0')).message().find("too long: more than 100 years"), std::string::npos);
+  EXPECT_NE(parse_keep_alive("1" + std::string(400, '0')).message().find("too long: more than 100 years"),
+            std::string::npos);
   EXPECT_EQ(*parse_keep_alive("-0"), KeepAlive::zero());
   EXPECT_EQ(*parse_keep_alive("-" + std::string(400, '9')), KeepAlive::forever());
   EXPECT_EQ(*parse_keep_alive("0.000000001"), KeepAlive::after(1ns));

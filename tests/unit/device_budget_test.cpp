@@ -10,10 +10,10 @@
 #include <atomic>
 #include <functional>
 #include <optional>
+#include <string>
 #include <thread>
 #include <utility>
 #include <vector>
-#include <string>
 
 #include "ledger/ledger.hpp"
 #include "residency/shared_budget.hpp"
@@ -216,7 +216,8 @@ TEST_F(DeviceBudgetTest, AWakeBeginsInTheBudgetsRoomWhileTheHolderAskedGivesWay)
     EXPECT_LE((x.a_awake ? 6 * MiB : 0) + x.mapped, 8 * MiB) << "what the two backends hold, at " << x.mapped;
     EXPECT_LE(x.ledger, 8 * MiB) << "the ledger's sum, at " << x.mapped;
   }
-  EXPECT_TRUE(b.logs.contains(LogLevel::info, "the first 2.00 MiB in the budget's room while the holders asked made the rest"));
+  EXPECT_TRUE(
+      b.logs.contains(LogLevel::info, "the first 2.00 MiB in the budget's room while the holders asked made the rest"));
   EXPECT_FALSE(b.logs.contains(LogLevel::warn, "over it")) << "nothing woke over the budget";
   b.m->end_call();
   EXPECT_EQ(used(), 4 * MiB);
@@ -438,9 +439,8 @@ TEST_F(DeviceBudgetTest, HostMemoryThatDoesNotFitStaysUnwiredAsBefore) {
 }
 
 TEST(DeviceConfig, AGpuBudgetIsNamedByTheDevicesUuid) {
-  auto c = Config::from_env([](const char* n) -> const char* {
-    return std::string(n) == "RESIDENCY_GPU_BUDGET" ? "models:80%" : nullptr;
-  });
+  auto c = Config::from_env(
+      [](const char* n) -> const char* { return std::string(n) == "RESIDENCY_GPU_BUDGET" ? "models:80%" : nullptr; });
   ASSERT_TRUE(c) << c.message();
   const Config d = c->for_device_memory("GPU-0123abcd-0000-1111-2222-333344445555");
   ASSERT_TRUE(d.shared_budget);

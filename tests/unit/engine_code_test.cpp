@@ -16,10 +16,11 @@ constexpr std::size_t kPage = 4096;
 constexpr std::uint64_t kMax = 64ULL << 20;
 
 TEST(EngineCode, TheEnginesLibrariesAreKnownByTheirFileNames) {
-  for (const char* p : {"/opt/llama/lib/libllama.so", "libllama.so.0", "/usr/lib/libggml-base.so", "/x/libggml-cpu-haswell.so",
-                        "/x/libggml-cuda.so", "/usr/lib/x86_64-linux-gnu/libgomp.so.1", "/usr/local/lib/libresidency_preload.so",
-                        "libggml.so", "/usr/lib/x86_64-linux-gnu/libc.so.6", "/lib/libc-2.36.so",
-                        "/usr/lib/x86_64-linux-gnu/libm.so.6", "/usr/lib/x86_64-linux-gnu/libstdc++.so.6"})
+  for (const char* p :
+       {"/opt/llama/lib/libllama.so", "libllama.so.0", "/usr/lib/libggml-base.so", "/x/libggml-cpu-haswell.so",
+        "/x/libggml-cuda.so", "/usr/lib/x86_64-linux-gnu/libgomp.so.1", "/usr/local/lib/libresidency_preload.so",
+        "libggml.so", "/usr/lib/x86_64-linux-gnu/libc.so.6", "/lib/libc-2.36.so", "/usr/lib/x86_64-linux-gnu/libm.so.6",
+        "/usr/lib/x86_64-linux-gnu/libstdc++.so.6"})
     EXPECT_TRUE(is_engine_object(p)) << p;
   for (const char* p : {"", "/usr/bin/llama-server", "/opt/libllama/libcurl.so.4", "/usr/lib/libcuda.so.1",
                         "/usr/lib/libcrypto.so.3", "/usr/lib/libmvec.so.1", "linux-vdso.so.1", "/x/mylibggml.so"})
@@ -28,11 +29,11 @@ TEST(EngineCode, TheEnginesLibrariesAreKnownByTheirFileNames) {
 
 TEST(EngineCode, ReadOnlySegmentsOfEngineObjectsAreWholePagesAndNothingElse) {
   const std::vector<LoadedSegment> segs = {
-      {"/x/libllama.so", 0x10000, 0x10000 + 3 * kPage + 17, false},           // r--: headers, rodata
-      {"/x/libllama.so", 0x14000 + 100, 0x14000 + 8 * kPage, false},          // r-x, not page aligned
-      {"/x/libllama.so", 0x20000, 0x20000 + 2 * kPage, true},                  // rw-: never
-      {"/usr/lib/libcurl.so.4", 0x40000, 0x40000 + 4 * kPage, false},         // not the engine
-      {"", 0x50000, 0x50000 + 4 * kPage, false},                               // the main program
+      {"/x/libllama.so", 0x10000, 0x10000 + 3 * kPage + 17, false},    // r--: headers, rodata
+      {"/x/libllama.so", 0x14000 + 100, 0x14000 + 8 * kPage, false},   // r-x, not page aligned
+      {"/x/libllama.so", 0x20000, 0x20000 + 2 * kPage, true},          // rw-: never
+      {"/usr/lib/libcurl.so.4", 0x40000, 0x40000 + 4 * kPage, false},  // not the engine
+      {"", 0x50000, 0x50000 + 4 * kPage, false},                       // the main program
       {"/x/libggml-cpu.so", 0x60000, 0x60000 + kPage, false},
   };
   const CodePlan p = plan_engine_code(segs, kPage, kMax);
@@ -49,8 +50,8 @@ TEST(EngineCode, ReadOnlySegmentsOfEngineObjectsAreWholePagesAndNothingElse) {
 
 TEST(EngineCode, ASegmentOverTheCapIsLeftOutAndCounted) {
   const std::vector<LoadedSegment> segs = {
-      {"/x/libggml-cuda.so", 0x100000, 0x100000 + 16 * kPage, false},           // host code
-      {"/x/libggml-cuda.so", 0x10000000, 0x10000000 + (kMax + kPage), false},   // device code (fatbin)
+      {"/x/libggml-cuda.so", 0x100000, 0x100000 + 16 * kPage, false},          // host code
+      {"/x/libggml-cuda.so", 0x10000000, 0x10000000 + (kMax + kPage), false},  // device code (fatbin)
   };
   const CodePlan p = plan_engine_code(segs, kPage, kMax);
   ASSERT_EQ(p.ranges.size(), 1U);

@@ -61,13 +61,17 @@ TEST(Log, EveryLineCarriesThePidAndStartsOnAFreshLineAfterAHostsPartialLine) {
 
 TEST(Log, WithTimeTheLocalTimeFollowsThePid) {
   const Logged l = in_child_with_stderr_file([] { residency::log_to_stderr(residency::LogLevel::info, "hello", true); });
-  EXPECT_TRUE(std::regex_match(l.text, std::regex("residency\\[" + std::to_string(l.pid) +
-                                                  "\\]: 20[0-9]{2}-[0-9]{2}-[0-9]{2} [0-9]{2}:[0-9]{2}:[0-9]{2}\\.[0-9]{3} info: hello\n")))
+  EXPECT_TRUE(
+      std::regex_match(l.text,
+                       std::regex(
+                           "residency\\[" + std::to_string(l.pid) +
+                           "\\]: 20[0-9]{2}-[0-9]{2}-[0-9]{2} [0-9]{2}:[0-9]{2}:[0-9]{2}\\.[0-9]{3} info: hello\n")))
       << l.text;
 }
 
 TEST(Log, TheManagersDefaultLogFollowsResidencyLogTime) {
-  auto on = residency::Config::from_env([](const char* n) { return std::strcmp(n, "RESIDENCY_LOG_TIME") == 0 ? "1" : nullptr; });
+  auto on = residency::Config::from_env(
+      [](const char* n) { return std::strcmp(n, "RESIDENCY_LOG_TIME") == 0 ? "1" : nullptr; });
   ASSERT_TRUE(on.is_ok()) << on.message();
   EXPECT_TRUE(on->log_time);
   auto off = residency::Config::from_env([](const char*) -> const char* { return nullptr; });
@@ -83,10 +87,13 @@ TEST(Log, TheManagersDefaultLogFollowsResidencyLogTime) {
     auto m = residency::Manager::create(o);
     if (!m) ::_exit(123);
   });
-  EXPECT_TRUE(std::regex_search(l.text, std::regex("^residency\\[" + std::to_string(l.pid) +
-                                                   "\\]: 20[0-9]{2}-[0-9]{2}-[0-9]{2} [0-9:]{8}\\.[0-9]{3} info: creating a residency set collection")))
+  EXPECT_TRUE(std::regex_search(
+      l.text,
+      std::regex("^residency\\[" + std::to_string(l.pid) +
+                 "\\]: 20[0-9]{2}-[0-9]{2}-[0-9]{2} [0-9:]{8}\\.[0-9]{3} info: creating a residency set collection")))
       << l.text;
-  auto bad = residency::Config::from_env([](const char* n) { return std::strcmp(n, "RESIDENCY_LOG_TIME") == 0 ? "sometimes" : nullptr; });
+  auto bad = residency::Config::from_env(
+      [](const char* n) { return std::strcmp(n, "RESIDENCY_LOG_TIME") == 0 ? "sometimes" : nullptr; });
   ASSERT_FALSE(bad.is_ok());
   EXPECT_NE(bad.message().find("RESIDENCY_LOG_TIME"), std::string::npos) << bad.message();
   EXPECT_NE(bad.message().find("0 or 1"), std::string::npos) << bad.message();

@@ -94,8 +94,8 @@ TEST_F(ManagerTest, ShardedCapHasA64MiBFloor) {
 TEST_F(ManagerTest, OversizeRegionReusesAnEmptiedSet) {
   fake->recommended = 10 * GiB;
   auto m = make();
-  RegionId a = reg(*m, 100 * MiB);  // set 0
-  reg(*m, 500 * MiB);               // set 1 (600 > 512)
+  RegionId a = reg(*m, 100 * MiB);               // set 0
+  reg(*m, 500 * MiB);                            // set 1 (600 > 512)
   ASSERT_TRUE(m->unregister_region(a).is_ok());  // set 0 is now empty, kept
   EXPECT_EQ(fake->live_sets(), 2);
   RegionId big = reg(*m, 1 * GiB);  // above the cap: goes to the emptied set 0
@@ -289,9 +289,7 @@ TEST_F(ManagerTest, NestedScopesReleaseWhenTheLastEnds) {
   auto m = make(with_keep_alive("0"));
   RegionId id = reg(*m, 1 * MiB);
   UseScope outer = m->use();
-  {
-    UseScope inner = m->use();
-  }
+  { UseScope inner = m->use(); }
   EXPECT_TRUE(fake->is_resident(id));
   outer = UseScope();
   EXPECT_FALSE(fake->is_resident(id));
@@ -686,7 +684,8 @@ TEST_F(ManagerTest, LogsTheStartupLinesAndEachReleaseAndRewire) {
   Config c;
   c.log_level = LogLevel::debug;
   auto m = make(c);
-  EXPECT_TRUE(logs.contains(LogLevel::info, "creating a residency set collection (keep_alive = 180 s, layout = sharded"));
+  EXPECT_TRUE(
+      logs.contains(LogLevel::info, "creating a residency set collection (keep_alive = 180 s, layout = sharded"));
   EXPECT_TRUE(logs.contains(LogLevel::info, "use residency sets = true"));
   reg(*m, 64 * MiB);
   EXPECT_TRUE(logs.contains(LogLevel::debug, "allocated buffer, size =    64.00 MiB, (   64.00 /  1024.00)"));
@@ -795,7 +794,8 @@ TEST_F(ManagerTest, ACallThatBeginsDuringAReleaseStopsItAndFindsTheMemoryInPlace
   std::thread toucher;
   fake->during_end_residency = [&] {
     toucher = std::thread([&] { m->touch(); });
-    for (int i = 0; i < 5000 && fake->interrupts.load() == 0; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    for (int i = 0; i < 5000 && fake->interrupts.load() == 0; ++i)
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
   };
   advance(std::chrono::seconds(11));
   m->run_due();

@@ -26,8 +26,12 @@ class CheckingBackend : public FakeBackend {
   void check() {
     if (resident_bytes() > limit_ceiling.load()) {
       if (violations.fetch_add(1) == 0) {
-        fprintf(stderr, "VIOLATION in %s: resident %llu ceiling %llu\n", where, (unsigned long long)resident_bytes(), (unsigned long long)limit_ceiling.load());
-        for (auto& [id, st] : sets) fprintf(stderr, " set %u exists %d req %d members %zu bytes %llu staged_add %zu staged_rm %zu\n", id, st.exists, st.requested, st.members.size(), (unsigned long long)members_bytes(st), st.staged_add.size(), st.staged_remove.size());
+        fprintf(stderr, "VIOLATION in %s: resident %llu ceiling %llu\n", where, (unsigned long long)resident_bytes(),
+                (unsigned long long)limit_ceiling.load());
+        for (auto& [id, st] : sets)
+          fprintf(stderr, " set %u exists %d req %d members %zu bytes %llu staged_add %zu staged_rm %zu\n", id,
+                  st.exists, st.requested, st.members.size(), (unsigned long long)members_bytes(st),
+                  st.staged_add.size(), st.staged_remove.size());
       }
     }
   }
@@ -104,8 +108,8 @@ TEST(Stress, ConcurrentRegistrationTouchExpiryAndLimitChanges) {
         const int op = static_cast<int>(rng() % 10);
         if (op < 4 || mine.empty()) {
           const std::uint64_t size = (1 + rng() % 64) * MiB;
-          auto id = m.register_region(reinterpret_cast<void*>(next), size,
-                                      static_cast<RegionClass>(rng() % 3), static_cast<int>(rng() % 4));
+          auto id = m.register_region(reinterpret_cast<void*>(next), size, static_cast<RegionClass>(rng() % 3),
+                                      static_cast<int>(rng() % 4));
           next += size + 4096;
           if (id) {
             mine.emplace_back(*id, size);

@@ -15,7 +15,7 @@
 namespace residency {
 namespace {
 
-constexpr std::uint64_t kPage = 16384;  // Apple Silicon's page
+constexpr std::uint64_t kPage = 16384;   // Apple Silicon's page
 constexpr std::uint32_t kMaxViews = 64;  // llama.cpp's limit on views of one mapping
 
 TEST(ViewPlanner, MappingThatFitsIsOneView) {
@@ -31,8 +31,7 @@ TEST(ViewPlanner, HandCheckedSplit) {
   const std::vector<Extent> tensors{{6 * kPage, kPage + kPage / 2}, {20 * kPage, 100}};
   auto views = plan_views(24 * kPage, 10 * kPage, kPage, tensors, kMaxViews);
   ASSERT_TRUE(views) << views.message();
-  EXPECT_EQ(*views, (std::vector<View>{{0, 10 * kPage}, {7 * kPage, 10 * kPage},
-                                       {14 * kPage, 10 * kPage}}));
+  EXPECT_EQ(*views, (std::vector<View>{{0, 10 * kPage}, {7 * kPage, 10 * kPage}, {14 * kPage, 10 * kPage}}));
   // The tensor straddling 7 pages lies inside the first view, whole.
   EXPECT_EQ(find_view(*views, tensors[0]), std::optional<std::size_t>(0));
   EXPECT_EQ(find_view(*views, tensors[1]), std::optional<std::size_t>(2));
@@ -50,8 +49,7 @@ TEST(ViewPlanner, TensorLongerThanAViewIsAnError) {
   auto views = plan_views(30 * kPage, 10 * kPage, kPage, tensors, kMaxViews);
   ASSERT_FALSE(views);
   EXPECT_EQ(views.status().code(), ErrorCode::limit_exceeded);
-  EXPECT_NE(views.message().find("cannot lie entirely inside one view"), std::string::npos)
-      << views.message();
+  EXPECT_NE(views.message().find("cannot lie entirely inside one view"), std::string::npos) << views.message();
   // The same tensor with exactly the room a view leaves (max_len - 2 pages) is accepted.
   const std::vector<Extent> fits{{0, 8 * kPage}};
   EXPECT_TRUE(plan_views(30 * kPage, 10 * kPage, kPage, fits, kMaxViews));
@@ -71,21 +69,14 @@ TEST(ViewPlanner, TooManyViewsIsAnErrorNamingTheCount) {
 
 TEST(ViewPlanner, BadArgumentsAreErrors) {
   const std::vector<Extent> outside{{10 * kPage, 1}};
-  EXPECT_EQ(plan_views(0, kPage, kPage, {}, kMaxViews).status().code(),
-            ErrorCode::invalid_argument);
-  EXPECT_EQ(plan_views(kPage, kPage, 3000, {}, kMaxViews).status().code(),
-            ErrorCode::invalid_argument);
-  EXPECT_EQ(plan_views(kPage, kPage, 0, {}, kMaxViews).status().code(),
-            ErrorCode::invalid_argument);
-  EXPECT_EQ(plan_views(kPage, kPage / 2, kPage, {}, kMaxViews).status().code(),
-            ErrorCode::invalid_argument);
-  EXPECT_EQ(plan_views(10 * kPage, 20 * kPage, kPage, outside, kMaxViews).status().code(),
-            ErrorCode::invalid_argument);
-  EXPECT_EQ(plan_views(10 * kPage, 20 * kPage, kPage, {}, 0).status().code(),
-            ErrorCode::limit_exceeded);
+  EXPECT_EQ(plan_views(0, kPage, kPage, {}, kMaxViews).status().code(), ErrorCode::invalid_argument);
+  EXPECT_EQ(plan_views(kPage, kPage, 3000, {}, kMaxViews).status().code(), ErrorCode::invalid_argument);
+  EXPECT_EQ(plan_views(kPage, kPage, 0, {}, kMaxViews).status().code(), ErrorCode::invalid_argument);
+  EXPECT_EQ(plan_views(kPage, kPage / 2, kPage, {}, kMaxViews).status().code(), ErrorCode::invalid_argument);
+  EXPECT_EQ(plan_views(10 * kPage, 20 * kPage, kPage, outside, kMaxViews).status().code(), ErrorCode::invalid_argument);
+  EXPECT_EQ(plan_views(10 * kPage, 20 * kPage, kPage, {}, 0).status().code(), ErrorCode::limit_exceeded);
   // Splitting needs views of at least two pages.
-  EXPECT_EQ(plan_views(10 * kPage, kPage, kPage, {}, kMaxViews).status().code(),
-            ErrorCode::limit_exceeded);
+  EXPECT_EQ(plan_views(10 * kPage, kPage, kPage, {}, kMaxViews).status().code(), ErrorCode::limit_exceeded);
 }
 
 TEST(ViewPlanner, HugeValuesDoNotOverflow) {
@@ -149,10 +140,9 @@ TEST(ViewPlannerProperties, GeneratedLayouts) {
   for (int seed = 0; seed < kCases; ++seed) {
     std::mt19937_64 rng(static_cast<std::uint64_t>(seed));
     const Layout l = generate(rng);
-    SCOPED_TRACE("seed " + std::to_string(seed) + ": size " + std::to_string(l.size) +
-                 ", max_len " + std::to_string(l.max_len) + ", page " + std::to_string(l.page) +
-                 ", " + std::to_string(l.tensors.size()) + " tensors, max_views " +
-                 std::to_string(l.max_views));
+    SCOPED_TRACE("seed " + std::to_string(seed) + ": size " + std::to_string(l.size) + ", max_len " +
+                 std::to_string(l.max_len) + ", page " + std::to_string(l.page) + ", " +
+                 std::to_string(l.tensors.size()) + " tensors, max_views " + std::to_string(l.max_views));
     std::uint64_t largest = 0;
     for (const auto& t : l.tensors) largest = std::max(largest, t.size);
     auto views = plan_views(l.size, l.max_len, l.page, l.tensors, l.max_views);

@@ -137,8 +137,7 @@ TEST(DecodePass, Q4_0AgreesWithAFloatProduct) {
       }
       EXPECT_NEAR(y[r], exact, input_err * 1.01 + 1e-5 * mag) << "row " << r;
       // With the quantised input the product is exact but for float rounding.
-      EXPECT_NEAR(y[r], reference_dot(GgmlType::q4_0, w.data() + r * row_bytes, n, xq.data()), 1e-5 * mag)
-          << "row " << r;
+      EXPECT_NEAR(y[r], reference_dot(GgmlType::q4_0, w.data() + r * row_bytes, n, xq.data()), 1e-5 * mag) << "row " << r;
       EXPECT_NEAR(y[r], generic[r], 1e-5 * mag) << "row " << r << ": the kernel sets disagree";
     }
   }
@@ -196,8 +195,7 @@ TEST(DecodePass, ARowsOutputDoesNotDependOnItsGrouping) {
       EXPECT_EQ(0, std::memcmp(together.data(), alone.data(), rows * sizeof(float))) << mx.tensor->name;
       EXPECT_EQ(0, std::memcmp(together.data(), split.data(), rows * sizeof(float))) << mx.tensor->name;
       // And the pass computed the same.
-      EXPECT_EQ(0, std::memcmp(together.data(), (*pass)->output(m).data(), rows * sizeof(float)))
-          << mx.tensor->name;
+      EXPECT_EQ(0, std::memcmp(together.data(), (*pass)->output(m).data(), rows * sizeof(float))) << mx.tensor->name;
     }
   }
 }

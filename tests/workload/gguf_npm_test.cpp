@@ -63,8 +63,7 @@ nlohmann::json describe(const GgufModel& m) {
       case GgufValueType::string: meta[kv.key] = {{"value", v.str}}; break;
       case GgufValueType::float32:
       case GgufValueType::float64: meta[kv.key] = {{"value", v.f}}; break;
-      default:
-        meta[kv.key] = {{"value", v.as_int() ? std::to_string(*v.as_int()) : std::to_string(*v.as_uint())}};
+      default: meta[kv.key] = {{"value", v.as_int() ? std::to_string(*v.as_int()) : std::to_string(*v.as_uint())}};
     }
   }
   j["metadata"] = meta;

@@ -73,8 +73,8 @@ TEST(GgufReader, ReadsEveryValueTypeAndTensor) {
   EXPECT_EQ(m.find("test.u64")->u, 1ull << 60);
   EXPECT_EQ(m.find("test.i64")->i, -(1ll << 60));
   EXPECT_EQ(m.find("test.f64")->f, 3.25);
-  for (const char* t : {"uint8", "int8", "uint16", "int16", "uint32", "int32", "float32", "bool", "uint64", "int64",
-                        "float64"}) {
+  for (const char* t :
+       {"uint8", "int8", "uint16", "int16", "uint32", "int32", "float32", "bool", "uint64", "int64", "float64"}) {
     const GgufValue* a = m.find(std::string("test.array.") + t);
     ASSERT_NE(a, nullptr) << t;
     EXPECT_EQ(a->type, GgufValueType::array);
@@ -199,7 +199,7 @@ TEST(GgufReader, HugeCountsAreRejectedBeforeAllocating) {
   const auto& arr = kv_of(m, "test.array.int32");
   poke<std::uint64_t>(b4, value_at(arr) + 4, 1ull << 61);
   const std::string msg4 = parse_error(b4);
-  EXPECT_NE(msg4.find("byte " + std::to_string(value_at(arr) + 4) + " (metadata[" ), std::string::npos) << msg4;
+  EXPECT_NE(msg4.find("byte " + std::to_string(value_at(arr) + 4) + " (metadata["), std::string::npos) << msg4;
   EXPECT_NE(msg4.find("'test.array.int32' array count)"), std::string::npos) << msg4;
   auto b5 = bytes;
   const auto& strs = kv_of(m, "test.array.string");
@@ -276,16 +276,14 @@ TEST(GgufReader, BadDimensions) {
     auto b = bytes;
     poke<std::uint32_t>(b, dims_at(t) - 4, nd);
     const std::string msg = parse_error(b);
-    EXPECT_NE(msg.find("(tensor[0] 'w.f32' n_dims): " + std::to_string(nd) + " dimensions (accepted: 1 to 4)"),
-              std::string::npos)
+    EXPECT_NE(msg.find("(tensor[0] 'w.f32' n_dims): " + std::to_string(nd) + " dimensions (accepted: 1 to 4)"), std::string::npos)
         << msg;
   }
   auto b = bytes;
   poke<std::uint64_t>(b, dims_at(t), 1ull << 40);
   poke<std::uint64_t>(b, dims_at(t) + 8, 1ull << 40);
   std::string msg = parse_error(b);
-  EXPECT_NE(msg.find("(tensor[0] 'w.f32' dims[1]): dimension 1099511627776 makes the element count overflow"),
-            std::string::npos)
+  EXPECT_NE(msg.find("(tensor[0] 'w.f32' dims[1]): dimension 1099511627776 makes the element count overflow"), std::string::npos)
       << msg;
   const GgufTensor& q = *m.find_tensor("w.q8_0");
   auto b2 = bytes;

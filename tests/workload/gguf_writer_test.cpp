@@ -255,7 +255,8 @@ TEST(SyntheticModel, RefusesToOverwriteAndLeavesNothingOnFailure) {
   ASSERT_TRUE(s.is_ok());
   ASSERT_TRUE(write_synthetic_model(dir.file("m.gguf"), *s).is_ok());
   const auto again = write_synthetic_model(dir.file("m.gguf"), *s);
-  EXPECT_EQ(again.message(), dir.file("m.gguf") + ": already exists; choose another name or allow overwriting (--force)");
+  EXPECT_EQ(again.message(),
+            dir.file("m.gguf") + ": already exists; choose another name or allow overwriting (--force)");
   EXPECT_TRUE(write_synthetic_model(dir.file("m.gguf"), *s, 5, 0, true).is_ok());
   const auto nodir = write_synthetic_model(dir.file("no/such/dir.gguf"), *s);
   EXPECT_EQ(nodir.code(), ErrorCode::not_found);
@@ -297,7 +298,7 @@ TEST(Half, F16RoundTripsEveryValue) {
 }
 
 TEST(Half, F16RoundsToNearestEven) {
-  EXPECT_EQ(f32_to_f16(1.0f + std::ldexp(1.0f, -11)), 0x3c00);  // tie, to even
+  EXPECT_EQ(f32_to_f16(1.0f + std::ldexp(1.0f, -11)), 0x3c00);      // tie, to even
   EXPECT_EQ(f32_to_f16(1.0f + 3 * std::ldexp(1.0f, -11)), 0x3c02);  // tie, to even (up)
   EXPECT_EQ(f32_to_f16(65519.0f), 0x7bff);
   EXPECT_EQ(f32_to_f16(65520.0f), 0x7c00);

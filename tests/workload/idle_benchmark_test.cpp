@@ -7,10 +7,10 @@
 #include <algorithm>
 #include <map>
 
+#include "support/fake_backend.hpp"
 #include "workload/gguf_writer.hpp"
 #include "workload/idle_benchmark.hpp"
 #include "workload/idle_target.hpp"
-#include "support/fake_backend.hpp"
 #include "workload_test_util.hpp"
 
 namespace residency::workload {
@@ -43,7 +43,8 @@ TEST(IdleParsing, Policies) {
   EXPECT_EQ((*p)[3].keep_alive, KeepAlive::forever());
   EXPECT_EQ((*p)[0].keep_alive, KeepAlive::off());
   EXPECT_EQ(parse_policies("off,sometimes", std::chrono::seconds(2)).message(),
-            "unknown policy 'sometimes' in 'off,sometimes'; accepted: a comma-separated list of off, keep-alive, pressure-aware, 0, forever");
+            "unknown policy 'sometimes' in 'off,sometimes'; accepted: a comma-separated list of off, keep-alive, "
+            "pressure-aware, 0, forever");
   EXPECT_NE(parse_policies("off,off", std::chrono::seconds(2)).message().find("listed twice"), std::string::npos);
   auto pa = parse_policies("keep-alive,pressure-aware", std::chrono::seconds(2));
   ASSERT_TRUE(pa) << pa.message();
@@ -64,14 +65,15 @@ TEST(IdleOutput, LlamaIdleLinesAndTable) {
   c.n = 3;
   c.mean_ms = 95.3;
   c.sd_ms = 0.644;
-  EXPECT_EQ(format_summary_line(c, milliseconds(800)), "iters:    3, pause:   800 ms, avg decode time:    95.30 +/- 0.64 ms");
+  EXPECT_EQ(format_summary_line(c, milliseconds(800)),
+            "iters:    3, pause:   800 ms, avg decode time:    95.30 +/- 0.64 ms");
 
   IdleResults r;
   r.policies = *parse_policies("off,keep-alive", std::chrono::seconds(2));
   r.schedule.pauses = {milliseconds(0), milliseconds(800)};
   r.schedule.iters = 2;
-  r.samples = {{0, 0, 0, 10, 0, 0, 1, {}},     {0, 0, 1, 12, 0, 0, 1, {}},      {1, 0, 0, 9, 0, 0, 1, {}},
-               {1, 0, 1, 11, 0, 0, 1, {}},     {0, 1, 0, 500, 801, 1, 0, {}}, {0, 1, 1, 700, 802, 1, 0.5, {}},
+  r.samples = {{0, 0, 0, 10, 0, 0, 1, {}},  {0, 0, 1, 12, 0, 0, 1, {}},    {1, 0, 0, 9, 0, 0, 1, {}},
+               {1, 0, 1, 11, 0, 0, 1, {}},  {0, 1, 0, 500, 801, 1, 0, {}}, {0, 1, 1, 700, 802, 1, 0.5, {}},
                {1, 1, 0, 10, 801, 1, 1, {}}};
   const IdleCell off800 = r.cell(0, 1);
   EXPECT_EQ(off800.n, 2);
@@ -158,8 +160,8 @@ TEST(IdleRun, InterleavesPoliciesAndRotatesTheirOrder) {
     if (c.rfind("place", 0) == 0) placements.push_back(c.substr(6));
   }
   // One manager per block, configured with the block's policy; the previous one is gone by then.
-  EXPECT_EQ(placements, (std::vector<std::string>{"off", "2 s", "forever", "2 s", "forever", "off", "forever", "off",
-                                                  "2 s"}));
+  EXPECT_EQ(placements,
+            (std::vector<std::string>{"off", "2 s", "forever", "2 s", "forever", "off", "forever", "off", "2 s"}));
   // Each block: place the model, warm-up decode, (pause, decode) x iters. No pressure was asked for.
   EXPECT_EQ(std::vector<std::string>(t.calls.begin(), t.calls.begin() + 4),
             (std::vector<std::string>{"place off", "decode", "decode", "decode"}));
@@ -259,8 +261,8 @@ TEST_F(PosixIdle, EachPolicyLeavesTheModelWhereItShould) {
   const Pressure pageout{Pressure::Kind::pageout, 0};
   if (Status st = target_->check_pressure(pageout); !st) GTEST_SKIP() << st.message();
   // keep-alive 60 s never expires within this test: it must behave like forever.
-  auto r = run_idle_benchmark(
-      *target_, options({milliseconds(0), milliseconds(30)}, 2, "off,keep-alive,0,forever", std::chrono::seconds(60), pageout));
+  auto r = run_idle_benchmark(*target_, options({milliseconds(0), milliseconds(30)}, 2, "off,keep-alive,0,forever",
+                                                std::chrono::seconds(60), pageout));
   ASSERT_TRUE(r.is_ok()) << r.message();
   skip_if_not_wired();
   ASSERT_EQ(r->samples.size(), 2u * 4 * 2);

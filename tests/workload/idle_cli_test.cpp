@@ -3,9 +3,9 @@
 // exit status 2 and no files; a run writes its results and removes its model; an interrupt
 // removes everything.
 #include <fcntl.h>
-#include <sys/stat.h>
 #include <gtest/gtest.h>
 #include <signal.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -107,7 +107,8 @@ TEST_F(ToolCli, IdleBadInputIsOneLineAndExitTwo) {
   q4.add_tensor({"blk.0.attn_q.weight", GgmlType::q4_k, {256, 4}});
   testing::write_bytes(dir_.file("q4k.gguf"), testing::file_bytes(q4));
 
-  expect_bad_input({"idle", dir_.file("missing.gguf"), "--out", out_}, "missing.gguf: cannot open: No such file or directory");
+  expect_bad_input({"idle", dir_.file("missing.gguf"), "--out", out_},
+                   "missing.gguf: cannot open: No such file or directory");
   expect_bad_input({"idle", dir_.file("notes.txt"), "--out", out_}, "byte 0 (magic): expected 'GGUF'");
   expect_bad_input({"idle", dir_.file("q4k.gguf"), "--out", out_},
                    "is Q4_K; the decode pass computes F32, F16, BF16, Q8_0 and Q4_0");
@@ -117,7 +118,8 @@ TEST_F(ToolCli, IdleBadInputIsOneLineAndExitTwo) {
   expect_bad_input({"idle", model, "--pressure", "squeeze", "--out", out_}, "unknown pressure 'squeeze'");
   expect_bad_input({"idle", model, "--policies", "off,sometimes", "--out", out_}, "unknown policy 'sometimes'");
   // posix first, then whichever other targets this build has.
-  expect_bad_input({"idle", model, "--backend", "metal2", "--out", out_}, "unknown backend 'metal2'; this build accepts: posix");
+  expect_bad_input({"idle", model, "--backend", "metal2", "--out", out_},
+                   "unknown backend 'metal2'; this build accepts: posix");
   expect_bad_input({"idle", model, "--keep-alive", "0", "--out", out_}, "needs a duration above 0");
   expect_bad_input({"idle", model, "--keep-alive", "soon", "--out", out_}, "--keep-alive: ");
   expect_bad_input({"idle", model, "--iters", "0", "--out", out_}, "--iters '0': too small; accepted: 1 to 1000");
@@ -150,13 +152,15 @@ TEST_F(ToolCli, MakeModelForceRefusesWhatIsNotARegularFile) {
   testing::write_bytes(target, {'x'});
   fs::create_symlink(target, link);
   const bool have_chr = ::mknod(chr.c_str(), S_IFCHR | 0666, null_before.st_rdev) == 0;  // root only
-  std::vector<std::pair<std::string, std::string>> cases = {
-      {d, "is a directory"}, {fifo, "is a FIFO"}, {link, "is a symbolic link"}};
+  std::vector<std::pair<std::string, std::string>> cases = {{d, "is a directory"},
+                                                            {fifo, "is a FIFO"},
+                                                            {link, "is a symbolic link"}};
   if (have_chr) cases.emplace_back(chr, "is a character device");
   for (const auto& [path, what] : cases) {
     expect_bad_input({"make-model", "--size", "1MiB", "--force", path},
-                     path + " " + what + "; overwriting (--force) replaces only a regular file: remove it or choose "
-                                         "another name");
+                     path + " " + what +
+                         "; overwriting (--force) replaces only a regular file: remove it or choose "
+                         "another name");
     struct stat st {};
     ASSERT_EQ(::lstat(path.c_str(), &st), 0) << path;
     EXPECT_FALSE(S_ISREG(st.st_mode)) << path << " was replaced";
@@ -226,9 +230,10 @@ TEST_F(ToolCli, IdleOnAModelWithoutOutPrintsExactlyTheFilesItWrote) {
   const std::string model = small_model();
   const std::string cwd = dir_.file("cwd");
   fs::create_directory(cwd);
-  const ToolRun r = finish(start({"idle", model, "--pauses", "0,20", "--iters", "1", "--policies", "off", "--pressure", "none"},
-                                 tmp_, logs_, cwd),
-                           logs_);
+  const ToolRun r =
+      finish(start({"idle", model, "--pauses", "0,20", "--iters", "1", "--policies", "off", "--pressure", "none"}, tmp_,
+                   logs_, cwd),
+             logs_);
   ASSERT_EQ(r.exit_code, 0) << r.err;
   const std::size_t at = r.out.find("\nresults:\n");
   ASSERT_NE(at, std::string::npos) << r.out;
@@ -250,8 +255,8 @@ TEST_F(ToolCli, IdleOnAModelWithoutOutPrintsExactlyTheFilesItWrote) {
 }
 
 TEST_F(ToolCli, IdleOnASyntheticModelRemovesItAndKeepsTheResults) {
-  const ToolRun r = run({"idle", "--model-size", "4MiB", "--pauses", "0,20", "--iters", "1", "--policies", "off,keep-alive",
-                     "--keep-alive", "2s", "--no-plot"});
+  const ToolRun r = run({"idle", "--model-size", "4MiB", "--pauses", "0,20", "--iters", "1", "--policies",
+                         "off,keep-alive", "--keep-alive", "2s", "--no-plot"});
   ASSERT_EQ(r.exit_code, 0) << r.err;
   std::vector<fs::path> dirs(fs::directory_iterator(tmp_), fs::directory_iterator{});
   ASSERT_EQ(dirs.size(), 1u);
@@ -265,7 +270,8 @@ TEST_F(ToolCli, IdleOnASyntheticModelRemovesItAndKeepsTheResults) {
 }
 
 TEST_F(ToolCli, AnInterruptRemovesEverything) {
-  const pid_t pid = start({"idle", "--model-size", "8MiB", "--pauses", "5000", "--iters", "3", "--policies", "off"}, tmp_, logs_);
+  const pid_t pid = start({"idle", "--model-size", "8MiB", "--pauses", "5000", "--iters", "3", "--policies", "off"},
+                          tmp_, logs_);
   // Wait until the run is under way (the model written and the first block started).
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
   for (;;) {

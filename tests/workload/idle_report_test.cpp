@@ -66,12 +66,14 @@ TEST(IdlePlot, TitleNamesTheToolAndTheRealModelSize) {
   const std::string s = idle_plot_script("pngcairo", "llama-idle.png", r, info);
   // Whole, though longer than 80 bytes (it was cut there: "(63.8...odel, pressure pageout) (82 bytes)").
   EXPECT_NE(s.find("set title 'residency llama-idle: decode time after a pause (62.3 MiB model, pressure pageout)'"),
-            std::string::npos) << s;
+            std::string::npos)
+      << s;
   EXPECT_EQ(s.find("(0 B model"), std::string::npos) << s;
   // Whole, however long: the backend's line too.
   EXPECT_NE(s.find(".\"\\n\".'llama.cpp llama-idle'\n"), std::string::npos) << s;
   // The default stays `residency idle`'s own.
-  EXPECT_NE(idle_plot_script("png", "idle.png", results(), IdleRunInfo{}).find("set title 'residency idle: "), std::string::npos);
+  EXPECT_NE(idle_plot_script("png", "idle.png", results(), IdleRunInfo{}).find("set title 'residency idle: "),
+            std::string::npos);
 }
 
 TEST(IdlePlot, KeepAliveIsAStepAtItsExpiryNotARamp) {
@@ -95,7 +97,8 @@ TEST(IdlePlot, BaselineTargetBandAndLegend) {
   EXPECT_NE(s.find("10.1000 with lines dashtype 3"), std::string::npos) << s;
   EXPECT_NE(s.find("'zero-pause baseline 10.10 ms (the fastest policy at pause 0)'"), std::string::npos) << s;
   EXPECT_NE(s.find("title 'off (no residency: nothing locked, the kernel''s paging alone)'"), std::string::npos) << s;
-  EXPECT_NE(s.find("set key at screen 0.5, screen 0.02 center bottom"), std::string::npos) << "the legend is out of the data: " << s;
+  EXPECT_NE(s.find("set key at screen 0.5, screen 0.02 center bottom"), std::string::npos)
+      << "the legend is out of the data: " << s;
   EXPECT_NE(s.find("set bmargin at screen 0.2"), std::string::npos) << "the plot ends above it (5 entries): " << s;
   // Each policy its own colour-blind-safe colour and dash type (issue 30: a pale yellow line, two
   // blues alike).

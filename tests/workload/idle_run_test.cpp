@@ -49,18 +49,25 @@ TEST(IdleOptions, EachBadFieldIsOneMessageNamingIt) {
     change(r);
     return error_of(r);
   };
-  EXPECT_EQ(with([](IdleRequest& r) { r.backend = "metal2"; }).rfind("--backend: unknown backend 'metal2'; this build accepts: posix", 0), 0u);
+  EXPECT_EQ(with([](IdleRequest& r) {
+              r.backend = "metal2";
+            }).rfind("--backend: unknown backend 'metal2'; this build accepts: posix", 0),
+            0u);
   EXPECT_NE(with([](IdleRequest& r) { r.keep_alive = "0"; }).find("needs a duration above 0"), std::string::npos);
   EXPECT_EQ(with([](IdleRequest& r) { r.keep_alive = "soon"; }).rfind("--keep-alive: ", 0), 0u);
-  EXPECT_EQ(with([](IdleRequest& r) { r.policies = "off,sometimes"; }).rfind("--policies: unknown policy 'sometimes'", 0), 0u);
+  EXPECT_EQ(with([](IdleRequest& r) { r.policies = "off,sometimes"; }).rfind("--policies: unknown policy 'sometimes'", 0),
+            0u);
   EXPECT_EQ(with([](IdleRequest& r) { r.pauses = "0,,800"; }).rfind("--pauses '0,,800': item 2 is empty", 0), 0u);
   EXPECT_EQ(with([](IdleRequest& r) { r.iters = 0; }), "--iters 0: out of range; accepted: 1 to 1000");
-  EXPECT_EQ(with([](IdleRequest& r) { r.threads = 5000; }), "--threads 5000: out of range; accepted: 0 (one per core) to 1024");
-  EXPECT_EQ(with([](IdleRequest& r) { r.profile = "m2-ultra-8b-f16"; }), "--profile and --decaying-requests apply to --backend sim only, not to --backend posix");
+  EXPECT_EQ(with([](IdleRequest& r) { r.threads = 5000; }),
+            "--threads 5000: out of range; accepted: 0 (one per core) to 1024");
+  EXPECT_EQ(with([](IdleRequest& r) { r.profile = "m2-ultra-8b-f16"; }),
+            "--profile and --decaying-requests apply to --backend sim only, not to --backend posix");
   EXPECT_EQ(with([](IdleRequest& r) { r.pressure = "squeeze"; }).rfind("--pressure: unknown pressure 'squeeze'", 0), 0u);
   EXPECT_EQ(with([](IdleRequest& r) { r.type = "q4_k"; }).rfind("--type: unknown model type 'q4_k'", 0), 0u);
   EXPECT_NE(with([](IdleRequest& r) { r.model_size = "1KiB"; }).find("too small"), std::string::npos);
-  for (const auto& e : {with([](IdleRequest&) {}), with([](IdleRequest& r) { r.backend = "sim"; })}) EXPECT_EQ(e, "(accepted)");
+  for (const auto& e : {with([](IdleRequest&) {}), with([](IdleRequest& r) { r.backend = "sim"; })})
+    EXPECT_EQ(e, "(accepted)");
 }
 
 TEST(IdleOptions, DefaultsFollowTheBackendAndTheDemonstration) {
@@ -192,7 +199,8 @@ TEST_F(IdleRunFiles, ASyntheticModelIsRemovedAndTheResultsStayBesideWhereItWas) 
   EXPECT_TRUE(o->synthetic_model_removed);
   EXPECT_EQ(fs::path(o->out_dir).parent_path(), fs::path(tmp_));
   EXPECT_EQ(listing(o->out_dir), (std::set<std::string>{o->out_dir + "/idle.json", o->out_dir + "/idle.csv"}));
-  EXPECT_NE(std::find(reporter_.lines.begin(), reporter_.lines.end(), "backend: " + o->info.backend), reporter_.lines.end());
+  EXPECT_NE(std::find(reporter_.lines.begin(), reporter_.lines.end(), "backend: " + o->info.backend),
+            reporter_.lines.end());
   expect_nothing_stray();
 }
 
@@ -207,7 +215,8 @@ TEST_F(IdleRunFiles, BadInputFoundOnTheMachineCreatesNothing) {
   auto b = run(no_parent);
   ASSERT_FALSE(b);
   EXPECT_EQ(b.status().code(), ErrorCode::invalid_argument);
-  EXPECT_NE(b.message().find("--out " + no_parent.out + ": cannot create the directory"), std::string::npos) << b.message();
+  EXPECT_NE(b.message().find("--out " + no_parent.out + ": cannot create the directory"), std::string::npos)
+      << b.message();
   IdleRequest hog = small(model_);
   hog.pressure = "hog:100TiB";
   auto c = run(hog);

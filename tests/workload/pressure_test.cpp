@@ -49,8 +49,7 @@ TEST(Pressure, HogLargerThanAvailableMemoryIsRefused) {
   EXPECT_GT(*avail, 0u);
   const Status st = check_hog_fits(*avail * 2);
   ASSERT_FALSE(st.is_ok());
-  EXPECT_NE(st.message().find("of memory available now (MemAvailable in /proc/meminfo); choose a smaller size"),
-            std::string::npos)
+  EXPECT_NE(st.message().find("of memory available now (MemAvailable in /proc/meminfo); choose a smaller size"), std::string::npos)
       << st.message();
   EXPECT_TRUE(check_hog_fits(kMiB).is_ok());
 }
@@ -128,7 +127,9 @@ TEST(Pressure, HogThatCannotFitIsRetriedAndGivenUpAfterTheBound) {
     if (!put(dir + "/cgroup.procs", "0")) ::_exit(3);
     auto r = run_hog(128 * kMiB, /*give_up_s=*/1.0);
     if (!r) ::_exit(4);
-    ::_exit(!r->got && r->oom_killed >= 1 && r->attempts == r->oom_killed && r->waited_ms >= 1000 && r->waited_ms < 10000 ? 0 : 5);
+    ::_exit(!r->got && r->oom_killed >= 1 && r->attempts == r->oom_killed && r->waited_ms >= 1000 && r->waited_ms < 10000
+                ? 0
+                : 5);
   }
   int status = 0;
   while (::waitpid(pid, &status, 0) < 0 && errno == EINTR) {
@@ -137,7 +138,8 @@ TEST(Pressure, HogThatCannotFitIsRetriedAndGivenUpAfterTheBound) {
   for (int i = 0; i < 100 && ::rmdir(dir.c_str()) != 0; ++i) ::usleep(10000);
   EXPECT_NE(::access(dir.c_str(), F_OK), 0) << dir << " left behind";
   ASSERT_TRUE(WIFEXITED(status)) << "the child died: " << status;
-  EXPECT_EQ(WEXITSTATUS(status), 0) << "3: cannot join, 4: run_hog failed, 5: not OOM-killed, retried and given up in time";
+  EXPECT_EQ(WEXITSTATUS(status), 0)
+      << "3: cannot join, 4: run_hog failed, 5: not OOM-killed, retried and given up in time";
   EXPECT_EQ(oom.find("oom_kill 0\n"), std::string::npos) << "the cgroup's OOM killer never ran:\n" << oom;
 }
 
@@ -243,7 +245,8 @@ TEST(Pressure, TheHogDiesWithItsParent) {
     return close != std::string::npos && line.size() > close + 2 && line[close + 2] != 'Z';
   };
   const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(2);
-  while (alive() && std::chrono::steady_clock::now() < until) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  while (alive() && std::chrono::steady_clock::now() < until)
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
   EXPECT_FALSE(alive()) << "the hog outlived its SIGKILLed parent";
   if (alive()) kill(hog, SIGKILL);
 }

@@ -67,8 +67,8 @@ inline GgufBuilder every_value_builder() {
   b.set("test.u64", GgufValue::of_uint(VT::uint64, 1ull << 60));
   b.set("test.i64", GgufValue::of_int(VT::int64, -(1ll << 60)));
   b.set("test.f64", GgufValue::of_float(VT::float64, 3.25));
-  for (VT t : {VT::uint8, VT::int8, VT::uint16, VT::int16, VT::uint32, VT::int32, VT::float32, VT::boolean,
-               VT::uint64, VT::int64, VT::float64}) {
+  for (VT t : {VT::uint8, VT::int8, VT::uint16, VT::int16, VT::uint32, VT::int32, VT::float32, VT::boolean, VT::uint64,
+               VT::int64, VT::float64}) {
     b.set("test.array." + std::string(to_string(t)), GgufValue::of_numbers(t, {0, 1, 1, 0}));
   }
   b.set("test.array.string", GgufValue::of_strings({"a", "", "ccc"}));

@@ -38,7 +38,8 @@ struct OptionError : CLI::ValidationError {
 // A text option whose absence is visible: `target` stays empty unless it is given, even as "".
 inline CLI::Option* add_text_option(CLI::App& app, const std::string& name, std::optional<std::string>& target,
                                     const std::string& help) {
-  return app.add_option_function<std::string>(name, [&target](const std::string& v) { target = v; }, help);
+  return app.add_option_function<std::string>(
+      name, [&target](const std::string& v) { target = v; }, help);
 }
 
 // A whole-number option read strictly (ASCII digits only: no sign, exponent, hex, spaces or other

@@ -213,8 +213,9 @@ Config hold_config(const HoldOptions& o) {
     config.keep_alive = KeepAlive::forever();  // vmtouch -l holds until stopped
   }
   if (!config.keep_alive.holds_between_uses())
-    throw BadInput((o.keep_alive ? "--keep-alive '" + printable(*o.keep_alive) + "': keep-alive "
-                                 : std::string("the environment's keep-alive (RESIDENCY_KEEP_ALIVE or its alias) is ")) +
+    throw BadInput((o.keep_alive
+                        ? "--keep-alive '" + printable(*o.keep_alive) + "': keep-alive "
+                        : std::string("the environment's keep-alive (RESIDENCY_KEEP_ALIVE or its alias) is ")) +
                    config.keep_alive.to_string() + (o.keep_alive ? "" : ": it") +
                    " wires nothing outside a use, and hold has no uses; give a duration (how long to hold) or forever");
   if (o.wired_limit) {

@@ -82,7 +82,9 @@ class Console final : public IdleReporter {
   void start(const IdleSchedule& s, std::size_t policies) {
     std::lock_guard<std::mutex> g(m_);
     total_ = s.pauses.size() * policies * static_cast<std::size_t>(s.iters + 1);
-    for (Nanos p : s.pauses) pause_left_ms_ += static_cast<double>(policies * static_cast<std::size_t>(s.iters)) * static_cast<double>(p.count()) / 1e6;
+    for (Nanos p : s.pauses)
+      pause_left_ms_ += static_cast<double>(policies * static_cast<std::size_t>(s.iters)) *
+                        static_cast<double>(p.count()) / 1e6;
   }
   void finish() {
     std::lock_guard<std::mutex> g(m_);
@@ -128,7 +130,8 @@ class Console final : public IdleReporter {
     const double per_decode = done_ ? busy_ms_ / static_cast<double>(done_) : 0.0;
     const double left_s = (pause_left_ms_ + per_decode * static_cast<double>(total_ - done_)) / 1000.0;
     std::fprintf(stderr, "\r[%s%s] %zu/%zu decodes  %s  ~%s left\033[K", std::string(filled, '#').c_str(),
-                 std::string(kWidth - filled, '.').c_str(), done_, total_, label_.c_str(), minutes_seconds(left_s).c_str());
+                 std::string(kWidth - filled, '.').c_str(), done_, total_, label_.c_str(),
+                 minutes_seconds(left_s).c_str());
     std::fflush(stderr);
     drawn_ = true;
   }
@@ -182,12 +185,19 @@ const Command idle_command{
           "level, and the keep-alive policy's duration (--keep-alive wins). Each policy sets its own keep-alive\n"
           "kind and release on pressure. A bad value is one line per variable and exit status 2.");
       app.add_option("MODEL", a->model, "GGUF model (F32, F16, BF16, Q8_0 or Q4_0 weights); default: a synthetic one");
-      app.add_option("--backend", a->backend, "where to decode: " + [] {
-        std::string s;
-        for (const auto& b : idle_backends()) s += (s.empty() ? "" : ", ") + b;
-        return s;
-      }())->capture_default_str();
-      app.add_option("--policies", a->policies, "comma-separated: off, keep-alive, pressure-aware (keep-alive + graded release under memory pressure), 0, forever")->capture_default_str();
+      app.add_option(
+             "--backend", a->backend,
+             "where to decode: " +
+                 [] {
+                   std::string s;
+                   for (const auto& b : idle_backends()) s += (s.empty() ? "" : ", ") + b;
+                   return s;
+                 }())
+          ->capture_default_str();
+      app.add_option("--policies", a->policies,
+                     "comma-separated: off, keep-alive, pressure-aware (keep-alive + graded release under memory "
+                     "pressure), 0, forever")
+          ->capture_default_str();
       add_text_option(app, "--keep-alive", a->keep_alive,
                       "duration of the keep-alive policy (500ms, 2s, 3m ...); default RESIDENCY_KEEP_ALIVE, else 180s "
                       "(2s with no arguments)");
@@ -195,24 +205,27 @@ const Command idle_command{
                       "none, pageout or hog:SIZE (e.g. hog:8GiB); default pageout with --backend posix, else none");
       add_text_option(app, "--pauses", a->pauses,
                       "comma-separated pauses in ms, each at most 3600000 (1 h); default 0,800,1600,2400,3200,4000");
-      add_whole_number(app, "--iters", a->iters, 1, kIdleMaxIters, "iterations per pause and policy (1 to 1000; default 3)");
+      add_whole_number(app, "--iters", a->iters, 1, kIdleMaxIters,
+                       "iterations per pause and policy (1 to 1000; default 3)");
       app.add_option("--out", a->out,
                      "directory for idle.json, idle.csv, idle.png (default: a new temporary directory, "
                      "residency-idle-XXXXXX under $TMPDIR, /var/tmp or /tmp; its files are printed at the end)");
       add_text_option(app, "--model-size", a->model_size,
                       "size of the synthetic model (default 1GiB; 16MiB for --backend sim); not with MODEL");
-      app.add_option("--profile", a->profile, "--backend sim: machine and model, one of " + [] {
-        std::string names;
-        for (const auto& n : residency::sim_profile_names()) names += (names.empty() ? "" : ", ") + n;
-        return names;
-      }() + " (default: the first)");
+      app.add_option(
+          "--profile", a->profile, "--backend sim: machine and model, one of " + [] {
+            std::string names;
+            for (const auto& n : residency::sim_profile_names()) names += (names.empty() ? "" : ", ") + n;
+            return names;
+          }() + " (default: the first)");
       app.add_flag("--decaying-requests", a->decaying_requests,
                    "--backend sim: residency requests decay ~1 s after use unless refreshed (macOS 26)");
       add_text_option(app, "--type", a->type,
                       "weight type of the synthetic model: f32, f16 (default), bf16, q8_0, q4_0; not with MODEL");
-      add_whole_number(app, "--threads", a->threads, 0, kIdleMaxThreads, "decode threads (0 = one per core, the default; at most 1024)",
-                       "0 (one per core) to 1024");
-      app.add_flag_function("--no-plot", [a](std::int64_t n) { a->plot = n == 0; }, "do not draw idle.png");
+      add_whole_number(app, "--threads", a->threads, 0, kIdleMaxThreads,
+                       "decode threads (0 = one per core, the default; at most 1024)", "0 (one per core) to 1024");
+      app.add_flag_function(
+          "--no-plot", [a](std::int64_t n) { a->plot = n == 0; }, "do not draw idle.png");
       app.add_flag("-v,--verbose", a->verbose, "also print the managers' info lines (each release and re-wire)");
       CLI::App* self = &app;
       return [a, self] {

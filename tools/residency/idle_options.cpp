@@ -100,8 +100,7 @@ Result<IdleOptions> parse_idle_options(const IdleRequest& a) {
     o.benchmark.schedule.pauses = *pauses;
   }
   if (a.iters < 1 || a.iters > kIdleMaxIters) {
-    return bad("--iters " + std::to_string(a.iters) + ": out of range; accepted: 1 to " +
-               std::to_string(kIdleMaxIters));
+    return bad("--iters " + std::to_string(a.iters) + ": out of range; accepted: 1 to " + std::to_string(kIdleMaxIters));
   }
   o.benchmark.schedule.iters = a.iters;
   if (a.threads > kIdleMaxThreads) {
@@ -109,8 +108,7 @@ Result<IdleOptions> parse_idle_options(const IdleRequest& a) {
                std::to_string(kIdleMaxThreads));
   }
   if (a.backend != "sim" && (!a.profile.empty() || a.decaying_requests)) {
-    return bad("--profile and --decaying-requests apply to --backend sim only, not to --backend " +
-               printable(a.backend));
+    return bad("--profile and --decaying-requests apply to --backend sim only, not to --backend " + printable(a.backend));
   }
   o.pressure_text = a.pressure ? *a.pressure : (a.backend == "posix" ? "pageout" : "none");
   auto pressure = parse_pressure(o.pressure_text);

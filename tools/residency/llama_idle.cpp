@@ -110,8 +110,7 @@ int run(const Args& a) {
     o.keep_alive = ka->duration;
   } else if (env_keep_alive) {
     if (!env->keep_alive.expires()) {
-      throw BadInput("the environment's keep-alive (RESIDENCY_KEEP_ALIVE or its alias) is " +
-                     env->keep_alive.to_string() +
+      throw BadInput("the environment's keep-alive (RESIDENCY_KEEP_ALIVE or its alias) is " + env->keep_alive.to_string() +
                      ": the keep-alive configurations need a duration above 0; give --keep-alive (e.g. 2s)");
     }
     o.keep_alive = env->keep_alive.duration;
@@ -291,14 +290,16 @@ const Command cmd{
       app.add_option("--pressure", a->pressure,
                      "none, pageout (default: process_madvise MADV_PAGEOUT over the model's file and the anonymous "
                      "mappings, + FADV_DONTNEED, at the end of each pause) or hog:SIZE");
-      add_whole_number(app, "--rounds", a->rounds, 1, 20, "runs of every configuration, interleaved (1 to 20; default 1)");
+      add_whole_number(app, "--rounds", a->rounds, 1, 20,
+                       "runs of every configuration, interleaved (1 to 20; default 1)");
       app.add_option("--out", a->out, "directory for llama-idle.{csv,json,png}; default: a new temporary directory");
       add_text_option(app, "--model-size", a->model_size, "size of the synthetic model (default 1GiB); not with MODEL");
       app.footer(
           "Environment: RESIDENCY_* are checked as by `idle` (a bad value: one line, exit 2) and passed to the\n"
           "preload configurations, except RESIDENCY_KEEP_ALIVE and RESIDENCY_RELEASE_ON_PRESSURE, which each\n"
           "configuration sets (--keep-alive defaults to RESIDENCY_KEEP_ALIVE).");
-      app.add_flag_function("--no-plot", [a](std::int64_t n) { a->plot = n == 0; }, "do not draw llama-idle.png");
+      app.add_flag_function(
+          "--no-plot", [a](std::int64_t n) { a->plot = n == 0; }, "do not draw llama-idle.png");
       app.add_flag("--no-repack", a->no_repack,
                    "llama.cpp's extra buffer types off in every configuration (llama-idle -nr, llama_engine "
                    "--no-repack): the weights stay in the file mapping instead of AMX or CPU_REPACK copies");

@@ -40,13 +40,29 @@ namespace {
 // option's name, the same word everywhere. A name not here keeps CLI11's word, and the tool's
 // test (no TEXT in any help) names it.
 void name_placeholders(CLI::App& sub) {
-  static const std::map<std::string, std::string> kWhat = {
-      {"pid", "PID"},          {"keep-alive", "DURATION"}, {"wired-limit", "SIZE|N%"}, {"size", "SIZE"},
-      {"model-size", "SIZE"},  {"iters", "N"},             {"rounds", "N"},            {"threads", "N"},
-      {"seed", "N"},           {"pauses", "MS,..."},       {"out", "DIR"},             {"llama-dir", "DIR"},
-      {"preload", "FILE"},     {"engine", "FILE"},         {"backend", "NAME"},        {"policies", "NAME,..."},
-      {"configs", "NAME,..."}, {"pressure", "PRESSURE"},   {"profile", "NAME"},        {"type", "TYPE"},
-      {"FILE", "FILE"},        {"MODEL", "GGUF"},          {"OUT", "FILE"}};
+  static const std::map<std::string, std::string> kWhat = {{"pid", "PID"},
+                                                           {"keep-alive", "DURATION"},
+                                                           {"wired-limit", "SIZE|N%"},
+                                                           {"size", "SIZE"},
+                                                           {"model-size", "SIZE"},
+                                                           {"iters", "N"},
+                                                           {"rounds", "N"},
+                                                           {"threads", "N"},
+                                                           {"seed", "N"},
+                                                           {"pauses", "MS,..."},
+                                                           {"out", "DIR"},
+                                                           {"llama-dir", "DIR"},
+                                                           {"preload", "FILE"},
+                                                           {"engine", "FILE"},
+                                                           {"backend", "NAME"},
+                                                           {"policies", "NAME,..."},
+                                                           {"configs", "NAME,..."},
+                                                           {"pressure", "PRESSURE"},
+                                                           {"profile", "NAME"},
+                                                           {"type", "TYPE"},
+                                                           {"FILE", "FILE"},
+                                                           {"MODEL", "GGUF"},
+                                                           {"OUT", "FILE"}};
   for (CLI::Option* o : sub.get_options()) {
     if (o->get_type_size() == 0) continue;  // a flag: no value
     const auto& longs = o->get_lnames();
@@ -122,7 +138,8 @@ int main(int argc, char** argv) {
     runners[sub] = e.setup(*sub);
     name_placeholders(*sub);
   }
-  app.footer("residency help COMMAND, or residency COMMAND --help: one command's options. residency --version: the version.");
+  app.footer(
+      "residency help COMMAND, or residency COMMAND --help: one command's options. residency --version: the version.");
   if (argc < 2) {  // no subcommand: say what there is
     std::fputs(app.help().c_str(), stderr);
     return kExitBadInput;

@@ -78,11 +78,13 @@ int run_make_model(const MakeModelArgs& a) {
 const Command make_model_command{
     "make-model", "write a synthetic llama-shaped GGUF model (for `residency idle`)", [](CLI::App& app) {
       auto a = std::make_shared<MakeModelArgs>();
-      app.add_option("OUT", a->out, "the .gguf file to write (written as .OUT.partial-* beside it, renamed when complete)")
+      app.add_option("OUT", a->out,
+                     "the .gguf file to write (written as .OUT.partial-* beside it, renamed when complete)")
           ->required();
       app.add_option("--size", a->size, "file size to fill, at most (e.g. 512MiB, 1GiB, 8GB)")->capture_default_str();
       app.add_option("--type", a->type, "weight type: f32, f16, bf16, q8_0, q4_0")->capture_default_str();
-      add_whole_number(app, "--seed", a->seed, 0, UINT64_MAX, "seed of the pseudo-random weights (same seed, same bytes)");
+      add_whole_number(app, "--seed", a->seed, 0, UINT64_MAX,
+                       "seed of the pseudo-random weights (same seed, same bytes)");
       add_whole_number(app, "--threads", a->threads, 0, kMaxThreads, "writer threads (0 = one per core, at most 1024)",
                        "0 (one per core) to 1024");
       app.add_flag("--force", a->force, "overwrite OUT if it is a regular file (anything else there is refused)");

@@ -38,7 +38,7 @@ namespace {
 struct Managed {
   int pid = 0;
   std::string program;
-  std::vector<std::string> models;  // GGUF files it maps (or names on its command line)
+  std::vector<std::string> models;                           // GGUF files it maps (or names on its command line)
   std::vector<std::map<std::string, std::string>> managers;  // its state files' fields
   std::optional<std::uint64_t> host_locked;                  // VmLck
   std::uint64_t gpu_awake = 0;                               // wired bytes of its GPU managers
@@ -80,7 +80,8 @@ std::vector<std::string> models_of(int pid) {
   std::set<std::string> seen;
   std::vector<std::string> out;
   auto take = [&](const std::string& path) {
-    if (path.size() > 5 && path.compare(path.size() - 5, 5, ".gguf") == 0 && seen.insert(path).second) out.push_back(path);
+    if (path.size() > 5 && path.compare(path.size() - 5, 5, ".gguf") == 0 && seen.insert(path).second)
+      out.push_back(path);
   };
   std::ifstream maps("/proc/" + std::to_string(pid) + "/maps");
   std::string line;
@@ -235,17 +236,21 @@ std::string prometheus_text(const std::vector<Managed>& all, const std::vector<S
   out.family("residency_resident", "gauge", "1 while the manager's memory is wired (awake, on a GPU), else 0.");
   for (const auto& m : all)
     for (const auto& f : m.managers) out.sample("", mgr(m, f), field(f, "resident") == "1" ? 1 : 0);
-  out.family("residency_releases_total", "counter",
-             "Releases (sleeps, on a GPU) by reason: keep_alive, pressure (one step each), asked (another process, or a "
-             "GPU budget's debt), engine (the engine asked, or the end of a keep-alive-0 call), other (exit).");
+  out.family(
+      "residency_releases_total", "counter",
+      "Releases (sleeps, on a GPU) by reason: keep_alive, pressure (one step each), asked (another process, or a "
+      "GPU budget's debt), engine (the engine asked, or the end of a keep-alive-0 call), other (exit).");
   for (const auto& m : all)
     for (const auto& f : m.managers) {
       const std::uint64_t ka = number(f, "releases.keep_alive"), asked = number(f, "releases.asked"),
                           engine = number(f, "releases.engine"), all_releases = number(f, "releases");
       const std::uint64_t named = ka + asked + engine;
-      for (const auto& [reason, v] : std::vector<std::pair<std::string, std::uint64_t>>{
-               {"keep_alive", ka}, {"pressure", number(f, "releases.pressure")}, {"asked", asked}, {"engine", engine},
-               {"other", all_releases > named ? all_releases - named : 0}}) {
+      for (const auto& [reason, v] :
+           std::vector<std::pair<std::string, std::uint64_t>>{{"keep_alive", ka},
+                                                              {"pressure", number(f, "releases.pressure")},
+                                                              {"asked", asked},
+                                                              {"engine", engine},
+                                                              {"other", all_releases > named ? all_releases - named : 0}}) {
         Labels l = mgr(m, f);
         l.emplace_back("reason", reason);
         out.sample("", l, static_cast<double>(v));
@@ -271,10 +276,11 @@ std::string prometheus_text(const std::vector<Managed>& all, const std::vector<S
       out.sample("_sum", mgr(m, f), std::strtod(field(f, "rewire_seconds_sum").c_str(), nullptr));
       out.sample("_count", mgr(m, f), static_cast<double>(cumulative));
     }
-  for (const auto& [name, key, help] : {
-           std::tuple{"residency_asks_sent_total", "asks_sent", "Times this manager asked the holders of its shared budget to give way."},
-           std::tuple{"residency_asks_received_total", "asks_received",
-                      "Times another process asked this manager to give way (given or declined)."}}) {
+  for (const auto& [name, key, help] :
+       {std::tuple{"residency_asks_sent_total", "asks_sent",
+                   "Times this manager asked the holders of its shared budget to give way."},
+        std::tuple{"residency_asks_received_total", "asks_received",
+                   "Times another process asked this manager to give way (given or declined)."}}) {
     out.family(name, "counter", help);
     for (const auto& m : all)
       for (const auto& f : m.managers)
@@ -329,11 +335,13 @@ int run_ps(bool json, bool prometheus) {
     return kExitOk;
   }
   if (all.empty()) {
-    std::printf("no process runs a residency manager here (none with a state file in %s or a share of a shared budget)\n",
-                core::kStateDir);
+    std::printf(
+        "no process runs a residency manager here (none with a state file in %s or a share of a shared budget)\n",
+        core::kStateDir);
     return kExitOk;
   }
-  std::vector<std::vector<std::string>> rows = {{"PID", "PROGRAM", "MODEL", "STATE", "HOST LOCKED", "GPU AWAKE", "RELEASES", "BUDGETS"}};
+  std::vector<std::vector<std::string>> rows = {
+      {"PID", "PROGRAM", "MODEL", "STATE", "HOST LOCKED", "GPU AWAKE", "RELEASES", "BUDGETS"}};
   for (const auto& m : all) {
     std::string models;
     for (const auto& p : m.models) models += (models.empty() ? "" : ",") + base_name(p);
@@ -367,7 +375,8 @@ int run_ps(bool, bool) { throw BadInput("ps reads /proc and /dev/shm: Linux only
 #endif
 
 const Command ps_command{
-    "ps", "every process here that a residency manager runs in: its model, state, bytes held, when it releases, its budgets",
+    "ps",
+    "every process here that a residency manager runs in: its model, state, bytes held, when it releases, its budgets",
     [](CLI::App& app) {
       auto json = std::make_shared<bool>(false);
       auto prometheus = std::make_shared<bool>(false);

@@ -106,8 +106,8 @@ std::string limit_unknown_text(const PosixSystemInfo& info) {
     char mode[8];
     std::snprintf(mode, sizeof mode, "%04o", b.mode);
     rows.emplace_back(label, printable(b.name) + ": " + format_size(b.size) + ", used " + format_size(b.used) + ", " +
-                                 std::to_string(b.holders.size()) + " holder(s)  (" + printable(b.path, 400) + ", mode " +
-                                 mode + ")");
+                                 std::to_string(b.holders.size()) + " holder(s)  (" + printable(b.path, 400) +
+                                 ", mode " + mode + ")");
     label = "";
     for (const auto& h : b.holders) {
       // The holder's own account (its state file): program, awake or asleep, switches, pinned bytes.
@@ -121,12 +121,13 @@ std::string limit_unknown_text(const PosixSystemInfo& info) {
         if (!f.pinned_host_bytes.empty())
           own += ", pinned host " + format_size(std::strtoull(f.pinned_host_bytes.c_str(), nullptr, 10));
       }
-      rows.emplace_back("", "  pid " + std::to_string(h.pid) + (f.program.empty() ? "" : " (" + printable(f.program) + ")") +
-                                ": " + format_size(h.bytes) +
-                                (h.unmanaged != 0 ? " (" + format_size(h.unmanaged) + " of it the GPU context)" : "") + own +
-                                ", " + idle_text(h.idle) + ", priority " +
-                                std::to_string(h.priority) + (h.asked ? ", asked to give back" : "") +
-                                (h.alive ? "" : "  DEAD: its share is reclaimed by the next process that takes the lock"));
+      rows.emplace_back("",
+                        "  pid " + std::to_string(h.pid) +
+                            (f.program.empty() ? "" : " (" + printable(f.program) + ")") + ": " + format_size(h.bytes) +
+                            (h.unmanaged != 0 ? " (" + format_size(h.unmanaged) + " of it the GPU context)" : "") +
+                            own + ", " + idle_text(h.idle) + ", priority " + std::to_string(h.priority) +
+                            (h.asked ? ", asked to give back" : "") +
+                            (h.alive ? "" : "  DEAD: its share is reclaimed by the next process that takes the lock"));
     }
   }
 }
@@ -150,18 +151,19 @@ std::string limit_unknown_text(const PosixSystemInfo& info) {
       const auto opt_num = [](const std::string& v) {
         return v.empty() ? nlohmann::json(nullptr) : nlohmann::json(std::strtod(v.c_str(), nullptr));
       };
-      hs.push_back({{"pid", h.pid},
-                    {"program", printable(f.program)},
-                    {"state", f.state.empty() ? nlohmann::json(nullptr) : nlohmann::json(f.state)},
-                    {"switches", opt_num(f.switches)},
-                    {"last_switch_ms", opt_num(f.last_switch_ms)},
-                    {"pinned_host_bytes", opt_num(f.pinned_host_bytes)},
-                    {"bytes", h.bytes},
-                    {"unmanaged_bytes", h.unmanaged},
-                    {"idle_s", h.idle ? nlohmann::json(std::chrono::duration<double>(*h.idle).count()) : nlohmann::json(nullptr)},
-                    {"priority", h.priority},
-                    {"alive", h.alive},
-                    {"asked", h.asked}});
+      hs.push_back(
+          {{"pid", h.pid},
+           {"program", printable(f.program)},
+           {"state", f.state.empty() ? nlohmann::json(nullptr) : nlohmann::json(f.state)},
+           {"switches", opt_num(f.switches)},
+           {"last_switch_ms", opt_num(f.last_switch_ms)},
+           {"pinned_host_bytes", opt_num(f.pinned_host_bytes)},
+           {"bytes", h.bytes},
+           {"unmanaged_bytes", h.unmanaged},
+           {"idle_s", h.idle ? nlohmann::json(std::chrono::duration<double>(*h.idle).count()) : nlohmann::json(nullptr)},
+           {"priority", h.priority},
+           {"alive", h.alive},
+           {"asked", h.asked}});
     }
     j["holders"] = hs;
     a.push_back(j);
@@ -234,8 +236,8 @@ int run_stat(bool json) {
   const BackendsHere here = backends_here();
   const auto& backends = here.working;
   const std::uint64_t base = info.mem_total ? *info.mem_total : 0;
-  const std::uint64_t limit_base =
-      info.cgroup_memory_max && *info.cgroup_memory_max < base ? *info.cgroup_memory_max : base;
+  const std::uint64_t limit_base = info.cgroup_memory_max && *info.cgroup_memory_max < base ? *info.cgroup_memory_max
+                                                                                            : base;
   const std::uint64_t recommended = posix_recommended_working_set(limit_base);
 
   if (json) {
@@ -274,14 +276,14 @@ int run_stat(bool json) {
   rows.emplace_back("MemAvailable", size_or_unknown(info.mem_available));
   rows.emplace_back("Mlocked (system)", size_or_unknown(info.mlocked));
   // No VmLck line: it would be this stat process's own, always 0 (see the file's top).
-  rows.emplace_back("RLIMIT_MEMLOCK",
-                    "soft " + limit_text(info.memlock_soft) + ", hard " + limit_text(info.memlock_hard));
+  rows.emplace_back("RLIMIT_MEMLOCK", "soft " + limit_text(info.memlock_soft) + ", hard " + limit_text(info.memlock_hard));
   if (info.cap_ipc_lock) {
     rows.emplace_back("CAP_IPC_LOCK", "yes (mlock is not held to RLIMIT_MEMLOCK)");
   } else if (info.memlock_soft == PosixSystemInfo::kUnlimited) {
     rows.emplace_back("CAP_IPC_LOCK", "no (RLIMIT_MEMLOCK is unlimited: not needed)");
   } else {
-    rows.emplace_back("CAP_IPC_LOCK", "no (mlock is held to " + limit_text(info.memlock_soft) + "; raise it with `ulimit -l`)");
+    rows.emplace_back("CAP_IPC_LOCK",
+                      "no (mlock is held to " + limit_text(info.memlock_soft) + "; raise it with `ulimit -l`)");
   }
   rows.emplace_back("recommended working set",
                     base ? format_size(recommended) + " (posix: 75 % of " +
@@ -291,16 +293,17 @@ int run_stat(bool json) {
     const bool v1 = info.cgroup_version == 1;
     rows.emplace_back(v1 ? "cgroup (v1 memory)" : "cgroup (v2)",
                       info.cgroup_path + (v1 ? ", memory.limit_in_bytes " : ", memory.max ") +
-                          (info.cgroup_memory_max              ? format_size(*info.cgroup_memory_max)
+                          (info.cgroup_memory_max                   ? format_size(*info.cgroup_memory_max)
                            : info.cgroup_memory_max_unknown.empty() ? std::string("none (no limit)")
                                                                     : limit_unknown_text(info)));
   }
   pressure_rows(rows, "PSI memory", info.system_pressure);
   if (info.cgroup_pressure) pressure_rows(rows, "PSI memory (cgroup)", *info.cgroup_pressure);
-  rows.emplace_back("pressure watch", info.pressure_watch.describe() +
-                                          (info.pressure_watch.reason.empty() || info.pressure_watch.kind == PressureSource::Kind::none
-                                               ? std::string()
-                                               : "; " + info.pressure_watch.reason));
+  rows.emplace_back("pressure watch",
+                    info.pressure_watch.describe() +
+                        (info.pressure_watch.reason.empty() || info.pressure_watch.kind == PressureSource::Kind::none
+                             ? std::string()
+                             : "; " + info.pressure_watch.reason));
   rows.emplace_back("backends", backends_text(here));
   for (const auto& [n, why] : here.not_here) rows.emplace_back("not here", named_reason(n, why));
   shared_budget_rows(rows, list_shared_budgets());
@@ -330,7 +333,8 @@ int run_stat(bool json) {
 #endif
 
 const Command stat_command{
-    "stat", "what this machine holds resident and what a process started here may lock (memory, locks, limits, pressure)",
+    "stat",
+    "what this machine holds resident and what a process started here may lock (memory, locks, limits, pressure)",
     [](CLI::App& app) {
       auto json = std::make_shared<bool>(false);
       auto pid = std::make_shared<int>(0);  // 0: not given (the option takes 1 and above)

@@ -68,18 +68,20 @@ int run_stat_apple(bool json, const std::string& backends_line, const nlohmann::
 
   std::vector<std::pair<std::string, std::string>> rows;
   rows.emplace_back("physical memory", sys.physical ? format_size(*sys.physical) : "unknown");
-  rows.emplace_back("wired (system)", sys.wired ? format_size(*sys.wired) + " (host_statistics64 wire_count x page size, as `top -l 1`)"
-                                                : std::string("unknown"));
+  rows.emplace_back("wired (system)",
+                    sys.wired ? format_size(*sys.wired) + " (host_statistics64 wire_count x page size, as `top -l 1`)"
+                              : std::string("unknown"));
   rows.emplace_back("iogpu.wired_limit_mb", wired_limit_text(sys.iogpu_wired_limit_mb));
   rows.emplace_back("iogpu.disable_wired_collector", collector_text(sys.iogpu_disable_wired_collector));
   rows.emplace_back("memory pressure", sys.pressure_level ? *sys.pressure_level : std::string("unknown"));
   if (dev.found) {
     rows.emplace_back("Metal device", dev.name + (dev.unified_memory ? " (unified memory)" : ""));
-    rows.emplace_back("recommended working set", format_size(dev.recommended_working_set) + " (recommendedMaxWorkingSetSize)");
+    rows.emplace_back("recommended working set",
+                      format_size(dev.recommended_working_set) + " (recommendedMaxWorkingSetSize)");
     rows.emplace_back("allocated (this process)", format_size(dev.current_allocated) + " (currentAllocatedSize)");
     rows.emplace_back("maxBufferLength", format_size(dev.max_buffer_length));
-    rows.emplace_back("residency sets", dev.residency_sets.available ? std::string("yes")
-                                                                     : "no (" + dev.residency_sets.reason + ")");
+    rows.emplace_back("residency sets",
+                      dev.residency_sets.available ? std::string("yes") : "no (" + dev.residency_sets.reason + ")");
   } else {
     rows.emplace_back("Metal device", "none (MTLCreateSystemDefaultDevice returned nil)");
   }

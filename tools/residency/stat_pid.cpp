@@ -13,8 +13,8 @@
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
-#include <chrono>
 #include <cerrno>
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -253,7 +253,8 @@ Gpu read_gpu(int pid) {
     return g;
   }
   const auto gpus = run_for_output(smi, {"--query-gpu=index,uuid", "--format=csv,noheader"});
-  const auto apps = run_for_output(smi, {"--query-compute-apps=pid,gpu_uuid,used_memory", "--format=csv,noheader,nounits"});
+  const auto apps = run_for_output(smi,
+                                   {"--query-compute-apps=pid,gpu_uuid,used_memory", "--format=csv,noheader,nounits"});
   if (!gpus || !apps) {
     g.reason = "nvidia-smi failed (no NVIDIA driver loaded?)";
     return g;
@@ -311,8 +312,9 @@ void manager_rows(std::vector<Row>& rows, const core::StateFileRead& s) {
   rows.emplace_back(label, printable(field(s, "backend")) + ", keep-alive " + printable(field(s, "keep_alive")) + ", " +
                                (resident ? "resident" : "released"));
   const std::string& lim = field(s, "wired_limit");
-  rows.emplace_back("  wired", format_size(bytes_field(s, "wired_bytes")) + " of " + format_size(bytes_field(s, "tracked_bytes")) +
-                                   " registered in " + printable(field(s, "regions")) + " region(s); wired limit " +
+  rows.emplace_back("  wired", format_size(bytes_field(s, "wired_bytes")) + " of " +
+                                   format_size(bytes_field(s, "tracked_bytes")) + " registered in " +
+                                   printable(field(s, "regions")) + " region(s); wired limit " +
                                    (lim == "unlimited" ? lim : format_size(bytes_field(s, "wired_limit"))));
   std::string classes;
   for (const char* c : {"weights", "kv_cache", "scratch"}) {
@@ -323,13 +325,14 @@ void manager_rows(std::vector<Row>& rows, const core::StateFileRead& s) {
   }
   rows.emplace_back("  by class", classes.empty() ? std::string("no regions") : classes);
   if (!field(s, "last_release_at").empty())
-    rows.emplace_back("  last release", ago(field(s, "last_release_at")) + " (" + printable(field(s, "last_release_reason"), 200) +
-                                            "); " + printable(field(s, "releases")) + " release(s)");
-  else
-    rows.emplace_back("  last release", "none yet");
+    rows.emplace_back("  last release", ago(field(s, "last_release_at")) + " (" +
+                                            printable(field(s, "last_release_reason"), 200) + "); " +
+                                            printable(field(s, "releases")) + " release(s)");
+  else rows.emplace_back("  last release", "none yet");
   if (!field(s, "last_rewire_at").empty())
-    rows.emplace_back("  last re-wire", ago(field(s, "last_rewire_at")) + ", " + format_size(bytes_field(s, "last_rewire_bytes")) +
-                                            " in " + printable(field(s, "last_rewire_ms")) + " ms; " +
+    rows.emplace_back("  last re-wire", ago(field(s, "last_rewire_at")) + ", " +
+                                            format_size(bytes_field(s, "last_rewire_bytes")) + " in " +
+                                            printable(field(s, "last_rewire_ms")) + " ms; " +
                                             printable(field(s, "rewires")) + " re-wire(s)");
   if (!field(s, "shared_budget").empty())
     rows.emplace_back("  shared budget", printable(field(s, "shared_budget")) + ": holds " +
@@ -353,7 +356,8 @@ nlohmann::json manager_json(const core::StateFileRead& s) {
     const bool whole = !digits.empty() && digits.size() < 19 && digits.find_first_not_of("0123456789") == std::string::npos;
     char* end = nullptr;
     const double d = std::strtod(v.c_str(), &end);
-    const bool real = !digits.empty() && end == v.c_str() + v.size() && digits.find_first_not_of("0123456789.") == std::string::npos;
+    const bool real = !digits.empty() && end == v.c_str() + v.size() &&
+                      digits.find_first_not_of("0123456789.") == std::string::npos;
     if (whole && digits.size() == v.size()) st[printable(k)] = std::strtoull(v.c_str(), nullptr, 10);
     else if (whole) st[printable(k)] = std::strtoll(v.c_str(), nullptr, 10);
     else if (real) st[printable(k)] = d;
@@ -393,25 +397,30 @@ std::string preload_diagnosis(int pid) {
   std::ifstream maps("/proc/" + std::to_string(pid) + "/maps");
   std::string line, mapped;
   while (std::getline(maps, line))
-    if (line.find("libresidency_preload") != std::string::npos) mapped = line.substr(line.find('/') == std::string::npos ? 0 : line.find('/'));
+    if (line.find("libresidency_preload") != std::string::npos)
+      mapped = line.substr(line.find('/') == std::string::npos ? 0 : line.find('/'));
   const std::string& path = paths.front();
   if (!mapped.empty())
     return "the preload is loaded (" + printable(mapped, 400) + ") but has made no manager yet: no llama.cpp model " +
            "loaded, RESIDENCY_KEEP_ALIVE=off, or RESIDENCY_STATE_FILE=0";
-  struct stat st{};
+  struct stat st {};
   if (::stat(path.c_str(), &st) != 0)
     return "LD_PRELOAD names " + printable(path, 400) + ", which does not exist (" + std::strerror(errno) +
            "): the loader ignored it (\"cannot be preloaded\" on the program's stderr) and the program runs "
            "without residency; the preload is built only where CMake finds llama.cpp (its configure and install "
            "say so), or it was installed elsewhere";
   if (path.find('/') == std::string::npos)
-    return "LD_PRELOAD names " + printable(path, 400) + " without a path and it is not loaded: give the full path "
+    return "LD_PRELOAD names " + printable(path, 400) +
+           " without a path and it is not loaded: give the full path "
            "(PREFIX/lib/libresidency_preload.so)";
-  return "LD_PRELOAD names " + printable(path, 400) + ", but the process did not load it: the loader refused it "
+  return "LD_PRELOAD names " + printable(path, 400) +
+         ", but the process did not load it: the loader refused it "
          "(\"cannot be preloaded\" on the program's stderr: another architecture, or a set-user-ID program)";
 }
 
-nlohmann::json opt_json(const std::optional<std::uint64_t>& v) { return v ? nlohmann::json(*v) : nlohmann::json(nullptr); }
+nlohmann::json opt_json(const std::optional<std::uint64_t>& v) {
+  return v ? nlohmann::json(*v) : nlohmann::json(nullptr);
+}
 std::string opt_text(const std::optional<std::uint64_t>& v) { return v ? format_size(*v) : std::string("unknown"); }
 
 }  // namespace
@@ -430,11 +439,13 @@ int run_stat_pid(int pid, bool json) {
   const Smaps smaps = read_smaps(pid);
   if (smaps.err == EACCES || smaps.err == EPERM) {
     if (status->uid != ::geteuid() && ::geteuid() != 0)
-      std::fprintf(stderr, "residency stat: --pid %d (%s) runs as uid %u: only that user or root may see what it holds (%s)\n",
+      std::fprintf(stderr,
+                   "residency stat: --pid %d (%s) runs as uid %u: only that user or root may see what it holds (%s)\n",
                    pid, printable(status->name).c_str(), static_cast<unsigned>(status->uid), smaps.error.c_str());
     else  // the kernel's ptrace check: a process of another user namespace, or yama's ptrace_scope
-      std::fprintf(stderr, "residency stat: --pid %d (%s): the kernel does not let this process read its mappings (%s)\n",
-                   pid, printable(status->name).c_str(), smaps.error.c_str());
+      std::fprintf(stderr,
+                   "residency stat: --pid %d (%s): the kernel does not let this process read its mappings (%s)\n", pid,
+                   printable(status->name).c_str(), smaps.error.c_str());
     return kExitFailure;
   }
   if (!smaps.error.empty() && !read_status(pid)) throw BadInput("--pid " + std::to_string(pid) + ": the process ended");
@@ -490,7 +501,8 @@ int run_stat_pid(int pid, bool json) {
         rest += m.locked;
         continue;
       }
-      rows.emplace_back(label, format_size(m.locked) + " of " + format_size(m.rss) + " resident: " + printable(m.what, 400));
+      rows.emplace_back(label,
+                        format_size(m.locked) + " of " + format_size(m.rss) + " resident: " + printable(m.what, 400));
       label = "";
     }
     if (shown == 0) rows.emplace_back(label, "none");
@@ -498,8 +510,9 @@ int run_stat_pid(int pid, bool json) {
   }
   if (states.empty()) {
     const std::string why = preload_diagnosis(pid);
-    rows.emplace_back("residency", why.empty() ? "no state file (no residency manager in this process, or RESIDENCY_STATE_FILE=0)"
-                                               : "no state file: " + why);
+    rows.emplace_back("residency",
+                      why.empty() ? "no state file (no residency manager in this process, or RESIDENCY_STATE_FILE=0)"
+                                  : "no state file: " + why);
   }
   for (const auto& s : states) manager_rows(rows, s);
   if (!gpu.available) {

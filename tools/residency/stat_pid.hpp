@@ -18,9 +18,9 @@ int run_stat_pid(int pid, bool json);
 // share of budget `budget` it is): for the budget's rows of `residency stat`. Empty fields where
 // there is no such file (another user's process, RESIDENCY_STATE_FILE=0, not Linux).
 struct HolderFacts {
-  std::string program;     // /proc/PID/comm
-  std::string state;       // "awake"/"asleep" (a GPU's memory), "resident"/"released" (host memory)
-  std::string switches;    // wakes or re-wires so far, decimal
+  std::string program;   // /proc/PID/comm
+  std::string state;     // "awake"/"asleep" (a GPU's memory), "resident"/"released" (host memory)
+  std::string switches;  // wakes or re-wires so far, decimal
   std::string last_switch_ms;
   std::string pinned_host_bytes;
 };

@@ -15,8 +15,8 @@
 
 #include <cstddef>
 #include <functional>
-#include <string>
 #include <memory>
+#include <string>
 
 #include "residency/backend.hpp"
 #include "residency/status.hpp"

@@ -139,8 +139,8 @@ class MetalHostViews {
   // Errors: invalid_argument for a base that is not page-aligned or a null device,
   // limit_exceeded from the planner (too many views, a tensor longer than a view),
   // backend_error when Metal refuses a buffer.
-  static Result<MetalHostViews> make(void* device, void* base, std::uint64_t size,
-                                     std::span<const Extent> tensors, std::uint64_t max_length = 0);
+  static Result<MetalHostViews> make(void* device, void* base, std::uint64_t size, std::span<const Extent> tensors,
+                                     std::uint64_t max_length = 0);
   MetalHostViews(MetalHostViews&&) noexcept;
   MetalHostViews& operator=(MetalHostViews&&) noexcept;
   ~MetalHostViews();

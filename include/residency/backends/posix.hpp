@@ -66,7 +66,7 @@ std::uint64_t posix_recommended_working_set(std::uint64_t physical, double pct =
 
 // A PSI line ("some avg10=0.00 avg60=0.00 avg300=0.00 total=0"), parsed.
 struct PressureReading {
-  double avg10 = 0;   // percent of the last 10 s some (or all) tasks stalled on memory
+  double avg10 = 0;  // percent of the last 10 s some (or all) tasks stalled on memory
   double avg60 = 0;
   double avg300 = 0;
   std::uint64_t total_us = 0;  // total stall time since boot, microseconds
@@ -76,8 +76,8 @@ struct PressureReading {
 struct PressureInfo {
   std::string path;
   bool available = false;
-  std::string reason;                   // why not, when !available
-  std::string some_line, full_line;     // as the kernel printed them (full may be absent)
+  std::string reason;                // why not, when !available
+  std::string some_line, full_line;  // as the kernel printed them (full may be absent)
   std::optional<PressureReading> some, full;
 };
 
@@ -91,9 +91,9 @@ struct PressureInfo {
 struct PressureSource {
   enum class Kind : std::uint8_t { none, psi, cgroup_v1_level };
   Kind kind = Kind::none;
-  std::string path;   // the PSI file, or the cgroup v1 memory.pressure_level
-  std::string scope;  // "system", "cgroup v2 /a/b", "cgroup v1 /a/b"
-  std::string reason; // why this one (and not a closer one), or why none
+  std::string path;    // the PSI file, or the cgroup v1 memory.pressure_level
+  std::string scope;   // "system", "cgroup v2 /a/b", "cgroup v1 /a/b"
+  std::string reason;  // why this one (and not a closer one), or why none
   // One line for logs and `residency stat`, e.g. "cgroup v1 memory.pressure_level 'medium' of
   // /a/b (/sys/fs/cgroup/memory/a/b/memory.pressure_level), at most one event per 2 s".
   std::string describe(const PosixOptions& options = {}) const;
@@ -127,12 +127,12 @@ struct PosixSystemInfo {
   std::string cgroup_memory_max_unknown;
   std::uint64_t memlock_soft = 0;  // RLIMIT_MEMLOCK, bytes or kUnlimited
   std::uint64_t memlock_hard = 0;
-  bool cap_ipc_lock = false;       // effective CAP_IPC_LOCK: RLIMIT_MEMLOCK does not apply
-  std::string cgroup_path;         // this process's memory cgroup ("/" = root), if found
-  int cgroup_version = 0;          // 1: the cgroup v1 memory controller; 2: cgroup v2
-  PressureInfo system_pressure;    // /proc/pressure/memory
+  bool cap_ipc_lock = false;                    // effective CAP_IPC_LOCK: RLIMIT_MEMLOCK does not apply
+  std::string cgroup_path;                      // this process's memory cgroup ("/" = root), if found
+  int cgroup_version = 0;                       // 1: the cgroup v1 memory controller; 2: cgroup v2
+  PressureInfo system_pressure;                 // /proc/pressure/memory
   std::optional<PressureInfo> cgroup_pressure;  // <cgroup2 mount><cgroup_path>/memory.pressure
-  PressureSource pressure_watch;   // what the backend's pressure watch would listen to (default options)
+  PressureSource pressure_watch;                // what the backend's pressure watch would listen to (default options)
   std::vector<std::string> problems;
 };
 PosixSystemInfo read_posix_system_info();

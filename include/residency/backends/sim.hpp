@@ -115,21 +115,21 @@ class SimBackend final : public Backend {
     std::uint64_t id = 0;
     QueueId queue = 0;
     Nanos committed_at{0};
-    Nanos compute{0};                      // GPU time when everything it needs is wired
-    std::vector<GpuBuffer> uses;           // memory it uses directly
-    std::vector<SetId> resident_sets;      // sets attached to the queue at commit
+    Nanos compute{0};                         // GPU time when everything it needs is wired
+    std::vector<GpuBuffer> uses;              // memory it uses directly
+    std::vector<SetId> resident_sets;         // sets attached to the queue at commit
     std::vector<GpuBuffer> resident_buffers;  // their members at commit
   };
   struct Stats {
-    std::uint64_t requests = 0;          // request_residency calls
-    std::uint64_t refreshes = 0;         // refresh calls
-    std::uint64_t commits = 0;           // Backend::commit calls
-    std::uint64_t gpu_operations = 0;    // command buffers executed + tiny operations
-    std::uint64_t rewired_bytes = 0;     // bytes wired again by requests and GPU work
-    Nanos request_wire_time{0};          // re-wire time paid inside residency requests
-    Nanos gpu_wire_time{0};              // re-wire time paid inside GPU work
-    std::uint64_t collected_bytes = 0;   // bytes the collector unwired
-    std::uint64_t misuse = 0;            // calls naming an unknown set/queue (see last_error)
+    std::uint64_t requests = 0;         // request_residency calls
+    std::uint64_t refreshes = 0;        // refresh calls
+    std::uint64_t commits = 0;          // Backend::commit calls
+    std::uint64_t gpu_operations = 0;   // command buffers executed + tiny operations
+    std::uint64_t rewired_bytes = 0;    // bytes wired again by requests and GPU work
+    Nanos request_wire_time{0};         // re-wire time paid inside residency requests
+    Nanos gpu_wire_time{0};             // re-wire time paid inside GPU work
+    std::uint64_t collected_bytes = 0;  // bytes the collector unwired
+    std::uint64_t misuse = 0;           // calls naming an unknown set/queue (see last_error)
   };
 
   // Made by make_sim_backend(options), which checks the options first.
@@ -159,8 +159,7 @@ class SimBackend final : public Backend {
   Status detach_set(QueueId queue, SetId set);
   std::vector<SetId> queue_sets(QueueId queue) const;
   // Commits a command buffer at clock.now(), fixing its residency (see CommandBuffer).
-  Result<CommandBuffer> commit_command_buffer(QueueId queue, std::vector<GpuBuffer> uses,
-                                              Nanos compute);
+  Result<CommandBuffer> commit_command_buffer(QueueId queue, std::vector<GpuBuffer> uses, Nanos compute);
   // Executes a committed command buffer at clock.now(): wires its used and resident buffers
   // (paying the re-wire cost of the bytes that were not wired), marks them used at the end of
   // the execution and returns its duration (compute + re-wire). The caller advances the clock.
@@ -171,11 +170,11 @@ class SimBackend final : public Backend {
   void gpu_operation();
 
   // Observations at clock.now().
-  std::uint64_t wired_bytes();                     // all buffers
-  std::uint64_t wired_bytes(const void* base);     // one buffer (0 if unknown)
-  std::uint64_t allocated_bytes() const;           // bytes of the buffers the sim tracks
-  std::uint32_t live_sets() const;                 // sets created and not destroyed
-  bool residency_requested(SetId set);             // requested, not ended, not decayed
+  std::uint64_t wired_bytes();                  // all buffers
+  std::uint64_t wired_bytes(const void* base);  // one buffer (0 if unknown)
+  std::uint64_t allocated_bytes() const;        // bytes of the buffers the sim tracks
+  std::uint32_t live_sets() const;              // sets created and not destroyed
+  bool residency_requested(SetId set);          // requested, not ended, not decayed
   Stats stats() const;
   // The message of the last call the sim could not honour (unknown set, bad region), or "".
   std::string last_error() const;

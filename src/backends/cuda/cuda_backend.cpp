@@ -109,8 +109,8 @@ Result<std::shared_ptr<CudaBackend>> CudaBackend::create(const CudaBackendOption
 
 Result<std::shared_ptr<CudaBackend>> CudaBackend::create(const CudaBackendOptions& o, const Driver& d) {
   if (o.streams < 1 || o.streams > kMaxStreams) {
-    return Status(ErrorCode::invalid_argument, "cuda: streams = " + std::to_string(o.streams) +
-                                                   "; accepted: 1 to " + std::to_string(kMaxStreams));
+    return Status(ErrorCode::invalid_argument,
+                  "cuda: streams = " + std::to_string(o.streams) + "; accepted: 1 to " + std::to_string(kMaxStreams));
   }
   if (o.chunk_bytes == 0) {
     return Status(ErrorCode::invalid_argument,
@@ -121,13 +121,13 @@ Result<std::shared_ptr<CudaBackend>> CudaBackend::create(const CudaBackendOption
   CUresult r = d.cuDeviceGetCount(&count);
   if (r != CUDA_SUCCESS) return d.error(r, "counting devices", "cuDeviceGetCount");
   if (count == 0) {
-    return Status(ErrorCode::unsupported, "cuda: no CUDA device on this machine (the driver is " +
-                                              d.library + "); choose another backend (posix)");
+    return Status(ErrorCode::unsupported, "cuda: no CUDA device on this machine (the driver is " + d.library +
+                                              "); choose another backend (posix)");
   }
   if (o.device < 0 || o.device >= count) {
-    return Status(ErrorCode::invalid_argument,
-                  "cuda: device " + std::to_string(o.device) + " does not exist; this machine has " +
-                      std::to_string(count) + " (0 to " + std::to_string(count - 1) + ")");
+    return Status(ErrorCode::invalid_argument, "cuda: device " + std::to_string(o.device) +
+                                                   " does not exist; this machine has " + std::to_string(count) +
+                                                   " (0 to " + std::to_string(count - 1) + ")");
   }
   CUdevice dev = 0;
   r = d.cuDeviceGet(&dev, o.device);
@@ -169,8 +169,7 @@ Result<std::shared_ptr<CudaBackend>> CudaBackend::create(const CudaBackendOption
   return b;
 }
 
-CudaBackend::CudaBackend(const Driver* d, CUdevice dev, CUcontext ctx, const CudaBackendOptions& o,
-                         std::size_t granularity)
+CudaBackend::CudaBackend(const Driver* d, CUdevice dev, CUcontext ctx, const CudaBackendOptions& o, std::size_t granularity)
     : d_(d),
       dev_(dev),
       ctx_(ctx),
@@ -241,8 +240,8 @@ CudaBackend::~CudaBackend() {
 Capabilities CudaBackend::capabilities() const {
   Capabilities c;
   c.name = "cuda";
-  c.needs_refresh = false;    // device mappings do not decay
-  c.max_sets = 0;             // no limit: a set is only a list here
+  c.needs_refresh = false;  // device mappings do not decay
+  c.max_sets = 0;           // no limit: a set is only a list here
   c.device_uuid = uuid_;
   c.paced_wake = true;  // wake() asks the gate before each chunk it maps
   // Physical memory comes in whole units of the allocation granularity (2 MiB here): a budget is
@@ -266,8 +265,10 @@ std::uint64_t CudaBackend::unmanaged_device_bytes() {
   const std::optional<std::uint64_t> used = nvml_process_bytes(uuid_, ::getpid(), &why);
   if (!used) {
     if (!nvml_said_.exchange(true))
-      say("the memory this process holds on " + uuid_ + " besides its allocations (the CUDA context, libraries' "
-          "workspaces) is unknown: " + why + "; a GPU budget counts only the allocations");
+      say("the memory this process holds on " + uuid_ +
+          " besides its allocations (the CUDA context, libraries' "
+          "workspaces) is unknown: " +
+          why + "; a GPU budget counts only the allocations");
     return 0;
   }
   const std::uint64_t mapped = g_mapped[device_slot(dev_)].load(std::memory_order_relaxed);
@@ -304,8 +305,8 @@ Result<void*> CudaBackend::allocate(std::size_t size, RegionClass cls) {
     return Status(ErrorCode::invalid_argument, "cuda: allocation of 0 bytes; accepted: 1 byte or more");
   }
   if (size > std::numeric_limits<std::size_t>::max() - granularity_) {
-    return Status(ErrorCode::invalid_argument, "cuda: allocation of " + std::to_string(size) +
-                                                   " bytes is larger than any address range");
+    return Status(ErrorCode::invalid_argument,
+                  "cuda: allocation of " + std::to_string(size) + " bytes is larger than any address range");
   }
   ContextScope scope(*d_, ctx_);
   if (!scope.ok()) return Status(ErrorCode::backend_error, "cuda: cannot make the primary context current");
@@ -315,14 +316,12 @@ Result<void*> CudaBackend::allocate(std::size_t size, RegionClass cls) {
   a.cls = cls;
   CUresult r = d_->cuMemAddressReserve(&a.va, a.reserved, granularity_, 0, 0);
   if (r != CUDA_SUCCESS) {
-    return d_->error(r, "reserving " + format_size(a.reserved) + " of device addresses",
-                     "cuMemAddressReserve");
+    return d_->error(r, "reserving " + format_size(a.reserved) + " of device addresses", "cuMemAddressReserve");
   }
   Status st = wake(a);
   if (!st) {
     (void)d_->cuMemAddressFree(a.va, a.reserved);
-    return Status(st.code(), "cuda: allocating " + format_size(size) + " (" + to_string(cls) +
-                                 "): " + st.message());
+    return Status(st.code(), "cuda: allocating " + format_size(size) + " (" + to_string(cls) + "): " + st.message());
   }
   const CUdeviceptr va = a.va;
   a.serial = next_serial_++;
@@ -363,8 +362,7 @@ void CudaBackend::background_loop() {
       std::lock_guard<std::mutex> lock(mu_);
       auto it = allocations_.find(job.first);
       // A tracked allocation's first sleep decides what needs pinning (file pieces need none).
-      if (it == allocations_.end() || it->second.serial != job.second || it->second.backup != nullptr ||
-          it->second.tracked)
+      if (it == allocations_.end() || it->second.serial != job.second || it->second.backup != nullptr || it->second.tracked)
         continue;
       tmp.va = it->second.va;
       tmp.size = it->second.size;
@@ -379,8 +377,7 @@ void CudaBackend::background_loop() {
     }
     std::lock_guard<std::mutex> lock(mu_);
     auto it = allocations_.find(job.first);
-    if (it != allocations_.end() && it->second.serial == job.second && it->second.backup == nullptr &&
-        !it->second.tracked) {
+    if (it != allocations_.end() && it->second.serial == job.second && it->second.backup == nullptr && !it->second.tracked) {
       it->second.backup = tmp.backup;
       it->second.backup_mapped = tmp.backup_mapped;
       it->second.pinned = std::move(tmp.pinned);
@@ -454,9 +451,10 @@ Status CudaBackend::wake(DeviceAllocation& a) {
     for (auto& [key, f] : files_) {
       if (f->map == nullptr || f->unusable || file_unchanged(*f)) continue;
       f->unusable = true;
-      say(f->name + " changed while the weights filled from it slept (size or modification time); they are "
-                    "restored from it as it is now, which may differ from what was loaded; replace a model "
-                    "file by renaming a new one over it, never by writing into it, while a server uses it");
+      say(f->name +
+          " changed while the weights filled from it slept (size or modification time); they are "
+          "restored from it as it is now, which may differ from what was loaded; replace a model "
+          "file by renaming a new one over it, never by writing into it, while a server uses it");
     }
   }
   const CUmemAllocationProp prop = device_prop(dev_);
@@ -471,11 +469,9 @@ Status CudaBackend::wake(DeviceAllocation& a) {
   auto fail = [&](CUresult r, const char* call, std::size_t off) {
     unmap_chunks(a, a.chunks.size());
     const bool oom = r == CUDA_ERROR_OUT_OF_MEMORY;
-    std::string what = std::string(oom ? "out of device memory" : "mapping failed") +
-                       " waking a " + format_size(a.size) + " " + to_string(a.cls) +
-                       " allocation at " + hex(a.va) + " after " + format_size(off) + "; " +
-                       "the partial mapping was rolled back" +
-                       (restore ? " and the host backup is kept" : "");
+    std::string what = std::string(oom ? "out of device memory" : "mapping failed") + " waking a " + format_size(a.size) +
+                       " " + to_string(a.cls) + " allocation at " + hex(a.va) + " after " + format_size(off) + "; " +
+                       "the partial mapping was rolled back" + (restore ? " and the host backup is kept" : "");
     Status s = d_->error(r, what, call);
     return Status(s.code(), s.message() + (oom ? "; free device memory (other allocations or "
                                                  "processes) and request residency again"
@@ -577,7 +573,8 @@ Status CudaBackend::save(DeviceAllocation& a) {
           const CUresult r = d_->cuMemcpyDtoHAsync(a.backup + off, a.va + off, bytes, stream);
           if (r != CUDA_SUCCESS) {
             (void)sync_streams();
-            return d_->error(r, "copying weights at " + hex(a.va) + " to the host backup; the allocation stays resident", "cuMemcpyDtoHAsync");
+            return d_->error(r, "copying weights at " + hex(a.va) + " to the host backup; the allocation stays resident",
+                             "cuMemcpyDtoHAsync");
           }
           copied_to_host_ += bytes;
         }
@@ -604,29 +601,31 @@ Status CudaBackend::pin_backup(DeviceAllocation& a, bool copy, const std::vector
     return (need == nullptr || (i < need->size() && (*need)[i] != 0)) && (i >= a.pinned.size() || a.pinned[i] == 0);
   };
   const std::string what = "pinning a " + format_size(a.size) + " host backup for the weights at " + hex(a.va);
-  const std::string kept = "; the partial backup was rolled back (unregistered and unmapped) and the "
-                           "allocation stays resident, nothing is lost; free host memory and release again";
+  const std::string kept =
+      "; the partial backup was rolled back (unregistered and unmapped) and the "
+      "allocation stays resident, nothing is lost; free host memory and release again";
 
   // The mapping is made once (its pages cost nothing until a chunk is faulted in); a later call
   // pins more chunks of it.
   const bool fresh = a.backup == nullptr;
   char* base = a.backup;
   if (fresh) {
-  // Reserve 2 MiB more than needed, keep the 2 MiB-aligned part of exactly `mapped` bytes.
-  void* raw = mmap(nullptr, mapped + kHugePage, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-  if (raw == MAP_FAILED) {
-    const int e = errno;
-    return Status(e == ENOMEM ? ErrorCode::out_of_memory : ErrorCode::backend_error,
-                  "cuda: " + what + ": mmap of " + format_size(mapped) + " failed: " + std::strerror(e) +
-                      "; the allocation stays resident (nothing is lost); free host memory and release again");
-  }
-  const auto raw_addr = reinterpret_cast<std::uintptr_t>(raw);
-  const std::uintptr_t start = round_up(raw_addr, kHugePage);
-  if (start > raw_addr) (void)munmap(raw, start - raw_addr);
-  const std::uintptr_t end = start + mapped;
-  if (raw_addr + mapped + kHugePage > end) (void)munmap(reinterpret_cast<void*>(end), raw_addr + mapped + kHugePage - end);
-  base = reinterpret_cast<char*>(start);
-  (void)madvise(base, mapped, MADV_HUGEPAGE);  // a hint: without THP the backup is made of 4 KiB pages
+    // Reserve 2 MiB more than needed, keep the 2 MiB-aligned part of exactly `mapped` bytes.
+    void* raw = mmap(nullptr, mapped + kHugePage, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (raw == MAP_FAILED) {
+      const int e = errno;
+      return Status(e == ENOMEM ? ErrorCode::out_of_memory : ErrorCode::backend_error,
+                    "cuda: " + what + ": mmap of " + format_size(mapped) + " failed: " + std::strerror(e) +
+                        "; the allocation stays resident (nothing is lost); free host memory and release again");
+    }
+    const auto raw_addr = reinterpret_cast<std::uintptr_t>(raw);
+    const std::uintptr_t start = round_up(raw_addr, kHugePage);
+    if (start > raw_addr) (void)munmap(raw, start - raw_addr);
+    const std::uintptr_t end = start + mapped;
+    if (raw_addr + mapped + kHugePage > end)
+      (void)munmap(reinterpret_cast<void*>(end), raw_addr + mapped + kHugePage - end);
+    base = reinterpret_cast<char*>(start);
+    (void)madvise(base, mapped, MADV_HUGEPAGE);  // a hint: without THP the backup is made of 4 KiB pages
   }
 
   const std::size_t n = (mapped + chunk_ - 1) / chunk_;
@@ -641,7 +640,8 @@ Status CudaBackend::pin_backup(DeviceAllocation& a, bool copy, const std::vector
     const std::size_t coff = i * chunk_;
     const std::size_t clen = std::min(chunk_, mapped - coff);
     std::size_t count = 0;
-    for (std::size_t o = 0; o < clen; o += kFaultSlice, ++count) slices.push_back({i, coff + o, std::min(kFaultSlice, clen - o)});
+    for (std::size_t o = 0; o < clen; o += kFaultSlice, ++count)
+      slices.push_back({i, coff + o, std::min(kFaultSlice, clen - o)});
     left[i].store(count);
   }
 
@@ -649,7 +649,7 @@ Status CudaBackend::pin_backup(DeviceAllocation& a, bool copy, const std::vector
   std::condition_variable cv;
   constexpr std::uint8_t kFaulted = 1, kRegistered = 2;
   std::vector<std::uint8_t> state(n, 0);  // under m: 0, kFaulted, kRegistered
-  Status failure;                              // under m: the first failure
+  Status failure;                         // under m: the first failure
   std::atomic<bool> failed{false};
   std::atomic<std::size_t> next{0};
   auto fail = [&](Status s) {
@@ -671,8 +671,8 @@ Status CudaBackend::pin_backup(DeviceAllocation& a, bool copy, const std::vector
       const int e = fault_in(base + sl.off, sl.len);
       if (e != 0) {
         fail(Status(e == ENOMEM ? ErrorCode::out_of_memory : ErrorCode::backend_error,
-                    "cuda: " + what + ": faulting in host memory at offset " + format_size(sl.off) + " failed: " +
-                        std::strerror(e) + kept));
+                    "cuda: " + what + ": faulting in host memory at offset " + format_size(sl.off) +
+                        " failed: " + std::strerror(e) + kept));
         return;
       }
       if (left[sl.chunk].fetch_sub(1) != 1) continue;
@@ -705,7 +705,8 @@ Status CudaBackend::pin_backup(DeviceAllocation& a, bool copy, const std::vector
     try {
       threads.emplace_back(worker);
     } catch (const std::exception&) {
-      if (threads.empty()) fail(Status(ErrorCode::backend_error, "cuda: " + what + ": cannot start a host thread" + kept));
+      if (threads.empty())
+        fail(Status(ErrorCode::backend_error, "cuda: " + what + ": cannot start a host thread" + kept));
       break;  // fewer threads: slower, not wrong
     }
   }
@@ -735,7 +736,8 @@ Status CudaBackend::pin_backup(DeviceAllocation& a, bool copy, const std::vector
     const std::size_t bytes = std::min(chunk_, a.size - off);
     const CUresult r = d_->cuMemcpyDtoHAsync(base + off, a.va + off, bytes, streams_[i % streams_.size()]);
     if (r != CUDA_SUCCESS) {
-      Status s = d_->error(r, "copying weights at " + hex(a.va) + " to the host backup while " + what, "cuMemcpyDtoHAsync");
+      Status s = d_->error(r, "copying weights at " + hex(a.va) + " to the host backup while " + what,
+                           "cuMemcpyDtoHAsync");
       fail(Status(s.code(), s.message() + kept));
       break;
     }
@@ -807,8 +809,10 @@ Status CudaBackend::wire_region(const RegionDesc& r) {
     return {};
   }
   if (res != CUDA_SUCCESS) {
-    Status s = d_->error(res, "wiring host region " + std::to_string(r.id) + " (" + format_size(r.size) + " at " +
-                                  hex(reinterpret_cast<std::uintptr_t>(r.base)) + ")", "cuMemHostRegister");
+    Status s = d_->error(res,
+                         "wiring host region " + std::to_string(r.id) + " (" + format_size(r.size) + " at " +
+                             hex(reinterpret_cast<std::uintptr_t>(r.base)) + ")",
+                         "cuMemHostRegister");
     return Status(s.code(), s.message() + "; the region stays tracked but unwired");
   }
   h.registered = true;
@@ -1021,7 +1025,8 @@ SetOutcome CudaBackend::request_residency(SetId set) {
 Status CudaBackend::end_residency(SetId set) {
   std::lock_guard<std::mutex> lock(mu_);
   auto it = sets_.find(set);
-  if (it == sets_.end()) return Status(ErrorCode::not_found, "cuda: end_residency of unknown set " + std::to_string(set));
+  if (it == sets_.end())
+    return Status(ErrorCode::not_found, "cuda: end_residency of unknown set " + std::to_string(set));
   it->second.requested = false;
   std::vector<RegionDesc> release;
   for (const auto& m : it->second.members)
@@ -1091,7 +1096,8 @@ void CudaBackend::filled_from_file(const void* addr, std::size_t bytes, int fd, 
     std::snprintf(link, sizeof link, "/proc/self/fd/%d", fd);
     char path[4096];
     const ssize_t len = readlink(link, path, sizeof path - 1);
-    file->name = len > 0 ? std::string(path, static_cast<std::size_t>(len)) : "the model file (fd " + std::to_string(fd) + ")";
+    file->name = len > 0 ? std::string(path, static_cast<std::size_t>(len))
+                         : "the model file (fd " + std::to_string(fd) + ")";
     file->dev = st.st_dev;
     file->ino = st.st_ino;
     file->size = st.st_size;
@@ -1257,7 +1263,8 @@ Status CudaBackend::sleep_from_files(DeviceAllocation& a) {
     const std::size_t len = std::min(chunk_, a.size - i * chunk_);
     in_file[i] = covered[i] > 0 && len - covered[i] <= kMaxGapBytes ? 1 : 0;
     if (!a.backup_valid || in_file[i] != a.from_file[i]) a.dirty[i] = 1;
-    if (in_file[i] == 0 && a.dirty[i] != 0 && (i >= a.pinned.size() || a.pinned[i] == 0)) need_pin[i] = 1, any_pin = true;
+    if (in_file[i] == 0 && a.dirty[i] != 0 && (i >= a.pinned.size() || a.pinned[i] == 0))
+      need_pin[i] = 1, any_pin = true;
   }
   a.backup_valid = false;
   if (any_pin) {
@@ -1299,11 +1306,13 @@ Status CudaBackend::sleep_from_files(DeviceAllocation& a) {
                                                     " of a weights chunk that are not its file's" + stays);
       }
       const int e = fault_in(static_cast<char*>(m), g.mapped);
-      const CUresult r = e == 0 ? d_->cuMemHostRegister(m, g.mapped, CU_MEMHOSTREGISTER_PORTABLE) : CUDA_ERROR_OUT_OF_MEMORY;
+      const CUresult r = e == 0 ? d_->cuMemHostRegister(m, g.mapped, CU_MEMHOSTREGISTER_PORTABLE)
+                                : CUDA_ERROR_OUT_OF_MEMORY;
       if (r != CUDA_SUCCESS) {
         (void)munmap(m, g.mapped);
         (void)sync_streams();
-        return d_->error(r, "pinning " + format_size(bytes) + " for the bytes of a weights chunk that are not its file's" + stays,
+        return d_->error(r,
+                         "pinning " + format_size(bytes) + " for the bytes of a weights chunk that are not its file's" + stays,
                          "cuMemHostRegister");
       }
       g.buf = static_cast<char*>(m);
@@ -1313,7 +1322,8 @@ Status CudaBackend::sleep_from_files(DeviceAllocation& a) {
         if (c != CUDA_SUCCESS) {
           (void)sync_streams();
           free_gaps(g);
-          return d_->error(c, "copying the bytes of a weights chunk that are not its file's" + stays, "cuMemcpyDtoHAsync");
+          return d_->error(c, "copying the bytes of a weights chunk that are not its file's" + stays,
+                           "cuMemcpyDtoHAsync");
         }
         put += len;
       }

@@ -13,17 +13,17 @@
 
 #include <cuda.h>
 
+#include <sys/types.h>
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
 #include <functional>
-#include <string>
-#include <sys/types.h>
 #include <map>
-#include <thread>
 #include <memory>
 #include <mutex>
+#include <string>
+#include <thread>
 #include <unordered_map>
 #include <vector>
 
@@ -204,8 +204,7 @@ class CudaBackend final : public Backend {
     bool requested = false;
   };
 
-  CudaBackend(const Driver* d, CUdevice dev, CUcontext ctx, const CudaBackendOptions& o,
-              std::size_t granularity);
+  CudaBackend(const Driver* d, CUdevice dev, CUcontext ctx, const CudaBackendOptions& o, std::size_t granularity);
   Status init_streams();
 
   // Callers hold mu_ and have the context current.
@@ -285,11 +284,11 @@ class CudaBackend final : public Backend {
   std::map<CUdeviceptr, DeviceAllocation> allocations_;  // by base address
   std::unordered_map<RegionId, HostRange> host_ranges_;
   std::map<SetId, Set> sets_;
-  std::uint64_t allocated_bytes_ = 0;  // sum of reserved sizes
-  std::uint64_t mapped_bytes_ = 0;     // reserved sizes of resident allocations
-  std::uint64_t host_wired_bytes_ = 0; // host bytes registered by us
-  std::uint64_t copied_to_host_ = 0;   // bytes sleeps copied device-to-host
-  std::uint64_t copied_to_device_ = 0; // bytes wakes restored
+  std::uint64_t allocated_bytes_ = 0;   // sum of reserved sizes
+  std::uint64_t mapped_bytes_ = 0;      // reserved sizes of resident allocations
+  std::uint64_t host_wired_bytes_ = 0;  // host bytes registered by us
+  std::uint64_t copied_to_host_ = 0;    // bytes sleeps copied device-to-host
+  std::uint64_t copied_to_device_ = 0;  // bytes wakes restored
   std::map<std::pair<dev_t, ino_t>, std::unique_ptr<BackingFile>> files_;
   std::function<void(const std::string&)> notice_;
   std::atomic<bool> releasing_{false};  // end_residency() is running
@@ -297,7 +296,7 @@ class CudaBackend final : public Backend {
   // Backend::set_wake_gate: asked before each chunk a wake maps, while a request is paced (mu_).
   WakeGate gate_;
   std::atomic<bool> nvml_said_{false};  // unmanaged_device_bytes() said once why it is unknown
-  bool interrupt_wanted() const;         // both
+  bool interrupt_wanted() const;        // both
   Status last_release_;
 };
 

@@ -16,8 +16,7 @@ namespace {
 // message that says so rather than resolved through older, differently versioned names.
 constexpr int kMinimumDriverVersion = 12000;
 
-using GetProcAddressFn = CUresult (*)(const char*, void**, int, cuuint64_t,
-                                      CUdriverProcAddressQueryResult*);
+using GetProcAddressFn = CUresult (*)(const char*, void**, int, cuuint64_t, CUdriverProcAddressQueryResult*);
 using DriverGetVersionFn = CUresult (*)(int*);
 
 Result<const Driver*> load_impl(const char* library_name, std::unique_ptr<Driver>& storage) {
@@ -25,10 +24,9 @@ Result<const Driver*> load_impl(const char* library_name, std::unique_ptr<Driver
   void* handle = dlopen(library_name, RTLD_NOW | RTLD_LOCAL);
   if (handle == nullptr) {
     const char* why = dlerror();
-    return Status(ErrorCode::unsupported,
-                  "cuda: " + name + " not found (no NVIDIA driver on this machine): " +
-                      (why != nullptr ? why : "dlopen failed") +
-                      "; install the NVIDIA driver or choose another backend (posix)");
+    return Status(ErrorCode::unsupported, "cuda: " + name + " not found (no NVIDIA driver on this machine): " +
+                                              (why != nullptr ? why : "dlopen failed") +
+                                              "; install the NVIDIA driver or choose another backend (posix)");
   }
   auto get_version = reinterpret_cast<DriverGetVersionFn>(dlsym(handle, "cuDriverGetVersion"));
   auto get_proc = reinterpret_cast<GetProcAddressFn>(dlsym(handle, "cuGetProcAddress_v2"));
@@ -37,8 +35,8 @@ Result<const Driver*> load_impl(const char* library_name, std::unique_ptr<Driver
       version < kMinimumDriverVersion) {
     dlclose(handle);
     return Status(ErrorCode::unsupported,
-                  "cuda: the driver in " + name + " reports CUDA " + std::to_string(version / 1000) +
-                      "." + std::to_string((version % 1000) / 10) +
+                  "cuda: the driver in " + name + " reports CUDA " + std::to_string(version / 1000) + "." +
+                      std::to_string((version % 1000) / 10) +
                       "; this build needs a driver for CUDA 12.0 or newer (update the NVIDIA driver)");
   }
   auto d = std::make_unique<Driver>();
@@ -46,22 +44,20 @@ Result<const Driver*> load_impl(const char* library_name, std::unique_ptr<Driver
   d->library = name;
   // Each function at the ABI version its member's type names (see driver.hpp).
   std::string missing;
-#define RESIDENCY_CUDA_RESOLVE(fn, version)                                                    \
-  {                                                                                            \
-    void* p = nullptr;                                                                         \
-    CUdriverProcAddressQueryResult q = CU_GET_PROC_ADDRESS_SUCCESS;                            \
+#define RESIDENCY_CUDA_RESOLVE(fn, version)                                                          \
+  {                                                                                                  \
+    void* p = nullptr;                                                                               \
+    CUdriverProcAddressQueryResult q = CU_GET_PROC_ADDRESS_SUCCESS;                                  \
     if (get_proc(#fn, &p, version, CU_GET_PROC_ADDRESS_DEFAULT, &q) == CUDA_SUCCESS && p != nullptr) \
-      d->fn = reinterpret_cast<decltype(d->fn)>(p);                                            \
-    else                                                                                       \
-      missing += (missing.empty() ? "" : ", ") + std::string(#fn);                             \
+      d->fn = reinterpret_cast<decltype(d->fn)>(p);                                                  \
+    else missing += (missing.empty() ? "" : ", ") + std::string(#fn);                                \
   }
   RESIDENCY_CUDA_DRIVER_FUNCTIONS(RESIDENCY_CUDA_RESOLVE)
 #undef RESIDENCY_CUDA_RESOLVE
   if (!missing.empty()) {
     dlclose(handle);
-    return Status(ErrorCode::unsupported, "cuda: the driver in " + name +
-                                              " lacks entry points this build needs: " + missing +
-                                              "; update the NVIDIA driver");
+    return Status(ErrorCode::unsupported, "cuda: the driver in " + name + " lacks entry points this build needs: " +
+                                              missing + "; update the NVIDIA driver");
   }
   const CUresult r = d->cuInit(0);
   if (r != CUDA_SUCCESS) {

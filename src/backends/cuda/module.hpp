@@ -40,8 +40,9 @@ class Module {
     const CUresult r = d.cuModuleLoadData(&m.mod_, image);
     if (r != CUDA_SUCCESS) {
       Status s = d.error(r, std::string("loading the ") + what + " kernels", "cuModuleLoadData");
-      return Status(s.code(), s.message() + " (the build embeds code for RESIDENCY_CUDA_ARCHS; "
-                                            "rebuild with this GPU's architecture added)");
+      return Status(s.code(), s.message() +
+                                  " (the build embeds code for RESIDENCY_CUDA_ARCHS; "
+                                  "rebuild with this GPU's architecture added)");
     }
     m.d_ = &d;
     m.ctx_ = ctx;

@@ -44,8 +44,9 @@ const Nvml& nvml() {
     r.processes = reinterpret_cast<nvmlReturn_t (*)(nvmlDevice_t, unsigned int*, nvmlProcessInfo_t*)>(
         dlsym(h, "nvmlDeviceGetComputeRunningProcesses_v3"));
     if (r.init == nullptr || r.by_uuid == nullptr || r.processes == nullptr) {
-      r.problem = "libnvidia-ml.so.1 lacks nvmlInit_v2, nvmlDeviceGetHandleByUUID or "
-                  "nvmlDeviceGetComputeRunningProcesses_v3 (a driver older than 510)";
+      r.problem =
+          "libnvidia-ml.so.1 lacks nvmlInit_v2, nvmlDeviceGetHandleByUUID or "
+          "nvmlDeviceGetComputeRunningProcesses_v3 (a driver older than 510)";
       r.processes = nullptr;
       return r;
     }

@@ -13,7 +13,8 @@
 #include "backends/metal/metal_util.hpp"
 
 #if !__has_include(<Metal/MTLResidencySet.hpp>)
-#error "RESIDENCY_METAL_CPP_DIR points at metal-cpp without Metal/MTLResidencySet.hpp: use metal-cpp for macOS 15 / iOS 18 or later"
+#error \
+    "RESIDENCY_METAL_CPP_DIR points at metal-cpp without Metal/MTLResidencySet.hpp: use metal-cpp for macOS 15 / iOS 18 or later"
 #endif
 
 #include <TargetConditionals.h>
@@ -84,13 +85,13 @@ bool is_array(const void* object) {
 MetalSupport support_of(MTL::Device* device) {
   const Platform p = platform();
   if (!os_at_least(p.residency_sets_from)) {
-    return {false, std::string(p.name) + " " + os_version() + " has no MTLResidencySet (needs " +
-                       p.name + " " + std::to_string(p.residency_sets_from) + " or later)"};
+    return {false, std::string(p.name) + " " + os_version() + " has no MTLResidencySet (needs " + p.name + " " +
+                       std::to_string(p.residency_sets_from) + " or later)"};
   }
   if (device == nullptr) return {false, "no Metal device (MTLCreateSystemDefaultDevice returned nil)"};
   if (!device->supportsFamily(MTL::GPUFamilyMetal3)) {
-    return {false, std::string("the GPU (") + device->name()->utf8String() +
-                       ") is not in the MTLGPUFamilyMetal3 family"};
+    return {false,
+            std::string("the GPU (") + device->name()->utf8String() + ") is not in the MTLGPUFamilyMetal3 family"};
   }
   return {true, ""};
 }
@@ -130,7 +131,7 @@ struct MetalBackend::Impl {
   bool refresh = false;
   std::uint64_t page = 0;
   std::uint64_t max_view = 0;  // maxBufferLength rounded down to a page
-  std::mutex mu;  // guards everything below
+  std::mutex mu;               // guards everything below
   std::map<SetId, Set> sets;
   std::vector<NS::SharedPtr<MTL::CommandQueue>> queues;
 
@@ -167,8 +168,7 @@ struct MetalBackend::Impl {
     const auto base = reinterpret_cast<std::uintptr_t>(d.base);
     if (base % page != 0) {
       return Status(ErrorCode::invalid_argument,
-                    "metal: region " + std::to_string(d.id) + " does not start on a page (" +
-                        std::to_string(page) +
+                    "metal: region " + std::to_string(d.id) + " does not start on a page (" + std::to_string(page) +
                         " bytes); no-copy buffers need page-aligned memory (mmap it, or allocate "
                         "with posix_memalign)");
     }
@@ -179,10 +179,9 @@ struct MetalBackend::Impl {
       MTL::Buffer* b = no_copy_buffer(device.get(), base + v.offset, v.length);
       if (b == nullptr) {
         out.clear();
-        return Status(ErrorCode::backend_error,
-                      "metal: newBufferWithBytesNoCopy failed for " + format_size(v.length) +
-                          " at offset " + std::to_string(v.offset) + " of region " +
-                          std::to_string(d.id));
+        return Status(ErrorCode::backend_error, "metal: newBufferWithBytesNoCopy failed for " + format_size(v.length) +
+                                                    " at offset " + std::to_string(v.offset) + " of region " +
+                                                    std::to_string(d.id));
       }
       out.push_back(NS::TransferPtr(static_cast<MTL::Allocation*>(b)));
     }
@@ -222,8 +221,8 @@ struct MetalBackend::Impl {
   static Status queue_limit_error(std::size_t attached) {
     return Status(ErrorCode::limit_exceeded,
                   "metal: every residency set is attached to every registered command queue, and "
-                  "a queue accepts at most " + std::to_string(kMetalMaxSetsPerQueue) + " (" +
-                      std::to_string(attached) +
+                  "a queue accepts at most " +
+                      std::to_string(kMetalMaxSetsPerQueue) + " (" + std::to_string(attached) +
                       " would be attached); use the sharded layout or a larger "
                       "RESIDENCY_SET_MAX_PCT, or turn attach_to_queues off");
   }
@@ -436,8 +435,7 @@ Status MetalBackend::remove_command_queue(void* queue) {
   metal::AutoreleasePool pool;
   Impl& m = *impl_;
   std::lock_guard<std::mutex> lock(m.mu);
-  auto it = std::find_if(m.queues.begin(), m.queues.end(),
-                         [queue](const auto& q) { return q.get() == queue; });
+  auto it = std::find_if(m.queues.begin(), m.queues.end(), [queue](const auto& q) { return q.get() == queue; });
   if (it == m.queues.end()) {
     return Status(ErrorCode::not_found, "metal: remove_command_queue: that queue was not added");
   }
@@ -460,9 +458,8 @@ MetalSupport metal_residency_support(void* device) {
 Result<std::shared_ptr<MetalBackend>> make_metal_backend(MetalOptions options) {
   metal::AutoreleasePool pool;
   auto impl = std::make_unique<MetalBackend::Impl>();
-  impl->device = options.device != nullptr
-                     ? NS::RetainPtr(static_cast<MTL::Device*>(options.device))
-                     : NS::TransferPtr(MTL::CreateSystemDefaultDevice());
+  impl->device = options.device != nullptr ? NS::RetainPtr(static_cast<MTL::Device*>(options.device))
+                                           : NS::TransferPtr(MTL::CreateSystemDefaultDevice());
   const MetalSupport support = support_of(impl->device.get());
   if (!support.available) {
     return Status(ErrorCode::unsupported, "use residency sets = false (" + support.reason + ")");
@@ -478,11 +475,10 @@ Result<std::shared_ptr<MetalBackend>> make_metal_backend(MetalOptions options) {
     impl->max_view = std::min<std::uint64_t>(impl->max_view, options.max_view_length / impl->page * impl->page);
   }
   if (impl->page == 0 || impl->max_view == 0) {
-    return Status(ErrorCode::invalid_argument, "metal: the longest view (maxBufferLength " +
-                                                   std::to_string(impl->device->maxBufferLength()) +
-                                                   ", MetalOptions::max_view_length " +
-                                                   std::to_string(options.max_view_length) +
-                                                   ") is shorter than one page");
+    return Status(ErrorCode::invalid_argument,
+                  "metal: the longest view (maxBufferLength " + std::to_string(impl->device->maxBufferLength()) +
+                      ", MetalOptions::max_view_length " + std::to_string(options.max_view_length) +
+                      ") is shorter than one page");
   }
   impl->options = std::move(options);
   // Run GPU work once now, so that residency ended later is given back (issue 25937).
@@ -518,7 +514,9 @@ MetalHostViews::~MetalHostViews() {
 }
 
 const std::vector<View>& MetalHostViews::views() const { return impl_->views; }
-void* MetalHostViews::buffer(std::size_t i) const { return i < impl_->buffers.size() ? impl_->buffers[i].get() : nullptr; }
+void* MetalHostViews::buffer(std::size_t i) const {
+  return i < impl_->buffers.size() ? impl_->buffers[i].get() : nullptr;
+}
 void* MetalHostViews::array() const { return impl_->array.get(); }
 
 Result<MetalHostViews> MetalHostViews::make(void* device, void* base, std::uint64_t size,

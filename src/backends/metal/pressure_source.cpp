@@ -113,9 +113,10 @@ Status PressureSource::start(Nanos repeat, std::function<void(PressureLevel)> on
   st->repeat = repeat;
   st->queue = dispatch_queue_create("residency.memory-pressure", DISPATCH_QUEUE_SERIAL);
   if (st->queue == nullptr) return Status(ErrorCode::backend_error, "metal: dispatch_queue_create failed");
-  st->source = dispatch_source_create(
-      DISPATCH_SOURCE_TYPE_MEMORYPRESSURE, 0,
-      DISPATCH_MEMORYPRESSURE_NORMAL | DISPATCH_MEMORYPRESSURE_WARN | DISPATCH_MEMORYPRESSURE_CRITICAL, st->queue);
+  st->source = dispatch_source_create(DISPATCH_SOURCE_TYPE_MEMORYPRESSURE, 0,
+                                      DISPATCH_MEMORYPRESSURE_NORMAL | DISPATCH_MEMORYPRESSURE_WARN |
+                                          DISPATCH_MEMORYPRESSURE_CRITICAL,
+                                      st->queue);
   if (st->source == nullptr) {
     dispatch_release(st->queue);
     return Status(ErrorCode::backend_error,

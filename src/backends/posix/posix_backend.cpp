@@ -104,8 +104,8 @@ class PosixBackend final : public Backend {
   Capabilities capabilities() const override {
     Capabilities c;
     c.name = "posix";
-    c.needs_refresh = false;  // mlock holds until munlock: nothing decays
-    c.max_sets = 0;           // a set is our own bookkeeping: no system limit on their number
+    c.needs_refresh = false;     // mlock holds until munlock: nothing decays
+    c.max_sets = 0;              // a set is our own bookkeeping: no system limit on their number
     c.wire_granularity = page_;  // mlock locks whole pages: two pages for a region that straddles one
     // munlock only makes pages evictable again; it cannot drop a caller's data. Discarding a
     // KV cache would mean MADV_DONTNEED / MADV_FREE on memory the engine owns and may still
@@ -151,10 +151,10 @@ class PosixBackend final : public Backend {
     ProcessLocks& pl = process_locks();
     std::lock_guard<std::mutex> lock(pl.mu);
     if (lim.enforced() && (bytes > lim.soft || pl.reserved > lim.soft - bytes)) {
-      return Status(ErrorCode::limit_exceeded,
-                    "RLIMIT_MEMLOCK is " + format_size(lim.soft) + " and the managers of this process already reserved " +
-                        format_size(pl.reserved) + " of it; wiring " + format_size(bytes) + " more needs " +
-                        posix::kMemlockFix);
+      return Status(ErrorCode::limit_exceeded, "RLIMIT_MEMLOCK is " + format_size(lim.soft) +
+                                                   " and the managers of this process already reserved " +
+                                                   format_size(pl.reserved) + " of it; wiring " + format_size(bytes) +
+                                                   " more needs " + posix::kMemlockFix);
     }
     pl.reserved += bytes;
     return Status::ok();
@@ -198,8 +198,8 @@ class PosixBackend final : public Backend {
     }
     auto it = sets_.find(set);
     if (it == sets_.end()) {
-      return {Status(ErrorCode::not_found, "posix: commit of set " + std::to_string(set) +
-                                               ", which does not exist (create_set first)"),
+      return {Status(ErrorCode::not_found,
+                     "posix: commit of set " + std::to_string(set) + ", which does not exist (create_set first)"),
               {}};
     }
     Set& s = it->second;
@@ -236,8 +236,8 @@ class PosixBackend final : public Backend {
     std::lock_guard<std::mutex> lock(mu_);
     auto it = sets_.find(set);
     if (it == sets_.end()) {
-      return {Status(ErrorCode::not_found, "posix: residency requested for set " + std::to_string(set) +
-                                               ", which does not exist"),
+      return {Status(ErrorCode::not_found,
+                     "posix: residency requested for set " + std::to_string(set) + ", which does not exist"),
               {}};
     }
     Set& s = it->second;
@@ -255,7 +255,8 @@ class PosixBackend final : public Backend {
     std::lock_guard<std::mutex> lock(mu_);
     auto it = sets_.find(set);
     if (it == sets_.end())
-      return Status(ErrorCode::not_found, "posix: end_residency of set " + std::to_string(set) + ", which does not exist");
+      return Status(ErrorCode::not_found,
+                    "posix: end_residency of set " + std::to_string(set) + ", which does not exist");
     end_locked(it->second);
     return Status::ok();
   }
@@ -325,7 +326,7 @@ class PosixBackend final : public Backend {
   };
   struct Set {
     std::map<RegionId, Member> members;  // committed membership
-    bool requested = false;             // residency requested and not ended
+    bool requested = false;              // residency requested and not ended
   };
 
   // The first failure's Status names the cause; the rest are counted.
@@ -403,8 +404,7 @@ class PosixBackend final : public Backend {
     std::string head = "posix: mlock of " + describe_region(d) + " failed with " + errno_name(err) + " (" +
                        std::strerror(err) + "): ";
     const std::string tail = "; it stays tracked but not resident (its pages may be evicted under pressure).";
-    if ((err == ENOMEM || err == EPERM) && lim.enforced() &&
-        (err == EPERM || locked + bytes > lim.soft)) {
+    if ((err == ENOMEM || err == EPERM) && lim.enforced() && (err == EPERM || locked + bytes > lim.soft)) {
       return Status(err == EPERM ? ErrorCode::permission_denied : ErrorCode::limit_exceeded,
                     head + "RLIMIT_MEMLOCK = " + std::to_string(lim.soft) + " bytes (" + format_size(lim.soft) +
                         ", hard " + posix::format_limit(lim.hard) + ") and this process already locks " +
@@ -412,13 +412,17 @@ class PosixBackend final : public Backend {
     }
     if (err == ENOMEM) {
       return Status(ErrorCode::invalid_argument,
-                    head + "part of the range is not mapped in this process, or the number of memory "
-                           "mappings reached vm.max_map_count (mlock splits mappings)" + tail);
+                    head +
+                        "part of the range is not mapped in this process, or the number of memory "
+                        "mappings reached vm.max_map_count (mlock splits mappings)" +
+                        tail);
     }
     if (err == EAGAIN) {
       return Status(ErrorCode::out_of_memory,
-                    head + "some pages could not be locked now (the kernel is short of memory or the "
-                           "pages are being migrated)" + tail);
+                    head +
+                        "some pages could not be locked now (the kernel is short of memory or the "
+                        "pages are being migrated)" +
+                        tail);
     }
     return Status(ErrorCode::backend_error, head + "unexpected error" + tail);
   }
@@ -432,7 +436,7 @@ class PosixBackend final : public Backend {
 
   mutable std::mutex watch_mu_;  // serialises watch_pressure / stop_pressure_watch
   posix::PressureWatch watch_;
-  std::string watching_;  // the source's description, while watch_ runs
+  std::string watching_;    // the source's description, while watch_ runs
   std::mutex watchers_mu_;  // guards watchers_; held while they are called
   std::map<PressureWatchId, std::function<void()>> watchers_;
   PressureWatchId next_watch_id_ = 1;
@@ -442,14 +446,12 @@ class PosixBackend final : public Backend {
 
 Result<std::shared_ptr<Backend>> make_posix_backend(const PosixOptions& options) {
   if (!(options.recommended_pct > 0 && options.recommended_pct <= 100)) {
-    return Status(ErrorCode::invalid_argument,
-                  "posix: recommended_pct = " + std::to_string(options.recommended_pct) +
-                      "; accepted: a percent of physical memory in (0, 100], e.g. 75");
+    return Status(ErrorCode::invalid_argument, "posix: recommended_pct = " + std::to_string(options.recommended_pct) +
+                                                   "; accepted: a percent of physical memory in (0, 100], e.g. 75");
   }
   // The PSI range rules are checked now, so that a bad option fails early; the 2 s rule
   // depends on the privileges the process has when it starts watching, so it is checked then.
-  if (auto trig = posix::make_psi_trigger(options.pressure_stall, options.pressure_window, /*privileged=*/true);
-      !trig) {
+  if (auto trig = posix::make_psi_trigger(options.pressure_stall, options.pressure_window, /*privileged=*/true); !trig) {
     return Status(trig.status().code(), "posix: " + trig.message());
   }
   if (options.raise_memlock_soft_limit) posix::raise_memlock_soft_limit();

@@ -47,8 +47,7 @@ std::optional<std::uint64_t> limit_events(int fd) {
 constexpr Nanos kEventsWindow = std::chrono::seconds(2);
 }  // namespace
 
-Status PressureWatch::start(const std::string& path, const std::string& trigger,
-                            std::function<void()> on_pressure) {
+Status PressureWatch::start(const std::string& path, const std::string& trigger, std::function<void()> on_pressure) {
   stop();
   int fd = ::open(path.c_str(), O_RDWR | O_NONBLOCK | O_CLOEXEC);
   if (fd < 0) {
@@ -56,7 +55,10 @@ Status PressureWatch::start(const std::string& path, const std::string& trigger,
     std::string why = "cannot open " + path + " for writing a PSI trigger: " + err_text(err);
     if (err == ENOENT) why += " (no PSI: Linux < 4.20 or CONFIG_PSI off)";
     if (err == EOPNOTSUPP) why += " (PSI is compiled in but disabled: boot with psi=1)";
-    if (err == EACCES || err == EROFS) why += " (the file must be writable by this process; in a container mount the cgroup file system read-write or delegate the cgroup)";
+    if (err == EACCES || err == EROFS)
+      why +=
+          " (the file must be writable by this process; in a container mount the cgroup file system read-write or "
+          "delegate the cgroup)";
     return Status(ErrorCode::unsupported, why);
   }
   // The kernel reads the trigger as a C string: the terminating NUL is part of the write
@@ -115,8 +117,9 @@ Status PressureWatch::start_cgroup_v1(const std::string& level_file, const std::
     const int err = errno;
     ::close(lfd);
     ::close(efd);
-    return Status(ErrorCode::unsupported, "cannot open " + ctl + " to register for " + level_file + ": " + err_text(err) +
-                                              (err == EACCES ? " (it is writable by its owner only: run as root or chown the cgroup)" : ""));
+    return Status(ErrorCode::unsupported,
+                  "cannot open " + ctl + " to register for " + level_file + ": " + err_text(err) +
+                      (err == EACCES ? " (it is writable by its owner only: run as root or chown the cgroup)" : ""));
   }
   // "<event_fd> <fd of memory.pressure_level> <level>": the kernel keeps the registration until
   // the eventfd is closed or the cgroup is removed; the two other descriptors may go now.
@@ -127,8 +130,8 @@ Status PressureWatch::start_cgroup_v1(const std::string& level_file, const std::
   ::close(lfd);
   if (n < 0) {
     ::close(efd);
-    return Status(ErrorCode::unsupported, "the kernel refused the registration '" + level + "' on " + level_file + " (" +
-                                              ctl + "): " + err_text(err));
+    return Status(ErrorCode::unsupported, "the kernel refused the registration '" + level + "' on " + level_file +
+                                              " (" + ctl + "): " + err_text(err));
   }
   Source src;
   src.fd = efd;
@@ -179,17 +182,16 @@ void PressureWatch::stop() {
 
 void PressureWatch::loop(Source src, int stop_fd, std::function<void()> on_pressure) {
   using Clock = std::chrono::steady_clock;
-  std::optional<Clock::time_point> last;  // eventfd, memory.events: the last call
+  std::optional<Clock::time_point> last;        // eventfd, memory.events: the last call
   std::optional<Clock::time_point> last_quiet;  // memory.events: the last wake with no new count
   int quiet_wakes = 0;
-  bool held = false;                      // eventfd: an event came inside the window
+  bool held = false;  // eventfd: an event came inside the window
   bool gone = false;
   while (!gone) {
     int timeout = -1;
     if (held) {
       const auto left = *last + src.window - Clock::now();
-      timeout = static_cast<int>(std::max<std::int64_t>(
-          0, std::chrono::ceil<std::chrono::milliseconds>(left).count()));
+      timeout = static_cast<int>(std::max<std::int64_t>(0, std::chrono::ceil<std::chrono::milliseconds>(left).count()));
     }
     pollfd fds[3] = {{src.fd, static_cast<short>(src.eventfd ? POLLIN : POLLPRI), 0},
                      {stop_fd, POLLIN, 0},

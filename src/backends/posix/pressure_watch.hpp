@@ -58,9 +58,9 @@ class PressureWatch {
  private:
   struct Source {
     int fd = -1;
-    bool eventfd = false;       // cgroup v1: POLLIN, read the counter; PSI: POLLPRI
-    Nanos window{0};            // eventfd, memory.events: at most one call per window
-    std::string level_file;     // eventfd: gone = the cgroup was removed
+    bool eventfd = false;    // cgroup v1: POLLIN, read the counter; PSI: POLLPRI
+    Nanos window{0};         // eventfd, memory.events: at most one call per window
+    std::string level_file;  // eventfd: gone = the cgroup was removed
     // PSI of a cgroup v2 (its memory.pressure): the cgroup's memory.events too, whose "oom" count
     // grows when reclaim cannot keep its usage under memory.max. When the memory is locked,
     // reclaim finds nothing to do, so tasks hardly stall and the PSI trigger may never fire

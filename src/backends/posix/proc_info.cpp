@@ -314,14 +314,17 @@ Result<std::optional<CgroupMount>> find_mount(std::string_view text, std::string
         at = comma + 1;
       }
     }
-    if (has_option) return std::optional<CgroupMount>(CgroupMount{decode_octal_escapes(f[4]), decode_octal_escapes(f[3])});
+    if (has_option)
+      return std::optional<CgroupMount>(CgroupMount{decode_octal_escapes(f[4]), decode_octal_escapes(f[3])});
   }
   return std::optional<CgroupMount>();
 }
 
 }  // namespace
 
-Result<std::optional<CgroupMount>> parse_cgroup2_mount(std::string_view text) { return find_mount(text, "cgroup2", ""); }
+Result<std::optional<CgroupMount>> parse_cgroup2_mount(std::string_view text) {
+  return find_mount(text, "cgroup2", "");
+}
 
 std::optional<std::string> cgroup_dir(const CgroupMount& mount, std::string_view cgroup_path) {
   std::string_view rel = cgroup_path;
@@ -388,13 +391,13 @@ Result<std::string> make_psi_trigger(Nanos stall, Nanos window, bool privileged)
   const auto stall_us = std::chrono::duration_cast<std::chrono::microseconds>(stall).count();
   const auto window_us = std::chrono::duration_cast<std::chrono::microseconds>(window).count();
   if (window_us < kPsiWindowMinUs || window_us > kPsiWindowMaxUs) {
-    return Status(ErrorCode::invalid_argument, "PSI window " + std::to_string(window_us) +
-                                                   " us is outside what the kernel accepts (500 ms to 10 s)");
+    return Status(ErrorCode::invalid_argument,
+                  "PSI window " + std::to_string(window_us) + " us is outside what the kernel accepts (500 ms to 10 s)");
   }
   if (stall_us <= 0 || stall_us > window_us) {
     return Status(ErrorCode::invalid_argument, "PSI stall threshold " + std::to_string(stall_us) +
-                                                   " us must be > 0 and <= the window (" +
-                                                   std::to_string(window_us) + " us)");
+                                                   " us must be > 0 and <= the window (" + std::to_string(window_us) +
+                                                   " us)");
   }
   if (!privileged && window_us % kPsiUnprivilegedWindowUs != 0) {
     return Status(ErrorCode::invalid_argument,
@@ -430,7 +433,8 @@ Result<CgroupLocation> find_cgroup_v2() {
   auto path = parse_cgroup_v2_path(*cg_text);
   if (!path) return path.status();
   if (!path->has_value()) {
-    return Status(ErrorCode::unsupported, "this process is in no cgroup v2 hierarchy (/proc/self/cgroup has no '0::' line)");
+    return Status(ErrorCode::unsupported,
+                  "this process is in no cgroup v2 hierarchy (/proc/self/cgroup has no '0::' line)");
   }
   auto mi_text = read_text_file("/proc/self/mountinfo");
   if (!mi_text) return mi_text.status();
@@ -456,11 +460,12 @@ Result<MemoryCgroup> find_memory_cgroup() {
     auto mount = parse_cgroup_v1_memory_mount(*mi_text);
     if (!mount) return mount.status();
     if (!mount->has_value())
-      return Status(ErrorCode::unsupported, "/proc/self/cgroup names a cgroup v1 memory controller, but it is not mounted");
+      return Status(ErrorCode::unsupported,
+                    "/proc/self/cgroup names a cgroup v1 memory controller, but it is not mounted");
     auto dir = cgroup_dir(**mount, **v1);
     if (!dir)
-      return Status(ErrorCode::unsupported, "cgroup " + **v1 + " lies outside the cgroup v1 memory mount at " +
-                                                (*mount)->mount_point);
+      return Status(ErrorCode::unsupported,
+                    "cgroup " + **v1 + " lies outside the cgroup v1 memory mount at " + (*mount)->mount_point);
     return MemoryCgroup{1, **v1, *dir};
   }
   auto v2 = find_cgroup_v2();

@@ -30,8 +30,8 @@ Result<MemInfo> parse_meminfo(std::string_view text);
 
 // /proc/<pid>/status: the lines the backend uses.
 struct ProcStatus {
-  std::optional<std::uint64_t> vm_lck;  // bytes; absent for kernel threads
-  std::optional<std::uint64_t> cap_eff; // effective capability mask
+  std::optional<std::uint64_t> vm_lck;   // bytes; absent for kernel threads
+  std::optional<std::uint64_t> cap_eff;  // effective capability mask
 };
 Result<ProcStatus> parse_proc_status(std::string_view text);
 
@@ -83,9 +83,9 @@ Result<std::string> make_psi_trigger(Nanos stall, Nanos window, bool privileged)
 
 // Readers. Each returns io_error naming the path and errno text when the file cannot be read.
 Result<std::string> read_text_file(const std::string& path);
-Result<MemInfo> read_meminfo();                 // /proc/meminfo
-Result<ProcStatus> read_proc_status();          // /proc/thread-self/status (caps are per
-                                                // thread), else /proc/self/status
+Result<MemInfo> read_meminfo();         // /proc/meminfo
+Result<ProcStatus> read_proc_status();  // /proc/thread-self/status (caps are per
+                                        // thread), else /proc/self/status
 // The cgroup v2 directory of this process ("" root cgroup included), or an error saying why
 // none was found.
 struct CgroupLocation {

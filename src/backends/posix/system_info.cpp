@@ -39,7 +39,6 @@ std::uint64_t sysconf_physical() {
   return pages > 0 ? static_cast<std::uint64_t>(pages) * page_size() : 0;
 }
 
-
 }  // namespace
 
 MemlockLimit read_memlock_limit() {
@@ -137,7 +136,8 @@ std::string PressureSource::describe(const PosixOptions& options) const {
   switch (kind) {
     case Kind::none: return "none (" + reason + ")";
     case Kind::psi:
-      return "PSI some " + std::to_string(std::chrono::duration_cast<std::chrono::milliseconds>(options.pressure_stall).count()) +
+      return "PSI some " +
+             std::to_string(std::chrono::duration_cast<std::chrono::milliseconds>(options.pressure_stall).count()) +
              " ms in " + seconds_text(options.pressure_window) + " on " + path + " (" + scope + ")";
     case Kind::cgroup_v1_level:
       return std::string("cgroup v1 memory.pressure_level '") + kCgroupV1PressureLevel + "' (" + scope + ", " + path +

@@ -21,7 +21,7 @@ struct MemlockLimit {
   static constexpr std::uint64_t kUnlimited = UINT64_MAX;
   std::uint64_t soft = kUnlimited;  // bytes
   std::uint64_t hard = kUnlimited;
-  bool cap_ipc_lock = false;        // effective in the calling thread
+  bool cap_ipc_lock = false;  // effective in the calling thread
   // True when mlock is held to `soft`: no CAP_IPC_LOCK and a finite soft limit.
   bool enforced() const { return !cap_ipc_lock && soft != kUnlimited; }
 };
@@ -39,6 +39,5 @@ struct MemoryFigures {
   std::uint64_t limit_base = 0;  // min(physical, cgroup v2 memory.max): what the working set is a share of
 };
 MemoryFigures read_memory_figures();
-
 
 }  // namespace residency::posix

@@ -39,19 +39,19 @@ struct SimBackend::State {
   struct Buffer {
     std::uint64_t size = 0;
     std::uint64_t wired = 0;
-    bool used = false;         // a GPU operation has used it
-    Nanos last_use{0};         // end of the last GPU use, when used
-    bool leaked = false;       // in an ended set while no GPU operation has run
+    bool used = false;           // a GPU operation has used it
+    Nanos last_use{0};           // end of the last GPU use, when used
+    bool leaked = false;         // in an ended set while no GPU operation has run
     std::uint32_t set_refs = 0;  // committed memberships (a buffer in no set may still be wired)
   };
   struct Set {
-    std::map<RegionId, const void*> members;   // committed: region -> buffer base
+    std::map<RegionId, const void*> members;  // committed: region -> buffer base
     std::map<RegionId, RegionDesc> staged_add;
     std::set<RegionId> staged_remove;
-    bool requested = false;    // request_residency called and end_residency not since
-    Nanos last_request{0};     // last request or refresh
-    Nanos last_use{0};         // end of the last GPU use of any member (decay counts from
-                               // here too); 0 when never used, as the request is later anyway
+    bool requested = false;  // request_residency called and end_residency not since
+    Nanos last_request{0};   // last request or refresh
+    Nanos last_use{0};       // end of the last GPU use of any member (decay counts from
+                             // here too); 0 when never used, as the request is later anyway
   };
 
   explicit State(const SimOptions& options)
@@ -100,8 +100,8 @@ struct SimBackend::State {
   const SimOptions& options_;  // the backend's
   Clock* const clock_;
   mutable std::mutex mu_;
-  Nanos modelled_until_{0};       // the collector has been replayed up to this time
-  double collector_credit_ = 0;   // fractional bytes carried between replay steps
+  Nanos modelled_until_{0};      // the collector has been replayed up to this time
+  double collector_credit_ = 0;  // fractional bytes carried between replay steps
   std::map<const void*, Buffer> buffers_;
   std::map<SetId, Set> sets_;
   std::vector<std::vector<SetId>> queues_;  // queue id -> attached sets
@@ -118,7 +118,9 @@ SimBackend::~SimBackend() = default;
 
 Capabilities SimBackend::capabilities() const { return state_->capabilities(); }
 MemoryInfo SimBackend::memory_info() { return state_->memory_info(); }
-Status SimBackend::create_set(SetId set, std::uint64_t capacity_bytes) { return state_->create_set(set, capacity_bytes); }
+Status SimBackend::create_set(SetId set, std::uint64_t capacity_bytes) {
+  return state_->create_set(set, capacity_bytes);
+}
 Status SimBackend::destroy_set(SetId set) { return state_->destroy_set(set); }
 void SimBackend::add_region(SetId set, const RegionDesc& region) { state_->add_region(set, region); }
 void SimBackend::remove_region(SetId set, RegionId region) { state_->remove_region(set, region); }
@@ -170,9 +172,7 @@ Nanos SimBackend::State::request_end(const Set& s) const {
   return add_saturating(std::max(s.last_request, s.last_use), options_.request_decay);
 }
 
-bool SimBackend::State::request_live(const Set& s, Nanos t) const {
-  return s.requested && t < request_end(s);
-}
+bool SimBackend::State::request_live(const Set& s, Nanos t) const { return s.requested && t < request_end(s); }
 
 // Replays the collector from modelled_until_ to `to`. Between two calls nothing changes but
 // time, so a buffer's protection can only end at a time known now (its last use plus the
@@ -224,8 +224,7 @@ void SimBackend::State::advance_locked(Nanos to) {
       for (const auto& [last_use, base] : exposed) {
         Buffer& b = buffers_.at(base);
         const double whole = std::floor(budget);
-        const std::uint64_t take =
-            whole >= static_cast<double>(b.wired) ? b.wired : static_cast<std::uint64_t>(whole);
+        const std::uint64_t take = whole >= static_cast<double>(b.wired) ? b.wired : static_cast<std::uint64_t>(whole);
         b.wired -= take;
         budget -= static_cast<double>(take);
         stats_.collected_bytes += take;
@@ -279,11 +278,10 @@ Status SimBackend::State::create_set(SetId set, std::uint64_t /*capacity_bytes: 
   if (options_.attach_new_sets) {
     for (QueueId q = 0; q < queues_.size(); ++q) {
       if (queues_[q].size() >= options_.queue_set_limit) {
-        return Status(ErrorCode::limit_exceeded,
-                      "sim: command queue " + std::to_string(q) + " already holds " +
-                          std::to_string(queues_[q].size()) +
-                          " residency sets, the most one queue accepts (queue_set_limit); "
-                          "use fewer, larger sets (layout sharded, a larger set_max_pct)");
+        return Status(ErrorCode::limit_exceeded, "sim: command queue " + std::to_string(q) + " already holds " +
+                                                     std::to_string(queues_[q].size()) +
+                                                     " residency sets, the most one queue accepts (queue_set_limit); "
+                                                     "use fewer, larger sets (layout sharded, a larger set_max_pct)");
       }
     }
   }
@@ -363,8 +361,7 @@ SetOutcome SimBackend::State::commit(SetId set) {
     std::string problem;
     if (desc.base == nullptr || desc.size == 0) {
       problem = "region " + std::to_string(rid) + " has no memory (base null or size 0)";
-    } else if (auto b = buffers_.find(desc.base);
-               b != buffers_.end() && b->second.size != desc.size) {
+    } else if (auto b = buffers_.find(desc.base); b != buffers_.end() && b->second.size != desc.size) {
       problem = "region " + std::to_string(rid) + " of " + format_size(desc.size) +
                 " starts where the sim already knows a buffer of " + format_size(b->second.size) +
                 "; register each buffer once with one size";
@@ -398,9 +395,8 @@ SetOutcome SimBackend::State::request_locked(SetId set, bool is_refresh) {
   SetOutcome out;
   auto it = sets_.find(set);
   if (it == sets_.end()) {
-    out.status = Status(ErrorCode::not_found, std::string("sim: ") +
-                                                  (is_refresh ? "refresh" : "request_residency") +
-                                                  ": no " + set_name(set));
+    out.status = Status(ErrorCode::not_found,
+                        std::string("sim: ") + (is_refresh ? "refresh" : "request_residency") + ": no " + set_name(set));
     return out;
   }
   Set& s = it->second;
@@ -449,17 +445,15 @@ void SimBackend::State::after_release() {
 
 Status SimBackend::State::attach_locked(QueueId queue, SetId set) {
   if (queue >= queues_.size()) {
-    return Status(ErrorCode::not_found, "sim: no command queue " + std::to_string(queue) +
-                                            "; add one with add_queue()");
+    return Status(ErrorCode::not_found, "sim: no command queue " + std::to_string(queue) + "; add one with add_queue()");
   }
   if (sets_.count(set) == 0) return Status(ErrorCode::not_found, "sim: no " + set_name(set));
   auto& attached = queues_[queue];
   if (std::find(attached.begin(), attached.end(), set) != attached.end()) return Status::ok();
   if (attached.size() >= options_.queue_set_limit) {
-    return Status(ErrorCode::limit_exceeded,
-                  "sim: command queue " + std::to_string(queue) + " already holds " +
-                      std::to_string(attached.size()) +
-                      " residency sets, the most one queue accepts; detach one first");
+    return Status(ErrorCode::limit_exceeded, "sim: command queue " + std::to_string(queue) + " already holds " +
+                                                 std::to_string(attached.size()) +
+                                                 " residency sets, the most one queue accepts; detach one first");
   }
   attached.push_back(set);
   return Status::ok();
@@ -495,8 +489,7 @@ Status SimBackend::State::detach_set(QueueId queue, SetId set) {
   auto& attached = queues_[queue];
   auto it = std::find(attached.begin(), attached.end(), set);
   if (it == attached.end()) {
-    return Status(ErrorCode::not_found, "sim: " + set_name(set) + " is not attached to queue " +
-                                            std::to_string(queue));
+    return Status(ErrorCode::not_found, "sim: " + set_name(set) + " is not attached to queue " + std::to_string(queue));
   }
   attached.erase(it);
   return Status::ok();
@@ -508,29 +501,25 @@ std::vector<SetId> SimBackend::State::queue_sets(QueueId queue) const {
   return queues_[queue];
 }
 
-Result<SimBackend::CommandBuffer> SimBackend::State::commit_command_buffer(QueueId queue,
-                                                                    std::vector<GpuBuffer> uses,
-                                                                    Nanos compute) {
+Result<SimBackend::CommandBuffer> SimBackend::State::commit_command_buffer(QueueId queue, std::vector<GpuBuffer> uses,
+                                                                           Nanos compute) {
   std::lock_guard<std::mutex> lock(mu_);
   const Nanos t = now();
   advance_locked(t);
   if (queue >= queues_.size()) {
-    return Status(ErrorCode::not_found, "sim: no command queue " + std::to_string(queue) +
-                                            "; add one with add_queue()");
+    return Status(ErrorCode::not_found, "sim: no command queue " + std::to_string(queue) + "; add one with add_queue()");
   }
   if (compute.count() < 0) {
     return Status(ErrorCode::invalid_argument, "sim: a command buffer's compute time must be >= 0");
   }
   for (const auto& u : uses) {
     if (u.base == nullptr || u.size == 0) {
-      return Status(ErrorCode::invalid_argument,
-                    "sim: a command buffer uses memory with a null base or size 0");
+      return Status(ErrorCode::invalid_argument, "sim: a command buffer uses memory with a null base or size 0");
     }
     auto b = buffers_.find(u.base);
     if (b != buffers_.end() && b->second.size != u.size) {
-      return Status(ErrorCode::invalid_argument,
-                    "sim: a command buffer uses " + format_size(u.size) +
-                        " where the sim knows a buffer of " + format_size(b->second.size));
+      return Status(ErrorCode::invalid_argument, "sim: a command buffer uses " + format_size(u.size) +
+                                                     " where the sim knows a buffer of " + format_size(b->second.size));
     }
   }
   CommandBuffer cb;
@@ -559,10 +548,9 @@ Result<Nanos> SimBackend::State::execute(const CommandBuffer& cb) {
   for (const GpuBuffer* g : all) {
     auto b = buffers_.find(g->base);
     if (b != buffers_.end() && b->second.size != g->size) {
-      return Status(ErrorCode::invalid_argument,
-                    "sim: command buffer " + std::to_string(cb.id) + " uses " +
-                        format_size(g->size) + " where the sim now knows a buffer of " +
-                        format_size(b->second.size));
+      return Status(ErrorCode::invalid_argument, "sim: command buffer " + std::to_string(cb.id) + " uses " +
+                                                     format_size(g->size) + " where the sim now knows a buffer of " +
+                                                     format_size(b->second.size));
     }
   }
   std::uint64_t newly = 0;
@@ -595,8 +583,7 @@ Result<Nanos> SimBackend::State::execute(const CommandBuffer& cb) {
   return duration;
 }
 
-Result<Nanos> SimBackend::run_command_buffer(QueueId queue, std::vector<GpuBuffer> uses,
-                                             Nanos compute) {
+Result<Nanos> SimBackend::run_command_buffer(QueueId queue, std::vector<GpuBuffer> uses, Nanos compute) {
   auto cb = commit_command_buffer(queue, std::move(uses), compute);
   if (!cb) return cb.status();
   return execute(*cb);
@@ -666,14 +653,12 @@ Result<std::shared_ptr<SimBackend>> make_sim_backend(SimOptions options) {
   };
   check(std::isfinite(p.collector_rate) && p.collector_rate > 0,
         "collector_rate must be a positive number of bytes per second");
-  check(std::isfinite(p.rewire_rate) && p.rewire_rate > 0,
-        "rewire_rate must be a positive number of bytes per second");
+  check(std::isfinite(p.rewire_rate) && p.rewire_rate > 0, "rewire_rate must be a positive number of bytes per second");
   check(p.collector_delay.count() >= 0, "collector_delay must be >= 0");
   check(options.queue_set_limit > 0, "queue_set_limit must be at least 1");
   if (options.decaying_requests) {
     check(options.request_decay.count() > 0, "request_decay must be > 0 with decaying_requests");
-    check(options.refresh_period.count() > 0,
-          "refresh_period must be > 0 with decaying_requests");
+    check(options.refresh_period.count() > 0, "refresh_period must be > 0 with decaying_requests");
   }
   if (!bad.empty()) {
     return Status(ErrorCode::invalid_argument, "sim profile '" + p.name + "': " + bad);

@@ -47,8 +47,8 @@ constexpr std::uint64_t kM2UltraPhysical = 192 * kGiB;
 // recommendedMaxWorkingSetSize on that machine (llama.cpp log: 147456.00 MB).
 constexpr std::uint64_t kM2UltraRecommended = 147456 * kMiB;
 
-using std::chrono::milliseconds;
 using std::chrono::microseconds;
+using std::chrono::milliseconds;
 
 SimProfile m2_ultra(std::string name, std::string description) {
   SimProfile p;
@@ -68,8 +68,7 @@ std::vector<SimProfile> profiles() {
   // re-wired, unwired in 0.2 s: collector_rate = 38.5 GB/s. Check: 1400 ms gives 15.4 GB
   // unwired, 425 ms (in the published range); 2000 ms and up 442 ms.
   {
-    SimProfile p = m2_ultra("m2-ultra-8b-f16",
-                            "M2 Ultra 192 GB, Llama-3.1-8B F16 (16.07 GB), llama-idle PR 10119");
+    SimProfile p = m2_ultra("m2-ultra-8b-f16", "M2 Ultra 192 GB, Llama-3.1-8B F16 (16.07 GB), llama-idle PR 10119");
     p.collector_delay = milliseconds(1000);
     p.collector_rate = 38.5e9;
     p.rewire_rate = 38.9e9;
@@ -83,8 +82,7 @@ std::vector<SimProfile> profiles() {
   // run: collector_delay = 1.1 s, so 3.06 GB in 0.1 s, collector_rate = 30.6 GB/s. Check:
   // 1000 ms 19 ms; 1400 ms and up the whole model, 262 ms.
   {
-    SimProfile p = m2_ultra("m2-ultra-8b-q8_0",
-                            "M2 Ultra 192 GB, Llama-3.1-8B Q8_0 (8.54 GB), llama-idle PR 10119");
+    SimProfile p = m2_ultra("m2-ultra-8b-q8_0", "M2 Ultra 192 GB, Llama-3.1-8B Q8_0 (8.54 GB), llama-idle PR 10119");
     p.collector_delay = milliseconds(1100);
     p.collector_rate = 30.6e9;
     p.rewire_rate = 35.1e9;
@@ -98,8 +96,7 @@ std::vector<SimProfile> profiles() {
   // 1000 ms: collector_delay = 968 ms. Check: 800 ms 14 ms; 1400 ms 148 ms (6 % under the
   // published range, the one point this profile misses); 2000 ms and up 187 ms.
   {
-    SimProfile p = m2_ultra("m2-ultra-8b-q4_0",
-                            "M2 Ultra 192 GB, Llama-3.1-8B Q4_0 (4.66 GB), llama-idle PR 10119");
+    SimProfile p = m2_ultra("m2-ultra-8b-q4_0", "M2 Ultra 192 GB, Llama-3.1-8B Q4_0 (4.66 GB), llama-idle PR 10119");
     p.collector_delay = microseconds(968'000);
     p.collector_rate = 8.34e9;
     p.rewire_rate = 26.9e9;
@@ -124,8 +121,7 @@ Result<SimProfile> sim_profile(std::string_view name) {
     if (p.name == name) return p;
     accepted += (accepted.empty() ? "" : ", ") + p.name;
   }
-  return Status(ErrorCode::invalid_argument,
-                "unknown sim profile '" + printable(name) + "'; accepted: " + accepted);
+  return Status(ErrorCode::invalid_argument, "unknown sim profile '" + printable(name) + "'; accepted: " + accepted);
 }
 
 SimProfile default_sim_profile() { return profiles().front(); }

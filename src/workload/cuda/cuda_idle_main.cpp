@@ -34,11 +34,14 @@ class Printer final : public IdleObserver {
   void block_start(const IdleResults& r, std::size_t policy, std::size_t pause, std::size_t block,
                    std::size_t blocks) override {
     std::printf("[%zu/%zu] policy %s, pause %lld ms\n", block + 1, blocks, r.policies[policy].name.c_str(),
-                static_cast<long long>(std::chrono::duration_cast<std::chrono::milliseconds>(r.schedule.pauses[pause]).count()));
+                static_cast<long long>(
+                    std::chrono::duration_cast<std::chrono::milliseconds>(r.schedule.pauses[pause]).count()));
   }
   void sample(const IdleResults&, const IdleSample& s) override {
     std::printf("%s   (resident before: %s)\n", format_decode_line(s.decode_ms).c_str(),
-                s.resident_before < 0 ? "?" : s.resident_before > 0.5 ? "yes" : "no");
+                s.resident_before < 0     ? "?"
+                : s.resident_before > 0.5 ? "yes"
+                                          : "no");
   }
   void block_end(const IdleResults& r, std::size_t policy, std::size_t pause) override {
     std::printf("%s\n", format_summary_line(r.cell(policy, pause), r.schedule.pauses[pause]).c_str());
@@ -115,7 +118,8 @@ int main(int argc, char** argv) {
     auto file = GgufFile::open(model_path);
     if (!file) die(file.message(), 2);
     if (Status st = (*target)->prepare(*file); !st) die(st.message());
-    std::printf("%s\nmodel: %s (%s)\n", (*target)->describe().c_str(), model_path.c_str(), format_size(file->size()).c_str());
+    std::printf("%s\nmodel: %s (%s)\n", (*target)->describe().c_str(), model_path.c_str(),
+                format_size(file->size()).c_str());
     IdleBenchmarkOptions bench;
     bench.schedule.pauses = *ps;
     bench.schedule.iters = iters;
@@ -138,9 +142,12 @@ int main(int argc, char** argv) {
         for (std::size_t p = 0; p < res->policies.size(); ++p) {
           for (std::size_t q = 0; q < res->schedule.pauses.size(); ++q) {
             const IdleCell c = res->cell(p, q);
-            std::fprintf(f, "%s    {\"policy\": \"%s\", \"pause_ms\": %lld, \"n\": %d, \"mean_ms\": %.4f, \"sd_ms\": %.4f, \"resident_before\": %.3f}",
+            std::fprintf(f,
+                         "%s    {\"policy\": \"%s\", \"pause_ms\": %lld, \"n\": %d, \"mean_ms\": %.4f, \"sd_ms\": "
+                         "%.4f, \"resident_before\": %.3f}",
                          first ? "" : ",\n", res->policies[p].name.c_str(),
-                         static_cast<long long>(std::chrono::duration_cast<std::chrono::milliseconds>(res->schedule.pauses[q]).count()),
+                         static_cast<long long>(
+                             std::chrono::duration_cast<std::chrono::milliseconds>(res->schedule.pauses[q]).count()),
                          c.n, c.mean_ms, c.sd_ms, c.resident_before);
             first = false;
           }

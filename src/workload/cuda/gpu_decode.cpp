@@ -64,8 +64,7 @@ double weight(const std::uint8_t* row, GgmlType type, std::uint64_t i) {
       const unsigned nibble = i % 32 < 16 ? blk[2 + i % 32] & 0x0fu : blk[2 + i % 32 - 16] >> 4;
       return f16_to_f32(h) * static_cast<double>(static_cast<int>(nibble) - 8);
     }
-    default:
-      return 0;
+    default: return 0;
   }
 }
 

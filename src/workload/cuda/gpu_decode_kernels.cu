@@ -9,16 +9,18 @@
 
 typedef unsigned long long u64;
 
-struct GpuMatrix {         // mirrors GpuDecodePass::Matrix in gpu_decode.cpp
-  u64 offset;              // bytes from the start of the weights
+struct GpuMatrix {  // mirrors GpuDecodePass::Matrix in gpu_decode.cpp
+  u64 offset;       // bytes from the start of the weights
   u64 rows, row_length, row_bytes;
-  u64 row_start;           // first global row
-  u64 input_offset;        // first float of its input vector
-  unsigned type;           // GgmlType: 0 f32, 1 f16, 2 q4_0, 8 q8_0, 30 bf16
+  u64 row_start;     // first global row
+  u64 input_offset;  // first float of its input vector
+  unsigned type;     // GgmlType: 0 f32, 1 f16, 2 q4_0, 8 q8_0, 30 bf16
   unsigned pad;
 };
 
-__device__ __forceinline__ float bf16_to_float(unsigned short h) { return __uint_as_float(static_cast<unsigned>(h) << 16); }
+__device__ __forceinline__ float bf16_to_float(unsigned short h) {
+  return __uint_as_float(static_cast<unsigned>(h) << 16);
+}
 
 __device__ float row_dot(const unsigned char* row, unsigned type, u64 n, const float* x, unsigned lane) {
   float acc = 0.f;
@@ -93,7 +95,8 @@ extern "C" __global__ void decode_pass(const unsigned char* weights, const GpuMa
     unsigned lo = 0, hi = n_mats - 1;  // last matrix with row_start <= g
     while (lo < hi) {
       const unsigned mid = (lo + hi + 1) / 2;
-      if (mats[mid].row_start <= g) lo = mid; else hi = mid - 1;
+      if (mats[mid].row_start <= g) lo = mid;
+      else hi = mid - 1;
     }
     const GpuMatrix m = mats[lo];
     const u64 r = g - m.row_start;

@@ -27,7 +27,8 @@ class CudaIdleTarget final : public IdleTarget {
     (void)d().cuDeviceGetName(name, sizeof name, backend_->device());
     const int v = d().driver_version;
     return std::string("cuda: ") + name + ", driver CUDA " + std::to_string(v / 1000) + "." +
-           std::to_string((v % 1000) / 10) + "; weights in device memory through Manager::allocate; decode = GPU kernel" +
+           std::to_string((v % 1000) / 10) +
+           "; weights in device memory through Manager::allocate; decode = GPU kernel" +
            (pass_ ? " over " + std::to_string(pass_->matrix_count()) + " matrices, " + format_size(pass_->bytes()) : "");
   }
   Clock& clock() override { return SteadyClock::instance(); }
@@ -48,7 +49,8 @@ class CudaIdleTarget final : public IdleTarget {
     // link's rate, so activating a policy costs milliseconds, not a read of the file.
     cuda::ContextScope scope(d(), backend_->context());
     const CUresult r = d().cuMemHostAlloc(&staging_, section_bytes_, CU_MEMHOSTALLOC_PORTABLE);
-    if (r != CUDA_SUCCESS) return d().error(r, "pinning a " + format_size(section_bytes_) + " copy of the model", "cuMemHostAlloc");
+    if (r != CUDA_SUCCESS)
+      return d().error(r, "pinning a " + format_size(section_bytes_) + " copy of the model", "cuMemHostAlloc");
     std::memcpy(staging_, model.data() + model.model().data_offset, section_bytes_);
     return {};
   }

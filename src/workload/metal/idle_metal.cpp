@@ -33,9 +33,10 @@ class MetalIdleTarget final : public IdleTarget {
 
   Status check_pressure(const Pressure& p) const override {
     if (p.kind == Pressure::Kind::none) return {};
-    return Status(ErrorCode::invalid_argument,
-                  "--backend metal measures what macOS does on its own after an idle pause; " + p.to_string() +
-                      " is not available on macOS (pageout is Linux's MADV_PAGEOUT); use --pressure none (the default)");
+    return Status(
+        ErrorCode::invalid_argument,
+        "--backend metal measures what macOS does on its own after an idle pause; " + p.to_string() +
+            " is not available on macOS (pageout is Linux's MADV_PAGEOUT); use --pressure none (the default)");
   }
 
   Status prepare(const GgufFile& model) override {

@@ -12,8 +12,8 @@
 #include <map>
 #include <string>
 
-#include "workload/decode_pass.hpp"
 #include "workload/decode_kernels.hpp"
+#include "workload/decode_pass.hpp"
 
 namespace residency::workload {
 namespace {
@@ -112,8 +112,6 @@ float input_value(std::uint64_t i) {
   return static_cast<float>(static_cast<double>((i * 2654435761ull) % 2001ull) / 1000.0 - 1.0);
 }
 
-
-
 }  // namespace
 
 static_assert(sizeof(MetalDecodePass::Matrix) == 56, "must match Matrix in kMetalDecodeSource");
@@ -191,26 +189,30 @@ Result<std::unique_ptr<MetalDecodePass>> MetalDecodePass::create(void* device, c
   NS::SharedPtr<MTL::Library> library = NS::TransferPtr(
       m.device->newLibrary(NS::String::string(kMetalDecodeSource, NS::UTF8StringEncoding), options, &error));
   options->release();
-  if (!library) return Status(ErrorCode::backend_error, "metal decode pass: the kernel did not compile: " + describe(error));
-  NS::SharedPtr<MTL::Function> fn =
-      NS::TransferPtr(library->newFunction(NS::String::string("decode_pass", NS::UTF8StringEncoding)));
+  if (!library)
+    return Status(ErrorCode::backend_error, "metal decode pass: the kernel did not compile: " + describe(error));
+  NS::SharedPtr<MTL::Function> fn = NS::TransferPtr(
+      library->newFunction(NS::String::string("decode_pass", NS::UTF8StringEncoding)));
   if (!fn) return Status(ErrorCode::backend_error, "metal decode pass: the library has no decode_pass");
   m.pipeline = NS::TransferPtr(m.device->newComputePipelineState(fn.get(), &error));
   if (!m.pipeline) return Status(ErrorCode::backend_error, "metal decode pass: no pipeline: " + describe(error));
   m.threads = std::min<NS::UInteger>(kThreadsPerGroup, m.pipeline->maxTotalThreadsPerThreadgroup() / 32 * 32);
-  if (m.threads == 0) return Status(ErrorCode::backend_error, "metal decode pass: the pipeline allows less than 32 threads");
+  if (m.threads == 0)
+    return Status(ErrorCode::backend_error, "metal decode pass: the pipeline allows less than 32 threads");
   m.queue = NS::TransferPtr(m.device->newCommandQueue());
 
   auto buffer = [&](const void* bytes, std::size_t n) {
-    MTL::Buffer* b = bytes != nullptr ? m.device->newBuffer(bytes, static_cast<NS::UInteger>(n), MTL::ResourceStorageModeShared)
-                                      : m.device->newBuffer(static_cast<NS::UInteger>(n), MTL::ResourceStorageModeShared);
+    MTL::Buffer* b = bytes != nullptr
+                         ? m.device->newBuffer(bytes, static_cast<NS::UInteger>(n), MTL::ResourceStorageModeShared)
+                         : m.device->newBuffer(static_cast<NS::UInteger>(n), MTL::ResourceStorageModeShared);
     return NS::TransferPtr(b);
   };
   m.table = buffer(p->matrices_.data(), p->matrices_.size() * sizeof(Matrix));
   m.inputs = buffer(p->inputs_.data(), p->inputs_.size() * sizeof(float));
   m.outputs = buffer(nullptr, std::max<std::uint64_t>(1, p->total_rows_) * sizeof(float));
   if (!m.queue || !m.table || !m.inputs || !m.outputs) {
-    return Status(ErrorCode::out_of_memory, "metal decode pass: no command queue or no memory for its table, inputs and outputs");
+    return Status(ErrorCode::out_of_memory,
+                  "metal decode pass: no command queue or no memory for its table, inputs and outputs");
   }
   return p;
 }

@@ -31,8 +31,7 @@ class MetalDecodePass {
   // pass. Errors: a weight type the pass does not compute (as DecodePass::check), a tensor that
   // lies whole in no view, the kernel failing to compile (Metal's message), no memory for the
   // table, inputs and outputs.
-  static Result<std::unique_ptr<MetalDecodePass>> create(void* device, const GgufModel& model,
-                                                         const MetalHostViews& views);
+  static Result<std::unique_ptr<MetalDecodePass>> create(void* device, const GgufModel& model, const MetalHostViews& views);
   ~MetalDecodePass();
   MetalDecodePass(const MetalDecodePass&) = delete;
   MetalDecodePass& operator=(const MetalDecodePass&) = delete;
@@ -47,8 +46,8 @@ class MetalDecodePass {
   std::uint64_t bytes() const { return bytes_; }  // weight bytes read per pass
   std::size_t matrix_count() const { return matrices_.size(); }
 
-  struct Matrix {  // mirrors Matrix in the kernel source (the layout is the ABI)
-    std::uint64_t offset;        // bytes from the start of its view
+  struct Matrix {          // mirrors Matrix in the kernel source (the layout is the ABI)
+    std::uint64_t offset;  // bytes from the start of its view
     std::uint64_t rows, row_length, row_bytes;
     std::uint64_t row_start;     // first global row (outputs index)
     std::uint64_t input_offset;  // first float of its input vector
@@ -65,7 +64,7 @@ class MetalDecodePass {
  private:
   MetalDecodePass() = default;
   std::unique_ptr<Impl> impl_;
-  std::vector<Matrix> matrices_;  // grouped by view, in Dispatch order
+  std::vector<Matrix> matrices_;             // grouped by view, in Dispatch order
   std::vector<std::uint64_t> file_offsets_;  // per matrix: where its first row is in the file
   std::vector<Dispatch> dispatches_;
   std::vector<float> inputs_;

@@ -17,9 +17,8 @@ class SimIdleTarget final : public IdleTarget {
   SimIdleTarget(SimProfile profile, SimIdleOptions sim) : profile_(std::move(profile)), sim_options_(std::move(sim)) {}
 
   std::string describe() const override {
-    return "sim (virtual time), profile " + profile_.name + ": " + profile_.description +
-           "; decaying requests " + (sim_options_.decaying_requests ? "on" : "off") +
-           "; decode times are modelled (the model file is not read)";
+    return "sim (virtual time), profile " + profile_.name + ": " + profile_.description + "; decaying requests " +
+           (sim_options_.decaying_requests ? "on" : "off") + "; decode times are modelled (the model file is not read)";
   }
 
   Clock& clock() override { return clock_; }

@@ -43,8 +43,8 @@ Status PatternKernels::fill(CUdeviceptr p, std::uint64_t size, std::uint64_t see
   return launch(fill_, args, stream, "fill_pattern");
 }
 
-Status PatternKernels::wait_then_fill(CUdeviceptr p, std::uint64_t size, std::uint64_t seed,
-                                      std::uint64_t wait_ns, CUstream stream) const {
+Status PatternKernels::wait_then_fill(CUdeviceptr p, std::uint64_t size, std::uint64_t seed, std::uint64_t wait_ns,
+                                      CUstream stream) const {
   void* args[] = {&p, &size, &seed, &wait_ns};
   return launch(wait_fill_, args, stream, "wait_then_fill");
 }

@@ -25,8 +25,7 @@ __device__ void fill_body(unsigned char* p, u64 size, u64 seed) {
   const u64 words = size / 8;
   u64* w = reinterpret_cast<u64*>(p);
   const u64 stride = static_cast<u64>(gridDim.x) * blockDim.x;
-  for (u64 i = static_cast<u64>(blockIdx.x) * blockDim.x + threadIdx.x; i < words; i += stride)
-    w[i] = mix(seed + i);
+  for (u64 i = static_cast<u64>(blockIdx.x) * blockDim.x + threadIdx.x; i < words; i += stride) w[i] = mix(seed + i);
   if (blockIdx.x == 0 && threadIdx.x < size - words * 8)
     p[words * 8 + threadIdx.x] = static_cast<unsigned char>(mix(~seed + threadIdx.x));
 }

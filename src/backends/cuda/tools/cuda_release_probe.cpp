@@ -248,15 +248,18 @@ int main(int argc, char** argv) {
   if (!o.json.empty()) {
     FILE* f = std::fopen(o.json.c_str(), "w");
     if (f == nullptr) die("cannot write " + o.json);
-    std::fprintf(f, "{\"device\": \"%s\", \"free_bytes\": %llu, \"copy_bytes\": %llu, \"piece_bytes\": %llu, "
-                    "\"quiet_ms\": %d, \"runs\": [",
+    std::fprintf(f,
+                 "{\"device\": \"%s\", \"free_bytes\": %llu, \"copy_bytes\": %llu, \"piece_bytes\": %llu, "
+                 "\"quiet_ms\": %d, \"runs\": [",
                  name, static_cast<unsigned long long>(free_bytes), static_cast<unsigned long long>(copy_bytes),
                  static_cast<unsigned long long>(kPiece), o.quiet_ms);
     for (std::size_t i = 0; i < runs.size(); ++i) {
       const Run& r = runs[i];
-      std::fprintf(f, "%s\n  {\"kind\": \"%s\", \"delay_ms\": %d, \"release_s\": %.6f, \"seconds\": %.6f, \"piece_end_ms\": [",
-                   i ? "," : "", r.kind.c_str(), r.delay_ms, r.release_s, r.seconds);
-      for (std::size_t k = 0; k < r.piece_end_ms.size(); ++k) std::fprintf(f, "%s%.3f", k ? ", " : "", r.piece_end_ms[k]);
+      std::fprintf(
+          f, "%s\n  {\"kind\": \"%s\", \"delay_ms\": %d, \"release_s\": %.6f, \"seconds\": %.6f, \"piece_end_ms\": [",
+          i ? "," : "", r.kind.c_str(), r.delay_ms, r.release_s, r.seconds);
+      for (std::size_t k = 0; k < r.piece_end_ms.size(); ++k)
+        std::fprintf(f, "%s%.3f", k ? ", " : "", r.piece_end_ms[k]);
       std::fprintf(f, "]}");
     }
     std::fprintf(f, "\n]}\n");

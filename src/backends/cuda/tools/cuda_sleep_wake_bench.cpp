@@ -44,8 +44,8 @@ namespace {
 using residency::RegionClass;
 using residency::RegionDesc;
 using residency::Status;
-using residency::cuda::CudaBackend;
 using residency::cuda::ContextScope;
+using residency::cuda::CudaBackend;
 using residency::cuda::Driver;
 using residency::cuda::PatternKernels;
 using namespace residency::cuda::tools;
@@ -71,8 +71,8 @@ struct SizeResult {
   bool pin_workers = false;  // BackupPipeline::workers
   double first_sleep_s = 0;  // includes building the pinned backup
   std::size_t backup_bytes = 0;
-  double plain_pin_s = 0;    // cuMemHostAlloc of the plain copies' host buffer
-  double prepare_s = 0;      // prepare_backup() right after allocation
+  double plain_pin_s = 0;  // cuMemHostAlloc of the plain copies' host buffer
+  double prepare_s = 0;    // prepare_backup() right after allocation
   double prepared_first_sleep_s = 0;
   std::vector<double> sleep_s, wake_s, plain_d2h_s, plain_h2d_s;
   // Diagnostics: host-to-device copies into device memory allocated just before (cuMemAlloc +
@@ -89,10 +89,10 @@ struct SizeResult {
 struct Options {
   std::vector<double> sizes_gib = {1, 16, 64};
   int iterations = 5;
-  std::size_t chunk = 0;  // 0: backend default
-  int streams = 0;        // 0: backend default
-  int pin_threads = 0;    // 0: backend default
-  int pin_workers = -1;   // -1: backend default; 0: registrar; 1: workers
+  std::size_t chunk = 0;               // 0: backend default
+  int streams = 0;                     // 0: backend default
+  int pin_threads = 0;                 // 0: backend default
+  int pin_workers = -1;                // -1: backend default; 0: registrar; 1: workers
   std::vector<std::string> pin_sweep;  // r<N> / w<N>
   bool pin_auto = false;
   double pin_sweep_gib = 16;
@@ -100,7 +100,7 @@ struct Options {
   bool sweep = false;
   bool discard = true;
   bool background_backup = false;  // --backup after-allocation
-  int idle_ms = 0;                  // --idle-ms: pause between a sleep and the next wake
+  int idle_ms = 0;                 // --idle-ms: pause between a sleep and the next wake
   std::string json;
 };
 
@@ -143,7 +143,8 @@ SizeResult measure(std::uint64_t bytes, const Options& o, bool with_discard, boo
   auto verify = [&](void* p, std::uint64_t seed, const char* what) {
     auto bad = kernels->mismatches(static_cast<CUdeviceptr>(reinterpret_cast<std::uintptr_t>(p)), bytes, seed);
     if (!bad) die(bad.message());
-    if (*bad != 0) die(std::string(what) + ": " + std::to_string(*bad) + " wrong words of " + std::to_string(bytes) + " bytes");
+    if (*bad != 0)
+      die(std::string(what) + ": " + std::to_string(*bad) + " wrong words of " + std::to_string(bytes) + " bytes");
   };
   auto in_set = [&](residency::SetId set, residency::RegionId id, void* p, RegionClass cls) {
     request_in_new_set(b, set, id, p, bytes, cls);
@@ -226,8 +227,10 @@ SizeResult measure(std::uint64_t bytes, const Options& o, bool with_discard, boo
     for (int it = 0; it < std::min(o.iterations, 3); ++it) {
       t0 = Clock::now();
       for (std::size_t off = 0, i = 0; off < bytes; off += res.chunk, ++i) {
-        check(d, d.cuMemcpyHtoDAsync(plain + off, backup + off, std::min<std::uint64_t>(res.chunk, bytes - off),
-                                     streams[i % streams.size()]), "chunked copy from the backup");
+        check(d,
+              d.cuMemcpyHtoDAsync(plain + off, backup + off, std::min<std::uint64_t>(res.chunk, bytes - off),
+                                  streams[i % streams.size()]),
+              "chunked copy from the backup");
       }
       for (auto st : streams) check(d, d.cuStreamSynchronize(st), "chunked copy from the backup");
       res.backup_h2d_reused_s.push_back(seconds_since(t0));
@@ -296,16 +299,16 @@ std::string size_json(const SizeResult& r) {
   char head[1024];
   std::snprintf(head, sizeof head,
                 "{\"bytes\": %llu, \"chunk_bytes\": %zu, \"streams\": %d, \"pin_threads\": %d, "
-                "\"pin_pipeline\": \"%s\", \"backup\": \"%s\", \"first_sleep_s\": %.6f, \"first_sleep_GBps\": %.2f, \"backup_bytes\": %zu, "
+                "\"pin_pipeline\": \"%s\", \"backup\": \"%s\", \"first_sleep_s\": %.6f, \"first_sleep_GBps\": %.2f, "
+                "\"backup_bytes\": %zu, "
                 "\"plain_pin_s\": %.6f, \"prepare_backup_s\": %.6f, \"prepared_first_sleep_s\": %.6f, "
                 "\"wake_GBps\": %.2f, \"plain_h2d_GBps\": %.2f, \"wake_ratio\": %.4f, "
                 "\"sleep_GBps\": %.2f, \"plain_d2h_GBps\": %.2f, \"sleep_ratio\": %.4f, ",
                 static_cast<unsigned long long>(r.bytes), r.chunk, r.streams, r.pin_threads,
                 r.pin_workers ? "workers" : "registrar", r.background_backup ? "after-allocation" : "at-first-sleep",
-                r.first_sleep_s,
-                gbps(r.bytes, r.first_sleep_s), r.backup_bytes, r.plain_pin_s, r.prepare_s, r.prepared_first_sleep_s,
-                r.wake_gbps(), r.h2d_gbps(), r.h2d_gbps() > 0 ? r.wake_gbps() / r.h2d_gbps() : 0, r.sleep_gbps(),
-                r.d2h_gbps(), r.d2h_gbps() > 0 ? r.sleep_gbps() / r.d2h_gbps() : 0);
+                r.first_sleep_s, gbps(r.bytes, r.first_sleep_s), r.backup_bytes, r.plain_pin_s, r.prepare_s,
+                r.prepared_first_sleep_s, r.wake_gbps(), r.h2d_gbps(), r.h2d_gbps() > 0 ? r.wake_gbps() / r.h2d_gbps() : 0,
+                r.sleep_gbps(), r.d2h_gbps(), r.d2h_gbps() > 0 ? r.sleep_gbps() / r.d2h_gbps() : 0);
   return std::string(head) + "\"wake_s\": " + json_list(r.wake_s) + ", \"sleep_s\": " + json_list(r.sleep_s) +
          ", \"plain_h2d_s\": " + json_list(r.plain_h2d_s) + ", \"plain_d2h_s\": " + json_list(r.plain_d2h_s) +
          ", \"fresh_h2d_s\": " + json_list(r.fresh_h2d_s) +
@@ -444,21 +447,21 @@ int main(int argc, char** argv) {
     }
   }
   std::vector<SizeResult> results;
-  std::printf("\n%8s %7s %7s %4s | %9s %9s %6s | %9s %9s %6s | %9s %9s %9s | %9s %9s %9s | %9s %9s\n", "size",
-              "chunk", "streams", "pin", "wake", "plainH2D", "ratio", "sleep", "plainD2H", "ratio", "1st sleep",
-              "1st sleep", "backup", "hostalloc", "prepare", "then 1st", "discard", "dwake");
-  std::printf("%8s %7s %7s %4s | %9s %9s %6s | %9s %9s %6s | %9s %9s %9s | %9s %9s %9s | %9s %9s\n", "GiB", "MiB",
-              "", "thr", "GB/s", "GB/s", "", "GB/s", "GB/s", "", "s", "GB/s", "bytes-sz", "GB/s", "GB/s", "GB/s",
-              "s", "s");
+  std::printf("\n%8s %7s %7s %4s | %9s %9s %6s | %9s %9s %6s | %9s %9s %9s | %9s %9s %9s | %9s %9s\n", "size", "chunk",
+              "streams", "pin", "wake", "plainH2D", "ratio", "sleep", "plainD2H", "ratio", "1st sleep", "1st sleep",
+              "backup", "hostalloc", "prepare", "then 1st", "discard", "dwake");
+  std::printf("%8s %7s %7s %4s | %9s %9s %6s | %9s %9s %6s | %9s %9s %9s | %9s %9s %9s | %9s %9s\n", "GiB", "MiB", "",
+              "thr", "GB/s", "GB/s", "", "GB/s", "GB/s", "", "s", "GB/s", "bytes-sz", "GB/s", "GB/s", "GB/s", "s", "s");
   auto row = [](const SizeResult& r) {
     auto rate = [&](double s) { return gbps(r.bytes, s); };
-    std::printf("%8.2f %7zu %7d %4d | %9.2f %9.2f %6.3f | %9.2f %9.2f %6.3f | %9.3f %9.2f %9lld | %9.2f %9.2f %9.2f | %9.4f %9.4f\n",
-                static_cast<double>(r.bytes) / kGiB, r.chunk / kMiB, r.streams, r.pin_threads, r.wake_gbps(),
-                r.h2d_gbps(), r.h2d_gbps() > 0 ? r.wake_gbps() / r.h2d_gbps() : 0, r.sleep_gbps(), r.d2h_gbps(),
-                r.d2h_gbps() > 0 ? r.sleep_gbps() / r.d2h_gbps() : 0, r.first_sleep_s, rate(r.first_sleep_s),
-                static_cast<long long>(r.backup_bytes) - static_cast<long long>(r.bytes), rate(r.plain_pin_s),
-                rate(r.prepare_s), rate(r.prepared_first_sleep_s), median(r.discard_sleep_s),
-                median(r.discard_wake_s));
+    std::printf(
+        "%8.2f %7zu %7d %4d | %9.2f %9.2f %6.3f | %9.2f %9.2f %6.3f | %9.3f %9.2f %9lld | %9.2f %9.2f %9.2f | %9.4f "
+        "%9.4f\n",
+        static_cast<double>(r.bytes) / kGiB, r.chunk / kMiB, r.streams, r.pin_threads, r.wake_gbps(), r.h2d_gbps(),
+        r.h2d_gbps() > 0 ? r.wake_gbps() / r.h2d_gbps() : 0, r.sleep_gbps(), r.d2h_gbps(),
+        r.d2h_gbps() > 0 ? r.sleep_gbps() / r.d2h_gbps() : 0, r.first_sleep_s, rate(r.first_sleep_s),
+        static_cast<long long>(r.backup_bytes) - static_cast<long long>(r.bytes), rate(r.plain_pin_s),
+        rate(r.prepare_s), rate(r.prepared_first_sleep_s), median(r.discard_sleep_s), median(r.discard_wake_s));
     std::fflush(stdout);
   };
   for (double g : o.sizes_gib) {
@@ -484,8 +487,9 @@ int main(int argc, char** argv) {
   if (!o.json.empty()) {
     std::FILE* f = std::fopen(o.json.c_str(), "w");
     if (f == nullptr) die("cannot write " + o.json);
-    std::fprintf(f, "{\n  \"date\": \"%s\",\n  \"gpu\": \"%s\",\n  \"driver_cuda_version\": %d,\n"
-                    "  \"iterations\": %d,\n  \"idle_ms\": %d,\n  \"host_threads\": %u,\n  \"sizes\": [\n",
+    std::fprintf(f,
+                 "{\n  \"date\": \"%s\",\n  \"gpu\": \"%s\",\n  \"driver_cuda_version\": %d,\n"
+                 "  \"iterations\": %d,\n  \"idle_ms\": %d,\n  \"host_threads\": %u,\n  \"sizes\": [\n",
                  now_utc().c_str(), gpu.c_str(), d.driver_version, o.iterations, o.idle_ms,
                  std::thread::hardware_concurrency());
     for (std::size_t i = 0; i < results.size(); ++i)

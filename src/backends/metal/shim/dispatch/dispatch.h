@@ -11,9 +11,7 @@
 #ifdef __cplusplus
 struct dispatch_object_s {};
 typedef struct dispatch_object_s* dispatch_object_t;
-#define RESIDENCY_SHIM_DISPATCH_DECL(name) \
-  typedef struct name##_s : public dispatch_object_s { \
-  } * name##_t
+#define RESIDENCY_SHIM_DISPATCH_DECL(name) typedef struct name##_s : public dispatch_object_s{} * name##_t
 #else
 #define RESIDENCY_SHIM_DISPATCH_DECL(name) typedef struct name##_s* name##_t
 #endif
