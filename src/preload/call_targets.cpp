@@ -70,7 +70,6 @@ struct Libllamas {
   std::size_t n = 0;
   char path[kMaxLibllamas][512] = {};
 };
-constinit std::atomic<std::uint64_t> g_listed_generation{0};
 constinit std::atomic<int> g_listing{0};
 // The last complete listing, written only while g_listing is held, read as a sequence lock
 // (g_list_seq is odd while it is written): no lock that a thread inside dlopen could wait on.
@@ -105,7 +104,7 @@ bool defines_itself(const char* path, const char* name) noexcept {
 // an allocator (a ggml or llama hook, a model file's mapping, a dlopen): dlsym may allocate.
 void list_libllamas() noexcept {
   const std::uint64_t gen = g_generation.load(std::memory_order_acquire);
-  if (g_listed_generation.load(std::memory_order_acquire) == gen) return;
+  if (read_libllamas().generation == gen) return;
   int expected = 0;
   if (!g_listing.compare_exchange_strong(expected, 1, std::memory_order_acquire)) return;  // another thread lists
   const int saved = errno;
@@ -132,7 +131,6 @@ void list_libllamas() noexcept {
   g_list_seq.fetch_add(1, std::memory_order_acq_rel);
   g_libllamas = found;
   g_list_seq.fetch_add(1, std::memory_order_release);
-  g_listed_generation.store(gen, std::memory_order_release);
   g_listing.store(0, std::memory_order_release);
   errno = saved;
 }

@@ -678,7 +678,8 @@ EngineOwned EngineSession::engine_owned_locked() const {
 // thread ended is taken again.
 void EngineSession::note_stack(std::uintptr_t stack) noexcept {
   constexpr std::uintptr_t kSameStack = std::uintptr_t{1} << 20;
-  const int tid = static_cast<int>(::syscall(SYS_gettid));
+  // The thread's id, asked of the kernel once per thread (this runs before every decode).
+  static thread_local const int tid = static_cast<int>(::syscall(SYS_gettid));
   for (std::size_t i = 0; i < kMaxStacks; ++i) {
     const std::uintptr_t at = stacks_[i].load(std::memory_order_relaxed);
     if (at != 0 && (at > stack ? at - stack : stack - at) < kSameStack &&

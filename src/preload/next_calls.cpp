@@ -141,48 +141,50 @@ void* find_anywhere(const char* name) noexcept {
 
 }  // namespace
 
-void* resolve_symbol(const char* name, const void* near) noexcept {
+namespace {
+
+// `find()` with the resolving guards: nothing while this thread resolves already (dlsym may call
+// back into a hook), the hooks pass straight through meanwhile, errno as it was.
+template <class Find>
+void* resolving(Find find) noexcept {
   if (t_resolving) return nullptr;
   const int saved = errno;
   t_resolving = true;
   const bool was = t_in_hook;
   t_in_hook = true;
-  void* f = ::dlsym(RTLD_NEXT, name);
-  if (f != nullptr && in_self(f)) f = nullptr;
-  if (f == nullptr) f = find_near(name, near);
-  if (f == nullptr) f = find_anywhere(name);
+  void* f = find();
   t_in_hook = was;
   t_resolving = false;
   errno = saved;
   return f;
+}
+
+// dlsym(RTLD_NEXT), but never the preload's own definition.
+void* next_definition(const char* name) noexcept {
+  void* f = ::dlsym(RTLD_NEXT, name);
+  return f != nullptr && in_self(f) ? nullptr : f;
+}
+
+}  // namespace
+
+void* resolve_symbol(const char* name, const void* near) noexcept {
+  return resolving([&]() noexcept {
+    void* f = next_definition(name);
+    if (f == nullptr) f = find_near(name, near);
+    return f != nullptr ? f : find_anywhere(name);
+  });
 }
 
 void* resolve_for_object(const char* name, const char* caller_path) noexcept {
-  if (t_resolving) return nullptr;
-  const int saved = errno;
-  t_resolving = true;
-  const bool was = t_in_hook;
-  t_in_hook = true;
-  void* f = ::dlsym(RTLD_NEXT, name);
-  if (f != nullptr && in_self(f)) f = nullptr;
-  if (f == nullptr && caller_path != nullptr && *caller_path != '\0') f = find_in_object(caller_path, name);
-  t_in_hook = was;
-  t_resolving = false;
-  errno = saved;
-  return f;
+  return resolving([&]() noexcept {
+    void* f = next_definition(name);
+    if (f == nullptr && caller_path != nullptr && *caller_path != '\0') f = find_in_object(caller_path, name);
+    return f;
+  });
 }
 
 void* resolve_anywhere(const char* name) noexcept {
-  if (t_resolving) return nullptr;
-  const int saved = errno;
-  t_resolving = true;
-  const bool was = t_in_hook;
-  t_in_hook = true;
-  void* f = find_anywhere(name);
-  t_in_hook = was;
-  t_resolving = false;
-  errno = saved;
-  return f;
+  return resolving([&]() noexcept { return find_anywhere(name); });
 }
 
 bool in_preload(const void* p) noexcept { return in_self(p); }
