@@ -62,6 +62,25 @@ void tell(const void* near, F&& f) noexcept {
   if (EngineSession* s = process_session(near)) f(*s);
 }
 
+// The program's locks come first: `call()` (which leaves errno as the C library does) is made
+// once more when `failed_on_limit(result)` says it failed on RLIMIT_MEMLOCK, which the session's
+// locks count against (no CAP_IPC_LOCK), and the session stepped aside for it. The errno a call made
+// again sees is the program's, so that it ends as one call would.
+template <class Call, class Failed>
+auto program_lock_first(Call call, Failed failed_on_limit) noexcept {
+  const int saved = errno;
+  auto r = call();
+  if (!failed_on_limit(r)) return r;
+  const int err = errno;
+  EngineSession* s = started_session();
+  if (s == nullptr || !s->step_aside_for_program_lock()) {
+    errno = err;
+    return r;
+  }
+  errno = saved;
+  return call();
+}
+
 // The memory hooks below (mmap, munmap, madvise, mprotect, mremap, mlock, munlock, mlockall) are
 // the calls an allocator makes while it holds its own lock: they never wait for the session's
 // lock and never allocate; they tell the session what changed (EngineSession::memory_gone and the
@@ -71,19 +90,9 @@ template <class Call>
 void* map(std::size_t len, int prot, int flags, int fd, off64_t off, const void* caller, Call call) noexcept {
   if (in_hook() || forked_child()) return call();
   const bool wanted = SessionRules::may_be_model_file(prot, flags, fd, len);
-  const int saved = errno;
-  void* r = call();
-  if (r == MAP_FAILED && (flags & MAP_LOCKED) != 0 && errno == EAGAIN) {
-    // A locked mapping over the limit the session's locks count against: the program comes first
-    // (and its call, made again, leaves errno as one call would).
-    EngineSession* s = started_session();
-    if (s != nullptr && s->step_aside_for_program_lock()) {
-      errno = saved;
-      r = call();
-    } else {
-      errno = EAGAIN;
-    }
-  }
+  // EAGAIN of a MAP_LOCKED mapping: over RLIMIT_MEMLOCK.
+  void* r = program_lock_first(call,
+                               [&](void* m) { return m == MAP_FAILED && (flags & MAP_LOCKED) != 0 && errno == EAGAIN; });
   if (r == MAP_FAILED) return r;
   const auto rb = reinterpret_cast<std::uintptr_t>(r);
   const std::uintptr_t re = page_end(rb, len);
@@ -466,22 +475,20 @@ template <class Call>
 int program_locks(const void* addr, std::size_t len, const void* caller, Call call) noexcept {
   EngineSession* s = program_call(caller) ? started_session() : nullptr;
   if (s == nullptr || len == 0) return call();
-  const int saved = errno;
-  int r = -1, err = 0;
   const auto b = reinterpret_cast<std::uintptr_t>(addr);
-  auto lock = [&] {
+  auto lock = [&]() noexcept {
+    const int saved = errno;
+    int r = -1, err = 0;
     s->program_locks(b, page_end(b, len), [&] {
       errno = saved;
       r = call();
       err = errno;
       return r == 0;
     });
+    errno = err;
+    return r;
   };
-  lock();
-  // The program's locks come first: over the limit the session holds part of, it steps aside.
-  if (r != 0 && failed_on_lock_limit(err) && s->step_aside_for_program_lock()) lock();
-  errno = err;
-  return r;
+  return program_lock_first(lock, [](int r) { return r != 0 && failed_on_lock_limit(errno); });
 }
 
 }  // namespace
@@ -575,19 +582,9 @@ RESIDENCY_PRELOAD_EXPORT void* mremap(void* old_addr, std::size_t old_size, std:
   // A locked mapping moved or grown stays locked, and the kernel populates all of it: what the
   // session held of it is let go of first. MREMAP_FIXED also replaces what was at new_address.
   if (!rp::program_call(__builtin_return_address(0))) return call();
-  const int saved = errno;
-  void* r = rp::around_take_back(old_addr, old_size, call);
-  // EAGAIN: a locked mapping could not grow within RLIMIT_MEMLOCK, which the session's locks count
-  // against; the program comes first.
-  if (r == MAP_FAILED && errno == EAGAIN) {
-    rp::EngineSession* s = rp::started_session();
-    if (s != nullptr && s->step_aside_for_program_lock()) {
-      errno = saved;
-      r = rp::around_take_back(old_addr, old_size, call);
-    } else {
-      errno = EAGAIN;
-    }
-  }
+  // EAGAIN: a locked mapping could not grow within RLIMIT_MEMLOCK.
+  void* r = rp::program_lock_first([&]() noexcept { return rp::around_take_back(old_addr, old_size, call); },
+                                   [](void* m) { return m == MAP_FAILED && errno == EAGAIN; });
   if (r != MAP_FAILED && (flags & MREMAP_FIXED) != 0)
     if (rp::EngineSession* s = rp::started_session()) {
       const auto b = reinterpret_cast<std::uintptr_t>(r);
