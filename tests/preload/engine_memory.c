@@ -25,6 +25,8 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "vm_lck.h"
+
 enum { kMiB = 1 << 20 };
 
 static struct llama_context* g_ctx;
@@ -33,23 +35,6 @@ static llama_token g_tok;
 static void quiet_log(enum ggml_log_level level, const char* text, void* user) {
   (void)user;
   if (level == GGML_LOG_LEVEL_ERROR) fputs(text, stderr);
-}
-
-/* Locked kB of the VMAs of /proc/self/smaps that overlap [b, e). */
-static long locked_kb(uintptr_t b, uintptr_t e) {
-  FILE* f = fopen("/proc/self/smaps", "r");
-  if (f == NULL) return -1;
-  char line[512];
-  long total = 0;
-  int in = 0;
-  while (fgets(line, sizeof line, f) != NULL) {
-    unsigned long lo = 0, hi = 0;
-    long kb = 0;
-    if (line[0] != ' ' && sscanf(line, "%lx-%lx ", &lo, &hi) == 2) in = lo < e && b < hi;
-    else if (in && sscanf(line, "Locked: %ld kB", &kb) == 1) total += kb;
-  }
-  fclose(f);
-  return total;
 }
 
 static int decode_n(int n) {
@@ -118,7 +103,7 @@ int main(int argc, char** argv) {
     memset(buf, 0x5a, size);
     idle(idle_ms);
     ok = ok && decode_n(4);
-    printf("buffer_locked_kb=%ld\n", locked_kb((uintptr_t)buf, (uintptr_t)buf + size));
+    printf("buffer_locked_kb=%ld\n", locked_kb(buf, size));
   } else if (strcmp(mode, "heap") == 0) {
     ok = ok && decode_n(2);
     const uintptr_t before = (uintptr_t)sbrk(0);
@@ -141,13 +126,13 @@ int main(int argc, char** argv) {
       }
     }
     if (f != NULL) fclose(f);
-    printf("heap_locked_kb=%ld\n", hb != 0 ? locked_kb(hb, he) : -1L);
+    printf("heap_locked_kb=%ld\n", hb != 0 ? locked_kb((const void*)hb, he - hb) : -1L);
   } else if (strcmp(mode, "callback") == 0) {
     llama_set_abort_callback(g_ctx, abort_callback, NULL);
     ok = ok && decode_n(8);
     printf("callback_calls=%d\n", g_callback_calls);
     printf("callback_locked_kb=%ld\n", g_callback_map != NULL && g_callback_map != MAP_FAILED
-                                           ? locked_kb((uintptr_t)g_callback_map, (uintptr_t)g_callback_map + 32 * kMiB)
+                                           ? locked_kb(g_callback_map, 32 * kMiB)
                                            : -1L);
   } else {
     fprintf(stderr, "engine_memory: unknown mode '%s'\n", mode);

@@ -20,8 +20,8 @@
 
 #include "support/child_process.hpp"
 #include "support/strict.hpp"
+#include "support/synthetic_model.hpp"
 #include "support/temp_dir.hpp"
-#include "workload/gguf_writer.hpp"
 
 namespace {
 
@@ -72,15 +72,8 @@ class HostTest : public ::testing::Test {
       setup_error_ = error;
       return;
     }
-    // F16: no CPU repacks it, so every machine runs the same layout.
     model_ = dir_ + "/model-f16.gguf";
-    auto shape = residency::workload::plan_llama_shape(96 * kMiB, residency::workload::GgmlType::f16);
-    if (!shape) {
-      setup_error_ = shape.message();
-      return;
-    }
-    if (auto st = residency::workload::write_synthetic_model(model_, *shape, residency::workload::kSyntheticSeed, 2); !st)
-      setup_error_ = st.message();
+    setup_error_ = residency::testing::write_f16_model(model_, 96 * kMiB);
   }
   static void TearDownTestSuite() {
     if (!dir_.empty()) std::filesystem::remove_all(dir_);

@@ -14,10 +14,6 @@
 // path left an unaligned pointer there and TheSameWhileTheSessionHoldsAModel failed, while the
 // path without a session still held the caller's NULL and passed.
 #include <gtest/gtest.h>
-#include <linux/capability.h>
-#include <sys/prctl.h>
-#include <sys/resource.h>
-#include <sys/syscall.h>
 #include <sys/utsname.h>
 #include <unistd.h>
 
@@ -29,8 +25,9 @@
 #include <vector>
 
 #include "support/child_process.hpp"
+#include "support/memlock_privileges.hpp"
+#include "support/synthetic_model.hpp"
 #include "support/temp_dir.hpp"
-#include "workload/gguf_writer.hpp"
 
 namespace {
 
@@ -67,13 +64,7 @@ class MemoryCallsTest : public ::testing::Test {
       return;
     }
     model_ = dir_ + "/model-f16.gguf";
-    auto shape = residency::workload::plan_llama_shape(kModelBytes, residency::workload::GgmlType::f16);
-    if (!shape) {
-      setup_error_ = shape.message();
-      return;
-    }
-    if (auto st = residency::workload::write_synthetic_model(model_, *shape, residency::workload::kSyntheticSeed, 2); !st)
-      setup_error_ = st.message();
+    setup_error_ = residency::testing::write_f16_model(model_, kModelBytes);
   }
   static void TearDownTestSuite() {
     if (!dir_.empty()) std::filesystem::remove_all(dir_);
@@ -89,18 +80,8 @@ class MemoryCallsTest : public ::testing::Test {
     ChildSpec s;
     if (without_cap_ipc_lock)
       s.before_exec = [] {
-        ::prctl(PR_CAPBSET_DROP, CAP_IPC_LOCK, 0, 0, 0);
-        ::prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0);
-        __user_cap_header_struct hdr{_LINUX_CAPABILITY_VERSION_3, 0};
-        __user_cap_data_struct data[_LINUX_CAPABILITY_U32S_3] = {};
-        if (::syscall(SYS_capget, &hdr, data) == 0) {
-          data[0].effective &= ~(1U << CAP_IPC_LOCK);
-          data[0].permitted &= ~(1U << CAP_IPC_LOCK);
-          data[0].inheritable &= ~(1U << CAP_IPC_LOCK);
-          ::syscall(SYS_capset, &hdr, data);
-        }
-        const rlimit rl{8U << 20, 8U << 20};
-        ::setrlimit(RLIMIT_MEMLOCK, &rl);
+        residency::testing::drop_cap_ipc_lock();
+        residency::testing::set_memlock_limit(8U << 20);
         return true;
       };
     s.argv = {MEMORY_CALLS_PATH};

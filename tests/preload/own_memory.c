@@ -33,27 +33,6 @@ static void quiet_log(enum ggml_log_level level, const char* text, void* user) {
   if (level == GGML_LOG_LEVEL_ERROR) fputs(text, stderr);
 }
 
-/* Locked kB of the VMAs of /proc/self/smaps that overlap [b, e), each counted whole. */
-static long locked_kb(const void* begin, size_t len) {
-  const uintptr_t b = (uintptr_t)begin, e = b + len;
-  FILE* f = fopen("/proc/self/smaps", "r");
-  if (f == NULL) return -1;
-  char line[512];
-  long total = 0;
-  int in = 0;
-  while (fgets(line, sizeof line, f) != NULL) {
-    unsigned long lo = 0, hi = 0;
-    long kb = 0;
-    if (sscanf(line, "%lx-%lx ", &lo, &hi) == 2 && strchr(line, '-') != NULL && line[0] != ' ') {
-      in = lo < e && b < hi;
-    } else if (in && sscanf(line, "Locked: %ld kB", &kb) == 1) {
-      total += kb;
-    }
-  }
-  fclose(f);
-  return total;
-}
-
 static void* filled_map(size_t n) {
   void* p = mmap(NULL, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
   if (p == MAP_FAILED) return NULL;

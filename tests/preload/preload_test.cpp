@@ -42,6 +42,7 @@
 
 #include "llama/llama_server.hpp"
 #include "support/child_process.hpp"
+#include "support/memlock_privileges.hpp"
 #include "support/strict.hpp"
 #include "support/temp_dir.hpp"
 #include "workload/gguf_writer.hpp"
@@ -379,22 +380,8 @@ class Child : public residency::testing::ChildProcess {
     const bool drop = o.drop_cap_ipc_lock;
     const std::optional<std::uint64_t> limit = o.memlock_limit;
     s.before_exec = [drop, limit] {
-      if (drop) {
-        ::prctl(PR_CAPBSET_DROP, CAP_IPC_LOCK, 0, 0, 0);
-        ::prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0);
-        __user_cap_header_struct hdr{_LINUX_CAPABILITY_VERSION_3, 0};
-        __user_cap_data_struct data[_LINUX_CAPABILITY_U32S_3] = {};
-        if (::syscall(SYS_capget, &hdr, data) == 0) {
-          data[0].effective &= ~(1U << CAP_IPC_LOCK);
-          data[0].permitted &= ~(1U << CAP_IPC_LOCK);
-          data[0].inheritable &= ~(1U << CAP_IPC_LOCK);
-          ::syscall(SYS_capset, &hdr, data);
-        }
-      }
-      if (limit) {
-        const rlimit rl{static_cast<rlim_t>(*limit), static_cast<rlim_t>(*limit)};
-        ::setrlimit(RLIMIT_MEMLOCK, &rl);
-      }
+      if (drop) residency::testing::drop_cap_ipc_lock();
+      if (limit) residency::testing::set_memlock_limit(*limit);
       return true;
     };
     return s;
