@@ -18,6 +18,7 @@
 #include <utility>
 #include <vector>
 
+#include "budget_share.hpp"
 #include "keep_alive.hpp"
 #include "limits.hpp"
 #include "log.hpp"
@@ -26,10 +27,6 @@
 #include "residency_sets.hpp"
 #include "set_layout.hpp"
 #include "wired_budget.hpp"
-
-namespace residency::ledger {
-class Ledger;
-}
 
 namespace residency::core {
 
@@ -42,19 +39,15 @@ namespace residency::core {
 //     and, while the policy wants the memory resident, at least what is admitted: bytes are
 //     reserved there before a commit or a request can wire them (admit(), reserve_for_wire()) and
 //     given back after the backend unwired them (settle(), after every flush and release).
-//   - Nothing here waits on another process but a paced wake: the ledger is asked with a wait of 0
-//     under the mutex. When it comes back short, room_wanted() says how much; the manager asks the
-//     other holders and waits for them with its mutex released, then calls retry (manager.cpp,
-//     make_room()). A backend that paces its wakes (Capabilities::paced_wake) begins in the room
-//     the ledger holds, and the rest is asked for between its pieces (request_all(), pace()).
+//   - Nothing here waits on another process but a paced wake (BudgetShare::pace()): the share is
+//     asked with a wait of 0 under the mutex. When it comes back short, share()->take_room_wanted()
+//     says how much; the manager asks the other holders through BudgetShare::Room with its mutex
+//     released, then calls retry (manager.cpp, make_room()).
 class Admission {
  public:
-  Admission(Backend& backend, const LogSink& log, const KeepAliveState& ka, Clock& clock, Limits limits,
-            SetLayout layout, std::unique_ptr<ledger::Ledger> shared, int shared_priority);
+  Admission(Backend& backend, const LogSink& log, const KeepAliveState& ka, Limits limits, SetLayout layout,
+            std::unique_ptr<BudgetShare> share);
   ~Admission();
-  // This manager's share of the machine-wide budget, if Config::shared_budget names one (null if not).
-  static Result<std::unique_ptr<ledger::Ledger>> join_shared_budget(const Config& config, const MemoryInfo& mem,
-                                                                    const std::string& backend);
   Admission(const Admission&) = delete;
   Admission& operator=(const Admission&) = delete;
 
@@ -94,7 +87,7 @@ class Admission {
   // with the manager's lock held: this call is inside the wake the engine waits for).
   std::pair<std::uint64_t, std::uint32_t> request_all();
   // Bytes the last request began to wake before the room for the rest was made (0: none), taken once.
-  std::uint64_t take_paced_head() { return std::exchange(paced_head_, 0); }
+  std::uint64_t take_paced_head() { return share_ ? share_->take_paced_head() : 0; }
   ResidencySets::Released end_all();
   void refresh_all();
   // Commits what changed, unless a batch is open, and gives back the shared budget no longer needed.
@@ -109,27 +102,12 @@ class Admission {
   int batch_depth() const { return batch_depth_; }
 
   // --- the shared budget ------------------------------------------------------------------
-  ledger::Ledger* shared() const { return shared_.get(); }
-  // Bytes a short reservation of this call wanted (0: none), taken once. A first attempt that comes
-  // back short because the budget is full says nothing yet: the manager asks the other holders for
-  // this much without its lock, then tries again after begin_retry() (ResidencyCycle::retry()),
-  // and that attempt says what still does not fit.
-  // Whether that room is for device memory (asked of any holder not inside a call, however short
-  // its idle: docs/design.md, "The GPU budget") or for host memory (asked of holders idle for
-  // ledger::kIdleBeforeAsked). `device_full`: device memory that could not wake because the device itself is full (the
-  // budget had room): the others are asked to give back that much (Ledger::ask_to_free).
-  struct RoomWanted {
-    std::uint64_t bytes = 0;
-    bool device = false;
-    std::uint64_t device_full = 0;
-  };
-  RoomWanted take_room_wanted() {
-    const RoomWanted r{room_wanted_, room_for_device_, device_short_};
-    room_wanted_ = 0;
-    room_for_device_ = false;
-    device_short_ = 0;
-    return r;
-  }
+  // This manager's share of a machine-wide budget (null: none). Guarded by the manager's lock with
+  // the rest of these books.
+  BudgetShare* share() { return share_.get(); }
+  const BudgetShare* share() const { return share_.get(); }
+  // What the books say the share must cover now.
+  Demand demand() const;
   // Device memory about to be allocated (Manager::allocate): reserved in the shared budget before
   // the allocation, so that room is made first (a full GPU cannot allocate and then ask). False:
   // the budget is full on a first attempt; the others are asked for room at the end of the call,
@@ -137,18 +115,18 @@ class Admission {
   bool reserve_ahead(std::uint64_t bytes);
   // The allocation was tracked (its region took the reservation over) or failed: forgets it.
   void end_ahead(std::uint64_t bytes);
-  // keep_asking: the device itself was full and the holders asked gave memory back, which another
-  // waker may have taken first: a failure of this attempt asks again (the manager bounds the rounds).
-  void begin_retry(bool keep_asking = false);
+  // After the others were asked: the next attempt says what still does not fit.
+  void begin_retry(bool keep_asking = false) {
+    if (share_) share_->begin_retry(keep_asking);
+  }
   // The call is over: the next one starts with a first attempt.
   void end_call() {
-    room_wanted_ = 0;
-    first_attempt_ = true;
+    if (share_) share_->end_call();
   }
   // The process is exiting: nothing more is reserved (and so nothing more wired).
-  void begin_exit() { exiting_ = true; }
-  std::uint64_t shared_short() const { return shared_short_; }
-  std::uint64_t shared_over() const { return shared_over_; }
+  void begin_exit() {
+    if (share_) share_->begin_exit();
+  }
 
   // At the manager's destruction: backend memory freed first (no pointless copy-out of device
   // weights), then every set destroyed and every reservation given back. Warns about regions
@@ -181,47 +159,22 @@ class Admission {
   auto failure_handler() {
     return [this](const SetOutcome& o, const char* w) { on_failure(o, w); };
   }
-  std::uint64_t shared_needed() const;
   bool reserve_shared(std::uint64_t more, bool device);
-  bool asking() const;  // a first attempt at a full budget: the others are asked before anything else
-  bool over_budget(std::uint64_t bytes);
-  // Short by `bytes`: on a first attempt at a full budget, remembered as room to ask for; else said.
-  void short_by(std::uint64_t bytes, std::uint64_t unwired);
 
   Backend& backend_;
   std::uint64_t granularity_ = 1;  // Capabilities::wire_granularity
   std::uint64_t admitted_size_ = 0;
   const LogSink& log_;
   const KeepAliveState& ka_;
-  Clock& clock_;   // the manager's: the ledger is given its time (Ledger::acquire)
   Limits limits_;  // its warn-once flags change here
   RegionTable regions_;
   WiredBudget budget_;
   ResidencySets sets_;
-  const std::unique_ptr<ledger::Ledger> shared_;
-  const int shared_priority_;
+  const std::unique_ptr<BudgetShare> share_;
   std::function<void()> on_change_;
   int batch_depth_ = 0;
-  bool warned_reserve_ = false, warned_shared_ = false, warned_shared_problem_ = false, warned_over_ = false;
-  // A reservation came back short in this call: no further ask until the next flush.
-  bool shared_full_ = false;
-  bool exiting_ = false;
-  bool first_attempt_ = true;  // no holder has been asked in this call yet
-  std::uint64_t room_wanted_ = 0;
-  bool room_for_device_ = false;
-  std::uint64_t ahead_ = 0;  // reserve_ahead()'s bytes, not yet a region's
-  // A paced wake (Capabilities::paced_wake): set by reserve_for_wire() for the next request_all().
-  // credit: reserved bytes the wake's pieces may still take; owed: what the ledger still lacks.
-  void pace(std::uint64_t bytes);
-  bool paced_wake_ = false;
-  bool pacing_ = false;
-  std::uint64_t pace_credit_ = 0, pace_owed_ = 0;
-  std::uint64_t paced_head_ = 0;  // bytes the last paced wake began with before room was made
-  // Backend::unmanaged_device_bytes() when last read: part of what the ledger holds for us.
-  std::uint64_t unmanaged_ = 0;
-  void count_unmanaged();
-  std::uint64_t device_short_ = 0;  // device memory that failed to wake out of memory (first attempt)
-  std::uint64_t wire_failures_ = 0, shared_short_ = 0, shared_over_ = 0;
+  bool warned_reserve_ = false;
+  std::uint64_t wire_failures_ = 0;
 };
 
 }  // namespace residency::core

@@ -2,7 +2,9 @@
 // The residency manager: a facade that locks and delegates. Each decision lives in its unit:
 //
 //   Admission       which regions are in a set, under every budget (admission.hpp): RegionTable,
-//                   WiredBudget, ResidencySets, Limits and this manager's share of the ledger
+//                   WiredBudget, ResidencySets, Limits
+//   BudgetShare     this manager's share of a machine-wide budget, the one unit that talks to the
+//                   ledger (budget_share.hpp); Admission owns it, the manager asks through its Room
 //   ResidencyCycle  when the sets are wired and given back: keep-alive, engine calls, pressure,
 //                   asks from other processes (residency_cycle.hpp)
 //   ManagerReport   Stats and the state file `residency stat --pid` reads (manager_report.hpp)
@@ -14,7 +16,8 @@
 // backend is called with it held (the backend locks for itself as well: it is shared with the
 // other managers of the process). It is never held while waiting on another process: a
 // reservation in the shared budget is tried under it with no wait, and when the budget is full
-// the other holders are asked, and waited for, with it released (make_room()).
+// the other holders are asked, and waited for, with it released (make_room(), BudgetShare::Room,
+// whose waiting calls do not compile with it held).
 #include "residency/residency.hpp"
 
 #include <unistd.h>
@@ -24,10 +27,10 @@
 #include <thread>
 
 #include "admission.hpp"
+#include "budget_share.hpp"
 #include "exit_hooks.hpp"
 #include "keep_alive.hpp"
 #include "keep_alive_scheduler.hpp"
-#include "ledger/ledger.hpp"
 #include "limits.hpp"
 #include "log.hpp"
 #include "manager_report.hpp"
@@ -46,19 +49,19 @@ constexpr int kOutOfMemoryRetries = 3;
 
 struct Manager::Impl {
   Impl(ManagerOptions& o, Clock& clk, const Capabilities& c, core::Limits limits, const MemoryInfo& mem,
-       std::unique_ptr<ledger::Ledger> shared, std::uint64_t pressure_floor)
+       core::BudgetShare::Joined joined, std::uint64_t pressure_floor)
       : config(o.config),
         backend(std::move(o.backend)),
         caps(c),
         clock(&clk),
         log(o.log ? std::move(o.log) : core::stderr_log(o.config), o.config.log_level),
-        shared_ledger(shared.get()),
-        ka(o.config.keep_alive, *clock,
-           shared ? core::KeepAliveState::Publisher{&ledger::Ledger::publish_last_use, shared.get()}
-                  : core::KeepAliveState::Publisher{}),
-        adm(*backend, log, ka, *clock, std::move(limits),
+        ka(o.config.keep_alive, *clock, core::BudgetShare::publisher(joined)),
+        room(core::BudgetShare::room(joined, *clock)),
+        adm(*backend, log, ka, std::move(limits),
             core::SetLayout(o.config.layout, o.config.set_max_pct, mem.recommended_working_set, c.max_sets),
-            std::move(shared), o.config.shared_priority),
+            joined ? std::make_unique<core::BudgetShare>(std::move(joined), o.config.shared_priority, c.paced_wake,
+                                                         *clock, log)
+                   : nullptr),
         cycle(config, caps, *clock, log, ka, adm, *backend, pressure_floor),
         report(config, caps, *this->backend, *clock, log, ka, adm, cycle) {
     adm.on_change([this] {
@@ -77,10 +80,12 @@ struct Manager::Impl {
   const Capabilities caps;
   Clock* const clock;
   const core::LogSink log;
-  const int owner_pid = ::getpid();     // the process that made the manager (exit_release)
-  ledger::Ledger* const shared_ledger;  // adm's share of the shared budget (null: none); asked without mu
+  const int owner_pid = ::getpid();  // the process that made the manager (exit_release)
 
   core::KeepAliveState ka;  // atomics; written under mu
+  // The waiting face of adm's share of a shared budget (none without one): asks the other holders
+  // with mu released.
+  const std::optional<core::BudgetShare::Room> room;
   mutable Mutex mu;
   core::Admission adm RESIDENCY_GUARDED_BY(mu);
   core::ResidencyCycle cycle RESIDENCY_GUARDED_BY(mu);
@@ -133,16 +138,15 @@ struct Manager::Impl {
   // A wake that found the device full asks again while the holders asked give memory back (another
   // waker of a burst may take it first), for at most kOutOfMemoryRetries rounds.
   void make_room() noexcept RESIDENCY_REQUIRES(mu) {
+    if (!room) return;
     for (int round = 1;; ++round) {
-      const core::Admission::RoomWanted want = adm.take_room_wanted();  // this call's: another thread may run meanwhile
-      if (want.bytes == 0 && want.device_full == 0) break;
+      // This call's: another thread may run meanwhile.
+      const core::BudgetShare::RoomWanted want = adm.share()->take_room_wanted();
+      if (!want.any()) break;
       std::uint64_t freed = 0;
       mu.unlock();
       try {
-        if (want.bytes != 0)
-          shared_ledger->acquire(want.bytes, clock->now().count(), ledger::kAskWait, /*partial=*/false,
-                                 want.device ? ledger::kNoMinimumIdle : ledger::kIdleBeforeAsked);  // retry() keeps it
-        if (want.device_full != 0) freed = free_device_memory(want.device_full);
+        freed = room->make(want, mu);
       } catch (...) {  // out of memory: nothing more is admitted
       }
       mu.lock();
@@ -163,7 +167,7 @@ struct Manager::Impl {
     auto r = adm.track(d, priority, ka.now_coarse());
     if (r && ka.managing()) {
       ka.note_use();  // registration is a use: the engine is loading the model
-      if (ka.rewires_on_use()) cycle.rewire("new region");
+      if (ka.rewires_on_use()) cycle.rewire(core::ResidencyCycle::WireReason::new_region);
       cycle.wake_scheduler();
     }
     adm.close_batch();
@@ -174,7 +178,7 @@ struct Manager::Impl {
   // The slow path of touch(): the memory was released, or is being released; wire it again before
   // the caller computes. A release still running is asked to stop first (the backend may keep
   // the memory it has not yet given back), so that the caller does not wait for it and a wake.
-  [[gnu::noinline]] void rewire(const char* why) noexcept {
+  [[gnu::noinline]] void rewire(core::ResidencyCycle::WireReason why) noexcept {
     backend->interrupt_release();
     try {
       Locked g(*this);
@@ -188,8 +192,8 @@ struct Manager::Impl {
   void on_asked(int asker) {
     if (!try_lock_for(20)) return;
     MutexLock g(mu, std::adopt_lock);
-    cycle.give_back_if_idle(asker, device_holder.load(std::memory_order_relaxed) ? ledger::kNoMinimumIdle
-                                                                                 : ledger::kIdleBeforeAsked);
+    cycle.give_back_if_idle(asker,
+                            core::BudgetShare::idle_before_giving_back(device_holder.load(std::memory_order_relaxed)));
   }
 
   // The backend's allocation. When the device itself is full (the budget had room, or processes
@@ -197,11 +201,11 @@ struct Manager::Impl {
   // boundedly; it fails only when nobody could give way.
   Result<void*> allocate_locked(std::size_t size, RegionClass cls) RESIDENCY_REQUIRES(mu) {
     Result<void*> p = backend->allocate(size, cls);
-    for (int i = 0; i < kOutOfMemoryRetries && !p && p.status().code() == ErrorCode::out_of_memory && shared_ledger; ++i) {
+    for (int i = 0; i < kOutOfMemoryRetries && !p && p.status().code() == ErrorCode::out_of_memory && room; ++i) {
       mu.unlock();
       std::uint64_t freed = 0;
       try {
-        freed = free_device_memory(size);
+        freed = room->free_device_memory(size, mu);
       } catch (...) {
       }
       mu.lock();
@@ -213,22 +217,6 @@ struct Manager::Impl {
     return p;
   }
 
-  // Asks the other holders to give back `bytes` of device memory the device itself lacks, again
-  // and again for up to ledger::kAskWait: a holder inside a call declines, and gives way once its
-  // call ends (a burst of requests to several models). Stops at once when nobody holds anything
-  // to ask for. Returns the bytes given back. Without mu.
-  std::uint64_t free_device_memory(std::uint64_t bytes) {
-    const auto deadline = std::chrono::steady_clock::now() + ledger::kAskWait;
-    std::uint64_t freed = 0;
-    for (;;) {
-      bool asked = false;
-      freed += shared_ledger->ask_to_free(bytes - freed, clock->now().count(), ledger::kAskWait, ledger::kNoMinimumIdle,
-                                          &asked);
-      if (freed >= bytes || !asked || std::chrono::steady_clock::now() >= deadline) return freed;
-      std::this_thread::sleep_for(std::chrono::milliseconds(5));
-    }
-  }
-
   // Device memory under a shared budget (docs/design.md, "The GPU budget"): set by the first allocate(). Such a holder
   // is asked however short its idle, and at the end of each call it looks whether the budget is
   // over (a wake over it, when every other holder was inside a call) and repays: the least
@@ -238,10 +226,10 @@ struct Manager::Impl {
   void repay_if_over() noexcept {
     if (!device_holder.load(std::memory_order_relaxed) || ka.calls() != 0 || !ka.wants_resident()) return;
     try {
-      if (shared_ledger->over_budget() == 0) return;
+      if (room->over_budget() == 0) return;
       Locked g(*this);
-      if (ka.calls() != 0 || !ka.wants_resident() || !shared_ledger->repay_turn()) return;
-      cycle.repay_debt(shared_ledger->over_budget());
+      if (ka.calls() != 0 || !ka.wants_resident() || !adm.share()->repay_turn()) return;
+      cycle.repay_debt(room->over_budget());
     } catch (...) {
     }
   }
@@ -264,13 +252,13 @@ struct Manager::Impl {
     if (!m.try_lock_for(100)) return;
     MutexLock g(m.mu, std::adopt_lock);
     m.cycle.release_at_exit(m.adm.holds_backend_memory());
-    m.shared_ledger->detach_at_exit();
+    m.adm.share()->detach_at_exit();
   }
 
   std::optional<Nanos> due() RESIDENCY_REQUIRES(mu) {
     std::optional<Nanos> next;
     {
-      MakeRoomAtEnd room{*this};
+      MakeRoomAtEnd at_end{*this};
       next = cycle.due();
     }
     if (const auto state = report.due()) next = next ? std::min(*next, *state) : *state;
@@ -297,12 +285,11 @@ Result<std::unique_ptr<Manager>> Manager::create(ManagerOptions o) {
   auto limits = core::Limits::resolve(o.config, mem, caps.name, managing, early);
   if (!limits) return limits.status();
   Clock& clock = o.clock ? *o.clock : SteadyClock::instance();
-  auto shared = managing ? core::Admission::join_shared_budget(o.config, mem, caps.name)
-                         : std::unique_ptr<ledger::Ledger>();
-  if (!shared) return shared.status();
+  auto joined = managing ? core::BudgetShare::join(o.config, mem, caps.name) : core::BudgetShare::Joined();
+  if (!joined) return joined.status();
   const std::uint64_t floor = o.config.pressure_floor ? o.config.pressure_floor->resolve(limits->initial_wired_limit())
                                                       : 0;
-  auto impl = std::make_unique<Impl>(o, clock, caps, std::move(*limits), mem, std::move(*shared), floor);
+  auto impl = std::make_unique<Impl>(o, clock, caps, std::move(*limits), mem, std::move(*joined), floor);
   Impl& m = *impl;
   m.ka.set_wants_resident(m.ka.rewires_on_use());
   {
@@ -310,9 +297,9 @@ Result<std::unique_ptr<Manager>> Manager::create(ManagerOptions o) {
     m.report.log_start(managing);
   }
 
-  if (ledger::Ledger* l = m.shared_ledger) {
+  if (m.room) {
     Impl* raw = &m;
-    l->listen([raw](int asker) { raw->on_asked(asker); });
+    m.room->listen([raw](int asker) { raw->on_asked(asker); });
     core::add_exit_hook(raw, &Impl::exit_release);
   }
   if (o.start_scheduler && managing) {
@@ -351,9 +338,9 @@ Result<std::unique_ptr<Manager>> Manager::create(ManagerOptions o) {
 
 Manager::~Manager() {
   Impl& m = *impl_;
-  if (ledger::Ledger* l = m.shared_ledger) {
+  if (m.room) {
     core::remove_exit_hook(&m);
-    l->stop_listening();  // no ask is answered from here on
+    m.room->stop_listening(m.mu);  // no ask is answered from here on
   }
   if (m.pressure_watch) m.backend->stop_pressure_watch(*m.pressure_watch);
   if (m.scheduler) m.scheduler->stop();
@@ -372,7 +359,7 @@ Result<RegionId> Manager::register_region(void* base, std::size_t size, RegionCl
 Result<Allocation> Manager::allocate(std::size_t size, RegionClass cls, int priority) {
   Impl& m = *impl_;
   if (size == 0) return Status(ErrorCode::invalid_argument, "allocate: size is 0");
-  if (m.shared_ledger) {
+  if (m.room) {
     // Room first (docs/design.md, "The GPU budget"): reserved in the shared budget, the others asked at the end of this
     // scope when it is full, and only then allocated.
     m.device_holder.store(true, std::memory_order_relaxed);
@@ -383,7 +370,7 @@ Result<Allocation> Manager::allocate(std::size_t size, RegionClass cls, int prio
     Impl& m;
     std::size_t size;
     ~Ahead() RESIDENCY_NO_THREAD_SAFETY_ANALYSIS {
-      if (m.shared_ledger) m.adm.end_ahead(size);  // mu is held: Ahead is destroyed before g
+      m.adm.end_ahead(size);  // mu is held: Ahead is destroyed before g
     }
   };
   Impl::Locked g(m);
@@ -441,14 +428,14 @@ std::uint64_t Manager::wired_limit() const {
 
 void Manager::touch() noexcept {
   Impl& m = *impl_;
-  if (m.ka.touch()) m.rewire("touch after release");
+  if (m.ka.touch()) m.rewire(core::ResidencyCycle::WireReason::touch);
 }
 
 void Manager::touch(RegionId id) noexcept {
   Impl& m = *impl_;
   const std::int64_t t = m.ka.now_coarse();  // one clock read for both stamps
   m.lock_free_stamps().touch(id, t);
-  if (m.ka.touch_at(t)) m.rewire("touch after release");
+  if (m.ka.touch_at(t)) m.rewire(core::ResidencyCycle::WireReason::touch);
 }
 
 // Lock-free under a duration or forever while resident; under 0 counted with the lock.
@@ -457,13 +444,13 @@ void Manager::begin_call() noexcept {
   m.call_began_on_this_thread();
   if (m.ka.rewires_on_use()) {
     m.ka.call_began();
-    if (m.ka.touch()) m.rewire("touch after release");
+    if (m.ka.touch()) m.rewire(core::ResidencyCycle::WireReason::touch);
     return;
   }
   if (!m.ka.managing()) return;
   try {
     Impl::Locked g(m);
-    m.cycle.begin_call("use scope");
+    m.cycle.begin_call(core::ResidencyCycle::WireReason::use_scope);
   } catch (...) {  // out of memory building a log line: the call goes on
   }
 }
@@ -487,7 +474,7 @@ void Manager::end_counted_call(void (*synchronize)(void*), void* ctx) noexcept {
   Impl& m = *impl_;
   if (m.ka.rewires_on_use()) {
     // The use lasted until now: the keep-alive counts from the end of the call.
-    if (m.ka.touch()) m.rewire("touch after release");
+    if (m.ka.touch()) m.rewire(core::ResidencyCycle::WireReason::touch);
     if (m.ka.call_ended() == 0) m.repay_if_over();
     return;
   }

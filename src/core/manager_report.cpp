@@ -3,7 +3,7 @@
 
 #include <cstdio>
 
-#include "ledger/ledger.hpp"
+#include "budget_share.hpp"
 
 namespace residency::core {
 
@@ -28,9 +28,9 @@ void ManagerReport::log_start(bool managing) const {
   } else {
     log_(LogLevel::info, "use residency sets = false (keep_alive = off: residency is not managed)");
   }
-  if (const ledger::Ledger* shared = adm_.shared()) {
+  if (const BudgetShare* shared = adm_.share()) {
     log_(LogLevel::info, "shared budget " + shared->name() + " = " + mib(shared->budget()) + " (ledger " +
-                             shared->path() + ", priority " + std::to_string(config_.shared_priority) + ")");
+                             shared->path() + ", priority " + std::to_string(shared->priority()) + ")");
     if (shared->requested_budget() != 0)
       log_(LogLevel::warn, "shared budget " + shared->name() + " exists with " + mib(shared->budget()) +
                                "; this process asked for " + mib(shared->requested_budget()) +
@@ -135,7 +135,7 @@ void ManagerReport::publish() {
   if (budget.cap() != UINT64_MAX) num("pressure_cap", budget.cap());
   if (const std::uint64_t pinned = backend_.pinned_host_bytes()) num("pinned_host_bytes", pinned);
   if (const std::uint64_t filed = backend_.file_backed_bytes()) num("file_backed_bytes", filed);
-  if (const ledger::Ledger* shared = adm_.shared()) {
+  if (const BudgetShare* shared = adm_.share()) {
     put("shared_budget", shared->name());
     num("shared_budget_size", shared->budget());
     num("shared_held", shared->held());
@@ -168,12 +168,12 @@ Stats ManagerReport::stats() const {
   s.pressure_releases = c.pressure_releases;
   s.pressure_restores = c.pressure_restores;
   s.pressure_cap = adm_.budget().cap();
-  if (const ledger::Ledger* shared = adm_.shared()) {
+  if (const BudgetShare* shared = adm_.share()) {
     s.shared_budget = shared->budget();
     s.shared_held = shared->held();
     s.shared_asks = shared->asks_sent();
     s.shared_gave_back = c.shared_gave_back;
-    s.shared_short = adm_.shared_short();
+    s.shared_short = shared->short_count();
   }
   return s;
 }

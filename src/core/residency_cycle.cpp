@@ -5,7 +5,7 @@
 #include <chrono>
 #include <string_view>
 
-#include "ledger/ledger.hpp"
+#include "budget_share.hpp"
 
 namespace residency::core {
 
@@ -26,7 +26,18 @@ ResidencyCycle::ResidencyCycle(const Config& config, const Capabilities& caps, C
 
 // --- engine events ------------------------------------------------------------------------
 
-void ResidencyCycle::begin_call(const char* why) {
+const char* ResidencyCycle::words(WireReason why) {
+  switch (why) {
+    case WireReason::new_region: return "new region";
+    case WireReason::touch: return "touch after release";
+    case WireReason::use_scope: return "use scope";
+    case WireReason::access: return "access outside a call";
+    case WireReason::prefetch: return "prefetch";
+  }
+  return "wire";
+}
+
+void ResidencyCycle::begin_call(WireReason why) {
   if (!ka_.wires_only_in_use()) {
     rewire(why);
     return;
@@ -56,12 +67,12 @@ void ResidencyCycle::access() {
   access_held_.store(true, std::memory_order_relaxed);
   ka_.call_began();
   ka_.note_use();
-  if (!ka_.wants_resident()) wire("access outside a call");
+  if (!ka_.wants_resident()) wire(WireReason::access);
 }
 
 // --- wiring and releasing -----------------------------------------------------------------
 
-void ResidencyCycle::wire(const char* why) {
+void ResidencyCycle::wire(WireReason why) {
   const Nanos t0 = clock_.now();
   ka_.set_wants_resident(true);
   if (!adm_.reserve_for_wire()) {
@@ -89,11 +100,11 @@ void ResidencyCycle::wire(const char* why) {
     counters_.last_rewire_at = wall_now();
     counters_.last_rewire_dt = dt;
     counters_.last_rewire_bytes = bytes;
-    log_(LogLevel::info, "re-wired " + mib(bytes) + " in " + std::to_string(n) + " set(s) in " + ms(dt) + " (" + why +
-                             (paced_head != 0 ? "; the first " + mib(paced_head) +
-                                                    " in the budget's room while the holders asked made the rest"
-                                              : "") +
-                             ")");
+    log_(LogLevel::info,
+         "re-wired " + mib(bytes) + " in " + std::to_string(n) + " set(s) in " + ms(dt) + " (" + words(why) +
+             (paced_head != 0 ? "; the first " + mib(paced_head) + " in the budget's room while the holders asked made the rest"
+                              : "") +
+             ")");
     if (publish_) publish_();  // flush() published before the re-wire was counted
   }
   wake_scheduler();
@@ -102,8 +113,8 @@ void ResidencyCycle::wire(const char* why) {
 void ResidencyCycle::retry(bool keep_asking) {
   adm_.begin_retry(keep_asking);
   if (deferred_why_) {
-    const char* why = deferred_why_;
-    deferred_why_ = nullptr;
+    const WireReason why = *deferred_why_;
+    deferred_why_.reset();
     if (!ka_.wants_resident()) wire(why);
     return;
   }
@@ -178,16 +189,13 @@ bool ResidencyCycle::give_back_if_idle(int asker, Nanos idle_before_asked) {
     return false;
   }
   ++counters_.shared_gave_back;
-  release_now({ReleaseKind::asked, "asked by process " + std::to_string(asker) + ": shared budget " + adm_.shared()->name() +
-                                       " is full; idle for " + ms(idle) + "; the next use wires it again"});
+  release_now({ReleaseKind::asked, adm_.share()->why_asked(asker, idle)});
   return true;
 }
 
 void ResidencyCycle::repay_debt(std::uint64_t over) {
   ++counters_.shared_gave_back;
-  release_now({ReleaseKind::asked, "shared budget " + adm_.shared()->name() + " is " + mib(over) +
-                                       " over (a wake went over it while every other holder was inside a call): "
-                                       "this holder, the least recently used, sleeps; the next use wakes it"});
+  release_now({ReleaseKind::asked, adm_.share()->why_repaying(over)});
 }
 
 void ResidencyCycle::release_at_exit(bool device_memory) {
@@ -279,7 +287,7 @@ void ResidencyCycle::lift_pressure_cap_if_quiet(Nanos now) {
 std::optional<Nanos> ResidencyCycle::due() {
   if (prefetch_requested_) {
     prefetch_requested_ = false;
-    if (ka_.rewires_on_use()) rewire("prefetch");
+    if (ka_.rewires_on_use()) rewire(WireReason::prefetch);
   }
   lift_pressure_cap_if_quiet(clock_.now());
   const std::optional<Nanos> lift = pressure_.lifts_at();

@@ -47,19 +47,23 @@ class ResidencyCycle {
     if (scheduler_) scheduler_->wake_locked();
   }
 
+  // Why memory is wired again: each event has its kind, and its words in the log (words()).
+  enum class WireReason { new_region, touch, use_scope, access, prefetch };
+  static const char* words(WireReason why);
+
   // --- engine events (the slow paths; the lock-free fast paths are in Manager) ---------------
   // A call begins: under 0 it is counted and the memory wired; otherwise the memory was released
   // and is wired again (`why` names the event in the log).
-  void begin_call(const char* why);
+  void begin_call(WireReason why);
   // A call ended (the caller synchronized already): under 0 the last one releases.
   void end_call();
   // An access outside a call under 0: resident until the end of the next call.
   void access();
   // A use after a release under a duration or forever (touch(), a registration, prefetch).
-  void rewire(const char* why) {
+  void rewire(WireReason why) {
     if (!ka_.wants_resident()) wire(why);
   }
-  // After the others were asked for room (Admission::room_wanted()), without the lock: what waits
+  // After the others were asked for room (BudgetShare::take_room_wanted(), BudgetShare::Room): what waits
   // is admitted again, and a wire that waited for room is done.
   void retry(bool keep_asking = false);
   void request_prefetch() {
@@ -118,7 +122,7 @@ class ResidencyCycle {
     ReleaseKind kind;
     std::string words;
   };
-  void wire(const char* why);
+  void wire(WireReason why);
   void release(const ReleaseReason& why);
   void release_now(const ReleaseReason& why);
   void pressure_step();
@@ -137,7 +141,7 @@ class ResidencyCycle {
   std::function<void()> publish_;
   bool ever_released_ = false;
   bool prefetch_requested_ = false;
-  const char* deferred_why_ = nullptr;  // a wire waiting for room in the shared budget (its reason)
+  std::optional<WireReason> deferred_why_;  // a wire waiting for room in the shared budget (its reason)
   // Read without the lock by Manager::access() (only to skip the lock when already held).
   std::atomic<bool> access_held_{false};
   Nanos next_refresh_{0};
