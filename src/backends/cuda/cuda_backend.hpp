@@ -1,6 +1,13 @@
 // SPDX-License-Identifier: MIT
-// residency cuda backend: the Backend implementation (see include/residency/backends/cuda.hpp
-// for what it is for).
+// residency cuda backend: the front that implements Backend (see include/residency/backends/cuda.hpp
+// for what it is for). Its parts, one concern each:
+//   VmmRange      an allocation's address range and the physical chunks behind it (vmm_range.hpp)
+//   PinnedBackup  the pinned host memory its weights sleep in, and the pinning pipeline (host_backup.hpp)
+//   FileBacked    its ranges that sleep in the model file instead (file_backing.hpp)
+//   CudaProcess   what the process's backends share: the driver, per-device books (cuda_process.hpp)
+//   DeviceLink    the device, its context and copy streams, as every part sees them (device_link.hpp)
+// The front holds the sets and decides what wakes and sleeps; cuda_backend.cpp implements Backend,
+// cuda_allocation.cpp the wake and sleep of one allocation and the background pinning.
 //
 // One design decision shapes it: an allocation's address range and its contents are two
 // separate things. The range (cuMemAddressReserve) lives from allocate() to deallocate() and
@@ -13,7 +20,6 @@
 
 #include <cuda.h>
 
-#include <sys/types.h>
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
@@ -21,13 +27,17 @@
 #include <functional>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <thread>
 #include <unordered_map>
 #include <vector>
 
+#include "backends/cuda/device_link.hpp"
 #include "backends/cuda/driver.hpp"
+#include "backends/cuda/file_backing.hpp"
+#include "backends/cuda/host_backup.hpp"
+#include "backends/cuda/vmm_range.hpp"
+#include "platform/thread_annotations.hpp"
 #include "residency/backend.hpp"
 #include "residency/backends/cuda.hpp"
 
@@ -55,9 +65,8 @@ class CudaBackend final : public Backend {
   // One copy of a release in flight per stream is at most this: how long a call that begins
   // waits for the copies already issued (about 1.2 ms at 55 GB/s).
   static constexpr std::size_t kCopyPiece = std::size_t{64} << 20;
-  // The most bytes of a copy chunk that may be gaps (not from a file) for the chunk to sleep in
-  // its file: 1/16 of a 256 MiB chunk.
-  static constexpr std::size_t kMaxGapBytes = std::size_t{16} << 20;
+  // The most bytes of a copy chunk that may be gaps for the chunk to sleep in its file.
+  static constexpr std::size_t kMaxGapBytes = cuda::kMaxGapBytes;
   // The same, through the entry points in `driver` as given (tests substitute one to inject
   // failures). `driver` must outlive the backend.
   static Result<std::shared_ptr<CudaBackend>> create(const CudaBackendOptions& options, const Driver& driver);
@@ -106,11 +115,8 @@ class CudaBackend final : public Backend {
   // most 16; clamped to 1..64).
   void set_backup_threads(int threads);
   int backup_threads() const;
-  // Who registers a backup's chunks: the faulting thread that completed the chunk (workers,
-  // the default), or the thread that issues the copies, in order, while the others fault
-  // memory in (registrar). Both ran at the same rate with 8 threads (docs/measurements.md);
-  // the choice is kept for measurements.
-  enum class BackupPipeline { registrar, workers };
+  // Who registers a backup's chunks (host_backup.hpp).
+  using BackupPipeline = cuda::BackupPipeline;
   void set_backup_pipeline(BackupPipeline p);
   BackupPipeline backup_pipeline() const;
   // The last release's Status (also returned by end_residency / destroy_set): a failure (no
@@ -125,71 +131,26 @@ class CudaBackend final : public Backend {
   // plus host ranges it registered): what its own books say, for tests and diagnostics.
   std::uint64_t allocated_bytes() const;
   std::uint64_t resident_bytes() const;
-  const Driver& driver() const { return *d_; }
-  CUcontext context() const { return ctx_; }
-  CUdevice device() const { return dev_; }
-  std::size_t granularity() const { return granularity_; }
-  std::size_t chunk_bytes() const { return chunk_; }
+  const Driver& driver() const { return *link_.d; }
+  CUcontext context() const { return link_.ctx; }
+  CUdevice device() const { return link_.dev; }
+  std::size_t granularity() const { return link_.granularity; }
+  std::size_t chunk_bytes() const { return link_.chunk; }
 
  private:
-  // A file that backs device ranges: our own descriptor of it (dup'ed), what it was when first
-  // seen, and, from the first sleep that needs it, the whole file mapped read-only and registered.
-  struct BackingFile {
-    int fd = -1;
-    std::string name;  // the path /proc/self/fd gave, for the log
-    dev_t dev = 0;
-    ino_t ino = 0;
-    off_t size = 0;
-    std::int64_t mtime_ns = 0;
-    char* map = nullptr;  // registered read-only while non-null
-    std::size_t map_len = 0;
-    bool unusable = false;  // changed, or cannot be mapped or registered: backs nothing from now on
-  };
-  // Device bytes [off, off + len) of an allocation equal the file's bytes at file_off.
-  struct Piece {
-    std::size_t off = 0;
-    std::size_t len = 0;
-    BackingFile* file = nullptr;
-    std::uint64_t file_off = 0;
-  };
-  // The bytes of a copy chunk that sleeps in its file but are not the file's: [off, off + len)
-  // ranges of the allocation, kept one after the other in a small pinned buffer.
-  struct Gaps {
-    char* buf = nullptr;
-    std::size_t mapped = 0;
-    std::vector<std::pair<std::size_t, std::size_t>> ranges;
-  };
+  // One allocation, by concern: its range, its backup, the writes reported, its file pieces.
   struct DeviceAllocation {
-    CUdeviceptr va = 0;
-    std::size_t size = 0;      // what the engine asked for
-    std::size_t reserved = 0;  // size rounded up to the granularity
+    VmmRange range;
     RegionClass cls = RegionClass::weights;
-    // One physical handle per chunk while resident; empty while asleep.
-    std::vector<CUmemGenericAllocationHandle> chunks;
-    bool resident = false;
-    // Pinned host memory, `backup_mapped` bytes (size rounded up to the host page), registered
-    // in chunks of chunk_ bytes; made at the first sleep of a weights allocation (or by
-    // prepare_backup) and kept until deallocate(). Invariant: backup_valid implies backup !=
-    // nullptr and the backup holds the contents (true from a sleep until the next write can
-    // happen, i.e. a wake).
-    char* backup = nullptr;
-    std::size_t backup_mapped = 0;
-    bool backup_valid = false;
-    // track_writes(): the engine reports every write (written()), so a wake keeps backup_valid,
-    // and `dirty` (one flag per copy chunk of chunk_ bytes) says which chunks were written since
-    // the backup was last made whole; a sleep copies only those. Untracked, a wake clears
-    // backup_valid and a sleep copies everything.
+    std::uint64_t serial = 0;  // tells a freed allocation from a later one at the same address
+    PinnedBackup backup;       // weights: made at the first sleep (or ahead), kept until deallocate()
+    // track_writes(): the engine reports every write (written()), so a wake keeps backup.valid,
+    // and `dirty` (one flag per copy chunk) says which chunks were written since the backup was
+    // last made whole; a sleep copies only those. Untracked, a wake clears backup.valid and a
+    // sleep copies everything.
     bool tracked = false;
     std::vector<std::uint8_t> dirty;
-    std::uint64_t serial = 0;  // tells a freed allocation from a later one at the same address
-    // Which chunks of the backup mapping are pinned (registered): all after a whole pin_backup;
-    // only those that sleep in it for an allocation with file pieces. Empty: none.
-    std::vector<std::uint8_t> pinned;
-    // Tracked allocations filled from files: the pieces (sorted by off, disjoint); per copy chunk,
-    // whether its last sleep kept it in its file (1) or in the pinned backup (0), and its gaps.
-    std::vector<Piece> pieces;
-    std::vector<std::uint8_t> from_file;
-    std::vector<Gaps> gaps;
+    FileBacked files;  // tracked weights filled from files
   };
   struct HostRange {
     void* base = nullptr;
@@ -207,97 +168,78 @@ class CudaBackend final : public Backend {
   CudaBackend(const Driver* d, CUdevice dev, CUcontext ctx, const CudaBackendOptions& o, std::size_t granularity);
   Status init_streams();
 
-  // Callers hold mu_ and have the context current.
-  Status wake(DeviceAllocation& a);
-  Status sleep(DeviceAllocation& a);  // save, then drop
-  Status save(DeviceAllocation& a);   // the backup (weights), the memory still mapped
-  void drop(DeviceAllocation& a);     // the memory given back
-  // Maps, faults in and registers a's backup chunk by chunk on backup_threads_ host threads;
-  // with `copy`, each chunk's device-to-host copy is issued as soon as it is registered and
-  // the call returns once all copies are done. On failure everything is undone.
-  //
-  // The backup is anonymous host memory of exactly the allocation's size (rounded up to the host
-  // page), 2 MiB aligned and advised for transparent huge pages, pinned with cuMemHostRegister
-  // one copy chunk at a time, so that pinning runs at many threads' rate and overlaps the copies
-  // (cuMemHostAlloc pins on one thread, far below the link's rate, docs/measurements.md, and
-  // rounds nothing, but PyTorch's pinned allocator rounds to a power of two). A failure to pin
-  // part-way rolls back: whatever was registered is unregistered, the memory is unmapped, and the
-  // allocation stays resident.
-  // With `need` (one flag per chunk), only those chunks are pinned (and copied), in the backup
-  // mapping made by the first call; the others stay unpinned. Pinned chunks are flagged in a.pinned.
-  Status pin_backup(DeviceAllocation& a, bool copy, const std::vector<std::uint8_t>* need = nullptr);
-  void free_backup(DeviceAllocation& a);
-  // The sleep of a tracked allocation with file pieces: each written chunk is saved in its file and
-  // gap buffer, or in the pinned backup (see filled_from_file).
-  Status sleep_from_files(DeviceAllocation& a);
-  // Issues the copies that refill chunk `i` from its file pieces and gaps on `stream`.
-  CUresult restore_from_file(const DeviceAllocation& a, std::size_t i, CUstream stream) const;
-  // Whether `f` can back ranges now: unchanged since first seen, mapped and registered (done
-  // here the first time). When not, it is marked unusable and the notice says why, once.
-  bool file_ready(BackingFile& f);
-  // Whether `f`, as its descriptor sees it now, is still what was first seen.
-  static bool file_unchanged(const BackingFile& f);
-  void cut_pieces(DeviceAllocation& a, std::size_t begin, std::size_t end);
-  DeviceAllocation* note_write_locked(const void* addr, std::size_t bytes, std::size_t& first, std::size_t& last);
-  void free_gaps(Gaps& g);
+  // One allocation (cuda_allocation.cpp); the context is current.
+  Status wake(DeviceAllocation& a) RESIDENCY_REQUIRES(mu_);
+  Status sleep(DeviceAllocation& a) RESIDENCY_REQUIRES(mu_);  // save, then drop
+  // What a sleep keeps (the backup of weights), made while the memory is still mapped.
+  Status save(DeviceAllocation& a) RESIDENCY_REQUIRES(mu_);
+  // Copies the chunks of a made backup that need it, in pieces a call that begins can stop.
+  Status copy_out(DeviceAllocation& a, bool only_written) RESIDENCY_REQUIRES(mu_);
+  void drop(DeviceAllocation& a) RESIDENCY_REQUIRES(mu_);  // the memory given back
+  void free_allocation(DeviceAllocation& a) RESIDENCY_REQUIRES(mu_);
+  PinSettings pin_settings() const;
+  DeviceAllocation* find(const void* base) RESIDENCY_REQUIRES(mu_);
+  const DeviceAllocation* find(const void* base) const RESIDENCY_REQUIRES(mu_);
+  // The tracked allocation that holds `addr`, with the chunks [first, last) touches flagged as
+  // written and its file pieces cut there; null where no tracked allocation is.
+  DeviceAllocation* note_write(const void* addr, std::size_t bytes, std::size_t& first, std::size_t& last)
+      RESIDENCY_REQUIRES(mu_);
   // Unregisters, unmaps and closes the files no allocation's pieces refer to any more.
-  void drop_unused_files();
+  void drop_unused_files() RESIDENCY_REQUIRES(mu_);
   void say(const std::string& line) const;
-  void unmap_chunks(DeviceAllocation& a, std::size_t count);
-  Status wire_region(const RegionDesc& r);
-  Status unwire_region(const RegionDesc& r);
-  bool wanted(RegionId id) const;
-  SetOutcome wake_members(const std::vector<RegionDesc>& members);
+
+  // The sets (cuda_backend.cpp); the context is made current by wake_members/sleep_members.
+  Status wire_region(const RegionDesc& r) RESIDENCY_REQUIRES(mu_);
+  Status unwire_region(const RegionDesc& r) RESIDENCY_REQUIRES(mu_);
+  bool wanted(RegionId id) const RESIDENCY_REQUIRES(mu_);
+  SetOutcome wake_members(const std::vector<RegionDesc>& members) RESIDENCY_REQUIRES(mu_);
   // With `interruptible` (end_residency), a call that begins before anything was given back
   // stops the release: ErrorCode::interrupted, every member still resident.
-  Status sleep_members(const std::vector<RegionDesc>& members, bool interruptible = false);
-  Status sync_streams();
-  void note_mapped(std::uint64_t bytes, bool added);  // mapped_bytes_ and the process's book
+  Status sleep_members(const std::vector<RegionDesc>& members, bool interruptible = false) RESIDENCY_REQUIRES(mu_);
+  void note_mapped(std::uint64_t bytes, bool added) RESIDENCY_REQUIRES(mu_);  // mapped_bytes_ and the process's book
 
-  const Driver* d_;
-  CUdevice dev_;
-  std::string uuid_;  // Capabilities::device_uuid
-  CUcontext ctx_;
-  std::size_t granularity_;
-  std::size_t chunk_;
-  int stream_count_;
+  DeviceLink link_;                  // set in create(), constant afterwards (the streams are used under mu_)
+  std::string uuid_;                 // Capabilities::device_uuid
   std::atomic<int> backup_threads_;  // read by the background thread without mu_
   std::atomic<BackupPipeline> pipeline_{BackupPipeline::workers};
   const CudaBackendOptions::Backup backup_mode_;
-  std::uint64_t next_serial_ = 1;
+  const std::function<void(const std::string&)> notice_;
 
   // Background pinning (Backup::after_allocation): one thread, started at the first weights
   // allocation, takes (address, serial) pairs in order and pins each one's backup without mu_,
   // then attaches it if the allocation still exists and has none.
   void background_loop();
-  std::mutex bg_mu_;
+  void queue_background_pin(CUdeviceptr va, std::uint64_t serial) RESIDENCY_REQUIRES(mu_);
+  Mutex bg_mu_;  // after mu_ (see mu_)
   std::condition_variable bg_cv_;
-  std::deque<std::pair<CUdeviceptr, std::uint64_t>> bg_queue_;  // under bg_mu_
-  bool bg_busy_ = false;                                        // under bg_mu_
-  bool bg_stop_ = false;                                        // under bg_mu_
-  std::thread bg_thread_;                                       // started under mu_
+  std::deque<std::pair<CUdeviceptr, std::uint64_t>> bg_queue_ RESIDENCY_GUARDED_BY(bg_mu_);
+  bool bg_busy_ RESIDENCY_GUARDED_BY(bg_mu_) = false;
+  bool bg_stop_ RESIDENCY_GUARDED_BY(bg_mu_) = false;
+  std::thread bg_thread_ RESIDENCY_GUARDED_BY(mu_);
   std::atomic<std::uint64_t> bg_done_{0};
   std::atomic<std::uint64_t> bg_failed_{0};
-  std::vector<CUstream> streams_;
 
-  mutable std::mutex mu_;  // the manager serialises calls already; this covers direct users
-  std::map<CUdeviceptr, DeviceAllocation> allocations_;  // by base address
-  std::unordered_map<RegionId, HostRange> host_ranges_;
-  std::map<SetId, Set> sets_;
-  std::uint64_t allocated_bytes_ = 0;   // sum of reserved sizes
-  std::uint64_t mapped_bytes_ = 0;      // reserved sizes of resident allocations
-  std::uint64_t host_wired_bytes_ = 0;  // host bytes registered by us
-  std::uint64_t copied_to_host_ = 0;    // bytes sleeps copied device-to-host
-  std::uint64_t copied_to_device_ = 0;  // bytes wakes restored
-  std::map<std::pair<dev_t, ino_t>, std::unique_ptr<BackingFile>> files_;
-  std::function<void(const std::string&)> notice_;
+  // The manager serialises calls already; this covers direct users and the background thread.
+  // Lock order: the manager's lock, then mu_, then bg_mu_ (allocate() queues a pinning); a wake's
+  // gate calls the manager's budget share under mu_, which takes neither.
+  mutable Mutex mu_;
+  std::map<CUdeviceptr, DeviceAllocation> allocations_ RESIDENCY_GUARDED_BY(mu_);  // by base address
+  std::unordered_map<RegionId, HostRange> host_ranges_ RESIDENCY_GUARDED_BY(mu_);
+  std::map<SetId, Set> sets_ RESIDENCY_GUARDED_BY(mu_);
+  BackingFiles files_ RESIDENCY_GUARDED_BY(mu_);
+  std::uint64_t next_serial_ RESIDENCY_GUARDED_BY(mu_) = 1;
+  std::uint64_t allocated_bytes_ RESIDENCY_GUARDED_BY(mu_) = 0;   // sum of reserved sizes
+  std::uint64_t mapped_bytes_ RESIDENCY_GUARDED_BY(mu_) = 0;      // reserved sizes of resident allocations
+  std::uint64_t host_wired_bytes_ RESIDENCY_GUARDED_BY(mu_) = 0;  // host bytes registered by us
+  std::uint64_t copied_to_host_ RESIDENCY_GUARDED_BY(mu_) = 0;    // bytes sleeps copied device-to-host
+  std::uint64_t copied_to_device_ RESIDENCY_GUARDED_BY(mu_) = 0;  // bytes wakes restored
+  // Backend::set_wake_gate: asked before each chunk a wake maps, while a request is paced.
+  WakeGate gate_ RESIDENCY_GUARDED_BY(mu_);
+  Status last_release_ RESIDENCY_GUARDED_BY(mu_);
   std::atomic<bool> releasing_{false};  // end_residency() is running
   std::atomic<bool> interrupt_{false};  // a call began during it
-  // Backend::set_wake_gate: asked before each chunk a wake maps, while a request is paced (mu_).
-  WakeGate gate_;
-  std::atomic<bool> nvml_said_{false};  // unmanaged_device_bytes() said once why it is unknown
   bool interrupt_wanted() const;        // both
-  Status last_release_;
+  std::atomic<bool> nvml_said_{false};  // unmanaged_device_bytes() said once why it is unknown
 };
 
 }  // namespace residency::cuda

@@ -6,8 +6,9 @@
 
 #include <algorithm>
 #include <memory>
-#include <mutex>
 #include <vector>
+
+#include "backends/cuda/cuda_process.hpp"
 
 namespace residency::cuda {
 namespace {
@@ -19,7 +20,9 @@ constexpr int kMinimumDriverVersion = 12000;
 using GetProcAddressFn = CUresult (*)(const char*, void**, int, cuuint64_t, CUdriverProcAddressQueryResult*);
 using DriverGetVersionFn = CUresult (*)(int*);
 
-Result<const Driver*> load_impl(const char* library_name, std::unique_ptr<Driver>& storage) {
+}  // namespace
+
+Result<std::unique_ptr<Driver>> Driver::open(const char* library_name) {
   const std::string name = library_name;
   void* handle = dlopen(library_name, RTLD_NOW | RTLD_LOCAL);
   if (handle == nullptr) {
@@ -65,35 +68,14 @@ Result<const Driver*> load_impl(const char* library_name, std::unique_ptr<Driver
     return Status(ErrorCode::unsupported,
                   s.message() + (r == CUDA_ERROR_NO_DEVICE ? " (no CUDA device on this machine)" : ""));
   }
-  storage = std::move(d);
-  return static_cast<const Driver*>(storage.get());
+  return d;
 }
 
-}  // namespace
+Result<const Driver*> Driver::get() { return CudaProcess::instance().driver(); }
 
-Result<const Driver*> Driver::get() {
-  static std::once_flag once;
-  static std::unique_ptr<Driver> driver;
-  static Status failure;
-  std::call_once(once, [] {
-    auto r = load_impl("libcuda.so.1", driver);
-    if (!r) failure = r.status();
-  });
-  if (driver) return static_cast<const Driver*>(driver.get());
-  return failure;
-}
-
+// Deliberately kept on success: a loaded driver stays for the life of the process.
 Result<const Driver*> Driver::load(const char* library_name) {
-  // Deliberately leaked on success: a loaded driver stays for the life of the process.
-  static std::mutex m;
-  static std::vector<std::unique_ptr<Driver>> loaded;
-  std::unique_ptr<Driver> d;
-  auto r = load_impl(library_name, d);
-  if (r) {
-    std::lock_guard<std::mutex> lock(m);
-    loaded.push_back(std::move(d));
-  }
-  return r;
+  return CudaProcess::instance().load_driver(library_name);
 }
 
 std::string Driver::describe(CUresult r) const {

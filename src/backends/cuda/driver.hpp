@@ -17,6 +17,7 @@
 #include <cuda.h>
 #include <cudaTypedefs.h>
 
+#include <memory>
 #include <string>
 
 #include "residency/status.hpp"
@@ -95,6 +96,9 @@ struct Driver {
   static Result<const Driver*> get();
   // Loads from an explicit file; not cached. For tests of the failure messages.
   static Result<const Driver*> load(const char* library_name);
+  // Opens `library_name`, resolves every entry point and calls cuInit (CudaProcess keeps what
+  // get() and load() open).
+  static Result<std::unique_ptr<Driver>> open(const char* library_name);
 
   // "CUDA_ERROR_OUT_OF_MEMORY (out of memory)".
   std::string describe(CUresult r) const;

@@ -1,0 +1,300 @@
+// SPDX-License-Identifier: MIT
+// The cuda backend: the wake and sleep of one allocation, the writes an engine reports, and the
+// background pinning of backups (cuda_backend.hpp says how the parts fit).
+#include <sys/stat.h>
+
+#include <algorithm>
+#include <chrono>
+#include <string>
+
+#include "backends/cuda/cuda_backend.hpp"
+#include "backends/cuda/cuda_process.hpp"
+#include "residency/text.hpp"
+
+namespace residency::cuda {
+
+CudaBackend::DeviceAllocation* CudaBackend::find(const void* base) {
+  auto it = allocations_.find(static_cast<CUdeviceptr>(reinterpret_cast<std::uintptr_t>(base)));
+  return it == allocations_.end() ? nullptr : &it->second;
+}
+
+const CudaBackend::DeviceAllocation* CudaBackend::find(const void* base) const {
+  auto it = allocations_.find(static_cast<CUdeviceptr>(reinterpret_cast<std::uintptr_t>(base)));
+  return it == allocations_.end() ? nullptr : &it->second;
+}
+
+PinSettings CudaBackend::pin_settings() const { return {backup_threads_.load(), pipeline_.load()}; }
+
+void CudaBackend::say(const std::string& line) const {
+  if (!notice_) return;
+  try {
+    notice_(line);
+  } catch (...) {
+    // the line is lost, nothing else
+  }
+}
+
+void CudaBackend::note_mapped(std::uint64_t bytes, bool added) {
+  mapped_bytes_ = added ? mapped_bytes_ + bytes : mapped_bytes_ - bytes;
+  CudaProcess::instance().note_mapped(link_.dev, bytes, added);
+}
+
+// Maps physical memory chunk by chunk and, for weights with a backup, starts each chunk's copy as
+// soon as it is mapped, so the copies of early chunks overlap the mapping of later ones. On any
+// failure everything mapped so far is unmapped again and the backup is left as it was: a failed
+// wake loses nothing.
+Status CudaBackend::wake(DeviceAllocation& a) {
+  VmmRange& r = a.range;
+  if (r.mapped) return {};
+  const bool restore = a.cls == RegionClass::weights && a.backup.valid;
+  if (restore) files_.mark_changed([this](const std::string& line) { say(line); });
+  auto fill = [&](std::size_t i, std::size_t off, std::size_t len) -> CUresult {
+    if (!restore || off >= r.size) return CUDA_SUCCESS;
+    if (i < a.files.from_file.size() && a.files.from_file[i] != 0)
+      return a.files.restore_chunk(link_, r, i, link_.stream(i));
+    return link_.d->cuMemcpyHtoDAsync(r.va + off, a.backup.base + off, std::min(len, r.size - off), link_.stream(i));
+  };
+  // A paced wake: the budget makes room for each chunk (the copies queued so far go on meanwhile).
+  const VmmRange::BeforeChunk before = gate_ ? VmmRange::BeforeChunk(gate_) : VmmRange::BeforeChunk();
+  VmmRange::MapFailure f;
+  if (!r.map(link_, before, fill, f)) {
+    const bool oom = f.result == CUDA_ERROR_OUT_OF_MEMORY;
+    const std::string what = std::string(oom ? "out of device memory" : "mapping failed") + " waking a " +
+                             format_size(r.size) + " " + to_string(a.cls) + " allocation at " + hex(r.va) + " after " +
+                             format_size(f.offset) + "; the partial mapping was rolled back" +
+                             (restore ? " and the host backup is kept" : "");
+    Status s = link_.d->error(f.result, what, f.call);
+    return Status(s.code(), s.message() + (oom ? "; free device memory (other allocations or processes) and "
+                                                 "request residency again"
+                                               : ""));
+  }
+  if (restore) {
+    if (Status st = link_.sync(); !st) {
+      r.unmap(link_);
+      return st;
+    }
+    copied_to_device_ += r.size;
+  }
+  if (a.tracked && restore) {
+    // Written chunks are reported as they are written: the backup stays the contents until then.
+    a.dirty.assign(a.dirty.size(), 0);
+  } else {
+    a.backup.valid = false;  // the engine may write from now on; the next sleep copies again
+  }
+  note_mapped(r.reserved, true);
+  return {};
+}
+
+// Copies weights out, then unmaps and releases. The caller has synchronized the context, so
+// kernels that were using the memory have finished. On a failure the allocation stays resident:
+// nothing is released before the backup is whole.
+Status CudaBackend::sleep(DeviceAllocation& a) {
+  if (Status st = save(a); !st) return st;
+  drop(a);
+  return {};
+}
+
+void CudaBackend::drop(DeviceAllocation& a) {
+  if (!a.range.mapped) return;
+  a.range.unmap(link_);
+  note_mapped(a.range.reserved, false);
+}
+
+Status CudaBackend::save(DeviceAllocation& a) {
+  if (!a.range.mapped || a.cls != RegionClass::weights) return {};
+  const std::size_t n = link_.chunks_of(a.range.size);
+  if (a.tracked && !a.files.pieces.empty()) {
+    const PinSettings pin = pin_settings();
+    const Say tell = [this](const std::string& line) { say(line); };
+    FileSleep sleep{link_, a.range, a.files, a.backup, a.dirty, files_, pin, tell, copied_to_host_};
+    return sleep.run();
+  }
+  // Tracked and whole since its last sleep: only the chunks written since then are copied.
+  const bool only_written = a.tracked && a.backup.valid && a.dirty.size() == n;
+  a.backup.valid = false;
+  if (a.backup.base == nullptr) {  // the first sleep builds the backup while it copies
+    if (Status st = a.backup.pin(link_, a.range.va, a.range.size, /*copy=*/true, nullptr, pin_settings()); !st)
+      return st;
+    copied_to_host_ += a.range.size;
+  } else if (Status st = copy_out(a, only_written); !st) {
+    return st;
+  }
+  a.backup.valid = true;
+  if (a.tracked) a.dirty.assign(n, 0);
+  return {};
+}
+
+// Pieces of at most kCopyPiece, one in flight per stream: a call that begins meanwhile
+// (interrupt_release) stops the copying within a piece's time per stream, and the allocation
+// stays resident (its backup is then not valid, so the next sleep copies again).
+Status CudaBackend::copy_out(DeviceAllocation& a, bool only_written) {
+  const VmmRange& r = a.range;
+  std::size_t k = 0;  // pieces issued
+  for (std::size_t i = 0; i < link_.chunks_of(r.size); ++i) {
+    if (only_written && a.dirty[i] == 0) continue;
+    const std::size_t end = std::min(r.size, (i + 1) * link_.chunk);
+    for (std::size_t off = i * link_.chunk; off < end; off += kCopyPiece, ++k) {
+      CUstream stream = link_.stream(k);
+      if (k >= link_.streams.size()) (void)link_.d->cuStreamSynchronize(stream);  // its previous piece
+      if (interrupt_wanted()) {
+        (void)link_.sync();
+        return Status(ErrorCode::interrupted, "cuda: a call began; the release stopped while copying");
+      }
+      const std::size_t bytes = std::min(kCopyPiece, end - off);
+      const CUresult res = link_.d->cuMemcpyDtoHAsync(a.backup.base + off, r.va + off, bytes, stream);
+      if (res != CUDA_SUCCESS) {
+        (void)link_.sync();
+        return link_.d->error(res,
+                              "copying weights at " + hex(r.va) + " to the host backup; the allocation stays resident",
+                              "cuMemcpyDtoHAsync");
+      }
+      copied_to_host_ += bytes;
+    }
+  }
+  if (Status st = link_.sync(); !st) return Status(st.code(), st.message() + "; the allocation stays resident");
+  return {};
+}
+
+void CudaBackend::free_allocation(DeviceAllocation& a) {
+  if (a.range.mapped) note_mapped(a.range.reserved, false);
+  a.range.free(link_);
+  a.files.free_gaps(link_);
+  a.backup.free(link_);
+}
+
+void CudaBackend::drop_unused_files() {
+  files_.drop_unused(link_, [this](const BackingFile* f) RESIDENCY_NO_THREAD_SAFETY_ANALYSIS {
+    return std::any_of(allocations_.begin(), allocations_.end(), [f](const auto& kv) { return kv.second.files.uses(f); });
+  });
+}
+
+// --- the writes an engine reports ---------------------------------------------------------
+
+void CudaBackend::track_writes(void* base) {
+  MutexLock lock(mu_);
+  DeviceAllocation* a = find(base);
+  if (a == nullptr || a->tracked) return;
+  a->tracked = true;
+  // Writes before now were not reported: unless asleep (its backup is its contents), the backup
+  // is not valid until the next sleep copies everything.
+  if (a->range.mapped) a->backup.valid = false;
+  a->dirty.assign(link_.chunks_of(a->range.size), a->range.mapped ? 1 : 0);
+}
+
+CudaBackend::DeviceAllocation* CudaBackend::note_write(const void* addr, std::size_t bytes, std::size_t& first,
+                                                       std::size_t& last) {
+  const auto p = static_cast<CUdeviceptr>(reinterpret_cast<std::uintptr_t>(addr));
+  auto it = allocations_.upper_bound(p);
+  if (it == allocations_.begin() || bytes == 0) return nullptr;
+  --it;
+  DeviceAllocation& a = it->second;
+  const VmmRange& r = a.range;
+  if (!a.tracked || p >= r.va + r.size || a.dirty.empty()) return nullptr;
+  first = static_cast<std::size_t>(p - r.va);
+  last = std::min(r.size, first + std::min(bytes, r.size - first));  // exclusive
+  for (std::size_t i = first / link_.chunk; i * link_.chunk < last && i < a.dirty.size(); ++i) a.dirty[i] = 1;
+  a.files.cut(first, last);  // no longer the file's bytes
+  return &a;
+}
+
+void CudaBackend::written(const void* addr, std::size_t bytes) {
+  MutexLock lock(mu_);
+  std::size_t first = 0, last = 0;
+  (void)note_write(addr, bytes, first, last);
+}
+
+void CudaBackend::filled_from_file(const void* addr, std::size_t bytes, int fd, std::uint64_t offset) {
+  MutexLock lock(mu_);
+  std::size_t first = 0, last = 0;
+  DeviceAllocation* a = note_write(addr, bytes, first, last);
+  if (a == nullptr || a->cls != RegionClass::weights) return;
+  struct stat st {};
+  if (fd < 0 || fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) || st.st_size < 0 ||
+      offset > static_cast<std::uint64_t>(st.st_size) || last - first > static_cast<std::uint64_t>(st.st_size) - offset)
+    return;  // a write like any other
+  BackingFile* file = files_.note(fd, st);
+  if (file == nullptr || file->unusable || !file->unchanged()) return;
+  a->files.add({first, last - first, file, offset});
+}
+
+// --- backups made ahead of the first sleep ------------------------------------------------
+
+void CudaBackend::queue_background_pin(CUdeviceptr va, std::uint64_t serial) {
+  try {
+    {
+      MutexLock bg(bg_mu_);
+      bg_queue_.emplace_back(va, serial);
+    }
+    if (!bg_thread_.joinable()) bg_thread_ = std::thread([this] { background_loop(); });
+    bg_cv_.notify_all();
+  } catch (...) {
+    // No thread or no memory for the queue: the first sleep pins the backup, as by default.
+  }
+}
+
+void CudaBackend::background_loop() {
+  ContextScope scope(*link_.d, link_.ctx);
+  for (;;) {
+    std::pair<CUdeviceptr, std::uint64_t> job;
+    {
+      MutexLock bg(bg_mu_);
+      bg_busy_ = false;
+      bg_cv_.notify_all();  // wait_background_backups
+      bg.wait(bg_cv_, [this]() RESIDENCY_NO_THREAD_SAFETY_ANALYSIS { return bg_stop_ || !bg_queue_.empty(); });
+      if (bg_stop_) return;
+      job = bg_queue_.front();
+      bg_queue_.pop_front();
+      bg_busy_ = true;
+    }
+    VmmRange range;  // the allocation's addresses, read under mu_
+    {
+      MutexLock lock(mu_);
+      auto it = allocations_.find(job.first);
+      // A tracked allocation's first sleep decides what needs pinning (file pieces need none).
+      if (it == allocations_.end() || it->second.serial != job.second || it->second.backup.base != nullptr ||
+          it->second.tracked)
+        continue;
+      range.va = it->second.range.va;
+      range.size = it->second.range.size;
+    }
+    // Pinning reads only its own backup and the link's constants (no copy is issued): the
+    // engine's calls and the manager's go on meanwhile.
+    PinnedBackup made;
+    const Status st = scope.ok() ? made.pin(link_, range.va, range.size, /*copy=*/false, nullptr, pin_settings())
+                                 : Status(ErrorCode::backend_error, "cuda: no context on the background thread");
+    if (!st) {
+      bg_failed_.fetch_add(1);
+      continue;
+    }
+    MutexLock lock(mu_);
+    auto it = allocations_.find(job.first);
+    if (it != allocations_.end() && it->second.serial == job.second && it->second.backup.base == nullptr &&
+        !it->second.tracked) {
+      it->second.backup = std::move(made);
+      bg_done_.fetch_add(1);
+    } else {
+      made.free(link_);  // freed meanwhile, or its first sleep pinned one of its own
+    }
+  }
+}
+
+bool CudaBackend::wait_background_backups(int timeout_ms) {
+  MutexLock bg(bg_mu_);
+  return bg.wait_for(bg_cv_, std::chrono::milliseconds(timeout_ms), [this]() RESIDENCY_NO_THREAD_SAFETY_ANALYSIS {
+    return bg_stop_ || (bg_queue_.empty() && !bg_busy_);
+  });
+}
+
+Status CudaBackend::prepare_backup(const void* base) {
+  MutexLock lock(mu_);
+  DeviceAllocation* a = find(base);
+  if (a == nullptr)
+    return Status(ErrorCode::not_found, "cuda: prepare_backup of " + hex(reinterpret_cast<std::uintptr_t>(base)) +
+                                            ", which this cuda backend did not allocate (or freed)");
+  if (a->cls != RegionClass::weights || a->backup.base != nullptr) return {};
+  ContextScope scope(*link_.d, link_.ctx);
+  if (!scope.ok()) return Status(ErrorCode::backend_error, "cuda: cannot make the primary context current");
+  return a->backup.pin(link_, a->range.va, a->range.size, /*copy=*/false, nullptr, pin_settings());
+}
+
+}  // namespace residency::cuda

@@ -1,0 +1,332 @@
+// SPDX-License-Identifier: MIT
+#include "backends/cuda/file_backing.hpp"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+
+#include "residency/text.hpp"
+
+namespace residency::cuda {
+namespace {
+
+std::int64_t stat_mtime_ns(const struct stat& st) {
+  return static_cast<std::int64_t>(st.st_mtim.tv_sec) * 1000000000 + st.st_mtim.tv_nsec;
+}
+
+// The first piece that ends after `off`.
+template <typename Pieces>
+auto first_piece_after(Pieces& pieces, std::size_t off) {
+  return std::lower_bound(pieces.begin(), pieces.end(), off,
+                          [](const FileBacked::Piece& x, std::size_t o) { return x.off + x.len <= o; });
+}
+
+}  // namespace
+
+// --- the files ----------------------------------------------------------------------------
+
+bool BackingFile::unchanged() const {
+  struct stat st {};
+  if (fstat(fd, &st) != 0) return false;
+  return st.st_dev == dev && st.st_ino == ino && st.st_size == size && stat_mtime_ns(st) == mtime_ns;
+}
+
+BackingFiles::~BackingFiles() {
+  for (auto& [key, f] : files_)
+    if (f->fd >= 0) (void)close(f->fd);
+}
+
+BackingFile* BackingFiles::note(int fd, const struct stat& st) {
+  auto key = std::make_pair(st.st_dev, st.st_ino);
+  if (auto f = files_.find(key); f != files_.end()) return f->second.get();
+  auto file = std::make_unique<BackingFile>();
+  file->fd = fcntl(fd, F_DUPFD_CLOEXEC, 0);
+  if (file->fd < 0) return nullptr;
+  char link[64];
+  std::snprintf(link, sizeof link, "/proc/self/fd/%d", fd);
+  char path[4096];
+  const ssize_t len = readlink(link, path, sizeof path - 1);
+  file->name = len > 0 ? std::string(path, static_cast<std::size_t>(len))
+                       : "the model file (fd " + std::to_string(fd) + ")";
+  file->dev = st.st_dev;
+  file->ino = st.st_ino;
+  file->size = st.st_size;
+  file->mtime_ns = stat_mtime_ns(st);
+  return files_.emplace(key, std::move(file)).first->second.get();
+}
+
+bool BackingFiles::ready(const DeviceLink& link, BackingFile& f, const Say& say) {
+  if (f.unusable) return false;
+  const std::string fallback = "; the weights filled from it are backed up in pinned host memory instead";
+  if (!f.unchanged()) {
+    f.unusable = true;
+    say(f.name + " changed since the weights were loaded from it (size or modification time)" + fallback);
+    return false;
+  }
+  if (f.map != nullptr) return true;
+  const std::size_t len = round_up(static_cast<std::size_t>(f.size), host_page());
+  void* m = mmap(nullptr, len, PROT_READ, MAP_SHARED, f.fd, 0);
+  if (m == MAP_FAILED) {
+    f.unusable = true;
+    say("cannot map " + f.name + " (" + std::strerror(errno) + ")" + fallback);
+    return false;
+  }
+  const CUresult r = link.d->cuMemHostRegister(m, len, CU_MEMHOSTREGISTER_PORTABLE | CU_MEMHOSTREGISTER_READ_ONLY);
+  if (r != CUDA_SUCCESS) {
+    (void)munmap(m, len);
+    f.unusable = true;
+    say("cannot register " + f.name + " read-only with the GPU (" +
+        link.d->error(r, "", "cuMemHostRegister").message() + ")" + fallback);
+    return false;
+  }
+  f.map = static_cast<char*>(m);
+  f.map_len = len;
+  return true;
+}
+
+void BackingFiles::mark_changed(const Say& say) {
+  for (auto& [key, f] : files_) {
+    if (f->map == nullptr || f->unusable || f->unchanged()) continue;
+    f->unusable = true;
+    say(f->name +
+        " changed while the weights filled from it slept (size or modification time); they are restored from it as "
+        "it is now, which may differ from what was loaded; replace a model file by renaming a new one over it, never "
+        "by writing into it, while a server uses it");
+  }
+}
+
+void BackingFiles::drop_unused(const DeviceLink& link, const std::function<bool(const BackingFile*)>& used) {
+  for (auto it = files_.begin(); it != files_.end();) {
+    if (used(it->second.get())) {
+      ++it;
+      continue;
+    }
+    BackingFile& f = *it->second;
+    if (f.map != nullptr) {
+      (void)link.d->cuMemHostUnregister(f.map);
+      (void)munmap(f.map, f.map_len);
+    }
+    if (f.fd >= 0) (void)close(f.fd);
+    it = files_.erase(it);
+  }
+}
+
+// --- one allocation's pieces --------------------------------------------------------------
+
+void Gaps::free(const DeviceLink& link) {
+  if (buf != nullptr) {
+    (void)link.d->cuMemHostUnregister(buf);
+    (void)munmap(buf, mapped);
+  }
+  *this = Gaps{};
+}
+
+void FileBacked::add(const Piece& p) {
+  auto at = std::lower_bound(pieces.begin(), pieces.end(), p.off,
+                             [](const Piece& x, std::size_t off) { return x.off < off; });
+  pieces.insert(at, p);
+}
+
+void FileBacked::cut(std::size_t begin, std::size_t end) {
+  if (pieces.empty() || begin >= end) return;
+  std::vector<Piece> kept;
+  kept.reserve(pieces.size() + 1);
+  for (const Piece& x : pieces) {
+    const std::size_t xe = x.off + x.len;
+    if (xe <= begin || x.off >= end) {
+      kept.push_back(x);
+      continue;
+    }
+    if (x.off < begin) kept.push_back(Piece{x.off, begin - x.off, x.file, x.file_off});
+    if (xe > end) kept.push_back(Piece{end, xe - end, x.file, x.file_off + (end - x.off)});
+  }
+  pieces = std::move(kept);
+}
+
+bool FileBacked::uses(const BackingFile* f) const {
+  return std::any_of(pieces.begin(), pieces.end(), [f](const Piece& p) { return p.file == f; });
+}
+
+std::uint64_t FileBacked::bytes_in_files(std::size_t chunk) const {
+  std::uint64_t n = 0;
+  for (const Piece& p : pieces) {
+    for (std::size_t i = p.off / chunk; i * chunk < p.off + p.len && i < from_file.size(); ++i) {
+      if (from_file[i] == 0) continue;
+      n += std::min(p.off + p.len, (i + 1) * chunk) - std::max(p.off, i * chunk);
+    }
+  }
+  return n;
+}
+
+// The chunk's file pieces, clipped to it, then its gaps.
+CUresult FileBacked::restore_chunk(const DeviceLink& link, const VmmRange& range, std::size_t i, CUstream stream) const {
+  const std::size_t cb = i * link.chunk;
+  const std::size_t ce = std::min(cb + link.chunk, range.size);
+  for (auto it = first_piece_after(pieces, cb); it != pieces.end() && it->off < ce; ++it) {
+    const std::size_t b = std::max(it->off, cb);
+    const std::size_t e = std::min(it->off + it->len, ce);
+    const CUresult r = link.d->cuMemcpyHtoDAsync(range.va + b, it->file->map + it->file_off + (b - it->off), e - b, stream);
+    if (r != CUDA_SUCCESS) return r;
+  }
+  const Gaps& g = gaps[i];
+  std::size_t at = 0;
+  for (const auto& [off, len] : g.ranges) {
+    const CUresult r = link.d->cuMemcpyHtoDAsync(range.va + off, g.buf + at, len, stream);
+    if (r != CUDA_SUCCESS) return r;
+    at += len;
+  }
+  return CUDA_SUCCESS;
+}
+
+void FileBacked::free_gaps(const DeviceLink& link) {
+  for (Gaps& g : gaps) g.free(link);
+}
+
+// --- the sleep ------------------------------------------------------------------------------
+
+namespace {
+const char* const kStays = "; the allocation stays resident (nothing is lost)";
+}
+
+// Files that cannot back anything any more: their pieces go, and their chunks are saved anew.
+void FileSleep::drop_unusable_files() {
+  const std::size_t n = link.chunks_of(range.size);
+  for (std::size_t k = 0; k < files.pieces.size();) {
+    BackingFile& f = *files.pieces[k].file;
+    if (backing.ready(link, f, say)) {
+      ++k;
+      continue;
+    }
+    for (const FileBacked::Piece& p : files.pieces)
+      if (p.file == &f)
+        for (std::size_t i = p.off / link.chunk; i * link.chunk < p.off + p.len && i < n; ++i) dirty[i] = 1;
+    auto& ps = files.pieces;
+    ps.erase(std::remove_if(ps.begin(), ps.end(), [&f](const FileBacked::Piece& p) { return p.file == &f; }), ps.end());
+  }
+}
+
+// Per chunk: whether it sleeps in its files (covered by them but for at most kMaxGapBytes).
+std::vector<std::uint8_t> FileSleep::chunks_in_files() const {
+  const std::size_t n = link.chunks_of(range.size), chunk = link.chunk;
+  std::vector<std::size_t> covered(n, 0);
+  for (const FileBacked::Piece& p : files.pieces) {
+    for (std::size_t i = p.off / chunk; i * chunk < p.off + p.len && i < n; ++i) {
+      const std::size_t b = std::max(p.off, i * chunk);
+      const std::size_t e = std::min(p.off + p.len, std::min((i + 1) * chunk, range.size));
+      covered[i] += e - b;
+    }
+  }
+  std::vector<std::uint8_t> in_file(n, 0);
+  for (std::size_t i = 0; i < n; ++i) {
+    const std::size_t len = std::min(chunk, range.size - i * chunk);
+    in_file[i] = covered[i] > 0 && len - covered[i] <= kMaxGapBytes ? 1 : 0;
+  }
+  return in_file;
+}
+
+// Chunk i sleeps in its file: what its pieces leave of it is copied into a new pinned buffer.
+Status FileSleep::save_gaps(std::size_t i, CUstream stream) {
+  const std::size_t cb = i * link.chunk;
+  const std::size_t ce = std::min(cb + link.chunk, range.size);
+  Gaps g;
+  std::size_t at = cb, bytes = 0;
+  for (auto it = first_piece_after(files.pieces, cb); it != files.pieces.end() && it->off < ce; ++it) {
+    if (it->off > at) g.ranges.emplace_back(at, it->off - at), bytes += it->off - at;
+    at = std::max(at, it->off + it->len);
+  }
+  if (at < ce) g.ranges.emplace_back(at, ce - at), bytes += ce - at;
+  if (bytes > 0) {
+    g.mapped = round_up(bytes, host_page());
+    void* m = mmap(nullptr, g.mapped, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (m == MAP_FAILED)
+      return Status(ErrorCode::out_of_memory, "cuda: no host memory for the " + format_size(bytes) +
+                                                  " of a weights chunk that are not its file's" + kStays);
+    const int e = fault_in(static_cast<char*>(m), g.mapped);
+    const CUresult r = e == 0 ? link.d->cuMemHostRegister(m, g.mapped, CU_MEMHOSTREGISTER_PORTABLE)
+                              : CUDA_ERROR_OUT_OF_MEMORY;
+    if (r != CUDA_SUCCESS) {
+      (void)munmap(m, g.mapped);
+      return link.d->error(r,
+                           "pinning " + format_size(bytes) +
+                               " for the bytes of a weights chunk that are not its file's" + kStays,
+                           "cuMemHostRegister");
+    }
+    g.buf = static_cast<char*>(m);
+    std::size_t put = 0;
+    for (const auto& [off, len] : g.ranges) {
+      const CUresult c = link.d->cuMemcpyDtoHAsync(g.buf + put, range.va + off, len, stream);
+      if (c != CUDA_SUCCESS) {
+        (void)link.sync();
+        g.free(link);
+        return link.d->error(c, std::string("copying the bytes of a weights chunk that are not its file's") + kStays,
+                             "cuMemcpyDtoHAsync");
+      }
+      put += len;
+    }
+    copied += bytes;
+  }
+  files.gaps[i].free(link);  // (no copy can target the old buffer: it is only read by wakes)
+  files.gaps[i] = std::move(g);
+  return {};
+}
+
+// Once every copy is done: chunks that sleep in their file give their pinned backup chunk back,
+// the others their gaps.
+void FileSleep::settle(std::vector<std::uint8_t>& in_file) {
+  for (std::size_t i = 0; i < in_file.size(); ++i) {
+    if (in_file[i] == 0) files.gaps[i].free(link);
+    else backup.unpin_chunk(link, i);
+  }
+  files.from_file = std::move(in_file);
+  dirty.assign(files.from_file.size(), 0);
+  backup.valid = true;
+}
+
+Status FileSleep::run() {
+  const std::size_t n = link.chunks_of(range.size);
+  drop_unusable_files();
+  std::vector<std::uint8_t> in_file = chunks_in_files();
+  files.from_file.resize(n, 0);
+  files.gaps.resize(n);
+  std::vector<std::uint8_t> need_pin(n, 0);
+  bool any_pin = false;
+  for (std::size_t i = 0; i < n; ++i) {
+    if (!backup.valid || in_file[i] != files.from_file[i]) dirty[i] = 1;
+    const bool pinned = i < backup.pinned.size() && backup.pinned[i] != 0;
+    if (in_file[i] == 0 && dirty[i] != 0 && !pinned) need_pin[i] = 1, any_pin = true;
+  }
+  backup.valid = false;
+  if (any_pin) {
+    if (Status st = backup.pin(link, range.va, range.size, /*copy=*/true, &need_pin, pin); !st) return st;
+    for (std::size_t i = 0; i < n; ++i)
+      if (need_pin[i] != 0) copied += std::min(link.chunk, range.size - i * link.chunk);
+  }
+  for (std::size_t i = 0; i < n; ++i) {
+    if (dirty[i] == 0 || need_pin[i] != 0) continue;
+    Status st;
+    if (in_file[i] != 0) {
+      st = save_gaps(i, link.stream(i));
+    } else {
+      const std::size_t cb = i * link.chunk, len = std::min(link.chunk, range.size - cb);
+      const CUresult r = link.d->cuMemcpyDtoHAsync(backup.base + cb, range.va + cb, len, link.stream(i));
+      if (r == CUDA_SUCCESS) copied += len;
+      else
+        st = link.d->error(r, "copying weights at " + hex(range.va) + " to the host backup" + kStays,
+                           "cuMemcpyDtoHAsync");
+    }
+    if (!st) {
+      (void)link.sync();
+      return st;
+    }
+  }
+  if (Status st = link.sync(); !st) return Status(st.code(), st.message() + kStays);
+  settle(in_file);
+  return {};
+}
+
+}  // namespace residency::cuda

@@ -1,0 +1,134 @@
+// SPDX-License-Identifier: MIT
+// Weights backed by their file (docs/design.md, "Weights backed by their file"). A tracked
+// allocation's ranges filled from a file (Backend::filled_from_file) sleep in the file itself while
+// it is unchanged (device, inode, size, modification time): the first sleep that needs it maps
+// the whole file read-only and registers it (cuMemHostRegister READ_ONLY), so a wake copies from
+// it at the link's rate; the rest of such a copy chunk (alignment gaps, up to kMaxGapBytes) sleeps
+// in a small pinned buffer. A chunk with more gaps, or whose file changed or cannot be registered,
+// sleeps in the pinned backup instead, and the fallback is said once per file.
+#pragma once
+
+#include <cuda.h>
+#include <sys/stat.h>
+#include <sys/types.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "backends/cuda/device_link.hpp"
+#include "backends/cuda/host_backup.hpp"
+#include "backends/cuda/vmm_range.hpp"
+#include "residency/status.hpp"
+
+namespace residency::cuda {
+
+using Say = std::function<void(const std::string&)>;
+
+// A file that backs device ranges: our own descriptor of it (dup'ed), what it was when first seen,
+// and, from the first sleep that needs it, the whole file mapped read-only and registered.
+struct BackingFile {
+  int fd = -1;
+  std::string name;  // the path /proc/self/fd gave, for the log
+  dev_t dev = 0;
+  ino_t ino = 0;
+  off_t size = 0;
+  std::int64_t mtime_ns = 0;
+  char* map = nullptr;  // registered read-only while non-null
+  std::size_t map_len = 0;
+  bool unusable = false;  // changed, or cannot be mapped or registered: backs nothing from now on
+
+  // Whether the file, as its descriptor sees it now, is still what was first seen.
+  bool unchanged() const;
+};
+
+// The files of one backend, by device and inode.
+class BackingFiles {
+ public:
+  ~BackingFiles();
+  // The file `fd` names (`st`: its fstat), added the first time; null if it cannot be dup'ed.
+  BackingFile* note(int fd, const struct stat& st);
+  // Whether `f` can back ranges now: unchanged since first seen, mapped and registered (done here
+  // the first time). When not, it is marked unusable and `say` tells why, once.
+  bool ready(const DeviceLink& link, BackingFile& f, const Say& say);
+  // Before a restore: files that changed while the weights slept in them are marked unusable, and
+  // said (nothing else holds those bytes).
+  void mark_changed(const Say& say);
+  // Unregisters, unmaps and closes the files `used` says no allocation refers to any more.
+  void drop_unused(const DeviceLink& link, const std::function<bool(const BackingFile*)>& used);
+
+ private:
+  std::map<std::pair<dev_t, ino_t>, std::unique_ptr<BackingFile>> files_;
+};
+
+// The bytes of a copy chunk that sleeps in its file but are not the file's: [off, off + len)
+// ranges of the allocation, kept one after the other in a small pinned buffer.
+struct Gaps {
+  char* buf = nullptr;
+  std::size_t mapped = 0;
+  std::vector<std::pair<std::size_t, std::size_t>> ranges;
+  void free(const DeviceLink& link);
+};
+
+// A tracked weights allocation's bytes that are its files': the pieces, and per copy chunk whether
+// its last sleep kept it in its file and its gaps.
+struct FileBacked {
+  // Device bytes [off, off + len) of the allocation equal the file's bytes at file_off.
+  struct Piece {
+    std::size_t off = 0;
+    std::size_t len = 0;
+    BackingFile* file = nullptr;
+    std::uint64_t file_off = 0;
+  };
+  std::vector<Piece> pieces;            // sorted by off, disjoint
+  std::vector<std::uint8_t> from_file;  // per copy chunk: its last sleep kept it in its file
+  std::vector<Gaps> gaps;               // per copy chunk
+
+  void add(const Piece& p);
+  // Removes [begin, end) from the pieces (splitting those it cuts through): written, no longer the file's.
+  void cut(std::size_t begin, std::size_t end);
+  bool uses(const BackingFile* f) const;
+  // Bytes of the allocation that sleep in files now.
+  std::uint64_t bytes_in_files(std::size_t chunk) const;
+  // Issues the copies that refill chunk `i` from its file pieces and gaps on `stream`.
+  CUresult restore_chunk(const DeviceLink& link, const VmmRange& range, std::size_t i, CUstream stream) const;
+  void free_gaps(const DeviceLink& link);
+};
+
+// The most bytes of a copy chunk that may be gaps (not from a file) for the chunk to sleep in its
+// file: 1/16 of a 256 MiB chunk.
+inline constexpr std::size_t kMaxGapBytes = std::size_t{16} << 20;
+
+// The sleep of a tracked weights allocation with file pieces, while its memory is still mapped:
+// chunk by chunk, what changed since the last sleep (or everything, the first time) is saved; a
+// chunk made of its file's bytes but for at most kMaxGapBytes keeps those in the file (nothing to
+// copy) and its gaps in a small pinned buffer; any other chunk goes to the pinned backup, pinned
+// chunk by chunk as needed. Chunks that now sleep in their file give their pinned backup back. On
+// a failure the allocation stays resident and nothing is lost. `dirty`: one flag per chunk,
+// written since the last sleep (cleared on success). `copied`: bytes copied to the host, added to.
+struct FileSleep {
+  const DeviceLink& link;
+  const VmmRange& range;
+  FileBacked& files;
+  PinnedBackup& backup;
+  std::vector<std::uint8_t>& dirty;
+  BackingFiles& backing;
+  const PinSettings& pin;
+  const Say& say;
+  std::uint64_t& copied;
+
+  Status run();
+
+ private:
+  void drop_unusable_files();
+  std::vector<std::uint8_t> chunks_in_files() const;
+  Status save_gaps(std::size_t i, CUstream stream);
+  void settle(std::vector<std::uint8_t>& in_file);
+};
+
+}  // namespace residency::cuda
