@@ -131,9 +131,8 @@ int main(int argc, char** argv) {
     llama_set_abort_callback(g_ctx, abort_callback, NULL);
     ok = ok && decode_n(8);
     printf("callback_calls=%d\n", g_callback_calls);
-    printf("callback_locked_kb=%ld\n", g_callback_map != NULL && g_callback_map != MAP_FAILED
-                                           ? locked_kb(g_callback_map, 32 * kMiB)
-                                           : -1L);
+    printf("callback_locked_kb=%ld\n",
+           g_callback_map != NULL && g_callback_map != MAP_FAILED ? locked_kb(g_callback_map, 32 * kMiB) : -1L);
   } else {
     fprintf(stderr, "engine_memory: unknown mode '%s'\n", mode);
     return 2;
