@@ -8,7 +8,8 @@
 #include "residency/config.hpp"
 
 #include <map>
-#include <mutex>
+
+#include "platform/thread_annotations.hpp"
 
 #if RESIDENCY_HAVE_POSIX
 #include "residency/backends/posix.hpp"
@@ -80,9 +81,9 @@ Result<std::shared_ptr<Backend>> make_named(std::string_view name) {
 // context) belongs to the process, so every manager that asks for a kind gets the instance that
 // is already alive, if any. Held weakly: the backend goes when its last manager does.
 Result<std::shared_ptr<Backend>> shared_backend(const std::string& name) {
-  static std::mutex mu;
-  static auto* live = new std::map<std::string, std::weak_ptr<Backend>>;  // never destroyed
-  std::lock_guard<std::mutex> lock(mu);
+  static Mutex mu;
+  static auto* live RESIDENCY_PT_GUARDED_BY(mu) = new std::map<std::string, std::weak_ptr<Backend>>;  // never destroyed
+  MutexLock lock(mu);
   if (auto b = (*live)[name].lock()) return b;
   auto made = make_named(name);
   if (made) (*live)[name] = *made;

@@ -24,13 +24,13 @@
 #include <algorithm>
 #include <functional>
 #include <map>
-#include <mutex>
 #include <set>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "backends/metal/pressure_source.hpp"
+#include "platform/thread_annotations.hpp"
 #include "residency/backends/metal.hpp"
 #include "residency/config.hpp"
 #include "residency/text.hpp"
@@ -131,17 +131,17 @@ struct MetalBackend::Impl {
   bool refresh = false;
   std::uint64_t page = 0;
   std::uint64_t max_view = 0;  // maxBufferLength rounded down to a page
-  std::mutex mu;               // guards everything below
-  std::map<SetId, Set> sets;
-  std::vector<NS::SharedPtr<MTL::CommandQueue>> queues;
+  Mutex mu;                    // guards sets and queues
+  std::map<SetId, Set> sets RESIDENCY_GUARDED_BY(mu);
+  std::vector<NS::SharedPtr<MTL::CommandQueue>> queues RESIDENCY_GUARDED_BY(mu);
 
   // The pressure watch: one source, a watcher per manager. Lock order: watch_mu, then
   // watchers_mu (held while the watchers run, on the source's queue); never `mu` with either.
-  std::mutex watch_mu;
-  metal::PressureSource pressure;
-  std::mutex watchers_mu;
-  std::map<PressureWatchId, std::function<void()>> watchers;
-  PressureWatchId next_watch_id = 1;
+  Mutex watch_mu;
+  metal::PressureSource pressure RESIDENCY_GUARDED_BY(watch_mu);
+  Mutex watchers_mu;
+  std::map<PressureWatchId, std::function<void()>> watchers RESIDENCY_GUARDED_BY(watchers_mu);
+  PressureWatchId next_watch_id RESIDENCY_GUARDED_BY(watchers_mu) = 1;
 
   // One tiny GPU operation: fill one byte of a private buffer and wait for it. Returns why it
   // failed, or "".
@@ -207,7 +207,7 @@ struct MetalBackend::Impl {
 
   // The free sequence: endResidency -> removeAllAllocations -> commit -> release (and off
   // every queue first, so that no queue keeps it alive).
-  void destroy(std::map<SetId, Set>::iterator it) {
+  void destroy(std::map<SetId, Set>::iterator it) RESIDENCY_REQUIRES(mu) {
     MTL::ResidencySet* rs = it->second.set.get();
     if (options.attach_to_queues) {
       for (auto& q : queues) q->removeResidencySet(rs);
@@ -234,7 +234,7 @@ MetalBackend::~MetalBackend() {
   impl_->pressure.stop();
   metal::AutoreleasePool pool;
   Impl& m = *impl_;
-  std::lock_guard<std::mutex> lock(m.mu);
+  MutexLock lock(m.mu);
   while (!m.sets.empty()) m.destroy(m.sets.begin());
   m.queues.clear();
 }
@@ -251,7 +251,7 @@ Capabilities MetalBackend::capabilities() const {
 MemoryInfo MetalBackend::memory_info() {
   metal::AutoreleasePool pool;
   Impl& m = *impl_;
-  std::lock_guard<std::mutex> lock(m.mu);
+  MutexLock lock(m.mu);
   MemoryInfo info;
   info.physical = NS::ProcessInfo::processInfo()->physicalMemory();
   info.recommended_working_set = m.device->recommendedMaxWorkingSetSize();
@@ -261,7 +261,7 @@ MemoryInfo MetalBackend::memory_info() {
 Status MetalBackend::create_set(SetId set, std::uint64_t capacity_bytes) {
   metal::AutoreleasePool pool;
   Impl& m = *impl_;
-  std::lock_guard<std::mutex> lock(m.mu);
+  MutexLock lock(m.mu);
   if (m.sets.count(set) != 0) {
     return Status(ErrorCode::invalid_argument, "metal: residency set " + std::to_string(set) + " already exists");
   }
@@ -290,14 +290,14 @@ Status MetalBackend::create_set(SetId set, std::uint64_t capacity_bytes) {
 
 Status MetalBackend::destroy_set(SetId set) {
   metal::AutoreleasePool pool;
-  std::lock_guard<std::mutex> lock(impl_->mu);
+  MutexLock lock(impl_->mu);
   auto it = impl_->sets.find(set);
   if (it != impl_->sets.end()) impl_->destroy(it);
   return Status::ok();  // Metal's calls here report no errors
 }
 
 void MetalBackend::add_region(SetId set, const RegionDesc& region) {
-  std::lock_guard<std::mutex> lock(impl_->mu);
+  MutexLock lock(impl_->mu);
   auto it = impl_->sets.find(set);
   if (it == impl_->sets.end()) return;  // commit() of an unknown set reports it
   it->second.staged_remove.erase(region.id);
@@ -305,7 +305,7 @@ void MetalBackend::add_region(SetId set, const RegionDesc& region) {
 }
 
 void MetalBackend::remove_region(SetId set, RegionId region) {
-  std::lock_guard<std::mutex> lock(impl_->mu);
+  MutexLock lock(impl_->mu);
   auto it = impl_->sets.find(set);
   if (it == impl_->sets.end()) return;
   it->second.staged_add.erase(region);
@@ -315,7 +315,7 @@ void MetalBackend::remove_region(SetId set, RegionId region) {
 SetOutcome MetalBackend::commit(SetId set) {
   metal::AutoreleasePool pool;
   Impl& m = *impl_;
-  std::lock_guard<std::mutex> lock(m.mu);
+  MutexLock lock(m.mu);
   SetOutcome out;
   auto it = m.sets.find(set);
   if (it == m.sets.end()) {
@@ -353,7 +353,7 @@ SetOutcome MetalBackend::commit(SetId set) {
 
 SetOutcome MetalBackend::request_residency(SetId set) {
   metal::AutoreleasePool pool;
-  std::lock_guard<std::mutex> lock(impl_->mu);
+  MutexLock lock(impl_->mu);
   SetOutcome out;
   auto it = impl_->sets.find(set);
   if (it == impl_->sets.end()) {
@@ -367,7 +367,7 @@ SetOutcome MetalBackend::request_residency(SetId set) {
 
 Status MetalBackend::end_residency(SetId set) {
   metal::AutoreleasePool pool;
-  std::lock_guard<std::mutex> lock(impl_->mu);
+  MutexLock lock(impl_->mu);
   auto it = impl_->sets.find(set);
   if (it == impl_->sets.end())
     return Status(ErrorCode::not_found, "metal: end_residency of unknown set " + std::to_string(set));
@@ -381,22 +381,22 @@ Status MetalBackend::end_residency(SetId set) {
 // to give ended sets back; repeat it only if that one failed.
 void MetalBackend::after_release() {
   metal::AutoreleasePool pool;
-  std::lock_guard<std::mutex> lock(impl_->mu);
+  MutexLock lock(impl_->mu);
   if (impl_->gpu_work_done || impl_->options.test_no_gpu_work) return;
   (void)impl_->blit();
 }
 
 Result<PressureWatchId> MetalBackend::watch_pressure(std::function<void()> on_pressure) {
   Impl& m = *impl_;
-  std::lock_guard<std::mutex> lock(m.watch_mu);
+  MutexLock lock(m.watch_mu);
   if (!m.pressure.running()) {
     Status st = m.pressure.start(m.options.pressure_repeat, [&m](metal::PressureLevel) {
-      std::lock_guard<std::mutex> g(m.watchers_mu);
+      MutexLock g(m.watchers_mu);
       for (auto& [id, cb] : m.watchers) cb();
     });
     if (!st) return Status(st.code(), "memory pressure cannot be watched: " + st.message());
   }
-  std::lock_guard<std::mutex> g(m.watchers_mu);
+  MutexLock g(m.watchers_mu);
   const PressureWatchId id = m.next_watch_id++;
   m.watchers.emplace(id, std::move(on_pressure));
   return id;
@@ -404,10 +404,10 @@ Result<PressureWatchId> MetalBackend::watch_pressure(std::function<void()> on_pr
 
 void MetalBackend::stop_pressure_watch(PressureWatchId id) {
   Impl& m = *impl_;
-  std::lock_guard<std::mutex> lock(m.watch_mu);
+  MutexLock lock(m.watch_mu);
   bool last = false;
   {
-    std::lock_guard<std::mutex> g(m.watchers_mu);  // waits for a callback in flight
+    MutexLock g(m.watchers_mu);  // waits for a callback in flight
     if (m.watchers.erase(id) == 0) return;
     last = m.watchers.empty();
   }
@@ -419,7 +419,7 @@ Status MetalBackend::add_command_queue(void* queue) {
   metal::AutoreleasePool pool;
   Impl& m = *impl_;
   auto* q = static_cast<MTL::CommandQueue*>(queue);
-  std::lock_guard<std::mutex> lock(m.mu);
+  MutexLock lock(m.mu);
   for (auto& known : m.queues) {
     if (known.get() == q) return Status::ok();
   }
@@ -434,7 +434,7 @@ Status MetalBackend::add_command_queue(void* queue) {
 Status MetalBackend::remove_command_queue(void* queue) {
   metal::AutoreleasePool pool;
   Impl& m = *impl_;
-  std::lock_guard<std::mutex> lock(m.mu);
+  MutexLock lock(m.mu);
   auto it = std::find_if(m.queues.begin(), m.queues.end(), [queue](const auto& q) { return q.get() == queue; });
   if (it == m.queues.end()) {
     return Status(ErrorCode::not_found, "metal: remove_command_queue: that queue was not added");

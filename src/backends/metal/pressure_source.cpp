@@ -5,10 +5,10 @@
 #include <dispatch/dispatch.h>
 
 #include <cstdint>
-#include <mutex>
 #include <utility>
 
 #include "backends/metal/system_info.hpp"
+#include "platform/thread_annotations.hpp"
 
 namespace residency::metal {
 
@@ -24,17 +24,17 @@ const char* to_string(PressureLevel level) noexcept {
 // Everything the handlers touch, guarded by `mu`, which is also held while on_pressure runs (so
 // that stop() waits for a call in flight and no call starts after it).
 struct PressureSource::State {
-  std::mutex mu;
-  bool stopped = false;
-  std::function<void(PressureLevel)> on_pressure;
-  Nanos repeat{0};
-  PressureLevel level = PressureLevel::normal;
-  dispatch_queue_t queue = nullptr;
-  dispatch_source_t source = nullptr;  // the memory-pressure source
-  dispatch_source_t timer = nullptr;   // the repeat, while the level is above normal
-  std::weak_ptr<State> self;           // for the timer's handler, made on the queue
+  Mutex mu;
+  bool stopped RESIDENCY_GUARDED_BY(mu) = false;
+  std::function<void(PressureLevel)> on_pressure RESIDENCY_GUARDED_BY(mu);
+  Nanos repeat RESIDENCY_GUARDED_BY(mu) = Nanos(0);
+  PressureLevel level RESIDENCY_GUARDED_BY(mu) = PressureLevel::normal;
+  dispatch_queue_t queue RESIDENCY_GUARDED_BY(mu) = nullptr;
+  dispatch_source_t source RESIDENCY_GUARDED_BY(mu) = nullptr;  // the memory-pressure source
+  dispatch_source_t timer RESIDENCY_GUARDED_BY(mu) = nullptr;   // the repeat, while the level is above normal
+  std::weak_ptr<State> self RESIDENCY_GUARDED_BY(mu);           // for the timer's handler, made on the queue
 
-  void cancel_timer_locked() {
+  void cancel_timer_locked() RESIDENCY_REQUIRES(mu) {
     if (timer == nullptr) return;
     dispatch_source_cancel(timer);
     dispatch_release(timer);
@@ -43,7 +43,7 @@ struct PressureSource::State {
 
   // On the queue: a report of the current level, from the source (`flags`) or the timer.
   void on_event(unsigned long flags) {
-    std::lock_guard<std::mutex> lock(mu);
+    MutexLock lock(mu);
     if (stopped) return;
     if ((flags & DISPATCH_MEMORYPRESSURE_CRITICAL) != 0) {
       level = PressureLevel::critical;
@@ -61,7 +61,7 @@ struct PressureSource::State {
   }
 
   void on_tick() {
-    std::lock_guard<std::mutex> lock(mu);
+    MutexLock lock(mu);
     if (stopped || timer == nullptr) return;
     // The normal event may be lost if the level dropped while a previous handler ran; the
     // kernel's own reading settles it.
@@ -73,7 +73,7 @@ struct PressureSource::State {
     on_pressure(level);
   }
 
-  void start_timer_locked();
+  void start_timer_locked() RESIDENCY_REQUIRES(mu);
 };
 
 namespace {
@@ -102,7 +102,11 @@ void PressureSource::State::start_timer_locked() {
   dispatch_resume(timer);
 }
 
-Status PressureSource::start(Nanos repeat, std::function<void(PressureLevel)> on_pressure) {
+// The new state is this function's alone until set_handler and dispatch_resume hand it to the
+// queue at the end, so its fields are set without `mu`, as a constructor's would be (the analysis
+// skips constructors, not this).
+Status PressureSource::start(Nanos repeat,
+                             std::function<void(PressureLevel)> on_pressure) RESIDENCY_NO_THREAD_SAFETY_ANALYSIS {
   stop();
   if (repeat.count() <= 0) {
     return Status(ErrorCode::invalid_argument, "metal: the memory-pressure repeat period must be above 0");
@@ -131,7 +135,7 @@ Status PressureSource::start(Nanos repeat, std::function<void(PressureLevel)> on
 void PressureSource::stop() {
   if (!state_) return;
   {
-    std::lock_guard<std::mutex> lock(state_->mu);  // waits for a call in flight
+    MutexLock lock(state_->mu);  // waits for a call in flight
     state_->stopped = true;
     state_->on_pressure = nullptr;
     state_->cancel_timer_locked();

@@ -14,7 +14,6 @@
 #include <cstdio>
 #include <cstring>
 #include <map>
-#include <mutex>
 #include <unordered_map>
 #include <utility>
 #include <vector>
@@ -23,6 +22,7 @@
 #include "backends/posix/pressure_watch.hpp"
 #include "backends/posix/proc_info.hpp"
 #include "backends/posix/system_info.hpp"
+#include "platform/thread_annotations.hpp"
 #include "residency/backends/posix.hpp"
 #include "residency/config.hpp"
 #include "residency/text.hpp"
@@ -79,9 +79,9 @@ std::string describe_region(const RegionDesc& r) {
 // one) counts its holds in the same table and reserves from the same limit, and a page that two
 // managers lock stays locked until both have let it go.
 struct ProcessLocks {
-  std::mutex mu;  // taken after a backend's own mutex, never before
-  posix::LockTable table;
-  std::uint64_t reserved = 0;  // bytes the managers of this process reserved for wiring
+  Mutex mu;  // taken after a backend's own mutex, never before
+  posix::LockTable table RESIDENCY_GUARDED_BY(mu);
+  std::uint64_t reserved RESIDENCY_GUARDED_BY(mu) = 0;  // bytes the managers of this process reserved for wiring
 };
 ProcessLocks& process_locks() {
   static ProcessLocks* locks = new ProcessLocks;  // never destroyed: backends may outlive statics
@@ -97,7 +97,7 @@ class PosixBackend final : public Backend {
 
   ~PosixBackend() override {
     watch_.stop();
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     for (auto& [id, set] : sets_) end_locked(set);
   }
 
@@ -138,7 +138,7 @@ class PosixBackend final : public Backend {
   }
 
   Status create_set(SetId set, std::uint64_t /*capacity_bytes*/) override {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     if (sets_.count(set) != 0) {
       return Status(ErrorCode::invalid_argument, "posix: set " + std::to_string(set) + " already exists");
     }
@@ -149,7 +149,7 @@ class PosixBackend final : public Backend {
   Status reserve_wired(std::uint64_t bytes) override {
     const auto lim = posix::read_memlock_limit();
     ProcessLocks& pl = process_locks();
-    std::lock_guard<std::mutex> lock(pl.mu);
+    MutexLock lock(pl.mu);
     if (lim.enforced() && (bytes > lim.soft || pl.reserved > lim.soft - bytes)) {
       return Status(ErrorCode::limit_exceeded, "RLIMIT_MEMLOCK is " + format_size(lim.soft) +
                                                    " and the managers of this process already reserved " +
@@ -162,12 +162,12 @@ class PosixBackend final : public Backend {
 
   void unreserve_wired(std::uint64_t bytes) override {
     ProcessLocks& pl = process_locks();
-    std::lock_guard<std::mutex> lock(pl.mu);
+    MutexLock lock(pl.mu);
     pl.reserved -= std::min(pl.reserved, bytes);
   }
 
   Status destroy_set(SetId set) override {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     auto it = sets_.find(set);
     if (it == sets_.end()) return Status::ok();
     end_locked(it->second);
@@ -178,18 +178,18 @@ class PosixBackend final : public Backend {
 
   // Staged; a set that does not exist makes commit() report it.
   void add_region(SetId set, const RegionDesc& region) override {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     staged_[set].push_back({true, region});
   }
   void remove_region(SetId set, RegionId region) override {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     RegionDesc d;
     d.id = region;
     staged_[set].push_back({false, d});
   }
 
   SetOutcome commit(SetId set) override {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     auto staged_it = staged_.find(set);
     std::vector<Change> changes;
     if (staged_it != staged_.end()) {
@@ -233,7 +233,7 @@ class PosixBackend final : public Backend {
   }
 
   SetOutcome request_residency(SetId set) override {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     auto it = sets_.find(set);
     if (it == sets_.end()) {
       return {Status(ErrorCode::not_found,
@@ -252,7 +252,7 @@ class PosixBackend final : public Backend {
   }
 
   Status end_residency(SetId set) override {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     auto it = sets_.find(set);
     if (it == sets_.end())
       return Status(ErrorCode::not_found,
@@ -263,21 +263,21 @@ class PosixBackend final : public Backend {
 
   // One pressure watch for the whole backend; each manager adds a watcher to it.
   Result<PressureWatchId> watch_pressure(std::function<void()> on_pressure) override {
-    std::lock_guard<std::mutex> lock(watch_mu_);
-    if (watchers_.empty()) {
+    MutexLock lock(watch_mu_);
+    if (no_watchers()) {
       if (Status s = start_watch(); !s) return s;
     }
-    std::lock_guard<std::mutex> g(watchers_mu_);
+    MutexLock g(watchers_mu_);
     const PressureWatchId id = next_watch_id_++;
     watchers_.emplace(id, std::move(on_pressure));
     return id;
   }
 
   void stop_pressure_watch(PressureWatchId id) override {
-    std::lock_guard<std::mutex> lock(watch_mu_);
+    MutexLock lock(watch_mu_);
     bool last = false;
     {
-      std::lock_guard<std::mutex> g(watchers_mu_);  // waits for a callback in flight
+      MutexLock g(watchers_mu_);  // waits for a callback in flight
       if (watchers_.erase(id) == 0) return;
       last = watchers_.empty();
     }
@@ -285,19 +285,26 @@ class PosixBackend final : public Backend {
   }
 
   std::string pressure_source() const override {
-    std::lock_guard<std::mutex> lock(watch_mu_);
+    MutexLock lock(watch_mu_);
     return watch_.running() ? watching_ : std::string();
   }
 
  private:
-  Status start_watch() {
+  // watchers_ changes only with watch_mu_ and watchers_mu_ both held, so watch_mu_ alone is enough
+  // to read it (and watchers_mu_ is not taken here, so a callback in flight is not waited for);
+  // the analysis knows one guard per member.
+  bool no_watchers() const RESIDENCY_REQUIRES(watch_mu_) RESIDENCY_NO_THREAD_SAFETY_ANALYSIS {
+    return watchers_.empty();
+  }
+
+  Status start_watch() RESIDENCY_REQUIRES(watch_mu_) {
     const PressureSource src = posix_pressure_source(options_.pressure_file);
     Status st;
     if (src.kind == PressureSource::Kind::none) {
       return Status(ErrorCode::unsupported, "memory pressure cannot be watched: " + src.reason);
     }
     auto notify = [this] {
-      std::lock_guard<std::mutex> g(watchers_mu_);
+      MutexLock g(watchers_mu_);
       for (auto& [id, cb] : watchers_) cb();
     };
     if (src.kind == PressureSource::Kind::cgroup_v1_level) {
@@ -355,8 +362,8 @@ class PosixBackend final : public Backend {
   }
 
   // mlock-s the pages of `m` that no other member holds. On failure nothing of `m` stays
-  // locked or counted and the Status says why and what to do. Called with mu_ held.
-  Status lock_member(Member& m) {
+  // locked or counted and the Status says why and what to do.
+  Status lock_member(Member& m) RESIDENCY_REQUIRES(mu_) {
     const auto& d = m.desc;
     const auto b = reinterpret_cast<std::uintptr_t>(d.base);
     if (d.base == nullptr || d.size == 0 || b + d.size < b || b + d.size > UINTPTR_MAX - page_) {
@@ -365,7 +372,7 @@ class PosixBackend final : public Backend {
     }
     const AddrRange range = page_range(d);
     ProcessLocks& pl = process_locks();
-    std::lock_guard<std::mutex> lock(pl.mu);
+    MutexLock lock(pl.mu);
     const auto fresh = pl.table.acquire(range);
     std::uint64_t fresh_bytes = 0;
     for (const auto& f : fresh) fresh_bytes += f.size();
@@ -383,14 +390,14 @@ class PosixBackend final : public Backend {
   // munlock-s the pages of `m` that no other holder (member, set, manager) still wants. munlock
   // fails only for a range that is no longer mapped (the engine unmapped it before unregistering
   // it), whose pages are then locked by nobody: a release here cannot fail.
-  void unlock_member(Member& m) {
+  void unlock_member(Member& m) RESIDENCY_REQUIRES(mu_) {
     ProcessLocks& pl = process_locks();
-    std::lock_guard<std::mutex> lock(pl.mu);
+    MutexLock lock(pl.mu);
     for (const auto& u : pl.table.release(page_range(m.desc))) sys_munlock(u.begin, u.size());
     m.locked = false;
   }
 
-  void end_locked(Set& s) {
+  void end_locked(Set& s) RESIDENCY_REQUIRES(mu_) {
     for (auto& [id, m] : s.members) {
       if (m.locked) unlock_member(m);
     }
@@ -430,16 +437,16 @@ class PosixBackend final : public Backend {
   PosixOptions options_;
   std::uintptr_t page_ = 4096;
 
-  mutable std::mutex mu_;  // guards everything below; held across mlock/munlock calls
-  std::map<SetId, Set> sets_;
-  std::unordered_map<SetId, std::vector<Change>> staged_;  // add/remove since the last commit
+  mutable Mutex mu_;  // guards sets_ and staged_; held across mlock/munlock calls
+  std::map<SetId, Set> sets_ RESIDENCY_GUARDED_BY(mu_);
+  std::unordered_map<SetId, std::vector<Change>> staged_ RESIDENCY_GUARDED_BY(mu_);  // add/remove since the last commit
 
-  mutable std::mutex watch_mu_;  // serialises watch_pressure / stop_pressure_watch
-  posix::PressureWatch watch_;
-  std::string watching_;    // the source's description, while watch_ runs
-  std::mutex watchers_mu_;  // guards watchers_; held while they are called
-  std::map<PressureWatchId, std::function<void()>> watchers_;
-  PressureWatchId next_watch_id_ = 1;
+  mutable Mutex watch_mu_;  // serialises watch_pressure / stop_pressure_watch
+  posix::PressureWatch watch_ RESIDENCY_GUARDED_BY(watch_mu_);
+  std::string watching_ RESIDENCY_GUARDED_BY(watch_mu_);  // the source's description, while watch_ runs
+  Mutex watchers_mu_;                                     // guards watchers_; held while they are called
+  std::map<PressureWatchId, std::function<void()>> watchers_ RESIDENCY_GUARDED_BY(watchers_mu_);
+  PressureWatchId next_watch_id_ RESIDENCY_GUARDED_BY(watchers_mu_) = 1;
 };
 
 }  // namespace

@@ -5,10 +5,10 @@
 #include <cmath>
 #include <limits>
 #include <map>
-#include <mutex>
 #include <set>
 #include <utility>
 
+#include "platform/thread_annotations.hpp"
 #include "residency/backends/sim.hpp"
 #include "residency/config.hpp"
 #include "residency/text.hpp"
@@ -86,28 +86,27 @@ struct SimBackend::State {
   Stats stats() const;
   std::string last_error() const;
 
-  // Called with mu_ held.
-  Nanos now() const { return clock_->now(); }
-  void advance_locked(Nanos to);
-  bool request_live(const Set& s, Nanos t) const;
-  Nanos request_end(const Set& s) const;  // when a live request decays (max for no decay)
-  SetOutcome request_locked(SetId set, bool is_refresh);
-  std::uint64_t wire_locked(Buffer& b);  // wires it all; returns the bytes newly wired
-  Nanos cost_of(std::uint64_t bytes) const;
-  void misuse(std::string message);
-  Status attach_locked(QueueId queue, SetId set);
+  Nanos now() const RESIDENCY_REQUIRES(mu_) { return clock_->now(); }
+  void advance_locked(Nanos to) RESIDENCY_REQUIRES(mu_);
+  bool request_live(const Set& s, Nanos t) const RESIDENCY_REQUIRES(mu_);
+  Nanos request_end(const Set& s) const RESIDENCY_REQUIRES(mu_);  // when a live request decays (max for no decay)
+  SetOutcome request_locked(SetId set, bool is_refresh) RESIDENCY_REQUIRES(mu_);
+  std::uint64_t wire_locked(Buffer& b) RESIDENCY_REQUIRES(mu_);  // wires it all; returns the bytes newly wired
+  Nanos cost_of(std::uint64_t bytes) const RESIDENCY_REQUIRES(mu_);
+  void misuse(std::string message) RESIDENCY_REQUIRES(mu_);
+  Status attach_locked(QueueId queue, SetId set) RESIDENCY_REQUIRES(mu_);
 
   const SimOptions& options_;  // the backend's
   Clock* const clock_;
-  mutable std::mutex mu_;
-  Nanos modelled_until_{0};      // the collector has been replayed up to this time
-  double collector_credit_ = 0;  // fractional bytes carried between replay steps
-  std::map<const void*, Buffer> buffers_;
-  std::map<SetId, Set> sets_;
-  std::vector<std::vector<SetId>> queues_;  // queue id -> attached sets
-  std::uint64_t next_command_buffer_ = 1;
-  Stats stats_;
-  std::string last_error_;
+  mutable Mutex mu_;
+  Nanos modelled_until_ RESIDENCY_GUARDED_BY(mu_) = Nanos(0);  // the collector has been replayed up to this time
+  double collector_credit_ RESIDENCY_GUARDED_BY(mu_) = 0;      // fractional bytes carried between replay steps
+  std::map<const void*, Buffer> buffers_ RESIDENCY_GUARDED_BY(mu_);
+  std::map<SetId, Set> sets_ RESIDENCY_GUARDED_BY(mu_);
+  std::vector<std::vector<SetId>> queues_ RESIDENCY_GUARDED_BY(mu_);  // queue id -> attached sets
+  std::uint64_t next_command_buffer_ RESIDENCY_GUARDED_BY(mu_) = 1;
+  Stats stats_ RESIDENCY_GUARDED_BY(mu_);
+  std::string last_error_ RESIDENCY_GUARDED_BY(mu_);
 };
 
 SimBackend::SimBackend(SimOptions options) : options_(std::move(options)), state_(std::make_unique<State>(options_)) {}
@@ -157,7 +156,7 @@ Capabilities SimBackend::State::capabilities() const {
 }
 
 MemoryInfo SimBackend::State::memory_info() {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   advance_locked(now());
   MemoryInfo m;
   m.physical = options_.profile.physical;
@@ -269,7 +268,7 @@ void SimBackend::State::misuse(std::string message) {
 // ---- sets -------------------------------------------------------------------------------
 
 Status SimBackend::State::create_set(SetId set, std::uint64_t /*capacity_bytes: a hint*/) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   advance_locked(now());
   if (sets_.count(set) != 0) {
     return Status(ErrorCode::invalid_argument,
@@ -293,7 +292,7 @@ Status SimBackend::State::create_set(SetId set, std::uint64_t /*capacity_bytes: 
 }
 
 Status SimBackend::State::destroy_set(SetId set) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   advance_locked(now());
   auto it = sets_.find(set);
   if (it == sets_.end()) {
@@ -315,7 +314,7 @@ Status SimBackend::State::destroy_set(SetId set) {
 }
 
 void SimBackend::State::add_region(SetId set, const RegionDesc& region) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   auto it = sets_.find(set);
   if (it == sets_.end()) {
     misuse("sim: add_region: no " + set_name(set) + " (region " + std::to_string(region.id) + ")");
@@ -326,7 +325,7 @@ void SimBackend::State::add_region(SetId set, const RegionDesc& region) {
 }
 
 void SimBackend::State::remove_region(SetId set, RegionId region) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   auto it = sets_.find(set);
   if (it == sets_.end()) {
     misuse("sim: remove_region: no " + set_name(set) + " (region " + std::to_string(region) + ")");
@@ -337,7 +336,7 @@ void SimBackend::State::remove_region(SetId set, RegionId region) {
 }
 
 SetOutcome SimBackend::State::commit(SetId set) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   const Nanos t = now();
   advance_locked(t);
   ++stats_.commits;
@@ -409,19 +408,19 @@ SetOutcome SimBackend::State::request_locked(SetId set, bool is_refresh) {
 }
 
 SetOutcome SimBackend::State::request_residency(SetId set) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   return request_locked(set, false);
 }
 
 // A refresh is a repeated request: it renews a decaying request and re-wires whatever the
 // collector took after a lapse.
 SetOutcome SimBackend::State::refresh(SetId set) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   return request_locked(set, true);
 }
 
 Status SimBackend::State::end_residency(SetId set) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   advance_locked(now());
   auto it = sets_.find(set);
   if (it == sets_.end()) {
@@ -460,7 +459,7 @@ Status SimBackend::State::attach_locked(QueueId queue, SetId set) {
 }
 
 Result<SimBackend::QueueId> SimBackend::State::add_queue() {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   if (options_.attach_new_sets && sets_.size() > options_.queue_set_limit) {
     return Status(ErrorCode::limit_exceeded,
                   "sim: " + std::to_string(sets_.size()) +
@@ -477,12 +476,12 @@ Result<SimBackend::QueueId> SimBackend::State::add_queue() {
 }
 
 Status SimBackend::State::attach_set(QueueId queue, SetId set) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   return attach_locked(queue, set);
 }
 
 Status SimBackend::State::detach_set(QueueId queue, SetId set) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   if (queue >= queues_.size()) {
     return Status(ErrorCode::not_found, "sim: no command queue " + std::to_string(queue));
   }
@@ -496,14 +495,14 @@ Status SimBackend::State::detach_set(QueueId queue, SetId set) {
 }
 
 std::vector<SetId> SimBackend::State::queue_sets(QueueId queue) const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   if (queue >= queues_.size()) return {};
   return queues_[queue];
 }
 
 Result<SimBackend::CommandBuffer> SimBackend::State::commit_command_buffer(QueueId queue, std::vector<GpuBuffer> uses,
                                                                            Nanos compute) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   const Nanos t = now();
   advance_locked(t);
   if (queue >= queues_.size()) {
@@ -539,7 +538,7 @@ Result<SimBackend::CommandBuffer> SimBackend::State::commit_command_buffer(Queue
 }
 
 Result<Nanos> SimBackend::State::execute(const CommandBuffer& cb) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   const Nanos t = now();
   advance_locked(t);
   std::vector<const GpuBuffer*> all;
@@ -590,7 +589,7 @@ Result<Nanos> SimBackend::run_command_buffer(QueueId queue, std::vector<GpuBuffe
 }
 
 void SimBackend::State::gpu_operation() {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   advance_locked(now());
   ++stats_.gpu_operations;
   for (auto& [base, b] : buffers_) b.leaked = false;
@@ -599,7 +598,7 @@ void SimBackend::State::gpu_operation() {
 // ---- observations -----------------------------------------------------------------------
 
 std::uint64_t SimBackend::State::wired_bytes() {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   advance_locked(now());
   std::uint64_t total = 0;
   for (const auto& [base, b] : buffers_) total += b.wired;
@@ -607,26 +606,26 @@ std::uint64_t SimBackend::State::wired_bytes() {
 }
 
 std::uint64_t SimBackend::State::wired_bytes(const void* base) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   advance_locked(now());
   auto it = buffers_.find(base);
   return it == buffers_.end() ? 0 : it->second.wired;
 }
 
 std::uint64_t SimBackend::State::allocated_bytes() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   std::uint64_t total = 0;
   for (const auto& [base, b] : buffers_) total += b.size;
   return total;
 }
 
 std::uint32_t SimBackend::State::live_sets() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   return static_cast<std::uint32_t>(sets_.size());
 }
 
 bool SimBackend::State::residency_requested(SetId set) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   const Nanos t = now();
   advance_locked(t);
   auto it = sets_.find(set);
@@ -634,12 +633,12 @@ bool SimBackend::State::residency_requested(SetId set) {
 }
 
 SimBackend::Stats SimBackend::State::stats() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   return stats_;
 }
 
 std::string SimBackend::State::last_error() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   return last_error_;
 }
 
