@@ -91,20 +91,19 @@ Result<std::shared_ptr<CudaBackend>> CudaBackend::create(const CudaBackendOption
 }
 
 CudaBackend::CudaBackend(const Driver* d, CUdevice dev, CUcontext ctx, const CudaBackendOptions& o, std::size_t granularity)
-    : backup_threads_(default_backup_threads()), backup_mode_(o.backup), notice_(o.notice) {
+    : stream_count_(o.streams), backup_threads_(default_backup_threads()), backup_mode_(o.backup), notice_(o.notice) {
   link_.d = d;
   link_.dev = dev;
   link_.ctx = ctx;
   link_.granularity = granularity;
   link_.chunk = round_up(o.chunk_bytes, granularity);
-  link_.streams.reserve(static_cast<std::size_t>(o.streams));
   CudaProcess::instance().claim_carrier(dev, this);
 }
 
 Status CudaBackend::init_streams() {
   ContextScope scope(*link_.d, link_.ctx);
   if (!scope.ok()) return Status(ErrorCode::backend_error, "cuda: cannot make the primary context current");
-  while (link_.streams.size() < link_.streams.capacity()) {
+  for (int i = 0; i < stream_count_; ++i) {
     CUstream s = nullptr;
     const CUresult r = link_.d->cuStreamCreate(&s, CU_STREAM_NON_BLOCKING);
     if (r != CUDA_SUCCESS) return link_.d->error(r, "creating copy streams", "cuStreamCreate");

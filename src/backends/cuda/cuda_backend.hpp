@@ -200,6 +200,7 @@ class CudaBackend final : public Backend {
 
   DeviceLink link_;                  // set in create(), constant afterwards (the streams are used under mu_)
   std::string uuid_;                 // Capabilities::device_uuid
+  const int stream_count_;           // CudaBackendOptions::streams (init_streams() makes them)
   std::atomic<int> backup_threads_;  // read by the background thread without mu_
   std::atomic<BackupPipeline> pipeline_{BackupPipeline::workers};
   const CudaBackendOptions::Backup backup_mode_;
