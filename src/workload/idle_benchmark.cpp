@@ -355,6 +355,51 @@ std::string format_hog_waits(const IdleResults& results) {
   return "The hog (" + results.pressure.to_string() + ") waiting for its memory, per policy:\n" + out;
 }
 
+std::string format_idle_verdict(const IdleResults& r) {
+  std::optional<std::size_t> off, kept;
+  for (std::size_t i = 0; i < r.policies.size(); ++i) {
+    if (r.policies[i].kind == IdlePolicy::Kind::off && !off) off = i;
+    if (r.policies[i].kind == IdlePolicy::Kind::keep_alive && !kept) kept = i;
+  }
+  if (!off || !kept) return {};
+  const Nanos keep = r.policies[*kept].keep_alive.duration;
+  std::optional<std::size_t> within, past;  // the longest pause shorter than the keep-alive, and past it
+  for (std::size_t p = 0; p < r.schedule.pauses.size(); ++p) {
+    const Nanos pause = r.schedule.pauses[p];
+    if (pause > Nanos(0) && pause < keep && (!within || pause > r.schedule.pauses[*within])) within = p;
+    if (pause > keep && (!past || pause > r.schedule.pauses[*past])) past = p;
+  }
+  if (!within) return {};
+  const IdleCell k = r.cell(*kept, *within), o = r.cell(*off, *within);
+  if (k.n == 0 || o.n == 0) return {};
+  const auto ms = [](double v) {
+    char b[32];
+    std::snprintf(b, sizeof b, "%.2f ms", v);
+    return std::string(b);
+  };
+  const long long pause_ms = std::chrono::duration_cast<std::chrono::milliseconds>(r.schedule.pauses[*within]).count();
+  const std::string name = r.policies[*kept].name;
+  std::string line = "verdict: ";
+  if (o.mean_ms > 1.1 * k.mean_ms) {
+    char ratio[32];
+    std::snprintf(ratio, sizeof ratio, "%.1fx", o.mean_ms / k.mean_ms);
+    line += name + " saved " + ms(o.mean_ms - k.mean_ms) + " per decode after a " + std::to_string(pause_ms) +
+            " ms pause (" + ms(k.mean_ms) + " against " + ms(o.mean_ms) + " with off, " + ratio + " faster)";
+  } else {
+    line += name + " made no difference after a " + std::to_string(pause_ms) + " ms pause (" + ms(k.mean_ms) +
+            " against " + ms(o.mean_ms) + " with off): the model stayed in memory either way (pressure " +
+            r.pressure.to_string() + ")";
+  }
+  if (past) {
+    const IdleCell kp = r.cell(*kept, *past);
+    const long long past_ms = std::chrono::duration_cast<std::chrono::milliseconds>(r.schedule.pauses[*past]).count();
+    if (kp.n != 0)
+      line += "; after " + std::to_string(past_ms) + " ms, past the keep-alive, it decoded in " + ms(kp.mean_ms) +
+              (kp.mean_ms > 1.1 * k.mean_ms ? " (the model was given back, as set)" : "");
+  }
+  return line;
+}
+
 std::string format_idle_table(const IdleResults& r) {
   std::vector<std::string> header{"pause (ms)"};
   for (const auto& p : r.policies) header.push_back(p.name);

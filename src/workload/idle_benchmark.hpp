@@ -130,9 +130,11 @@ std::string format_idle_table(const IdleResults& results);
 // hog:SIZE: how long the hog waited for its memory under each policy (mean over the pauses it
 // ran in, and how often it never got it); empty when no sample has a hog.
 std::string format_hog_waits(const IdleResults& results);
-// hog:SIZE: how long the hog waited for its memory under each policy (mean over the pauses it
-// ran in, and how often it never got it); empty when no sample has a hog.
-std::string format_hog_waits(const IdleResults& results);
+// One line that says what the keep-alive did, for a run with the policies off and keep-alive: after
+// the longest pause shorter than the keep-alive, its decode time against off's, and after the
+// longest pause past it, whether the memory was given back as set ("verdict: ..."). Empty when the
+// run has no such pair or no pause shorter than the keep-alive but 0.
+std::string format_idle_verdict(const IdleResults& results);
 // One row per sample: policy,pause_ms,iter,decode_ms,idle_ms,pressure_ms,resident_before_pct.
 std::string format_idle_csv(const IdleResults& results);
 

@@ -97,6 +97,33 @@ TEST(IdleOutput, LlamaIdleLinesAndTable) {
   EXPECT_NE(csv.find("\noff,800,1,700.000,802.000,1.000,50.0\n"), std::string::npos) << csv;
 }
 
+// The line that says what the keep-alive did: after the longest pause it covers, against off; past
+// it, whether the memory was given back.
+TEST(IdleOutput, TheVerdictSaysWhatTheKeepAliveSavedAndWhereItEnded) {
+  IdleResults r;
+  r.policies = *parse_policies("off,keep-alive", std::chrono::seconds(2));
+  r.schedule.pauses = {milliseconds(0), milliseconds(800), milliseconds(1600), milliseconds(3200)};
+  r.schedule.iters = 1;
+  r.samples = {{0, 0, 0, 10, 0, 0, 1, {}},  {1, 0, 0, 10, 0, 0, 1, {}},  {0, 1, 0, 500, 0, 0, 0, {}},
+               {1, 1, 0, 10, 0, 0, 1, {}},  {0, 2, 0, 600, 0, 0, 0, {}}, {1, 2, 0, 12, 0, 0, 1, {}},
+               {0, 3, 0, 610, 0, 0, 0, {}}, {1, 3, 0, 590, 0, 0, 0, {}}};
+  EXPECT_EQ(format_idle_verdict(r),
+            "verdict: keep-alive 2 s saved 588.00 ms per decode after a 1600 ms pause (12.00 ms against 600.00 ms "
+            "with off, 50.0x faster); after 3200 ms, past the keep-alive, it decoded in 590.00 ms (the model was "
+            "given back, as set)");
+  // Without pressure the model may stay in the page cache either way: said so, not claimed.
+  r.samples[4].decode_ms = 12;
+  EXPECT_EQ(format_idle_verdict(r).rfind("verdict: keep-alive 2 s made no difference after a 1600 ms pause", 0), 0u)
+      << format_idle_verdict(r);
+  // No pair to compare, or no pause the keep-alive covers: nothing is claimed.
+  IdleResults only_off = r;
+  only_off.policies = *parse_policies("off,forever", std::chrono::seconds(2));
+  EXPECT_EQ(format_idle_verdict(only_off), "");
+  IdleResults long_pauses = r;
+  long_pauses.schedule.pauses = {milliseconds(0), milliseconds(2400), milliseconds(3200), milliseconds(4000)};
+  EXPECT_EQ(format_idle_verdict(long_pauses), "");
+}
+
 // Records what the benchmark asks of a target, over a FakeBackend on virtual time, to check the
 // order of the blocks and that the benchmark (not the target) drives each policy's manager. The
 // decode times are made up; the real targets are exercised by the tests below and in tests/sim.

@@ -89,6 +89,19 @@ TEST(IdleOptions, DefaultsFollowTheBackendAndTheDemonstration) {
   ASSERT_EQ(demo->benchmark.policies.size(), 2u);
   EXPECT_EQ(demo->benchmark.policies[0].id, "off");
   EXPECT_EQ(demo->benchmark.policies[1].name, "keep-alive 2 s");
+  // scripts/run passes --out: the demonstration keeps it, and what it measures stays the demo's.
+  IdleRequest given;
+  given.out = "/tmp/x";
+  given.iters = 1;
+  const IdleRequest kept = idle_demo_request(given);
+  EXPECT_EQ(kept.out, "/tmp/x");
+  EXPECT_EQ(kept.iters, 1);
+  EXPECT_EQ(kept.policies, "off,keep-alive");
+  for (const char* output : {"--out", "--no-plot", "-v,--verbose", "--iters", "--threads"})
+    EXPECT_TRUE(tool::idle_option_keeps_demo(output)) << output;
+  for (const char* choice :
+       {"MODEL", "--policies", "--keep-alive", "--pressure", "--pauses", "--backend", "--model-size"})
+    EXPECT_FALSE(tool::idle_option_keeps_demo(choice)) << choice;
 }
 
 // Runs in a scratch current directory with TMPDIR pointing elsewhere; restores both.

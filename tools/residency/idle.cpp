@@ -158,6 +158,7 @@ int run_idle(const IdleRequest& request) {
   std::printf("\ndecode time after a pause, ms (mean +/- sd of %d; pressure %s; %s)\n%s", r.schedule.iters,
               r.pressure.to_string().c_str(), outcome->model_text.c_str(), format_idle_table(r).c_str());
   if (const std::string hog = format_hog_waits(r); !hog.empty()) std::printf("\n%s", hog.c_str());
+  if (const std::string verdict = format_idle_verdict(r); !verdict.empty()) std::printf("\n%s\n", verdict.c_str());
   std::printf("\nresults:\n");
   for (const auto& f : outcome->files) std::printf("  %s\n", printable(f, 400).c_str());
   if (outcome->synthetic_model_removed) std::printf("the synthetic model was removed\n");
@@ -171,7 +172,8 @@ const Command idle_command{
     [](CLI::App& app) {
       auto a = std::make_shared<IdleRequest>();
       app.footer(
-          "With no arguments: writes a 1 GiB synthetic model to a temporary directory, runs\n"
+          "With no arguments (or only --out, --no-plot, -v, --iters, --threads): writes a 1 GiB synthetic\n"
+          "model to a temporary directory, runs\n"
           "  residency idle --policies off,keep-alive --keep-alive 2s --pressure pageout\n"
           "on it, prints the table and the result files, and removes the model.\n"
           "Policies: off (no residency management), keep-alive (resident until --keep-alive after the last\n"
@@ -229,9 +231,12 @@ const Command idle_command{
       app.add_flag("-v,--verbose", a->verbose, "also print the managers' info lines (each release and re-wire)");
       CLI::App* self = &app;
       return [a, self] {
-        std::size_t given = 0;
-        for (const CLI::Option* opt : self->get_options()) given += opt->count();
-        IdleRequest request = given == 0 ? idle_demo_request() : *a;
+        // The demonstration unless the run chose what it measures: options about the output
+        // (--out, --no-plot, -v, --iters, --threads) keep it.
+        bool chose = false;
+        for (const CLI::Option* opt : self->get_options())
+          if (opt->count() != 0 && !idle_option_keeps_demo(opt->get_name(false, true))) chose = true;
+        IdleRequest request = chose ? *a : idle_demo_request(*a);
         request.env = [](const char* name) -> const char* { return std::getenv(name); };
         return run_idle(request);
       };

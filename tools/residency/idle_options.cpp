@@ -27,11 +27,16 @@ Status bad(std::string message) { return Status(ErrorCode::invalid_argument, std
 
 }  // namespace
 
-IdleRequest idle_demo_request() {
-  IdleRequest r;
-  r.keep_alive_default = std::chrono::seconds(2);
-  r.policies = "off,keep-alive";
-  return r;
+IdleRequest idle_demo_request(IdleRequest base) {
+  base.keep_alive_default = std::chrono::seconds(2);
+  base.policies = "off,keep-alive";
+  return base;
+}
+
+bool idle_option_keeps_demo(const std::string& names) {
+  for (const char* output : {"--out", "--no-plot", "--verbose", "--iters", "--threads", "--help"})
+    if (names.find(output) != std::string::npos) return true;
+  return false;
 }
 
 Result<IdleOptions> parse_idle_options(const IdleRequest& a) {

@@ -54,7 +54,12 @@ inline constexpr unsigned kIdleMaxThreads = 1024;
 
 // The no-argument demonstration: keep-alive 2 s against `off`, short enough that the default
 // pauses (up to 4 s) cross it, so one run shows both sides of it.
-IdleRequest idle_demo_request();
+// The demonstration (policies off and keep-alive, the keep-alive 2 s unless the environment sets
+// it) over `base`, whose output choices it keeps (--out, --no-plot, -v, --iters, --threads).
+IdleRequest idle_demo_request(IdleRequest base = {});
+// Whether an option of `residency idle` (its names as CLI11 lists them) is about the output only,
+// so that giving it still runs the demonstration.
+bool idle_option_keeps_demo(const std::string& names);
 
 // The request checked and read into values: nothing in the result is parsed again. Errors are
 // bad input, one line naming the option (or variable), the value and what is accepted.
