@@ -146,6 +146,11 @@ struct Config {
   // the holder idle longest among those of priority <= ours is asked to give back (see README).
   std::optional<SharedBudget> shared_budget;
   int shared_priority = 0;  // higher: asked later, and never by a holder of lower priority
+  // A wake or allocation of device memory that finds a shared budget full once the idle holders
+  // were asked: nullopt (`over`, the default) wakes it over the budget; a duration waits for room,
+  // in order of arrival across the processes, at most that long, and then refuses it
+  // (RESIDENCY_BUDGET_WAIT).
+  std::optional<Nanos> budget_wait;
   // Publish this manager's state for `residency stat --pid` (a 0600 file in /dev/shm, Linux;
   // src/core/state_file.hpp).
   bool state_file = true;

@@ -24,6 +24,7 @@ struct SharedBudgetHolder {
   bool alive = true;                             // false: the process is gone (or its pid was reused); the next
                                                  // process that takes the ledger's lock reclaims its share
   bool asked = false;                            // asked to give back, not answered yet
+  bool waiting = false;                          // waiting its turn for room (RESIDENCY_BUDGET_WAIT)
 };
 
 struct SharedBudgetInfo {

@@ -267,7 +267,9 @@ Status Admission::unwired_status() const {
 
 // --- the shared budget --------------------------------------------------------------------
 
-Demand Admission::demand() const { return {budget_.admitted(), sets_.requested_bytes(), ka_.wants_resident()}; }
+Demand Admission::demand() const {
+  return {budget_.admitted(), sets_.requested_bytes(), ka_.wants_resident(), ka_.calls() > 0};
+}
 
 bool Admission::reserve_ahead(std::uint64_t bytes) {
   return !share_ || share_->reserve_ahead(demand(), bytes, backend_.unmanaged_device_bytes());
@@ -292,7 +294,12 @@ bool Admission::reserve_for_wire() {
   const bool device = holds_backend_memory();
   const BudgetShare::WirePlan plan = share_->plan_wire(demand(), device, device ? backend_.unmanaged_device_bytes() : 0);
   if (plan.step == BudgetShare::WirePlan::Step::go) return true;
-  if (plan.step == BudgetShare::WirePlan::Step::wait) return false;
+  if (plan.step == BudgetShare::WirePlan::Step::wait) {
+    // Refused by a strict budget (not a first attempt, which asks next): what it took of the room
+    // goes back, since the memory stays asleep.
+    if (!share_->asking()) share_->settle({budget_.admitted(), sets_.requested_bytes(), false, ka_.calls() > 0});
+    return false;
+  }
   // Host memory: what the ledger holds is what may be wired; the least valuable leave.
   const std::uint64_t before = budget_.admitted();
   const auto entries = entries_of(true);

@@ -115,6 +115,8 @@ class Admission {
   bool reserve_ahead(std::uint64_t bytes);
   // The allocation was tracked (its region took the reservation over) or failed: forgets it.
   void end_ahead(std::uint64_t bytes);
+  // Whether what reserve_ahead() wanted is held (a strict budget refuses the allocation if not).
+  bool ahead_covered() const { return !share_ || share_->covers(demand()); }
   // After the others were asked: the next attempt says what still does not fit.
   void begin_retry(bool keep_asking = false) {
     if (share_) share_->begin_retry(keep_asking);

@@ -25,8 +25,9 @@ Result<BudgetShare::Joined> BudgetShare::join(const Config& config, const Memory
   return Joined(std::move(*l));
 }
 
-BudgetShare::BudgetShare(Joined ledger, int priority, bool paced_wake, Clock& clock, const LogSink& log)
-    : ledger_(std::move(ledger)), priority_(priority), paced_wake_(paced_wake), clock_(clock), log_(log) {}
+BudgetShare::BudgetShare(Joined ledger, int priority, bool paced_wake, Clock& clock, const LogSink& log,
+                         std::optional<Nanos> wait)
+    : ledger_(std::move(ledger)), priority_(priority), paced_wake_(paced_wake), clock_(clock), log_(log), wait_(wait) {}
 
 BudgetShare::~BudgetShare() = default;
 
@@ -39,12 +40,13 @@ std::uint64_t BudgetShare::needed(const Demand& d) const {
 bool BudgetShare::reserve(const Demand& d, std::uint64_t more, bool device) {
   if (!d.wants_resident) return true;
   if (exiting_) return false;
+  note(d);
   const std::uint64_t target = needed(d) + more;
   if (ledger_->held() >= target) return true;
   const std::uint64_t need = target - ledger_->held();
   if (!full_ && ledger_->acquire(need, clock_.now().count(), Nanos(0), /*partial=*/false) == need) return true;
   full_ = true;
-  if (device && !asking()) return over_budget(need);
+  if (device && !asking()) return strict() ? refuse(need) : over_budget(need);
   room_for_device_ = room_for_device_ || device;
   short_by(need, more);
   return false;
@@ -104,6 +106,23 @@ bool BudgetShare::over_budget(std::uint64_t bytes) {
   return true;
 }
 
+// Strict: device memory that did not get its turn within the wait stays asleep (or unallocated),
+// and the call that needs it fails with this reason.
+bool BudgetShare::refuse(std::uint64_t bytes) {
+  ++short_count_;
+  log_(warned_refused_ ? LogLevel::debug : LogLevel::warn, refusal(bytes));
+  warned_refused_ = true;
+  return false;
+}
+
+std::string BudgetShare::refusal(std::uint64_t bytes) const {
+  const std::string holders = ledger_->others_holding();
+  return "shared budget " + name() + " (" + mib(budget()) + ") had no room for " + mib(bytes) +
+         " of device memory within RESIDENCY_BUDGET_WAIT (" + ms(*wait_) + "; this process holds " + mib(held()) +
+         "; " + (holders.empty() ? std::string("nobody else holds any") : holders) +
+         "): it is refused, and the call that needs it fails; `residency stat` lists the holders";
+}
+
 void BudgetShare::short_by(std::uint64_t need, std::uint64_t bytes) {
   if (asking()) {  // full: ask the others first (Room::make, then begin_retry())
     room_wanted_ += need;
@@ -132,6 +151,7 @@ void BudgetShare::short_by(std::uint64_t need, std::uint64_t bytes) {
 
 BudgetShare::WirePlan BudgetShare::plan_wire(const Demand& d, bool device_memory, std::uint64_t unmanaged) {
   if (device_memory) count_unmanaged(unmanaged);
+  note(d);
   const std::uint64_t need = d.admitted + unmanaged_;
   if (ledger_->held() >= need) return {};
   if (!exiting_ && !full_) ledger_->acquire(need - ledger_->held(), clock_.now().count(), Nanos(0), /*partial=*/true);
@@ -143,8 +163,9 @@ BudgetShare::WirePlan BudgetShare::plan_wire(const Demand& d, bool device_memory
   // budget if nobody could give way. A backend that paces its wakes begins in the room the ledger
   // holds and the rest is asked for while it runs (pace()): the other's release and this wake
   // overlap where the budget allows (docs/design.md, "The GPU budget").
+  // (A strict budget does not pace: a piece that found no room could not be refused halfway.)
   const std::uint64_t wired = d.requested + unmanaged_;
-  if (asking() && paced_wake_ && ledger_->held() > wired) {
+  if (asking() && paced_wake_ && !strict() && ledger_->held() > wired) {
     pacing_ = true;
     pace_credit_ = ledger_->held() - wired;
     pace_owed_ = missing;
@@ -154,6 +175,10 @@ BudgetShare::WirePlan BudgetShare::plan_wire(const Demand& d, bool device_memory
   if (asking()) {
     room_wanted_ += missing;
     room_for_device_ = true;
+    return {WirePlan::Step::wait, 0, missing};
+  }
+  if (strict()) {  // its turn came and went: it sleeps on, and the call that needs it is refused
+    (void)refuse(d.admitted - std::min(d.admitted, d.requested));
     return {WirePlan::Step::wait, 0, missing};
   }
   if (!exiting_) (void)over_budget(missing);  // not reserved even so: short_by() said why
@@ -198,7 +223,11 @@ void BudgetShare::end_paced_wake(const Demand& d) {
 // --- asking -------------------------------------------------------------------------------
 
 BudgetShare::RoomWanted BudgetShare::take_room_wanted() {
-  const RoomWanted r{room_wanted_, room_for_device_, device_full_};
+  RoomWanted r{room_wanted_, room_for_device_, device_full_};
+  if (strict() && room_for_device_) {
+    r.in_turn = true;
+    r.wait = awake_in_call_ ? Nanos(0) : *wait_;
+  }
   room_wanted_ = 0;
   room_for_device_ = false;
   device_full_ = 0;
@@ -257,9 +286,15 @@ std::optional<BudgetShare::Room> BudgetShare::room(const Joined& ledger, Clock& 
 
 std::uint64_t BudgetShare::Room::make(const RoomWanted& want, const Mutex&) const {
   std::uint64_t freed = 0;
-  if (want.bytes != 0)  // held for the retry, which keeps it
+  if (want.bytes != 0 && want.in_turn) {
+    // Strict: in order of arrival, as long as the wait allows; never long for this process itself
+    // (its own holders inside a call could be waiting for this very thread).
+    const Nanos wait = ledger_->only_this_process_holds() ? std::min(want.wait, Nanos(ledger::kAskWait)) : want.wait;
+    ledger_->acquire_in_turn(want.bytes, clock_->now().count(), wait, ledger::kNoMinimumIdle);
+  } else if (want.bytes != 0) {  // held for the retry, which keeps it
     ledger_->acquire(want.bytes, clock_->now().count(), ledger::kAskWait, /*partial=*/false,
                      want.device ? ledger::kNoMinimumIdle : ledger::kIdleBeforeAsked);
+  }
   if (want.device_full != 0) freed = ask_to_free(want.device_full);
   return freed;
 }

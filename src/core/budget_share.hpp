@@ -47,6 +47,7 @@ struct Demand {
   std::uint64_t admitted = 0;   // charged bytes of the admitted regions (wired, or at the next commit)
   std::uint64_t requested = 0;  // bytes the backend holds wired now
   bool wants_resident = false;  // the policy wants the memory resident (KeepAliveState)
+  bool in_call = false;         // an engine call or use scope is open (KeepAliveState::calls())
 };
 
 class BudgetShare {
@@ -57,8 +58,11 @@ class BudgetShare {
   using Joined = std::shared_ptr<ledger::Ledger>;
   static Result<Joined> join(const Config& config, const MemoryInfo& mem, const std::string& backend);
   // `paced_wake`: Capabilities::paced_wake of the backend. `clock`: the manager's, whose times the
-  // ledger is given (a test's manual one included). `log` outlives the share.
-  BudgetShare(Joined ledger, int priority, bool paced_wake, Clock& clock, const LogSink& log);
+  // ledger is given (a test's manual one included). `log` outlives the share. `wait`:
+  // Config::budget_wait: nullopt, device memory the others could not make room for wakes over the
+  // budget; else it waits its turn that long at most, then is refused (strict()).
+  BudgetShare(Joined ledger, int priority, bool paced_wake, Clock& clock, const LogSink& log,
+              std::optional<Nanos> wait = std::nullopt);
   ~BudgetShare();
   BudgetShare(const BudgetShare&) = delete;
   BudgetShare& operator=(const BudgetShare&) = delete;
@@ -105,6 +109,13 @@ class BudgetShare {
   bool asking() const;
   // Device memory that could not wake because the device itself is full (the budget had room).
   void note_device_full(std::uint64_t bytes) { device_full_ += bytes; }
+  // The strict budget (RESIDENCY_BUDGET_WAIT is a duration): device memory never goes over it.
+  bool strict() const { return wait_.has_value(); }
+  // Whether what `d` needs is held (always in the `over` mode): an allocation that reserved ahead
+  // and still is not covered after its wait is refused (refusal() says why).
+  bool covers(const Demand& d) const { return !strict() || held() >= needed(d); }
+  // Why `bytes` of device memory were refused: the budget, the wait, and who holds it.
+  std::string refusal(std::uint64_t bytes) const;
 
   // A paced wake (Capabilities::paced_wake) begun by plan_wire(): the backend calls pace() before
   // each piece it maps. THE ONE WAIT UNDER THE MANAGER'S LOCK: a piece the room held does not cover
@@ -124,6 +135,11 @@ class BudgetShare {
     std::uint64_t bytes = 0;        // room in the budget
     bool device = false;            // for device memory: any holder not inside a call is asked
     std::uint64_t device_full = 0;  // device memory the device lacked (Ledger::ask_to_free)
+    // Strict: the room is waited for in turn (Ledger::acquire_in_turn), at most `wait` (0 for a
+    // holder inside a call with memory awake: it never waits for the budget, so that two such
+    // holders cannot wait for each other).
+    bool in_turn = false;
+    Nanos wait{0};
     bool any() const { return bytes != 0 || device_full != 0; }
   };
   RoomWanted take_room_wanted();
@@ -194,12 +210,16 @@ class BudgetShare {
 
  private:
   bool over_budget(std::uint64_t bytes);  // wakes `bytes` over the budget; false: not even that
+  bool refuse(std::uint64_t bytes);       // strict: `bytes` of device memory stay asleep; says why once
+  void note(const Demand& d) { awake_in_call_ = d.in_call && d.requested > 0; }
 
   const std::shared_ptr<ledger::Ledger> ledger_;
   const int priority_;
   const bool paced_wake_;
   Clock& clock_;  // the manager's: the ledger is given its time
   const LogSink& log_;
+  const std::optional<Nanos> wait_;
+  bool awake_in_call_ = false;   // the last demand: inside a call with memory awake (never waits)
   std::uint64_t unmanaged_ = 0;  // Backend::unmanaged_device_bytes() when last read (the floor)
   std::uint64_t ahead_ = 0;      // reserve_ahead()'s bytes, not yet a region's
   bool full_ = false;            // a reservation came back short: no further try until a flush
@@ -212,7 +232,7 @@ class BudgetShare {
   bool pacing_ = false;
   std::uint64_t pace_credit_ = 0, pace_owed_ = 0, paced_head_ = 0;
   std::uint64_t short_count_ = 0, over_count_ = 0;
-  bool warned_full_ = false, warned_problem_ = false, warned_over_ = false;
+  bool warned_full_ = false, warned_problem_ = false, warned_over_ = false, warned_refused_ = false;
 };
 
 }  // namespace residency::core

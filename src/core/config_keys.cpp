@@ -119,6 +119,19 @@ void read_shared_priority(const ConfigKey& key, EnvReader& env, Config& c) {
   }
 }
 
+void read_budget_wait(const ConfigKey& key, EnvReader& env, Config& c) {
+  const char* v = env.get(key.variable);
+  if (!v) return;
+  constexpr const char* forms = "`over` (the default), or a duration above 0 with unit (30s, 2m)";
+  if (std::string_view(v) == "over") {
+    c.budget_wait.reset();
+    return;
+  }
+  auto k = parse_keep_alive_as(v, forms);
+  if (k && k->expires()) c.budget_wait = k->duration;
+  else env.fail(key.variable, k ? bad_value(v, "neither `over` nor a duration above 0", forms) : k.status());
+}
+
 // As RESIDENCY_SHARED_BUDGET, with a name short enough for NAME.GPU-UUID to fit the ledger's name.
 void read_gpu_budget(const ConfigKey& key, EnvReader& env, Config& c) {
   const char* v = env.get(key.variable);
@@ -218,6 +231,15 @@ constexpr ConfigKey kKeys[] = {
      "integer -1000..1000, default 0; a holder is only asked by one of equal or higher priority",
      read_shared_priority,
      copy_field<&Config::shared_priority>},
+    {"budget_wait",
+     "RESIDENCY_BUDGET_WAIT",
+     {},
+     "device memory (a GPU budget) that does not fit once the idle holders were asked: `over` wakes it over the "
+     "budget; a duration waits for room, in order of arrival across the processes, that long at most, then refuses "
+     "it (the decode fails with the reason)",
+     "`over` (default) or a duration above 0 (`30s`)",
+     read_budget_wait,
+     copy_field<&Config::budget_wait>},
     {"state_file",
      "RESIDENCY_STATE_FILE",
      {},

@@ -60,7 +60,7 @@ struct Manager::Impl {
         adm(*backend, log, ka, std::move(limits),
             core::SetLayout(o.config.layout, o.config.set_max_pct, mem.recommended_working_set, c.max_sets),
             joined ? std::make_unique<core::BudgetShare>(std::move(joined), o.config.shared_priority, c.paced_wake,
-                                                         *clock, log)
+                                                         *clock, log, o.config.budget_wait)
                    : nullptr),
         cycle(config, caps, *clock, log, ka, adm, *backend, pressure_floor),
         report(config, caps, *this->backend, *clock, log, ka, adm, cycle) {
@@ -375,6 +375,8 @@ Result<Allocation> Manager::allocate(std::size_t size, RegionClass cls, int prio
   };
   Impl::Locked g(m);
   Ahead ahead{m, size};
+  // A strict budget: no room within the wait, no allocation (a full GPU is never overcommitted).
+  if (!m.adm.ahead_covered()) return Status(ErrorCode::out_of_memory, m.adm.share()->refusal(size));
   Result<void*> p = m.allocate_locked(size, cls);
   if (!p) return p.status();
   auto id = m.register_locked(RegionDesc{0, *p, size, cls, /*backend_allocated=*/true, nullptr}, priority);

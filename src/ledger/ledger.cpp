@@ -43,6 +43,7 @@ std::uint32_t claim_slot(Lock& lock, int self, std::uint64_t self_start, int pri
   lock.put(sl.bytes, std::uint64_t{0});
   lock.put(sl.last_use, std::int64_t{0});
   lock.put(sl.floor_mib, std::uint32_t{0});
+  lock.put(sl.wait_ticket, std::uint64_t{0});
   lock.put(sl.occupied, std::uint32_t{1});  // last: the slot is whole when it counts
   return slot;
 }

@@ -33,10 +33,11 @@ namespace residency::ledger {
 class Lock;  // the ledger's lock and its copy of the table (ledger_lock.hpp)
 
 // Holders per ledger: a machine runs a handful of inference servers, each with a few models; 64
-// is far above that and keeps the ledger in 5 pages.
+// is far above that and keeps the ledger in 3 pages.
 inline constexpr std::uint32_t kMaxHolders = 64;
 // The ledger's format; a ledger of another version is refused (the message names both).
-inline constexpr std::uint32_t kFormatVersion = 2;  // 2: the lock is the file's (OFD), not a mutex in it
+// 2: the lock is the file's (OFD), not a mutex in it; 3: strict waits queue in order of arrival.
+inline constexpr std::uint32_t kFormatVersion = 3;
 // A holder of host memory is asked only when its last use is at least this old: longer than any
 // pause between two graph computes of a decoding engine (tens to hundreds of ms per token), so that
 // a decoding process is never asked and two busy processes never take the budget from each other
@@ -158,6 +159,15 @@ class Ledger {
   // `min_idle`: kIdleBeforeAsked for host memory, kNoMinimumIdle for device memory.
   std::uint64_t acquire(std::uint64_t bytes, std::int64_t now, std::chrono::nanoseconds wait, bool partial,
                         std::chrono::nanoseconds min_idle = kIdleBeforeAsked);
+  // A strict wait for `bytes` more (device memory under RESIDENCY_BUDGET_WAIT): in order of
+  // arrival across the ledger's processes. It takes a ticket; while another holder's ticket is
+  // older, it waits (any acquire() of a holder without a ticket yields to the queue too); once its
+  // ticket is the oldest it asks the holders (those inside a call decline, and are asked again
+  // once their call has ended) and takes `bytes` as soon as they are free. Returns `bytes`, or 0
+  // when `wait` passed first (the ticket is withdrawn either way), or the ledger could not be
+  // used (problem() says why). `now`: as for acquire(), advanced by the real time waited.
+  std::uint64_t acquire_in_turn(std::uint64_t bytes, std::int64_t now, std::chrono::nanoseconds wait,
+                                std::chrono::nanoseconds min_idle);
   // Asks the other holders to give back until `bytes` of theirs were given back, nobody is left
   // to ask, or `wait` is over, whatever the budget says: for memory the device itself lacks (an
   // allocation that failed for want of GPU memory, though the budget had room). Returns the bytes
@@ -181,6 +191,12 @@ class Ledger {
   // exceeds the budget now, read from a copy of the ledger (pread: no lock, nothing of the mapping
   // touched), so that a holder may look at every end of a call. 0 when within it, or unreadable.
   std::uint64_t over_budget() const;
+  // Who holds the budget now, for a message: "pid 123 holds 12.0 GiB (priority 0), pid 456 ...",
+  // this holder left out; read from a copy (pread: no lock). Empty when nobody else holds any.
+  std::string others_holding() const;
+  // True when no other process holds anything an ask could get back (this process's other holders
+  // may): a strict wait then never waits long for itself.
+  bool only_this_process_holds() const;
   // Whose turn it is to repay the debt, decided under the lock: the holder of bytes of the lowest
   // priority, least recently used first. True when it is this holder (the caller sleeps); else
   // that holder is asked, without waiting for its answer (it sleeps unless it is inside a call,
@@ -215,8 +231,10 @@ class Ledger {
   };
   Ledger() = default;
   void listen_loop(ListenerState& st);
+  // `as_head`: ask only while this holder's ticket is the oldest (a strict wait).
   int ask_until(const std::function<bool(Lock&)>& done, std::int64_t now, std::chrono::nanoseconds wait,
-                std::chrono::nanoseconds min_idle);
+                std::chrono::nanoseconds min_idle, bool as_head = false);
+  bool set_ticket(bool waiting);
   void leave() RESIDENCY_EXCLUDES(local_);
   bool tell_listener_to_stop();
   void end_listener();

@@ -66,8 +66,12 @@ struct alignas(64) Slot {
   std::atomic<std::uint32_t> floor_mib;  // MiB of `bytes` that no ask gets back (Ledger::set_floor)
   std::atomic<std::uint64_t> asker_start;
   std::atomic<std::int64_t> ask_deadline;  // CLOCK_MONOTONIC ns
+  // A strict wait (Ledger::acquire_in_turn): its place in the queue (Shared::ticket_serial when it
+  // began), 0 when not waiting. Room goes to the occupied slot of the lowest ticket first.
+  std::atomic<std::uint64_t> wait_ticket;
+  char reserved[56];
 };
-static_assert(sizeof(Slot) == 64, "one cache line per holder");
+static_assert(sizeof(Slot) == 128, "two cache lines per holder");
 static_assert(std::atomic<std::uint64_t>::is_always_lock_free, "the ledger needs lock-free 64-bit atomics");
 
 struct Ledger::Shared {
@@ -88,7 +92,8 @@ struct Ledger::Shared {
   char name[72];
   // The pid that took the lock last (0: unlocked): only for the message of a wait that timed out.
   std::atomic<std::int32_t> locker;
-  std::atomic<std::uint32_t> ask_serial;  // the last ask id given out
+  std::atomic<std::uint32_t> ask_serial;     // the last ask id given out
+  std::atomic<std::uint64_t> ticket_serial;  // the last wait ticket given out (Slot::wait_ticket)
   alignas(64) Slot slots[kMaxHolders];
 };
 

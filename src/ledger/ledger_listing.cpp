@@ -85,6 +85,7 @@ std::vector<SharedBudgetInfo> list_shared_budgets() {
       h.alive = holder_alive(h.pid, sl.start_time.load(std::memory_order_relaxed));
       const std::uint32_t ask = sl.ask.load(std::memory_order_relaxed);
       h.asked = ask != 0 && ask != kStopWord;
+      h.waiting = sl.wait_ticket.load(std::memory_order_relaxed) != 0;
       info.used += h.bytes;
       info.holders.push_back(h);
     }

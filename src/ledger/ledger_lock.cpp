@@ -112,6 +112,7 @@ std::uint64_t reclaim(Lock& lock, int self_pid, std::uint64_t self_start) {
     freed += sl.bytes.load(std::memory_order_relaxed);
     lock.put(sl.bytes, std::uint64_t{0});
     lock.put(sl.ask, std::uint32_t{0});
+    lock.put(sl.wait_ticket, std::uint64_t{0});
     lock.put(sl.occupied, std::uint32_t{0});
     any = true;
   }

@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstddef>
+#include <cstdio>
 #include <vector>
 
 #include <unistd.h>
@@ -21,6 +22,11 @@ namespace residency::ledger {
 namespace {
 
 constexpr Nanos kCancelPoll = std::chrono::milliseconds(50);  // the ask wait checks for cancellation this often
+// A strict wait asks in rounds of at most this, and between two rounds sleeps at most kRoundPause
+// (woken at once when anything is given back): a holder that declined inside a call is asked
+// again soon after its call ends.
+constexpr Nanos kRoundWait = std::chrono::milliseconds(500);
+constexpr Nanos kRoundPause = std::chrono::milliseconds(10);
 
 // Whether an ask could get anything back from the holder: it holds more than its floor.
 bool askable(const Slot& sl) {
@@ -66,6 +72,21 @@ std::uint32_t choose_holder(const Shared& s, const Candidates& c) {
   return best;
 }
 
+// The holder whose strict wait is oldest (the lowest ticket among the occupied slots), or
+// kMaxHolders when nobody waits.
+std::uint32_t head_waiter(const Shared& s) {
+  std::uint32_t head = kMaxHolders;
+  std::uint64_t lowest = UINT64_MAX;
+  for (std::uint32_t i = 0; i < kMaxHolders; ++i) {
+    const Slot& sl = s.slots[i];
+    const std::uint64_t t = sl.wait_ticket.load(std::memory_order_relaxed);
+    if (t == 0 || !sl.occupied.load(std::memory_order_relaxed) || t >= lowest) continue;
+    lowest = t;
+    head = i;
+  }
+  return head;
+}
+
 // Writes an ask into holder `i`'s word and wakes its listener (under the lock). Returns its id.
 std::uint32_t ask_holder(Lock& lock, std::uint32_t i, int self, std::uint64_t self_start, std::int64_t deadline) {
   const Shared& s = lock.table();
@@ -89,7 +110,7 @@ std::uint32_t ask_holder(Lock& lock, std::uint32_t i, int self, std::uint64_t se
 // One inside a call declines (its answer clears the word at once) and the next is asked. The asks
 // still in their holders' words are withdrawn before it returns. Returns 1 when done said so, 0
 // when not, -1 when the ledger could not be used (problem() says why).
-int Ledger::ask_until(const std::function<bool(Lock&)>& done, std::int64_t now, Nanos wait, Nanos min_idle) {
+int Ledger::ask_until(const std::function<bool(Lock&)>& done, std::int64_t now, Nanos wait, Nanos min_idle, bool as_head) {
   if (detached_ || !mine()) return -1;
   if (broken_.load(std::memory_order_acquire)) {
     if (problem().empty())
@@ -130,7 +151,9 @@ int Ledger::ask_until(const std::function<bool(Lock&)>& done, std::int64_t now, 
       const Shared& s = lock.table();
       for (const Asked& a : asked)
         if (s.slots[a.slot].ask.load(std::memory_order_relaxed) == a.id) outstanding = true;
-      if (!outstanding && wait.count() > 0) {
+      // A strict wait behind an older one asks nobody: the head asks, and this one waits its turn.
+      const bool behind = as_head && head_waiter(s) != slot_;
+      if (!outstanding && wait.count() > 0 && !behind) {
         Candidates c;
         c.except = slot_;
         c.max_priority = priority_;
@@ -144,7 +167,7 @@ int Ledger::ask_until(const std::function<bool(Lock&)>& done, std::int64_t now, 
           asked_now = true;
         }
       }
-      if (!outstanding && !asked_now) {  // nobody left to ask
+      if (!outstanding && !asked_now && !behind) {  // nobody left to ask
         withdraw(lock);
         return 0;
       }
@@ -172,6 +195,7 @@ std::uint64_t Ledger::acquire(std::uint64_t bytes, std::int64_t now, Nanos wait,
   // The whole of it once it fits; what is free if `partial`, without a wait or after it.
   auto fit = [&](Lock& lock, bool final) {
     const Shared& s = lock.table();
+    if (head_waiter(s) != kMaxHolders) return false;  // strict waits come first, in order of arrival
     const std::uint64_t used = used_bytes(s), free = used < s.budget ? s.budget - used : 0;
     if (free >= bytes) return take(lock, bytes), true;
     if (final && partial && free > 0) return take(lock, free), true;
@@ -180,6 +204,66 @@ std::uint64_t Ledger::acquire(std::uint64_t bytes, std::int64_t now, Nanos wait,
   const int r = ask_until([&](Lock& lock) { return fit(lock, wait.count() <= 0); }, now, wait, min_idle);
   if (r != 0 || wait.count() <= 0) return got;
   return ask_until([&](Lock& lock) { return fit(lock, true); }, now, Nanos(0), min_idle) > 0 ? got : 0;
+}
+
+bool Ledger::set_ticket(bool waiting) {
+  if (detached_ || !mine() || !usable()) return false;
+  Lock lock(fd_, local_, shm_, kUseLockWait);
+  if (!waiting) {  // withdrawn even where the ledger is in doubt: our own slot is ours to write
+    if (found_broken(lock)) return false;
+    if (lock.ok()) {
+      lock.put(lock.table().slots[slot_].wait_ticket, std::uint64_t{0});
+      bump(lock);  // the next in the queue looks again
+      return true;
+    }
+    put_own(offsetof(Slot, wait_ticket), std::uint64_t{0});
+    futex_wake(shm_->generation, INT32_MAX);
+    return true;
+  }
+  if (!begin_section(lock, Section::grant)) return false;
+  const Shared& s = lock.table();
+  const std::uint64_t ticket = s.ticket_serial.load(std::memory_order_relaxed) + 1;
+  lock.put(s.ticket_serial, ticket);
+  lock.put(s.slots[slot_].wait_ticket, ticket);
+  return true;
+}
+
+std::uint64_t Ledger::acquire_in_turn(std::uint64_t bytes, std::int64_t now, Nanos wait, Nanos min_idle) {
+  if (bytes == 0 || !set_ticket(true)) return 0;
+  struct Withdraw {
+    Ledger& l;
+    ~Withdraw() { (void)l.set_ticket(false); }
+  } withdraw{*this};
+  std::uint64_t got = 0;
+  std::uint32_t gen = 0;  // the generation last seen under the lock (in the copy: never the mapping)
+  // Ours once our ticket is the oldest and the room is free; the ticket goes in the same section.
+  auto fit = [&](Lock& lock) {
+    const Shared& s = lock.table();
+    gen = s.generation.load(std::memory_order_relaxed);
+    if (head_waiter(s) != slot_) return false;
+    const std::uint64_t used = used_bytes(s), free = used < s.budget ? s.budget - used : 0;
+    if (free < bytes) return false;
+    const Slot& mine = s.slots[slot_];
+    lock.put(mine.bytes, mine.bytes.load(std::memory_order_relaxed) + bytes);
+    held_.fetch_add(bytes, std::memory_order_relaxed);
+    got = bytes;
+    return true;
+  };
+  const std::int64_t start = monotonic_ns(), deadline = start + wait.count();
+  for (;;) {
+    // Rounds: one asks every holder that may give way (or waits behind the head); a holder that
+    // declined, inside a call, is asked again in the next round, after its call may have ended.
+    const std::int64_t left = deadline - monotonic_ns();
+    const int r = ask_until(fit, now + (monotonic_ns() - start),
+                            Nanos(std::min<std::int64_t>(left, kRoundWait.count())), min_idle, /*as_head=*/true);
+    if (r != 0) return r > 0 ? got : 0;
+    if (monotonic_ns() >= deadline || g_joins_cancelled.load(std::memory_order_acquire)) return 0;
+    const std::int64_t pause = std::min<std::int64_t>(deadline - monotonic_ns(), kRoundPause.count());
+    if (pause > 0) {
+      const timespec ts{0, static_cast<long>(pause)};
+      futex_wait(shm_->generation, gen, &ts);
+    }
+  }
 }
 
 std::uint64_t Ledger::ask_to_free(std::uint64_t bytes, std::int64_t now, Nanos wait, Nanos min_idle, bool* asked) {
@@ -229,6 +313,40 @@ std::uint64_t Ledger::over_budget() const {
     return 0;
   const std::uint64_t used = used_bytes(copy);
   return used > copy.budget ? used - copy.budget : 0;
+}
+
+std::string Ledger::others_holding() const {
+  if (!shm_ || detached_ || !mine()) return {};
+  Shared copy;
+  if (::pread(fd_, static_cast<void*>(&copy), sizeof(Shared), 0) != static_cast<ssize_t>(sizeof(Shared)) ||
+      !check_table(copy).empty())
+    return {};
+  std::string out;
+  for (std::uint32_t i = 0; i < kMaxHolders; ++i) {
+    const Slot& sl = copy.slots[i];
+    if (i == slot_ || !sl.occupied.load(std::memory_order_relaxed) || sl.bytes.load(std::memory_order_relaxed) == 0)
+      continue;
+    char line[96];
+    std::snprintf(line, sizeof line, "%spid %d holds %.1f MiB (priority %d)", out.empty() ? "" : ", ",
+                  static_cast<int>(sl.pid.load(std::memory_order_relaxed)),
+                  static_cast<double>(sl.bytes.load(std::memory_order_relaxed)) / (1024.0 * 1024.0),
+                  static_cast<int>(sl.priority.load(std::memory_order_relaxed)));
+    out += line;
+  }
+  return out;
+}
+
+bool Ledger::only_this_process_holds() const {
+  if (!shm_ || detached_ || !mine()) return false;
+  Shared copy;
+  if (::pread(fd_, static_cast<void*>(&copy), sizeof(Shared), 0) != static_cast<ssize_t>(sizeof(Shared)) ||
+      !check_table(copy).empty())
+    return false;
+  const int self = ::getpid();
+  for (const Slot& sl : copy.slots)
+    if (sl.occupied.load(std::memory_order_relaxed) && askable(sl) && sl.pid.load(std::memory_order_relaxed) != self)
+      return false;
+  return true;
 }
 
 bool Ledger::repay_turn() {

@@ -30,6 +30,9 @@ void Ledger::detach_at_exit() {}
 std::uint64_t Ledger::budget() const { return 0; }
 void Ledger::publish_last_use(void*, std::int64_t) noexcept {}
 std::uint64_t Ledger::acquire(std::uint64_t, std::int64_t, Nanos, bool, Nanos) { return 0; }
+std::uint64_t Ledger::acquire_in_turn(std::uint64_t, std::int64_t, Nanos, Nanos) { return 0; }
+std::string Ledger::others_holding() const { return {}; }
+bool Ledger::only_this_process_holds() const { return false; }
 std::uint64_t Ledger::ask_to_free(std::uint64_t, std::int64_t, Nanos, Nanos, bool*) { return 0; }
 std::uint64_t Ledger::over_budget() const { return 0; }
 bool Ledger::repay_turn() { return false; }

@@ -285,3 +285,39 @@ TEST_F(BudgetShareTest, AnExitingShareReservesNothing) {
   EXPECT_FALSE(a.share->asking());
   EXPECT_EQ(ledger_used(), 0u);
 }
+
+// A strict share (RESIDENCY_BUDGET_WAIT): device memory that finds no room after its turn is
+// refused, never woken over the budget, and the refusal names the budget, the wait and the holders.
+TEST_F(BudgetShareTest, AStrictShareRefusesWhatItsTurnDidNotBringAndNamesWhoHolds) {
+  a.join(name, 8 * kMiB, clock);
+  auto l = ledger::Ledger::attach({name, 8 * kMiB, "", 0});
+  ASSERT_TRUE(l) << l.message();
+  BudgetShare::Joined joined(std::move(*l));
+  b.room = BudgetShare::room(joined, clock);
+  b.share = std::make_unique<BudgetShare>(joined, 0, false, clock, b.sink, Nanos(200ms));
+  {
+    MutexLock g(a.mu);
+    ASSERT_TRUE(a.share->reserve(resident(0), 6 * kMiB, true));
+  }
+  a.in_call = true;  // declines every ask
+  MutexLock g(b.mu);
+  EXPECT_TRUE(b.share->strict());
+  EXPECT_FALSE(b.share->reserve(resident(0), 4 * kMiB, true));
+  const BudgetShare::RoomWanted want = b.share->take_room_wanted();
+  EXPECT_TRUE(want.in_turn);
+  EXPECT_EQ(want.wait, Nanos(200ms));
+  b.mu.unlock();
+  const auto t0 = std::chrono::steady_clock::now();
+  b.room->make(want, b.mu);
+  EXPECT_GE(std::chrono::steady_clock::now() - t0, 200ms);
+  b.mu.lock();
+  b.share->begin_retry(false);
+  EXPECT_FALSE(b.share->reserve(resident(0), 4 * kMiB, true)) << "refused, not woken over the budget";
+  EXPECT_EQ(b.share->over_count(), 0u);
+  EXPECT_TRUE(b.logs.contains(LogLevel::warn,
+                              "had no room for 4.00 MiB of device memory within "
+                              "RESIDENCY_BUDGET_WAIT (200.00 ms"));
+  EXPECT_TRUE(b.logs.contains(LogLevel::warn, "holds 6.0 MiB"));
+  EXPECT_FALSE(b.share->covers(resident(4 * kMiB)));
+  EXPECT_EQ(ledger_used(), 6 * kMiB);
+}

@@ -347,6 +347,21 @@ TEST(ConfigFromEnv, SharedBudgetAndPriority) {
   EXPECT_EQ(std::count(bad.message().begin(), bad.message().end(), '\n'), 1);
 }
 
+// RESIDENCY_BUDGET_WAIT: `over` (the default) or a duration above 0; anything else one line.
+TEST(ConfigFromEnv, BudgetWaitIsOverOrADuration) {
+  EXPECT_FALSE(Config::from_env(env({}))->budget_wait) << "over by default";
+  EXPECT_FALSE(Config::from_env(env({{"RESIDENCY_BUDGET_WAIT", "over"}}))->budget_wait);
+  auto c = Config::from_env(env({{"RESIDENCY_BUDGET_WAIT", "30s"}}));
+  ASSERT_TRUE(c) << c.message();
+  EXPECT_EQ(c->budget_wait, Nanos(std::chrono::seconds(30)));
+  for (const char* bad : {"0", "-1", "soon", "forever", "off"}) {
+    auto b = Config::from_env(env({{"RESIDENCY_BUDGET_WAIT", bad}}));
+    ASSERT_FALSE(b) << bad;
+    EXPECT_EQ(b.message().rfind("RESIDENCY_BUDGET_WAIT=\"" + std::string(bad) + "\"", 0), 0u) << b.message();
+    EXPECT_NE(b.message().find("`over` (the default), or a duration above 0"), std::string::npos) << b.message();
+  }
+}
+
 TEST(ConfigFromEnv, StateFileIsOnByDefaultAndTurnsOff) {
   EXPECT_TRUE(Config::from_env(env({}))->state_file);
   auto off = Config::from_env(env({{"RESIDENCY_STATE_FILE", "0"}}));

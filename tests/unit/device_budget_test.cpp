@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <chrono>
 #include <functional>
 #include <optional>
 #include <string>
@@ -43,11 +44,14 @@ class DeviceBudgetTest : public ::testing::Test {
     static std::atomic<int> n{0};
     return n;
   }
-  void start(Device& d, std::uint64_t budget) {
+  void start(Device& d, std::uint64_t budget, std::optional<Nanos> wait = std::nullopt,
+             const std::string& budget_name = {}, int priority = 0) {
     ManagerOptions o;
+    o.config.budget_wait = wait;
+    o.config.shared_priority = priority;
     o.config.keep_alive = KeepAlive::after(10s);
     o.config.layout = Layout::per_buffer;
-    o.config.shared_budget = SharedBudget{name, WiredLimit{false, budget, 0}, ""};
+    o.config.shared_budget = SharedBudget{budget_name.empty() ? name : budget_name, WiredLimit{false, budget, 0}, ""};
     o.config.state_file = false;
     o.backend = d.fake;
     o.clock = &clock;
@@ -436,6 +440,173 @@ TEST_F(DeviceBudgetTest, HostMemoryThatDoesNotFitStaysUnwiredAsBefore) {
   EXPECT_EQ(used(), 6 * MiB);
   a.m->end_call();
   (void)b.m->unregister_region(*id);
+}
+
+// --- the strict budget (RESIDENCY_BUDGET_WAIT): never over it ---------------------------------
+
+// A wake or allocation that finds no idle holder waits for one to end its call and be asked; the
+// books never show more than the budget.
+TEST_F(DeviceBudgetTest, AStrictBudgetWaitsForTheHolderInsideACallAndNeverGoesOver) {
+  start(a, 8 * MiB, 5s);
+  start(b, 8 * MiB, 5s);
+  auto pa = a.m->allocate(6 * MiB);
+  ASSERT_TRUE(pa) << pa.message();
+  a.m->begin_call();  // a decode is running
+  std::atomic<bool> done{false};
+  Result<Allocation> pb = Status(ErrorCode::not_found, "not yet");
+  std::thread waker([&] {
+    pb = b.m->allocate(4 * MiB);
+    done = true;
+  });
+  std::this_thread::sleep_for(200ms);
+  EXPECT_FALSE(done.load()) << "the allocation waits while the only holder is inside a call";
+  EXPECT_EQ(used(), 6 * MiB);
+  bool waiting = false;
+  for (const auto& info : list_shared_budgets())
+    if (info.name == name)
+      for (const auto& h : info.holders) waiting = waiting || h.waiting;
+  EXPECT_TRUE(waiting) << "`residency stat` shows the holder waiting its turn";
+  a.m->end_call();
+  waker.join();
+  ASSERT_TRUE(pb) << pb.message();
+  EXPECT_FALSE(a.fake->is_resident(pa->id)) << "asked once its call ended, it slept";
+  EXPECT_TRUE(b.fake->is_resident(pb->id));
+  EXPECT_EQ(used(), 4 * MiB);
+  EXPECT_FALSE(b.logs.contains(LogLevel::warn, "over it")) << "nothing woke over the budget";
+}
+
+// At the bound the allocation is refused, with the budget, the wait and who holds it; nothing of it
+// is allocated and the books are as they were.
+TEST_F(DeviceBudgetTest, AStrictBudgetRefusesAtTheBoundAndSaysWhoHoldsIt) {
+  start(a, 8 * MiB, 300ms);
+  start(b, 8 * MiB, 300ms);
+  auto pa = a.m->allocate(6 * MiB);
+  ASSERT_TRUE(pa) << pa.message();
+  a.m->begin_call();
+  const auto t0 = std::chrono::steady_clock::now();
+  auto pb = b.m->allocate(4 * MiB);
+  const auto waited = std::chrono::steady_clock::now() - t0;
+  ASSERT_FALSE(pb);
+  EXPECT_EQ(pb.status().code(), ErrorCode::out_of_memory);
+  EXPECT_NE(pb.message().find("shared budget " + name +
+                              " (8.00 MiB) had no room for 4.00 MiB of device memory "
+                              "within RESIDENCY_BUDGET_WAIT (300.00 ms"),
+            std::string::npos)
+      << pb.message();
+  EXPECT_NE(pb.message().find("pid " + std::to_string(::getpid()) + " holds 6.0 MiB"), std::string::npos) << pb.message();
+  EXPECT_GE(waited, 300ms);
+  EXPECT_LT(waited, 2s) << "bounded by RESIDENCY_BUDGET_WAIT";
+  EXPECT_TRUE(b.fake->allocated.empty()) << "nothing was allocated";
+  EXPECT_EQ(used(), 6 * MiB);
+  EXPECT_TRUE(a.fake->is_resident(pa->id));
+  a.m->end_call();
+}
+
+// A wake that gets no room stays asleep: the manager says its memory is not wired (the preload
+// then refuses the decode), and the books never show more than the budget.
+TEST_F(DeviceBudgetTest, AStrictWakeWithoutRoomStaysAsleepAndTheCallIsTold) {
+  start(a, 8 * MiB, 300ms);
+  start(b, 8 * MiB, 300ms);
+  auto pb = b.m->allocate(4 * MiB);
+  ASSERT_TRUE(pb) << pb.message();
+  b.m->release_now();
+  auto pa = a.m->allocate(6 * MiB);
+  ASSERT_TRUE(pa) << pa.message();
+  a.m->begin_call();
+  b.m->begin_call();  // wakes: no room within 300 ms
+  EXPECT_FALSE(b.fake->is_resident(pb->id));
+  EXPECT_FALSE(b.m->unwired_status()) << "the call is told its memory is not awake";
+  EXPECT_TRUE(b.logs.contains(LogLevel::warn, "had no room for 4.00 MiB of device memory"));
+  EXPECT_EQ(used(), 6 * MiB);
+  b.m->end_call();
+  a.m->end_call();
+  // The next call, with a idle now, gets its room.
+  b.m->begin_call();
+  EXPECT_TRUE(b.fake->is_resident(pb->id));
+  EXPECT_FALSE(a.fake->is_resident(pa->id));
+  EXPECT_TRUE(b.m->unwired_status());
+  b.m->end_call();
+  EXPECT_EQ(used(), 4 * MiB);
+}
+
+// Waits are served in order of arrival. a and d each hold 4 MiB of 8 inside a call; b, then c, each
+// wait for 4 MiB (b of a higher priority, so that c may not ask b to give back what it got). When a's
+// call ends, its 4 MiB go to b, the first to arrive, though c asks as well; c's turn comes with d's.
+TEST_F(DeviceBudgetTest, StrictWaitsAreServedInOrderOfArrival) {
+  Device d;
+  start(a, 8 * MiB, 5s);
+  start(d, 8 * MiB, 5s);
+  start(b, 8 * MiB, 5s, {}, /*priority=*/1);
+  start(c, 8 * MiB, 5s);
+  auto pa = a.m->allocate(4 * MiB);
+  auto pd = d.m->allocate(4 * MiB);
+  ASSERT_TRUE(pa && pd);
+  a.m->begin_call();
+  d.m->begin_call();
+  std::atomic<int> order{0};
+  std::atomic<int> b_done{0}, c_done{0};
+  Result<Allocation> pb = Status(ErrorCode::not_found, ""), pc = Status(ErrorCode::not_found, "");
+  std::thread tb([&] {
+    pb = b.m->allocate(4 * MiB);
+    b_done = ++order;
+  });
+  std::this_thread::sleep_for(100ms);  // b has its ticket first
+  std::thread tc([&] {
+    pc = c.m->allocate(4 * MiB);
+    c_done = ++order;
+  });
+  std::this_thread::sleep_for(100ms);
+  EXPECT_EQ(order.load(), 0) << "both wait while a and d are inside their calls";
+  a.m->end_call();
+  tb.join();
+  std::this_thread::sleep_for(100ms);
+  EXPECT_EQ(b_done.load(), 1) << "the first to arrive is served first";
+  EXPECT_EQ(c_done.load(), 0) << "the second waits on, though it asked too";
+  EXPECT_LE(used(), 8 * MiB);
+  d.m->end_call();
+  tc.join();
+  ASSERT_TRUE(pb) << pb.message();
+  ASSERT_TRUE(pc) << pc.message();
+  EXPECT_EQ(c_done.load(), 2);
+  EXPECT_LE(used(), 8 * MiB);
+}
+
+// A holder inside a call with its memory awake never waits for the budget (two such holders would
+// wait for each other): what does not fit is refused at once.
+TEST_F(DeviceBudgetTest, AStrictHolderInsideACallWithMemoryAwakeNeverWaits) {
+  start(a, 8 * MiB, 5s);
+  start(b, 8 * MiB, 5s);
+  auto pa = a.m->allocate(6 * MiB);
+  auto pb = b.m->allocate(2 * MiB);
+  ASSERT_TRUE(pa && pb);
+  a.m->begin_call();
+  b.m->begin_call();
+  const auto t0 = std::chrono::steady_clock::now();
+  auto more = b.m->allocate(2 * MiB);
+  EXPECT_FALSE(more);
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 1s) << "refused at once, not after the 5 s wait";
+  EXPECT_EQ(used(), 8 * MiB);
+  b.m->end_call();
+  a.m->end_call();
+}
+
+// Two devices of one process: a wait for one GPU's budget holds nothing of the other's.
+TEST_F(DeviceBudgetTest, StrictWaitsOnTwoDevicesOfOneProcessAreApart) {
+  const std::string other = name + "-gpu1";
+  start(a, 8 * MiB, 2s);
+  start(b, 8 * MiB, 2s);
+  start(c, 8 * MiB, 2s, other);
+  auto pa = a.m->allocate(8 * MiB);
+  ASSERT_TRUE(pa) << pa.message();
+  a.m->begin_call();
+  std::thread waiter([&] { (void)b.m->allocate(4 * MiB); });
+  std::this_thread::sleep_for(50ms);
+  const auto t0 = std::chrono::steady_clock::now();
+  auto pc = c.m->allocate(4 * MiB);
+  ASSERT_TRUE(pc) << pc.message();
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 200ms) << "the other device's budget does not wait";
+  a.m->end_call();
+  waiter.join();
 }
 
 TEST(DeviceConfig, AGpuBudgetIsNamedByTheDevicesUuid) {

@@ -126,7 +126,7 @@ std::string limit_unknown_text(const PosixSystemInfo& info) {
                             (f.program.empty() ? "" : " (" + printable(f.program) + ")") + ": " + format_size(h.bytes) +
                             (h.unmanaged != 0 ? " (" + format_size(h.unmanaged) + " of it the GPU context)" : "") +
                             own + ", " + idle_text(h.idle) + ", priority " + std::to_string(h.priority) +
-                            (h.asked ? ", asked to give back" : "") +
+                            (h.asked ? ", asked to give back" : "") + (h.waiting ? ", waiting its turn for room" : "") +
                             (h.alive ? "" : "  DEAD: its share is reclaimed by the next process that takes the lock"));
     }
   }
@@ -163,7 +163,8 @@ std::string limit_unknown_text(const PosixSystemInfo& info) {
            {"idle_s", h.idle ? nlohmann::json(std::chrono::duration<double>(*h.idle).count()) : nlohmann::json(nullptr)},
            {"priority", h.priority},
            {"alive", h.alive},
-           {"asked", h.asked}});
+           {"asked", h.asked},
+           {"waiting", h.waiting}});
     }
     j["holders"] = hs;
     a.push_back(j);
