@@ -466,8 +466,13 @@ TEST_F(DeviceBudgetTest, AStrictBudgetWaitsForTheHolderInsideACallAndNeverGoesOv
     if (info.name == name)
       for (const auto& h : info.holders) waiting = waiting || h.waiting;
   EXPECT_TRUE(waiting) << "`residency stat` shows the holder waiting its turn";
+  const auto ended = std::chrono::steady_clock::now();
   a.m->end_call();
   waker.join();
+  // How long after the call ended the waiter was served (a measurement, not a limit).
+  RecordProperty("served_after_the_call_ended_us",
+                 std::to_string(
+                     std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::steady_clock::now() - ended).count()));
   ASSERT_TRUE(pb) << pb.message();
   EXPECT_FALSE(a.fake->is_resident(pa->id)) << "asked once its call ended, it slept";
   EXPECT_TRUE(b.fake->is_resident(pb->id));
