@@ -338,7 +338,10 @@ void manager_rows(std::vector<Row>& rows, const core::StateFileRead& s) {
     rows.emplace_back("  shared budget", printable(field(s, "shared_budget")) + ": holds " +
                                              format_size(bytes_field(s, "shared_held")) + " of " +
                                              format_size(bytes_field(s, "shared_budget_size")) + ", priority " +
-                                             printable(field(s, "shared_priority")));
+                                             printable(field(s, "shared_priority")) +
+                                             (field(s, "shared_budget_mode").empty()
+                                                  ? std::string()
+                                                  : "; device memory: " + printable(field(s, "shared_budget_mode"))));
   if (field(s, "release_on_pressure") == "1")
     rows.emplace_back("  pressure", field(s, "pressure_source").empty()
                                         ? std::string("release on pressure: no source watched")
