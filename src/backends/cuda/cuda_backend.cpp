@@ -170,7 +170,7 @@ std::uint64_t CudaBackend::unmanaged_device_bytes() {
   if (!process.carries(link_.dev, this)) return 0;  // another backend of the process carries it
   MutexLock lock(mu_);
   std::string why;
-  const std::optional<std::uint64_t> used = nvml_process_bytes(uuid_, ::getpid(), &why);
+  const std::optional<std::uint64_t> used = nvml_process_bytes(process.nvml(), uuid_, ::getpid(), &why);
   if (!used) {
     if (!nvml_said_.exchange(true))
       say("the memory this process holds on " + uuid_ +

@@ -18,6 +18,11 @@ Result<const Driver*> CudaProcess::driver() {
   return driver_failure_;
 }
 
+const Nvml& CudaProcess::nvml() {
+  std::call_once(nvml_once_, [this] { nvml_ = open_nvml(); });
+  return *nvml_;
+}
+
 Result<const Driver*> CudaProcess::load_driver(const char* library_name) {
   auto r = Driver::open(library_name);
   if (!r) return r.status();

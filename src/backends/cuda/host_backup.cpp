@@ -13,6 +13,7 @@
 #include <string>
 #include <thread>
 
+#include "backends/cuda/cuda_process.hpp"
 #include "platform/thread_annotations.hpp"
 #include "residency/text.hpp"
 
@@ -270,13 +271,13 @@ std::size_t host_page() {
 }
 
 int fault_in(char* p, std::size_t len) {
-  static std::atomic<bool> no_populate{false};
-  if (!no_populate.load(std::memory_order_relaxed)) {
+  std::atomic<bool>& populate = CudaProcess::instance().populate_write;
+  if (populate.load(std::memory_order_relaxed)) {
     for (;;) {
       if (madvise(p, len, MADV_POPULATE_WRITE) == 0) return 0;
       if (errno == EINTR || errno == EAGAIN) continue;
       if (errno != EINVAL) return errno;
-      no_populate.store(true, std::memory_order_relaxed);
+      populate.store(false, std::memory_order_relaxed);
       break;
     }
   }

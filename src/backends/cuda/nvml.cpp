@@ -3,7 +3,8 @@
 
 #include <dlfcn.h>
 
-#include <mutex>
+#include <memory>
+#include <string>
 #include <vector>
 
 namespace residency::cuda {
@@ -22,6 +23,8 @@ struct nvmlProcessInfo_t {
 };
 constexpr unsigned long long kNvmlValueNotAvailable = ~0ULL;
 
+}  // namespace
+
 struct Nvml {
   nvmlReturn_t (*init)() = nullptr;
   nvmlReturn_t (*by_uuid)(const char*, nvmlDevice_t*) = nullptr;
@@ -29,44 +32,37 @@ struct Nvml {
   std::string problem;
 };
 
-// Loaded and initialised once per process; never unloaded (NVML keeps driver state).
-const Nvml& nvml() {
-  static const Nvml n = [] {
-    Nvml r;
-    void* h = dlopen("libnvidia-ml.so.1", RTLD_NOW | RTLD_LOCAL);
-    if (h == nullptr) {
-      const char* e = dlerror();
-      r.problem = std::string("libnvidia-ml.so.1 could not be loaded: ") + (e != nullptr ? e : "dlopen failed");
-      return r;
-    }
-    r.init = reinterpret_cast<nvmlReturn_t (*)()>(dlsym(h, "nvmlInit_v2"));
-    r.by_uuid = reinterpret_cast<nvmlReturn_t (*)(const char*, nvmlDevice_t*)>(dlsym(h, "nvmlDeviceGetHandleByUUID"));
-    r.processes = reinterpret_cast<nvmlReturn_t (*)(nvmlDevice_t, unsigned int*, nvmlProcessInfo_t*)>(
-        dlsym(h, "nvmlDeviceGetComputeRunningProcesses_v3"));
-    if (r.init == nullptr || r.by_uuid == nullptr || r.processes == nullptr) {
-      r.problem =
-          "libnvidia-ml.so.1 lacks nvmlInit_v2, nvmlDeviceGetHandleByUUID or "
-          "nvmlDeviceGetComputeRunningProcesses_v3 (a driver older than 510)";
-      r.processes = nullptr;
-      return r;
-    }
-    if (const nvmlReturn_t e = r.init(); e != kNvmlSuccess) {
-      r.problem = "nvmlInit_v2 failed (NVML error " + std::to_string(e) + ")";
-      r.processes = nullptr;
-    }
+const Nvml* open_nvml() {
+  auto* r = new Nvml();  // kept for the life of the process, as NVML itself
+  void* h = dlopen("libnvidia-ml.so.1", RTLD_NOW | RTLD_LOCAL);
+  if (h == nullptr) {
+    const char* e = dlerror();
+    r->problem = std::string("libnvidia-ml.so.1 could not be loaded: ") + (e != nullptr ? e : "dlopen failed");
     return r;
-  }();
-  return n;
+  }
+  r->init = reinterpret_cast<nvmlReturn_t (*)()>(dlsym(h, "nvmlInit_v2"));
+  r->by_uuid = reinterpret_cast<nvmlReturn_t (*)(const char*, nvmlDevice_t*)>(dlsym(h, "nvmlDeviceGetHandleByUUID"));
+  r->processes = reinterpret_cast<nvmlReturn_t (*)(nvmlDevice_t, unsigned int*, nvmlProcessInfo_t*)>(
+      dlsym(h, "nvmlDeviceGetComputeRunningProcesses_v3"));
+  if (r->init == nullptr || r->by_uuid == nullptr || r->processes == nullptr) {
+    r->problem =
+        "libnvidia-ml.so.1 lacks nvmlInit_v2, nvmlDeviceGetHandleByUUID or "
+        "nvmlDeviceGetComputeRunningProcesses_v3 (a driver older than 510)";
+    r->processes = nullptr;
+    return r;
+  }
+  if (const nvmlReturn_t e = r->init(); e != kNvmlSuccess) {
+    r->problem = "nvmlInit_v2 failed (NVML error " + std::to_string(e) + ")";
+    r->processes = nullptr;
+  }
+  return r;
 }
 
-}  // namespace
-
-std::optional<std::uint64_t> nvml_process_bytes(const std::string& uuid, int pid, std::string* why) {
+std::optional<std::uint64_t> nvml_process_bytes(const Nvml& n, const std::string& uuid, int pid, std::string* why) {
   auto fail = [&](std::string w) -> std::optional<std::uint64_t> {
     if (why != nullptr) *why = std::move(w);
     return std::nullopt;
   };
-  const Nvml& n = nvml();
   if (n.processes == nullptr) return fail(n.problem);
   nvmlDevice_t dev = nullptr;
   if (const nvmlReturn_t e = n.by_uuid(uuid.c_str(), &dev); e != kNvmlSuccess)
