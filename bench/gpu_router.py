@@ -9,13 +9,17 @@ GPU, in up to three configurations, run in the order given:
   plain      --models-max 2 (--plain-models-max), no preload: the router unloads the least recently
              used model and loads the next (about 3 s a switch): runs rr0 and random only
   residency  --models-max 0 under the preload, RESIDENCY_KEEP_ALIVE=10m and
-             RESIDENCY_GPU_BUDGET=NAME:BUDGET (two models' worth): idle models sleep
+             RESIDENCY_GPU_BUDGET=NAME:BUDGET (two models' worth): idle models sleep; a wake that
+             finds every holder inside a call goes over the budget (RESIDENCY_BUDGET_WAIT=over)
+  strict     the same with RESIDENCY_BUDGET_WAIT=WAIT (--budget-wait, 30s): such a wake waits its
+             turn for room, and the budget holds
 Each configuration first loads every model once (one request each, not counted), then runs the
 request patterns (greedy, n_predict 8, top-5 log-probs, POST /completion with "model"):
   rr0     round-robin with no pause
   rr1.6   round-robin, 1.6 s between an answer and the next request
   random  random.Random(SEED) over the models, never the same twice in a row
   burst   bursts of one concurrent request to each model, 1 s apart (REQUESTS / N bursts)
+  burst0  the same bursts back to back (the next starts when the last answer came)
 A switch is a request to another model than the previous request's (in a burst: every request);
 its time is the request's wall time. From outside, `nvidia-smi --query-compute-apps` every 50 ms:
 the router's and its children's summed GPU memory against the budget. After the patterns, each
@@ -39,8 +43,10 @@ from gpu_bench import (MiB, GpuSampler, answer_from_json, budget_mib as parse_bu
                        gpu_total_mib, host_cpu, log, make_model, over_budget, quantile, request_body, same_answer,
                        start_hog, sums)
 
-CONFIGS = ("resident", "plain", "residency")
-PATTERNS = ("rr0", "rr1.6", "random", "burst")
+CONFIGS = ("resident", "plain", "residency", "strict")
+PRELOADED = ("residency", "strict")
+PATTERNS = ("rr0", "rr1.6", "random", "burst", "burst0")
+BURSTS = ("burst", "burst0")
 PLAIN_PATTERNS = ("rr0", "random")  # the plain router pays seconds per switch
 SEQUENTIAL = ("rr0", "rr1.6", "random")
 SERIES_POINTS = 4000
@@ -60,6 +66,8 @@ def parse_args(argv=None):
                    help="a PyTorch process outside the budget holds this much first (plain and residency; the "
                         "resident router, which needs every model at once, runs without it)")
     p.add_argument("--configs", default="resident,plain,residency", help="comma list of " + ",".join(CONFIGS))
+    p.add_argument("--budget-wait", default="30s", help="the strict configuration's RESIDENCY_BUDGET_WAIT")
+    p.add_argument("--log-level", default="info", help="RESIDENCY_LOG under the preload (debug: each switch's timeline)")
     p.add_argument("--patterns", default="rr0,rr1.6,random,burst", help="comma list of " + ",".join(PATTERNS))
     p.add_argument("--requests", type=int, default=32, help="requests per pattern")
     p.add_argument("--plain-requests", type=int, default=32, help="requests per pattern of the plain router (rr0, random)")
@@ -388,15 +396,16 @@ def run_config(a, cfg, stems, files, models_dir, sampler, budget_mib, budget_nam
     ph = {}
     tc = time.time()
     rec = {"config": cfg, "date": time.strftime("%Y-%m-%d %H:%M:%S"), "host_cpu": host_cpu(), "key": model_key(files),
-           "models_max": 0 if cfg != "plain" else a.plain_models_max, "preload": cfg == "residency",
-           "budget": a.budget if cfg == "residency" else None, "budget_mib": budget_mib,
+           "models_max": 0 if cfg != "plain" else a.plain_models_max, "preload": cfg in PRELOADED,
+           "budget": a.budget if cfg in PRELOADED else None, "budget_mib": budget_mib,
+           "budget_wait": a.budget_wait if cfg == "strict" else ("over" if cfg == "residency" else None),
            "hog_gib": a.hog_gib if cfg != "resident" and not a.no_gpu else 0, "requests_per_pattern":
            a.plain_requests if cfg == "plain" else a.requests, "seed": a.seed, "no_gpu": a.no_gpu}
     env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD" and not k.startswith("RESIDENCY_")}
-    if cfg == "residency":
-        env.update(LD_PRELOAD=a.preload, RESIDENCY_KEEP_ALIVE="10m", RESIDENCY_LOG="info",
-                   RESIDENCY_GPU_BUDGET=f"{budget_name}:{a.budget}")
-        log(cfg, "RESIDENCY_GPU_BUDGET=" + env["RESIDENCY_GPU_BUDGET"])
+    if cfg in PRELOADED:
+        env.update(LD_PRELOAD=a.preload, RESIDENCY_KEEP_ALIVE="10m", RESIDENCY_LOG=a.log_level, RESIDENCY_LOG_TIME="1",
+                   RESIDENCY_GPU_BUDGET=f"{budget_name}:{a.budget}", RESIDENCY_BUDGET_WAIT=rec["budget_wait"])
+        log(cfg, "RESIDENCY_GPU_BUDGET=" + env["RESIDENCY_GPU_BUDGET"], "RESIDENCY_BUDGET_WAIT=" + rec["budget_wait"])
     hog = router = None
     try:
         t = time.time()
@@ -455,7 +464,7 @@ def run_config(a, cfg, stems, files, models_dir, sampler, budget_mib, budget_nam
             else:
                 reqs, bursts, lock = [], [], threading.Lock()
                 for b in range(max(1, nreq // n)):
-                    if b:
+                    if b and pat == "burst":
                         time.sleep(1.0)
                     b0 = time.time()
 
@@ -498,6 +507,11 @@ def run_config(a, cfg, stems, files, models_dir, sampler, budget_mib, budget_nam
             pids = set(router.pids)
             rec["pids"] = sorted(pids)
             rec["series"] = [[round(t - t_start, 3), x] for t, x in sums(sampler.samples, pids, t_start)] if sampler else []
+            # Each sample over the budget, process by process (at most 400): who held what then.
+            b = rec.get("budget_mib")
+            rec["over_samples"] = [] if not sampler or b is None else [
+                [round(t - t_start, 3), {str(p): v for p, v in smp.items() if p in pids}]
+                for t, smp in sampler.samples if t >= t_start and sum(v for p, v in smp.items() if p in pids) > b][:400]
         log(cfg, "phases (s):", json.dumps(ph), f"total {rec['wall_s']} s")
     with open(f"{a.dir}/config-{cfg}.json", "w") as f:
         json.dump(rec, f)
@@ -540,7 +554,7 @@ def report(a, recs, stems, files, budget_mib, gpu):
     for cfg, rec in recs.items():
         c = {k: rec.get(k) for k in ("date", "from_cache", "error", "models_max", "preload", "budget", "hog_gib",
                                      "requests_per_pattern", "seed", "no_gpu", "model_ids", "phases_s", "wall_s", "log_scan",
-                                     "host") if k in rec}
+                                     "host", "budget_wait", "over_samples") if k in rec}
         series = [tuple(x) for x in rec.get("series", [])]
         compared = equal = 0
         for pat, reqs in all_requests(rec):
@@ -588,11 +602,11 @@ def report(a, recs, stems, files, budget_mib, gpu):
             if st["samples"] == 0:
                 ok = False
                 parts.append(f"{pat}: no GPU samples")
-            elif pat == "burst":
+            elif pat in BURSTS:
                 after = st.get("burst_time_over_after_s")
                 worst = max(after or [0])
                 ok = ok and after is not None and worst <= 0.25
-                parts.append(f"burst: largest excess {st['max_excess_mib']} MiB while every holder was in a call; time over per "
+                parts.append(f"{pat}: largest excess {st['max_excess_mib']} MiB while every holder was in a call; time over per "
                              f"burst {st.get('burst_time_over_s')} s, bursts lasted {st.get('burst_s')} s; over after a "
                              f"burst's last answer {after} s (largest {worst} s, at most 0.25 s: repaid as the calls end)")
             else:
@@ -603,6 +617,30 @@ def report(a, recs, stems, files, budget_mib, gpu):
     checks.append({"check": "budget held under residency: largest excess 0 MiB in rr0, rr1.6 and random; in bursts, over only "
                             "while every holder was in a call, and back under it within 0.25 s of a burst's last answer "
                             "(50 ms nvidia-smi samples of the router's processes)", "ok": ok, "detail": detail})
+
+    # 1b. the strict budget: 0 MiB over in every pattern, bursts included; its burst latency against
+    # the opt-in's (going over)
+    strict = configs.get("strict")
+    stp = (strict or {}).get("patterns", {})
+    if strict is None or recs["strict"].get("budget_mib", budget_mib) is None:
+        ok, detail = False, "the strict configuration did not run" if strict is None else "no budget in MiB (no GPU)"
+    else:
+        parts, ok = [], bool(stp)
+        for pat, st in stp.items():
+            ok = ok and st["samples"] > 0 and st["max_excess_mib"] == 0
+            line = f"{pat}: largest excess {st['max_excess_mib']} MiB over {st['samples']} samples, requests p50 " \
+                   f"{st['request_s_p50']} s p99 {st['request_s_p99']} s"
+            over = resp.get(pat)
+            if over is not None:
+                line += f" (going over: excess {over['max_excess_mib']} MiB, p50 {over['request_s_p50']} s p99 " \
+                        f"{over['request_s_p99']} s)"
+            parts.append(line)
+        errs = sum(1 for _, reqs in all_requests(recs["strict"]) for r in reqs if "error" in r)
+        ok = ok and errs == 0
+        parts.append(f"{errs} failed requests")
+        detail = "the GPU sum of the router's processes (nvidia-smi every 50 ms) under RESIDENCY_BUDGET_WAIT=" \
+                 f"{a.budget_wait}: " + "; ".join(parts)
+    checks.append({"check": "budget_burst", "ok": ok, "detail": detail})
 
     # 2. switch time against the link
     size = max(os.path.getsize(f) for f in files)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # SPDX-License-Identifier: MIT
 # The GPU sum against the budget over time, from gpu_router.py's CSV: one panel per configuration
-# (residency, plain --models-max N, resident), the request patterns shaded apart by colour.
+# (strict and residency: the budget waited for or gone over; plain --models-max N; resident), the request patterns shaded apart by colour.
 #   bench/plot_gpu_router.sh RESULT.csv OUT.png
 # Needs gnuplot (Debian: gnuplot-nox).
 set -euo pipefail
@@ -12,10 +12,10 @@ command -v gnuplot >/dev/null || { echo "$0: gnuplot is not installed (Debian: a
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 configs=()
-for c in residency plain resident; do
+for c in strict residency plain resident; do
   if awk -F, -v c="$c" 'NR > 1 && $1 == c { found = 1 } END { exit !found }' "$csv"; then configs+=("$c"); fi
 done
-[ ${#configs[@]} -gt 0 ] || { echo "$0: no rows of residency, plain or resident in $csv" >&2; exit 2; }
+[ ${#configs[@]} -gt 0 ] || { echo "$0: no rows of strict, residency, plain or resident in $csv" >&2; exit 2; }
 # Per configuration and pattern: "t_s GiB", time from the configuration's first sample.
 for c in "${configs[@]}"; do
   awk -F, -v c="$c" -v d="$tmp" 'NR > 1 && $1 == c {
@@ -34,7 +34,7 @@ done
   echo "set key outside right top"
   echo "set yrange [0:*]"
   # Okabe-Ito: colour-blind safe; the budget black and dashed.
-  colors=(warmup '#999999' rr0 '#0072B2' 'rr1.6' '#E69F00' random '#009E73' burst '#D55E00' between '#CCCCCC')
+  colors=(warmup '#999999' rr0 '#0072B2' 'rr1.6' '#E69F00' random '#009E73' burst '#D55E00' burst0 '#CC79A7' between '#CCCCCC')
   for i in "${!configs[@]}"; do
     c=${configs[$i]}
     budget=$(cat "$tmp/$c.budget")
@@ -45,7 +45,7 @@ done
       p=${colors[$k]} col=${colors[$((k + 1))]}
       [ -s "$tmp/$c-$p.dat" ] && plots+=("'$tmp/$c-$p.dat' using 1:2 with points pt 7 ps 0.35 lc rgb '$col' title '$p'")
     done
-    [ "$c" = residency ] && plots+=("$budget with lines dt 2 lw 2 lc rgb '#000000' title 'budget'")
+    { [ "$c" = residency ] || [ "$c" = strict ]; } && plots+=("$budget with lines dt 2 lw 2 lc rgb '#000000' title 'budget'")
     (IFS=,; echo "plot ${plots[*]}")
   done
   echo "unset multiplot"

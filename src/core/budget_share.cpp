@@ -198,7 +198,13 @@ void BudgetShare::pace(std::uint64_t bytes) {
   pace_credit_ = 0;
   if (want == 0 || exiting_) return;
   pace_owed_ -= want;
-  if (ledger_->acquire(want, clock_.now().count(), ledger::kAskWait, /*partial=*/false, ledger::kNoMinimumIdle) == want) {
+  const Nanos asked_at = clock_.now();
+  const std::uint64_t got = ledger_->acquire(want, asked_at.count(), ledger::kAskWait, /*partial=*/false,
+                                             ledger::kNoMinimumIdle);
+  if (log_.enabled(LogLevel::debug))
+    log_(LogLevel::debug, "timeline: a paced wake asked the holders for " + mib(want) + " of " + name() + ": " +
+                              (got == want ? "given" : "not given") + " in " + ms(clock_.now() - asked_at));
+  if (got == want) {
     // The holder asked gave back at once what it had: the rest that is free now, in one take.
     const std::uint64_t more = pace_owed_ != 0 ? ledger_->acquire(pace_owed_, clock_.now().count(), Nanos(0), true) : 0;
     pace_owed_ -= more;

@@ -72,7 +72,7 @@ void ResidencyCycle::access() {
 
 // --- wiring and releasing -----------------------------------------------------------------
 
-void ResidencyCycle::wire(WireReason why) {
+void ResidencyCycle::wire(WireReason why, std::optional<Nanos> began) {
   const Nanos t0 = clock_.now();
   ka_.set_wants_resident(true);
   if (!adm_.reserve_for_wire()) {
@@ -80,17 +80,28 @@ void ResidencyCycle::wire(WireReason why) {
     // waits too), tried again by retry() once the others were asked.
     ka_.set_wants_resident(false);
     deferred_why_ = why;
+    deferred_at_ = began.value_or(t0);
     return;
   }
+  const Nanos t_reserved = clock_.now();
   // What waits may fit now: another manager of the process may have given back its share of
   // the hard limit since.
   adm_.promote();
+  const Nanos t_promoted = clock_.now();
   const auto [bytes, n] = adm_.request_all();
+  const Nanos t_requested = clock_.now();
   const std::uint64_t paced_head = adm_.take_paced_head();
   adm_.flush();
   next_refresh_ = clock_.now() + caps_.refresh_period;
   if (ever_released_ && n > 0) {  // memory that had been given back was asked for again
-    const Nanos dt = clock_.now() - t0;
+    const Nanos start = began.value_or(t0);
+    const Nanos dt = clock_.now() - start;
+    if (log_.enabled(LogLevel::debug))
+      log_(LogLevel::debug, "timeline: the wake of " + mib(bytes) + ": " + ms(t0 - start) +
+                                " waiting for room (the holders asked), " + ms(t_reserved - t0) + " reserving, " +
+                                ms(t_promoted - t_reserved) + " admitting, " + ms(t_requested - t_promoted) +
+                                " waking the sets (the backend maps and copies, pacing included), " +
+                                ms(clock_.now() - t_requested) + " flushing");
     ++counters_.rewires;
     counters_.rewire_time += dt;
     const double secs = std::chrono::duration<double>(dt).count();
@@ -100,11 +111,12 @@ void ResidencyCycle::wire(WireReason why) {
     counters_.last_rewire_at = wall_now();
     counters_.last_rewire_dt = dt;
     counters_.last_rewire_bytes = bytes;
-    log_(LogLevel::info,
-         "re-wired " + mib(bytes) + " in " + std::to_string(n) + " set(s) in " + ms(dt) + " (" + words(why) +
-             (paced_head != 0 ? "; the first " + mib(paced_head) + " in the budget's room while the holders asked made the rest"
-                              : "") +
-             ")");
+    log_(LogLevel::info, "re-wired " + mib(bytes) + " in " + std::to_string(n) + " set(s) in " + ms(dt) + " (" +
+                             words(why) + (t0 > start ? "; " + ms(t0 - start) + " of it waiting for room" : "") +
+                             (paced_head != 0 ? "; the first " + mib(paced_head) +
+                                                    " in the budget's room while the holders asked made the rest"
+                                              : "") +
+                             ")");
     if (publish_) publish_();  // flush() published before the re-wire was counted
   }
   wake_scheduler();
@@ -115,7 +127,7 @@ void ResidencyCycle::retry(bool keep_asking) {
   if (deferred_why_) {
     const WireReason why = *deferred_why_;
     deferred_why_.reset();
-    if (!ka_.wants_resident()) wire(why);
+    if (!ka_.wants_resident()) wire(why, deferred_at_);
     return;
   }
   adm_.open_batch();

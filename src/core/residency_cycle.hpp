@@ -122,7 +122,8 @@ class ResidencyCycle {
     ReleaseKind kind;
     std::string words;
   };
-  void wire(WireReason why);
+  // `began`: when a wire that waited for room was first tried (the wait counts in its time).
+  void wire(WireReason why, std::optional<Nanos> began = std::nullopt);
   void release(const ReleaseReason& why);
   void release_now(const ReleaseReason& why);
   void pressure_step();
@@ -142,6 +143,7 @@ class ResidencyCycle {
   bool ever_released_ = false;
   bool prefetch_requested_ = false;
   std::optional<WireReason> deferred_why_;  // a wire waiting for room in the shared budget (its reason)
+  Nanos deferred_at_{0};                    // when that wire was first tried
   // Read without the lock by Manager::access() (only to skip the lock when already held).
   std::atomic<bool> access_held_{false};
   Nanos next_refresh_{0};

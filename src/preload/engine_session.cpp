@@ -45,6 +45,16 @@ std::uint64_t resident_bytes(std::uintptr_t b, std::uintptr_t e) noexcept {
   return n;
 }
 
+std::int64_t steady_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+std::string ms_between(std::int64_t from_ns, std::int64_t to_ns) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.2f ms", static_cast<double>(to_ns - from_ns) / 1e6);
+  return buf;
+}
+
 std::string took_since(std::chrono::steady_clock::time_point t0) {
   char took[32];
   std::snprintf(took, sizeof took, "%.2f ms",
@@ -718,15 +728,18 @@ EngineSession::DecodeScope EngineSession::decode_began(std::uintptr_t stack) noe
   // Device memory is awake for the call (one engine call on each device's manager).
   if (active_devices_.load(std::memory_order_acquire) > 0) {
     scope.devices = true;
-    for_each_device([&](Manager& m) {
-      m.begin_call();
-      if (Status st = m.unwired_status(); !st) {
-        scope.device_asleep = true;
-        if (!warned_device_asleep_.exchange(true, std::memory_order_relaxed))
-          log_.warn("device memory could not be woken (" + st.message() +
-                    "): the decode is refused with an error rather than run on unmapped memory; the next one tries "
-                    "again (said once)");
-      }
+    if (log_.enabled(LogLevel::debug)) scope.began_ns = steady_ns();
+    timed_device_wake("the decode's begin", [&] {
+      for_each_device([&](Manager& m) {
+        m.begin_call();
+        if (Status st = m.unwired_status(); !st) {
+          scope.device_asleep = true;
+          if (!warned_device_asleep_.exchange(true, std::memory_order_relaxed))
+            log_.warn("device memory could not be woken (" + st.message() +
+                      "): the decode is refused with an error rather than run on unmapped memory; the next one tries "
+                      "again (said once)");
+        }
+      });
     });
   }
   Host* h = active_host();
@@ -780,6 +793,14 @@ void EngineSession::decode_ended(DecodeScope scope, void* ctx) noexcept {
   }
   // Under keep-alive 0 the manager waits for the decode's kernels before the memory goes (the
   // backend also synchronizes the device before it unmaps).
+  if (scope.devices && scope.began_ns != 0) {
+    const std::int64_t woke = device_woke_ns_.exchange(0, std::memory_order_relaxed);
+    if (woke != 0) {
+      const std::int64_t now = steady_ns();
+      log_.debug("timeline: the first decode after the wake returned " + ms_between(woke, now) +
+                 " after the wake ended (" + ms_between(scope.began_ns, now) + " after the decode began)");
+    }
+  }
   if (scope.devices)
     for_each_device([&](Manager& dm) {
       dm.end_call(ctx != nullptr ? options_.synchronize : nullptr, ctx);
@@ -792,7 +813,23 @@ void EngineSession::decode_ended(DecodeScope scope, void* ctx) noexcept {
 
 void EngineSession::device_access() noexcept {
   if (forked_.load(std::memory_order_relaxed)) return;
-  for_each_device([](Manager& m) { m.access(); });
+  timed_device_wake("a use outside a decode (an upload)", [&] { for_each_device([](Manager& m) { m.access(); }); });
+}
+
+template <typename F>
+void EngineSession::timed_device_wake(const char* what, F&& wake) noexcept {
+  if (!log_.enabled(LogLevel::debug)) {
+    wake();
+    return;
+  }
+  bool asleep = false;
+  for_each_device([&](Manager& m) { asleep = asleep || !m.wants_resident(); });
+  const std::int64_t t0 = steady_ns();
+  wake();
+  if (!asleep) return;
+  const std::int64_t t1 = steady_ns();
+  device_woke_ns_.store(t1, std::memory_order_relaxed);
+  log_.debug(std::string("timeline: ") + what + " found device memory asleep and woke it in " + ms_between(t0, t1));
 }
 
 EngineSession::DeviceAllocation EngineSession::device_allocate(int device, std::size_t size, bool compute) noexcept {

@@ -195,6 +195,7 @@ class EngineSession {
     bool host = false;
     bool devices = false;
     bool device_asleep = false;
+    std::int64_t began_ns = 0;  // RESIDENCY_LOG=debug: when the decode began (steady clock)
   };
   DecodeScope decode_began(std::uintptr_t stack = 0) noexcept RESIDENCY_EXCLUDES(mu_);
   void decode_ended(DecodeScope scope, void* ctx) noexcept RESIDENCY_EXCLUDES(mu_);
@@ -367,6 +368,13 @@ class EngineSession {
   std::array<Tracked, kMaxTracked> tracked_{};
   std::atomic<int> tracked_count_{0};
   std::atomic<bool> warned_device_asleep_{false};
+  // RESIDENCY_LOG=debug: when the last wake of device memory ended (steady ns; 0: the decode
+  // after it has been timed already), for the switch's timeline.
+  std::atomic<std::int64_t> device_woke_ns_{0};
+  // Runs `wake` (an access or a call's begin on every device); with a debug log, says how long it
+  // took when it found device memory asleep, and notes when it ended.
+  template <typename F>
+  void timed_device_wake(const char* what, F&& wake) noexcept;
 
   // Decodes since the memory was last wired by a decode (or since the engine memory was dropped).
   std::atomic<std::uint32_t> decodes_since_wire_{0};

@@ -113,6 +113,40 @@ TEST_F(CudaTest, WeightsSurvive200SleepWakeCyclesAtTheSameAddress) {
   backend_->deallocate(p);
 }
 
+// With a trace, each wake says where its time went and where its bytes came from; the copies it
+// times are complete when it says so (the contents are there).
+class CudaTraceTest : public CudaTest {
+ protected:
+  void SetUp() override {
+    CudaBackendOptions o;
+    o.trace = [this](const std::string& line) { lines_.push_back(line); };
+    auto made = CudaBackend::create(o);
+    if (!made) GTEST_SKIP() << "no usable CUDA device, skipping: " << made.message();
+    backend_ = std::move(made.value());
+    auto k = PatternKernels::load(backend_->driver(), backend_->context());
+    ASSERT_TRUE(k) << k.message();
+    kernels_.emplace(std::move(k.value()));
+  }
+  std::vector<std::string> lines_;
+};
+
+TEST_F(CudaTraceTest, EachWakeOfWeightsSaysItsPhasesAndItsBytes) {
+  constexpr std::size_t kSize = 256 * kMiB + 12;
+  void* p = allocate_filled(*backend_, kSize, RegionClass::weights, 7);
+  ASSERT_NE(p, nullptr);
+  resident_set(*backend_, 0, device_region(1, p, kSize, RegionClass::weights));
+  lines_.clear();  // the allocation's own wake had nothing to copy
+  ASSERT_TRUE(backend_->end_residency(0));
+  ASSERT_TRUE(backend_->request_residency(0).ok());
+  ASSERT_EQ(lines_.size(), 1u);
+  EXPECT_NE(lines_[0].find("wake of 256.00 MiB weights"), std::string::npos) << lines_[0];
+  EXPECT_NE(lines_[0].find("copies done"), std::string::npos) << lines_[0];
+  EXPECT_NE(lines_[0].find("256.00 MiB from pinned host memory"), std::string::npos) << lines_[0];
+  EXPECT_EQ(mismatches(p, kSize, 7), 0u);
+  EXPECT_TRUE(backend_->destroy_set(0));
+  backend_->deallocate(p);
+}
+
 // A kernel still running when sleep is asked finishes, and what it wrote is what wakes up.
 TEST_F(CudaTest, KernelInFlightWhenSleepIsAskedFinishesFirst) {
   constexpr std::size_t kSize = kGiB;

@@ -57,6 +57,10 @@ struct CudaBackendOptions {
   // pinned host memory instead (the file changed since load, or cannot be registered), and where a
   // file changed while the weights slept in it. Default: nothing is said.
   std::function<void(const std::string&)> notice;
+  // Receives the wake's timeline, one line per allocation woken: the time it waited for the
+  // budget's room, mapped and queued its copies, and waited for them, and where the bytes came
+  // from (the model file's pages, pinned host memory). For a debug log; default: not measured.
+  std::function<void(const std::string&)> trace;
 };
 
 // Errors: no driver (libcuda.so.1 missing), driver older than CUDA 12.0, no such device,

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdio>
 #include <string>
 
 #include "backends/cuda/cuda_backend.hpp"
@@ -34,6 +35,43 @@ void CudaBackend::say(const std::string& line) const {
   }
 }
 
+// One line of the wake's timeline: where its time went (the budget's gate, mapping and queueing the
+// copies, the copies themselves) and where the bytes came from.
+void CudaBackend::trace_wake(const DeviceAllocation& a, bool restored, std::chrono::nanoseconds total,
+                             std::chrono::nanoseconds queued, std::chrono::nanoseconds gated) const {
+  std::uint64_t from_file = 0;
+  const std::size_t n = link_.chunks_of(a.range.size);
+  if (restored)
+    for (std::size_t i = 0; i < n && i < a.files.from_file.size(); ++i)
+      if (a.files.from_file[i] != 0) from_file += std::min(link_.chunk, a.range.size - i * link_.chunk);
+  const std::uint64_t copied = restored ? a.range.size : 0;
+  const auto msec = [](std::chrono::nanoseconds d) { return std::chrono::duration<double, std::milli>(d).count(); };
+  const double mib = 1024.0 * 1024.0;
+  char buf[512];
+  int len = std::snprintf(buf, sizeof buf, "wake of %.2f MiB %s at %s: %.2f ms in all; mapped and queued in %.2f ms",
+                          static_cast<double>(a.range.size) / mib, to_string(a.cls), hex(a.range.va).c_str(),
+                          msec(total), msec(queued));
+  auto add = [&](auto... args) {
+    if (len >= 0 && static_cast<std::size_t>(len) < sizeof buf)
+      len += std::snprintf(buf + len, sizeof buf - static_cast<std::size_t>(len), args...);
+  };
+  if (gated.count() > 0) add(" (%.2f ms of it waiting for the budget's room)", msec(gated));
+  if (copied == 0) {
+    add(", nothing to copy");
+  } else {
+    const double secs = std::chrono::duration<double>(total).count();
+    add(", copies done %.2f ms later (%.2f MiB from the model file's pages, %.2f MiB from pinned host memory; "
+        "%.1f GB/s over the whole wake)",
+        msec(total - queued), static_cast<double>(from_file) / mib, static_cast<double>(copied - from_file) / mib,
+        secs > 0 ? static_cast<double>(copied) / secs / 1e9 : 0.0);
+  }
+  try {
+    trace_(buf);
+  } catch (...) {
+    // the line is lost, nothing else
+  }
+}
+
 void CudaBackend::note_mapped(std::uint64_t bytes, bool added) {
   mapped_bytes_ = added ? mapped_bytes_ + bytes : mapped_bytes_ - bytes;
   CudaProcess::instance().note_mapped(link_.dev, bytes, added);
@@ -55,7 +93,20 @@ Status CudaBackend::wake(DeviceAllocation& a) {
     return link_.d->cuMemcpyHtoDAsync(r.va + off, a.backup.base + off, std::min(len, r.size - off), link_.stream(i));
   };
   // A paced wake: the budget makes room for each chunk (the copies queued so far go on meanwhile).
-  const VmmRange::BeforeChunk before = gate_ ? VmmRange::BeforeChunk(gate_) : VmmRange::BeforeChunk();
+  // With a trace, the time the gate took is summed for the wake's timeline.
+  using SteadyClock = std::chrono::steady_clock;
+  const SteadyClock::time_point t0 = SteadyClock::now();
+  SteadyClock::duration gated{};
+  VmmRange::BeforeChunk before;
+  if (gate_ && trace_) {
+    before = [&](std::size_t bytes) {
+      const SteadyClock::time_point g = SteadyClock::now();
+      gate_(bytes);
+      gated += SteadyClock::now() - g;
+    };
+  } else if (gate_) {
+    before = gate_;
+  }
   VmmRange::MapFailure f;
   if (!r.map(link_, before, fill, f)) {
     const bool oom = f.result == CUDA_ERROR_OUT_OF_MEMORY;
@@ -68,6 +119,7 @@ Status CudaBackend::wake(DeviceAllocation& a) {
                                                  "request residency again"
                                                : ""));
   }
+  const SteadyClock::time_point mapped_at = SteadyClock::now();
   if (restore) {
     if (Status st = link_.sync(); !st) {
       r.unmap(link_);
@@ -75,6 +127,7 @@ Status CudaBackend::wake(DeviceAllocation& a) {
     }
     copied_to_device_ += r.size;
   }
+  if (trace_) trace_wake(a, restore, SteadyClock::now() - t0, mapped_at - t0, gated);
   if (a.tracked && restore) {
     // Written chunks are reported as they are written: the backup stays the contents until then.
     a.dirty.assign(a.dirty.size(), 0);

@@ -91,7 +91,11 @@ Result<std::shared_ptr<CudaBackend>> CudaBackend::create(const CudaBackendOption
 }
 
 CudaBackend::CudaBackend(const Driver* d, CUdevice dev, CUcontext ctx, const CudaBackendOptions& o, std::size_t granularity)
-    : stream_count_(o.streams), backup_threads_(default_backup_threads()), backup_mode_(o.backup), notice_(o.notice) {
+    : stream_count_(o.streams),
+      backup_threads_(default_backup_threads()),
+      backup_mode_(o.backup),
+      notice_(o.notice),
+      trace_(o.trace) {
   link_.d = d;
   link_.dev = dev;
   link_.ctx = ctx;

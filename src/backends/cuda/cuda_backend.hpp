@@ -21,6 +21,7 @@
 #include <cuda.h>
 
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
@@ -187,6 +188,8 @@ class CudaBackend final : public Backend {
   // Unregisters, unmaps and closes the files no allocation's pieces refer to any more.
   void drop_unused_files() RESIDENCY_REQUIRES(mu_);
   void say(const std::string& line) const;
+  void trace_wake(const DeviceAllocation& a, bool restored, std::chrono::nanoseconds total,
+                  std::chrono::nanoseconds queued, std::chrono::nanoseconds gated) const;
 
   // The sets (cuda_backend.cpp); the context is made current by wake_members/sleep_members.
   Status wire_region(const RegionDesc& r) RESIDENCY_REQUIRES(mu_);
@@ -205,6 +208,7 @@ class CudaBackend final : public Backend {
   std::atomic<BackupPipeline> pipeline_{BackupPipeline::workers};
   const CudaBackendOptions::Backup backup_mode_;
   const std::function<void(const std::string&)> notice_;
+  const std::function<void(const std::string&)> trace_;  // CudaBackendOptions::trace
 
   // Background pinning (Backup::after_allocation): one thread, started at the first weights
   // allocation, takes (address, serial) pairs in order and pins each one's backup without mu_,
