@@ -46,11 +46,11 @@ def start_hog(gib):
     return hog
 
 
-def make_model(tool, path, size, seed):
-    """`residency make-model` (F16) unless `path` exists: model making is the slow part, never undone."""
+def make_model(tool, path, size, seed, wtype="f16"):
+    """`residency make-model` (F16 unless `wtype`) unless `path` exists: model making is the slow part, never undone."""
     if not os.path.exists(path):
         t = time.time()
-        subprocess.run([tool, "make-model", "--size", size, "--type", "f16", "--seed", str(seed), path],
+        subprocess.run([tool, "make-model", "--size", size, "--type", wtype, "--seed", str(seed), path],
                        check=True, stdout=subprocess.DEVNULL)
         log("made", path, f"{time.time() - t:.1f} s")
     return path

@@ -61,6 +61,9 @@ def parse_args(argv=None):
     p.add_argument("--out", required=True, help="the JSON to write; .csv and .log beside it")
     p.add_argument("--models", type=int, default=4)
     p.add_argument("--size", default="12GiB", help="each model's size, for make-model (12GiB, 64MiB)")
+    p.add_argument("--mix", default="", help="models of mixed size and type instead of --models x --size F16: "
+                   "SIZE:TYPE[:SEED],... (12GiB:f16,12GiB:q8_0,12GiB:f16:100,8GiB:q8_0; the same seed, type and size: "
+                   "the same bytes in another file)")
     p.add_argument("--budget", default="28GiB", help="RESIDENCY_GPU_BUDGET's size: NGiB or N%% (of the GPU)")
     p.add_argument("--hog-gib", type=float, default=0,
                    help="a PyTorch process outside the budget holds this much first (plain and residency; the "
@@ -757,7 +760,15 @@ def main():
         budget_mib = parse_budget_mib(a.budget, total_mib)
     log("GPU:", gpu, "budget:", a.budget, f"= {budget_mib} MiB" if budget_mib is not None else "")
     t = time.time()
-    files = [make_model(a.tool, f"{models_dir}/model-{i}.gguf", a.size, 100 + i) for i in range(a.models)]
+    if a.mix:
+        files = []
+        for i, spec in enumerate(a.mix.split(",")):
+            size, wtype, *seed = spec.split(":")
+            name = f"{models_dir}/mix-{i}-{size}-{wtype}.gguf"
+            files.append(make_model(a.tool, name, size, int(seed[0]) if seed else 100 + i, wtype))
+        a.models, a.size = len(files), "mixed"
+    else:
+        files = [make_model(a.tool, f"{models_dir}/model-{i}.gguf", a.size, 100 + i) for i in range(a.models)]
     stems = [os.path.basename(f)[:-len(".gguf")] for f in files]
     extra = [x for x in os.listdir(models_dir) if x.endswith(".gguf") and x[:-5] not in stems]
     if extra:
