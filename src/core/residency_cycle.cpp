@@ -160,11 +160,16 @@ void ResidencyCycle::release(const ReleaseReason& reason) {
                              ms(clock_.now() - t0) + " (" + why + ")");
   } else if (r.status.code() == ErrorCode::interrupted) {
     // A call began meanwhile (its touch asked the backend to stop): what was not given back stays
-    // resident and that call's re-wire finds it in place. Not a failure.
+    // resident and that call's re-wire finds it in place. Not a failure. What was given back keeps
+    // its share of a shared budget: that call wires it again at once, and a holder inside a call
+    // may not wait for room (under a strict budget it would be refused).
     if (r.sets > 0) ++counters_.releases;
     log_(LogLevel::info, "release stopped after " + ms(clock_.now() - t0) + " (" + why + "): a call began; " +
                              mib(adm_.sets().requested_bytes()) + " stay wired" +
-                             (r.bytes > 0 ? ", " + mib(r.bytes) + " released" : std::string()));
+                             (r.bytes > 0 ? ", " + mib(r.bytes) + " released (its share of the budget kept for the call)"
+                                          : std::string()));
+    if (publish_) publish_();
+    return;
   } else {
     ++counters_.release_failures;
     if (r.sets > 0) ++counters_.releases;
@@ -182,8 +187,10 @@ void ResidencyCycle::release_now(const ReleaseReason& why) {
   release(why);
 }
 
+bool ResidencyCycle::awake_or_wanted() const { return ka_.wants_resident() || adm_.sets().requested_bytes() > 0; }
+
 bool ResidencyCycle::release_by_engine() {
-  if (!ka_.managing() || !ka_.wants_resident()) return true;
+  if (!ka_.managing() || !awake_or_wanted()) return true;
   if (ka_.calls() > 0) {
     log_(LogLevel::warn,
          "release_now: " + std::to_string(ka_.calls()) + " call(s) or use scope(s) still open; not releasing");
@@ -196,7 +203,7 @@ bool ResidencyCycle::release_by_engine() {
 bool ResidencyCycle::give_back_if_idle(int asker, Nanos idle_before_asked) {
   ++counters_.asks_received;
   const Nanos idle = Nanos(ka_.now_coarse() - ka_.last_use());
-  if (!ka_.managing() || ka_.calls() > 0 || !ka_.wants_resident() || idle < idle_before_asked) {
+  if (!ka_.managing() || ka_.calls() > 0 || !awake_or_wanted() || idle < idle_before_asked) {
     adm_.settle();
     return false;
   }

@@ -124,6 +124,9 @@ class ResidencyCycle {
   };
   // `began`: when a wire that waited for room was first tried (the wait counts in its time).
   void wire(WireReason why, std::optional<Nanos> began = std::nullopt);
+  // Memory the keep-alive holds, or that is still awake although it does not (what a refused
+  // wake or a stopped release left awake): either is given back when asked or told to.
+  bool awake_or_wanted() const;
   void release(const ReleaseReason& why);
   void release_now(const ReleaseReason& why);
   void pressure_step();

@@ -322,6 +322,79 @@ TEST_F(DeviceBudgetTest, WhenTheHolderAskedStopsItsReleaseForACallTheAskerAsksTh
   b.m->end_call();
 }
 
+// A release stopped by a call after part of it was given back keeps that part's share: the call
+// wires it again at once. Under a strict budget the asker could otherwise take the share, and the
+// holder, inside its call with memory awake, would be refused (llama-server answered HTTP 500).
+TEST_F(DeviceBudgetTest, AReleaseStoppedByACallKeepsItsShareForThatCall) {
+  start(a, 8 * MiB, 300ms);
+  start(b, 8 * MiB, 300ms);
+  auto pb = b.m->allocate(4 * MiB);
+  ASSERT_TRUE(pb) << pb.message();
+  b.m->release_now();
+  auto pa1 = a.m->allocate(3 * MiB);
+  auto pa2 = a.m->allocate(3 * MiB);
+  ASSERT_TRUE(pa1 && pa2);
+  clock.advance(5ms);
+  std::thread caller;
+  int ends = 0;
+  {
+    std::lock_guard<std::recursive_mutex> g(a.fake->mu);
+    a.fake->during_end_residency = [&] {  // a request reaches a after its first set was given back
+      if (++ends != 2) return;
+      caller = std::thread([&] {
+        a.m->begin_call();
+        EXPECT_TRUE(a.m->unwired_status()) << a.m->unwired_status().message();
+        a.m->end_call();
+      });
+      for (int i = 0; i < 5000 && a.fake->interrupts.load() == 0; ++i) std::this_thread::sleep_for(1ms);
+    };
+  }
+  b.m->begin_call();  // asks a, whose release stops at its second set
+  {
+    std::lock_guard<std::recursive_mutex> g(a.fake->mu);
+    a.fake->during_end_residency = nullptr;
+  }
+  ASSERT_TRUE(caller.joinable()) << "a's release reached its second set";
+  caller.join();
+  EXPECT_EQ(a.fake->interrupted_ends, 1);
+  EXPECT_TRUE(a.logs.contains(LogLevel::info, "3.00 MiB released (its share of the budget kept for the call)"));
+  EXPECT_FALSE(a.logs.contains(LogLevel::warn, "had no room")) << "a's call was not refused";
+  EXPECT_LE(used(), 8 * MiB);
+  EXPECT_LE(a.fake->resident_bytes() + b.fake->resident_bytes(), 8 * MiB) << "what the devices hold";
+  b.m->end_call();
+}
+
+// Memory a release could not give back stays awake while the keep-alive no longer holds it; asked
+// later, its holder gives it back (it used to decline, holding its share of a strict budget: the
+// askers waited out their bound and were refused).
+TEST_F(DeviceBudgetTest, MemoryAReleaseLeftAwakeIsGivenBackWhenAsked) {
+  start(a, 8 * MiB, 300ms);
+  start(b, 8 * MiB, 300ms);
+  auto pb = b.m->allocate(4 * MiB);
+  ASSERT_TRUE(pb) << pb.message();
+  b.m->release_now();
+  auto pa = a.m->allocate(6 * MiB);
+  ASSERT_TRUE(pa) << pa.message();
+  {
+    std::lock_guard<std::recursive_mutex> g(a.fake->mu);
+    a.fake->fail_end_residency = true;
+  }
+  a.m->release_now();
+  EXPECT_TRUE(a.logs.contains(LogLevel::warn, "could not release"));
+  ASSERT_TRUE(a.fake->is_resident(pa->id));
+  {
+    std::lock_guard<std::recursive_mutex> g(a.fake->mu);
+    a.fake->fail_end_residency = false;
+  }
+  clock.advance(5ms);
+  b.m->begin_call();  // asks a, idle with 6 MiB awake
+  EXPECT_TRUE(b.fake->is_resident(pb->id));
+  EXPECT_TRUE(b.m->unwired_status()) << b.m->unwired_status().message();
+  EXPECT_FALSE(a.fake->is_resident(pa->id));
+  EXPECT_LE(used(), 8 * MiB);
+  b.m->end_call();
+}
+
 // A wake over the budget (every other holder inside a call) is repaid: once a call ends and the
 // budget is over, the least recently used holder sleeps until the sum fits.
 TEST_F(DeviceBudgetTest, AWakeOverTheBudgetIsRepaidWhenACallEnds) {
