@@ -177,8 +177,9 @@ TEST_F(CudaTest, KernelInFlightWhenSleepIsAskedFinishesFirst) {
   backend_->deallocate(p);
 }
 
-// A wake that meets out-of-memory returns a clear error, rolls back its partial mapping,
-// keeps the backup; once the memory is free a later wake succeeds with every byte intact.
+// A wake the device cannot hold fails at once, before it maps or copies anything; a paced wake
+// that meets out-of-memory returns a clear error, rolls back its partial mapping, keeps the
+// backup; once the memory is free a later wake succeeds with every byte intact.
 TEST_F(CudaTest, WakeOutOfMemoryRollsBackKeepsTheBackupAndSucceedsLater) {
   constexpr std::size_t kSize = 8 * kGiB;
   constexpr std::uint64_t kSeed = 8;
@@ -200,7 +201,21 @@ TEST_F(CudaTest, WakeOutOfMemoryRollsBackKeepsTheBackupAndSucceedsLater) {
   }
   const std::uint64_t free_before = device_free();
   const std::uint64_t wired_before = backend_->resident_bytes();
+  const std::uint64_t copied_before = backend_->bytes_copied_to_device();
+  // Not paced, the wake sees the device cannot hold it and fails before it maps or copies.
+  auto fast = backend_->request_residency(0);
+  EXPECT_EQ(fast.status.code(), ErrorCode::out_of_memory);
+  EXPECT_NE(fast.status.message().find("nothing was mapped"), std::string::npos) << fast.status.message();
+  EXPECT_NE(fast.status.message().find("host backup is kept"), std::string::npos) << fast.status.message();
+  EXPECT_EQ(backend_->bytes_copied_to_device(), copied_before) << "nothing was copied";
+  EXPECT_FALSE(backend_->is_resident(p));
+  // Paced (as under a shared budget, where the others give way while it maps), it maps chunk by
+  // chunk until the device runs out, and rolls back.
+  int pieces = 0;
+  backend_->set_wake_gate([&pieces](std::uint64_t) { ++pieces; });
   auto out = backend_->request_residency(0);
+  backend_->set_wake_gate(nullptr);
+  EXPECT_GT(pieces, 1);
   EXPECT_FALSE(out.ok());
   EXPECT_EQ(out.status.code(), ErrorCode::out_of_memory);
   ASSERT_EQ(out.failed.size(), 1u);

@@ -107,6 +107,23 @@ Status CudaBackend::wake(DeviceAllocation& a) {
   } else if (gate_) {
     before = gate_;
   }
+  // Not paced (no other holder gives way while it maps): a wake the device cannot hold fails at
+  // once, before it maps and copies what it would throw away (on a full GPU that cost a switch
+  // about 100 ms); the manager asks the other holders and tries again.
+  if (!gate_) {
+    std::size_t free_b = 0, total_b = 0;
+    if (link_.d->cuMemGetInfo(&free_b, &total_b) == CUDA_SUCCESS && free_b < r.reserved) {
+      if (trace_)
+        trace_("wake of " + format_size(r.reserved) + " " + to_string(a.cls) + " at " + hex(r.va) + ": not begun, " +
+               format_size(free_b) + " free on the device");
+      return Status(ErrorCode::out_of_memory,
+                    "cuda: out of device memory waking a " + format_size(r.size) + " " + to_string(a.cls) +
+                        " allocation at " + hex(r.va) + ": " + format_size(free_b) + " free on the device, " +
+                        format_size(r.reserved) + " needed; nothing was mapped" +
+                        (restore ? " and the host backup is kept" : "") +
+                        "; free device memory (other allocations or processes) and request residency again");
+    }
+  }
   VmmRange::MapFailure f;
   if (!r.map(link_, before, fill, f)) {
     const bool oom = f.result == CUDA_ERROR_OUT_OF_MEMORY;
