@@ -152,8 +152,8 @@ RESIDENCY_API residency_status residency_config_from_env(residency_config** out)
 /* Sets one key from text, parsed as the environment variable of the same name would be:
  * "keep_alive", "wired_limit", "set_max_pct", "layout", "release_on_pressure", "pressure_floor",
  * "pressure_quiet", "shared_budget" (NAME:SIZE[:GROUP], a wired budget shared with the other
- * processes naming it; Linux), "shared_priority", "budget_wait" (over, or a duration: how long
- * device memory waits its turn for room in a full shared budget), "state_file" (0: publish no state for
+ * processes naming it; Linux), "shared_priority", "budget_wait" (a duration, 30s by default: how long
+ * device memory waits its turn for room in a full shared budget; or over), "state_file" (0: publish no state for
  * `residency stat --pid`), "log", "log_time" (0 or 1: the default log lines carry the local time). */
 RESIDENCY_API residency_status residency_config_set(residency_config* cfg, const char* key, const char* value);
 RESIDENCY_API void residency_config_free(residency_config* cfg);

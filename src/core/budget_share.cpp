@@ -118,8 +118,9 @@ bool BudgetShare::refuse(std::uint64_t bytes) {
 std::string BudgetShare::refusal(std::uint64_t bytes) const {
   const std::string holders = ledger_->others_holding();
   return "shared budget " + name() + " (" + mib(budget()) + ") had no room for " + mib(bytes) +
-         " of device memory within RESIDENCY_BUDGET_WAIT (" + ms(*wait_) + "; this process holds " + mib(held()) +
-         "; " + (holders.empty() ? std::string("nobody else holds any") : holders) +
+         " of device memory within RESIDENCY_BUDGET_WAIT (" + KeepAlive::after(*wait_).to_string() +
+         "; this process holds " + mib(held()) + "; " +
+         (holders.empty() ? std::string("nobody else holds any") : holders) +
          "): it is refused, and the call that needs it fails; `residency stat` lists the holders";
 }
 

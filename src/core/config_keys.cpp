@@ -122,7 +122,7 @@ void read_shared_priority(const ConfigKey& key, EnvReader& env, Config& c) {
 void read_budget_wait(const ConfigKey& key, EnvReader& env, Config& c) {
   const char* v = env.get(key.variable);
   if (!v) return;
-  constexpr const char* forms = "`over` (the default), or a duration above 0 with unit (30s, 2m)";
+  constexpr const char* forms = "a duration above 0 with unit (30s, the default; 2m), or `over`";
   if (std::string_view(v) == "over") {
     c.budget_wait.reset();
     return;
@@ -234,10 +234,10 @@ constexpr ConfigKey kKeys[] = {
     {"budget_wait",
      "RESIDENCY_BUDGET_WAIT",
      {},
-     "device memory (a GPU budget) that does not fit once the idle holders were asked: `over` wakes it over the "
-     "budget; a duration waits for room, in order of arrival across the processes, that long at most, then refuses "
-     "it (the decode fails with the reason)",
-     "`over` (default) or a duration above 0 (`30s`)",
+     "device memory (a GPU budget) that does not fit once the idle holders were asked: a duration waits for room, "
+     "in order of arrival across the processes, that long at most, then refuses it (the decode fails with the "
+     "reason); `over` wakes it over the budget, a debt repaid as the calls end",
+     "a duration above 0 (default `30s`) or `over`",
      read_budget_wait,
      copy_field<&Config::budget_wait>},
     {"state_file",

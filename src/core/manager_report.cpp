@@ -142,7 +142,8 @@ void ManagerReport::publish() {
     num("asks_sent", shared->asks_sent());
     put("shared_priority", std::to_string(config_.shared_priority));
     // Device memory the others could not make room for: woken over the budget, or waited for.
-    put("shared_budget_mode", config_.budget_wait ? "strict, waits at most " + ms(*config_.budget_wait) : "over");
+    put("shared_budget_mode",
+        config_.budget_wait ? "strict, waits at most " + KeepAlive::after(*config_.budget_wait).to_string() : "over");
   }
   if (!state_->publish(b))
     if (std::string why = state_->why_not(); !why.empty()) log_(LogLevel::warn, why);

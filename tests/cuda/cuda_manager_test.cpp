@@ -28,6 +28,7 @@ class CudaManagerTest : public CudaTest {
     ManagerOptions o;
     o.config.keep_alive = ka;
     o.config.shared_budget = std::move(budget);
+    o.config.budget_wait.reset();  // `over`: the mode whose wakes are paced (a strict wake is not)
     o.config.state_file = false;
     o.config.log_level = LogLevel::info;
     o.backend = std::move(b);

@@ -323,7 +323,8 @@ TEST(StatPid, HoldChildLockedBytesManagerStateAndSharedBudget) {
   for (const std::string& want :
        std::vector<std::string>{"VmLck", "2 MiB of 2 MiB resident: file " + h.file, "manager 0",
                                 "posix, keep-alive forever, resident", "weights 2 MiB (2 MiB wired)", "shared budget",
-                                h.budget + ": holds 2 MiB of 64 MiB", "; device memory: over", "none yet", "GPU"})
+                                h.budget + ": holds 2 MiB of 64 MiB", "; device memory: strict, waits at most 30 s",
+                                "none yet", "GPU"})
     EXPECT_NE(t.out.find(want), std::string::npos) << "missing '" << want << "' in:\n" << t.out;
 
   ::kill(h.pid, SIGTERM);

@@ -347,18 +347,20 @@ TEST(ConfigFromEnv, SharedBudgetAndPriority) {
   EXPECT_EQ(std::count(bad.message().begin(), bad.message().end(), '\n'), 1);
 }
 
-// RESIDENCY_BUDGET_WAIT: `over` (the default) or a duration above 0; anything else one line.
-TEST(ConfigFromEnv, BudgetWaitIsOverOrADuration) {
-  EXPECT_FALSE(Config::from_env(env({}))->budget_wait) << "over by default";
+// RESIDENCY_BUDGET_WAIT: a duration above 0 (30 s, the default: strict) or `over`; anything else
+// one line.
+TEST(ConfigFromEnv, BudgetWaitIsADurationOrOver) {
+  EXPECT_EQ(Config::from_env(env({}))->budget_wait, Nanos(std::chrono::seconds(30))) << "strict by default";
   EXPECT_FALSE(Config::from_env(env({{"RESIDENCY_BUDGET_WAIT", "over"}}))->budget_wait);
-  auto c = Config::from_env(env({{"RESIDENCY_BUDGET_WAIT", "30s"}}));
+  auto c = Config::from_env(env({{"RESIDENCY_BUDGET_WAIT", "2m"}}));
   ASSERT_TRUE(c) << c.message();
-  EXPECT_EQ(c->budget_wait, Nanos(std::chrono::seconds(30)));
+  EXPECT_EQ(c->budget_wait, Nanos(std::chrono::minutes(2)));
   for (const char* bad : {"0", "-1", "soon", "forever", "off"}) {
     auto b = Config::from_env(env({{"RESIDENCY_BUDGET_WAIT", bad}}));
     ASSERT_FALSE(b) << bad;
     EXPECT_EQ(b.message().rfind("RESIDENCY_BUDGET_WAIT=\"" + std::string(bad) + "\"", 0), 0u) << b.message();
-    EXPECT_NE(b.message().find("`over` (the default), or a duration above 0"), std::string::npos) << b.message();
+    EXPECT_NE(b.message().find("a duration above 0 with unit (30s, the default; 2m), or `over`"), std::string::npos)
+        << b.message();
   }
 }
 

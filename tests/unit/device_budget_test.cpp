@@ -568,7 +568,7 @@ TEST_F(DeviceBudgetTest, AStrictBudgetRefusesAtTheBoundAndSaysWhoHoldsIt) {
   EXPECT_EQ(pb.status().code(), ErrorCode::out_of_memory);
   EXPECT_NE(pb.message().find("shared budget " + name +
                               " (8.00 MiB) had no room for 4.00 MiB of device memory "
-                              "within RESIDENCY_BUDGET_WAIT (300.00 ms"),
+                              "within RESIDENCY_BUDGET_WAIT (300 ms"),
             std::string::npos)
       << pb.message();
   EXPECT_NE(pb.message().find("pid " + std::to_string(::getpid()) + " holds 6.0 MiB"), std::string::npos) << pb.message();
