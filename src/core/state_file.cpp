@@ -50,6 +50,13 @@ bool exiting = false;  // guarded by registry_mu()
 // another thread of the parent held at fork(), nor remove the parent's files.
 std::atomic<int> registry_pid{0};
 
+// What set_state_engine() set, written into every snapshot; guarded by registry_mu(), never
+// destroyed (as the registry).
+std::string& engine() {
+  static auto* e = new std::string;
+  return *e;
+}
+
 unsigned next_manager_number() {
   static std::atomic<unsigned> n{0};
   return n.fetch_add(1, std::memory_order_relaxed);
@@ -135,13 +142,14 @@ bool StateFile::publish(const std::string& body) {
   const double now = std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
   char updated[32];
   std::snprintf(updated, sizeof updated, "%.3f", now);
-  std::string text = std::string(kStateHeader) + "\npid=" + std::to_string(owner_pid_) +
-                     "\nstart_time=" + (start ? std::to_string(*start) : std::string()) +
-                     "\nuid=" + std::to_string(::getuid()) + "\nmanager=" + path_.substr(path_.rfind('.') + 1) +
-                     "\nupdated=" + updated + "\n" + body;
+  const std::string head = std::string(kStateHeader) + "\npid=" + std::to_string(owner_pid_) +
+                           "\nstart_time=" + (start ? std::to_string(*start) : std::string()) +
+                           "\nuid=" + std::to_string(::getuid()) + "\nmanager=" + path_.substr(path_.rfind('.') + 1) +
+                           "\nupdated=" + updated + "\n";
 
   std::lock_guard<std::mutex> g(registry_mu());
   if (exiting || failed_) return false;
+  const std::string text = head + (engine().empty() ? std::string() : "engine=" + engine() + "\n") + body;
   static std::once_flag at_exit;
   std::call_once(at_exit, [] {
     std::atexit(remove_state_files_at_exit);
@@ -173,6 +181,14 @@ bool StateFile::publish(const std::string& body) {
   if (::rename(tmp_.c_str(), path_.c_str()) != 0) return fail("cannot rename the new snapshot over it");
   written_ = true;
   return true;
+}
+
+void set_state_engine(const std::string& value) {
+  std::string line = value;
+  for (char& c : line)
+    if (c == '\n' || c == '\r') c = ' ';
+  std::lock_guard<std::mutex> g(registry_mu());
+  engine() = std::move(line);
 }
 
 std::vector<StateFileRead> read_state_files(int pid, uid_t owner_uid, std::optional<std::uint64_t> start_time,
@@ -260,6 +276,7 @@ std::vector<StateFileRead> read_state_files(int pid, uid_t owner_uid, std::optio
 #else  // no /proc, no /dev/shm: nothing is published
 
 void remove_state_files_at_exit() {}
+void set_state_engine(const std::string&) {}
 StateFile::StateFile() : owner_pid_(0), start_time_(std::nullopt) {}
 StateFile::~StateFile() = default;
 void StateFile::remove() {}

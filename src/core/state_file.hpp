@@ -37,6 +37,12 @@ std::optional<std::uint64_t> process_start_time(int pid);
 // Removes this process's state files and stops all publishing (the atexit handler).
 void remove_state_files_at_exit();
 
+// What this process's managers serve, as the code that found it says: the preload sets the path of
+// the libllama whose llama_decode it drives, as the dynamic loader gave it. Every snapshot written
+// from then on carries it as `engine=` (newlines replaced), so that `residency doctor PID` can say
+// which llama.cpp the preload serves; unset (empty): no such line.
+void set_state_engine(const std::string& engine);
+
 // Written on state changes only (registration, wire, release, budget changes), under the
 // manager's mutex; never on touch()'s fast path. Removed when the manager is destroyed and at
 // exit (an atexit handler: the preload never destroys its managers); a fork child never

@@ -10,6 +10,7 @@
 
 #include "backends/posix/proc_info.hpp"
 #include "call_targets.hpp"
+#include "core/state_file.hpp"
 #include "ggml_api.hpp"
 #include "next_calls.hpp"
 #include "platform/thread_annotations.hpp"
@@ -135,7 +136,8 @@ EngineSession* make_session(const void* near, bool& waiting) noexcept {
     // Looked up, not called: no "was called" warning from resolve_next here. Not yet there, it is
     // looked for again once libraries change (a program's own GGUF reader, or a ggml-based library,
     // may come before libllama).
-    if (resolve_symbol("llama_decode", near) == nullptr || resolve_symbol("llama_synchronize", near) == nullptr) {
+    void* const decode = resolve_symbol("llama_decode", near);
+    if (decode == nullptr || resolve_symbol("llama_synchronize", near) == nullptr) {
       waiting = true;
       if (!g_said_waiting.exchange(true))
         log.warn(
@@ -163,6 +165,10 @@ EngineSession* make_session(const void* near, bool& waiting) noexcept {
     o.machine_has_swap = machine_has_swap();
     o.engine_memory = config->engine_memory;
     o.worker_init = &mark_thread_inside_hook;  // the worker's own memory calls pass straight through
+    // The llama.cpp this session serves, in its managers' state files (`engine=`): the library that
+    // holds the llama_decode it found, for `residency doctor PID`.
+    if (Dl_info engine{}; ::dladdr(decode, &engine) != 0 && engine.dli_fname != nullptr)
+      core::set_state_engine(engine.dli_fname);
     return new EngineSession(std::move(o));
   } catch (...) {
     return nullptr;  // out of memory while starting: pass through

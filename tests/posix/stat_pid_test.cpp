@@ -470,6 +470,44 @@ TEST(StatPid, StateFileOffPublishesNothing) {
   EXPECT_EQ(c.finish(), 0);
 }
 
+// What the process serves (the preload sets the libllama it drives) is one `engine=` line of every
+// snapshot written from then on, for `residency doctor PID`; a newline in it cannot add a field.
+// In a forked child: a state file of this process would take manager number 0 from the others.
+TEST(StatPid, AStateFileCarriesTheEngineItsProcessServes) {
+  namespace core = residency::core;
+  int fds[2];
+  ASSERT_EQ(::pipe(fds), 0);
+  const pid_t child = ::fork();
+  if (child == 0) {
+    ::close(fds[0]);
+    bool ok = false;
+    {
+      core::StateFile file;
+      auto field = [&](const char* key) {
+        for (const auto& s : core::read_state_files(::getpid(), ::getuid(), core::process_start_time(::getpid())))
+          if (s.path == file.path()) return s.fields.count(key) ? s.fields.at(key) : std::string("(none)");
+        return std::string("(no file)");
+      };
+      std::string seen = file.publish("backend=test\n") ? field("engine") : "(not written)";
+      core::set_state_engine("/opt/llama/lib/libllama.so.0\nbackend=forged");
+      seen += "|" + (file.publish("backend=test\n") ? field("engine") + "|" + field("backend") : "(not written)");
+      ok = ::write(fds[1], seen.data(), seen.size()) == static_cast<ssize_t>(seen.size());
+    }  // the StateFile's destruction removes its file
+    ::_exit(ok ? 0 : 1);
+  }
+  ::close(fds[1]);
+  std::string seen;
+  char buf[512];
+  for (ssize_t n; (n = ::read(fds[0], buf, sizeof buf)) > 0;) seen.append(buf, static_cast<std::size_t>(n));
+  ::close(fds[0]);
+  int status = 0;
+  ::waitpid(child, &status, 0);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+  EXPECT_EQ(seen, "(none)|/opt/llama/lib/libllama.so.0 backend=forged|test") << "nothing set: no line; then one";
+  EXPECT_FALSE(exists(state_path(child))) << "its destruction removed it";
+  ::unlink(state_path(child).c_str());
+}
+
 // The README's quick start once ran llama-server with LD_PRELOAD naming a preload that was never
 // built: the loader ignored it and the server ran unmanaged. stat says so, and why.
 TEST(StatPid, APreloadNamedButNotLoadedIsSaidWithItsLikelyCause) {

@@ -678,7 +678,7 @@ TEST_F(ToolHardening, AClosedPipeEndsIdleAndHoldCleanlyWithoutLeavingTheLedger) 
 }
 
 // Issue 42, item 1: anyone may make a FIFO or a socket in /dev/shm under a ledger's name. Every
-// reader of /dev/shm (stat, stat --json, ps, ps --json, ps --prometheus) ends at once and stat
+// reader of /dev/shm (stat, stat --json, ps, ps --json, ps --prometheus, doctor) ends at once and stat
 // says what the file is; a hold that names it as its budget gets one message saying so. Before:
 // each of them blocked in open() on the FIFO, forever (each run here is bounded and killed).
 TEST_F(ToolHardening, AFifoOrASocketInDevShmHangsNothingAndIsListedAsWhatItIs) {
@@ -711,6 +711,18 @@ TEST_F(ToolHardening, AFifoOrASocketInDevShmHangsNothingAndIsListedAsWhatItIs) {
       EXPECT_NE(r.out.find(fifo + " is a FIFO, not a ledger"), std::string::npos) << r.out;
       EXPECT_NE(r.out.find(sock + " is a socket, not a ledger"), std::string::npos) << r.out;
     }
+  }
+  // doctor, for a command naming the FIFO's budget (and with none named): no hang, the FIFO said.
+  for (const bool named : {true, false}) {
+    SCOPED_TRACE(named ? "doctor naming the FIFO's budget" : "doctor naming no budget");
+    const ToolRun r = run({"doctor", "--", "/bin/true"},
+                          named ? std::vector<std::string>{"RESIDENCY_SHARED_BUDGET=" + fifo_name + ":8MiB"}
+                                : std::vector<std::string>{},
+                          10);
+    EXPECT_LT(r.seconds, 10) << "a hang";
+    EXPECT_EQ(r.exit_code, 1) << "signal " << r.signal << ": " << r.err;
+    EXPECT_NE(r.out.find(fifo + " is a FIFO, not a ledger"), std::string::npos) << r.out;
+    EXPECT_NE(r.out.find(named ? "FAIL  budgets" : "warn  state directory"), std::string::npos) << r.out;
   }
   const std::string file = root_ + "/held";
   {

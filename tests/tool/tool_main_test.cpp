@@ -29,14 +29,15 @@ ToolRun run_tool(const std::string& args) {
 TEST(ToolMain, WithoutASubcommandItShowsTheSubcommandsAndExits2) {
   const ToolRun r = run_tool("");
   EXPECT_EQ(r.status, 2);
-  for (const char* name : {"hold", "idle", "make-model", "stat"})
+  for (const char* name : {"doctor", "hold", "idle", "make-model", "stat"})
     EXPECT_NE(r.output.find(name), std::string::npos) << r.output;
 }
 
 TEST(ToolMain, AnUnknownSubcommandIsNamedWithTheAcceptedOnes) {
   const ToolRun r = run_tool("idel");
   EXPECT_EQ(r.status, 2);
-  EXPECT_NE(r.output.find("unknown command 'idel'; accepted: hold, idle, llama-idle, make-model, ps, stat, help"),
+  EXPECT_NE(r.output.find(
+                "unknown command 'idel'; accepted: doctor, hold, idle, llama-idle, make-model, ps, stat, help"),
             std::string::npos)
       << r.output;
   EXPECT_EQ(std::count(r.output.begin(), r.output.end(), '\n'), 1) << "one line: " << r.output;
@@ -83,7 +84,7 @@ TEST(ToolMain, VersionAndHelpCommandFollowTheConventions) {
   EXPECT_EQ(hs.output, run_tool("stat --help").output) << "help stat is stat --help";
   const ToolRun bad = run_tool("help nope");
   EXPECT_EQ(bad.status, 2);
-  EXPECT_NE(bad.output.find("residency help: unknown command 'nope'; accepted: one of hold, idle"), std::string::npos)
+  EXPECT_NE(bad.output.find("residency help: unknown command 'nope'; accepted: one of doctor, hold, idle"), std::string::npos)
       << bad.output;
   const ToolRun opt = run_tool("stat --bogus");
   EXPECT_EQ(opt.status, 2);
@@ -91,7 +92,7 @@ TEST(ToolMain, VersionAndHelpCommandFollowTheConventions) {
 }
 
 TEST(ToolMain, EveryPlaceholderSaysWhatItTakes) {
-  for (const char* cmd : {"hold", "idle", "llama-idle", "make-model", "ps", "stat"}) {
+  for (const char* cmd : {"doctor", "hold", "idle", "llama-idle", "make-model", "ps", "stat"}) {
     const ToolRun r = run_tool(std::string(cmd) + " --help");
     if (r.status != 0) continue;  // llama-idle: Linux only
     for (const char* word : {" TEXT", " INT", " UINT", " FLOAT", "{false}", "{true}"})

@@ -61,6 +61,7 @@ void name_placeholders(CLI::App& sub) {
                                                            {"profile", "NAME"},
                                                            {"type", "TYPE"},
                                                            {"FILE", "FILE"},
+                                                           {"TARGET", "PID|-- COMMAND"},
                                                            {"MODEL", "GGUF"},
                                                            {"OUT", "FILE"}};
   for (CLI::Option* o : sub.get_options()) {
