@@ -144,12 +144,20 @@ struct Manager::Impl {
       const core::BudgetShare::RoomWanted want = adm.share()->take_room_wanted();
       if (!want.any()) break;
       std::uint64_t freed = 0;
+      const Nanos asked_at = clock->now();
       mu.unlock();
       try {
         freed = room->make(want, mu);
       } catch (...) {  // out of memory: nothing more is admitted
       }
       mu.lock();
+      if (log.enabled(LogLevel::debug))  // the switch's timeline: the ask, and what it got
+        log(LogLevel::debug,
+            "timeline: asked the holders of " + adm.share()->name() + " for " + core::mib(want.bytes) + " of room" +
+                (want.device_full != 0 ? " and " + core::mib(want.device_full) + " the device lacked" : std::string()) +
+                (want.in_turn ? ", waiting its turn" : "") + " (round " + std::to_string(round) + "): answered in " +
+                core::ms(clock->now() - asked_at) +
+                (want.device_full != 0 ? ", " + core::mib(freed) + " of device memory given back" : std::string()));
       try {
         cycle.retry(/*keep_asking=*/freed != 0 && round < kOutOfMemoryRetries);
       } catch (...) {

@@ -45,8 +45,9 @@ class DeviceBudgetTest : public ::testing::Test {
     return n;
   }
   void start(Device& d, std::uint64_t budget, std::optional<Nanos> wait = std::nullopt,
-             const std::string& budget_name = {}, int priority = 0) {
+             const std::string& budget_name = {}, int priority = 0, LogLevel level = LogLevel::info) {
     ManagerOptions o;
+    o.config.log_level = level;
     o.config.budget_wait = wait;
     o.config.shared_priority = priority;
     o.config.keep_alive = KeepAlive::after(10s);
@@ -137,6 +138,26 @@ TEST_F(DeviceBudgetTest, AnAllocationThatDoesNotFitPutsTheIdleHolderToSleepFirst
   EXPECT_FALSE(b.fake->is_resident(pb->id)) << "the holder idle longest slept so that the call could wake";
   a.m->end_call();
   EXPECT_EQ(used(), 6 * MiB);
+}
+
+// With a debug log, a switch says where its time went: the ask and its answer, and the wake's
+// phases (on the manual clock every phase takes 0 ms).
+TEST_F(DeviceBudgetTest, ADebugLogTellsTheSwitchsTimeline) {
+  start(a, 8 * MiB, 1s);
+  start(b, 8 * MiB, 1s, {}, 0, LogLevel::debug);
+  auto pb = b.m->allocate(4 * MiB);
+  ASSERT_TRUE(pb) << pb.message();
+  b.m->release_now();
+  auto pa = a.m->allocate(6 * MiB);
+  ASSERT_TRUE(pa) << pa.message();
+  clock.advance(2s);
+  b.m->begin_call();
+  EXPECT_TRUE(b.fake->is_resident(pb->id));
+  EXPECT_TRUE(b.logs.contains(LogLevel::debug, "timeline: asked the holders of " + name + " for 2.00 MiB of room"));
+  EXPECT_TRUE(b.logs.contains(LogLevel::debug, "timeline: the wake of 4.00 MiB: 0.00 ms waiting for room"));
+  EXPECT_TRUE(b.logs.contains(LogLevel::info, "re-wired 4.00 MiB in 1 set(s)"));
+  EXPECT_FALSE(a.logs.contains("timeline:")) << "nothing at info";
+  b.m->end_call();
 }
 
 // A holder inside a call is never put to sleep; when nobody can give way, device memory (which a
