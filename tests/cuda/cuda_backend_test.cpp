@@ -137,11 +137,15 @@ TEST_F(CudaTraceTest, EachWakeOfWeightsSaysItsPhasesAndItsBytes) {
   resident_set(*backend_, 0, device_region(1, p, kSize, RegionClass::weights));
   lines_.clear();  // the allocation's own wake had nothing to copy
   ASSERT_TRUE(backend_->end_residency(0));
-  ASSERT_TRUE(backend_->request_residency(0).ok());
   ASSERT_EQ(lines_.size(), 1u);
-  EXPECT_NE(lines_[0].find("wake of 256.00 MiB weights"), std::string::npos) << lines_[0];
-  EXPECT_NE(lines_[0].find("copies done"), std::string::npos) << lines_[0];
-  EXPECT_NE(lines_[0].find("256.00 MiB from pinned host memory"), std::string::npos) << lines_[0];
+  EXPECT_NE(lines_[0].find("sleep of 256.00 MiB weights"), std::string::npos) << lines_[0];
+  EXPECT_NE(lines_[0].find("256.00 MiB copied to the host"), std::string::npos) << lines_[0];
+  EXPECT_NE(lines_[0].find("on the device"), std::string::npos) << lines_[0];
+  ASSERT_TRUE(backend_->request_residency(0).ok());
+  ASSERT_EQ(lines_.size(), 2u);
+  EXPECT_NE(lines_[1].find("wake of 256.00 MiB weights"), std::string::npos) << lines_[1];
+  EXPECT_NE(lines_[1].find("copies done"), std::string::npos) << lines_[1];
+  EXPECT_NE(lines_[1].find("256.00 MiB from pinned host memory"), std::string::npos) << lines_[1];
   EXPECT_EQ(mismatches(p, kSize, 7), 0u);
   EXPECT_TRUE(backend_->destroy_set(0));
   backend_->deallocate(p);

@@ -2,14 +2,17 @@
 // The cuda backend: the wake and sleep of one allocation, the writes an engine reports, and the
 // background pinning of backups (cuda_backend.hpp says how the parts fit).
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <optional>
 #include <string>
 
 #include "backends/cuda/cuda_backend.hpp"
 #include "backends/cuda/cuda_process.hpp"
+#include "backends/cuda/nvml.hpp"
 #include "residency/text.hpp"
 
 namespace residency::cuda {
@@ -47,24 +50,62 @@ void CudaBackend::trace_wake(const DeviceAllocation& a, bool restored, std::chro
   const std::uint64_t copied = restored ? a.range.size : 0;
   const auto msec = [](std::chrono::nanoseconds d) { return std::chrono::duration<double, std::milli>(d).count(); };
   const double mib = 1024.0 * 1024.0;
-  char buf[512];
-  int len = std::snprintf(buf, sizeof buf, "wake of %.2f MiB %s at %s: %.2f ms in all; mapped and queued in %.2f ms",
-                          static_cast<double>(a.range.size) / mib, to_string(a.cls), hex(a.range.va).c_str(),
-                          msec(total), msec(queued));
-  auto add = [&](auto... args) {
-    if (len >= 0 && static_cast<std::size_t>(len) < sizeof buf)
-      len += std::snprintf(buf + len, sizeof buf - static_cast<std::size_t>(len), args...);
-  };
-  if (gated.count() > 0) add(" (%.2f ms of it waiting for the budget's room)", msec(gated));
+  char part[320];
+  std::snprintf(part, sizeof part, "wake of %.2f MiB %s at %s: %.2f ms in all; mapped and queued in %.2f ms",
+                static_cast<double>(a.range.size) / mib, to_string(a.cls), hex(a.range.va).c_str(), msec(total),
+                msec(queued));
+  std::string line = part;
+  if (gated.count() > 0) {
+    std::snprintf(part, sizeof part, " (%.2f ms of it waiting for the budget's room)", msec(gated));
+    line += part;
+  }
   if (copied == 0) {
-    add(", nothing to copy");
+    line += ", nothing to copy";
   } else {
     const double secs = std::chrono::duration<double>(total).count();
-    add(", copies done %.2f ms later (%.2f MiB from the model file's pages, %.2f MiB from pinned host memory; "
-        "%.1f GB/s over the whole wake)",
-        msec(total - queued), static_cast<double>(from_file) / mib, static_cast<double>(copied - from_file) / mib,
-        secs > 0 ? static_cast<double>(copied) / secs / 1e9 : 0.0);
+    std::snprintf(part, sizeof part,
+                  ", copies done %.2f ms later (%.2f MiB from the model file's pages, %.2f MiB from pinned host "
+                  "memory; %.1f GB/s over the whole wake)",
+                  msec(total - queued), static_cast<double>(from_file) / mib, static_cast<double>(copied - from_file) / mib,
+                  secs > 0 ? static_cast<double>(copied) / secs / 1e9 : 0.0);
+    line += part;
   }
+  line += "; " + device_figure();
+  try {
+    trace_(line);
+  } catch (...) {
+    // the line is lost, nothing else
+  }
+}
+
+// For the timeline: what NVML says this process holds on the device (what nvidia-smi and a GPU
+// budget's sampler see), against what its backends map.
+std::string CudaBackend::device_figure() const {
+  CudaProcess& process = CudaProcess::instance();
+  const double mib = 1024.0 * 1024.0;
+  char buf[160];
+  std::string why;
+  const std::optional<std::uint64_t> used = uuid_.empty() ? std::nullopt
+                                                          : nvml_process_bytes(process.nvml(), uuid_, ::getpid(), &why);
+  if (used)
+    std::snprintf(buf, sizeof buf, "the process holds %.2f MiB on the device (NVML), %.2f MiB of it mapped here",
+                  static_cast<double>(*used) / mib, static_cast<double>(process.mapped(link_.dev)) / mib);
+  else
+    std::snprintf(buf, sizeof buf, "the process maps %.2f MiB on the device (NVML unknown)",
+                  static_cast<double>(process.mapped(link_.dev)) / mib);
+  return buf;
+}
+
+void CudaBackend::trace_sleep(const DeviceAllocation& a, std::chrono::nanoseconds saved,
+                              std::chrono::nanoseconds dropped, std::uint64_t copied) const {
+  const auto msec = [](std::chrono::nanoseconds d) { return std::chrono::duration<double, std::milli>(d).count(); };
+  const double mib = 1024.0 * 1024.0;
+  char buf[512];
+  std::snprintf(buf, sizeof buf,
+                "sleep of %.2f MiB %s at %s: saved in %.2f ms (%.2f MiB copied to the host; a first sleep also "
+                "registers model files and pins backups), unmapped in %.2f ms; %s",
+                static_cast<double>(a.range.size) / mib, to_string(a.cls), hex(a.range.va).c_str(), msec(saved),
+                static_cast<double>(copied) / mib, msec(dropped), device_figure().c_str());
   try {
     trace_(buf);
   } catch (...) {
@@ -98,14 +139,15 @@ Status CudaBackend::wake(DeviceAllocation& a) {
   const SteadyClock::time_point t0 = SteadyClock::now();
   SteadyClock::duration gated{};
   VmmRange::BeforeChunk before;
-  if (gate_ && trace_) {
+  const WakeGate gate = gate_;  // a copy: the lambda below runs inside map(), still under mu_
+  if (gate && trace_) {
     before = [&](std::size_t bytes) {
       const SteadyClock::time_point g = SteadyClock::now();
-      gate_(bytes);
+      gate(bytes);
       gated += SteadyClock::now() - g;
     };
-  } else if (gate_) {
-    before = gate_;
+  } else if (gate) {
+    before = gate;
   }
   // Not paced (no other holder gives way while it maps): a wake the device cannot hold fails at
   // once, before it maps and copies what it would throw away (on a full GPU that cost a switch

@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
 #include <limits>
 #include <optional>
 #include <string>
@@ -346,6 +347,8 @@ Status CudaBackend::sleep_members(const std::vector<RegionDesc>& members, bool i
   // (interrupt_release) stops the release here and finds everything in place. Then, past the last
   // look, the memory is given back.
   std::vector<DeviceAllocation*> saved;
+  // With a trace: each saved allocation's save time and bytes copied, in the order of `saved`.
+  std::vector<std::pair<std::chrono::nanoseconds, std::uint64_t>> save_times;
   auto interrupted = [&] {
     if (!interruptible || !interrupt_wanted()) return false;
     // Still resident: an untracked backup is only valid from a sleep to the next wake.
@@ -359,7 +362,10 @@ Status CudaBackend::sleep_members(const std::vector<RegionDesc>& members, bool i
     if (interrupted()) return stopped;
     DeviceAllocation* a = find(m.base);
     if (a == nullptr) continue;  // unwire_region says so below
+    const auto t0 = std::chrono::steady_clock::now();
+    const std::uint64_t copied0 = copied_to_host_;
     Status st = save(*a);
+    const auto took = std::chrono::steady_clock::now() - t0;
     if (st.code() == ErrorCode::interrupted) {
       (void)interrupted();
       return stopped;
@@ -368,14 +374,21 @@ Status CudaBackend::sleep_members(const std::vector<RegionDesc>& members, bool i
       if (first) first = st;
       continue;
     }
+    if (trace_) save_times.emplace_back(took, copied_to_host_ - copied0);
     saved.push_back(a);
   }
   if (interrupted()) return stopped;
   for (const auto& m : members) {
     if (m.backend_allocated) {
       DeviceAllocation* a = find(m.base);
-      if (a != nullptr && std::find(saved.begin(), saved.end(), a) != saved.end()) {
+      const auto at = a == nullptr ? saved.end() : std::find(saved.begin(), saved.end(), a);
+      if (at != saved.end()) {
+        const auto t0 = std::chrono::steady_clock::now();
         drop(*a);
+        if (trace_) {
+          const auto& [took, copied] = save_times[static_cast<std::size_t>(at - saved.begin())];
+          trace_sleep(*a, took, std::chrono::steady_clock::now() - t0, copied);
+        }
         continue;
       }
       if (a != nullptr) continue;  // its save failed: it stays resident (reported above)

@@ -190,6 +190,9 @@ class CudaBackend final : public Backend {
   void say(const std::string& line) const;
   void trace_wake(const DeviceAllocation& a, bool restored, std::chrono::nanoseconds total,
                   std::chrono::nanoseconds queued, std::chrono::nanoseconds gated) const;
+  void trace_sleep(const DeviceAllocation& a, std::chrono::nanoseconds saved, std::chrono::nanoseconds dropped,
+                   std::uint64_t copied) const;
+  std::string device_figure() const;
 
   // The sets (cuda_backend.cpp); the context is made current by wake_members/sleep_members.
   Status wire_region(const RegionDesc& r) RESIDENCY_REQUIRES(mu_);
