@@ -3,6 +3,7 @@
 
 #include <dlfcn.h>
 #include <link.h>
+#include <sched.h>
 
 #include <cerrno>
 #include <cstring>
@@ -207,6 +208,19 @@ CallTarget resolve_call(CallSite& site, const char* name, CallKind kind, const v
 void libraries_changed() noexcept { g_generation.fetch_add(1, std::memory_order_acq_rel); }
 
 std::uint64_t libraries_generation() noexcept { return g_generation.load(std::memory_order_acquire); }
+
+std::string engine_libllama() {
+  // Another thread may be listing the libraries as they are now: its listing, not an older one
+  // (a while at most, where libraries keep changing).
+  constexpr int kTries = 1000;
+  for (int i = 1;; ++i) {
+    list_libllamas();
+    const Libllamas l = read_libllamas();
+    if (l.generation == g_generation.load(std::memory_order_acquire) || i == kTries)
+      return l.n > 0 ? std::string(l.path[0]) : std::string();
+    ::sched_yield();
+  }
+}
 
 bool brings_in_libllama(void* handle) noexcept {
   if (handle == nullptr) return false;

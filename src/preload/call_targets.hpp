@@ -20,6 +20,7 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <string>
 
 namespace residency::preload {
 
@@ -73,5 +74,8 @@ void libraries_changed() noexcept;
 std::uint64_t libraries_generation() noexcept;
 // Whether the object loaded at `handle` (a dlopen handle) is, or brings in, a libllama.
 bool brings_in_libllama(void* handle) noexcept;
+// The path of the first libllama loaded (an object that defines llama_decode itself), as the
+// libraries are now; empty when none is. Not from inside an allocator (dlsym may allocate).
+std::string engine_libllama();
 
 }  // namespace residency::preload

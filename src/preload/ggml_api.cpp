@@ -46,7 +46,9 @@ DeviceKind device_kind(const GgmlApi& api, ggml_backend_buffer_type_t buft) noex
   switch (api.dev_type(dev)) {
     case GGML_BACKEND_DEVICE_TYPE_CPU: return DeviceKind::cpu;
     case GGML_BACKEND_DEVICE_TYPE_GPU: return DeviceKind::gpu;
+#if RESIDENCY_GGML_HAS_IGPU  // ggml since late 2025 (ACCEL was 2 before, 3 after)
     case GGML_BACKEND_DEVICE_TYPE_IGPU: return DeviceKind::igpu;
+#endif
     case GGML_BACKEND_DEVICE_TYPE_ACCEL: return DeviceKind::accel;
     default: return DeviceKind::gpu;  // a kind this preload does not know: not host memory
   }

@@ -2,7 +2,9 @@
 // libresidency_preload.so's exported symbols, the only ones it exports (exports.map): the
 // functions it interposes. Each keeps the re-entry, errno and fork guards, calls the real
 // function (next_calls.hpp), and tells the process's EngineSession what the engine did
-// (process_session.hpp); the session decides everything.
+// (process_session.hpp); the session decides everything. llama.cpp's and ggml's functions are
+// exported as trampolines that reach the hook only when this preload serves the process's llama.cpp
+// (engine_abi.hpp), and the library's own function otherwise.
 #include <dlfcn.h>
 #include <sys/mman.h>
 #include <sys/syscall.h>
@@ -22,6 +24,7 @@
 
 #include "buffer_plan.hpp"
 #include "call_targets.hpp"
+#include "engine_abi.hpp"
 #include "engine_session.hpp"
 #include "ggml_api.hpp"
 #include "graph_writes.hpp"
@@ -491,16 +494,85 @@ int program_locks(const void* addr, std::size_t len, const void* caller, Call ca
   return program_lock_first(lock, [](int r) { return r != 0 && failed_on_lock_limit(errno); });
 }
 
+// Where a hooked llama.cpp or ggml function's trampoline goes (below): the hook, when this preload
+// serves the process's llama.cpp (engine_abi.hpp); else, with another llama.cpp or none loaded yet,
+// the definition the caller would have reached without the preload, so that the call is made with
+// its arguments as the caller laid them out, whatever llama.cpp's structs and parameter lists are.
+void* route(CallSite& site, const char* name, CallKind kind, const void* caller, void* hook) noexcept {
+  if (engine_abi(false) == EngineAbi::served) return hook;
+  void* f = resolve_call(site, name, kind, caller).fn;
+  return f != nullptr ? f : hook;  // no library defines it: the hook says so and returns its error
+}
+
 }  // namespace
 }  // namespace residency::preload
 
 namespace rp = residency::preload;
 
+// Each hooked llama.cpp and ggml function is exported as a trampoline (TRAMPOLINE below): it keeps
+// the argument registers, asks residency_route_NAME(its return address) where to go, and jumps
+// there with the stack and registers as the caller left them. So a by-value struct of another
+// llama.cpp's layout, or a parameter another ggml added, reaches that library's function intact,
+// which no C++ forwarding could do; and the hook (residency_hook_NAME, with the signature of the
+// headers it was built against) runs only for the llama.cpp whose headers those are. The hook sees
+// the caller's return address as its own (__builtin_return_address(0)), as without the trampoline.
+#define RESIDENCY_HOOK __attribute__((visibility("hidden")))
+#if defined(__x86_64__)
+// rdi, rsi, rdx, rcx, r8, r9 (integer arguments), rax (a variadic call's vector count) and
+// xmm0-7 (floating-point arguments) are kept; r11 is free at a call. 7 pushes leave the stack
+// 16-byte aligned for the call (it was 8 off at entry); the return address is then 184 bytes up.
+#define RESIDENCY_TRAMPOLINE(name)                                                           \
+  asm(".pushsection .text\n.globl " #name "\n.type " #name ", @function\n.p2align 4\n" #name \
+      ":\n.cfi_startproc\nendbr64\n"                                                         \
+      "push %rdi\n.cfi_adjust_cfa_offset 8\npush %rsi\n.cfi_adjust_cfa_offset 8\n"           \
+      "push %rdx\n.cfi_adjust_cfa_offset 8\npush %rcx\n.cfi_adjust_cfa_offset 8\n"           \
+      "push %r8\n.cfi_adjust_cfa_offset 8\npush %r9\n.cfi_adjust_cfa_offset 8\n"             \
+      "push %rax\n.cfi_adjust_cfa_offset 8\nsub $128, %rsp\n.cfi_adjust_cfa_offset 128\n"    \
+      "movdqu %xmm0, 0(%rsp)\nmovdqu %xmm1, 16(%rsp)\nmovdqu %xmm2, 32(%rsp)\n"              \
+      "movdqu %xmm3, 48(%rsp)\nmovdqu %xmm4, 64(%rsp)\nmovdqu %xmm5, 80(%rsp)\n"             \
+      "movdqu %xmm6, 96(%rsp)\nmovdqu %xmm7, 112(%rsp)\n"                                    \
+      "mov 184(%rsp), %rdi\ncall residency_route_" #name                                     \
+      "\nmov %rax, %r11\n"                                                                   \
+      "movdqu 0(%rsp), %xmm0\nmovdqu 16(%rsp), %xmm1\nmovdqu 32(%rsp), %xmm2\n"              \
+      "movdqu 48(%rsp), %xmm3\nmovdqu 64(%rsp), %xmm4\nmovdqu 80(%rsp), %xmm5\n"             \
+      "movdqu 96(%rsp), %xmm6\nmovdqu 112(%rsp), %xmm7\n"                                    \
+      "add $128, %rsp\n.cfi_adjust_cfa_offset -128\npop %rax\n.cfi_adjust_cfa_offset -8\n"   \
+      "pop %r9\n.cfi_adjust_cfa_offset -8\npop %r8\n.cfi_adjust_cfa_offset -8\n"             \
+      "pop %rcx\n.cfi_adjust_cfa_offset -8\npop %rdx\n.cfi_adjust_cfa_offset -8\n"           \
+      "pop %rsi\n.cfi_adjust_cfa_offset -8\npop %rdi\n.cfi_adjust_cfa_offset -8\n"           \
+      "jmp *%r11\n.cfi_endproc\n.size " #name ", .-" #name "\n.popsection\n");
+#elif defined(__aarch64__)
+// x0-x7 (integer arguments, and the addresses of by-value structs over 16 bytes), x8 (the
+// result's address) and q0-q7 (floating-point arguments) are kept; the return address is x30.
+// x16 takes the target: a BTI landing pad ("bti c") accepts a br through x16.
+#define RESIDENCY_TRAMPOLINE(name)                                                                      \
+  asm(".pushsection .text\n.globl " #name "\n.type " #name ", %function\n.p2align 4\n" #name            \
+      ":\n.cfi_startproc\nhint #34\nstp x29, x30, [sp, #-224]!\n.cfi_def_cfa_offset 224\n"              \
+      ".cfi_offset 29, -224\n.cfi_offset 30, -216\nmov x29, sp\n"                                       \
+      "stp x0, x1, [sp, #16]\nstp x2, x3, [sp, #32]\nstp x4, x5, [sp, #48]\nstp x6, x7, [sp, #64]\n"    \
+      "str x8, [sp, #80]\nstp q0, q1, [sp, #96]\nstp q2, q3, [sp, #128]\nstp q4, q5, [sp, #160]\n"      \
+      "stp q6, q7, [sp, #192]\nmov x0, x30\nbl residency_route_" #name                                  \
+      "\nmov x16, x0\n"                                                                                 \
+      "ldp q6, q7, [sp, #192]\nldp q4, q5, [sp, #160]\nldp q2, q3, [sp, #128]\nldp q0, q1, [sp, #96]\n" \
+      "ldr x8, [sp, #80]\nldp x6, x7, [sp, #64]\nldp x4, x5, [sp, #48]\nldp x2, x3, [sp, #32]\n"        \
+      "ldp x0, x1, [sp, #16]\nldp x29, x30, [sp], #224\n.cfi_restore 29\n.cfi_restore 30\n"             \
+      ".cfi_def_cfa_offset 0\nbr x16\n.cfi_endproc\n.size " #name ", .-" #name "\n.popsection\n");
+#else
+#error "the preload's trampolines are written for x86_64 and aarch64"
+#endif
+// The exported `name`: a trampoline to residency_hook_name (defined before it) or the library's own.
+#define RESIDENCY_ROUTED(name, kind)                                                                            \
+  RESIDENCY_HOOK void* residency_route_##name(const void* caller) noexcept {                                    \
+    static rp::CallSite site;                                                                                   \
+    return rp::route(site, #name, rp::CallKind::kind, caller, reinterpret_cast<void*>(&residency_hook_##name)); \
+  }                                                                                                             \
+  RESIDENCY_TRAMPOLINE(name)
+
 // A ggml function, forwarded to the definition its caller's scope reaches (call_targets.hpp); when
 // that is the engine's, after `before` (a statement) ran. With no definition behind the preload
 // there is nothing to forward to, and `fallback` is returned.
 #define RESIDENCY_GGML_HOOK(ret, name, params, args, fallback, before)                                   \
-  RESIDENCY_PRELOAD_EXPORT ret name params {                                                             \
+  RESIDENCY_HOOK ret residency_hook_##name params {                                                      \
     using Fn = ret(*) params;                                                                            \
     static rp::CallSite site;                                                                            \
     const auto target = rp::target_of<Fn>(site, #name, rp::CallKind::ggml, __builtin_return_address(0)); \
@@ -514,7 +586,8 @@ namespace rp = residency::preload;
     }                                                                                                    \
     rp::ForwardScope forward(reinterpret_cast<const void*>(next));                                       \
     return next args;                                                                                    \
-  }
+  }                                                                                                      \
+  RESIDENCY_ROUTED(name, ggml)
 // An entry point that may read or write backend memory: device memory is woken first.
 #define RESIDENCY_GGML_ACCESS(ret, name, params, args, fallback) \
   RESIDENCY_GGML_HOOK(ret, name, params, args, fallback, rp::device_access())
@@ -638,19 +711,21 @@ RESIDENCY_PRELOAD_EXPORT int mlockall(int flags) noexcept {
   return r;
 }
 
-RESIDENCY_PRELOAD_EXPORT std::int32_t llama_decode(llama_context* ctx, llama_batch batch) {
+RESIDENCY_HOOK std::int32_t residency_hook_llama_decode(llama_context* ctx, llama_batch batch) {
   static rp::CallSite site;
   const auto t = rp::target_of<rp::DecodeFn>(site, "llama_decode", rp::CallKind::llama, __builtin_return_address(0));
   if (t.fn == nullptr) rp::warn_missing(site, "llama_decode");
   return rp::decode(t.fn, ctx, batch);
 }
+RESIDENCY_ROUTED(llama_decode, llama)
 
-RESIDENCY_PRELOAD_EXPORT std::int32_t llama_encode(llama_context* ctx, llama_batch batch) {
+RESIDENCY_HOOK std::int32_t residency_hook_llama_encode(llama_context* ctx, llama_batch batch) {
   static rp::CallSite site;
   const auto t = rp::target_of<rp::DecodeFn>(site, "llama_encode", rp::CallKind::llama, __builtin_return_address(0));
   if (t.fn == nullptr) rp::warn_missing(site, "llama_encode");
   return rp::decode(t.fn, ctx, batch);
 }
+RESIDENCY_ROUTED(llama_encode, llama)
 
 // CUDA runtime (libcudart): device memory of 2 MiB or more goes through the cuda backend.
 RESIDENCY_PRELOAD_EXPORT int cudaMalloc(void** ptr, std::size_t size) {
@@ -695,7 +770,7 @@ RESIDENCY_GGML_WRITE(void, ggml_backend_buffer_clear, (ggml_backend_buffer_t buf
                      rp::buffer_write(buffer, reinterpret_cast<const void*>(next)))
 // A graph compute: the engine's call itself where llama_decode went past the preload.
 #define RESIDENCY_GGML_COMPUTE(name, params, args)                                                         \
-  RESIDENCY_PRELOAD_EXPORT enum ggml_status name params {                                                  \
+  RESIDENCY_HOOK enum ggml_status residency_hook_##name params {                                           \
     using Fn = enum ggml_status(*) params;                                                                 \
     static rp::CallSite site;                                                                              \
     const auto target = rp::target_of<Fn>(site, #name, rp::CallKind::ggml, __builtin_return_address(0));   \
@@ -708,24 +783,27 @@ RESIDENCY_GGML_WRITE(void, ggml_backend_buffer_clear, (ggml_backend_buffer_t buf
     if (!target.engine) return next args;                                                                  \
     return rp::graph_compute([&]() noexcept { return next args; },                                         \
                              [&]() noexcept { rp::graph_write(g, reinterpret_cast<const void*>(next)); }); \
-  }
+  }                                                                                                        \
+  RESIDENCY_ROUTED(name, ggml)
 RESIDENCY_GGML_COMPUTE(ggml_backend_graph_compute, (ggml_backend_t b, struct ggml_cgraph* g), (b, g))
 RESIDENCY_GGML_COMPUTE(ggml_backend_graph_compute_async, (ggml_backend_t b, struct ggml_cgraph* g), (b, g))
 RESIDENCY_GGML_COMPUTE(ggml_backend_sched_graph_compute, (ggml_backend_sched_t s, struct ggml_cgraph* g), (s, g))
 RESIDENCY_GGML_COMPUTE(ggml_backend_sched_graph_compute_async, (ggml_backend_sched_t s, struct ggml_cgraph* g), (s, g))
 
 // llama.cpp's buffers (ggml_buffers.hpp): made, placed in, marked, freed. `next`: the definition
-// the caller's scope reaches; `engine`: it is the engine's (else the call passes through untouched).
-#define RESIDENCY_NEXT(name, kind)                                                             \
-  static rp::CallSite site;                                                                    \
-  const void* const caller = __builtin_return_address(0);                                      \
-  const auto target = rp::target_of<decltype(&name)>(site, #name, rp::CallKind::kind, caller); \
-  const auto next = target.fn;                                                                 \
-  [[maybe_unused]] const bool engine = target.engine;                                          \
-  if (next == nullptr) rp::warn_missing(site, #name);                                          \
+// the caller's scope reaches, of the hook's own type (not every llama.cpp's headers declare every
+// hooked name); `engine`: it is the engine's (else the call passes through untouched).
+#define RESIDENCY_NEXT(name, kind)                                                                              \
+  static rp::CallSite site;                                                                                     \
+  const void* const caller = __builtin_return_address(0);                                                       \
+  const auto target = rp::target_of<decltype(&residency_hook_##name)>(site, #name, rp::CallKind::kind, caller); \
+  const auto next = target.fn;                                                                                  \
+  [[maybe_unused]] const bool engine = target.engine;                                                           \
+  if (next == nullptr) rp::warn_missing(site, #name);                                                           \
   rp::ForwardScope forward_scope(reinterpret_cast<const void*>(next))
 
-RESIDENCY_PRELOAD_EXPORT ggml_backend_buffer_t ggml_backend_buft_alloc_buffer(ggml_backend_buffer_type_t buft, size_t size) {
+RESIDENCY_HOOK ggml_backend_buffer_t residency_hook_ggml_backend_buft_alloc_buffer(ggml_backend_buffer_type_t buft,
+                                                                                   size_t size) {
   RESIDENCY_NEXT(ggml_backend_buft_alloc_buffer, ggml);
   if (next == nullptr) return nullptr;
   ggml_backend_buffer_t b = next(buft, size);
@@ -734,8 +812,9 @@ RESIDENCY_PRELOAD_EXPORT ggml_backend_buffer_t ggml_backend_buft_alloc_buffer(gg
              [b](rp::EngineSession& s) { s.buffer_created(rp::buffer_id(b), false); });
   return b;
 }
+RESIDENCY_ROUTED(ggml_backend_buft_alloc_buffer, ggml)
 
-RESIDENCY_PRELOAD_EXPORT ggml_backend_buffer_t ggml_backend_cpu_buffer_from_ptr(void* ptr, size_t size) {
+RESIDENCY_HOOK ggml_backend_buffer_t residency_hook_ggml_backend_cpu_buffer_from_ptr(void* ptr, size_t size) {
   RESIDENCY_NEXT(ggml_backend_cpu_buffer_from_ptr, ggml);
   if (next == nullptr) return nullptr;
   ggml_backend_buffer_t b = next(ptr, size);
@@ -743,9 +822,11 @@ RESIDENCY_PRELOAD_EXPORT ggml_backend_buffer_t ggml_backend_cpu_buffer_from_ptr(
     rp::tell(reinterpret_cast<const void*>(next), [b](rp::EngineSession& s) { s.buffer_created(rp::buffer_id(b), true); });
   return b;
 }
+RESIDENCY_ROUTED(ggml_backend_cpu_buffer_from_ptr, ggml)
 
-RESIDENCY_PRELOAD_EXPORT ggml_backend_buffer_t ggml_backend_dev_buffer_from_host_ptr(ggml_backend_dev_t device, void* ptr,
-                                                                                     size_t size, size_t max_tensor_size) {
+RESIDENCY_HOOK ggml_backend_buffer_t residency_hook_ggml_backend_dev_buffer_from_host_ptr(ggml_backend_dev_t device,
+                                                                                          void* ptr, size_t size,
+                                                                                          size_t max_tensor_size) {
   RESIDENCY_NEXT(ggml_backend_dev_buffer_from_host_ptr, ggml);
   if (next == nullptr) return nullptr;
   ggml_backend_buffer_t b = next(device, ptr, size, max_tensor_size);
@@ -753,9 +834,10 @@ RESIDENCY_PRELOAD_EXPORT ggml_backend_buffer_t ggml_backend_dev_buffer_from_host
     rp::tell(reinterpret_cast<const void*>(next), [b](rp::EngineSession& s) { s.buffer_created(rp::buffer_id(b), true); });
   return b;
 }
+RESIDENCY_ROUTED(ggml_backend_dev_buffer_from_host_ptr, ggml)
 
-RESIDENCY_PRELOAD_EXPORT enum ggml_status ggml_backend_tensor_alloc(ggml_backend_buffer_t buffer,
-                                                                    struct ggml_tensor* tensor, void* addr) {
+RESIDENCY_HOOK enum ggml_status residency_hook_ggml_backend_tensor_alloc(ggml_backend_buffer_t buffer,
+                                                                         struct ggml_tensor* tensor, void* addr) {
   RESIDENCY_NEXT(ggml_backend_tensor_alloc, ggml);
   if (next == nullptr) return GGML_STATUS_FAILED;
   const enum ggml_status st = next(buffer, tensor, addr);
@@ -770,9 +852,10 @@ RESIDENCY_PRELOAD_EXPORT enum ggml_status ggml_backend_tensor_alloc(ggml_backend
   rp::tell_started([&](rp::EngineSession& session) { session.tensor_placed(rp::buffer_id(buffer), begin, end); });
   return st;
 }
+RESIDENCY_ROUTED(ggml_backend_tensor_alloc, ggml)
 
-RESIDENCY_PRELOAD_EXPORT void ggml_backend_buffer_set_usage(ggml_backend_buffer_t buffer,
-                                                            enum ggml_backend_buffer_usage usage) {
+RESIDENCY_HOOK void residency_hook_ggml_backend_buffer_set_usage(ggml_backend_buffer_t buffer,
+                                                                 enum ggml_backend_buffer_usage usage) {
   RESIDENCY_NEXT(ggml_backend_buffer_set_usage, ggml);
   if (next == nullptr) return;
   next(buffer, usage);
@@ -787,19 +870,21 @@ RESIDENCY_PRELOAD_EXPORT void ggml_backend_buffer_set_usage(ggml_backend_buffer_
   const std::size_t size = api->get_size(buffer);
   rp::tell_started([&](rp::EngineSession& s) { s.device_weights_buffer(base, size); });
 }
+RESIDENCY_ROUTED(ggml_backend_buffer_set_usage, ggml)
 
-RESIDENCY_PRELOAD_EXPORT void ggml_backend_buffer_free(ggml_backend_buffer_t buffer) {
+RESIDENCY_HOOK void residency_hook_ggml_backend_buffer_free(ggml_backend_buffer_t buffer) {
   RESIDENCY_NEXT(ggml_backend_buffer_free, ggml);
   if (next == nullptr) return;
   if (engine && buffer != nullptr)
     rp::tell_started([&](rp::EngineSession& s) { s.buffer_freed(rp::buffer_id(buffer)); });
   next(buffer);
 }
+RESIDENCY_ROUTED(ggml_backend_buffer_free, ggml)
 
 // The program's callbacks that run inside the engine's calls (a load's progress, a compute's abort
 // and eval callbacks, the log) are called through trampolines, so that what they map or grow of the
 // heap is the program's (rp::ProgramCallbackScope), not the engine's.
-RESIDENCY_PRELOAD_EXPORT llama_model* llama_model_load_from_file(const char* path, llama_model_params params) {
+RESIDENCY_HOOK llama_model* residency_hook_llama_model_load_from_file(const char* path, llama_model_params params) {
   RESIDENCY_NEXT(llama_model_load_from_file, llama);
   if (next == nullptr) return nullptr;
   rp::wrap_progress(params.progress_callback, params.progress_callback_user_data);
@@ -815,9 +900,10 @@ RESIDENCY_PRELOAD_EXPORT llama_model* llama_model_load_from_file(const char* pat
   });
   return m;
 }
+RESIDENCY_ROUTED(llama_model_load_from_file, llama)
 
-RESIDENCY_PRELOAD_EXPORT llama_model* llama_model_load_from_splits(const char** paths, size_t n_paths,
-                                                                   llama_model_params params) {
+RESIDENCY_HOOK llama_model* residency_hook_llama_model_load_from_splits(const char** paths, size_t n_paths,
+                                                                        llama_model_params params) {
   RESIDENCY_NEXT(llama_model_load_from_splits, llama);
   if (next == nullptr) return nullptr;
   rp::wrap_progress(params.progress_callback, params.progress_callback_user_data);
@@ -833,8 +919,9 @@ RESIDENCY_PRELOAD_EXPORT llama_model* llama_model_load_from_splits(const char** 
   });
   return m;
 }
+RESIDENCY_ROUTED(llama_model_load_from_splits, llama)
 
-RESIDENCY_PRELOAD_EXPORT llama_context* llama_init_from_model(llama_model* model, llama_context_params params) {
+RESIDENCY_HOOK llama_context* residency_hook_llama_init_from_model(llama_model* model, llama_context_params params) {
   RESIDENCY_NEXT(llama_init_from_model, llama);
   if (next == nullptr) return nullptr;
   rp::wrap_abort(params.abort_callback, params.abort_callback_data);
@@ -851,41 +938,47 @@ RESIDENCY_PRELOAD_EXPORT llama_context* llama_init_from_model(llama_model* model
   });
   return c;
 }
+RESIDENCY_ROUTED(llama_init_from_model, llama)
 
-RESIDENCY_PRELOAD_EXPORT void llama_set_abort_callback(llama_context* ctx, ggml_abort_callback callback, void* data) {
+RESIDENCY_HOOK void residency_hook_llama_set_abort_callback(llama_context* ctx, ggml_abort_callback callback, void* data) {
   RESIDENCY_NEXT(llama_set_abort_callback, llama);
   if (next == nullptr) return;
   rp::wrap_abort(callback, data);
   next(ctx, callback, data);
 }
+RESIDENCY_ROUTED(llama_set_abort_callback, llama)
 
-RESIDENCY_PRELOAD_EXPORT void llama_log_set(ggml_log_callback callback, void* data) {
+RESIDENCY_HOOK void residency_hook_llama_log_set(ggml_log_callback callback, void* data) {
   RESIDENCY_NEXT(llama_log_set, llama);
   if (next == nullptr) return;
   rp::wrap_log(callback, data);
   next(callback, data);
 }
+RESIDENCY_ROUTED(llama_log_set, llama)
 
-RESIDENCY_PRELOAD_EXPORT void ggml_log_get(ggml_log_callback* callback, void** data) {
+RESIDENCY_HOOK void residency_hook_ggml_log_get(ggml_log_callback* callback, void** data) {
   RESIDENCY_NEXT(ggml_log_get, ggml);
   if (next == nullptr) return;
   next(callback, data);
   if (callback != nullptr && data != nullptr) rp::unwrap_log(*callback, *data);
 }
+RESIDENCY_ROUTED(ggml_log_get, ggml)
 
-RESIDENCY_PRELOAD_EXPORT void llama_log_get(ggml_log_callback* callback, void** data) {
+RESIDENCY_HOOK void residency_hook_llama_log_get(ggml_log_callback* callback, void** data) {
   RESIDENCY_NEXT(llama_log_get, llama);
   if (next == nullptr) return;
   next(callback, data);
   if (callback != nullptr && data != nullptr) rp::unwrap_log(*callback, *data);
 }
+RESIDENCY_ROUTED(llama_log_get, llama)
 
-RESIDENCY_PRELOAD_EXPORT void ggml_log_set(ggml_log_callback callback, void* data) {
+RESIDENCY_HOOK void residency_hook_ggml_log_set(ggml_log_callback callback, void* data) {
   RESIDENCY_NEXT(ggml_log_set, ggml);
   if (next == nullptr) return;
   if (engine) rp::wrap_log(callback, data);
   next(callback, data);
 }
+RESIDENCY_ROUTED(ggml_log_set, ggml)
 
 RESIDENCY_GGML_COMPUTE_ALLOC(bool, ggml_gallocr_reserve_n,
                              (ggml_gallocr_t galloc, struct ggml_cgraph* graph, const int* node_ids, const int* leaf_ids),

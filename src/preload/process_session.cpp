@@ -11,6 +11,7 @@
 #include "backends/posix/proc_info.hpp"
 #include "call_targets.hpp"
 #include "core/state_file.hpp"
+#include "engine_abi.hpp"
 #include "ggml_api.hpp"
 #include "next_calls.hpp"
 #include "platform/thread_annotations.hpp"
@@ -135,9 +136,12 @@ EngineSession* make_session(const void* near, bool& waiting) noexcept {
     }
     // Looked up, not called: no "was called" warning from resolve_next here. Not yet there, it is
     // looked for again once libraries change (a program's own GGUF reader, or a ggml-based library,
-    // may come before libllama).
+    // may come before libllama). A libllama of another llama.cpp than the one the preload was built
+    // against is said once by engine_abi(), and the program runs without residency.
     void* const decode = resolve_symbol("llama_decode", near);
-    if (decode == nullptr || resolve_symbol("llama_synchronize", near) == nullptr) {
+    const EngineAbi abi = decode == nullptr ? EngineAbi::unknown : engine_abi(true);
+    if (abi == EngineAbi::refused) return nullptr;
+    if (abi == EngineAbi::unknown) {  // none loaded, or llama_decode is the main program's own
       waiting = true;
       if (!g_said_waiting.exchange(true))
         log.warn(

@@ -3,7 +3,8 @@
 // matters (a GGUF mapping, a ggml buffer, a device allocation), never at load time.
 //
 // Making it reads RESIDENCY_* (Config::from_env), checks that libllama's llama_decode is
-// reachable behind the preload, installs a fork handler and gives the session its real backends
+// reachable behind the preload and that its llama.cpp is the one the preload was built against
+// (engine_abi.hpp), installs a fork handler and gives the session its real backends
 // (posix for the host, cuda per GPU), clock, ggml reader and llama_synchronize. Anything that
 // fails is one warning, and from then on every hook only forwards. The session is never destroyed:
 // engine threads may still be inside a hook while the process exits. A fork child passes through.
@@ -14,7 +15,7 @@
 namespace residency::preload {
 
 // The session, made on first need; null: pass through (bad configuration, no libllama loaded,
-// a second copy of the preload, a fork child, or out of memory). `near`: an address in the
+// another llama.cpp than the build's, a second copy of the preload, a fork child, or out of memory). `near`: an address in the
 // engine's libraries (a hook's caller), where llama.cpp's and ggml's functions are looked for
 // when the host loaded them with dlopen.
 EngineSession* process_session(const void* near) noexcept;

@@ -368,4 +368,64 @@ TEST_F(HostTest, MemoryTheProgramsCallbackMapsInsideADecodeIsNotTheEngines) {
   EXPECT_EQ(kb(with.out, "callback_locked_kb"), 0u) << with.out << with.err;
 }
 
+// ---- Another llama.cpp than the one the preload was built against (engine_abi.hpp) ----
+
+// A fake libllama that is not the build's llama.cpp (tests/preload/fake_engine): another ggml or
+// llama.cpp version, a larger llama_model_params (a newer llama.cpp's, passed by value), two
+// functions the preload needs missing. Each is one warning that names the library's version and what
+// differs, and the program runs exactly as without the preload: no other line, its struct's tail and
+// its own callback reach the library as it passed them (a C++ hook of the build's signature cuts a
+// larger struct and wraps the callback, as the last case shows), the same output.
+TEST_F(HostTest, AnotherLlamaCppIsOneWarningAndItsCallsReachItAsTheProgramMadeThem) {
+  struct Case {
+    const char* name;
+    const char* host;
+    std::vector<std::string> env;
+    std::vector<std::string> said;  // in the warning
+  };
+  const std::string built = "(llama.cpp " BUILT_LLAMA_VERSION ", ggml " BUILT_GGML_VERSION ", commit ";
+  std::vector<Case> cases = {
+      {"ggml",
+       FAKE_HOST_PATH,
+       {"FAKE_GGML_VERSION=9.9.9"},
+       {"(ggml 9.9.9, commit fake, ", "ggml 9.9.9, not " BUILT_GGML_VERSION}},
+      {"newer", FAKE_NEWER_HOST_PATH, {}, {"llama_model_default_params() writes ", " bytes of llama_model_params, "}},
+      {"lacking",
+       FAKE_LACKING_HOST_PATH,
+       {},
+       {"(ggml without ggml_version(), ", "it lacks llama_synchronize ggml_version"}},
+  };
+  if (BUILT_HAS_LLAMA_VERSION)
+    cases.push_back(
+        {"llama", FAKE_HOST_PATH, {"FAKE_LLAMA_VERSION=0.0.9"}, {"llama.cpp 0.0.9 (", "llama.cpp 0.0.9, not "}});
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.name);
+    const Run plain = run({c.host, model_}, false, std::string("abi-") + c.name, 60);
+    ASSERT_EQ(plain.status, 0) << plain.out << plain.err;
+    EXPECT_EQ(value(plain.out, "tail_intact"), "1") << plain.out;
+    std::vector<std::string> env = c.env;
+    env.push_back("RESIDENCY_KEEP_ALIVE=1s");
+    env.push_back("RESIDENCY_LOG=debug");  // nothing else said, at any level
+    const Run with = run({c.host, model_}, true, std::string("abi-") + c.name, 60, env);
+    ASSERT_EQ(with.status, 0) << with.out << with.err;
+    EXPECT_EQ(with.out, plain.out) << "the library saw what it sees without the preload\n" << with.err;
+    std::vector<std::string> lines;
+    std::stringstream ss(with.err);
+    for (std::string l; std::getline(ss, l);) lines.push_back(l);
+    ASSERT_EQ(lines.size(), 1u) << "one warning, nothing else:\n" << with.err;
+    EXPECT_NE(lines[0].find("warn: preload: llama.cpp "), std::string::npos) << lines[0];
+    EXPECT_NE(lines[0].find(" is not the llama.cpp this preload was built against " + built), std::string::npos)
+        << lines[0];
+    EXPECT_NE(lines[0].find("; the program runs without residency"), std::string::npos) << lines[0];
+    for (const std::string& said : c.said)
+      EXPECT_NE(lines[0].find(said), std::string::npos) << said << "\n" << lines[0];
+  }
+  // The control: the fake as the build's llama.cpp is served, and the hook, of the build's
+  // signature, then passes the build's struct on (the tail cut, the callback wrapped).
+  const Run served = run({FAKE_HOST_PATH, model_}, true, "abi-served", 60);
+  ASSERT_EQ(served.status, 0) << served.out << served.err;
+  EXPECT_EQ(served.err.find("is not the llama.cpp"), std::string::npos) << served.err;
+  EXPECT_EQ(value(served.out, "callback_untouched"), "0") << served.out;
+}
+
 }  // namespace

@@ -66,7 +66,11 @@ int main(int argc, char** argv) {
   llama_log_set(quiet_log, NULL);
   llama_backend_init();
   struct llama_model_params mp = llama_model_default_params();
+#if RESIDENCY_LLAMA_HAS_LOAD_MODE
   if (use_mlock) mp.load_mode = LLAMA_LOAD_MODE_MMAP_MLOCK;
+#else
+  if (use_mlock) mp.use_mlock = true;
+#endif
   struct llama_model* model = llama_model_load_from_file(argv[1], mp);
   if (model == NULL) return 1;
   struct llama_context_params cp = llama_context_default_params();

@@ -55,7 +55,11 @@ static int g_n_in_memory; /* of which the context holds the first g_n_in_memory 
 static int load(void) {
   struct llama_model_params mp = llama_model_default_params();
   mp.n_gpu_layers = g_gpu_layers;
+#if RESIDENCY_LLAMA_HAS_LOAD_MODE
   if (g_no_mmap) mp.load_mode = LLAMA_LOAD_MODE_NONE;
+#else
+  if (g_no_mmap) mp.use_mmap = false;
+#endif
   g_model = llama_model_load_from_file(g_path, mp);
   if (g_model == NULL) {
     fprintf(stderr, "serve_loop: cannot load %s\n", g_path);
