@@ -228,28 +228,9 @@ std::optional<std::string> run_captured(const std::vector<std::string>& argv, co
     ::close(fds[0]);
     return std::nullopt;
   }
-  std::string out;
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(kLoaderTimeoutMs);
   bool timed_out = false;
-  for (;;) {
-    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
-    if (left.count() <= 0) {
-      timed_out = true;
-      break;
-    }
-    pollfd p{fds[0], POLLIN, 0};
-    const int pr = ::poll(&p, 1, static_cast<int>(left.count()));
-    if (pr < 0 && errno == EINTR) continue;
-    if (pr <= 0) {
-      timed_out = pr == 0;
-      break;
-    }
-    char buf[4096];
-    const ssize_t n = ::read(fds[0], buf, sizeof buf);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0 || out.size() > kMaxLoaderOutput) break;
-    out.append(buf, static_cast<std::size_t>(n));
-  }
+  const std::string out = read_child_output(fds[0], std::chrono::milliseconds(kLoaderTimeoutMs), kMaxLoaderOutput,
+                                            timed_out);
   ::close(fds[0]);
   if (timed_out) ::kill(child, SIGKILL);
   while (::waitpid(child, &status, 0) < 0 && errno == EINTR) {

@@ -203,28 +203,8 @@ std::optional<std::string> run_for_output(const std::string& program, const std:
     ::close(fds[0]);
     return std::nullopt;
   }
-  std::string out;
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
   bool timed_out = false;
-  for (;;) {
-    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
-    if (left.count() <= 0) {
-      timed_out = true;
-      break;
-    }
-    pollfd p{fds[0], POLLIN, 0};
-    const int pr = ::poll(&p, 1, static_cast<int>(left.count()));
-    if (pr < 0 && errno == EINTR) continue;
-    if (pr <= 0) {
-      timed_out = pr == 0;
-      break;
-    }
-    char buf[4096];
-    const ssize_t n = ::read(fds[0], buf, sizeof buf);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0 || out.size() > (1u << 20)) break;
-    out.append(buf, static_cast<std::size_t>(n));
-  }
+  const std::string out = read_child_output(fds[0], std::chrono::seconds(10), std::size_t{1} << 20, timed_out);
   ::close(fds[0]);
   if (timed_out) ::kill(child, SIGKILL);
   int status = 0;
@@ -575,5 +555,33 @@ HolderFacts holder_facts(int, const std::string&) { return {}; }
 std::optional<ProcBrief> proc_brief(int) { return std::nullopt; }
 
 #endif
+
+// What a child writes to `fd` until it closes it (at most about `max_bytes`), or until `limit` has
+// passed (`timed_out` then says so): no child can hang the tool.
+std::string read_child_output(int fd, std::chrono::milliseconds limit, std::size_t max_bytes, bool& timed_out) {
+  std::string out;
+  const auto deadline = std::chrono::steady_clock::now() + limit;
+  timed_out = false;
+  for (;;) {
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
+    if (left.count() <= 0) {
+      timed_out = true;
+      break;
+    }
+    pollfd p{fd, POLLIN, 0};
+    const int pr = ::poll(&p, 1, static_cast<int>(left.count()));
+    if (pr < 0 && errno == EINTR) continue;
+    if (pr <= 0) {
+      timed_out = pr == 0;
+      break;
+    }
+    char buf[4096];
+    const ssize_t n = ::read(fd, buf, sizeof buf);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0 || out.size() > max_bytes) break;
+    out.append(buf, static_cast<std::size_t>(n));
+  }
+  return out;
+}
 
 }  // namespace residency::tool

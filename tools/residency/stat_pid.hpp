@@ -3,6 +3,7 @@
 // residency managers and its GPU driver see it.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -37,5 +38,9 @@ struct ProcBrief {
   std::optional<std::uint64_t> vm_lck;
 };
 std::optional<ProcBrief> proc_brief(int pid);
+
+// What a child writes to `fd` until it closes it (at most about `max_bytes`), or until `limit` has
+// passed (`timed_out` then says so): no child can hang the tool.
+std::string read_child_output(int fd, std::chrono::milliseconds limit, std::size_t max_bytes, bool& timed_out);
 
 }  // namespace residency::tool
