@@ -187,6 +187,20 @@ class Backend {
   // finds its memory in place instead of waiting for the release and then a wake. Lock-free, from
   // any thread; ignored when no release is running. Default: releases run to the end.
   virtual void interrupt_release();
+  // (optional) The holder is idle and its memory has never been released: the backend may do
+  // ahead, on a thread of its own, what its first release would otherwise do (the cuda backend
+  // registers the model files and pins the backups of what they do not hold), so that the first
+  // release costs what later ones do. Returns at once: `started` when work was queued, `nothing`
+  // when nothing is left to prepare (the manager does not ask again until new memory is
+  // registered). The backend polls `stop` between pieces of the work, each a few milliseconds
+  // long, and stops when it returns true (a call began), keeping what it completed; a later call
+  // of prepare_release() goes on from there. `stop` stays callable until stop_preparation()
+  // returns. Default: nothing to prepare.
+  enum class Preparation { nothing, started };
+  virtual Preparation prepare_release(std::function<bool()> stop);
+  // (optional) Stops the work prepare_release() started and returns once it no longer calls its
+  // `stop` (the manager calls it before it goes away). Default: nothing runs.
+  virtual void stop_preparation();
   // (optional) A wake paced by a budget (Capabilities::paced_wake). The manager sets a gate around
   // one request of backend-allocated memory whose room in a shared budget is still being made:
   // the backend calls gate(bytes) before it maps each piece of physical memory it wakes, and maps

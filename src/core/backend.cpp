@@ -30,6 +30,8 @@ void Backend::filled_from_file(const void* addr, std::size_t bytes, int /*fd*/, 
 std::uint64_t Backend::file_backed_bytes() const { return 0; }
 void Backend::interrupt_release() {}
 void Backend::set_wake_gate(WakeGate) {}
+Backend::Preparation Backend::prepare_release(std::function<bool()>) { return Preparation::nothing; }
+void Backend::stop_preparation() {}
 std::uint64_t Backend::unmanaged_device_bytes() { return 0; }
 
 }  // namespace residency

@@ -352,6 +352,7 @@ Manager::~Manager() {
   }
   if (m.pressure_watch) m.backend->stop_pressure_watch(*m.pressure_watch);
   if (m.scheduler) m.scheduler->stop();
+  m.cycle.stop_preparation();  // its `stop` reads this manager's keep-alive state
   MutexLock g(m.mu);
   m.adm.teardown();
   m.report.stop_state_file();  // removes the file

@@ -319,11 +319,13 @@ std::optional<Nanos> ResidencyCycle::residency_due() {
   if (!ka_.managing() || !ka_.wants_resident()) return std::nullopt;
   const Nanos now = clock_.now();
   std::optional<Nanos> next;
+  next = prepare_due(now);
   if (ka_.expires()) {
     const std::int64_t lu = ka_.last_use();
     const Nanos expiry = ka_.expiry(lu);
     if (ka_.calls() > 0) {
-      next = std::max(expiry, ka_.expiry(now.count()));  // a call is open: look again one keep-alive later
+      const Nanos later = std::max(expiry, ka_.expiry(now.count()));  // a call is open: look again one keep-alive later
+      next = next ? std::min(*next, later) : later;
     } else if (now >= expiry) {
       if (ka_.begin_release_unless_used(lu)) {
         release({ReleaseKind::keep_alive, "keep-alive " + config_.keep_alive.to_string() + " expired"});
@@ -332,7 +334,7 @@ std::optional<Nanos> ResidencyCycle::residency_due() {
       // A use won (expire a keep-alive after it), or a call began just now (look again later).
       return ka_.last_use() != lu ? ka_.expiry(ka_.last_use()) : ka_.expiry(now.count());
     } else {
-      next = expiry;
+      next = next ? std::min(*next, expiry) : expiry;
     }
   }
   if (caps_.needs_refresh && caps_.refresh_period.count() > 0) {
@@ -344,6 +346,29 @@ std::optional<Nanos> ResidencyCycle::residency_due() {
     next = next ? std::min(*next, next_refresh_) : next_refresh_;
   }
   return next;
+}
+
+// The first release, prepared (docs/design.md): a holder whose memory may be released (its keep-alive
+// expires, or a shared budget may ask it) and never was, idle for kPrepareAfterIdle, asks its
+// backend to do that release's slow part now, in the background. A use stops the work (the backend
+// polls `stop`); while the backend has work left, it is asked again after each idle second (to go
+// on where it stopped, or to hear that it is done), and never again once it says nothing is left.
+std::optional<Nanos> ResidencyCycle::prepare_due(Nanos now) {
+  if (ever_released_ || !(ka_.expires() || adm_.share() != nullptr)) return std::nullopt;
+  const std::uint64_t size = adm_.admitted_size();
+  if (size == 0 || size == prepared_size_) return std::nullopt;  // nothing (left) to prepare
+  const std::int64_t lu = ka_.last_use();
+  const Nanos at = Nanos(lu) + kPrepareAfterIdle;
+  if (ka_.calls() > 0) return std::max(at, now + kPrepareAfterIdle);
+  if (now < at) return at;
+  KeepAliveState& ka = ka_;
+  const Backend::Preparation p =
+      backend_.prepare_release([&ka, lu] { return ka.calls() > 0 || ka.last_use() != lu || !ka.wants_resident(); });
+  if (p == Backend::Preparation::nothing) {
+    prepared_size_ = size;
+    return std::nullopt;
+  }
+  return now + kPrepareAfterIdle;
 }
 
 }  // namespace residency::core

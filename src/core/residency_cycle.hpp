@@ -89,6 +89,13 @@ class ResidencyCycle {
   // The scheduler's work at `now`: prefetch, the pressure cap's lift, expiry and refresh. Returns
   // the next deadline.
   std::optional<Nanos> due();
+  // How long a holder that has never been released must be idle before its backend prepares the
+  // first release (docs/design.md, "The first release, prepared"): longer than the pauses between
+  // the requests of one client, so that a request seldom stops the work, and short against the
+  // time before another model is asked for.
+  static constexpr Nanos kPrepareAfterIdle{std::chrono::seconds(1)};
+  // The backend's preparation has been stopped (the manager goes away).
+  void stop_preparation() { backend_.stop_preparation(); }
 
   // --- what it did ------------------------------------------------------------------------
   struct Counters {
@@ -132,6 +139,10 @@ class ResidencyCycle {
   void pressure_step();
   void lift_pressure_cap_if_quiet(Nanos now);
   std::optional<Nanos> residency_due();
+  // Before the first release, once the holder has been idle for kPrepareAfterIdle: the backend is
+  // asked to prepare that release in the background (Backend::prepare_release). Returns when to
+  // look again.
+  std::optional<Nanos> prepare_due(Nanos now);
 
   const Config& config_;
   const Capabilities& caps_;
@@ -144,6 +155,9 @@ class ResidencyCycle {
   PressurePolicy pressure_;
   std::function<void()> publish_;
   bool ever_released_ = false;
+  // prepare_due(): the admitted size at which the backend said nothing was left to prepare (asked
+  // again only when memory is admitted or given up).
+  std::uint64_t prepared_size_ = 0;
   bool prefetch_requested_ = false;
   std::optional<WireReason> deferred_why_;  // a wire waiting for room in the shared budget (its reason)
   Nanos deferred_at_{0};                    // when that wire was first tried

@@ -287,3 +287,84 @@ TEST_F(FileBackingTest, AFileTheDriverWillNotRegisterFallsBackToThePinnedBackupA
 
 }  // namespace
 }  // namespace residency::cuda::testing
+
+namespace residency::cuda::testing {
+namespace {
+
+// The first release, prepared (docs/design.md): ahead of the first sleep, on the backend's own
+// thread, the model file is registered piece by piece and the KV-like untracked memory's backup is
+// pinned; the first sleep then registers and pins nothing and costs what a later one does. A
+// `stop` that says yes part-way keeps what was done, and the first sleep finishes the rest; either
+// way the device holds exactly what it held.
+TEST_F(FileBackingTest, TheFirstReleasePreparedAheadRegistersTheFileAndCanBeStoppedPartWay) {
+  std::vector<std::size_t> sizes;
+  for (int i = 0; sizes.size() < 24; ++i) sizes.push_back((std::size_t{85} << 20) + 4099 * i + 33);  // ~2 GiB
+  const Layout l = lay_out(sizes);
+  void* p = load(*backend_, l, "model.gguf", 7);
+  ASSERT_NE(p, nullptr);
+  const std::size_t kv_bytes = std::size_t{300} << 20;  // untracked weights-class memory: a KV cache
+  void* kv = allocate_filled(*backend_, kv_bytes, RegionClass::weights, 9);
+  ASSERT_NE(kv, nullptr);
+  resident_set(*backend_, 1, device_region(2, kv, kv_bytes, RegionClass::weights));
+  sync();
+  const std::vector<char> before = read_device(p, l.device_bytes);
+  close_file();
+  const std::uint64_t file_pages = (l.file_bytes + 4095) / 4096 * 4096;
+  EXPECT_EQ(backend_->registered_file_bytes(), 0u) << "nothing is registered before a release or a preparation";
+
+  // Stopped after three steps: part of the file registered, the rest left.
+  std::atomic<int> polls{0};
+  ASSERT_EQ(backend_->prepare_release([&] { return polls.fetch_add(1) >= 3; }), Backend::Preparation::started);
+  ASSERT_TRUE(backend_->wait_preparation(60000));
+  const std::uint64_t part = backend_->registered_file_bytes();
+  std::printf("stopped after 3 steps: %.1f of %.1f MiB of the file registered\n", double(part) / kMiB,
+              double(file_pages) / kMiB);
+  EXPECT_EQ(part, 3 * kRegisterPiece);
+
+  // Let it go on: the whole file, and the KV cache's backup pinned.
+  const auto t0 = std::chrono::steady_clock::now();
+  ASSERT_EQ(backend_->prepare_release([] { return false; }), Backend::Preparation::started);
+  ASSERT_TRUE(backend_->wait_preparation(60000));
+  ASSERT_TRUE(backend_->wait_background_backups(60000));
+  std::printf("prepared the rest in %.1f ms\n", seconds_since(t0) * 1e3);
+  EXPECT_EQ(backend_->registered_file_bytes(), file_pages);
+  EXPECT_NE(backend_->host_backup(kv), nullptr) << "the KV cache's backup is pinned ahead";
+  EXPECT_EQ(backend_->prepare_release([] { return false; }), Backend::Preparation::nothing);
+
+  // The first sleep registers nothing more and copies only gaps and the KV cache.
+  const std::uint64_t copied = backend_->bytes_copied_to_host();
+  const auto t1 = std::chrono::steady_clock::now();
+  EXPECT_TRUE(backend_->end_residency(0)) << backend_->last_release_status().message();
+  EXPECT_TRUE(backend_->end_residency(1)) << backend_->last_release_status().message();
+  std::printf("first sleep after the preparation: %.1f ms\n", seconds_since(t1) * 1e3);
+  EXPECT_EQ(backend_->registered_file_bytes(), file_pages);
+  EXPECT_FALSE(backend_->is_resident(p));
+  EXPECT_LE(backend_->bytes_copied_to_host() - copied, kv_bytes + (std::size_t{1} << 20)) << "the KV cache and gaps";
+  EXPECT_TRUE(backend_->request_residency(0).ok());
+  EXPECT_TRUE(backend_->request_residency(1).ok());
+  EXPECT_TRUE(read_device(p, l.device_bytes) == before) << "the device must hold exactly what it held";
+  EXPECT_EQ(mismatches(kv, kv_bytes, 9), 0u);
+  EXPECT_EQ(backend_->preparation_runs(), 2u);
+}
+
+// Without a preparation, a first sleep registers the file in the same pieces and wakes exactly; a
+// copy never spans two of them.
+TEST_F(FileBackingTest, AFirstSleepWithoutPreparationRegistersTheWholeFileInPieces) {
+  std::vector<std::size_t> sizes;
+  for (int i = 0; sizes.size() < 12; ++i) sizes.push_back((std::size_t{100} << 20) + 8191 * i + 5);
+  const Layout l = lay_out(sizes);
+  void* p = load(*backend_, l, "model.gguf", 11);
+  ASSERT_NE(p, nullptr);
+  sync();
+  const std::vector<char> before = read_device(p, l.device_bytes);
+  close_file();
+  EXPECT_TRUE(backend_->end_residency(0)) << backend_->last_release_status().message();
+  EXPECT_EQ(backend_->registered_file_bytes(), (l.file_bytes + 4095) / 4096 * 4096);
+  EXPECT_GT(backend_->file_backed_bytes(), 0u);
+  EXPECT_TRUE(backend_->request_residency(0).ok());
+  EXPECT_TRUE(read_device(p, l.device_bytes) == before);
+  EXPECT_EQ(backend_->preparation_runs(), 0u);
+}
+
+}  // namespace
+}  // namespace residency::cuda::testing

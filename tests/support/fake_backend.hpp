@@ -58,6 +58,7 @@ class FakeBackend : public Backend {
   // after it (without the lock). 0: no pacing.
   std::uint64_t pace_piece = 0;
   std::function<void(std::uint64_t)> on_paced;
+  std::function<bool()> prepare_stop;  // prepare_release()'s, under mu
   std::atomic<std::uint64_t> unmanaged{0};  // unmanaged_device_bytes(): a GPU context's, say
   std::uint64_t unmanaged_device_bytes() override { return unmanaged.load(); }
   int available_reads = 0;
@@ -74,6 +75,28 @@ class FakeBackend : public Backend {
   void set_wake_gate(WakeGate g) override {
     std::lock_guard<std::recursive_mutex> l(mu);
     gate = std::move(g);
+  }
+  // The first release, prepared: what prepare_release() answers, how often it was asked, and the
+  // `stop` it was given (until stop_preparation()).
+  Preparation prepare_answer = Preparation::nothing;
+  std::atomic<int> prepare_calls{0};
+  std::atomic<int> preparation_stops{0};
+  Preparation prepare_release(std::function<bool()> stop) override {
+    std::lock_guard<std::recursive_mutex> l(mu);
+    ++prepare_calls;
+    prepare_stop = std::move(stop);
+    return prepare_answer;
+  }
+  void stop_preparation() override {
+    std::lock_guard<std::recursive_mutex> l(mu);
+    ++preparation_stops;
+    prepare_stop = nullptr;
+  }
+  // What the preparation's `stop` says now (nullopt: none was given, or it was taken back).
+  std::optional<bool> preparation_should_stop() {
+    std::lock_guard<std::recursive_mutex> l(mu);
+    if (!prepare_stop) return std::nullopt;
+    return prepare_stop();
   }
   std::optional<std::uint64_t> memory_available() override {
     std::lock_guard<std::recursive_mutex> g(mu);

@@ -109,3 +109,83 @@ TEST_F(SchedulerTest, PrefetchWiresOnTheSchedulerThreadAndReturnsAtOnce) {
   m->touch();  // finds it resident: no second re-wire
   EXPECT_EQ(m->stats().rewires, 1u);
 }
+
+// The first release, prepared (docs/design.md): a holder that may be released and never was asks
+// its backend, once it has been idle for a second, to prepare that release in the background; a
+// use tells the backend to stop, the next idle period asks again, and a backend with nothing left
+// is not asked again.
+TEST_F(SchedulerTest, TheFirstReleaseIsPreparedAfterASecondIdleAndAUseStopsIt) {
+  fake->prepare_answer = Backend::Preparation::started;
+  auto m = make(with_keep_alive("10m"), true);
+  reg(*m, 64 * MiB);
+  ASSERT_TRUE(eventually([&] { return clock.waiters() == 1; }));
+  advance(900ms);
+  ASSERT_TRUE(eventually([&] { return clock.waiters() == 1; }));
+  EXPECT_EQ(fake->prepare_calls.load(), 0) << "not before a second of idle";
+  advance(100ms);
+  ASSERT_TRUE(eventually([&] { return fake->prepare_calls.load() == 1 && clock.waiters() == 1; }));
+  EXPECT_EQ(fake->preparation_should_stop(), std::optional<bool>(false));
+  m->touch();  // a use: the work stops
+  EXPECT_EQ(fake->preparation_should_stop(), std::optional<bool>(true));
+  advance(1s);  // the next idle second: asked again, to go on
+  ASSERT_TRUE(eventually([&] { return fake->prepare_calls.load() == 2 && clock.waiters() == 1; }));
+  EXPECT_EQ(fake->preparation_should_stop(), std::optional<bool>(false));
+  m->begin_call();  // a call stops it too
+  EXPECT_EQ(fake->preparation_should_stop(), std::optional<bool>(true));
+  advance(3s);
+  ASSERT_TRUE(eventually([&] { return clock.waiters() == 1; }));
+  EXPECT_EQ(fake->prepare_calls.load(), 2) << "never while a call is open";
+  m->end_call();
+  fake->prepare_answer = Backend::Preparation::nothing;
+  advance(1s);
+  ASSERT_TRUE(eventually([&] { return fake->prepare_calls.load() == 3 && clock.waiters() == 1; }));
+  const auto wakeups = m->stats().scheduler_wakeups;
+  for (int i = 0; i < 5; ++i) {  // nothing left: no more asks, and no more wake-ups for it
+    m->touch();
+    advance(1s);
+    ASSERT_TRUE(eventually([&] { return clock.waiters() == 1; }));
+  }
+  EXPECT_EQ(fake->prepare_calls.load(), 3);
+  EXPECT_LE(m->stats().scheduler_wakeups - wakeups, 1u);
+  EXPECT_EQ(m->stats().releases, 0u) << "preparing releases nothing";
+  EXPECT_TRUE(m->stats().resident);
+  m.reset();  // the manager goes: the backend's work no longer calls its `stop`
+  EXPECT_GE(fake->preparation_stops.load(), 1);
+  EXPECT_EQ(fake->preparation_should_stop(), std::nullopt);
+}
+
+TEST_F(SchedulerTest, NothingIsPreparedWhenNothingWouldBeReleasedOrAfterTheFirstRelease) {
+  fake->prepare_answer = Backend::Preparation::started;
+  {
+    auto m = make(with_keep_alive("forever"), true);  // no budget either: nothing ever sleeps
+    reg(*m, 64 * MiB);
+    for (int i = 0; i < 5; ++i) {
+      ASSERT_TRUE(eventually([&] { return clock.waiters() <= 1; }));
+      advance(1s);
+    }
+    EXPECT_EQ(fake->prepare_calls.load(), 0);
+  }
+  {
+    auto m = make(with_keep_alive("0"), true);  // released at the end of every call
+    reg(*m, 64 * MiB);
+    m->begin_call();
+    m->end_call();
+    advance(5s);
+    EXPECT_EQ(fake->prepare_calls.load(), 0);
+  }
+  auto m = make(with_keep_alive("3s"), true);
+  reg(*m, 64 * MiB);
+  for (int i = 0; i < 4; ++i) {  // asked after 1 s, then each second: the backend has work left
+    ASSERT_TRUE(eventually([&] { return clock.waiters() == 1; }));
+    advance(1s);
+  }
+  ASSERT_TRUE(eventually([&] { return m->stats().releases == 1 && clock.waiters() == 1; }));
+  const int asks = fake->prepare_calls.load();
+  EXPECT_GE(asks, 1);
+  m->touch();  // woken again
+  for (int i = 0; i < 2; ++i) {
+    advance(1s);
+    ASSERT_TRUE(eventually([&] { return clock.waiters() == 1; }));
+  }
+  EXPECT_EQ(fake->prepare_calls.load(), asks) << "after a release there is no first release to prepare";
+}

@@ -331,13 +331,17 @@ void CudaBackend::filled_from_file(const void* addr, std::size_t bytes, int fd, 
 
 // --- backups made ahead of the first sleep ------------------------------------------------
 
+void CudaBackend::start_background_thread() {
+  if (!bg_thread_.joinable()) bg_thread_ = std::thread([this] { background_loop(); });
+}
+
 void CudaBackend::queue_background_pin(CUdeviceptr va, std::uint64_t serial) {
   try {
     {
       MutexLock bg(bg_mu_);
       bg_queue_.emplace_back(va, serial);
     }
-    if (!bg_thread_.joinable()) bg_thread_ = std::thread([this] { background_loop(); });
+    start_background_thread();
     bg_cv_.notify_all();
   } catch (...) {
     // No thread or no memory for the queue: the first sleep pins the backup, as by default.
@@ -352,8 +356,18 @@ void CudaBackend::background_loop() {
       MutexLock bg(bg_mu_);
       bg_busy_ = false;
       bg_cv_.notify_all();  // wait_background_backups
-      bg.wait(bg_cv_, [this]() RESIDENCY_NO_THREAD_SAFETY_ANALYSIS { return bg_stop_ || !bg_queue_.empty(); });
+      bg.wait(bg_cv_,
+              [this]() RESIDENCY_NO_THREAD_SAFETY_ANALYSIS { return bg_stop_ || !bg_queue_.empty() || prep_wanted_; });
       if (bg_stop_) return;
+      if (bg_queue_.empty()) {  // the pinnings queued first: a preparation may have queued some
+        prep_wanted_ = false;
+        prep_running_ = true;
+        bg.unlock();
+        run_preparation();
+        bg.lock();
+        prep_running_ = false;
+        continue;
+      }
       job = bg_queue_.front();
       bg_queue_.pop_front();
       bg_busy_ = true;
@@ -388,6 +402,137 @@ void CudaBackend::background_loop() {
       made.free(link_);  // freed meanwhile, or its first sleep pinned one of its own
     }
   }
+}
+
+// --- the first release, prepared ------------------------------------------------------------
+
+namespace {
+using SteadyClock = std::chrono::steady_clock;
+double ms_since(SteadyClock::time_point t0) {
+  return std::chrono::duration<double, std::milli>(SteadyClock::now() - t0).count();
+}
+}  // namespace
+
+Backend::Preparation CudaBackend::prepare_release(std::function<bool()> stop) {
+  MutexLock lock(mu_);
+  // Weights-class memory the engine does not report writes to (the KV cache) sleeps in a backup
+  // of its own size: pinned whole, as right after allocation (Backup::after_allocation).
+  bool queued = false;
+  for (auto& [va, a] : allocations_) {
+    if (a.cls != RegionClass::weights || a.tracked || a.backup.base != nullptr || !a.range.mapped || a.prepare_tried)
+      continue;
+    a.prepare_tried = true;
+    queue_background_pin(va, a.serial);
+    queued = true;
+  }
+  if (!queued && !preparation_left()) return Preparation::nothing;
+  try {
+    {
+      MutexLock bg(bg_mu_);
+      prep_stop_ = std::move(stop);
+      prep_wanted_ = true;
+    }
+    start_background_thread();
+  } catch (...) {
+    return Preparation::nothing;  // no thread: the first release does it, as without
+  }
+  bg_cv_.notify_all();
+  return Preparation::started;
+}
+
+void CudaBackend::stop_preparation() {
+  MutexLock bg(bg_mu_);
+  prep_stop_ = nullptr;
+  prep_wanted_ = false;
+  bg.wait(bg_cv_, [this]() RESIDENCY_NO_THREAD_SAFETY_ANALYSIS { return !prep_running_; });
+}
+
+bool CudaBackend::preparation_stopped() {
+  MutexLock bg(bg_mu_);
+  if (bg_stop_ || !prep_stop_) return true;
+  try {
+    return prep_stop_();
+  } catch (...) {
+    return true;
+  }
+}
+
+// What a first release would do that is not done yet: files to register, chunks of tracked
+// weights that do not sleep in files and have no pinned backup.
+bool CudaBackend::preparation_left() {
+  if (!files_.unregistered().empty()) return true;
+  for (const auto& [va, a] : allocations_) {
+    if (!a.tracked || a.files.pieces.empty() || !a.range.mapped || a.prepare_tried) continue;
+    const std::vector<std::uint8_t> in_file = chunks_in_files(link_, a.range.size, a.files.pieces);
+    for (std::size_t i = 0; i < in_file.size(); ++i)
+      if (in_file[i] == 0 && (i >= a.backup.pinned.size() || a.backup.pinned[i] == 0)) return true;
+  }
+  return false;
+}
+
+bool CudaBackend::prepare_step() {
+  const Say tell = [this](const std::string& line) { say(line); };
+  const std::vector<BackingFile*> files = files_.unregistered();
+  if (!files.empty()) {
+    (void)files_.register_piece(link_, *files.front(), tell);
+    return true;
+  }
+  for (auto& [va, a] : allocations_) {
+    if (!a.tracked || a.files.pieces.empty() || !a.range.mapped || a.prepare_tried) continue;
+    const std::vector<std::uint8_t> in_file = chunks_in_files(link_, a.range.size, a.files.pieces);
+    for (std::size_t i = 0; i < in_file.size(); ++i) {
+      if (in_file[i] != 0 || (i < a.backup.pinned.size() && a.backup.pinned[i] != 0)) continue;
+      std::vector<std::uint8_t> need(in_file.size(), 0);
+      need[i] = 1;
+      // A failure (no pinned memory) leaves the chunk to the first sleep, which says why.
+      if (!a.backup.pin(link_, a.range.va, a.range.size, /*copy=*/false, &need, pin_settings())) a.prepare_tried = true;
+      return true;
+    }
+  }
+  return false;
+}
+
+void CudaBackend::run_preparation() {
+  prep_runs_.fetch_add(1);
+  const SteadyClock::time_point t0 = SteadyClock::now();
+  const std::uint64_t before = registered_file_bytes();
+  std::uint64_t steps = 0;
+  bool stopped = false, more = true;
+  while (more) {
+    if (preparation_stopped()) {
+      stopped = true;
+      break;
+    }
+    MutexLock lock(mu_);
+    more = prepare_step();
+    if (more) ++steps;
+  }
+  prep_steps_.fetch_add(steps);
+  if (trace_ && steps > 0) {
+    const std::uint64_t after = registered_file_bytes();
+    char buf[256];
+    std::snprintf(buf, sizeof buf,
+                  "the first release prepared in the background: %.2f MiB of model files registered in %.2f ms "
+                  "(%llu steps)%s",
+                  static_cast<double>(after - std::min(after, before)) / (1024.0 * 1024.0), ms_since(t0),
+                  static_cast<unsigned long long>(steps), stopped ? ", stopped by a use; the next idle goes on" : "");
+    try {
+      trace_(buf);
+    } catch (...) {
+    }
+  }
+}
+
+std::uint64_t CudaBackend::registered_file_bytes() const {
+  MutexLock lock(mu_);
+  return files_.registered_bytes();
+}
+
+bool CudaBackend::wait_preparation(int timeout_ms) {
+  MutexLock bg(bg_mu_);
+  return bg.wait_for(bg_cv_, std::chrono::milliseconds(timeout_ms), [this]() RESIDENCY_NO_THREAD_SAFETY_ANALYSIS {
+    return bg_stop_ || (!prep_wanted_ && !prep_running_ && bg_queue_.empty() && !bg_busy_);
+  });
 }
 
 bool CudaBackend::wait_background_backups(int timeout_ms) {

@@ -63,6 +63,12 @@ class CudaBackend final : public Backend {
   void interrupt_release() override;
   void set_wake_gate(WakeGate gate) override;
   std::uint64_t unmanaged_device_bytes() override;
+  // The first release, prepared (docs/design.md): on the background thread, the model files the
+  // weights sleep in are mapped and registered piece by piece (kRegisterPiece), the pinned
+  // backups of what the files do not hold are made chunk by chunk (tracked weights) or queued as
+  // a whole (other weights-class memory, the KV cache), and `stop` is polled between steps.
+  Preparation prepare_release(std::function<bool()> stop) override;
+  void stop_preparation() override;
   // One copy of a release in flight per stream is at most this: how long a call that begins
   // waits for the copies already issued (about 1.2 ms at 55 GB/s).
   static constexpr std::size_t kCopyPiece = std::size_t{64} << 20;
@@ -108,6 +114,14 @@ class CudaBackend final : public Backend {
   // With CudaBackendOptions::Backup::after_allocation: waits until the background thread has
   // pinned the backups of every allocation made so far (true), or `timeout_ms` passed (false).
   bool wait_background_backups(int timeout_ms);
+  // Waits until no preparation (prepare_release) is queued or running (true), or `timeout_ms`
+  // passed (false).
+  bool wait_preparation(int timeout_ms);
+  // Bytes of model files registered with the GPU now, over all files (piece by piece).
+  std::uint64_t registered_file_bytes() const;
+  // Preparations that ran (each until done or stopped) and steps they completed, over the life.
+  std::uint64_t preparation_runs() const { return prep_runs_.load(); }
+  std::uint64_t preparation_steps() const { return prep_steps_.load(); }
   // Backups the background thread pinned, and background pinnings that failed (the first sleep
   // of that allocation then pins its own).
   std::uint64_t background_backups() const { return bg_done_.load(); }
@@ -152,6 +166,9 @@ class CudaBackend final : public Backend {
     bool tracked = false;
     std::vector<std::uint8_t> dirty;
     FileBacked files;  // tracked weights filled from files
+    // The first release, prepared: its whole backup was queued for pinning, or pinning a chunk of
+    // it failed (its first sleep then pins and says why): not tried again ahead.
+    bool prepare_tried = false;
   };
   struct HostRange {
     void* base = nullptr;
@@ -218,11 +235,23 @@ class CudaBackend final : public Backend {
   // then attaches it if the allocation still exists and has none.
   void background_loop();
   void queue_background_pin(CUdeviceptr va, std::uint64_t serial) RESIDENCY_REQUIRES(mu_);
+  void start_background_thread() RESIDENCY_REQUIRES(mu_);
+  // The first release, prepared: one step of the work (a file's piece registered, a chunk of a
+  // backup pinned), under mu_; false when nothing is left.
+  bool prepare_step() RESIDENCY_REQUIRES(mu_);
+  bool preparation_left() RESIDENCY_REQUIRES(mu_);
+  void run_preparation();  // on the background thread, until done or stopped
+  bool preparation_stopped() RESIDENCY_EXCLUDES(bg_mu_);
   Mutex bg_mu_;  // after mu_ (see mu_)
   std::condition_variable bg_cv_;
   std::deque<std::pair<CUdeviceptr, std::uint64_t>> bg_queue_ RESIDENCY_GUARDED_BY(bg_mu_);
   bool bg_busy_ RESIDENCY_GUARDED_BY(bg_mu_) = false;
   bool bg_stop_ RESIDENCY_GUARDED_BY(bg_mu_) = false;
+  std::function<bool()> prep_stop_ RESIDENCY_GUARDED_BY(bg_mu_);  // prepare_release's; empty: stopped
+  bool prep_wanted_ RESIDENCY_GUARDED_BY(bg_mu_) = false;
+  bool prep_running_ RESIDENCY_GUARDED_BY(bg_mu_) = false;
+  std::atomic<std::uint64_t> prep_runs_{0};
+  std::atomic<std::uint64_t> prep_steps_{0};
   std::thread bg_thread_ RESIDENCY_GUARDED_BY(mu_);
   std::atomic<std::uint64_t> bg_done_{0};
   std::atomic<std::uint64_t> bg_failed_{0};

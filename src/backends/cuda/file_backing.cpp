@@ -60,33 +60,98 @@ BackingFile* BackingFiles::note(int fd, const struct stat& st) {
   return files_.emplace(key, std::move(file)).first->second.get();
 }
 
+bool BackingFile::whole() const {
+  return map != nullptr && std::all_of(registered.begin(), registered.end(), [](std::uint8_t r) { return r != 0; });
+}
+
+namespace {
+// The bytes piece k of a mapping of `map_len` bytes registers.
+std::size_t piece_len(std::size_t map_len, std::size_t k) {
+  return std::min(kRegisterPiece, map_len - k * kRegisterPiece);
+}
+}  // namespace
+
+// Only for a file that is not whole: no weights sleep in it, so its mapping can go.
+void BackingFiles::give_up(const DeviceLink& link, BackingFile& f, const std::string& why, const Say& say) {
+  if (f.map != nullptr) {
+    for (std::size_t k = 0; k < f.registered.size(); ++k)
+      if (f.registered[k] != 0) (void)link.d->cuMemHostUnregister(f.map + k * kRegisterPiece);
+    (void)munmap(f.map, f.map_len);
+  }
+  f.map = nullptr;
+  f.map_len = 0;
+  f.registered.clear();
+  f.unusable = true;
+  say(why + "; the weights filled from it are backed up in pinned host memory instead");
+}
+
+BackingFiles::Step BackingFiles::register_piece(const DeviceLink& link, BackingFile& f, const Say& say) {
+  if (f.unusable) return Step::failed;
+  if (f.map == nullptr) {
+    if (!f.unchanged()) {
+      give_up(link, f, f.name + " changed since the weights were loaded from it (size or modification time)", say);
+      return Step::failed;
+    }
+    const std::size_t len = round_up(static_cast<std::size_t>(f.size), host_page());
+    void* m = mmap(nullptr, len, PROT_READ, MAP_SHARED, f.fd, 0);
+    if (m == MAP_FAILED) {
+      give_up(link, f, "cannot map " + f.name + " (" + std::strerror(errno) + ")", say);
+      return Step::failed;
+    }
+    f.map = static_cast<char*>(m);
+    f.map_len = len;
+    f.registered.assign((len + kRegisterPiece - 1) / kRegisterPiece, 0);
+  }
+  const auto next = std::find(f.registered.begin(), f.registered.end(), std::uint8_t{0});
+  if (next == f.registered.end()) return Step::done;
+  const std::size_t k = static_cast<std::size_t>(next - f.registered.begin());
+  const CUresult r = link.d->cuMemHostRegister(f.map + k * kRegisterPiece, piece_len(f.map_len, k),
+                                               CU_MEMHOSTREGISTER_PORTABLE | CU_MEMHOSTREGISTER_READ_ONLY);
+  if (r != CUDA_SUCCESS) {
+    give_up(link, f,
+            "cannot register " + f.name + " read-only with the GPU (" +
+                link.d->error(r, "", "cuMemHostRegister").message() + ")",
+            say);
+    return Step::failed;
+  }
+  *next = 1;
+  return k + 1 == f.registered.size() || f.whole() ? Step::done : Step::more;
+}
+
 bool BackingFiles::ready(const DeviceLink& link, BackingFile& f, const Say& say) {
   if (f.unusable) return false;
-  const std::string fallback = "; the weights filled from it are backed up in pinned host memory instead";
   if (!f.unchanged()) {
-    f.unusable = true;
-    say(f.name + " changed since the weights were loaded from it (size or modification time)" + fallback);
+    const std::string why = f.name + " changed since the weights were loaded from it (size or modification time)";
+    if (!f.whole()) {
+      give_up(link, f, why, say);  // nothing sleeps in a file not yet whole
+    } else {
+      f.unusable = true;  // weights asleep in it keep its mapping until they wake (mark_changed)
+      say(why + "; the weights filled from it are backed up in pinned host memory instead");
+    }
     return false;
   }
-  if (f.map != nullptr) return true;
-  const std::size_t len = round_up(static_cast<std::size_t>(f.size), host_page());
-  void* m = mmap(nullptr, len, PROT_READ, MAP_SHARED, f.fd, 0);
-  if (m == MAP_FAILED) {
-    f.unusable = true;
-    say("cannot map " + f.name + " (" + std::strerror(errno) + ")" + fallback);
-    return false;
+  for (;;) {
+    switch (register_piece(link, f, say)) {
+      case Step::more: continue;
+      case Step::done: return true;
+      case Step::failed: return false;
+    }
   }
-  const CUresult r = link.d->cuMemHostRegister(m, len, CU_MEMHOSTREGISTER_PORTABLE | CU_MEMHOSTREGISTER_READ_ONLY);
-  if (r != CUDA_SUCCESS) {
-    (void)munmap(m, len);
-    f.unusable = true;
-    say("cannot register " + f.name + " read-only with the GPU (" +
-        link.d->error(r, "", "cuMemHostRegister").message() + ")" + fallback);
-    return false;
-  }
-  f.map = static_cast<char*>(m);
-  f.map_len = len;
-  return true;
+}
+
+std::uint64_t BackingFiles::registered_bytes() const {
+  std::uint64_t n = 0;
+  for (const auto& [key, f] : files_)
+    for (std::size_t k = 0; k < f->registered.size(); ++k)
+      if (f->registered[k] != 0) n += piece_len(f->map_len, k);
+  return n;
+}
+
+std::vector<BackingFile*> BackingFiles::unregistered() {
+  std::vector<BackingFile*> out;
+  for (auto& [key, f] : files_)
+    if (!f->unusable && !f->whole()) out.push_back(f.get());
+  return out;
 }
 
 void BackingFiles::mark_changed(const Say& say) {
@@ -108,7 +173,8 @@ void BackingFiles::drop_unused(const DeviceLink& link, const std::function<bool(
     }
     BackingFile& f = *it->second;
     if (f.map != nullptr) {
-      (void)link.d->cuMemHostUnregister(f.map);
+      for (std::size_t k = 0; k < f.registered.size(); ++k)
+        if (f.registered[k] != 0) (void)link.d->cuMemHostUnregister(f.map + k * kRegisterPiece);
       (void)munmap(f.map, f.map_len);
     }
     if (f.fd >= 0) (void)close(f.fd);
@@ -168,10 +234,15 @@ CUresult FileBacked::restore_chunk(const DeviceLink& link, const VmmRange& range
   const std::size_t cb = i * link.chunk;
   const std::size_t ce = std::min(cb + link.chunk, range.size);
   for (auto it = first_piece_after(pieces, cb); it != pieces.end() && it->off < ce; ++it) {
-    const std::size_t b = std::max(it->off, cb);
-    const std::size_t e = std::min(it->off + it->len, ce);
-    const CUresult r = link.d->cuMemcpyHtoDAsync(range.va + b, it->file->map + it->file_off + (b - it->off), e - b, stream);
-    if (r != CUDA_SUCCESS) return r;
+    // Split where the file's registration is (a copy from host memory is pinned-fast only within
+    // one registered range).
+    for (std::size_t b = std::max(it->off, cb), e = std::min(it->off + it->len, ce); b < e;) {
+      const std::uint64_t fo = it->file_off + (b - it->off);
+      const std::size_t n = std::min<std::size_t>(e - b, kRegisterPiece - fo % kRegisterPiece);
+      const CUresult r = link.d->cuMemcpyHtoDAsync(range.va + b, it->file->map + fo, n, stream);
+      if (r != CUDA_SUCCESS) return r;
+      b += n;
+    }
   }
   const Gaps& g = gaps[i];
   std::size_t at = 0;
@@ -210,20 +281,20 @@ void FileSleep::drop_unusable_files() {
   }
 }
 
-// Per chunk: whether it sleeps in its files (covered by them but for at most kMaxGapBytes).
-std::vector<std::uint8_t> FileSleep::chunks_in_files() const {
-  const std::size_t n = link.chunks_of(range.size), chunk = link.chunk;
+std::vector<std::uint8_t> chunks_in_files(const DeviceLink& link, std::size_t size,
+                                          const std::vector<FileBacked::Piece>& pieces) {
+  const std::size_t n = link.chunks_of(size), chunk = link.chunk;
   std::vector<std::size_t> covered(n, 0);
-  for (const FileBacked::Piece& p : files.pieces) {
+  for (const FileBacked::Piece& p : pieces) {
     for (std::size_t i = p.off / chunk; i * chunk < p.off + p.len && i < n; ++i) {
       const std::size_t b = std::max(p.off, i * chunk);
-      const std::size_t e = std::min(p.off + p.len, std::min((i + 1) * chunk, range.size));
+      const std::size_t e = std::min(p.off + p.len, std::min((i + 1) * chunk, size));
       covered[i] += e - b;
     }
   }
   std::vector<std::uint8_t> in_file(n, 0);
   for (std::size_t i = 0; i < n; ++i) {
-    const std::size_t len = std::min(chunk, range.size - i * chunk);
+    const std::size_t len = std::min(chunk, size - i * chunk);
     in_file[i] = covered[i] > 0 && len - covered[i] <= kMaxGapBytes ? 1 : 0;
   }
   return in_file;
@@ -290,7 +361,7 @@ void FileSleep::settle(std::vector<std::uint8_t>& in_file) {
 Status FileSleep::run() {
   const std::size_t n = link.chunks_of(range.size);
   drop_unusable_files();
-  std::vector<std::uint8_t> in_file = chunks_in_files();
+  std::vector<std::uint8_t> in_file = chunks_in_files(link, range.size, files.pieces);
   files.from_file.resize(n, 0);
   files.gaps.resize(n);
   std::vector<std::uint8_t> need_pin(n, 0);

@@ -39,13 +39,22 @@ struct BackingFile {
   ino_t ino = 0;
   off_t size = 0;
   std::int64_t mtime_ns = 0;
-  char* map = nullptr;  // registered read-only while non-null
+  char* map = nullptr;  // the whole file, mapped read-only while non-null
   std::size_t map_len = 0;
+  // Per kRegisterPiece of the mapping: registered read-only with the GPU. Registered piece by piece
+  // so that the work can run in the background and stop between pieces (the first release,
+  // prepared); a copy never spans two pieces (FileBacked::restore_chunk).
+  std::vector<std::uint8_t> registered;
   bool unusable = false;  // changed, or cannot be mapped or registered: backs nothing from now on
 
   // Whether the file, as its descriptor sees it now, is still what was first seen.
   bool unchanged() const;
+  // Whether every piece of the mapping is registered.
+  bool whole() const;
 };
+
+// The file mapping is registered in pieces of this many bytes: about 10 ms of pinning each.
+inline constexpr std::size_t kRegisterPiece = std::size_t{256} << 20;
 
 // The files of one backend, by device and inode.
 class BackingFiles {
@@ -56,6 +65,15 @@ class BackingFiles {
   // Whether `f` can back ranges now: unchanged since first seen, mapped and registered (done here
   // the first time). When not, it is marked unusable and `say` tells why, once.
   bool ready(const DeviceLink& link, BackingFile& f, const Say& say);
+  // One step of ready() that can run ahead of the first sleep: maps `f` (the first time) and
+  // registers its next piece. `more`: pieces are left; `done`: `f` is whole (or was); `failed`: it
+  // cannot back ranges (marked unusable, said once, nothing of it kept registered).
+  enum class Step { more, done, failed };
+  Step register_piece(const DeviceLink& link, BackingFile& f, const Say& say);
+  // The files that are usable but not whole yet.
+  std::vector<BackingFile*> unregistered();
+  // Bytes registered with the GPU, over all files.
+  std::uint64_t registered_bytes() const;
   // Before a restore: files that changed while the weights slept in them are marked unusable, and
   // said (nothing else holds those bytes).
   void mark_changed(const Say& say);
@@ -63,6 +81,8 @@ class BackingFiles {
   void drop_unused(const DeviceLink& link, const std::function<bool(const BackingFile*)>& used);
 
  private:
+  // Unregisters what `f` registered and unmaps it, marks it unusable and says why.
+  void give_up(const DeviceLink& link, BackingFile& f, const std::string& why, const Say& say);
   std::map<std::pair<dev_t, ino_t>, std::unique_ptr<BackingFile>> files_;
 };
 
@@ -104,6 +124,11 @@ struct FileBacked {
 // file: 1/16 of a 256 MiB chunk.
 inline constexpr std::size_t kMaxGapBytes = std::size_t{16} << 20;
 
+// Per copy chunk of an allocation of `size` bytes: whether it sleeps in its files (covered by
+// `pieces` but for at most kMaxGapBytes).
+std::vector<std::uint8_t> chunks_in_files(const DeviceLink& link, std::size_t size,
+                                          const std::vector<FileBacked::Piece>& pieces);
+
 // The sleep of a tracked weights allocation with file pieces, while its memory is still mapped:
 // chunk by chunk, what changed since the last sleep (or everything, the first time) is saved; a
 // chunk made of its file's bytes but for at most kMaxGapBytes keeps those in the file (nothing to
@@ -126,7 +151,6 @@ struct FileSleep {
 
  private:
   void drop_unusable_files();
-  std::vector<std::uint8_t> chunks_in_files() const;
   Status save_gaps(std::size_t i, CUstream stream);
   void settle(std::vector<std::uint8_t>& in_file);
 };
