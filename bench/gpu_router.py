@@ -7,7 +7,7 @@ GPU, in up to three configurations, run in the order given:
   resident   --models-max 0, no preload: every model loaded once and kept; its answers are the
              reference and its request times the warm times
   plain      --models-max 2 (--plain-models-max), no preload: the router unloads the least recently
-             used model and loads the next (about 3 s a switch): runs rr0 and random only
+             used model and loads the next (about 3 s a switch): runs rr0, random and prompt_cache only
   residency  --models-max 0 under the preload, RESIDENCY_KEEP_ALIVE=10m and
              RESIDENCY_GPU_BUDGET=NAME:BUDGET (two models' worth): idle models sleep; a wake that
              finds every holder inside a call goes over the budget (RESIDENCY_BUDGET_WAIT=over)
@@ -20,6 +20,24 @@ request patterns (greedy, n_predict 8, top-5 log-probs, POST /completion with "m
   random  random.Random(SEED) over the models, never the same twice in a row
   burst   bursts of one concurrent request to each model, 1 s apart (REQUESTS / N bursts)
   burst0  the same bursts back to back (the next starts when the last answer came)
+  prompt_cache  does a model's prompt cache survive a switch away and back? Needs 3 models or more and
+          --ctx >= --prompt-tokens + 256 (4096 for the default 3000). Before it: /tokenize on the first
+          model A sizes one long prompt per round (numbered sentences, a new first word each round, so
+          each round's first request is a real prefill) to the first sentence count of at least
+          --prompt-tokens tokens, then one short request makes A current. Each of --prompt-rounds
+          rounds: the long prompt to A (a prefill; A current, no switch); one short request to each
+          other model (under plain --models-max 2 the router unloads A; under a budget for two A
+          sleeps, weights and KV cache); A's state recorded (GET /models, `residency stat --json`);
+          the same prompt extended by a follow-up of about 50-100 tokens to A. The long requests:
+          streamed (time to first token: the first token's event), cache_prompt true, n_predict 4,
+          greedy, top-5 log-probs; each records llama-server's timings (prompt_n: tokens processed,
+          cache_n: tokens reused from the slot, prompt_ms), tokens_evaluated (the prompt's tokens)
+          and tokens_cached (what the slot holds after the answer: prompt + answer - 1, large either
+          way). `-np 1`: one slot, which holds A's cache. The check prompt_cache: under the
+          preloaded configurations every follow-up processed at most its extension + 16 tokens and
+          A was asleep before it, every first prompt >= 2048 tokens, and (when plain ran) the
+          follow-up's time to first token p50 below the plain router's, whose A was unloaded.
+          Also OUT's -prompt-cache.csv (one row per request).
 A switch is a request to another model than the previous request's (in a burst: every request);
 its time is the request's wall time. From outside, `nvidia-smi --query-compute-apps` every 50 ms:
 the router's and its children's summed GPU memory against the budget. After the patterns, each
@@ -34,9 +52,10 @@ of --configs reports it from there (same models), so the configurations can run 
   bench/gpu_router.py --llama PREFIX --preload SO --tool RESIDENCY --out FILE.json [--models 4] [--size 12GiB]
       [--budget 28GiB|N%] [--hog-gib G] [--configs resident,plain,residency] [--patterns rr0,rr1.6,random,burst]
       [--requests 32] [--plain-requests 32] [--seed 7] [--dir /tmp/gr] [--port 8090] [--no-gpu]
+      [--ctx 1024] [--prompt-tokens 3000] [--prompt-rounds 3]
 Uses only the Python standard library; shares gpu_bench.py (beside it) with gpu_budget_servers.py.
 """
-import argparse, ctypes, json, os, random, signal, subprocess, sys, threading, time, urllib.request
+import argparse, ctypes, json, os, random, signal, subprocess, sys, threading, time, urllib.error, urllib.request
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gpu_bench import (MiB, GpuSampler, answer_from_json, budget_mib as parse_budget_mib, complete, gpu_name,  # noqa: E402
@@ -45,9 +64,13 @@ from gpu_bench import (MiB, GpuSampler, answer_from_json, budget_mib as parse_bu
 
 CONFIGS = ("resident", "plain", "residency", "strict")
 PRELOADED = ("residency", "strict")
-PATTERNS = ("rr0", "rr1.6", "random", "burst", "burst0")
+PATTERNS = ("rr0", "rr1.6", "random", "burst", "burst0", "prompt_cache")
 BURSTS = ("burst", "burst0")
-PLAIN_PATTERNS = ("rr0", "random")  # the plain router pays seconds per switch
+PLAIN_PATTERNS = ("rr0", "random", "prompt_cache")  # the plain router pays seconds per switch
+PROMPT_MIN_TOKENS = 2048  # the prompt_cache pattern's long prompt, at least
+PROMPT_CTX_MARGIN = 256   # --ctx >= --prompt-tokens + this: the follow-up, the answer, a sentence's overshoot
+PROMPT_SLACK = 16         # a follow-up that reused the cache processes at most its extension + this
+PROMPT_PREDICT = 4        # tokens answered to each long prompt
 SEQUENTIAL = ("rr0", "rr1.6", "random")
 SERIES_POINTS = 4000
 
@@ -79,6 +102,11 @@ def parse_args(argv=None):
     p.add_argument("--link-gbs", type=float, default=55.2, help="host-to-device GB/s (1e9 B/s), for the switch-time check")
     p.add_argument("--kv-compute-mib", type=float, default=1024,
                    help="a server's KV cache and compute buffers, for the pinned-host-bytes check")
+    p.add_argument("--ctx", type=int, default=1024, help="the router's -c (each child's context; one slot, -np 1): "
+                   "prompt_cache needs --prompt-tokens + 256 (4096 for the default)")
+    p.add_argument("--prompt-tokens", type=int, default=3000,
+                   help="prompt_cache: each round's long prompt, at least this many tokens (2048 at least)")
+    p.add_argument("--prompt-rounds", type=int, default=3, help="prompt_cache: rounds (long prompt, switches, follow-up)")
     p.add_argument("--timeout", type=float, default=300, help="seconds per request")
     p.add_argument("--dir", default="/tmp/gr")
     p.add_argument("--port", type=int, default=8090)
@@ -94,6 +122,14 @@ def parse_args(argv=None):
     for x in a.patterns:
         if x not in PATTERNS:
             p.error(f"--patterns: unknown {x!r} (one of {', '.join(PATTERNS)})")
+    if "prompt_cache" in a.patterns:
+        if a.prompt_tokens < PROMPT_MIN_TOKENS:
+            p.error(f"--prompt-tokens {a.prompt_tokens}: prompt_cache needs {PROMPT_MIN_TOKENS} or more")
+        if a.ctx < a.prompt_tokens + PROMPT_CTX_MARGIN:
+            p.error(f"--patterns prompt_cache with --ctx {a.ctx}: needs --ctx {a.prompt_tokens + PROMPT_CTX_MARGIN} or "
+                    f"more (--prompt-tokens {a.prompt_tokens} + {PROMPT_CTX_MARGIN})")
+        if a.prompt_rounds < 1:
+            p.error("--prompt-rounds: 1 or more")
     return a
 
 
@@ -251,7 +287,149 @@ def pattern_stats(reqs, series, budget, t0, t1, bursts=None):
     return st
 
 
+# The prompt_cache pattern's prompts: deterministic, one long prompt per round with its own first word
+# (so that no round's prompt shares more than the BOS with the one before it in the slot), and a follow-up
+# that extends it.
+ROUND_WORDS = ("Amber", "Birch", "Cedar", "Delta", "Ember", "Fjord", "Grove", "Harbor", "Iris", "Juniper")
+_ADJ = ("quiet", "bright", "narrow", "heavy", "silver", "distant", "careful", "ancient", "sudden", "gentle")
+_NOUN = ("river", "lantern", "garden", "engine", "letter", "bridge", "market", "window", "signal", "ladder")
+_VERB = ("passes", "guards", "follows", "crosses", "measures", "carries", "watches", "reaches")
+_PLACE = ("the old mill", "the north gate", "the long pier", "the hill road", "the stone well", "the east tower")
+
+
+def long_prompt(rnd, sentences):
+    """Round `rnd`'s long prompt of `sentences` numbered notes (the first k notes of any length are the same)."""
+    rng = random.Random(9001 + rnd)
+    out = [f"{ROUND_WORDS[rnd % len(ROUND_WORDS)]} log, part {rnd + 1}. Read every numbered note."]
+    for i in range(sentences):
+        out.append(f"Note {i + 1}: the {rng.choice(_ADJ)} {rng.choice(_NOUN)} {rng.choice(_VERB)} {rng.randrange(2, 99)} "
+                   f"{rng.choice(_NOUN)}s near {rng.choice(_PLACE)}.")
+    return " ".join(out)
+
+
+def follow_up(rnd):
+    """What round `rnd`'s follow-up appends to its long prompt (about 50-100 tokens)."""
+    return (f" Question {rnd + 1}: of all the notes above, which note names the most distant place, which one names "
+            "the largest number, and which two notes share a noun? Answer in one short line.")
+
+
+def size_prompt(count, rnd, target):
+    """(text, tokens): round `rnd`'s long prompt with the fewest notes whose text is at least `target` tokens by
+    `count(text)` (the model's /tokenize; tokens without the BOS). When `count` answers None: about 2 characters
+    a token (the smallest synthetic vocabulary's rate), and tokens None."""
+    k0 = 20
+    n = count(long_prompt(rnd, k0))
+    if n is None or n <= 0:
+        per = len(long_prompt(rnd, k0)) / k0
+        k = max(1, int(target * 2 / per) + 1)
+        return long_prompt(rnd, k), None
+    k = max(1, -(-target * k0 // n))
+    n = count(long_prompt(rnd, k))
+    for _ in range(400):
+        if n is None:
+            return long_prompt(rnd, k), None
+        if n < target:
+            k += 1
+            n = count(long_prompt(rnd, k))
+            continue
+        m = count(long_prompt(rnd, k - 1)) if k > 1 else None
+        if m is None or m < target:
+            break
+        k, n = k - 1, m
+    return long_prompt(rnd, k), n
+
+
+def prompt_body(model, text):
+    """A long request of the prompt_cache pattern: streamed, the slot's cache reused, 4 greedy tokens."""
+    return {"prompt": text, "n_predict": PROMPT_PREDICT, "temperature": 0, "n_probs": 5, "cache_prompt": True,
+            "seed": 1, "stream": True, "model": model}
+
+
+def _q50(xs):
+    xs = sorted(x for x in xs if x is not None)
+    return round(quantile(xs, 0.5), 4) if xs else None
+
+
+def prompt_cache_summary(reqs):
+    """Per round, the long prompt's and its follow-up's figures; the extension: the follow-up's prompt tokens
+    minus the long prompt's (tokens_evaluated)."""
+    rounds = sorted({r["round"] for r in reqs if r.get("kind") in ("prefill", "followup")})
+    pre, fu = {"tokens_evaluated": [], "prompt_n": [], "cache_n": [], "ttft_s": [], "prompt_ms": [], "wall_s": []}, \
+        {"extension_tokens": [], "tokens_evaluated": [], "prompt_n": [], "cache_n": [], "tokens_cached": [], "ttft_s": [],
+         "prompt_ms": [], "wall_s": [], "a_before": []}
+    for rnd in rounds:
+        p = next((r for r in reqs if r.get("round") == rnd and r.get("kind") == "prefill"), {})
+        f = next((r for r in reqs if r.get("round") == rnd and r.get("kind") == "followup"), {})
+        for d, r in ((pre, p), (fu, f)):
+            for k in ("tokens_evaluated", "prompt_n", "cache_n", "prompt_ms"):
+                d[k].append(r.get(k))
+            d["ttft_s"].append(r.get("ttft"))
+            d["wall_s"].append(r.get("dt"))
+        fu["tokens_cached"].append(f.get("tokens_cached"))
+        fu["a_before"].append(f.get("a_before"))
+        te_p, te_f = p.get("tokens_evaluated"), f.get("tokens_evaluated")
+        fu["extension_tokens"].append(te_f - te_p if isinstance(te_p, int) and isinstance(te_f, int) else None)
+    for d in (pre, fu):
+        for k in ("ttft_s", "prompt_ms", "wall_s"):
+            d[k + "_p50"] = _q50(d[k])
+    return {"rounds": len(rounds), "prefill": pre, "followup": fu,
+            "errors": sum(1 for r in reqs if r.get("kind") in ("prefill", "followup") and "error" in r)}
+
+
 # ---- the router ---------------------------------------------------------------------------------
+
+
+def stream_complete(url, body, who, timeout=60):
+    """POST a streamed `body` (stream: true) to `url` (…/completion). Returns {"t", "dt", "ttft" (seconds to the
+    first token's event), "tokens" (the answer's text), "probs" (top-5 per token, as complete() gives them),
+    and from the last event "prompt_n", "prompt_ms", "cache_n", "predicted_n" (its timings), "tokens_cached",
+    "tokens_evaluated"}, or with "error" (and "status") when the request failed."""
+    req = urllib.request.Request(url, method="POST", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json", "Accept": "text/event-stream"})
+    t = time.time()
+    ttft, text, probs, final = None, [], [], None
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            for raw in resp:
+                line = raw.decode(errors="replace").strip()
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                ev = json.loads(data)
+                if "error" in ev:
+                    raise RuntimeError(f"error event: {json.dumps(ev['error'])[:300]}")
+                if ev.get("stop"):
+                    final = ev
+                    break
+                if ttft is None:
+                    ttft = time.time() - t
+                text.append(ev.get("content") or "")
+                for tok in ev.get("completion_probabilities", []) or []:
+                    probs.append([(c.get("id"), round(c.get("logprob", c.get("prob", 0)), 4))
+                                  for c in tok.get("top_logprobs", tok.get("probs", []))])
+    except Exception as e:  # an error answer, a dead server: recorded, and the checks fail
+        detail = str(e)
+        if isinstance(e, urllib.error.HTTPError):
+            try:
+                detail += ": " + e.read().decode(errors="replace")[:300]
+            except Exception:
+                pass
+        log("request to", who, "failed:", detail)
+        return {"t": t, "dt": time.time() - t, "ttft": None, "tokens": None, "probs": None, "error": detail,
+                "status": e.code if isinstance(e, urllib.error.HTTPError) else None}
+    dt = time.time() - t
+    if final is None:
+        log("request to", who, "failed: the stream ended before its last event")
+        return {"t": t, "dt": dt, "ttft": ttft, "tokens": None, "probs": None, "status": 200,
+                "error": "the stream ended before its last event"}
+    tm = final.get("timings") or {}
+    return {"t": t, "dt": dt, "ttft": round(ttft if ttft is not None else dt, 4), "tokens": "".join(text), "probs": probs,
+            "prompt_n": tm.get("prompt_n"), "prompt_ms": None if tm.get("prompt_ms") is None else round(tm["prompt_ms"], 3),
+            "cache_n": tm.get("cache_n"), "predicted_n": tm.get("predicted_n"), "tokens_cached": final.get("tokens_cached"),
+            "tokens_evaluated": final.get("tokens_evaluated")}
+
 
 class Router:
     """llama-server in router mode, in a process group of its own; `pids` gathers the router and every
@@ -263,7 +441,7 @@ class Router:
         self.log_path = log_path
         self.lf = open(log_path, "w")
         cmd = [f"{a.llama}/bin/llama-server", "--models-dir", models_dir, "--models-max", str(models_max),
-               "-ngl", "0" if a.no_gpu else "999", "-c", "1024", "-np", "1", "--port", str(a.port)]
+               "-ngl", "0" if a.no_gpu else "999", "-c", str(a.ctx), "-np", "1", "--port", str(a.port)]
         log(config, "router:", " ".join(cmd))
         self.proc = subprocess.Popen(cmd, env=env, stdout=self.lf, stderr=subprocess.STDOUT, start_new_session=True)
         self.pids = {self.proc.pid}
@@ -289,6 +467,33 @@ class Router:
 
     def ask(self, model_id, who):
         return complete(self.url + "/completion", request_body(model_id), who, timeout=self.timeout)
+
+    def ask_stream(self, model_id, text, who):
+        return stream_complete(self.url + "/completion", prompt_body(model_id, text), who, timeout=self.timeout)
+
+    def post(self, path, body, timeout=60):
+        req = urllib.request.Request(self.url + path, method="POST", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        return json.loads(urllib.request.urlopen(req, timeout=timeout).read())
+
+    def count_tokens(self, model_id, text):
+        """The model's token count of `text` (POST /tokenize through the router; no BOS), or None."""
+        try:
+            return len(self.post("/tokenize", {"model": model_id, "content": text}, timeout=self.timeout)["tokens"])
+        except Exception as e:
+            log("tokenize on", model_id, "failed:", e)
+            return None
+
+    def model_status(self, model_id):
+        """The router's word for a model (GET /models: loaded, loading, unloaded, ...), or None."""
+        try:
+            for m in self.get("/models").get("data", []):
+                if m.get("id") == model_id:
+                    st = m.get("status")
+                    return st.get("value") if isinstance(st, dict) else st
+        except Exception:
+            pass
+        return None
 
     def children(self):
         return [p for p in descendants(self.proc.pid) if alive(p)]
@@ -320,6 +525,33 @@ class Router:
                 except ProcessLookupError:
                     pass
         self.lf.close()
+
+
+def child_pid(router, path):
+    """The router's child that serves the GGUF `path` (from its command line), or None."""
+    for pid in router.children():
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmdline = f.read().decode(errors="replace").split("\0")
+        except OSError:
+            continue
+        if path in cmdline or os.path.realpath(path) in cmdline:
+            return pid
+    return None
+
+
+def ledger_state(tool, pid):
+    """`pid`'s holder in the budgets `residency stat --json` lists: {"state" (awake/asleep), "bytes", "budget"};
+    state None when no budget holds it (no GPU, no preload)."""
+    j = run_json([tool, "stat", "--json"])
+    for b in j.get("shared_budgets", []) or []:
+        for h in b.get("holders", []) or []:
+            if pid is not None and h.get("pid") == pid:
+                return {"state": h.get("state"), "bytes": h.get("bytes"), "budget": b.get("name")}
+    out = {"state": None}
+    if "error" in j:
+        out["stat_error"] = j["error"]
+    return out
 
 
 def host_bytes(a, router, stems, files, with_stat):
@@ -403,7 +635,7 @@ def run_config(a, cfg, stems, files, models_dir, sampler, budget_mib, budget_nam
            "budget": a.budget if cfg in PRELOADED else None, "budget_mib": budget_mib,
            "budget_wait": a.budget_wait if cfg == "strict" else ("over" if cfg == "residency" else None),
            "hog_gib": a.hog_gib if cfg != "resident" and not a.no_gpu else 0, "requests_per_pattern":
-           a.plain_requests if cfg == "plain" else a.requests, "seed": a.seed, "no_gpu": a.no_gpu}
+           a.plain_requests if cfg == "plain" else a.requests, "seed": a.seed, "no_gpu": a.no_gpu, "ctx": a.ctx}
     env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD" and not k.startswith("RESIDENCY_")}
     if cfg in PRELOADED:
         env.update(LD_PRELOAD=a.preload, RESIDENCY_KEEP_ALIVE="10m", RESIDENCY_LOG=a.log_level, RESIDENCY_LOG_TIME="1",
@@ -442,6 +674,14 @@ def run_config(a, cfg, stems, files, models_dir, sampler, budget_mib, budget_nam
             r.setdefault("status", 200)
             return r
 
+        def ask_long(m, text, kind, rnd):
+            r = router.ask_stream(stems[m], text, f"{cfg} {stems[m]} {kind} {rnd}")
+            sw = m != state["prev"]
+            state["prev"] = m
+            r = dict(r, model=m, switch=sw, t=rel(r["t"]), dt=round(r["dt"], 4), kind=kind, round=rnd)
+            r.setdefault("status", 200)
+            return r
+
         t = time.time()
         rec["warmup"] = [ask(m) for m in range(len(stems))]
         ph["warmup_s"] = round(time.time() - t, 2)
@@ -464,6 +704,34 @@ def run_config(a, cfg, stems, files, models_dir, sampler, budget_mib, budget_nam
                     reqs.append(ask(k % n))
             elif pat == "random":
                 reqs = [ask(m) for m in order[:nreq]]
+            elif pat == "prompt_cache":
+                # Not measured: each round's long prompt sized on A's tokenizer, then one short request
+                # that makes A current (loaded, awake) in every configuration.
+                texts, sizes = [], []
+                for rnd in range(a.prompt_rounds):
+                    text, ntok = size_prompt(lambda x: router.count_tokens(stems[0], x), rnd, a.prompt_tokens)
+                    texts.append(text)
+                    sizes.append(ntok)
+                lead = ask(0)
+                a_pid = child_pid(router, files[0])
+                setup = {"prompt_tokens_tokenize": sizes, "prompt_chars": [len(x) for x in texts], "lead_in": lead,
+                         "a_pid": a_pid, "sized_s": round(time.time() - t0, 2)}
+                log(cfg, pat, f"long prompts of {sizes} tokens (/tokenize, no BOS), {n} models"
+                    + ("" if n >= 3 else ": fewer than 3, so A is never put away"))
+                t0 = time.time()
+                reqs = []
+                for rnd in range(a.prompt_rounds):
+                    reqs.append(ask_long(0, texts[rnd], "prefill", rnd))
+                    for m in range(1, n):
+                        reqs.append(dict(ask(m), kind="other", round=rnd))
+                    before = {"models": router.model_status(stems[0])}
+                    if cfg in PRELOADED:
+                        before.update(ledger_state(a.tool, a_pid))
+                    reqs.append(dict(ask_long(0, texts[rnd] + follow_up(rnd), "followup", rnd), a_before=before))
+                    p, f = reqs[-n - 1], reqs[-1]
+                    log(cfg, pat, f"round {rnd}: prefill prompt_n {p.get('prompt_n')} ttft {p.get('ttft')} s; A before the "
+                        f"follow-up {before}; follow-up prompt_n {f.get('prompt_n')} cache_n {f.get('cache_n')} "
+                        f"tokens_cached {f.get('tokens_cached')} ttft {f.get('ttft')} s")
             else:
                 reqs, bursts, lock = [], [], threading.Lock()
                 for b in range(max(1, nreq // n)):
@@ -487,6 +755,8 @@ def run_config(a, cfg, stems, files, models_dir, sampler, budget_mib, budget_nam
             rec["patterns"][pat] = {"window": [rel(t0), rel(t1)], "requests": reqs}
             if bursts is not None:
                 rec["patterns"][pat]["bursts"] = bursts
+            if pat == "prompt_cache":
+                rec["patterns"][pat]["setup"] = setup
             sw = sorted(r["dt"] for r in reqs if r["switch"])
             log(cfg, pat, f"{len(reqs)} requests, {len(sw)} switches, {sum(1 for r in reqs if 'error' in r)} errors,",
                 f"switch p50 {quantile(sw, 0.5) if sw else None} s, {ph[pat + '_s']} s")
@@ -535,6 +805,9 @@ def load_cached(a, cfg, files):
     if rec.get("key") != model_key(files):
         log(cfg, "cached result", path, "is of other models: not reported")
         return None
+    if rec.get("ctx", 1024) != a.ctx:
+        log(cfg, "cached result", path, f"ran with -c {rec.get('ctx', 1024)}, not --ctx {a.ctx}: not reported")
+        return None
     rec["from_cache"] = path
     return rec
 
@@ -547,6 +820,60 @@ def all_requests(rec):
         yield pat, p["requests"]
 
 
+PROMPT_ROW = ("round", "kind", "model", "t", "dt", "ttft", "prompt_ms", "prompt_n", "cache_n", "tokens_cached",
+              "tokens_evaluated", "switch", "status", "answer_ok", "a_before", "error")
+
+
+def prompt_cache_check(a, configs, n_models):
+    """The check prompt_cache: (ok, detail). Never ok without a preloaded configuration's follow-ups."""
+    pcs = {cfg: c["prompt_cache"] for cfg, c in configs.items() if c.get("prompt_cache")}
+    pre = [cfg for cfg in PRELOADED if cfg in pcs]
+    parts, ok = [], bool(pre) and n_models >= 3
+    if n_models < 3:
+        parts.append(f"{n_models} models: the other models cannot put A away (3 or more needed)")
+    if not pre:
+        parts.append("no preloaded configuration ran prompt_cache"
+                     + (f" (ran: {', '.join(pcs)})" if pcs else ""))
+    for cfg in pre + [x for x in ("plain", "resident") if x in pcs]:
+        pc = pcs[cfg]
+        pr, fu = pc["prefill"], pc["followup"]
+        line = (f"{cfg}: {pc['rounds']} rounds, {pc['errors']} failed; first prompts {pr['tokens_evaluated']} tokens "
+                f"(prompt_n {pr['prompt_n']}, time to first token p50 {pr['ttft_s_p50']} s, prompt_ms p50 "
+                f"{pr['prompt_ms_p50']}); follow-ups: extensions {fu['extension_tokens']} tokens, prompt_n {fu['prompt_n']}, "
+                f"cache_n {fu['cache_n']}, tokens_cached {fu['tokens_cached']}, time to first token p50 {fu['ttft_s_p50']} s "
+                f"{fu['ttft_s']}, prompt_ms p50 {fu['prompt_ms_p50']}")
+        states = [(b or {}).get("state" if cfg in PRELOADED else "models") for b in fu["a_before"]]
+        line += f"; A before each follow-up: {states}"
+        if cfg in PRELOADED:
+            good = pc["rounds"] > 0 and pc["errors"] == 0
+            for te, pn, ext, st in zip(pr["tokens_evaluated"], fu["prompt_n"], fu["extension_tokens"], states):
+                good = good and isinstance(te, int) and te >= PROMPT_MIN_TOKENS and isinstance(pn, int) \
+                    and isinstance(ext, int) and pn <= ext + PROMPT_SLACK and st == "asleep"
+            if not good:
+                line += (f" -- not shown: needs every first prompt >= {PROMPT_MIN_TOKENS} tokens, every follow-up's "
+                         f"prompt_n <= its extension + {PROMPT_SLACK}, and A asleep before it"
+                         + (" (--no-gpu: nothing sleeps)" if a.no_gpu else ""))
+            ok = ok and good
+        elif cfg == "plain":
+            away = pc["rounds"] > 0 and pc["errors"] == 0 and all(x == "unloaded" for x in states)
+            if not away:
+                line += " -- A was not unloaded before every follow-up, or a request failed"
+        parts.append(line)
+    if "plain" in pcs:
+        y = pcs["plain"]["followup"]["ttft_s_p50"]
+        plain_away = pcs["plain"]["rounds"] > 0 and pcs["plain"]["errors"] == 0 and all(
+            (b or {}).get("models") == "unloaded" for b in pcs["plain"]["followup"]["a_before"])
+        for cfg in pre:
+            x = pcs[cfg]["followup"]["ttft_s_p50"]
+            faster = x is not None and y is not None and x < y and plain_away
+            ok = ok and faster
+            parts.append(f"follow-up time to first token p50: {cfg} {x} s against the plain router's {y} s"
+                         + ("" if faster else " -- not below it (or plain's A stayed loaded)"))
+    else:
+        parts.append("the plain router did not run prompt_cache: no comparison")
+    return ok, "; ".join(parts)
+
+
 def report(a, recs, stems, files, budget_mib, gpu):
     """The JSON (with its checks), the CSV and the residency lines, from the configurations' records."""
     ref_rec = recs.get("resident")
@@ -557,15 +884,26 @@ def report(a, recs, stems, files, budget_mib, gpu):
     for cfg, rec in recs.items():
         c = {k: rec.get(k) for k in ("date", "from_cache", "error", "models_max", "preload", "budget", "hog_gib",
                                      "requests_per_pattern", "seed", "no_gpu", "model_ids", "phases_s", "wall_s", "log_scan",
-                                     "host", "budget_wait", "over_samples") if k in rec}
+                                     "host", "budget_wait", "over_samples", "ctx") if k in rec}
         series = [tuple(x) for x in rec.get("series", [])]
         compared = equal = 0
+        ref_long = ((ref_rec or {}).get("patterns", {}).get("prompt_cache") or {}).get("requests", [])
         for pat, reqs in all_requests(rec):
             for k, r in enumerate(reqs):
-                if reference is None:
+                if r.get("kind") in ("prefill", "followup"):
+                    # prompt_cache's long prompts: against the resident router's same request, for the preloaded
+                    # configurations only (the plain router re-prefills: another computation, not compared).
+                    ref = ref_long[k] if k < len(ref_long) else None
+                    if cfg not in PRELOADED or ref is None or (ref.get("kind"), ref.get("round")) != (r["kind"], r["round"]) \
+                            or "error" in ref:
+                        r["answer_ok"] = None
+                        continue
+                    ok = same_answer(answer_from_json(r), answer_from_json(ref))
+                elif reference is None:
                     r["answer_ok"] = None
                     continue
-                ok = same_answer(answer_from_json(r), reference[r["model"]])
+                else:
+                    ok = same_answer(answer_from_json(r), reference[r["model"]])
                 r["answer_ok"] = ok
                 compared += 1
                 equal += ok
@@ -581,13 +919,18 @@ def report(a, recs, stems, files, budget_mib, gpu):
         for pat, p in rec.get("patterns", {}).items():
             t0, t1 = p["window"]
             st = pattern_stats(p["requests"], series, rec.get("budget_mib", budget_mib), t0, t1, p.get("bursts"))
-            st["answers_equal"] = None if reference is None else all(r["answer_ok"] for r in p["requests"])
+            known = [r["answer_ok"] for r in p["requests"] if r.get("answer_ok") is not None]
+            st["answers_equal"] = all(known) if known else None
             ref_p = (ref_rec or {}).get("patterns", {}).get(pat)
             st["warm_s_p50"] = round(quantile(sorted(r["dt"] for r in ref_p["requests"]), 0.5), 4) if ref_p and ref_p["requests"] else None
             c["patterns"][pat] = st
             # [model, t_s, dt_s, switch, HTTP status, answer equal to the reference]
             c["requests"][pat] = [[r["model"], r["t"], r["dt"], r["switch"], r.get("status"), r.get("answer_ok")]
                                   for r in p["requests"]]
+            if pat == "prompt_cache":
+                c["prompt_cache"] = dict(prompt_cache_summary(p["requests"]), setup={
+                    k: v for k, v in (p.get("setup") or {}).items() if k != "lead_in"})
+                c["prompt_cache_requests"] = [{k: r.get(k) for k in PROMPT_ROW} for r in p["requests"]]
         configs[cfg] = c
         series_out[cfg] = downsample(series)
 
@@ -668,7 +1011,7 @@ def report(a, recs, stems, files, budget_mib, gpu):
     plain = configs.get("plain")
     parts, ok = [], False
     if res is not None and plain is not None:
-        common = [p for p in PLAIN_PATTERNS if p in resp and p in plain["patterns"]]
+        common = [p for p in PLAIN_PATTERNS if p != "prompt_cache" and p in resp and p in plain["patterns"]]
         ok = bool(common)
         for pat in common:
             x, y = resp[pat]["switch_s_p50"], plain["patterns"][pat]["switch_s_p50"]
@@ -704,6 +1047,17 @@ def report(a, recs, stems, files, budget_mib, gpu):
                             "warm-up loads included", "ok": reference is not None and total > 0 and eq == total,
                    "detail": f"{eq} of {total} equal" if reference is not None else "no reference: the resident router did not run"})
 
+    # 5b. the prompt cache across a switch (only when the pattern was asked or recorded)
+    if "prompt_cache" in a.patterns or any("prompt_cache" in c for c in configs.values()):
+        ok, detail = prompt_cache_check(a, configs, len(stems))
+        checks.append({"check": "prompt_cache", "ok": ok,
+                       "claim": f"A's prompt cache survives a switch away and back: under the preload, with A asleep "
+                                f"(weights and KV cache in host memory), the follow-up to a >= {PROMPT_MIN_TOKENS}-token "
+                                f"prompt processes only its extension (+ {PROMPT_SLACK} tokens at most), and its time to "
+                                "first token is below the plain router's (--models-max "
+                                f"{a.plain_models_max}, which unloads A and re-prefills)",
+                       "detail": detail})
+
     # 6. errors
     errs = {cfg: sum(1 for _, reqs in all_requests(recs[cfg]) for r in reqs if "error" in r) for cfg in recs}
     oom = {cfg: (c.get("log_scan") or {}).get("oom_lines_engine") for cfg, c in configs.items()}
@@ -719,7 +1073,9 @@ def report(a, recs, stems, files, budget_mib, gpu):
     doc = {"date": time.strftime("%Y-%m-%d"), "gpu": gpu, "host_cpu": ", ".join(cpus) or host_cpu(), "llama": a.llama,
            "models": len(files), "model_size": a.size, "model_files": [[os.path.basename(f), os.path.getsize(f)] for f in files],
            "model_ids": stems, "budget": a.budget, "budget_mib": budget_mib, "hog_gib": a.hog_gib, "keep_alive": "10m",
-           "link_gbs": a.link_gbs, "kv_compute_mib": a.kv_compute_mib, "requests": a.requests,
+           "link_gbs": a.link_gbs, "kv_compute_mib": a.kv_compute_mib, "requests": a.requests, "ctx": a.ctx,
+           "prompt_tokens": a.prompt_tokens if "prompt_cache" in a.patterns else None,
+           "prompt_rounds": a.prompt_rounds if "prompt_cache" in a.patterns else None,
            "plain_requests": a.plain_requests, "seed": a.seed, "random_order": None,
            "switch": "a request to another model than the previous request's (in a burst: every request); its time: "
                      "the request's wall time",
@@ -744,6 +1100,19 @@ def write_csv(path, recs, budget_mib):
             for t, x in rec.get("series", []):
                 pat = next((w for t0, t1, w in wins if t0 <= t <= t1), "-")
                 f.write(f"{cfg},{pat},{t},{x},{'' if b is None else round(b, 1)}\n")
+    # prompt_cache's requests have another shape: a file of their own, OUT-prompt-cache.csv
+    rows = [(cfg, r) for cfg, rec in recs.items() for r in (rec.get("patterns", {}).get("prompt_cache") or {}).get("requests", [])]
+    if rows:
+        cols = ("round", "kind", "model", "t", "dt", "ttft", "prompt_ms", "prompt_n", "cache_n", "tokens_cached",
+                "tokens_evaluated")
+        with open(os.path.splitext(path)[0] + "-prompt-cache.csv", "w") as f:
+            f.write("config,round,kind,model,t_s,wall_s,ttft_s,prompt_ms,prompt_n,cache_n,tokens_cached,tokens_evaluated,"
+                    "a_before,error\n")
+            for cfg, r in rows:
+                b = r.get("a_before") or {}
+                away = b.get("state") or b.get("models") or ""
+                f.write(",".join([cfg] + ["" if r.get(k) is None else str(r.get(k)) for k in cols]
+                                 + [str(away), "1" if "error" in r else ""]) + "\n")
 
 
 def main():

@@ -34,7 +34,7 @@ done
   echo "set key outside right top"
   echo "set yrange [0:*]"
   # Okabe-Ito: colour-blind safe; the budget black and dashed.
-  colors=(warmup '#999999' rr0 '#0072B2' 'rr1.6' '#E69F00' random '#009E73' burst '#D55E00' burst0 '#CC79A7' between '#CCCCCC')
+  colors=(warmup '#999999' rr0 '#0072B2' 'rr1.6' '#E69F00' random '#009E73' burst '#D55E00' burst0 '#CC79A7' prompt_cache '#56B4E9' between '#CCCCCC')
   for i in "${!configs[@]}"; do
     c=${configs[$i]}
     budget=$(cat "$tmp/$c.budget")
