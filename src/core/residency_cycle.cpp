@@ -351,7 +351,7 @@ std::optional<Nanos> ResidencyCycle::residency_due() {
 // The first release, prepared (docs/design.md): a holder whose memory may be released (its keep-alive
 // expires, or a shared budget may ask it) and never was, idle for kPrepareAfterIdle, asks its
 // backend to do that release's slow part now, in the background. A use stops the work (the backend
-// polls `stop`); while the backend has work left, it is asked again after each idle second (to go
+// polls `stop`); while the backend has work left, it is asked again after each kPrepareAfterIdle of idle (to go
 // on where it stopped, or to hear that it is done), and never again once it says nothing is left.
 std::optional<Nanos> ResidencyCycle::prepare_due(Nanos now) {
   if (ever_released_ || !(ka_.expires() || adm_.share() != nullptr)) return std::nullopt;
@@ -362,8 +362,8 @@ std::optional<Nanos> ResidencyCycle::prepare_due(Nanos now) {
   if (ka_.calls() > 0) return std::max(at, now + kPrepareAfterIdle);
   if (now < at) return at;
   KeepAliveState& ka = ka_;
-  const Backend::Preparation p =
-      backend_.prepare_release([&ka, lu] { return ka.calls() > 0 || ka.last_use() != lu || !ka.wants_resident(); });
+  const Backend::Preparation p = backend_.prepare_release(
+      [&ka, lu] { return ka.calls() > 0 || ka.last_use() != lu || !ka.wants_resident(); });
   if (p == Backend::Preparation::nothing) {
     prepared_size_ = size;
     return std::nullopt;

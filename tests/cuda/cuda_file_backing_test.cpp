@@ -312,7 +312,9 @@ TEST_F(FileBackingTest, TheFirstReleasePreparedAheadRegistersTheFileAndCanBeStop
   const std::uint64_t file_pages = (l.file_bytes + 4095) / 4096 * 4096;
   EXPECT_EQ(backend_->registered_file_bytes(), 0u) << "nothing is registered before a release or a preparation";
 
-  // Stopped after three steps: part of the file registered, the rest left.
+  // Stopped after three steps of one piece each: part of the file registered, the rest left.
+  const int threads = backend_->backup_threads();
+  backend_->set_backup_threads(1);
   std::atomic<int> polls{0};
   ASSERT_EQ(backend_->prepare_release([&] { return polls.fetch_add(1) >= 3; }), Backend::Preparation::started);
   ASSERT_TRUE(backend_->wait_preparation(60000));
@@ -321,7 +323,8 @@ TEST_F(FileBackingTest, TheFirstReleasePreparedAheadRegistersTheFileAndCanBeStop
               double(file_pages) / kMiB);
   EXPECT_EQ(part, 3 * kRegisterPiece);
 
-  // Let it go on: the whole file, and the KV cache's backup pinned.
+  // Let it go on, a piece per thread at each step: the whole file, and the KV cache's backup pinned.
+  backend_->set_backup_threads(threads);
   const auto t0 = std::chrono::steady_clock::now();
   ASSERT_EQ(backend_->prepare_release([] { return false; }), Backend::Preparation::started);
   ASSERT_TRUE(backend_->wait_preparation(60000));
@@ -347,22 +350,35 @@ TEST_F(FileBackingTest, TheFirstReleasePreparedAheadRegistersTheFileAndCanBeStop
   EXPECT_EQ(backend_->preparation_runs(), 2u);
 }
 
-// Without a preparation, a first sleep registers the file in the same pieces and wakes exactly; a
-// copy never spans two of them.
+// Without a preparation, a first sleep registers the file in the same pieces, on one host thread
+// per piece, and wakes exactly; a copy never spans two pieces. Printed: the sleep's time with one
+// thread and with the backend's threads, each on a file of its own.
 TEST_F(FileBackingTest, AFirstSleepWithoutPreparationRegistersTheWholeFileInPieces) {
   std::vector<std::size_t> sizes;
-  for (int i = 0; sizes.size() < 12; ++i) sizes.push_back((std::size_t{100} << 20) + 8191 * i + 5);
+  for (int i = 0; sizes.size() < 20; ++i) sizes.push_back((std::size_t{100} << 20) + 8191 * i + 5);
   const Layout l = lay_out(sizes);
-  void* p = load(*backend_, l, "model.gguf", 11);
-  ASSERT_NE(p, nullptr);
-  sync();
-  const std::vector<char> before = read_device(p, l.device_bytes);
-  close_file();
-  EXPECT_TRUE(backend_->end_residency(0)) << backend_->last_release_status().message();
-  EXPECT_EQ(backend_->registered_file_bytes(), (l.file_bytes + 4095) / 4096 * 4096);
-  EXPECT_GT(backend_->file_backed_bytes(), 0u);
-  EXPECT_TRUE(backend_->request_residency(0).ok());
-  EXPECT_TRUE(read_device(p, l.device_bytes) == before);
+  const int threads = backend_->backup_threads();
+  for (int run = 0; run < 2; ++run) {
+    backend_->set_backup_threads(run == 0 ? 1 : threads);
+    void* p = load(*backend_, l, run == 0 ? "one.gguf" : "many.gguf", 11 + run);
+    ASSERT_NE(p, nullptr);
+    sync();
+    const std::vector<char> before = read_device(p, l.device_bytes);
+    close_file();
+    const auto t0 = std::chrono::steady_clock::now();
+    EXPECT_TRUE(backend_->end_residency(0)) << backend_->last_release_status().message();
+    std::printf("first sleep of %.2f GiB, registering its %.2f GiB file on %d thread(s): %.1f ms\n",
+                double(l.device_bytes) / kGiB, double(l.file_bytes) / kGiB, run == 0 ? 1 : threads,
+                seconds_since(t0) * 1e3);
+    EXPECT_EQ(backend_->registered_file_bytes(), (l.file_bytes + 4095) / 4096 * 4096);
+    EXPECT_GT(backend_->file_backed_bytes(), 0u);
+    EXPECT_TRUE(backend_->request_residency(0).ok());
+    EXPECT_TRUE(read_device(p, l.device_bytes) == before);
+    EXPECT_TRUE(backend_->destroy_set(0));
+    backend_->deallocate(p);
+    EXPECT_EQ(backend_->registered_file_bytes(), 0u)
+        << "the file is given back with the last allocation filled from it";
+  }
   EXPECT_EQ(backend_->preparation_runs(), 0u);
 }
 

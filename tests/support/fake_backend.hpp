@@ -58,7 +58,7 @@ class FakeBackend : public Backend {
   // after it (without the lock). 0: no pacing.
   std::uint64_t pace_piece = 0;
   std::function<void(std::uint64_t)> on_paced;
-  std::function<bool()> prepare_stop;  // prepare_release()'s, under mu
+  std::function<bool()> prepare_stop;       // prepare_release()'s, under mu
   std::atomic<std::uint64_t> unmanaged{0};  // unmanaged_device_bytes(): a GPU context's, say
   std::uint64_t unmanaged_device_bytes() override { return unmanaged.load(); }
   int available_reads = 0;

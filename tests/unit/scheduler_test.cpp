@@ -111,38 +111,40 @@ TEST_F(SchedulerTest, PrefetchWiresOnTheSchedulerThreadAndReturnsAtOnce) {
 }
 
 // The first release, prepared (docs/design.md): a holder that may be released and never was asks
-// its backend, once it has been idle for a second, to prepare that release in the background; a
+// its backend, once it has been idle for 100 ms, to prepare that release in the background; a
 // use tells the backend to stop, the next idle period asks again, and a backend with nothing left
 // is not asked again.
-TEST_F(SchedulerTest, TheFirstReleaseIsPreparedAfterASecondIdleAndAUseStopsIt) {
+TEST_F(SchedulerTest, TheFirstReleaseIsPreparedAfterABriefIdleAndAUseStopsIt) {
   fake->prepare_answer = Backend::Preparation::started;
   auto m = make(with_keep_alive("10m"), true);
   reg(*m, 64 * MiB);
   ASSERT_TRUE(eventually([&] { return clock.waiters() == 1; }));
-  advance(900ms);
+  advance(90ms);
   ASSERT_TRUE(eventually([&] { return clock.waiters() == 1; }));
-  EXPECT_EQ(fake->prepare_calls.load(), 0) << "not before a second of idle";
-  advance(100ms);
+  EXPECT_EQ(fake->prepare_calls.load(), 0) << "not before 100 ms of idle";
+  advance(10ms);
   ASSERT_TRUE(eventually([&] { return fake->prepare_calls.load() == 1 && clock.waiters() == 1; }));
   EXPECT_EQ(fake->preparation_should_stop(), std::optional<bool>(false));
   m->touch();  // a use: the work stops
   EXPECT_EQ(fake->preparation_should_stop(), std::optional<bool>(true));
-  advance(1s);  // the next idle second: asked again, to go on
+  advance(100ms);  // idle again: asked again, to go on
   ASSERT_TRUE(eventually([&] { return fake->prepare_calls.load() == 2 && clock.waiters() == 1; }));
   EXPECT_EQ(fake->preparation_should_stop(), std::optional<bool>(false));
   m->begin_call();  // a call stops it too
   EXPECT_EQ(fake->preparation_should_stop(), std::optional<bool>(true));
-  advance(3s);
-  ASSERT_TRUE(eventually([&] { return clock.waiters() == 1; }));
+  for (int i = 0; i < 5; ++i) {
+    advance(100ms);
+    ASSERT_TRUE(eventually([&] { return clock.waiters() == 1; }));
+  }
   EXPECT_EQ(fake->prepare_calls.load(), 2) << "never while a call is open";
   m->end_call();
   fake->prepare_answer = Backend::Preparation::nothing;
-  advance(1s);
+  advance(100ms);
   ASSERT_TRUE(eventually([&] { return fake->prepare_calls.load() == 3 && clock.waiters() == 1; }));
   const auto wakeups = m->stats().scheduler_wakeups;
   for (int i = 0; i < 5; ++i) {  // nothing left: no more asks, and no more wake-ups for it
     m->touch();
-    advance(1s);
+    advance(100ms);
     ASSERT_TRUE(eventually([&] { return clock.waiters() == 1; }));
   }
   EXPECT_EQ(fake->prepare_calls.load(), 3);
@@ -159,9 +161,9 @@ TEST_F(SchedulerTest, NothingIsPreparedWhenNothingWouldBeReleasedOrAfterTheFirst
   {
     auto m = make(with_keep_alive("forever"), true);  // no budget either: nothing ever sleeps
     reg(*m, 64 * MiB);
-    for (int i = 0; i < 5; ++i) {
+    for (int i = 0; i < 10; ++i) {
       ASSERT_TRUE(eventually([&] { return clock.waiters() <= 1; }));
-      advance(1s);
+      advance(100ms);
     }
     EXPECT_EQ(fake->prepare_calls.load(), 0);
   }
@@ -175,16 +177,16 @@ TEST_F(SchedulerTest, NothingIsPreparedWhenNothingWouldBeReleasedOrAfterTheFirst
   }
   auto m = make(with_keep_alive("3s"), true);
   reg(*m, 64 * MiB);
-  for (int i = 0; i < 4; ++i) {  // asked after 1 s, then each second: the backend has work left
+  for (int i = 0; i < 31; ++i) {  // asked after 100 ms, then each 100 ms: the backend has work left
     ASSERT_TRUE(eventually([&] { return clock.waiters() == 1; }));
-    advance(1s);
+    advance(100ms);
   }
   ASSERT_TRUE(eventually([&] { return m->stats().releases == 1 && clock.waiters() == 1; }));
   const int asks = fake->prepare_calls.load();
   EXPECT_GE(asks, 1);
   m->touch();  // woken again
-  for (int i = 0; i < 2; ++i) {
-    advance(1s);
+  for (int i = 0; i < 5; ++i) {
+    advance(100ms);
     ASSERT_TRUE(eventually([&] { return clock.waiters() == 1; }));
   }
   EXPECT_EQ(fake->prepare_calls.load(), asks) << "after a release there is no first release to prepare";

@@ -474,7 +474,7 @@ bool CudaBackend::prepare_step() {
   const Say tell = [this](const std::string& line) { say(line); };
   const std::vector<BackingFile*> files = files_.unregistered();
   if (!files.empty()) {
-    (void)files_.register_piece(link_, *files.front(), tell);
+    (void)files_.register_pieces(link_, *files.front(), tell, backup_threads_.load());
     return true;
   }
   for (auto& [va, a] : allocations_) {

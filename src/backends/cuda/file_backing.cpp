@@ -9,7 +9,9 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
+#include <thread>
 
+#include "backends/cuda/driver.hpp"
 #include "residency/text.hpp"
 
 namespace residency::cuda {
@@ -85,7 +87,7 @@ void BackingFiles::give_up(const DeviceLink& link, BackingFile& f, const std::st
   say(why + "; the weights filled from it are backed up in pinned host memory instead");
 }
 
-BackingFiles::Step BackingFiles::register_piece(const DeviceLink& link, BackingFile& f, const Say& say) {
+BackingFiles::Step BackingFiles::register_pieces(const DeviceLink& link, BackingFile& f, const Say& say, int parallel) {
   if (f.unusable) return Step::failed;
   if (f.map == nullptr) {
     if (!f.unchanged()) {
@@ -102,23 +104,48 @@ BackingFiles::Step BackingFiles::register_piece(const DeviceLink& link, BackingF
     f.map_len = len;
     f.registered.assign((len + kRegisterPiece - 1) / kRegisterPiece, 0);
   }
-  const auto next = std::find(f.registered.begin(), f.registered.end(), std::uint8_t{0});
-  if (next == f.registered.end()) return Step::done;
-  const std::size_t k = static_cast<std::size_t>(next - f.registered.begin());
-  const CUresult r = link.d->cuMemHostRegister(f.map + k * kRegisterPiece, piece_len(f.map_len, k),
-                                               CU_MEMHOSTREGISTER_PORTABLE | CU_MEMHOSTREGISTER_READ_ONLY);
-  if (r != CUDA_SUCCESS) {
+  std::vector<std::size_t> todo;
+  for (std::size_t k = 0; k < f.registered.size() && todo.size() < static_cast<std::size_t>(std::max(1, parallel)); ++k)
+    if (f.registered[k] == 0) todo.push_back(k);
+  if (todo.empty()) return Step::done;
+  // One host thread per piece (the driver pins each piece's pages on the calling thread); the
+  // first piece on this one.
+  std::vector<CUresult> res(todo.size(), CUDA_SUCCESS);
+  auto reg = [&](std::size_t j) {
+    const std::size_t k = todo[j];
+    res[j] = link.d->cuMemHostRegister(f.map + k * kRegisterPiece, piece_len(f.map_len, k),
+                                       CU_MEMHOSTREGISTER_PORTABLE | CU_MEMHOSTREGISTER_READ_ONLY);
+  };
+  std::vector<std::thread> threads;
+  for (std::size_t j = 1; j < todo.size(); ++j) {
+    try {
+      threads.emplace_back([&, j] {
+        ContextScope scope(*link.d, link.ctx);
+        if (scope.ok()) reg(j);
+        else res[j] = CUDA_ERROR_INVALID_CONTEXT;
+      });
+    } catch (...) {
+      reg(j);  // no thread: here
+    }
+  }
+  reg(0);
+  for (std::thread& t : threads) t.join();
+  CUresult failed = CUDA_SUCCESS;
+  for (std::size_t j = 0; j < todo.size(); ++j) {
+    if (res[j] == CUDA_SUCCESS) f.registered[todo[j]] = 1;
+    else failed = res[j];
+  }
+  if (failed != CUDA_SUCCESS) {
     give_up(link, f,
             "cannot register " + f.name + " read-only with the GPU (" +
-                link.d->error(r, "", "cuMemHostRegister").message() + ")",
+                link.d->error(failed, "", "cuMemHostRegister").message() + ")",
             say);
     return Step::failed;
   }
-  *next = 1;
-  return k + 1 == f.registered.size() || f.whole() ? Step::done : Step::more;
+  return f.whole() ? Step::done : Step::more;
 }
 
-bool BackingFiles::ready(const DeviceLink& link, BackingFile& f, const Say& say) {
+bool BackingFiles::ready(const DeviceLink& link, BackingFile& f, const Say& say, int parallel) {
   if (f.unusable) return false;
   if (!f.unchanged()) {
     const std::string why = f.name + " changed since the weights were loaded from it (size or modification time)";
@@ -131,7 +158,7 @@ bool BackingFiles::ready(const DeviceLink& link, BackingFile& f, const Say& say)
     return false;
   }
   for (;;) {
-    switch (register_piece(link, f, say)) {
+    switch (register_pieces(link, f, say, parallel)) {
       case Step::more: continue;
       case Step::done: return true;
       case Step::failed: return false;
@@ -269,7 +296,7 @@ void FileSleep::drop_unusable_files() {
   const std::size_t n = link.chunks_of(range.size);
   for (std::size_t k = 0; k < files.pieces.size();) {
     BackingFile& f = *files.pieces[k].file;
-    if (backing.ready(link, f, say)) {
+    if (backing.ready(link, f, say, pin.threads)) {
       ++k;
       continue;
     }

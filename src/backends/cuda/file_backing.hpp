@@ -64,12 +64,14 @@ class BackingFiles {
   BackingFile* note(int fd, const struct stat& st);
   // Whether `f` can back ranges now: unchanged since first seen, mapped and registered (done here
   // the first time). When not, it is marked unusable and `say` tells why, once.
-  bool ready(const DeviceLink& link, BackingFile& f, const Say& say);
+  // `parallel`: host threads that register pieces at once.
+  bool ready(const DeviceLink& link, BackingFile& f, const Say& say, int parallel = 1);
   // One step of ready() that can run ahead of the first sleep: maps `f` (the first time) and
-  // registers its next piece. `more`: pieces are left; `done`: `f` is whole (or was); `failed`: it
-  // cannot back ranges (marked unusable, said once, nothing of it kept registered).
+  // registers its next `parallel` pieces, one host thread each. `more`: pieces are left; `done`:
+  // `f` is whole (or was); `failed`: it cannot back ranges (marked unusable, said once, nothing of
+  // it kept registered).
   enum class Step { more, done, failed };
-  Step register_piece(const DeviceLink& link, BackingFile& f, const Say& say);
+  Step register_pieces(const DeviceLink& link, BackingFile& f, const Say& say, int parallel);
   // The files that are usable but not whole yet.
   std::vector<BackingFile*> unregistered();
   // Bytes registered with the GPU, over all files.
