@@ -382,5 +382,42 @@ TEST_F(FileBackingTest, AFirstSleepWithoutPreparationRegistersTheWholeFileInPiec
   EXPECT_EQ(backend_->preparation_runs(), 0u);
 }
 
+// The host tier below "asleep": the registration of the model file given back, the weights asleep
+// in it wake through the staging ring, reading the file, exactly; the next sleep registers it again.
+// Printed: the staged wake's rate against the registered one's.
+TEST_F(FileBackingTest, WeightsWhoseFileRegistrationWasGivenBackWakeThroughTheStagingRingExactly) {
+  std::vector<std::size_t> sizes;
+  for (int i = 0; sizes.size() < 24; ++i) sizes.push_back((std::size_t{85} << 20) + 4099 * i + 33);  // ~2 GiB
+  const Layout l = lay_out(sizes);
+  void* p = load(*backend_, l, "model.gguf", 21);
+  ASSERT_NE(p, nullptr);
+  sync();
+  const std::vector<char> before = read_device(p, l.device_bytes);
+  close_file();
+  EXPECT_TRUE(backend_->end_residency(0)) << backend_->last_release_status().message();
+  auto t0 = std::chrono::steady_clock::now();
+  EXPECT_TRUE(backend_->request_residency(0).ok());
+  const double registered = seconds_since(t0);
+  EXPECT_EQ(backend_->staged_bytes(), 0u);
+  EXPECT_TRUE(backend_->end_residency(0));
+  const std::uint64_t file_pages = (l.file_bytes + 4095) / 4096 * 4096;
+  EXPECT_EQ(backend_->unregister_files(), file_pages);
+  EXPECT_EQ(backend_->registered_file_bytes(), 0u);
+  t0 = std::chrono::steady_clock::now();
+  EXPECT_TRUE(backend_->request_residency(0).ok());
+  const double staged = seconds_since(t0);
+  EXPECT_TRUE(read_device(p, l.device_bytes) == before) << "the device must hold exactly what it held";
+  EXPECT_GE(backend_->staged_bytes(), l.device_bytes - 2 * backend_->chunk_bytes());
+  std::printf(
+      "wake of %.2f GiB: from the registered file %.1f ms (%.1f GB/s), through the staging ring %.1f ms "
+      "(%.1f GB/s)\n",
+      double(l.device_bytes) / kGiB, registered * 1e3, double(l.device_bytes) / registered / 1e9, staged * 1e3,
+      double(l.device_bytes) / staged / 1e9);
+  EXPECT_TRUE(backend_->end_residency(0));
+  EXPECT_EQ(backend_->registered_file_bytes(), file_pages) << "a sleep registers the file again";
+  EXPECT_TRUE(backend_->request_residency(0).ok());
+  EXPECT_TRUE(read_device(p, l.device_bytes) == before);
+}
+
 }  // namespace
 }  // namespace residency::cuda::testing

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <cstring>
 #include <optional>
 #include <string>
 
@@ -41,7 +42,7 @@ void CudaBackend::say(const std::string& line) const {
 // One line of the wake's timeline: where its time went (the budget's gate, mapping and queueing the
 // copies, the copies themselves) and where the bytes came from.
 void CudaBackend::trace_wake(const DeviceAllocation& a, bool restored, std::chrono::nanoseconds total,
-                             std::chrono::nanoseconds queued, std::chrono::nanoseconds gated) const {
+                             std::chrono::nanoseconds queued, std::chrono::nanoseconds gated, std::uint64_t staged) const {
   std::uint64_t from_file = 0;
   const std::size_t n = link_.chunks_of(a.range.size);
   if (restored)
@@ -64,9 +65,11 @@ void CudaBackend::trace_wake(const DeviceAllocation& a, bool restored, std::chro
   } else {
     const double secs = std::chrono::duration<double>(total).count();
     std::snprintf(part, sizeof part,
-                  ", copies done %.2f ms later (%.2f MiB from the model file's pages, %.2f MiB from pinned host "
-                  "memory; %.1f GB/s over the whole wake)",
-                  msec(total - queued), static_cast<double>(from_file) / mib, static_cast<double>(copied - from_file) / mib,
+                  ", copies done %.2f ms later (%.2f MiB from the model file's registered pages, %.2f MiB read from "
+                  "the file through the staging buffers, %.2f MiB from pinned host memory; %.1f GB/s over the whole "
+                  "wake)",
+                  msec(total - queued), static_cast<double>(from_file - std::min(from_file, staged)) / mib,
+                  static_cast<double>(staged) / mib, static_cast<double>(copied - from_file) / mib,
                   secs > 0 ? static_cast<double>(copied) / secs / 1e9 : 0.0);
     line += part;
   }
@@ -127,10 +130,13 @@ Status CudaBackend::wake(DeviceAllocation& a) {
   if (r.mapped) return {};
   const bool restore = a.cls == RegionClass::weights && a.backup.valid;
   if (restore) files_.mark_changed([this](const std::string& line) { say(line); });
-  auto fill = [&](std::size_t i, std::size_t off, std::size_t len) -> CUresult {
+  std::uint64_t staged = 0;  // bytes read from an unregistered model file through the staging ring
+  int read_errno = 0;
+  // (runs inside map(), under mu_, which the analysis cannot see into a lambda)
+  auto fill = [&](std::size_t i, std::size_t off, std::size_t len) RESIDENCY_NO_THREAD_SAFETY_ANALYSIS -> CUresult {
     if (!restore || off >= r.size) return CUDA_SUCCESS;
     if (i < a.files.from_file.size() && a.files.from_file[i] != 0)
-      return a.files.restore_chunk(link_, r, i, link_.stream(i));
+      return a.files.restore_chunk(link_, r, i, link_.stream(i), staging_, staged, read_errno);
     return link_.d->cuMemcpyHtoDAsync(r.va + off, a.backup.base + off, std::min(len, r.size - off), link_.stream(i));
   };
   // A paced wake: the budget makes room for each chunk (the copies queued so far go on meanwhile).
@@ -169,6 +175,13 @@ Status CudaBackend::wake(DeviceAllocation& a) {
   VmmRange::MapFailure f;
   if (!r.map(link_, before, fill, f)) {
     const bool oom = f.result == CUDA_ERROR_OUT_OF_MEMORY;
+    if (read_errno != 0) {
+      (void)link_.sync();
+      return Status(ErrorCode::backend_error, "cuda: reading the model file to wake a " + format_size(r.size) + " " +
+                                                  to_string(a.cls) + " allocation at " + hex(r.va) + " failed (" +
+                                                  std::strerror(read_errno) +
+                                                  "); the partial mapping was rolled back and the memory stays asleep");
+    }
     const std::string what = std::string(oom ? "out of device memory" : "mapping failed") + " waking a " +
                              format_size(r.size) + " " + to_string(a.cls) + " allocation at " + hex(r.va) + " after " +
                              format_size(f.offset) + "; the partial mapping was rolled back" +
@@ -186,7 +199,7 @@ Status CudaBackend::wake(DeviceAllocation& a) {
     }
     copied_to_device_ += r.size;
   }
-  if (trace_) trace_wake(a, restore, SteadyClock::now() - t0, mapped_at - t0, gated);
+  if (trace_) trace_wake(a, restore, SteadyClock::now() - t0, mapped_at - t0, gated, staged);
   if (a.tracked && restore) {
     // Written chunks are reported as they are written: the backup stays the contents until then.
     a.dirty.assign(a.dirty.size(), 0);
@@ -521,6 +534,17 @@ void CudaBackend::run_preparation() {
     } catch (...) {
     }
   }
+}
+
+std::uint64_t CudaBackend::unregister_files() {
+  MutexLock lock(mu_);
+  ContextScope scope(*link_.d, link_.ctx);
+  return files_.unregister_all(link_);
+}
+
+std::uint64_t CudaBackend::staged_bytes() const {
+  MutexLock lock(mu_);
+  return staging_.bytes();
 }
 
 std::uint64_t CudaBackend::registered_file_bytes() const {

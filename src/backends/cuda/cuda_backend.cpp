@@ -137,6 +137,7 @@ CudaBackend::~CudaBackend() {
     for (auto& [va, a] : allocations_) free_allocation(a);
     allocations_.clear();
     drop_unused_files();
+    staging_.free(link_);
     for (auto& [id, h] : host_ranges_) {
       if (h.registered && h.owned) (void)link_.d->cuMemHostUnregister(h.base);
     }

@@ -119,6 +119,13 @@ class CudaBackend final : public Backend {
   bool wait_preparation(int timeout_ms);
   // Bytes of model files registered with the GPU now, over all files (piece by piece).
   std::uint64_t registered_file_bytes() const;
+  // The host tier below "asleep": gives back the registration of every model file (their pages
+  // may be evicted from now on); the weights asleep in them wake through a small staging ring
+  // (StagingRing), reading the file. Returns the bytes unregistered. A later sleep registers a
+  // file again.
+  std::uint64_t unregister_files();
+  // Bytes wakes read from model files through the staging ring, over the life.
+  std::uint64_t staged_bytes() const;
   // Preparations that ran (each until done or stopped) and steps they completed, over the life.
   std::uint64_t preparation_runs() const { return prep_runs_.load(); }
   std::uint64_t preparation_steps() const { return prep_steps_.load(); }
@@ -206,7 +213,7 @@ class CudaBackend final : public Backend {
   void drop_unused_files() RESIDENCY_REQUIRES(mu_);
   void say(const std::string& line) const;
   void trace_wake(const DeviceAllocation& a, bool restored, std::chrono::nanoseconds total,
-                  std::chrono::nanoseconds queued, std::chrono::nanoseconds gated) const;
+                  std::chrono::nanoseconds queued, std::chrono::nanoseconds gated, std::uint64_t staged) const;
   void trace_sleep(const DeviceAllocation& a, std::chrono::nanoseconds saved, std::chrono::nanoseconds dropped,
                    std::uint64_t copied) const;
   std::string device_figure() const;
@@ -264,6 +271,7 @@ class CudaBackend final : public Backend {
   std::unordered_map<RegionId, HostRange> host_ranges_ RESIDENCY_GUARDED_BY(mu_);
   std::map<SetId, Set> sets_ RESIDENCY_GUARDED_BY(mu_);
   BackingFiles files_ RESIDENCY_GUARDED_BY(mu_);
+  StagingRing staging_ RESIDENCY_GUARDED_BY(mu_);  // wakes from files whose registration was given back
   std::uint64_t next_serial_ RESIDENCY_GUARDED_BY(mu_) = 1;
   std::uint64_t allocated_bytes_ RESIDENCY_GUARDED_BY(mu_) = 0;   // sum of reserved sizes
   std::uint64_t mapped_bytes_ RESIDENCY_GUARDED_BY(mu_) = 0;      // reserved sizes of resident allocations

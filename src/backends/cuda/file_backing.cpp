@@ -174,6 +174,27 @@ std::uint64_t BackingFiles::registered_bytes() const {
   return n;
 }
 
+std::uint64_t BackingFiles::unregister(const DeviceLink& link, BackingFile& f) {
+  if (f.map == nullptr) return 0;
+  std::uint64_t n = 0;
+  for (std::size_t k = 0; k < f.registered.size(); ++k)
+    if (f.registered[k] != 0) {
+      (void)link.d->cuMemHostUnregister(f.map + k * kRegisterPiece);
+      n += piece_len(f.map_len, k);
+    }
+  (void)munmap(f.map, f.map_len);
+  f.map = nullptr;
+  f.map_len = 0;
+  f.registered.clear();
+  return n;
+}
+
+std::uint64_t BackingFiles::unregister_all(const DeviceLink& link) {
+  std::uint64_t n = 0;
+  for (auto& [key, f] : files_) n += unregister(link, *f);
+  return n;
+}
+
 std::vector<BackingFile*> BackingFiles::unregistered() {
   std::vector<BackingFile*> out;
   for (auto& [key, f] : files_)
@@ -183,7 +204,7 @@ std::vector<BackingFile*> BackingFiles::unregistered() {
 
 void BackingFiles::mark_changed(const Say& say) {
   for (auto& [key, f] : files_) {
-    if (f->map == nullptr || f->unusable || f->unchanged()) continue;
+    if (f->unusable || f->unchanged()) continue;  // (mapped or not: an unregistered file is read at a wake)
     f->unusable = true;
     say(f->name +
         " changed while the weights filled from it slept (size or modification time); they are restored from it as "
@@ -257,7 +278,8 @@ std::uint64_t FileBacked::bytes_in_files(std::size_t chunk) const {
 }
 
 // The chunk's file pieces, clipped to it, then its gaps.
-CUresult FileBacked::restore_chunk(const DeviceLink& link, const VmmRange& range, std::size_t i, CUstream stream) const {
+CUresult FileBacked::restore_chunk(const DeviceLink& link, const VmmRange& range, std::size_t i, CUstream stream,
+                                   StagingRing& ring, std::uint64_t& staged, int& read_errno) const {
   const std::size_t cb = i * link.chunk;
   const std::size_t ce = std::min(cb + link.chunk, range.size);
   for (auto it = first_piece_after(pieces, cb); it != pieces.end() && it->off < ce; ++it) {
@@ -266,8 +288,13 @@ CUresult FileBacked::restore_chunk(const DeviceLink& link, const VmmRange& range
     for (std::size_t b = std::max(it->off, cb), e = std::min(it->off + it->len, ce); b < e;) {
       const std::uint64_t fo = it->file_off + (b - it->off);
       const std::size_t n = std::min<std::size_t>(e - b, kRegisterPiece - fo % kRegisterPiece);
-      const CUresult r = link.d->cuMemcpyHtoDAsync(range.va + b, it->file->map + fo, n, stream);
+      const BackingFile& f = *it->file;
+      const std::size_t k = static_cast<std::size_t>(fo / kRegisterPiece);
+      const bool registered = f.map != nullptr && k < f.registered.size() && f.registered[k] != 0;
+      const CUresult r = registered ? link.d->cuMemcpyHtoDAsync(range.va + b, f.map + fo, n, stream)
+                                    : ring.copy(link, f, fo, range.va + b, n, read_errno);
       if (r != CUDA_SUCCESS) return r;
+      if (!registered) staged += n;
       b += n;
     }
   }
@@ -279,6 +306,87 @@ CUresult FileBacked::restore_chunk(const DeviceLink& link, const VmmRange& range
     at += len;
   }
   return CUDA_SUCCESS;
+}
+
+// --- the staging ring ---------------------------------------------------------------------
+
+CUresult StagingRing::make(const DeviceLink& link) {
+  const std::size_t bytes = kBuffers * kBufferBytes;
+  void* m = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (m == MAP_FAILED) return CUDA_ERROR_OUT_OF_MEMORY;
+  if (fault_in(static_cast<char*>(m), bytes) != 0) {
+    (void)munmap(m, bytes);
+    return CUDA_ERROR_OUT_OF_MEMORY;
+  }
+  const CUresult r = link.d->cuMemHostRegister(m, bytes, CU_MEMHOSTREGISTER_PORTABLE);
+  if (r != CUDA_SUCCESS) {
+    (void)munmap(m, bytes);
+    return r;
+  }
+  base_ = static_cast<char*>(m);
+  mapped_ = bytes;
+  for (std::size_t j = 0; j < kBuffers; ++j) {
+    bufs_[j].p = base_ + j * kBufferBytes;
+    if (const CUresult e = link.d->cuEventCreate(&bufs_[j].done, CU_EVENT_DISABLE_TIMING); e != CUDA_SUCCESS) {
+      free(link);
+      return e;
+    }
+  }
+  return CUDA_SUCCESS;
+}
+
+CUresult StagingRing::copy(const DeviceLink& link, const BackingFile& f, std::uint64_t file_off, CUdeviceptr dst,
+                           std::size_t len, int& read_errno) {
+  if (base_ == nullptr)
+    if (const CUresult r = make(link); r != CUDA_SUCCESS) return r;
+  while (len > 0) {
+    Buffer& b = bufs_[next_];
+    const CUstream stream = link.stream(next_);
+    next_ = (next_ + 1) % kBuffers;
+    if (b.used)  // its previous copy must be done before it is read into again
+      if (const CUresult r = link.d->cuEventSynchronize(b.done); r != CUDA_SUCCESS) return r;
+    const std::size_t n = std::min(len, kBufferBytes);
+    for (std::size_t got = 0; got < n;) {
+      const ssize_t k = ::pread(f.fd, b.p + got, n - got, static_cast<off_t>(file_off + got));
+      if (k < 0 && errno == EINTR) continue;
+      if (k <= 0) {
+        read_errno = k < 0 ? errno : EIO;  // short: the file shrank
+        return CUDA_ERROR_OPERATING_SYSTEM;
+      }
+      got += static_cast<std::size_t>(k);
+    }
+    if (const CUresult r = link.d->cuMemcpyHtoDAsync(dst, b.p, n, stream); r != CUDA_SUCCESS) return r;
+    if (const CUresult r = link.d->cuEventRecord(b.done, stream); r != CUDA_SUCCESS) return r;
+    b.used = true;
+    bytes_ += n;
+    dst += n;
+    file_off += n;
+    len -= n;
+  }
+  return CUDA_SUCCESS;
+}
+
+void StagingRing::drain(const DeviceLink& link) {
+  for (Buffer& b : bufs_)
+    if (b.used) {
+      (void)link.d->cuEventSynchronize(b.done);
+      b.used = false;
+    }
+}
+
+void StagingRing::free(const DeviceLink& link) {
+  drain(link);
+  for (Buffer& b : bufs_) {
+    if (b.done != nullptr) (void)link.d->cuEventDestroy(b.done);
+    b = Buffer{};
+  }
+  if (base_ != nullptr) {
+    (void)link.d->cuMemHostUnregister(base_);
+    (void)munmap(base_, mapped_);
+  }
+  base_ = nullptr;
+  mapped_ = 0;
+  next_ = 0;
 }
 
 void FileBacked::free_gaps(const DeviceLink& link) {

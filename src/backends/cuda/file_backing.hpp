@@ -76,6 +76,12 @@ class BackingFiles {
   std::vector<BackingFile*> unregistered();
   // Bytes registered with the GPU, over all files.
   std::uint64_t registered_bytes() const;
+  // Gives the registration of `f` back and unmaps it (its pages may be evicted from now on); it
+  // stays the backup of what was filled from it, woken through a StagingRing. Returns the bytes
+  // unregistered. Its next ready() registers it again.
+  std::uint64_t unregister(const DeviceLink& link, BackingFile& f);
+  // The same for every file; the bytes unregistered.
+  std::uint64_t unregister_all(const DeviceLink& link);
   // Before a restore: files that changed while the weights slept in them are marked unusable, and
   // said (nothing else holds those bytes).
   void mark_changed(const Say& say);
@@ -86,6 +92,41 @@ class BackingFiles {
   // Unregisters what `f` registered and unmaps it, marks it unusable and says why.
   void give_up(const DeviceLink& link, BackingFile& f, const std::string& why, const Say& say);
   std::map<std::pair<dev_t, ino_t>, std::unique_ptr<BackingFile>> files_;
+};
+
+// The host tier below "asleep" (docs/design.md, "Weights backed by their file"): a file whose
+// registration was given back (BackingFiles::unregister) is still the backup of the weights
+// filled from it, but its pages may be evicted; a wake copies its bytes through this ring of
+// pinned buffers, reading the next buffer from the file (pread: the page cache, or the disk) while
+// the link copies the previous one.
+class StagingRing {
+ public:
+  static constexpr std::size_t kBuffers = 2;
+  static constexpr std::size_t kBufferBytes = std::size_t{64} << 20;
+  // Copies `len` bytes at `file_off` of `f` to device address `dst`, buffer by buffer. Returns
+  // CUDA_SUCCESS, or the failing call's result (a read that fails or comes back short:
+  // CUDA_ERROR_OPERATING_SYSTEM, its errno in `read_errno`). The last copies may still run: the
+  // caller synchronizes the link's streams, and drain() before the ring is freed.
+  CUresult copy(const DeviceLink& link, const struct BackingFile& f, std::uint64_t file_off, CUdeviceptr dst,
+                std::size_t len, int& read_errno);
+  // Waits for the copies out of the buffers.
+  void drain(const DeviceLink& link);
+  // Bytes the ring has copied over its life.
+  std::uint64_t bytes() const { return bytes_; }
+  void free(const DeviceLink& link);
+
+ private:
+  CUresult make(const DeviceLink& link);
+  struct Buffer {
+    char* p = nullptr;
+    CUevent done = nullptr;  // recorded after the buffer's last copy
+    bool used = false;
+  };
+  Buffer bufs_[kBuffers];
+  std::size_t next_ = 0;
+  std::size_t mapped_ = 0;  // bytes of the one mapping that holds every buffer
+  char* base_ = nullptr;
+  std::uint64_t bytes_ = 0;
 };
 
 // The bytes of a copy chunk that sleeps in its file but are not the file's: [off, off + len)
@@ -117,8 +158,11 @@ struct FileBacked {
   bool uses(const BackingFile* f) const;
   // Bytes of the allocation that sleep in files now.
   std::uint64_t bytes_in_files(std::size_t chunk) const;
-  // Issues the copies that refill chunk `i` from its file pieces and gaps on `stream`.
-  CUresult restore_chunk(const DeviceLink& link, const VmmRange& range, std::size_t i, CUstream stream) const;
+  // Issues the copies that refill chunk `i` from its file pieces and gaps on `stream`: from the
+  // file's registered pieces directly, through `ring` where the file is not registered.
+  // `staged`: bytes that went through the ring, added to.
+  CUresult restore_chunk(const DeviceLink& link, const VmmRange& range, std::size_t i, CUstream stream,
+                         StagingRing& ring, std::uint64_t& staged, int& read_errno) const;
   void free_gaps(const DeviceLink& link);
 };
 
