@@ -531,15 +531,20 @@ class Router:
         self.lf.close()
 
 
+def cmdline(pid):
+    """`pid`'s command line as a list, or None when it is gone."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().decode(errors="replace").split("\0")
+    except OSError:
+        return None
+
+
 def child_pid(router, path):
     """The router's child that serves the GGUF `path` (from its command line), or None."""
     for pid in router.children():
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                cmdline = f.read().decode(errors="replace").split("\0")
-        except OSError:
-            continue
-        if path in cmdline or os.path.realpath(path) in cmdline:
+        cl = cmdline(pid)
+        if cl is not None and (path in cl or os.path.realpath(path) in cl):
             return pid
     return None
 
@@ -569,12 +574,10 @@ def host_bytes(a, router, stems, files, with_stat):
     if "error" in budgets:
         out["stat_error"] = budgets["error"]
     for pid in router.children():
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                cmdline = f.read().decode(errors="replace").split("\0")
-        except OSError:
+        cl = cmdline(pid)
+        if cl is None:
             continue
-        model = next((k for k, fp in enumerate(files) if fp in cmdline or os.path.realpath(fp) in cmdline), None)
+        model = next((k for k, fp in enumerate(files) if fp in cl or os.path.realpath(fp) in cl), None)
         s = {"pid": pid, "model": stems[model] if model is not None else None,
              "model_bytes": os.path.getsize(files[model]) if model is not None else None}
         s.update(proc_status(pid))

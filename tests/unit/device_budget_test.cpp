@@ -87,12 +87,15 @@ class DeviceBudgetTest : public ::testing::Test {
     b.fake->device_full = [this, ida] { return a.fake->is_resident(ida); };
     return {*pa, *pb};
   }
-  // A switch to come, paced as the cuda backend paces it (1 MiB pieces): b's 4 MiB asleep while a
-  // holds 6 MiB of an 8 MiB budget, so 2 MiB of room.
-  std::pair<Allocation, Allocation> b_asleep_while_a_holds_6_of_8_mib() {
-    b.fake->pace_piece = 1 * MiB;
-    start(a, 8 * MiB);
-    start(b, 8 * MiB);
+  // A switch to come: b's 4 MiB asleep while a holds 6 MiB of an 8 MiB budget, so 2 MiB of room.
+  // `paced`: b wakes as the cuda backend does (1 MiB pieces); `wait`: RESIDENCY_BUDGET_WAIT (none:
+  // going over); `b_level`: b's log level.
+  std::pair<Allocation, Allocation> b_asleep_while_a_holds_6_of_8_mib(std::optional<Nanos> wait = std::nullopt,
+                                                                     bool paced = true,
+                                                                     LogLevel b_level = LogLevel::info) {
+    if (paced) b.fake->pace_piece = 1 * MiB;
+    start(a, 8 * MiB, wait);
+    start(b, 8 * MiB, wait, {}, 0, b_level);
     auto pb = b.m->allocate(4 * MiB);
     EXPECT_TRUE(pb) << pb.message();
     if (!pb) return {};
@@ -143,16 +146,11 @@ TEST_F(DeviceBudgetTest, AnAllocationThatDoesNotFitPutsTheIdleHolderToSleepFirst
 // With a debug log, a switch says where its time went: the ask and its answer, and the wake's
 // phases (on the manual clock every phase takes 0 ms).
 TEST_F(DeviceBudgetTest, ADebugLogTellsTheSwitchsTimeline) {
-  start(a, 8 * MiB, 1s);
-  start(b, 8 * MiB, 1s, {}, 0, LogLevel::debug);
-  auto pb = b.m->allocate(4 * MiB);
-  ASSERT_TRUE(pb) << pb.message();
-  b.m->release_now();
-  auto pa = a.m->allocate(6 * MiB);
-  ASSERT_TRUE(pa) << pa.message();
+  const auto [pa, pb] = b_asleep_while_a_holds_6_of_8_mib(1s, /*paced=*/false, LogLevel::debug);
+  ASSERT_NE(pb.ptr, nullptr);
   clock.advance(2s);
   b.m->begin_call();
-  EXPECT_TRUE(b.fake->is_resident(pb->id));
+  EXPECT_TRUE(b.fake->is_resident(pb.id));
   EXPECT_TRUE(b.logs.contains(LogLevel::debug, "timeline: asked the holders of " + name + " for 2.00 MiB of room"));
   EXPECT_TRUE(b.logs.contains(LogLevel::debug, "timeline: the wake of 4.00 MiB: 0.00 ms waiting for room"));
   EXPECT_TRUE(b.logs.contains(LogLevel::info, "re-wired 4.00 MiB in 1 set(s)"));
@@ -389,29 +387,24 @@ TEST_F(DeviceBudgetTest, AReleaseStoppedByACallKeepsItsShareForThatCall) {
 // later, its holder gives it back (it used to decline, holding its share of a strict budget: the
 // askers waited out their bound and were refused).
 TEST_F(DeviceBudgetTest, MemoryAReleaseLeftAwakeIsGivenBackWhenAsked) {
-  start(a, 8 * MiB, 300ms);
-  start(b, 8 * MiB, 300ms);
-  auto pb = b.m->allocate(4 * MiB);
-  ASSERT_TRUE(pb) << pb.message();
-  b.m->release_now();
-  auto pa = a.m->allocate(6 * MiB);
-  ASSERT_TRUE(pa) << pa.message();
+  const auto [pa, pb] = b_asleep_while_a_holds_6_of_8_mib(300ms, /*paced=*/false);
+  ASSERT_NE(pa.ptr, nullptr);
   {
     std::lock_guard<std::recursive_mutex> g(a.fake->mu);
     a.fake->fail_end_residency = true;
   }
   a.m->release_now();
   EXPECT_TRUE(a.logs.contains(LogLevel::warn, "could not release"));
-  ASSERT_TRUE(a.fake->is_resident(pa->id));
+  ASSERT_TRUE(a.fake->is_resident(pa.id));
   {
     std::lock_guard<std::recursive_mutex> g(a.fake->mu);
     a.fake->fail_end_residency = false;
   }
   clock.advance(5ms);
   b.m->begin_call();  // asks a, idle with 6 MiB awake
-  EXPECT_TRUE(b.fake->is_resident(pb->id));
+  EXPECT_TRUE(b.fake->is_resident(pb.id));
   EXPECT_TRUE(b.m->unwired_status()) << b.m->unwired_status().message();
-  EXPECT_FALSE(a.fake->is_resident(pa->id));
+  EXPECT_FALSE(a.fake->is_resident(pa.id));
   EXPECT_LE(used(), 8 * MiB);
   b.m->end_call();
 }
@@ -604,16 +597,11 @@ TEST_F(DeviceBudgetTest, AStrictBudgetRefusesAtTheBoundAndSaysWhoHoldsIt) {
 // A wake that gets no room stays asleep: the manager says its memory is not wired (the preload
 // then refuses the decode), and the books never show more than the budget.
 TEST_F(DeviceBudgetTest, AStrictWakeWithoutRoomStaysAsleepAndTheCallIsTold) {
-  start(a, 8 * MiB, 300ms);
-  start(b, 8 * MiB, 300ms);
-  auto pb = b.m->allocate(4 * MiB);
-  ASSERT_TRUE(pb) << pb.message();
-  b.m->release_now();
-  auto pa = a.m->allocate(6 * MiB);
-  ASSERT_TRUE(pa) << pa.message();
+  const auto [pa, pb] = b_asleep_while_a_holds_6_of_8_mib(300ms, /*paced=*/false);
+  ASSERT_NE(pa.ptr, nullptr);
   a.m->begin_call();
   b.m->begin_call();  // wakes: no room within 300 ms
-  EXPECT_FALSE(b.fake->is_resident(pb->id));
+  EXPECT_FALSE(b.fake->is_resident(pb.id));
   EXPECT_FALSE(b.m->unwired_status()) << "the call is told its memory is not awake";
   EXPECT_TRUE(b.logs.contains(LogLevel::warn, "had no room for 4.00 MiB of device memory"));
   EXPECT_EQ(used(), 6 * MiB);
@@ -621,8 +609,8 @@ TEST_F(DeviceBudgetTest, AStrictWakeWithoutRoomStaysAsleepAndTheCallIsTold) {
   a.m->end_call();
   // The next call, with a idle now, gets its room.
   b.m->begin_call();
-  EXPECT_TRUE(b.fake->is_resident(pb->id));
-  EXPECT_FALSE(a.fake->is_resident(pa->id));
+  EXPECT_TRUE(b.fake->is_resident(pb.id));
+  EXPECT_FALSE(a.fake->is_resident(pa.id));
   EXPECT_TRUE(b.m->unwired_status());
   b.m->end_call();
   EXPECT_EQ(used(), 4 * MiB);
