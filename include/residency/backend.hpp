@@ -181,6 +181,10 @@ class Backend {
   // (optional) Bytes of this process's device memory whose backup is a file (filled_from_file),
   // not pinned host memory: for `residency stat`. Default: 0.
   virtual std::uint64_t file_backed_bytes() const;
+  // (optional) Bytes of model files the backend keeps registered with a device (pinned page cache:
+  // the kernel cannot evict it) so that what sleeps in them wakes at the link's rate: host memory
+  // that sleeping models hold, for `residency stat`. Default: 0.
+  virtual std::uint64_t registered_file_bytes() const;
   // (optional) A call began on another thread while end_residency() may be running: the backend
   // may stop that release before it gives anything back (the memory is still mapped while its
   // backup is copied), leave the set resident and return ErrorCode::interrupted, so that the call

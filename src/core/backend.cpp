@@ -28,6 +28,7 @@ void Backend::filled_from_file(const void* addr, std::size_t bytes, int /*fd*/, 
   written(addr, bytes);
 }
 std::uint64_t Backend::file_backed_bytes() const { return 0; }
+std::uint64_t Backend::registered_file_bytes() const { return 0; }
 void Backend::interrupt_release() {}
 void Backend::set_wake_gate(WakeGate) {}
 Backend::Preparation Backend::prepare_release(std::function<bool()>) { return Preparation::nothing; }

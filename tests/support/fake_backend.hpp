@@ -61,6 +61,8 @@ class FakeBackend : public Backend {
   std::function<bool()> prepare_stop;       // prepare_release()'s, under mu
   std::atomic<std::uint64_t> unmanaged{0};  // unmanaged_device_bytes(): a GPU context's, say
   std::uint64_t unmanaged_device_bytes() override { return unmanaged.load(); }
+  std::atomic<std::uint64_t> registered_files{0};  // registered_file_bytes(): model files pinned for wakes
+  std::uint64_t registered_file_bytes() const override { return registered_files.load(); }
   int available_reads = 0;
 
   Capabilities capabilities() const override {

@@ -16,6 +16,7 @@
 #include <utility>
 #include <vector>
 
+#include "core/state_file.hpp"
 #include "ledger/ledger.hpp"
 #include "residency/shared_budget.hpp"
 #include "support/manager_fixture.hpp"
@@ -91,8 +92,8 @@ class DeviceBudgetTest : public ::testing::Test {
   // `paced`: b wakes as the cuda backend does (1 MiB pieces); `wait`: RESIDENCY_BUDGET_WAIT (none:
   // going over); `b_level`: b's log level.
   std::pair<Allocation, Allocation> b_asleep_while_a_holds_6_of_8_mib(std::optional<Nanos> wait = std::nullopt,
-                                                                     bool paced = true,
-                                                                     LogLevel b_level = LogLevel::info) {
+                                                                      bool paced = true,
+                                                                      LogLevel b_level = LogLevel::info) {
     if (paced) b.fake->pace_piece = 1 * MiB;
     start(a, 8 * MiB, wait);
     start(b, 8 * MiB, wait, {}, 0, b_level);
@@ -716,4 +717,31 @@ TEST(DeviceConfig, AGpuBudgetIsNamedByTheDevicesUuid) {
   EXPECT_NE(bad.message().find("longer than 31 characters"), std::string::npos) << bad.message();
 }
 
+}  // namespace
+
+namespace {
+// What sleeping models hold of the host is shown: the model files a backend keeps registered with
+// the GPU (pinned page cache) are in the holder's state file, which `residency stat` reads
+// (HolderFacts::registered_file_bytes).
+TEST_F(DeviceBudgetTest, TheModelFilesABackendKeepsRegisteredAreInTheHoldersStateFile) {
+  a.fake->registered_files = 7 * MiB;
+  ManagerOptions o;
+  o.config.keep_alive = KeepAlive::after(10s);
+  o.config.layout = Layout::per_buffer;
+  o.config.shared_budget = SharedBudget{name, WiredLimit{false, 8 * MiB, 0}, ""};
+  o.backend = a.fake;
+  o.clock = &clock;
+  o.log = a.logs.callback();
+  o.start_scheduler = false;
+  auto m = Manager::create(std::move(o));
+  ASSERT_TRUE(m) << m.message();
+  auto p = (*m)->allocate(4 * MiB);
+  ASSERT_TRUE(p) << p.message();
+  (*m)->release_now();  // published at once
+  std::string registered;
+  for (const auto& s : core::read_state_files(::getpid(), ::geteuid(), core::process_start_time(::getpid())))
+    if (s.fields.count("shared_budget") != 0 && s.fields.at("shared_budget") == name)
+      registered = s.fields.count("registered_file_bytes") != 0 ? s.fields.at("registered_file_bytes") : "absent";
+  EXPECT_EQ(registered, std::to_string(7 * MiB));
+}
 }  // namespace

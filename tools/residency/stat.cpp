@@ -120,6 +120,8 @@ std::string limit_unknown_text(const PosixSystemInfo& info) {
         if (!f.last_switch_ms.empty()) own += " (last " + printable(f.last_switch_ms) + " ms)";
         if (!f.pinned_host_bytes.empty())
           own += ", pinned host " + format_size(std::strtoull(f.pinned_host_bytes.c_str(), nullptr, 10));
+        if (!f.registered_file_bytes.empty())
+          own += ", model files registered " + format_size(std::strtoull(f.registered_file_bytes.c_str(), nullptr, 10));
       }
       rows.emplace_back("",
                         "  pid " + std::to_string(h.pid) +
@@ -158,6 +160,7 @@ std::string limit_unknown_text(const PosixSystemInfo& info) {
            {"switches", opt_num(f.switches)},
            {"last_switch_ms", opt_num(f.last_switch_ms)},
            {"pinned_host_bytes", opt_num(f.pinned_host_bytes)},
+           {"registered_file_bytes", opt_num(f.registered_file_bytes)},
            {"bytes", h.bytes},
            {"unmanaged_bytes", h.unmanaged},
            {"idle_s", h.idle ? nlohmann::json(std::chrono::duration<double>(*h.idle).count()) : nlohmann::json(nullptr)},

@@ -532,6 +532,7 @@ HolderFacts holder_facts(int pid, const std::string& budget) {
     f.switches = field("rewires");
     f.last_switch_ms = field("last_rewire_ms");
     f.pinned_host_bytes = field("pinned_host_bytes");
+    f.registered_file_bytes = field("registered_file_bytes");
     break;
   }
   return f;

@@ -24,6 +24,7 @@ struct HolderFacts {
   std::string switches;  // wakes or re-wires so far, decimal
   std::string last_switch_ms;
   std::string pinned_host_bytes;
+  std::string registered_file_bytes;  // model files registered with the GPU (pinned page cache)
 };
 HolderFacts holder_facts(int pid, const std::string& budget);
 

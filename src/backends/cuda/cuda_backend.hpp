@@ -118,7 +118,7 @@ class CudaBackend final : public Backend {
   // passed (false).
   bool wait_preparation(int timeout_ms);
   // Bytes of model files registered with the GPU now, over all files (piece by piece).
-  std::uint64_t registered_file_bytes() const;
+  std::uint64_t registered_file_bytes() const override;
   // The host tier below "asleep": gives back the registration of every model file (their pages
   // may be evicted from now on); the weights asleep in them wake through a small staging ring
   // (StagingRing), reading the file. Returns the bytes unregistered. A later sleep registers a
