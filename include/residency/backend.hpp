@@ -63,6 +63,9 @@ struct Capabilities {
   // so that the manager may start a wake in the room a shared budget has and make the rest
   // while it runs. False: the manager makes all the room first.
   bool paced_wake = false;
+  // The backend can do part of a first release ahead (Backend::prepare_release): the manager asks
+  // it once the holder is idle. False: never asked (no wake-up spent on it).
+  bool prepares_release = false;
 };
 
 // Sizes in bytes, for the budget, limits and warnings. 0 means "unknown" for every field but

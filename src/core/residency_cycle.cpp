@@ -354,7 +354,7 @@ std::optional<Nanos> ResidencyCycle::residency_due() {
 // polls `stop`); while the backend has work left, it is asked again after each kPrepareAfterIdle of idle (to go
 // on where it stopped, or to hear that it is done), and never again once it says nothing is left.
 std::optional<Nanos> ResidencyCycle::prepare_due(Nanos now) {
-  if (ever_released_ || !(ka_.expires() || adm_.share() != nullptr)) return std::nullopt;
+  if (!caps_.prepares_release || ever_released_ || !(ka_.expires() || adm_.share() != nullptr)) return std::nullopt;
   const std::uint64_t size = adm_.admitted_size();
   if (size == 0 || size == prepared_size_) return std::nullopt;  // nothing (left) to prepare
   const std::int64_t lu = ka_.last_use();

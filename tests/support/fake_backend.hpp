@@ -72,6 +72,7 @@ class FakeBackend : public Backend {
     c.refresh_period = needs_refresh ? refresh_period : Nanos(0);
     c.max_sets = max_sets;
     c.paced_wake = pace_piece != 0;
+    c.prepares_release = prepares_release;
     return c;
   }
   void set_wake_gate(WakeGate g) override {
@@ -80,6 +81,7 @@ class FakeBackend : public Backend {
   }
   // The first release, prepared: what prepare_release() answers, how often it was asked, and the
   // `stop` it was given (until stop_preparation()).
+  bool prepares_release = false;  // Capabilities::prepares_release (set before creating the manager)
   Preparation prepare_answer = Preparation::nothing;
   std::atomic<int> prepare_calls{0};
   std::atomic<int> preparation_stops{0};

@@ -115,6 +115,7 @@ TEST_F(SchedulerTest, PrefetchWiresOnTheSchedulerThreadAndReturnsAtOnce) {
 // use tells the backend to stop, the next idle period asks again, and a backend with nothing left
 // is not asked again.
 TEST_F(SchedulerTest, TheFirstReleaseIsPreparedAfterABriefIdleAndAUseStopsIt) {
+  fake->prepares_release = true;
   fake->prepare_answer = Backend::Preparation::started;
   auto m = make(with_keep_alive("10m"), true);
   reg(*m, 64 * MiB);
@@ -158,6 +159,17 @@ TEST_F(SchedulerTest, TheFirstReleaseIsPreparedAfterABriefIdleAndAUseStopsIt) {
 
 TEST_F(SchedulerTest, NothingIsPreparedWhenNothingWouldBeReleasedOrAfterTheFirstRelease) {
   fake->prepare_answer = Backend::Preparation::started;
+  {
+    auto m = make(with_keep_alive("3s"), true);  // a backend that prepares nothing is never asked
+    reg(*m, 64 * MiB);
+    for (int i = 0; i < 10; ++i) {
+      ASSERT_TRUE(eventually([&] { return clock.waiters() <= 1; }));
+      advance(100ms);
+    }
+    EXPECT_EQ(fake->prepare_calls.load(), 0);
+    EXPECT_LE(m->stats().scheduler_wakeups, 1u) << "no wake-up spent on it";
+  }
+  fake->prepares_release = true;
   {
     auto m = make(with_keep_alive("forever"), true);  // no budget either: nothing ever sleeps
     reg(*m, 64 * MiB);

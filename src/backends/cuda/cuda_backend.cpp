@@ -155,7 +155,8 @@ Capabilities CudaBackend::capabilities() const {
   c.needs_refresh = false;  // device mappings do not decay
   c.max_sets = 0;           // no limit: a set is only a list here
   c.device_uuid = uuid_;
-  c.paced_wake = true;  // wake() asks the gate before each chunk it maps
+  c.paced_wake = true;        // wake() asks the gate before each chunk it maps
+  c.prepares_release = true;  // prepare_release(): model files registered, backups pinned ahead
   // Physical memory comes in whole units of the allocation granularity (2 MiB here): a budget is
   // charged what the device holds, not the bytes asked for.
   c.wire_granularity = link_.granularity;
