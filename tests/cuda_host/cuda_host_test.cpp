@@ -385,6 +385,41 @@ TEST_F(HostGpuTest, WeightsFilledFromTheirFileSleepInItAndWakeWithoutPageableCop
   EXPECT_EQ(gpu().registrations(), 0u);
 }
 
+// The host tier below "asleep": the model file's registration given back (its pages may be
+// evicted), the weights asleep in it wake through the staging ring, reading the file, exactly; no
+// copy comes from unregistered memory, the registration is not taken again by the wake, and the
+// next sleep registers the file again.
+TEST_F(HostGpuTest, WeightsWhoseFileRegistrationWasGivenBackWakeThroughTheStagingRing) {
+  CudaBackend& b = make();
+  const Layout l = model_layout();
+  std::vector<char> before;
+  void* p = load(l, 9, before);
+  ASSERT_NE(p, nullptr);
+  std::uint64_t filled = 0;
+  for (const auto& t : l.tensors) filled += t.len;
+  ASSERT_TRUE(b.end_residency(0)) << b.last_release_status().message();
+  EXPECT_EQ(b.unregister_files(), file_pages(l));
+  EXPECT_EQ(b.registered_file_bytes(), 0u);
+  EXPECT_EQ(gpu().read_only_registrations(), 0u) << "the driver holds none of the file";
+  const HostGpu::Counters w0 = gpu().counters();
+  ASSERT_TRUE(b.request_residency(0).ok());
+  const HostGpu::Counters w1 = gpu().counters();
+  EXPECT_TRUE(holds(p, before)) << "the device must hold exactly what it held";
+  EXPECT_EQ(b.staged_bytes(), filled) << "every byte of the file's came through the ring";
+  EXPECT_EQ(w1.pageable_copies - w0.pageable_copies, 0u) << "the ring's buffers are registered";
+  EXPECT_EQ(w1.bytes_to_device - w0.bytes_to_device, l.device_bytes);
+  EXPECT_EQ(b.registered_file_bytes(), 0u) << "a wake does not register the file again";
+  ASSERT_TRUE(b.end_residency(0));
+  EXPECT_EQ(b.registered_file_bytes(), file_pages(l)) << "the next sleep does";
+  ASSERT_TRUE(b.request_residency(0).ok());
+  EXPECT_EQ(b.staged_bytes(), filled) << "woken from the registered file this time";
+  EXPECT_TRUE(holds(p, before));
+  EXPECT_TRUE(b.destroy_set(0));
+  b.deallocate(p);
+  EXPECT_EQ(gpu().registrations(), 1u) << "the file went with its allocation; the ring stays for the backend's "
+                                          "life (TearDown checks that it goes with the backend)";
+}
+
 // 3. The first release, prepared in the background: a `stop` that says yes after two polls leaves
 // part of the file registered; one that never does registers the rest and pins the KV cache's
 // backup; then nothing is left to prepare, and the first sleep copies only gaps and the KV cache.

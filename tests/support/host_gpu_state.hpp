@@ -54,9 +54,9 @@ struct State {
   std::uint64_t spare_bytes = 0;
   std::map<CUdeviceptr, Mapping> mappings;
   std::map<std::uintptr_t, Registration> registrations;  // by base address
-  std::map<CUdeviceptr, std::size_t> allocs;           // cuMemAlloc: base -> size
-  std::map<std::uintptr_t, bool> streams;              // handle -> (unused)
-  std::map<std::uintptr_t, Clock::time_point> events;  // handle -> last record (epoch: none)
+  std::map<CUdeviceptr, std::size_t> allocs;             // cuMemAlloc: base -> size
+  std::map<std::uintptr_t, bool> streams;                // handle -> (unused)
+  std::map<std::uintptr_t, Clock::time_point> events;    // handle -> last record (epoch: none)
   std::uintptr_t next_token = 0x5000;
   int context_retains = 0;
   bool faulting = false;
