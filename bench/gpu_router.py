@@ -1063,7 +1063,7 @@ def report(a, recs, stems, files, budget_mib, gpu):
             x, y = resp[pat]["switch_s_p50"], plain["patterns"][pat]["switch_s_p50"]
             ok = ok and x is not None and y is not None and x < y
             parts.append(f"{pat}: {x} s against the plain router's {y} s")
-    checks.append({"check": "switch p50 under residency < the plain router's switch p50 (--models-max "
+    checks.append({"check": f"switch p50 under {main_cfg} < the plain router's switch p50 (--models-max "
                             f"{a.plain_models_max}), same pattern", "ok": ok,
                    "detail": "; ".join(parts) or "residency or plain did not run, or no pattern in common"})
 
