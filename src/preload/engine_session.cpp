@@ -87,6 +87,7 @@ EngineSession::EngineSession(Options options)
       engine_made_(nullptr, log_, "the engine's mappings"),
       program_locked_(nullptr, log_, "the program's locked ranges") {
   program_locked_.defer_warnings();  // changed by hooks, which must not build a message
+  program_locked_.merge_touching();
 }
 
 // Parts first, then the managers they registered with (members go in reverse order; this says so).
@@ -170,6 +171,11 @@ EngineSession::Host* EngineSession::host_locked() {
   // What the program locked itself is never registered: the session would unlock it.
   for (PieceTable* t : {&host_parts_->buffers.pieces(), &host_parts_->code.pieces(), &host_parts_->memory.pieces()})
     t->exclude(&program_locked_);
+  try {
+    lock_limit_applies_.store(m->backend().memory_info().hard_limit != 0, std::memory_order_relaxed);
+  } catch (...) {
+    lock_limit_applies_.store(true, std::memory_order_relaxed);  // as before it was asked
+  }
   host_owner_ = std::move(m);
   host_.store(host_owner_.get(), std::memory_order_release);
   host_parts_ready_.store(host_parts_.get(), std::memory_order_release);
@@ -344,9 +350,11 @@ void EngineSession::program_locked_all(int flags) noexcept {
 
 bool EngineSession::step_aside_for_program_lock() noexcept {
   const Host* h = active_host();
-  // Nothing registered: nothing of the session's counts against the limit.
-  if (h == nullptr || !(h->buffers.pieces().overlaps(0, UINTPTR_MAX) || h->code.pieces().overlaps(0, UINTPTR_MAX) ||
-                        h->memory.pieces().overlaps(0, UINTPTR_MAX)))
+  // Nothing registered, or no limit that the session's locks count against: the failure is not
+  // the session's doing.
+  if (h == nullptr || !lock_limit_applies_.load(std::memory_order_relaxed) ||
+      !(h->buffers.pieces().overlaps(0, UINTPTR_MAX) || h->code.pieces().overlaps(0, UINTPTR_MAX) ||
+        h->memory.pieces().overlaps(0, UINTPTR_MAX)))
     return false;
   unlock_before_take_back(0, UINTPTR_MAX);
   queue({MemoryEvents::Kind::program_needs_limit, 0, 0});

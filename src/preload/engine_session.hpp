@@ -125,18 +125,32 @@ class EngineSession {
   // A private anonymous mapping made inside the engine's calls, or heap the engine grew: the
   // engine's own memory.
   void engine_mapped(std::uintptr_t begin, std::uintptr_t end) noexcept;
-  // The program locks [begin, end) (mlock, mlock2; `call` makes the call and returns whether it
-  // locked): noted first, so that the session never registers it (it would unlock it later);
-  // what the session held there is let go of once the event is applied, and the program's lock
-  // is made again after that let-go.
+  // The program locks [begin, end) (mlock, mlock2; `call` makes the call and returns whether the
+  // kernel may hold a lock of the program's there now: the call worked, or it failed after
+  // marking part of the range locked, as a failure with ENOMEM or EAGAIN may have). Noted first,
+  // so that the session never registers it (it would unlock it later); what the session held
+  // there is let go of once the event is applied, and the program's lock is made again after
+  // that let-go. A failure that locked nothing forgets the note, and keeps what the program had
+  // locked there before (all of the range, where that was in more than kKept pieces).
   template <class Call>
   bool program_locks(std::uintptr_t begin, std::uintptr_t end, Call&& call) noexcept RESIDENCY_EXCLUDES(program_mu_) {
     bool locked = false;
     {
       MutexLock lock(program_mu_);
+      constexpr std::size_t kKept = 8;  // on the stack: a hook allocates nothing
+      std::array<Extent, kKept> before{};
+      std::size_t n = 0;
+      program_locked_.for_each_overlap(begin, end, [&](std::uintptr_t b, std::uintptr_t e) {
+        before[n < kKept ? n : kKept - 1] = Extent{b, e};
+        ++n;
+      });
       const bool noted = program_locked_.add(begin, end, RegionClass::weights, 0);
       locked = call();
-      if (!locked && noted) program_locked_.subtract(begin, end);
+      if (!locked && noted && n <= kKept) {
+        program_locked_.subtract(begin, end);
+        for (std::size_t i = 0; i < n; ++i)
+          program_locked_.add(before[i].begin, before[i].end, RegionClass::weights, 0);
+      }
     }
     if (locked && tracks(begin, end)) queue({MemoryEvents::Kind::program_locked, begin, end});
     return locked;
@@ -150,6 +164,15 @@ class EngineSession {
     if (unlocked) program_locked_.subtract(begin, end);
     return unlocked;
   }
+  // [begin, end) was unmapped, or mapped anew without MAP_LOCKED: the program's locks there ended
+  // with the old mapping, and the memory now there may be the engine's to hold (llama.cpp's
+  // mmap+mlock load mode locks the GGUF header's pages, then unmaps them; a buffer mapped there
+  // later is not locked). Takes program_mu_ only where the program locked something.
+  void program_locks_end(std::uintptr_t begin, std::uintptr_t end) noexcept RESIDENCY_EXCLUDES(program_mu_) {
+    if (!program_locked_.overlaps(begin, end)) return;
+    MutexLock lock(program_mu_);
+    program_locked_.subtract(begin, end);
+  }
   // mlockall(flags) succeeded: the program locks everything itself; the session lets go of
   // everything (and locks it again as the program asked) and holds nothing from then on.
   void program_locked_all(int flags) noexcept;
@@ -157,7 +180,10 @@ class EngineSession {
   // which the session's locks count against: the program's locks come first. Everything the
   // session locked is unlocked now (system calls only; the caller then makes the program's call
   // again), and the session lets go of its memory and holds none from then on. False when the
-  // session holds no host memory (the failure is the program's own).
+  // session holds no host memory, or when the limit does not apply to this process (CAP_IPC_LOCK,
+  // or no finite limit): then the failure is the program's own (llama.cpp's mlock load mode locks
+  // a buffer's size rounded up to a page from its unaligned base, and fails with ENOMEM where the
+  // page past the buffer's mapping is unmapped or PROT_NONE).
   bool step_aside_for_program_lock() noexcept RESIDENCY_EXCLUDES(program_mu_);
   // Lock-free: whether [begin, end) touches what the program locked itself.
   bool program_locked(std::uintptr_t begin, std::uintptr_t end) const noexcept {
@@ -349,6 +375,9 @@ class EngineSession {
   std::array<std::atomic<std::uintptr_t>, kMaxStacks> stacks_{};
   std::array<std::atomic<int>, kMaxStacks> stack_threads_{};
   std::atomic<bool> said_graph_computes_{false};
+  // Whether the host backend's locks are held to a limit (RLIMIT_MEMLOCK without CAP_IPC_LOCK),
+  // read when the host side starts: only then can the program's failed lock be the session's doing.
+  std::atomic<bool> lock_limit_applies_{false};
   std::atomic<bool> snapshotting_{false};
   bool warned_unwired_ RESIDENCY_GUARDED_BY(mu_) = false;
 

@@ -125,9 +125,11 @@ GgmlBuffers::Registered GgmlBuffers::register_buffer(BufferId b, Tracked& t) {
     if (plan.worth_a_line) log_->info(what + ": not managed: " + plan.not_managed);
     return {};
   }
-  std::size_t placed = 0;
+  std::size_t placed = 0, programs = 0;
   for (const Extent& r : plan.ranges) {
-    if (pieces_.add(r.begin, r.end, plan.cls, owner)) placed += r.end - r.begin;
+    const std::size_t theirs = pieces_.excluded_bytes(r.begin, r.end);  // what add() leaves out
+    programs += theirs;
+    if (pieces_.add(r.begin, r.end, plan.cls, owner)) placed += r.end - r.begin - theirs;
   }
   std::string line = "registered " + what + " as " + to_string(plan.cls);
   if (t.facts.from_ptr) {
@@ -136,7 +138,9 @@ GgmlBuffers::Registered GgmlBuffers::register_buffer(BufferId b, Tracked& t) {
     if (placed + system_page_size() < t.facts.size)
       line += "; the rest of its range is other buffers' tensors' file pages, not wired";
   }
-  if (placed < plan.registered_bytes) line += " (" + format_size(plan.registered_bytes - placed) + " left unmanaged)";
+  if (placed + programs < plan.registered_bytes)
+    line += " (" + format_size(plan.registered_bytes - placed - programs) + " left unmanaged)";
+  if (programs > 0) line += " (" + format_size(programs) + " locked by the program itself, left to it)";
   log_->debug(line);
   if (pressure_without_swap_ && !warned_anonymous_weights_ && !t.facts.from_ptr && plan.cls == RegionClass::weights &&
       placed >= (std::size_t{64} << 20)) {
@@ -147,7 +151,7 @@ GgmlBuffers::Registered GgmlBuffers::register_buffer(BufferId b, Tracked& t) {
         "(anonymous pages can only be reclaimed to swap). To let pressure take the model back, keep the weights in "
         "the page cache: llama.cpp's --no-repack (-nr; use_extra_bufts = false), or add swap");
   }
-  return Registered{plan.cls, type_name, placed};
+  return Registered{plan.cls, type_name, placed, programs};
 }
 
 namespace {
@@ -182,11 +186,13 @@ std::string by_class_and_type(const std::vector<std::pair<RegionClass, std::pair
 void GgmlBuffers::flush() noexcept {
   pending_.store(false, std::memory_order_release);
   try {
-    std::vector<std::pair<RegionClass, std::pair<std::string, std::size_t>>> parts;
+    std::vector<std::pair<RegionClass, std::pair<std::string, std::size_t>>> parts, programs;
     std::size_t count = 0;
     for (auto& [b, t] : buffers_) {
       if (!t.dirty) continue;
       Registered r = register_buffer(b, t);
+      // (Less than a page: a buffer beside a lock of the program's that shares its last page.)
+      if (r.programs >= system_page_size()) programs.emplace_back(r.cls, std::make_pair(r.type, r.programs));
       if (r.bytes == 0) continue;
       ++count;
       parts.emplace_back(r.cls, std::make_pair(std::move(r.type), r.bytes));
@@ -194,6 +200,13 @@ void GgmlBuffers::flush() noexcept {
     if (count > 0)
       log_->info("registered " + std::to_string(count) + (count == 1 ? " buffer: " : " buffers: ") +
                  by_class_and_type(parts));
+    // llama.cpp's load modes mlock and mmap+mlock lock the weights themselves: the session never
+    // registers what the program locked (it would unlock it), and says so, once per load.
+    if (!programs.empty())
+      log_->info("left to the program, which locks it itself (llama.cpp's load mode mlock or mmap+mlock): " +
+                 by_class_and_type(programs) +
+                 "; it stays locked for as long as the program keeps it so, residency neither holds nor releases "
+                 "it, and it counts in none of residency's limits or budgets");
   } catch (...) {
     // Out of memory while logging: what was registered stays registered.
   }

@@ -72,7 +72,9 @@ class GgmlBuffers {
   bool has_pending() const noexcept { return pending_.load(std::memory_order_acquire); }
   // Registers every buffer that changed since the last flush: one info line for them all, by
   // class and buffer type ("registered 3 buffers: weights 111.7 MiB (CPU_REPACK 103.2 MiB,
-  // CPU_Mapped 8.5 MiB), kv_cache 16 MiB (CPU), scratch 4 MiB (CPU)"), one debug line each.
+  // CPU_Mapped 8.5 MiB), kv_cache 16 MiB (CPU), scratch 4 MiB (CPU)"), one debug line each; and
+  // one info line for what of them the program locked itself and is left to it ("left to the
+  // program, which locks it itself: weights 63.2 MiB (CPU) ...").
   void flush() noexcept;
   // Whether a buffer llama.cpp marked as weights is still there (a model is loaded).
   bool holds_weights() const noexcept;
@@ -87,11 +89,13 @@ class GgmlBuffers {
     BufferFacts facts;
     bool dirty = true;  // changed since it was last registered
   };
-  // What one registration placed: its class, buffer type and bytes (0: nothing registered).
+  // What one registration placed: its class, buffer type and bytes (0: nothing registered), and
+  // the bytes it left to the program, which locked them itself (llama.cpp's mlock load modes).
   struct Registered {
     RegionClass cls = RegionClass::weights;
     std::string type;
     std::size_t bytes = 0;
+    std::size_t programs = 0;
   };
   Registered register_buffer(BufferId b, Tracked& t);
   void remember_from_ptr(BufferId b) noexcept;

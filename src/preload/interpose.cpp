@@ -101,6 +101,7 @@ void* map(std::size_t len, int prot, int flags, int fd, off64_t off, const void*
   const std::uintptr_t re = page_end(rb, len);
   if (EngineSession* s = started_session()) {
     ErrnoKeeper keep;
+    if ((flags & MAP_LOCKED) == 0) s->program_locks_end(rb, re);
     // Whatever the session tracked where the new mapping lies is gone: replaced (MAP_FIXED), or
     // unmapped through calls no hook sees (glibc's own munmap). While a snapshot is taken every
     // new mapping is said, whatever it lands on.
@@ -125,10 +126,10 @@ int unmap(void* addr, std::size_t len) noexcept {
   EngineSession* s = started_session();
   const auto b = reinterpret_cast<std::uintptr_t>(addr);
   const std::uintptr_t e = page_end(b, len);
-  if (s != nullptr && s->tracks(b, e)) {
-    ErrnoKeeper keep;
-    s->memory_gone(b, e);
-  }
+  if (s == nullptr) return r;
+  ErrnoKeeper keep;
+  s->program_locks_end(b, e);
+  if (s->tracks(b, e)) s->memory_gone(b, e);
   return r;
 }
 
@@ -486,7 +487,10 @@ int program_locks(const void* addr, std::size_t len, const void* caller, Call ca
       errno = saved;
       r = call();
       err = errno;
-      return r == 0;
+      // ENOMEM (a hole in the range, or a page that cannot be faulted in: a PROT_NONE one) and
+      // EAGAIN may come after the kernel marked the mappings up to that point locked, and those
+      // stay locked for the program.
+      return r == 0 || err == ENOMEM || err == EAGAIN;
     });
     errno = err;
     return r;

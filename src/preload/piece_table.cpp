@@ -42,7 +42,40 @@ bool PieceTable::add(std::uintptr_t begin, std::uintptr_t end, RegionClass cls, 
   }
 }
 
+std::size_t PieceTable::excluded_bytes(std::uintptr_t begin, std::uintptr_t end) const noexcept {
+  if (exclude_ == nullptr || end <= begin || !exclude_->overlaps(begin, end)) return 0;
+  try {
+    const std::uintptr_t page = system_page_size();
+    std::uintptr_t at = begin;
+    std::size_t n = 0;
+    for (const Piece& x : exclude_->pieces()) {  // sorted by address, as add() walks them
+      const std::uintptr_t xb = std::max(x.begin & ~(page - 1), at), xe = std::min((x.end + page - 1) & ~(page - 1), end);
+      if (xe <= xb) continue;
+      n += xe - xb;
+      at = xe;
+    }
+    return n;
+  } catch (...) {
+    return 0;
+  }
+}
+
 bool PieceTable::add_one(std::uintptr_t begin, std::uintptr_t end, RegionClass cls, std::uint64_t owner) noexcept {
+  if (merge_ && manager_ == nullptr) {
+    const std::size_t used = used_.load(std::memory_order_relaxed);
+    for (std::size_t i = 0; i < used; ++i) {
+      Slot& s = slots_[i];
+      const std::uintptr_t e = s.end.load(std::memory_order_relaxed);
+      if (e == 0 || s.owner != owner || s.cls != cls) continue;
+      const std::uintptr_t b = s.begin.load(std::memory_order_relaxed);
+      if (begin > e || end < b) continue;
+      // Only ever grown: a lock-free reader sees the piece as it was, as it is, or in between,
+      // each of which covers what it covered before.
+      if (begin < b) s.begin.store(begin, std::memory_order_relaxed);
+      if (end > e) s.end.store(end, std::memory_order_release);
+      return true;
+    }
+  }
   Slot* free_slot = nullptr;
   for (Slot& s : slots_) {
     if (s.end.load(std::memory_order_relaxed) == 0) {

@@ -69,6 +69,13 @@ class PieceTable {
   // Ranges this table never tracks (whole pages of them): the program's own locks, which the
   // preload must never unlock. Set once, before the first add().
   void exclude(const PieceTable* other) noexcept { exclude_ = other; }
+  // The bytes of [begin, end) that add() leaves out: whole pages of the excluded table's pieces.
+  std::size_t excluded_bytes(std::uintptr_t begin, std::uintptr_t end) const noexcept;
+  // For a table without a manager, set before the first add(): a range that touches or overlaps
+  // a piece of the same owner and class grows that piece instead of taking a slot. The program's
+  // locks need it: llama.cpp's mmap+mlock load mode locks its file mapping one tensor at a time
+  // (llama_mlock::grow_to), more calls than kMaxPieces for a model of over 2048 tensors.
+  void merge_touching() noexcept { merge_ = true; }
   // With the lock held: tracks (registers) [begin, end), but for what is excluded. False when
   // nothing of it could be (one warning).
   bool add(std::uintptr_t begin, std::uintptr_t end, RegionClass cls, std::uint64_t owner) noexcept;
@@ -98,6 +105,7 @@ class PieceTable {
   const char* what_;
   const PieceTable* exclude_ = nullptr;
   bool defer_warnings_ = false;
+  bool merge_ = false;
   std::atomic<bool> full_unsaid_{false};
   std::atomic<bool> warned_full_{false};
   bool warned_register_ = false;

@@ -2,7 +2,7 @@
 /* An ordinary llama.cpp program, knowing nothing about residency: loads a model, decodes greedy
  * tokens and prints them. The preload's tests run it with and without libresidency_preload.so.
  *
- *   decode_loop [--no-repack] [--reads] [--prompt TEXT] MODEL N [PAUSE]
+ *   decode_loop [--no-repack] [--reads] [--prompt TEXT] [--load-mode MODE] MODEL N [PAUSE]
  *
  * --no-repack: llama.cpp's extra buffer types off (use_extra_bufts = false, llama-server's -nr):
  * the weights stay in the file mapping on every CPU. --reads: the first decode is observed through
@@ -11,6 +11,12 @@
  * hex, USAGE weights|compute|any, or "output host" for the logits this program reads from
  * llama.cpp's output buffer): what decode really reads, for the tests to compare with what
  * the kernel says is locked.
+ *
+ * --load-mode MODE: how llama.cpp loads the weights, as llama-server's --load-mode takes it
+ * (llama_model_params.load_mode): auto (the default: mmap on a CPU), none (read into anonymous
+ * buffers), mmap, mlock (read into anonymous buffers that llama.cpp locks), mmap+mlock (the file
+ * mapping, locked by llama.cpp), dio (read with O_DIRECT into anonymous buffers). A llama.cpp
+ * older than load_mode (b6431) takes the first five through use_mmap / use_mlock, not dio.
  *
  * --prompt TEXT: the first decode is TEXT as a user's prompt, as llama-cli and llama-server take
  * it: BOS and TEXT's tokens (llama_tokenize) in one batch; "prompt K" (the number of tokens) is
@@ -33,6 +39,44 @@
 static void quiet_log(enum ggml_log_level level, const char* text, void* user) {
   (void)user;
   if (level == GGML_LOG_LEVEL_ERROR) fputs(text, stderr);
+}
+
+/* MODE into `mp` (see above); 0 when this llama.cpp has no such mode. */
+static int set_load_mode(struct llama_model_params* mp, const char* mode) {
+#if RESIDENCY_LLAMA_HAS_LOAD_MODE
+  static const struct {
+    const char* name;
+    enum llama_load_mode mode;
+  } modes[] = {{"auto", LLAMA_LOAD_MODE_AUTO},
+               {"none", LLAMA_LOAD_MODE_NONE},
+               {"mmap", LLAMA_LOAD_MODE_MMAP},
+               {"mlock", LLAMA_LOAD_MODE_MLOCK},
+               {"mmap+mlock", LLAMA_LOAD_MODE_MMAP_MLOCK},
+               {"dio", LLAMA_LOAD_MODE_DIRECT_IO}};
+  for (size_t i = 0; i < sizeof modes / sizeof modes[0]; ++i) {
+    if (strcmp(mode, modes[i].name) == 0) {
+      mp->load_mode = modes[i].mode;
+      return 1;
+    }
+  }
+#else
+  static const struct {
+    const char* name;
+    bool mmap, mlock;
+  } modes[] = {{"auto", true, false},
+               {"none", false, false},
+               {"mmap", true, false},
+               {"mlock", false, true},
+               {"mmap+mlock", true, true}};
+  for (size_t i = 0; i < sizeof modes / sizeof modes[0]; ++i) {
+    if (strcmp(mode, modes[i].name) == 0) {
+      mp->use_mmap = modes[i].mmap;
+      mp->use_mlock = modes[i].mlock;
+      return 1;
+    }
+  }
+#endif
+  return 0;
 }
 
 static void sleep_ms(long ms) {
@@ -94,6 +138,7 @@ static void print_reads(void) {
 int main(int argc, char** argv) {
   int no_repack = 0, reads = 0;
   const char* prompt = NULL;
+  const char* load_mode = NULL;
   while (argc > 1 && strncmp(argv[1], "--", 2) == 0) {
     if (strcmp(argv[1], "--no-repack") == 0) {
       no_repack = 1;
@@ -103,15 +148,22 @@ int main(int argc, char** argv) {
       prompt = argv[2];
       --argc;
       ++argv;
+    } else if (strcmp(argv[1], "--load-mode") == 0 && argc > 2) {
+      load_mode = argv[2];
+      --argc;
+      ++argv;
     } else {
-      fprintf(stderr, "decode_loop: unknown option '%s' (accepted: --no-repack, --reads, --prompt TEXT)\n", argv[1]);
+      fprintf(stderr,
+              "decode_loop: unknown option '%s' (accepted: --no-repack, --reads, --prompt TEXT, --load-mode MODE)\n",
+              argv[1]);
       return 2;
     }
     --argc;
     ++argv;
   }
   if (argc < 3) {
-    fprintf(stderr, "usage: decode_loop [--no-repack] [--reads] [--prompt TEXT] MODEL N [PAUSE_MS|stdin]\n");
+    fprintf(stderr,
+            "usage: decode_loop [--no-repack] [--reads] [--prompt TEXT] [--load-mode MODE] MODEL N [PAUSE_MS|stdin]\n");
     return 2;
   }
   const char* path = argv[1];
@@ -128,6 +180,10 @@ int main(int argc, char** argv) {
   struct llama_model_params mparams = llama_model_default_params();
   mparams.n_gpu_layers = 0;
   if (no_repack) mparams.use_extra_bufts = false;
+  if (load_mode != NULL && !set_load_mode(&mparams, load_mode)) {
+    fprintf(stderr, "decode_loop: this llama.cpp has no load mode '%s'\n", load_mode);
+    return 2;
+  }
   struct llama_model* model = llama_model_load_from_file(path, mparams);
   if (model == NULL) {
     fprintf(stderr, "decode_loop: cannot load %s\n", path);

@@ -226,8 +226,9 @@ TEST_F(HostTest, ASecondCopyOfThePreloadStaysInert) {
   EXPECT_GE(std::stoull(v["model_locked_kb"]) * 1024, 90 * kMiB) << "the first copy manages the model\n" << err;
 }
 
-// llama.cpp's mlock load mode (llama-server --mlock): llama.cpp locks the model itself, and the
-// preload's release after the keep-alive must not unlock it.
+// llama.cpp's mmap+mlock load mode (llama-server --load-mode mmap+mlock): llama.cpp locks the model
+// itself, and the preload's release after the keep-alive must not unlock it (every load mode:
+// preload_test.cpp's PreloadLoadModeTest).
 TEST_F(HostTest, LlamaCppsOwnMlockModeKeepsTheModelLockedThroughTheKeepAlive) {
   const Run with = run({OWN_MEMORY_PATH, model_, std::to_string(kIdleMs), "mlock"}, true, "own-mlock");
   ASSERT_EQ(with.status, 0) << with.out << with.err;

@@ -12,8 +12,9 @@
  * calls madvise(A, MADV_DONTNEED) and mprotect(R's committed part, PROT_NONE) as a runtime
  * returning memory does (their results), grows B with realloc to 256 MiB (glibc moves it with
  * mremap) and prints what is locked of it, idles IDLE_MS (past the keep-alive: the preload
- * releases the model) and prints what is locked of L. "mlock": the model is loaded in llama.cpp's mlock mode (llama-server's
- * --mlock: load mode mmap + mlock), and VmLck after the idle is printed: llama.cpp's own lock must stay.
+ * releases the model) and prints what is locked of L. "mlock": the model is loaded in llama.cpp's
+ * load mode mmap+mlock (llama-server's --load-mode mmap+mlock; use_mmap and use_mlock before
+ * load_mode), and VmLck after the idle is printed: llama.cpp's own lock must stay.
  * Exit status 0 when every call worked, 1 otherwise. */
 #define _GNU_SOURCE
 #include <errno.h>

@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "preload/engine_session.hpp"
+#include "residency/text.hpp"
 #include "support/fake_backend.hpp"
 #include "support/temp_dir.hpp"
 
@@ -383,6 +384,92 @@ TEST_F(EngineSessionTest, WhatTheProgramLockedItselfIsNeverRegisteredSoNeverUnlo
   s->buffer_usage(w.begin(), BufferUsage::weights);
   s->context_made();
   EXPECT_EQ(member_at(*host, w.begin()), 16 * page);
+}
+
+// llama.cpp's mmap+mlock load mode locks its file mapping one tensor at a time (each lock grows
+// the last one: llama_mlock::grow_to), over 2048 calls for a large model: they are one range of the
+// program's, so none is dropped for want of room and registered by the session (which would unlock
+// it after the keep-alive), and a tensor of a CPU_Mapped buffer there is left to the program, with
+// one info line naming what.
+TEST_F(EngineSessionTest, AProgramLockGrownTensorByTensorStaysTheProgramsPastTheTableSize) {
+  auto s = make();
+  const std::size_t page = system_page_size();
+  const std::size_t calls = PieceTable::kMaxPieces + 500;
+  Mapping map(calls * page + 64 * page);
+  const std::uintptr_t b = map.begin();
+  reader.buffers[b] = {BufferFacts{b, map.size, true, DeviceKind::cpu, true, {}, {}}, "CPU_Mapped"};
+  s->buffer_created(b, true);
+  for (std::size_t i = 0; i < calls; ++i) {
+    ASSERT_TRUE(s->program_locks(b + i * page, b + (i + 1) * page, [] { return true; }));
+    s->tensor_placed(b, b + i * page, b + (i + 1) * page);
+  }
+  s->tensor_placed(b, b + calls * page, b + (calls + 64) * page);  // one the program did not lock
+  s->buffer_usage(b, BufferUsage::weights);
+  s->model_loaded();
+  EXPECT_FALSE(any_member_overlaps(*host, b, b + calls * page)) << "a lock of the program's was registered";
+  EXPECT_EQ(member_at(*host, b + calls * page), 64 * page);
+  EXPECT_FALSE(logs.contains(LogLevel::warn, "pieces of the program's locked ranges")) << "the table ran out";
+  EXPECT_TRUE(logs.contains(LogLevel::info, "registered 1 buffer: weights " + format_size(64 * page) + " (CPU_Mapped)"))
+      << "the rest only";
+  EXPECT_TRUE(logs.contains(LogLevel::info, "left to the program, which locks it itself")) << "said once";
+  EXPECT_TRUE(logs.contains(LogLevel::info, "(llama.cpp's load mode mlock or mmap+mlock): weights " +
+                                                format_size(calls * page) + " (CPU_Mapped)"));
+}
+
+// A program lock that fails may still have locked: the kernel marks the mappings up to a hole or
+// up to a page it cannot fault in (llama.cpp's mlock load mode locks a buffer's size rounded up to
+// a page from its unaligned base, one page past its mapping) before it returns ENOMEM; the hook
+// then says it may have locked, and the session leaves the range to the program. A failure that
+// locked nothing keeps what the program had locked there before.
+TEST_F(EngineSessionTest, AProgramLockThatMayHaveLockedPartOfItsRangeIsNeverRegistered) {
+  auto s = make();
+  const std::size_t page = system_page_size();
+  Mapping w(16 * page), v(16 * page);
+  ASSERT_TRUE(s->program_locks(w.begin(), w.end() + page, [] { return true; }));  // ENOMEM: may have locked
+  buffer(*s, w, BufferUsage::weights);
+  s->model_loaded();
+  EXPECT_FALSE(any_member_overlaps(*host, w.begin(), w.end()));
+  // The program locks pages 4-7 of v, then fails (EINVAL: nothing locked) over the whole of it.
+  ASSERT_TRUE(s->program_locks(v.begin() + 4 * page, v.begin() + 8 * page, [] { return true; }));
+  EXPECT_FALSE(s->program_locks(v.begin(), v.end(), [] { return false; }));
+  buffer(*s, v, BufferUsage::weights);
+  s->model_loaded();
+  EXPECT_EQ(member_at(*host, v.begin()), 4 * page);
+  EXPECT_EQ(member_at(*host, v.begin() + 8 * page), 8 * page);
+  EXPECT_FALSE(any_member_overlaps(*host, v.begin() + 4 * page, v.begin() + 8 * page)) << "the earlier lock";
+}
+
+// A program's lock ends with its mapping: llama.cpp's mmap+mlock load mode locks the GGUF header's
+// pages with the first tensors, then unmaps them, and a buffer mapped there later is the engine's to
+// hold (a KV cache there went unlocked while its decodes read it).
+TEST_F(EngineSessionTest, AProgramsLockEndsWithItsMapping) {
+  auto s = make();
+  const std::size_t page = system_page_size();
+  Mapping kv(16 * page);
+  ASSERT_TRUE(s->program_locks(kv.begin(), kv.begin() + 8 * page, [] { return true; }));
+  s->program_locks_end(kv.begin() - 4 * page, kv.begin() + 8 * page);  // unmapped, and kv mapped there
+  buffer(*s, kv, BufferUsage::any);
+  s->context_made();
+  EXPECT_EQ(member_at(*host, kv.begin()), 16 * page);
+}
+
+// A lock of the program's that fails where RLIMIT_MEMLOCK does not apply (CAP_IPC_LOCK) was not
+// failed by the session's locks: the session keeps what it holds rather than stepping aside for
+// good. Where the limit applies, it steps aside (tests/preload/memory_calls_test.cpp runs that).
+TEST_F(EngineSessionTest, AProgramLockFailingWithoutALockLimitNeverMakesTheSessionStepAside) {
+  for (const std::uint64_t limit : {std::uint64_t{0}, std::uint64_t{64} * kMiB}) {
+    SCOPED_TRACE(limit == 0 ? "no limit" : "RLIMIT_MEMLOCK 64 MiB");
+    host = std::make_shared<FakeBackend>();
+    host->hard_limit = limit;
+    auto s = make();
+    Mapping w(kMiB);
+    buffer(*s, w, BufferUsage::weights);
+    s->model_loaded();
+    ASSERT_TRUE(member_at(*host, w.begin()));
+    EXPECT_EQ(s->step_aside_for_program_lock(), limit != 0);
+    s->settle();
+    EXPECT_EQ(member_at(*host, w.begin()).has_value(), limit == 0);
+  }
 }
 
 // What the program takes back (madvise DONTNEED, mprotect PROT_NONE, mremap): the hook unlocks what
