@@ -352,6 +352,39 @@ TEST_F(Doctor, AProgramUnderThePreloadIsActiveAndExits0) {
   EXPECT_EQ(cmd.exit_code, 0) << cmd.out;
 }
 
+// `residency stat --pid` of a llama.cpp program that locks its weights itself (--load-mode mlock):
+// after the keep-alive residency holds nothing, and the VmLck row says that the rest is the
+// program's own lock, which residency leaves alone (before, it said only VmLck beside "released").
+TEST_F(Doctor, StatPidSaysWhatTheProgramLockedItself) {
+  if (!can_lock(512ull << 20))
+    GTEST_SKIP() << "RLIMIT_MEMLOCK is below 512 MiB and there is no CAP_IPC_LOCK: memlock would fail";
+  const std::string model = dir_ + "/model.gguf";
+  {
+    ChildProcess make(child({RESIDENCY_TOOL_PATH, "make-model", "--size", "32MiB", "--type", "f16", model}));
+    ASSERT_EQ(make.finish(120), 0) << make.stderr_text();
+  }
+  ChildSpec spec = child({DECODE_LOOP_PATH, "--no-repack", "--load-mode", "mlock", model, "2", "stdin"},
+                         {"LD_PRELOAD=" + std::string(PRELOAD_PATH), "RESIDENCY_KEEP_ALIVE=1s"});
+  spec.stdin_pipe = true;
+  spec.stderr_path = dir_ + "/decode_loop.err";
+  ChildProcess c(spec);
+  ASSERT_TRUE(c.started());
+  ASSERT_TRUE(c.wait_for("loaded", 120)) << c.stderr_text();
+  ASSERT_TRUE(c.send_line());
+  ASSERT_TRUE(c.wait_for("token 0", 60)) << c.stderr_text();
+  ASSERT_TRUE(wait_state(c.pid(), "\nreleases.keep_alive=1\n")) << c.stderr_text();
+  ChildSpec st = child({RESIDENCY_TOOL_PATH, "stat", "--pid", std::to_string(c.pid())});
+  ChildProcess stat(st);
+  ASSERT_EQ(stat.finish(60), 0) << stat.stderr_text();
+  std::string vm_lck;
+  std::istringstream in(stat.stdout_text());
+  for (std::string line; std::getline(in, line);)
+    if (line.rfind("VmLck", 0) == 0) vm_lck = line;
+  EXPECT_NE(vm_lck.find("0 B held by residency; the other "), std::string::npos) << stat.stdout_text();
+  EXPECT_NE(vm_lck.find("locked by the program itself"), std::string::npos) << stat.stdout_text();
+  c.kill();
+}
+
 #else
 
 TEST(DoctorWithThePreload, Skipped) {

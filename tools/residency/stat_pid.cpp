@@ -434,6 +434,12 @@ int run_stat_pid(int pid, bool json) {
   if (!smaps.error.empty() && !read_status(pid)) throw BadInput("--pid " + std::to_string(pid) + ": the process ended");
   const auto states = core::read_state_files(pid, status->uid, core::process_start_time(pid));
   const Gpu gpu = read_gpu(pid);
+  std::uint64_t held = 0;  // what residency's host managers lock (wired_bytes)
+  for (const auto& s : states) {
+    const auto b = s.fields.find("backend"), w = s.fields.find("wired_bytes");
+    if (s.error.empty() && !s.stale && b != s.fields.end() && b->second == "posix" && w != s.fields.end())
+      held += std::strtoull(w->second.c_str(), nullptr, 10);
+  }
 
   if (json) {
     nlohmann::json j;
@@ -441,6 +447,7 @@ int run_stat_pid(int pid, bool json) {
     j["name"] = printable(status->name);
     j["uid"] = status->uid;
     j["vm_lck"] = opt_json(status->vm_lck);
+    if (!states.empty()) j["vm_lck_held_by_residency"] = held;  // the rest: the program's own locks
     j["vm_rss"] = opt_json(status->vm_rss);
     j["rss_anon"] = opt_json(status->rss_anon);
     j["rss_file"] = opt_json(status->rss_file);
@@ -468,7 +475,8 @@ int run_stat_pid(int pid, bool json) {
 
   std::vector<Row> rows;
   rows.emplace_back("pid", std::to_string(pid) + " (" + printable(status->name) + "), uid " + std::to_string(status->uid));
-  rows.emplace_back("VmLck", opt_text(status->vm_lck));
+  rows.emplace_back("VmLck", status->vm_lck && !states.empty() ? lock_breakdown(*status->vm_lck, held)
+                                                               : opt_text(status->vm_lck));
   rows.emplace_back("VmRSS", opt_text(status->vm_rss) + " (anon " + opt_text(status->rss_anon) + ", file " +
                                  opt_text(status->rss_file) + ", shmem " + opt_text(status->rss_shmem) + ")");
   rows.emplace_back("VmSwap", opt_text(status->vm_swap));
@@ -536,6 +544,14 @@ HolderFacts holder_facts(int pid, const std::string& budget) {
     break;
   }
   return f;
+}
+
+std::string lock_breakdown(std::uint64_t vm_lck, std::uint64_t held) {
+  std::string out = format_size(vm_lck);
+  if (vm_lck <= held + (std::uint64_t{1} << 20)) return out;
+  return out + " (" + format_size(held) + " held by residency; the other " + format_size(vm_lck - held) +
+         " locked by the program itself, as llama.cpp's --load-mode mlock or mmap+mlock and --mlock do: residency "
+         "leaves that lock alone)";
 }
 
 std::string state_word(const std::string& backend, bool resident) {

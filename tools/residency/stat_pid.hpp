@@ -32,6 +32,11 @@ HolderFacts holder_facts(int pid, const std::string& budget);
 // for a GPU's memory (backend cuda), "resident"/"released" for host memory.
 std::string state_word(const std::string& backend, bool resident);
 
+// The VmLck row's words: `vm_lck` bytes locked in the process, `held` of them by residency's host
+// managers (their wired bytes). Past 1 MiB more than residency holds, the rest is the program's own
+// lock (llama.cpp's --load-mode mlock or mmap+mlock, --mlock), which residency leaves alone.
+std::string lock_breakdown(std::uint64_t vm_lck, std::uint64_t held);
+
 // A process as /proc/PID/status says (for `residency ps`): nullopt when there is no such process.
 struct ProcBrief {
   std::string name;
