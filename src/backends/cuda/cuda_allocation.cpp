@@ -374,6 +374,7 @@ void CudaBackend::background_loop() {
       if (bg_stop_) return;
       if (bg_queue_.empty()) {  // the pinnings queued first: a preparation may have queued some
         prep_wanted_ = false;
+        if (!scope.ok()) continue;  // no context here: registering would fail and give the files up
         prep_running_ = true;
         bg.unlock();
         run_preparation();
