@@ -46,7 +46,8 @@ class DeviceBudgetTest : public ::testing::Test {
     return n;
   }
   void start(Device& d, std::uint64_t budget, std::optional<Nanos> wait = std::nullopt,
-             const std::string& budget_name = {}, int priority = 0, LogLevel level = LogLevel::info) {
+             const std::string& budget_name = {}, int priority = 0, LogLevel level = LogLevel::info,
+             bool state_file = false) {
     ManagerOptions o;
     o.config.log_level = level;
     o.config.budget_wait = wait;
@@ -54,7 +55,7 @@ class DeviceBudgetTest : public ::testing::Test {
     o.config.keep_alive = KeepAlive::after(10s);
     o.config.layout = Layout::per_buffer;
     o.config.shared_budget = SharedBudget{budget_name.empty() ? name : budget_name, WiredLimit{false, budget, 0}, ""};
-    o.config.state_file = false;
+    o.config.state_file = state_file;
     o.backend = d.fake;
     o.clock = &clock;
     o.log = d.logs.callback();
@@ -725,19 +726,10 @@ namespace {
 // (HolderFacts::registered_file_bytes).
 TEST_F(DeviceBudgetTest, TheModelFilesABackendKeepsRegisteredAreInTheHoldersStateFile) {
   a.fake->registered_files = 7 * MiB;
-  ManagerOptions o;
-  o.config.keep_alive = KeepAlive::after(10s);
-  o.config.layout = Layout::per_buffer;
-  o.config.shared_budget = SharedBudget{name, WiredLimit{false, 8 * MiB, 0}, ""};
-  o.backend = a.fake;
-  o.clock = &clock;
-  o.log = a.logs.callback();
-  o.start_scheduler = false;
-  auto m = Manager::create(std::move(o));
-  ASSERT_TRUE(m) << m.message();
-  auto p = (*m)->allocate(4 * MiB);
+  start(a, 8 * MiB, std::nullopt, {}, 0, LogLevel::info, /*state_file=*/true);
+  auto p = a.m->allocate(4 * MiB);
   ASSERT_TRUE(p) << p.message();
-  (*m)->release_now();  // published at once
+  a.m->release_now();  // published at once
   std::string registered;
   for (const auto& s : core::read_state_files(::getpid(), ::geteuid(), core::process_start_time(::getpid())))
     if (s.fields.count("shared_budget") != 0 && s.fields.at("shared_budget") == name)
