@@ -66,6 +66,10 @@ struct Capabilities {
   // The backend can do part of a first release ahead (Backend::prepare_release): the manager asks
   // it once the holder is idle. False: never asked (no wake-up spent on it).
   bool prepares_release = false;
+  // The backend keeps model files registered with a device (pinned page cache the kernel cannot
+  // evict) and asks a host gate first (Backend::set_host_gate): the manager counts them against
+  // the host budget (docs/design.md, "The host tier"). False: no host tier is joined.
+  bool registers_files = false;
 };
 
 // Sizes in bytes, for the budget, limits and warnings. 0 means "unknown" for every field but
@@ -221,6 +225,25 @@ class Backend {
   // for this holder always, since no sleep gives it back. Read before each wake or allocation
   // under a shared budget. Default: 0 (unknown).
   virtual std::uint64_t unmanaged_device_bytes();
+  // (optional) The host tier (Capabilities::registers_files; docs/design.md, "The host tier"). The
+  // manager sets a gate that counts registered model files against the host budget. The backend
+  // calls reserve(bytes, false) before it registers `bytes` more: false means not now (the file
+  // stays the backup of what was filled from it, and a wake reads it through a staging buffer).
+  // reserve(bytes, true) makes room for registrations to come, which then take it: only on a
+  // thread that holds no lock a call may need (the backend's background thread), since the other
+  // holders may be asked to give back and waited for, boundedly. It calls give_back(bytes) after
+  // it gave a registration back. Set before any registration and cleared
+  // (empty functions) before the manager goes away; never called after that returns.
+  struct HostGate {
+    std::function<bool(std::uint64_t bytes, bool may_wait)> reserve;
+    std::function<void(std::uint64_t bytes)> give_back;
+  };
+  virtual void set_host_gate(HostGate gate);
+  // (optional) The host budget asks for room: gives back the registration of every model file,
+  // whose pages the kernel may then evict (what sleeps in them stays there; the next wake reads
+  // them through a staging buffer, and the next sleep registers them again if the budget has room).
+  // Returns the bytes given back. Default: 0.
+  virtual std::uint64_t drop_file_registrations();
 };
 
 }  // namespace residency

@@ -116,6 +116,22 @@ struct SharedBudget {
 // of RAM ("50%"), GROUP a group name ([A-Za-z0-9._-], 1 to 32 characters).
 Result<SharedBudget> parse_shared_budget(std::string_view text);
 
+// The host tier's budget (RESIDENCY_HOST_BUDGET; docs/design.md, "The host tier"): the model files
+// that devices keep registered (pinned page cache, which the kernel cannot evict) count against a
+// budget of RAM shared by the processes naming it; beyond it the least recently used model gives
+// its registration back. Not set: the ledger RESIDENCY_SHARED_BUDGET names, when it names one,
+// else kDefaultHostBudget.
+struct HostBudget {
+  bool off = false;                    // `off`: registrations are not bounded
+  std::optional<SharedBudget> budget;  // set: this ledger
+};
+// The default: half of RAM, under the ledger `host`.
+inline constexpr double kDefaultHostBudgetPercent = 50.0;
+inline constexpr const char* kDefaultHostBudgetName = "host";
+// Accepted: `off`; SIZE or a percent of RAM (the ledger `host`); or NAME:SIZE[:GROUP] as
+// RESIDENCY_SHARED_BUDGET.
+Result<HostBudget> parse_host_budget(std::string_view text);
+
 Result<Layout> parse_layout(std::string_view text);       // "per_buffer" | "sharded"
 Result<LogLevel> parse_log_level(std::string_view text);  // "error" | "warn" | "info" | "debug"
 
@@ -167,6 +183,8 @@ struct Config {
   // preload's): the ledger of a GPU is NAME.<its UUID>, its SIZE bytes or a percent of that GPU's
   // memory. Empty: GPU memory is not budgeted.
   std::optional<SharedBudget> gpu_budget;
+  // The host tier: what bounds the model files a device manager keeps registered.
+  HostBudget host_budget;
   // Notes made while reading the environment (a peer alias used, a variable overriding
   // another); the manager logs them at start-up.
   std::vector<std::string> notes;
@@ -183,7 +201,8 @@ struct Config {
   // about RAM), each allocation is its own set (llama.cpp's buffers), the notes are logged by the
   // process's host manager, and cuda_backup is never `automatic` (config_device.cpp says why).
   // With gpu_budget and the GPU's `device_uuid` (Capabilities::device_uuid), the device's manager
-  // shares the GPU's budget: shared_budget is NAME.UUID with gpu_budget's size and group.
+  // shares the GPU's budget: shared_budget is NAME.UUID with gpu_budget's size and group. Its
+  // host_budget is resolved: the one set, else RESIDENCY_SHARED_BUDGET's ledger, else the default.
   Config for_device_memory(std::string_view device_uuid = {}) const;
 };
 

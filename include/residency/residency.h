@@ -154,7 +154,9 @@ RESIDENCY_API residency_status residency_config_from_env(residency_config** out)
  * "pressure_quiet", "shared_budget" (NAME:SIZE[:GROUP], a wired budget shared with the other
  * processes naming it; Linux), "shared_priority", "budget_wait" (a duration, 30s by default: how long
  * device memory waits its turn for room in a full shared budget; or over), "state_file" (0: publish no state for
- * `residency stat --pid`), "log", "log_time" (0 or 1: the default log lines carry the local time). */
+ * `residency stat --pid`), "log", "log_time" (0 or 1: the default log lines carry the local time),
+ * "host_budget" (off, SIZE, or NAME:SIZE[:GROUP]: the RAM budget of the model files a GPU keeps
+ * registered for fast wakes; CUDA). */
 RESIDENCY_API residency_status residency_config_set(residency_config* cfg, const char* key, const char* value);
 RESIDENCY_API void residency_config_free(residency_config* cfg);
 

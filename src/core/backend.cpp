@@ -34,5 +34,7 @@ void Backend::set_wake_gate(WakeGate) {}
 Backend::Preparation Backend::prepare_release(std::function<bool()>) { return Preparation::nothing; }
 void Backend::stop_preparation() {}
 std::uint64_t Backend::unmanaged_device_bytes() { return 0; }
+void Backend::set_host_gate(HostGate) {}
+std::uint64_t Backend::drop_file_registrations() { return 0; }
 
 }  // namespace residency

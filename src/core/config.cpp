@@ -381,6 +381,29 @@ Result<SharedBudget> parse_shared_budget(std::string_view text) {
   return core::parse_budget(text, kSharedBudgetNameMax, "RAM");
 }
 
+Result<HostBudget> parse_host_budget(std::string_view text) {
+  HostBudget h;
+  const std::string_view s = trim(text);
+  if (lower(s) == "off") {
+    h.off = true;
+    return h;
+  }
+  if (s.find(':') != std::string_view::npos) {
+    auto b = parse_shared_budget(s);
+    if (!b) return b.status();
+    h.budget = *b;
+    return h;
+  }
+  constexpr const char* forms =
+      "`off`, a size with unit (48GiB) or a percent of RAM (50%) for the ledger `host`, or NAME:SIZE[:GROUP] as "
+      "RESIDENCY_SHARED_BUDGET";
+  const LimitParse w = parse_limit_value(s);
+  if (!w.why.empty()) return bad(text, w.why, forms);
+  if (!w.limit.is_percent && w.limit.bytes == 0) return bad(text, "the size is 0", forms);
+  h.budget = SharedBudget{kDefaultHostBudgetName, w.limit, ""};
+  return h;
+}
+
 Result<Layout> parse_layout(std::string_view text) {
   const std::string l = lower(trim(text));
   if (l == "per_buffer") return Layout::per_buffer;

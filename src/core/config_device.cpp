@@ -10,6 +10,17 @@ Config Config::for_device_memory(std::string_view device_uuid) const {
   c.release_on_pressure = false;
   c.pressure_floor.reset();
   c.shared_budget.reset();  // RESIDENCY_SHARED_BUDGET is a budget of RAM
+  // ... which bounds the model files a device keeps registered, unless the host tier names its own.
+  if (!c.host_budget.off && !c.host_budget.budget) {
+    if (shared_budget) {
+      c.host_budget.budget = *shared_budget;
+    } else {
+      WiredLimit half;
+      half.is_percent = true;
+      half.percent = kDefaultHostBudgetPercent;
+      c.host_budget.budget = SharedBudget{kDefaultHostBudgetName, half, ""};
+    }
+  }
   if (gpu_budget && !device_uuid.empty())
     c.shared_budget = SharedBudget{gpu_budget->name + "." + std::string(device_uuid), gpu_budget->size, gpu_budget->group};
   c.layout = Layout::per_buffer;

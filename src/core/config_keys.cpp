@@ -271,6 +271,16 @@ constexpr ConfigKey kKeys[] = {
      "percent of each GPU's memory; the ledger of a GPU is `NAME.GPU-UUID`",
      read_gpu_budget,
      copy_field<&Config::gpu_budget>},
+    {"host_budget",
+     "RESIDENCY_HOST_BUDGET",
+     {},
+     "the host tier (CUDA): the model files GPUs keep registered for fast wakes (pinned page cache the kernel "
+     "cannot evict) count against this RAM budget, shared by the processes naming it; beyond it the least "
+     "recently used model gives its registration back and wakes from the file through a staging buffer",
+     "`off`, SIZE or a percent of RAM (ledger `host`), or `NAME:SIZE[:GROUP]` as `RESIDENCY_SHARED_BUDGET`; "
+     "default: `RESIDENCY_SHARED_BUDGET`'s ledger if set, else `host:50%`",
+     read_parsed<&Config::host_budget, parse_host_budget>,
+     copy_field<&Config::host_budget>},
     // No C API key: only the preload has an engine whose memory it can tell.
     {nullptr,
      "RESIDENCY_ENGINE_MEMORY",

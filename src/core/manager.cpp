@@ -29,6 +29,7 @@
 #include "admission.hpp"
 #include "budget_share.hpp"
 #include "exit_hooks.hpp"
+#include "host_tier.hpp"
 #include "keep_alive.hpp"
 #include "keep_alive_scheduler.hpp"
 #include "limits.hpp"
@@ -55,7 +56,9 @@ struct Manager::Impl {
         caps(c),
         clock(&clk),
         log(o.log ? std::move(o.log) : core::stderr_log(o.config), o.config.log_level),
-        ka(o.config.keep_alive, *clock, core::BudgetShare::publisher(joined)),
+        host(c.registers_files && o.config.keep_alive.manages() ? core::HostTier::join(o.config, clk, log) : nullptr),
+        last_use{core::BudgetShare::publisher(joined), host ? host->publisher() : core::LastUsePublisher{}},
+        ka(o.config.keep_alive, *clock, last_use.publisher()),
         room(core::BudgetShare::room(joined, *clock)),
         adm(*backend, log, ka, std::move(limits),
             core::SetLayout(o.config.layout, o.config.set_max_pct, mem.recommended_working_set, c.max_sets),
@@ -81,6 +84,24 @@ struct Manager::Impl {
   Clock* const clock;
   const core::LogSink log;
   const int owner_pid = ::getpid();  // the process that made the manager (exit_release)
+  // The host tier (docs/design.md, "The host tier"): the model files the backend keeps registered
+  // count against a host budget; null when the backend registers none or the tier is off. The
+  // backend's host gate shares it.
+  const std::shared_ptr<core::HostTier> host;
+  // The time of last use goes into each ledger this manager holds a slot of.
+  struct LastUse {
+    core::LastUsePublisher share, host;
+    static void both(void* ctx, std::int64_t t) noexcept {
+      const LastUse& u = *static_cast<const LastUse*>(ctx);
+      if (u.share.fn) u.share.fn(u.share.ctx, t);
+      if (u.host.fn) u.host.fn(u.host.ctx, t);
+    }
+    core::LastUsePublisher publisher() {
+      if (!host.fn) return share;
+      if (!share.fn) return host;
+      return {&LastUse::both, this};
+    }
+  } last_use;
 
   core::KeepAliveState ka;  // atomics; written under mu
   // The waiting face of adm's share of a shared budget (none without one): asks the other holders
@@ -204,6 +225,20 @@ struct Manager::Impl {
                             core::BudgetShare::idle_before_giving_back(device_holder.load(std::memory_order_relaxed)));
   }
 
+  // The host budget needs room (on the host tier's ledger thread): the model files' registration
+  // is given back, whatever this holder's state (a registration serves only the next wake).
+  void on_host_asked(int asker) {
+    if (!try_lock_for(20)) return;
+    MutexLock g(mu, std::adopt_lock);
+    const std::uint64_t n = backend->drop_file_registrations();
+    host->give_back_spare();
+    if (n != 0)
+      log(LogLevel::info, "host budget " + host->name() + ": gave back the registration of " + core::mib(n) +
+                              " of model files (asked by pid " + std::to_string(asker) +
+                              "); the kernel may evict their pages, and the next wake reads them through the "
+                              "staging buffers (host tier 2)");
+  }
+
   // The backend's allocation. When the device itself is full (the budget had room, or processes
   // outside it hold the memory), the other holders are asked to sleep and it is tried again,
   // boundedly; it fails only when nobody could give way.
@@ -259,8 +294,11 @@ struct Manager::Impl {
     if (::getpid() != m.owner_pid) return;
     if (!m.try_lock_for(100)) return;
     MutexLock g(m.mu, std::adopt_lock);
-    m.cycle.release_at_exit(m.adm.holds_backend_memory());
-    m.adm.share()->detach_at_exit();
+    if (m.room) {
+      m.cycle.release_at_exit(m.adm.holds_backend_memory());
+      m.adm.share()->detach_at_exit();
+    }
+    if (m.host) m.host->detach_at_exit();
   }
 
   std::optional<Nanos> due() RESIDENCY_REQUIRES(mu) {
@@ -308,8 +346,16 @@ Result<std::unique_ptr<Manager>> Manager::create(ManagerOptions o) {
   if (m.room) {
     Impl* raw = &m;
     m.room->listen([raw](int asker) { raw->on_asked(asker); });
-    core::add_exit_hook(raw, &Impl::exit_release);
   }
+  if (m.host) {
+    Impl* raw = &m;
+    m.backend->set_host_gate(m.host->gate());
+    m.host->listen([raw](int asker) { raw->on_host_asked(asker); });
+    m.log(LogLevel::info, "host tier: the model files kept registered for fast wakes count against the host budget " +
+                              m.host->name() + " (" + core::mib(m.host->budget()) +
+                              "); beyond it the least recently used model wakes from its file (RESIDENCY_HOST_BUDGET)");
+  }
+  if (m.room || m.host) core::add_exit_hook(&m, &Impl::exit_release);
   if (o.start_scheduler && managing) {
     Impl* raw = &m;
     m.scheduler = std::make_unique<core::KeepAliveScheduler>(*m.clock, m.mu, [raw] {
@@ -346,15 +392,15 @@ Result<std::unique_ptr<Manager>> Manager::create(ManagerOptions o) {
 
 Manager::~Manager() {
   Impl& m = *impl_;
-  if (m.room) {
-    core::remove_exit_hook(&m);
-    m.room->stop_listening(m.mu);  // no ask is answered from here on
-  }
+  if (m.room || m.host) core::remove_exit_hook(&m);
+  if (m.room) m.room->stop_listening(m.mu);  // no ask is answered from here on
+  if (m.host) m.host->stop_listening();
   if (m.pressure_watch) m.backend->stop_pressure_watch(*m.pressure_watch);
   if (m.scheduler) m.scheduler->stop();
   m.cycle.stop_preparation();  // its `stop` reads this manager's keep-alive state
   MutexLock g(m.mu);
   m.adm.teardown();
+  if (m.host) m.backend->set_host_gate({});  // the tier's ledger is left once the backend drops the gate
   m.report.stop_state_file();  // removes the file
 }
 

@@ -20,6 +20,8 @@
 #include <vector>
 
 #include "backends/cuda/cuda_backend.hpp"
+#include "core/host_tier.hpp"
+#include "ledger/ledger.hpp"
 #include "support/host_gpu.hpp"
 
 namespace residency::cuda::testing {
@@ -418,6 +420,107 @@ TEST_F(HostGpuTest, WeightsWhoseFileRegistrationWasGivenBackWakeThroughTheStagin
   b.deallocate(p);
   EXPECT_EQ(gpu().registrations(), 1u) << "the file went with its allocation; the ring stays for the backend's "
                                           "life (TearDown checks that it goes with the backend)";
+}
+
+// The host tier's budget, shared with another holder (a ledger slot of this test, as another
+// server's model would be) and exactly one model file large. The other holds it all: the sleep
+// does not register the file (nothing waits on the sleep's path), and the background thread asks
+// the other holder, which gives way, and registers the file; the wake then copies from it. The
+// other asks back: the registration is given back (the host tier's listener does what the
+// manager's does), and, the other no longer giving way, the next sleep stays unregistered and its
+// wake comes through the ring, exactly. The driver never holds more of the file than the budget.
+TEST_F(HostGpuTest, TheHostBudgetBoundsTheRegisteredModelFilesAndTheHolderAskedGivesWay) {
+  CudaBackend& b = make();
+  const Layout l = model_layout();
+  std::vector<char> before;
+  void* p = load(l, 14, before);
+  ASSERT_NE(p, nullptr);
+  std::uint64_t filled = 0;
+  for (const auto& t : l.tensors) filled += t.len;
+  const std::uint64_t budget = file_pages(l);
+
+  const std::string name = "host-tier-test-" + std::to_string(::getpid());
+  Config c;
+  WiredLimit size;
+  size.bytes = budget;
+  c.host_budget.budget = SharedBudget{name, size, ""};
+  std::mutex lines_mu;
+  std::vector<std::string> lines;
+  const core::LogSink log(
+      [&](LogLevel, std::string_view m) {
+        std::lock_guard<std::mutex> lock(lines_mu);
+        lines.emplace_back(m);
+      },
+      LogLevel::debug);
+  std::shared_ptr<core::HostTier> tier = core::HostTier::join(c, SteadyClock::instance(), log);
+  ASSERT_NE(tier, nullptr);
+  EXPECT_EQ(tier->budget(), budget);
+  auto other = ledger::Ledger::attach({name, budget, "", 0});
+  ASSERT_TRUE(other) << other.message();
+  ASSERT_EQ((*other)->acquire(budget, 0, std::chrono::nanoseconds(0), false), budget);
+  std::atomic<bool> give_way{true};
+  std::atomic<int> other_asked{0};
+  ledger::Ledger& o = **other;
+  o.listen([&](int) {
+    other_asked.fetch_add(1);
+    if (give_way.load()) o.release(o.held());
+  });
+  b.set_host_gate(tier->gate());
+  tier->listen([&](int) {
+    b.drop_file_registrations();
+    tier->give_back_spare();
+  });
+  auto within_budget = [&] {
+    return tier->held() + o.held() <= budget && b.registered_file_bytes() <= budget;
+  };
+
+  ASSERT_TRUE(b.end_residency(0)) << b.last_release_status().message();
+  EXPECT_EQ(b.registered_file_bytes(), 0u) << "no room: the sleep does not register the file";
+  EXPECT_EQ(b.bytes_copied_to_host(), l.gap_bytes) << "and still keeps the file's bytes in the file";
+  EXPECT_EQ(tier->refusals(), 1u);
+  ASSERT_TRUE(b.wait_host_room(20000));
+  EXPECT_EQ(other_asked.load(), 1) << "the background thread asked the other holder";
+  EXPECT_EQ(b.host_room_granted(), 1u);
+  EXPECT_EQ(b.registered_file_bytes(), budget) << "and registered the file in the room it gave";
+  EXPECT_EQ(tier->held(), budget);
+  EXPECT_EQ(tier->registered(), budget);
+  EXPECT_EQ(o.held(), 0u);
+  EXPECT_TRUE(within_budget());
+  ASSERT_TRUE(b.request_residency(0).ok());
+  EXPECT_EQ(b.staged_bytes(), 0u) << "woken from the registered file";
+  EXPECT_TRUE(holds(p, before));
+
+  // The other needs its room back: the registration goes (awake, it costs nothing until a wake).
+  give_way = false;
+  EXPECT_EQ(o.acquire(budget, 0, ledger::kAskWait, false, ledger::kNoMinimumIdle), budget);
+  EXPECT_EQ(b.registered_file_bytes(), 0u);
+  EXPECT_EQ(gpu().read_only_registrations(), 0u) << "the driver holds none of the file";
+  EXPECT_EQ(tier->held(), 0u);
+  EXPECT_TRUE(within_budget());
+  ASSERT_TRUE(b.end_residency(0));
+  EXPECT_EQ(b.registered_file_bytes(), 0u);
+  ASSERT_TRUE(b.wait_host_room(20000));
+  EXPECT_EQ(other_asked.load(), 2) << "asked again; it does not give way this time";
+  EXPECT_EQ(b.registered_file_bytes(), 0u);
+  EXPECT_TRUE(within_budget());
+  const HostGpu::Counters w0 = gpu().counters();
+  ASSERT_TRUE(b.request_residency(0).ok());
+  const HostGpu::Counters w1 = gpu().counters();
+  EXPECT_EQ(b.staged_bytes(), filled) << "the wake read the file through the staging ring";
+  EXPECT_EQ(w1.pageable_copies - w0.pageable_copies, 0u);
+  EXPECT_TRUE(holds(p, before)) << "exactly what the device held";
+  {
+    std::lock_guard<std::mutex> lock(lines_mu);
+    bool said = false;
+    for (const std::string& m : lines) said = said || m.find("host tier 2") != std::string::npos;
+    EXPECT_TRUE(said) << "the refusal after asking is said";
+  }
+
+  tier->stop_listening();
+  o.stop_listening();
+  b.set_host_gate({});
+  EXPECT_TRUE(b.destroy_set(0));
+  b.deallocate(p);
 }
 
 // 3. The first release, prepared in the background: a `stop` that says yes after two polls leaves

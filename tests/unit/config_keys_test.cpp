@@ -125,7 +125,7 @@ TEST(ConfigKeys, NamesAndVariablesAreUnique) {
   }
   EXPECT_EQ(core::config_key_names(),
             "keep_alive, wired_limit, set_max_pct, layout, release_on_pressure, pressure_floor, pressure_quiet, "
-            "shared_budget, shared_priority, budget_wait, state_file, log, log_time");
+            "shared_budget, shared_priority, budget_wait, state_file, log, log_time, host_budget");
 }
 
 TEST(ConfigKeys, SetChangesOnlyItsOwnFieldAndParsesAsTheVariable) {

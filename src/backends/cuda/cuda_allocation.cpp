@@ -370,8 +370,20 @@ void CudaBackend::background_loop() {
       bg_busy_ = false;
       bg_cv_.notify_all();  // wait_background_backups
       bg.wait(bg_cv_,
-              [this]() RESIDENCY_NO_THREAD_SAFETY_ANALYSIS { return bg_stop_ || !bg_queue_.empty() || prep_wanted_; });
+              [this]() RESIDENCY_NO_THREAD_SAFETY_ANALYSIS {
+                return bg_stop_ || !bg_queue_.empty() || prep_wanted_ || room_wanted_;
+              });
       if (bg_stop_) return;
+      if (bg_queue_.empty() && room_wanted_ && !prep_wanted_) {
+        room_wanted_ = false;
+        if (!scope.ok()) continue;
+        room_running_ = true;
+        bg.unlock();
+        run_host_room();
+        bg.lock();
+        room_running_ = false;
+        continue;
+      }
       if (bg_queue_.empty()) {  // the pinnings queued first: a preparation may have queued some
         prep_wanted_ = false;
         if (!scope.ok()) continue;  // no context here: registering would fail and give the files up
@@ -474,7 +486,7 @@ bool CudaBackend::preparation_stopped() {
 // What a first release would do that is not done yet: files to register, chunks of tracked
 // weights that do not sleep in files and have no pinned backup.
 bool CudaBackend::preparation_left() {
-  if (!files_.unregistered().empty()) return true;
+  if (!files_.unregistered(/*with_held_back=*/false).empty()) return true;
   for (const auto& [va, a] : allocations_) {
     if (!a.tracked || a.files.pieces.empty() || !a.range.mapped || a.prepare_tried) continue;
     const std::vector<std::uint8_t> in_file = chunks_in_files(link_, a.range.size, a.files.pieces);
@@ -486,7 +498,8 @@ bool CudaBackend::preparation_left() {
 
 bool CudaBackend::prepare_step() {
   const Say tell = [this](const std::string& line) { say(line); };
-  const std::vector<BackingFile*> files = files_.unregistered();
+  // Files the host budget held back wait for a sleep (which asks for room off its path).
+  const std::vector<BackingFile*> files = files_.unregistered(/*with_held_back=*/false);
   if (!files.empty()) {
     (void)files_.register_pieces(link_, *files.front(), tell, backup_threads_.load());
     return true;
@@ -541,6 +554,85 @@ std::uint64_t CudaBackend::unregister_files() {
   MutexLock lock(mu_);
   ContextScope scope(*link_.d, link_.ctx);
   return files_.unregister_all(link_);
+}
+
+// --- the host tier --------------------------------------------------------------------------
+
+std::uint64_t CudaBackend::drop_file_registrations() {
+  drops_.fetch_add(1);  // a registration the background thread makes stops at its next step
+  {
+    MutexLock bg(bg_mu_);
+    room_wanted_ = false;  // asked for room: this holder does not ask for it back until its next sleep
+  }
+  return unregister_files();
+}
+
+void CudaBackend::queue_host_room() {
+  try {
+    {
+      MutexLock bg(bg_mu_);
+      room_wanted_ = true;
+    }
+    start_background_thread();
+    bg_cv_.notify_all();
+  } catch (...) {
+    // No thread: the weights wake through the staging ring until a sleep finds room.
+  }
+}
+
+// On the background thread, holding neither lock while the gate may wait: room for what the files
+// lack (the host budget's holder idle longest is asked), then the pieces, one step under mu_ at a
+// time, until done, a wake (which would otherwise wait for a step) or a drop.
+void CudaBackend::run_host_room() {
+  room_runs_.fetch_add(1);
+  const std::uint64_t wakes = wakes_.load(), drops = drops_.load();
+  HostGate gate;
+  std::uint64_t want = 0;
+  {
+    MutexLock lock(mu_);
+    gate = host_gate_;
+    want = files_.unregistered_bytes();
+  }
+  if (!gate.reserve || want == 0) return;
+  const SteadyClock::time_point t0 = SteadyClock::now();
+  if (!gate.reserve(want, /*may_wait=*/true)) return;  // the tier says so; the next sleep tries again
+  room_granted_.fetch_add(1);
+  const double room_ms = ms_since(t0);
+  const Say tell = [this](const std::string& line) { say(line); };
+  std::uint64_t done = 0;
+  for (;;) {
+    MutexLock lock(mu_);
+    if (wakes_.load() != wakes || drops_.load() != drops) break;
+    const std::vector<BackingFile*> files = files_.unregistered();
+    if (files.empty()) break;
+    const std::uint64_t before = files_.registered_bytes();
+    const BackingFiles::Step st = files_.register_pieces(link_, *files.front(), tell, backup_threads_.load());
+    done += files_.registered_bytes() - std::min(before, files_.registered_bytes());
+    if (st == BackingFiles::Step::held_back || st == BackingFiles::Step::failed) break;
+  }
+  {
+    MutexLock lock(mu_);
+    (void)files_.take_held_back();  // a refusal here is not a sleep's: no new run for it
+  }
+  if (trace_) {
+    char buf[256];
+    std::snprintf(buf, sizeof buf,
+                  "host tier: room made for %.2f MiB of model files in %.2f ms, %.2f MiB registered in %.2f ms in "
+                  "all (the next wake copies them at the link's rate)",
+                  static_cast<double>(want) / (1024.0 * 1024.0), room_ms, static_cast<double>(done) / (1024.0 * 1024.0),
+                  ms_since(t0));
+    try {
+      trace_(buf);
+    } catch (...) {
+    }
+  }
+}
+
+bool CudaBackend::wait_host_room(int timeout_ms) {
+  MutexLock bg(bg_mu_);
+  return bg.wait_for(bg_cv_, std::chrono::milliseconds(timeout_ms), [this]() RESIDENCY_NO_THREAD_SAFETY_ANALYSIS {
+    return bg_stop_ || (!room_wanted_ && !room_running_);
+  });
 }
 
 std::uint64_t CudaBackend::staged_bytes() const {

@@ -157,6 +157,7 @@ Capabilities CudaBackend::capabilities() const {
   c.device_uuid = uuid_;
   c.paced_wake = true;        // wake() asks the gate before each chunk it maps
   c.prepares_release = true;  // prepare_release(): model files registered, backups pinned ahead
+  c.registers_files = true;   // the host tier: a registration asks the host gate first
   // Physical memory comes in whole units of the allocation granularity (2 MiB here): a budget is
   // charged what the device holds, not the bytes asked for.
   c.wire_granularity = link_.granularity;
@@ -166,6 +167,12 @@ Capabilities CudaBackend::capabilities() const {
 void CudaBackend::set_wake_gate(WakeGate gate) {
   MutexLock lock(mu_);
   gate_ = std::move(gate);
+}
+
+void CudaBackend::set_host_gate(HostGate gate) {
+  MutexLock lock(mu_);
+  host_gate_ = std::move(gate);
+  files_.set_gate(host_gate_.reserve ? &host_gate_ : nullptr);
 }
 
 // NVML's figure for this process (what nvidia-smi shows) less the physical memory of the process's
@@ -321,6 +328,7 @@ SetOutcome CudaBackend::wake_members(const std::vector<RegionDesc>& members) {
     for (const auto& m : members) out.failed.push_back(m.id);
     return out;
   }
+  wakes_.fetch_add(1);  // a registration the background thread makes for the host tier stops
   for (const auto& m : members) {
     Status st = wire_region(m);
     if (!st) {
@@ -345,6 +353,7 @@ Status CudaBackend::sleep_members(const std::vector<RegionDesc>& members, bool i
       return link_.d->error(r, "waiting for the device before a release (nothing was released)", "cuCtxSynchronize");
     }
   }
+  files_.begin_sleep();  // the host budget is asked once per file in this sleep
   // First every device member's backup, while its memory is mapped: a call that begins meanwhile
   // (interrupt_release) stops the release here and finds everything in place. Then, past the last
   // look, the memory is given back.
@@ -398,6 +407,7 @@ Status CudaBackend::sleep_members(const std::vector<RegionDesc>& members, bool i
     Status st = unwire_region(m);
     if (!st && first) first = st;
   }
+  if (files_.take_held_back()) queue_host_room();  // the host budget had no room: make it off this path
   return first;
 }
 

@@ -63,6 +63,12 @@ class CudaBackend final : public Backend {
   void interrupt_release() override;
   void set_wake_gate(WakeGate gate) override;
   std::uint64_t unmanaged_device_bytes() override;
+  // The host tier (docs/design.md, "The host tier"): every registration of a model file asks the
+  // gate first. A sleep that found no room sleeps its weights in the file unregistered, and then
+  // the background thread makes room (the gate may ask and wait there) and registers the file,
+  // unless a wake or drop_file_registrations() comes first.
+  void set_host_gate(HostGate gate) override;
+  std::uint64_t drop_file_registrations() override;
   // The first release, prepared (docs/design.md): on the background thread, the model files the
   // weights sleep in are mapped and registered piece by piece (kRegisterPiece), the pinned
   // backups of what the files do not hold are made chunk by chunk (tracked weights) or queued as
@@ -126,6 +132,12 @@ class CudaBackend final : public Backend {
   std::uint64_t unregister_files();
   // Bytes wakes read from model files through the staging ring, over the life.
   std::uint64_t staged_bytes() const;
+  // Registrations made in the background after a sleep the host budget held back (runs, and
+  // those that got room), over the life.
+  std::uint64_t host_room_runs() const { return room_runs_.load(); }
+  std::uint64_t host_room_granted() const { return room_granted_.load(); }
+  // Waits until no such registration is queued or running (true), or `timeout_ms` passed.
+  bool wait_host_room(int timeout_ms);
   // Preparations that ran (each until done or stopped) and steps they completed, over the life.
   std::uint64_t preparation_runs() const { return prep_runs_.load(); }
   std::uint64_t preparation_steps() const { return prep_steps_.load(); }
@@ -257,6 +269,14 @@ class CudaBackend final : public Backend {
   std::function<bool()> prep_stop_ RESIDENCY_GUARDED_BY(bg_mu_);  // prepare_release's; empty: stopped
   bool prep_wanted_ RESIDENCY_GUARDED_BY(bg_mu_) = false;
   bool prep_running_ RESIDENCY_GUARDED_BY(bg_mu_) = false;
+  // The host tier: a sleep's registration was held back; the background thread makes room and
+  // registers (run_host_room), unless a wake or a drop comes first (their counters change).
+  void run_host_room();
+  void queue_host_room() RESIDENCY_REQUIRES(mu_);
+  bool room_wanted_ RESIDENCY_GUARDED_BY(bg_mu_) = false;
+  bool room_running_ RESIDENCY_GUARDED_BY(bg_mu_) = false;
+  std::atomic<std::uint64_t> wakes_{0}, drops_{0};
+  std::atomic<std::uint64_t> room_runs_{0}, room_granted_{0};
   std::atomic<std::uint64_t> prep_runs_{0};
   std::atomic<std::uint64_t> prep_steps_{0};
   std::thread bg_thread_ RESIDENCY_GUARDED_BY(mu_);
@@ -280,6 +300,8 @@ class CudaBackend final : public Backend {
   std::uint64_t copied_to_device_ RESIDENCY_GUARDED_BY(mu_) = 0;  // bytes wakes restored
   // Backend::set_wake_gate: asked before each chunk a wake maps, while a request is paced.
   WakeGate gate_ RESIDENCY_GUARDED_BY(mu_);
+  // Backend::set_host_gate: files_ asks it before each registration (it points here).
+  HostGate host_gate_ RESIDENCY_GUARDED_BY(mu_);
   Status last_release_ RESIDENCY_GUARDED_BY(mu_);
   std::atomic<bool> releasing_{false};  // end_residency() is running
   std::atomic<bool> interrupt_{false};  // a call began during it

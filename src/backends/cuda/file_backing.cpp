@@ -75,14 +75,7 @@ std::size_t piece_len(std::size_t map_len, std::size_t k) {
 
 // Only for a file that is not whole: no weights sleep in it, so its mapping can go.
 void BackingFiles::give_up(const DeviceLink& link, BackingFile& f, const std::string& why, const Say& say) {
-  if (f.map != nullptr) {
-    for (std::size_t k = 0; k < f.registered.size(); ++k)
-      if (f.registered[k] != 0) (void)link.d->cuMemHostUnregister(f.map + k * kRegisterPiece);
-    (void)munmap(f.map, f.map_len);
-  }
-  f.map = nullptr;
-  f.map_len = 0;
-  f.registered.clear();
+  (void)unregister(link, f);
   f.unusable = true;
   say(why + "; the weights filled from it are backed up in pinned host memory instead");
 }
@@ -105,9 +98,17 @@ BackingFiles::Step BackingFiles::register_pieces(const DeviceLink& link, Backing
     f.registered.assign((len + kRegisterPiece - 1) / kRegisterPiece, 0);
   }
   std::vector<std::size_t> todo;
+  std::uint64_t todo_bytes = 0;
   for (std::size_t k = 0; k < f.registered.size() && todo.size() < static_cast<std::size_t>(std::max(1, parallel)); ++k)
-    if (f.registered[k] == 0) todo.push_back(k);
+    if (f.registered[k] == 0) todo.push_back(k), todo_bytes += piece_len(f.map_len, k);
   if (todo.empty()) return Step::done;
+  // The host tier: room in the host budget first (never a wait here: a sleep's locks are held).
+  if (gate_ != nullptr && gate_->reserve && !gate_->reserve(todo_bytes, /*may_wait=*/false)) {
+    f.held_back = true;
+    held_back_ = true;
+    return Step::held_back;
+  }
+  f.held_back = false;
   // One host thread per piece (the driver pins each piece's pages on the calling thread); the
   // first piece on this one.
   std::vector<CUresult> res(todo.size(), CUDA_SUCCESS);
@@ -131,10 +132,12 @@ BackingFiles::Step BackingFiles::register_pieces(const DeviceLink& link, Backing
   reg(0);
   for (std::thread& t : threads) t.join();
   CUresult failed = CUDA_SUCCESS;
+  std::uint64_t not_registered = 0;
   for (std::size_t j = 0; j < todo.size(); ++j) {
     if (res[j] == CUDA_SUCCESS) f.registered[todo[j]] = 1;
-    else failed = res[j];
+    else failed = res[j], not_registered += piece_len(f.map_len, todo[j]);
   }
+  if (not_registered != 0 && gate_ != nullptr && gate_->give_back) gate_->give_back(not_registered);
   if (failed != CUDA_SUCCESS) {
     give_up(link, f,
             "cannot register " + f.name + " read-only with the GPU (" +
@@ -147,6 +150,7 @@ BackingFiles::Step BackingFiles::register_pieces(const DeviceLink& link, Backing
 
 bool BackingFiles::ready(const DeviceLink& link, BackingFile& f, const Say& say, int parallel) {
   if (f.unusable) return false;
+  if (f.held_back && f.unchanged()) return true;  // asked once this sleep (begin_sleep() clears it)
   if (!f.unchanged()) {
     const std::string why = f.name + " changed since the weights were loaded from it (size or modification time)";
     if (!f.whole()) {
@@ -161,6 +165,7 @@ bool BackingFiles::ready(const DeviceLink& link, BackingFile& f, const Say& say,
     switch (register_pieces(link, f, say, parallel)) {
       case Step::more: continue;
       case Step::done: return true;
+      case Step::held_back: return true;  // the rest is read through the staging ring at a wake
       case Step::failed: return false;
     }
   }
@@ -186,6 +191,7 @@ std::uint64_t BackingFiles::unregister(const DeviceLink& link, BackingFile& f) {
   f.map = nullptr;
   f.map_len = 0;
   f.registered.clear();
+  if (n != 0 && gate_ != nullptr && gate_->give_back) gate_->give_back(n);
   return n;
 }
 
@@ -195,11 +201,28 @@ std::uint64_t BackingFiles::unregister_all(const DeviceLink& link) {
   return n;
 }
 
-std::vector<BackingFile*> BackingFiles::unregistered() {
+std::vector<BackingFile*> BackingFiles::unregistered(bool with_held_back) {
   std::vector<BackingFile*> out;
   for (auto& [key, f] : files_)
-    if (!f->unusable && !f->whole()) out.push_back(f.get());
+    if (!f->unusable && !f->whole() && (with_held_back || !f->held_back)) out.push_back(f.get());
   return out;
+}
+
+void BackingFiles::begin_sleep() {
+  for (auto& [key, f] : files_) f->held_back = false;
+}
+
+std::uint64_t BackingFiles::unregistered_bytes() {
+  std::uint64_t n = 0;
+  for (BackingFile* f : unregistered()) {
+    if (f->map == nullptr) {
+      n += round_up(static_cast<std::size_t>(f->size), host_page());
+      continue;
+    }
+    for (std::size_t k = 0; k < f->registered.size(); ++k)
+      if (f->registered[k] == 0) n += piece_len(f->map_len, k);
+  }
+  return n;
 }
 
 void BackingFiles::mark_changed(const Say& say) {
@@ -220,11 +243,7 @@ void BackingFiles::drop_unused(const DeviceLink& link, const std::function<bool(
       continue;
     }
     BackingFile& f = *it->second;
-    if (f.map != nullptr) {
-      for (std::size_t k = 0; k < f.registered.size(); ++k)
-        if (f.registered[k] != 0) (void)link.d->cuMemHostUnregister(f.map + k * kRegisterPiece);
-      (void)munmap(f.map, f.map_len);
-    }
+    (void)unregister(link, f);
     if (f.fd >= 0) (void)close(f.fd);
     it = files_.erase(it);
   }
@@ -495,7 +514,7 @@ void FileSleep::settle(std::vector<std::uint8_t>& in_file) {
 
 Status FileSleep::run() {
   const std::size_t n = link.chunks_of(range.size);
-  drop_unusable_files();
+  drop_unusable_files();  // the caller ran backing.begin_sleep() once for the whole sleep
   std::vector<std::uint8_t> in_file = chunks_in_files(link, range.size, files.pieces);
   files.from_file.resize(n, 0);
   files.gaps.resize(n);

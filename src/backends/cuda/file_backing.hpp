@@ -24,6 +24,7 @@
 #include "backends/cuda/device_link.hpp"
 #include "backends/cuda/host_backup.hpp"
 #include "backends/cuda/vmm_range.hpp"
+#include "residency/backend.hpp"
 #include "residency/status.hpp"
 
 namespace residency::cuda {
@@ -46,6 +47,9 @@ struct BackingFile {
   // prepared); a copy never spans two pieces (FileBacked::restore_chunk).
   std::vector<std::uint8_t> registered;
   bool unusable = false;  // changed, or cannot be mapped or registered: backs nothing from now on
+  // The host gate refused the room to register it (the host tier below "asleep"): it backs its
+  // ranges unregistered, read through a StagingRing; a sleep or a later room-making tries again.
+  bool held_back = false;
 
   // Whether the file, as its descriptor sees it now, is still what was first seen.
   bool unchanged() const;
@@ -60,20 +64,31 @@ inline constexpr std::size_t kRegisterPiece = std::size_t{256} << 20;
 class BackingFiles {
  public:
   ~BackingFiles();
+  // The host tier's gate (Backend::HostGate, the backend's): asked before pieces are registered,
+  // told when they are given back. Null or empty: registrations are not bounded.
+  void set_gate(const Backend::HostGate* gate) { gate_ = gate; }
   // The file `fd` names (`st`: its fstat), added the first time; null if it cannot be dup'ed.
   BackingFile* note(int fd, const struct stat& st);
   // Whether `f` can back ranges now: unchanged since first seen, mapped and registered (done here
-  // the first time). When not, it is marked unusable and `say` tells why, once.
+  // the first time), or held back by the host gate (registered in part or not at all: what is
+  // not registered is read through a StagingRing). When not, it is marked unusable and `say`
+  // tells why, once.
   // `parallel`: host threads that register pieces at once.
   bool ready(const DeviceLink& link, BackingFile& f, const Say& say, int parallel = 1);
   // One step of ready() that can run ahead of the first sleep: maps `f` (the first time) and
   // registers its next `parallel` pieces, one host thread each. `more`: pieces are left; `done`:
   // `f` is whole (or was); `failed`: it cannot back ranges (marked unusable, said once, nothing of
-  // it kept registered).
-  enum class Step { more, done, failed };
+  // it kept registered); `held_back`: the host gate has no room for the pieces now (f.held_back).
+  enum class Step { more, done, failed, held_back };
   Step register_pieces(const DeviceLink& link, BackingFile& f, const Say& say, int parallel);
-  // The files that are usable but not whole yet.
-  std::vector<BackingFile*> unregistered();
+  // The files that are usable but not whole yet (`with_held_back`: those the host gate held back too).
+  std::vector<BackingFile*> unregistered(bool with_held_back = true);
+  // A sleep begins: the host gate is asked again, once per file (ready() asks no more once refused).
+  void begin_sleep();
+  // Bytes of those files' mappings not registered (a file not mapped yet: its size).
+  std::uint64_t unregistered_bytes();
+  // Whether a registration was held back by the host gate since the last call (cleared).
+  bool take_held_back() { return std::exchange(held_back_, false); }
   // Bytes registered with the GPU, over all files.
   std::uint64_t registered_bytes() const;
   // Gives the registration of `f` back and unmaps it (its pages may be evicted from now on); it
@@ -92,6 +107,8 @@ class BackingFiles {
   // Unregisters what `f` registered and unmaps it, marks it unusable and says why.
   void give_up(const DeviceLink& link, BackingFile& f, const std::string& why, const Say& say);
   std::map<std::pair<dev_t, ino_t>, std::unique_ptr<BackingFile>> files_;
+  const Backend::HostGate* gate_ = nullptr;
+  bool held_back_ = false;
 };
 
 // The host tier below "asleep" (docs/design.md, "Weights backed by their file"): a file whose
