@@ -96,6 +96,8 @@ def parse_args(argv=None):
                    help="a PyTorch process outside the budget holds this much first (plain and residency; the "
                         "resident router, which needs every model at once, runs without it)")
     p.add_argument("--configs", default="resident,plain,residency", help="comma list of " + ",".join(CONFIGS))
+    p.add_argument("--host-budget", default="", help="the preloaded configurations' RESIDENCY_HOST_BUDGET size (the "
+                   "host tier: registered model files); its ledger is NAME-host; sampled every 250 ms; check host_tier")
     p.add_argument("--budget-wait", default="30s", help="the strict configuration's RESIDENCY_BUDGET_WAIT")
     p.add_argument("--log-level", default="info", help="RESIDENCY_LOG under the preload (debug: each switch's timeline)")
     p.add_argument("--patterns", default="rr0,rr1.6,random,burst", help="comma list of " + ",".join(PATTERNS))
@@ -632,6 +634,70 @@ def scan_log(path):
     return {"oom_lines_engine": engine, "oom_lines_residency": own, "oom_examples": examples}, res_lines
 
 
+class HostTierSampler:
+    """The host tier from outside, every 250 ms: the host budget's ledger (`residency stat --json`: the sum
+    its holders reserved) and what the router's children say they keep registered (each GPU budget holder's
+    registered_file_bytes, from its state file: the pieces the driver pinned)."""
+
+    def __init__(self, tool, ledger, gpu_prefix, t0, period=0.25):
+        self.tool, self.ledger, self.gpu_prefix, self.t0, self.period = tool, ledger, gpu_prefix, t0, period
+        self.samples, self.budget, self._stop = [], None, threading.Event()
+
+    def start(self):
+        self._th = threading.Thread(target=self._run, daemon=True)
+        self._th.start()
+        return self
+
+    def stop(self):
+        self._stop.set()
+        self._th.join(timeout=10)
+
+    def _run(self):
+        while not self._stop.is_set():
+            t = time.time()
+            used, reg = None, 0
+            j = run_json([self.tool, "stat", "--json"])
+            for b in j.get("shared_budgets", []) or []:
+                if b.get("name") == self.ledger:
+                    used, self.budget = b.get("used"), b.get("size")
+                elif b.get("name", "").startswith(self.gpu_prefix):  # the GPU budget's holders: their state files
+                    reg += sum(int(h.get("registered_file_bytes") or 0) for h in b.get("holders", []) or [])
+            self.samples.append([round(t - self.t0, 3), used, reg])
+            self._stop.wait(max(0.0, self.period - (time.time() - t)))
+
+    def summary(self):
+        used = [x[1] for x in self.samples if x[1] is not None]
+        reg = [x[2] for x in self.samples]
+        return {"ledger": self.ledger, "budget": self.budget, "samples": len(self.samples),
+                "ledger_used_max": max(used) if used else None, "registered_max": max(reg) if reg else None,
+                "series": self.samples[:2000]}
+
+
+WAKE_RE = None
+
+
+def wake_lines(lines, t0):
+    """Each weights wake's timeline line (RESIDENCY_LOG=debug): its bytes, time, and tier (1: from the
+    registered model file; 2: read through the staging buffers; pinned: from pinned host memory only)."""
+    import re
+    global WAKE_RE
+    if WAKE_RE is None:
+        WAKE_RE = re.compile(r"wake of ([0-9.]+) MiB weights at \S+: ([0-9.]+) ms in all;.*?\(([0-9.]+) MiB from the model "
+                             r"file's registered pages, ([0-9.]+) MiB read from the file through the staging buffers, "
+                             r"([0-9.]+) MiB from pinned host memory")
+    out = []
+    for line in lines:
+        m = WAKE_RE.search(line)
+        if not m:
+            continue
+        mib, ms, reg, staged, pinned = (float(x) for x in m.groups())
+        if reg + staged < mib / 2:
+            continue  # not a model's weights (a KV cache, a compute buffer)
+        out.append({"mib": mib, "ms": ms, "registered_mib": reg, "staged_mib": staged, "pinned_mib": pinned,
+                    "tier": 2 if staged > 0 else 1})
+    return out
+
+
 def run_config(a, cfg, stems, files, models_dir, sampler, budget_mib, budget_name, order):
     """One configuration: start the router, load every model once, run the patterns, measure the host
     bytes, stop. Returns its record (also written to DIR/config-CFG.json)."""
@@ -648,7 +714,11 @@ def run_config(a, cfg, stems, files, models_dir, sampler, budget_mib, budget_nam
         env.update(LD_PRELOAD=a.preload, RESIDENCY_KEEP_ALIVE="10m", RESIDENCY_LOG=a.log_level, RESIDENCY_LOG_TIME="1",
                    RESIDENCY_GPU_BUDGET=f"{budget_name}:{a.budget}", RESIDENCY_BUDGET_WAIT=rec["budget_wait"])
         log(cfg, "RESIDENCY_GPU_BUDGET=" + env["RESIDENCY_GPU_BUDGET"], "RESIDENCY_BUDGET_WAIT=" + rec["budget_wait"])
-    hog = router = None
+        if a.host_budget:
+            env["RESIDENCY_HOST_BUDGET"] = f"{budget_name}-host:{a.host_budget}"
+            rec["host_budget"] = env["RESIDENCY_HOST_BUDGET"]
+            log(cfg, "RESIDENCY_HOST_BUDGET=" + env["RESIDENCY_HOST_BUDGET"])
+    hog = router = host_sampler = None
     try:
         t = time.time()
         hog = start_hog(rec["hog_gib"])
@@ -672,6 +742,8 @@ def run_config(a, cfg, stems, files, models_dir, sampler, budget_mib, budget_nam
             return rec
         rel = lambda x: round(x - t_start, 3)
         state = {"prev": None}
+        if cfg in PRELOADED and a.host_budget:
+            host_sampler = HostTierSampler(a.tool, f"{budget_name}-host", budget_name + ".", t_start).start()
 
         def ask(m, is_switch=None):
             r = router.ask(stems[m], f"{cfg} {stems[m]}")
@@ -774,9 +846,13 @@ def run_config(a, cfg, stems, files, models_dir, sampler, budget_mib, budget_nam
                                             for s in rec["host"]["servers"]]))
     finally:
         t = time.time()
+        if host_sampler is not None:
+            host_sampler.stop()
+            rec["host_tier"] = host_sampler.summary()
         if router is not None:
             router.close()
-            rec["log_scan"], _ = scan_log(router.log_path)
+            rec["log_scan"], res_lines = scan_log(router.log_path)
+            rec["wakes"] = wake_lines(res_lines, t_start)
         if hog is not None:
             hog.kill()
             hog.wait()
@@ -881,6 +957,37 @@ def prompt_cache_check(a, configs, n_models):
     return ok, "; ".join(parts)
 
 
+def host_tier_check(a, recs, configs):
+    mib = 1 << 20
+    parts, ok = [], True
+    plain = configs.get("plain", {}).get("patterns", {}) if configs.get("plain") else {}
+    plain_sw = [r["dt"] for p in plain.values() for r in p.get("requests", []) if r.get("switch")] if plain else []
+    for cfg in PRELOADED:
+        rec = recs.get(cfg)
+        if not rec or "host_tier" not in rec:
+            continue
+        h, wakes = rec["host_tier"], rec.get("wakes", [])
+        b = h.get("budget")
+        within = b is not None and (h.get("ledger_used_max") or 0) <= b and (h.get("registered_max") or 0) <= b
+        t1 = sorted(w["ms"] for w in wakes if w["tier"] == 1)
+        t2 = sorted(w["ms"] for w in wakes if w["tier"] == 2)
+        gbs = lambda ws: round(sum(w["mib"] for w in ws) * mib / (sum(w["ms"] for w in ws) / 1e3) / 1e9, 1) if ws else None
+        size_link_ms = [w["mib"] * mib / (a.link_gbs * 1e9) * 1e3 for w in wakes]
+        ok = ok and within and h.get("samples", 0) > 0 and bool(t2)
+        parts.append(f"{cfg}: host budget {b and round(b / mib)} MiB, ledger max {h.get('ledger_used_max') and round(h['ledger_used_max'] / mib)} "
+                     f"MiB, registered max {h.get('registered_max') is not None and round(h['registered_max'] / mib)} MiB over "
+                     f"{h.get('samples')} samples; wakes from tier 1 (registered file): {len(t1)}, p50 "
+                     f"{quantile(t1, 0.5) if t1 else None} ms, {gbs([w for w in wakes if w['tier'] == 1])} GB/s; from tier 2 "
+                     f"(staged): {len(t2)}, p50 {quantile(t2, 0.5) if t2 else None} ms, "
+                     f"{gbs([w for w in wakes if w['tier'] == 2])} GB/s; size/link p50 "
+                     f"{round(quantile(sorted(size_link_ms), 0.5), 1) if size_link_ms else None} ms")
+    if plain_sw:
+        parts.append(f"plain router (a restart per switch) switch p50 {quantile(sorted(plain_sw), 0.5)} s")
+    if not parts:
+        return False, "no preloaded configuration ran with --host-budget"
+    return ok, "; ".join(parts)
+
+
 def report(a, recs, stems, files, budget_mib, gpu):
     """The JSON (with its checks), the CSV and the residency lines, from the configurations' records."""
     ref_rec = recs.get("resident")
@@ -891,7 +998,8 @@ def report(a, recs, stems, files, budget_mib, gpu):
     for cfg, rec in recs.items():
         c = {k: rec.get(k) for k in ("date", "from_cache", "error", "models_max", "preload", "budget", "hog_gib",
                                      "requests_per_pattern", "seed", "no_gpu", "model_ids", "phases_s", "wall_s", "log_scan",
-                                     "host", "budget_wait", "over_samples", "ctx") if k in rec}
+                                     "host", "budget_wait", "over_samples", "ctx", "host_budget", "host_tier", "wakes")
+             if k in rec}
         series = [tuple(x) for x in rec.get("series", [])]
         compared = equal = 0
         ref_long = ((ref_rec or {}).get("patterns", {}).get("prompt_cache") or {}).get("requests", [])
@@ -1102,6 +1210,16 @@ def report(a, recs, stems, files, budget_mib, gpu):
                                 f"prompt processes only its extension (+ {PROMPT_SLACK} tokens at most), and its time to "
                                 "first token is below the plain router's (--models-max "
                                 f"{a.plain_models_max}, which unloads A and re-prefills)",
+                       "detail": detail})
+
+    # 5c. the host tier (when a host budget was given)
+    if a.host_budget:
+        ok, detail = host_tier_check(a, recs, configs)
+        checks.append({"check": "host_tier", "ok": ok,
+                       "claim": "the model files the sleeping models keep registered never exceed the host budget "
+                                "(its ledger and the servers' own account, sampled every 250 ms); beyond it the least "
+                                "recently used model wakes from its file through the staging buffers (host tier 2), "
+                                "answers equal, no out-of-memory",
                        "detail": detail})
 
     # 6. errors

@@ -7,7 +7,10 @@
 #      (the reference) and strict (the default), round-robin and back-to-back bursts, with each
 #      switch's timeline (RESIDENCY_LOG=debug): every switch, each server's first ones included
 #   3. the prompt cache across a switch: 3 x 12 GiB F16, strict, plain and resident
-#   4. a full GPU: 4 names of one 40 GiB F16 file (hard links: the disk holds one) under a 100 %
+#   4. the host tier: 4 x 12 GiB F16 under a 28 GiB GPU budget and a host budget of 25 GiB (two
+#      models' files registered): resident (the answers), strict with the host budget, plain (a
+#      restart per switch)
+#   5. a full GPU: 4 names of one 40 GiB F16 file (hard links: the disk holds one) under a 100 %
 #      budget (the four exceed the GPU); the warm time from the resident router with three of them
 # Writes everything under OUT (default /tmp/res) and "done" into OUT/status at the end.
 #   setsid nohup bash bench/h200_budget_run.sh [OUT] &
@@ -22,11 +25,11 @@ common=(--llama "$llama" --preload "$preload" --tool "$tool")
 # The models of the check of 2026-12-04: 12 GiB F16, 12 GiB Q8_0, a copy of the first, 8 GiB Q8_0.
 mix=12GiB:f16:100,12GiB:q8_0,12GiB:f16:100,8GiB:q8_0
 echo "== $(date +%T) ctest -L cuda"
-(cd "$rb" && timeout 300 ctest -L cuda --output-on-failure --timeout 240 >"$out/ctest-cuda.log" 2>&1; echo "rc=$?" >>"$out/ctest-cuda.log")
+(cd "$rb" && timeout 200 ctest -L cuda --output-on-failure --timeout 240 >"$out/ctest-cuda.log" 2>&1; echo "rc=$?" >>"$out/ctest-cuda.log")
 tail -3 "$out/ctest-cuda.log"
 echo "== $(date +%T) router, 28 GiB budget, the mixed models"
 timeout 360 python3 "$tree/bench/gpu_router.py" "${common[@]}" --dir /tmp/grm --mix "$mix" --budget 28GiB \
-  --configs resident,strict --patterns rr0,burst0 --requests 32 --log-level debug --out "$out/router-budget.json"
+  --configs resident,strict --patterns rr0,burst0 --requests 24 --log-level debug --out "$out/router-budget.json"
 cp /tmp/grm/router-strict.log "$out/router-budget-strict-full.log" 2>/dev/null
 rm -rf /tmp/grm/models  # the disk holds 64 GiB
 echo "== $(date +%T) router, the prompt cache across a switch"
@@ -37,6 +40,12 @@ timeout 200 python3 "$tree/bench/gpu_router.py" "${common[@]}" --dir /tmp/gr --m
   --log-level debug --out "$out/router-prompt-cache.json"
 cp /tmp/gr/router-strict.log "$out/router-prompt-cache-strict-full.log" 2>/dev/null
 rm -rf /tmp/gr/models
+echo "== $(date +%T) router, the host tier: 4 x 12 GiB, host budget 25 GiB"
+timeout 330 python3 "$tree/bench/gpu_router.py" "${common[@]}" --dir /tmp/ght --models 4 --size 12GiB --budget 28GiB \
+  --host-budget 25GiB --configs resident,strict,plain --patterns rr0,random --requests 16 --plain-requests 6 \
+  --log-level debug --out "$out/router-host-tier.json"
+cp /tmp/ght/router-strict.log "$out/router-host-tier-strict-full.log" 2>/dev/null
+rm -rf /tmp/ght/models
 echo "== $(date +%T) router, a full GPU: 4 x 40 GiB"
 timeout 200 python3 "$tree/bench/gpu_router.py" "${common[@]}" --dir /tmp/g40w --models 3 --hardlinks --size 40GiB \
   --configs resident --patterns rr0 --requests 12 --out "$out/router-40g-warm.json"

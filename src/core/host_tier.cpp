@@ -68,8 +68,7 @@ bool HostTier::reserve(std::uint64_t bytes, bool may_wait) {
     if (got < need) {
       refusals_.fetch_add(1);
       if (may_wait)
-        log_(LogLevel::info, "host budget " + ledger_->name() + " (" + mib(ledger_->budget()) + ") is full: " +
-                                 mib(bytes) +
+        log_(LogLevel::info, "host budget " + ledger_->name() + " (" + mib(ledger_->budget()) + ") is full: " + mib(bytes) +
                                  " of model files stay unregistered (host tier 2); the next wake reads them "
                                  "through the staging buffers");
       return false;

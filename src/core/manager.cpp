@@ -401,7 +401,7 @@ Manager::~Manager() {
   MutexLock g(m.mu);
   m.adm.teardown();
   if (m.host) m.backend->set_host_gate({});  // the tier's ledger is left once the backend drops the gate
-  m.report.stop_state_file();  // removes the file
+  m.report.stop_state_file();                // removes the file
 }
 
 Result<RegionId> Manager::register_region(void* base, std::size_t size, RegionClass cls, int priority,

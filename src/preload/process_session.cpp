@@ -94,6 +94,9 @@ Result<std::shared_ptr<Backend>> real_backend(int where, const Config& device_co
   co.notice = [log = SessionLog(device_config.log_level, device_config.log_time), where](const std::string& line) {
     log.warn("cuda:" + std::to_string(where) + ": " + line);
   };
+  co.info = [log = SessionLog(device_config.log_level, device_config.log_time), where](const std::string& line) {
+    log.info("cuda:" + std::to_string(where) + ": " + line);
+  };
   // RESIDENCY_LOG=debug: each wake's timeline (its time measured only then).
   if (device_config.log_level >= LogLevel::debug)
     co.trace = [log = SessionLog(device_config.log_level, device_config.log_time), where](const std::string& line) {

@@ -470,9 +470,7 @@ TEST_F(HostGpuTest, TheHostBudgetBoundsTheRegisteredModelFilesAndTheHolderAskedG
     b.drop_file_registrations();
     tier->give_back_spare();
   });
-  auto within_budget = [&] {
-    return tier->held() + o.held() <= budget && b.registered_file_bytes() <= budget;
-  };
+  auto within_budget = [&] { return tier->held() + o.held() <= budget && b.registered_file_bytes() <= budget; };
 
   ASSERT_TRUE(b.end_residency(0)) << b.last_release_status().message();
   EXPECT_EQ(b.registered_file_bytes(), 0u) << "no room: the sleep does not register the file";

@@ -57,6 +57,9 @@ struct CudaBackendOptions {
   // pinned host memory instead (the file changed since load, or cannot be registered), and where a
   // file changed while the weights slept in it. Default: nothing is said.
   std::function<void(const std::string&)> notice;
+  // (optional) Events an operator may want to see that are not problems: a wake from the host
+  // tier below "asleep" (the model file read through the staging buffers). Default: not said.
+  std::function<void(const std::string&)> info;
   // Receives the wake's timeline, one line per allocation woken: the time it waited for the
   // budget's room, mapped and queued its copies, and waited for them, and where the bytes came
   // from (the model file's pages, pinned host memory). For a debug log; default: not measured.

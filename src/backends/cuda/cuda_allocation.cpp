@@ -200,6 +200,21 @@ Status CudaBackend::wake(DeviceAllocation& a) {
     copied_to_device_ += r.size;
   }
   if (trace_) trace_wake(a, restore, SteadyClock::now() - t0, mapped_at - t0, gated, staged);
+  if (staged != 0) {  // the host tier below "asleep" (an operator sees why this wake was slower)
+    const double secs = std::chrono::duration<double>(SteadyClock::now() - t0).count();
+    char buf[256];
+    std::snprintf(buf, sizeof buf,
+                  "woke %s of weights from host tier 2: %s read from the model file through the staging buffers "
+                  "(its registration was given back to the host budget), %.2f ms, %.1f GB/s",
+                  format_size(r.size).c_str(), format_size(staged).c_str(), secs * 1e3,
+                  secs > 0 ? static_cast<double>(r.size) / secs / 1e9 : 0.0);
+    if (info_) {
+      try {
+        info_(buf);
+      } catch (...) {
+      }
+    }
+  }
   if (a.tracked && restore) {
     // Written chunks are reported as they are written: the backup stays the contents until then.
     a.dirty.assign(a.dirty.size(), 0);
@@ -369,10 +384,9 @@ void CudaBackend::background_loop() {
       MutexLock bg(bg_mu_);
       bg_busy_ = false;
       bg_cv_.notify_all();  // wait_background_backups
-      bg.wait(bg_cv_,
-              [this]() RESIDENCY_NO_THREAD_SAFETY_ANALYSIS {
-                return bg_stop_ || !bg_queue_.empty() || prep_wanted_ || room_wanted_;
-              });
+      bg.wait(bg_cv_, [this]() RESIDENCY_NO_THREAD_SAFETY_ANALYSIS {
+        return bg_stop_ || !bg_queue_.empty() || prep_wanted_ || room_wanted_;
+      });
       if (bg_stop_) return;
       if (bg_queue_.empty() && room_wanted_ && !prep_wanted_) {
         room_wanted_ = false;

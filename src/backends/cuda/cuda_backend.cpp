@@ -96,6 +96,7 @@ CudaBackend::CudaBackend(const Driver* d, CUdevice dev, CUcontext ctx, const Cud
       backup_threads_(default_backup_threads()),
       backup_mode_(o.backup),
       notice_(o.notice),
+      info_(o.info),
       trace_(o.trace) {
   link_.d = d;
   link_.dev = dev;

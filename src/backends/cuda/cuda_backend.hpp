@@ -247,6 +247,7 @@ class CudaBackend final : public Backend {
   std::atomic<BackupPipeline> pipeline_{BackupPipeline::workers};
   const CudaBackendOptions::Backup backup_mode_;
   const std::function<void(const std::string&)> notice_;
+  const std::function<void(const std::string&)> info_;   // CudaBackendOptions::info
   const std::function<void(const std::string&)> trace_;  // CudaBackendOptions::trace
 
   // Background pinning (Backup::after_allocation): one thread, started at the first weights
