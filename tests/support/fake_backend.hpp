@@ -73,8 +73,40 @@ class FakeBackend : public Backend {
     c.max_sets = max_sets;
     c.paced_wake = pace_piece != 0;
     c.prepares_release = prepares_release;
+    c.registers_files = registers_files;
     return c;
   }
+  // The host tier (Capabilities::registers_files), as the cuda backend keeps model files
+  // registered: register_file() asks the host gate first, drop_file_registrations() gives back.
+  bool registers_files = false;  // set before creating the manager
+  void set_host_gate(HostGate g) override {
+    std::lock_guard<std::recursive_mutex> l(mu);
+    host_gate = std::move(g);
+  }
+  bool has_host_gate() const {
+    std::lock_guard<std::recursive_mutex> l(mu);
+    return static_cast<bool>(host_gate.reserve);
+  }
+  bool register_file(std::uint64_t bytes, bool may_wait) {
+    HostGate g;
+    {
+      std::lock_guard<std::recursive_mutex> l(mu);
+      g = host_gate;
+    }
+    if (g.reserve && !g.reserve(bytes, may_wait)) return false;
+    if (may_wait && g.reserve && !g.reserve(bytes, false)) return false;  // the room made ahead, taken
+    registered_files.fetch_add(bytes);
+    return true;
+  }
+  std::uint64_t drop_file_registrations() override {
+    std::lock_guard<std::recursive_mutex> l(mu);
+    const std::uint64_t n = registered_files.exchange(0);
+    if (n != 0 && host_gate.give_back) host_gate.give_back(n);
+    ++drops;
+    return n;
+  }
+  HostGate host_gate;
+  int drops = 0;
   void set_wake_gate(WakeGate g) override {
     std::lock_guard<std::recursive_mutex> l(mu);
     gate = std::move(g);

@@ -497,3 +497,51 @@ TEST(ConfigFromEnv, AnAliasErrorQuotesWhatWasTypedAndOnlyWhatItAccepts) {
   ASSERT_FALSE(q.is_ok());
   EXPECT_NE(q.message().find("RESIDENCY_PRESSURE_QUIET=\"0\": not a duration above 0"), std::string::npos) << q.message();
 }
+
+// RESIDENCY_HOST_BUDGET: `off`, a size or percent (the ledger `host`), or a named budget; a device
+// manager's resolves to it, else to RESIDENCY_SHARED_BUDGET's ledger, else to host:50%.
+TEST(HostBudgetParse, FormsAndTheDeviceManagersResolution) {
+  auto off = parse_host_budget("off");
+  ASSERT_TRUE(off);
+  EXPECT_TRUE(off->off);
+  auto size = parse_host_budget("48GiB");
+  ASSERT_TRUE(size);
+  ASSERT_TRUE(size->budget);
+  EXPECT_EQ(size->budget->name, "host");
+  EXPECT_EQ(size->budget->size.bytes, 48ull << 30);
+  auto named = parse_host_budget("models-host:60%:inference");
+  ASSERT_TRUE(named);
+  EXPECT_EQ(named->budget->name, "models-host");
+  EXPECT_TRUE(named->budget->size.is_percent);
+  EXPECT_EQ(named->budget->group, "inference");
+  for (const char* badv : {"", "0", "lots", "a:b", "-5GiB"}) {
+    auto b = parse_host_budget(badv);
+    EXPECT_FALSE(b) << badv;
+    if (!b) {
+      EXPECT_NE(b.message().find("accepted"), std::string::npos) << b.message();
+      EXPECT_EQ(b.message().find('\n'), std::string::npos) << b.message();
+    }
+  }
+
+  Config c;
+  Config d = c.for_device_memory("GPU-x");
+  ASSERT_TRUE(d.host_budget.budget);
+  EXPECT_EQ(d.host_budget.budget->name, "host");
+  EXPECT_TRUE(d.host_budget.budget->size.is_percent);
+  EXPECT_EQ(d.host_budget.budget->size.percent, 50.0);
+  c.shared_budget = SharedBudget{"ram", WiredLimit{false, 64ull << 30, 0}, ""};
+  d = c.for_device_memory("GPU-x");
+  EXPECT_FALSE(d.shared_budget && d.shared_budget->name == "ram") << "RAM's budget is not the device's";
+  ASSERT_TRUE(d.host_budget.budget);
+  EXPECT_EQ(d.host_budget.budget->name, "ram") << "the operator's RAM budget bounds the registered files";
+  c.host_budget = *size;
+  EXPECT_EQ(c.for_device_memory("GPU-x").host_budget.budget->name, "host");
+  c.host_budget = *off;
+  EXPECT_FALSE(c.for_device_memory("GPU-x").host_budget.budget);
+
+  auto env = Config::from_env([](const char* k) -> const char* {
+    return std::string(k) == "RESIDENCY_HOST_BUDGET" ? "nonsense" : nullptr;
+  });
+  ASSERT_FALSE(env);
+  EXPECT_NE(env.message().find("RESIDENCY_HOST_BUDGET"), std::string::npos) << env.message();
+}
