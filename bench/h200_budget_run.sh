@@ -21,7 +21,16 @@ mkdir -p "$out"
 exec >>"$out/run.log" 2>&1
 rb=/tmp/rc/rb llama=/tmp/rc/llama
 tool=$rb/tools/residency/residency preload=$rb/src/preload/libresidency_preload.so
-common=(--llama "$llama" --preload "$preload" --tool "$tool")
+# The link, measured here (pinned 4 GiB host to device, torch): the switch checks' size/link.
+link=$(python3 -c "
+import torch, time
+h = torch.empty(4 << 30, dtype=torch.uint8).pin_memory(); d = torch.empty_like(h, device='cuda')
+d.copy_(h); torch.cuda.synchronize(); t = time.perf_counter()
+for _ in range(3): d.copy_(h, non_blocking=True)
+torch.cuda.synchronize(); print(round(3 * (4 << 30) / (time.perf_counter() - t) / 1e9, 1))" 2>/dev/null || echo 55.2)
+gpu_gib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1 | awk '{print int($1 / 1024)}')
+echo "link $link GB/s (pinned, 4 GiB, torch); GPU $gpu_gib GiB"
+common=(--llama "$llama" --preload "$preload" --tool "$tool" --link-gbs "$link")
 # The models of the check of 2026-12-04: 12 GiB F16, 12 GiB Q8_0, a copy of the first, 8 GiB Q8_0.
 mix=12GiB:f16:100,12GiB:q8_0,12GiB:f16:100,8GiB:q8_0
 echo "== $(date +%T) ctest -L cuda"
@@ -46,14 +55,16 @@ timeout 330 python3 "$tree/bench/gpu_router.py" "${common[@]}" --dir /tmp/ght --
   --log-level debug --out "$out/router-host-tier.json"
 cp /tmp/ght/router-strict.log "$out/router-host-tier-strict-full.log" 2>/dev/null
 rm -rf /tmp/ght/models
-echo "== $(date +%T) router, a full GPU: 4 x 40 GiB"
-timeout 200 python3 "$tree/bench/gpu_router.py" "${common[@]}" --dir /tmp/g40w --models 3 --hardlinks --size 40GiB \
+# A full GPU: four models of 29 % of the GPU each (40 GiB on an H200, 23 GiB on an H100): three fit, four do not.
+big=$(( gpu_gib * 29 / 100 ))
+echo "== $(date +%T) router, a full GPU: 4 x $big GiB"
+timeout 200 python3 "$tree/bench/gpu_router.py" "${common[@]}" --dir /tmp/g40w --models 3 --hardlinks --size ${big}GiB \
   --configs resident --patterns rr0 --requests 12 --out "$out/router-40g-warm.json"
 warm=$(python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(d['configs']['resident']['patterns']['rr0']['request_s_p50'])" \
   "$out/router-40g-warm.json" 2>/dev/null || echo 0.09)
-echo "warm p50 (resident, 3 x 40 GiB): $warm s"
+echo "warm p50 (resident, 3 x $big GiB): $warm s"
 mkdir -p /tmp/g40/models && ln -f /tmp/g40w/models/model-0.gguf /tmp/g40/models/model-0.gguf 2>/dev/null
-timeout 300 python3 "$tree/bench/gpu_router.py" "${common[@]}" --dir /tmp/g40 --models 4 --hardlinks --size 40GiB \
+timeout 300 python3 "$tree/bench/gpu_router.py" "${common[@]}" --dir /tmp/g40 --models 4 --hardlinks --size ${big}GiB \
   --budget 100% --configs strict --patterns rr0 --requests 16 --warm-s "$warm" --log-level debug \
   --out "$out/router-full-gpu-40g.json"
 cp /tmp/g40/router-strict.log "$out/router-full-gpu-40g-strict-full.log" 2>/dev/null

@@ -106,7 +106,7 @@ class FakeBackend : public Backend {
     return n;
   }
   HostGate host_gate;
-  int drops = 0;
+  std::atomic<int> drops{0};
   void set_wake_gate(WakeGate g) override {
     std::lock_guard<std::recursive_mutex> l(mu);
     gate = std::move(g);

@@ -76,11 +76,11 @@ TEST_F(HostTierTest, ARegistrationThatDoesNotFitIsRefusedAndOneThatMayWaitTakesT
   ASSERT_TRUE(a.fake->register_file(60 * kMiB, /*may_wait=*/false));
   EXPECT_EQ(ledger_used(), 60 * kMiB);
   EXPECT_FALSE(b.fake->register_file(60 * kMiB, /*may_wait=*/false)) << "no room, and a sleep never waits";
-  EXPECT_EQ(a.fake->drops, 0) << "nobody was asked";
+  EXPECT_EQ(a.fake->drops.load(), 0) << "nobody was asked";
   EXPECT_EQ(b.fake->registered_files.load(), 0u);
 
   ASSERT_TRUE(b.fake->register_file(60 * kMiB, /*may_wait=*/true)) << "the background thread's wait asks a";
-  EXPECT_EQ(a.fake->drops, 1);
+  EXPECT_EQ(a.fake->drops.load(), 1);
   EXPECT_EQ(a.fake->registered_files.load(), 0u) << "a gave its registration back";
   EXPECT_EQ(b.fake->registered_files.load(), 60 * kMiB);
   EXPECT_EQ(ledger_used(), 60 * kMiB) << "the ledger holds b's, and never more than its budget";
