@@ -555,10 +555,16 @@ def ledger_state(tool, pid):
     """`pid`'s holder in the budgets `residency stat --json` lists: {"state" (awake/asleep), "bytes", "budget"};
     state None when no budget holds it (no GPU, no preload)."""
     j = run_json([tool, "stat", "--json"])
+    found = None
     for b in j.get("shared_budgets", []) or []:
         for h in b.get("holders", []) or []:
             if pid is not None and h.get("pid") == pid:
-                return {"state": h.get("state"), "bytes": h.get("bytes"), "budget": b.get("name")}
+                # The budget whose manager it is says its state (the GPU budget's; the host tier's
+                # ledger, where the same process holds a slot too, does not).
+                if found is None or (found["state"] is None and h.get("state") is not None):
+                    found = {"state": h.get("state"), "bytes": h.get("bytes"), "budget": b.get("name")}
+    if found is not None:
+        return found
     out = {"state": None}
     if "error" in j:
         out["stat_error"] = j["error"]
@@ -960,8 +966,8 @@ def prompt_cache_check(a, configs, n_models):
 def host_tier_check(a, recs, configs):
     mib = 1 << 20
     parts, ok = [], True
-    plain = configs.get("plain", {}).get("patterns", {}) if configs.get("plain") else {}
-    plain_sw = [r["dt"] for p in plain.values() for r in p.get("requests", []) if r.get("switch")] if plain else []
+    plain = recs.get("plain") or {}
+    plain_sw = [r["dt"] for pat, reqs in all_requests(plain) if pat != "warmup" for r in reqs if r.get("switch")] if plain else []
     for cfg in PRELOADED:
         rec = recs.get(cfg)
         if not rec or "host_tier" not in rec:

@@ -33,14 +33,19 @@ echo "link $link GB/s (pinned, 4 GiB, torch); GPU $gpu_gib GiB"
 common=(--llama "$llama" --preload "$preload" --tool "$tool" --link-gbs "$link")
 # The models of the check of 2026-12-04: 12 GiB F16, 12 GiB Q8_0, a copy of the first, 8 GiB Q8_0.
 mix=12GiB:f16:100,12GiB:q8_0,12GiB:f16:100,8GiB:q8_0
+step_ctest() {
 echo "== $(date +%T) ctest -L cuda"
 (cd "$rb" && timeout 200 ctest -L cuda --output-on-failure --timeout 240 >"$out/ctest-cuda.log" 2>&1; echo "rc=$?" >>"$out/ctest-cuda.log")
 tail -3 "$out/ctest-cuda.log"
+}
+step_mix() {
 echo "== $(date +%T) router, 28 GiB budget, the mixed models"
 timeout 360 python3 "$tree/bench/gpu_router.py" "${common[@]}" --dir /tmp/grm --mix "$mix" --budget 28GiB \
-  --configs resident,strict --patterns rr0,burst0 --requests 24 --log-level debug --out "$out/router-budget.json"
+  --configs resident,strict --patterns rr0,burst0 --requests ${MIX_REQUESTS:-24} --log-level debug --out "$out/router-budget.json"
 cp /tmp/grm/router-strict.log "$out/router-budget-strict-full.log" 2>/dev/null
 rm -rf /tmp/grm/models  # the disk holds 64 GiB
+}
+step_prompt() {
 echo "== $(date +%T) router, the prompt cache across a switch"
 # About 2 minutes, the 36 GiB of models included; strict first: if the timeout ends the step, the
 # configurations done are in the JSON (and /tmp/gr/config-*.json)
@@ -49,12 +54,16 @@ timeout 200 python3 "$tree/bench/gpu_router.py" "${common[@]}" --dir /tmp/gr --m
   --log-level debug --out "$out/router-prompt-cache.json"
 cp /tmp/gr/router-strict.log "$out/router-prompt-cache-strict-full.log" 2>/dev/null
 rm -rf /tmp/gr/models
+}
+step_host() {
 echo "== $(date +%T) router, the host tier: 4 x 12 GiB, host budget 25 GiB"
 timeout 330 python3 "$tree/bench/gpu_router.py" "${common[@]}" --dir /tmp/ght --models 4 --size 12GiB --budget 28GiB \
   --host-budget 25GiB --configs resident,strict,plain --patterns rr0,random --requests 16 --plain-requests 6 \
   --log-level debug --out "$out/router-host-tier.json"
 cp /tmp/ght/router-strict.log "$out/router-host-tier-strict-full.log" 2>/dev/null
 rm -rf /tmp/ght/models
+}
+step_full() {
 # A full GPU: four models of 29 % of the GPU each (40 GiB on an H200, 23 GiB on an H100): three fit, four do not.
 big=$(( gpu_gib * 29 / 100 ))
 echo "== $(date +%T) router, a full GPU: 4 x $big GiB"
@@ -68,5 +77,9 @@ timeout 300 python3 "$tree/bench/gpu_router.py" "${common[@]}" --dir /tmp/g40 --
   --budget 100% --configs strict --patterns rr0 --requests 16 --warm-s "$warm" --log-level debug \
   --out "$out/router-full-gpu-40g.json"
 cp /tmp/g40/router-strict.log "$out/router-full-gpu-40g-strict-full.log" 2>/dev/null
+rm -rf /tmp/g40w/models /tmp/g40/models
+}
+# STEPS: which, in order (the most wanted first where device time is short).
+for st in ${STEPS:-ctest mix prompt host full}; do "step_$st"; done
 echo "== $(date +%T) done"
 echo done >"$out/status"

@@ -227,15 +227,17 @@ class Backend {
   virtual std::uint64_t unmanaged_device_bytes();
   // (optional) The host tier (Capabilities::registers_files; docs/design.md, "The host tier"). The
   // manager sets a gate that counts registered model files against the host budget. The backend
-  // calls reserve(bytes, false) before it registers `bytes` more: false means not now (the file
+  // calls reserve(bytes, false, file) before it registers `bytes` more of the file `file` names (a
+  // nonzero key of its device and inode; 0 for several files): false means not now (the file
   // stays the backup of what was filled from it, and a wake reads it through a staging buffer).
-  // reserve(bytes, true) makes room for registrations to come, which then take it: only on a
-  // thread that holds no lock a call may need (the backend's background thread), since the other
-  // holders may be asked to give back and waited for, boundedly. It calls give_back(bytes) after
-  // it gave a registration back. Set before any registration and cleared
+  // reserve(bytes, true, file) makes room for registrations to come, which then take it: only on
+  // a thread that holds no lock a call may need (the backend's background thread), since the
+  // other holders may be asked to give back and waited for, boundedly. Registrations of one file
+  // by several processes are one file's page cache: the budget counts them once. It calls
+  // give_back(bytes) after it gave a registration back. Set before any registration and cleared
   // (empty functions) before the manager goes away; never called after that returns.
   struct HostGate {
-    std::function<bool(std::uint64_t bytes, bool may_wait)> reserve;
+    std::function<bool(std::uint64_t bytes, bool may_wait, std::uint64_t file)> reserve;
     std::function<void(std::uint64_t bytes)> give_back;
   };
   virtual void set_host_gate(HostGate gate);

@@ -25,6 +25,8 @@ struct SharedBudgetHolder {
                                                  // process that takes the ledger's lock reclaims its share
   bool asked = false;                            // asked to give back, not answered yet
   bool waiting = false;                          // waiting its turn for room (RESIDENCY_BUDGET_WAIT)
+  std::uint64_t shared_key = 0;                  // nonzero: the same memory as the other holders of this key
+                                                 // (one model file's page cache): they count once, as the largest
 };
 
 struct SharedBudgetInfo {
@@ -32,7 +34,7 @@ struct SharedBudgetInfo {
   std::string path;        // e.g. /dev/shm/residency-budget-NAME
   std::string error;       // non-empty: the ledger could not be read (the holders are empty)
   std::uint64_t size = 0;  // the budget, bytes
-  std::uint64_t used = 0;  // reserved by every holder, dead ones included
+  std::uint64_t used = 0;  // reserved by every holder, dead ones included (holders of one shared key once)
   std::uint32_t mode = 0;  // permission bits of the ledger (0600, or 0660 for a group)
   std::vector<SharedBudgetHolder> holders;
 };

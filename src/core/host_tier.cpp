@@ -49,16 +49,25 @@ HostTier::~HostTier() { stop_listening(); }
 Backend::HostGate HostTier::gate() {
   Backend::HostGate g;
   std::shared_ptr<HostTier> self = shared_from_this();
-  g.reserve = [self](std::uint64_t bytes, bool may_wait) { return self->reserve(bytes, may_wait); };
+  g.reserve = [self](std::uint64_t bytes, bool may_wait, std::uint64_t file) {
+    return self->reserve(bytes, may_wait, file);
+  };
   g.give_back = [self](std::uint64_t bytes) { self->give_back(bytes); };
   return g;
 }
 
-bool HostTier::reserve(std::uint64_t bytes, bool may_wait) {
+bool HostTier::reserve(std::uint64_t bytes, bool may_wait, std::uint64_t file) {
   if (bytes == 0) return true;
   std::unique_lock<std::mutex> lock(mu_, std::defer_lock);
   if (may_wait) lock.lock();
   else if (!lock.try_lock()) return false;  // another thread is making room: not now, never wait here
+  // The holder's bytes are one file's page cache, shared with the other servers of that file
+  // (counted once), until it holds a second file: then they are its own.
+  if (file != key_) {
+    const std::uint64_t key = ledger_->held() == 0 || key_ == kNoKeyYet ? file : 0;
+    if (key != key_) ledger_->set_shared_key(key);
+    key_ = key;
+  }
   const std::uint64_t held = ledger_->held(), reg = registered_.load();
   const std::uint64_t spare = held > reg ? held - reg : 0;
   if (spare < bytes) {

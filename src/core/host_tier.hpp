@@ -53,7 +53,8 @@ class HostTier : public std::enable_shared_from_this<HostTier> {
   // free now; with `may_wait`, the other holders are asked (the one idle longest first, however
   // short its idle: giving a registration back costs nothing until its next wake) and waited for,
   // boundedly (ledger::kAskWait). False: the bytes are not to be registered now.
-  bool reserve(std::uint64_t bytes, bool may_wait);
+  // `file`: which model file (Backend::HostGate), so that the servers of one file count it once.
+  bool reserve(std::uint64_t bytes, bool may_wait, std::uint64_t file = 0);
   // `bytes` of registration were given back.
   void give_back(std::uint64_t bytes);
   // What is reserved but registered by nobody goes back to the ledger (asked for room).
@@ -82,6 +83,9 @@ class HostTier : public std::enable_shared_from_this<HostTier> {
   std::mutex mu_;  // serializes reserve() (and give_back_spare()): the books' one writer that adds
   std::atomic<std::uint64_t> registered_{0};  // the ledger's held() minus this is spare
   std::atomic<std::uint64_t> refusals_{0};
+  // The ledger slot's shared key (Ledger::set_shared_key), under mu_: the file its bytes are, or 0.
+  static constexpr std::uint64_t kNoKeyYet = ~std::uint64_t{0};
+  std::uint64_t key_ = kNoKeyYet;
 };
 
 }  // namespace residency::core

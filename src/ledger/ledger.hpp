@@ -187,6 +187,10 @@ class Ledger {
   // docs/design.md, "The GPU budget"): askers and the repayment of a debt pass a holder that holds
   // no more than this. Kept in MiB.
   void set_floor(std::uint64_t bytes);
+  // What this holder's bytes are when they are the same memory as other holders' (the host tier:
+  // the page cache of one model file, which every server of that file registers): holders of one
+  // nonzero key count once in the sum, as the largest of them. 0 (the default): its own bytes.
+  void set_shared_key(std::uint64_t key);
   // The debt of a wake over the budget (docs/design.md, "The GPU budget"): how far the holders' sum
   // exceeds the budget now, read from a copy of the ledger (pread: no lock, nothing of the mapping
   // touched), so that a holder may look at every end of a call. 0 when within it, or unreadable.

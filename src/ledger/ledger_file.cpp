@@ -93,10 +93,30 @@ std::string check_table(const Shared& s) {
   return "";
 }
 
-std::uint64_t used_bytes(const Shared& s) {
+std::uint64_t used_bytes(const Shared& s, std::uint32_t with, std::uint64_t extra) {
+  auto bytes_of = [&](std::uint32_t i) {
+    return s.slots[i].bytes.load(std::memory_order_relaxed) + (i == with ? extra : 0);
+  };
   std::uint64_t sum = 0;
-  for (const Slot& sl : s.slots)
-    if (sl.occupied.load(std::memory_order_relaxed)) sum += sl.bytes.load(std::memory_order_relaxed);
+  for (std::uint32_t i = 0; i < kMaxHolders; ++i) {
+    const Slot& sl = s.slots[i];
+    if (!sl.occupied.load(std::memory_order_relaxed)) continue;
+    const std::uint64_t key = sl.shared_key.load(std::memory_order_relaxed);
+    if (key == 0) {
+      sum += bytes_of(i);
+      continue;
+    }
+    // One of a key: counted by its first holder (the largest of them), the others not at all.
+    bool first = true;
+    std::uint64_t most = 0;
+    for (std::uint32_t j = 0; j < kMaxHolders && first; ++j) {
+      const Slot& o = s.slots[j];
+      if (!o.occupied.load(std::memory_order_relaxed) || o.shared_key.load(std::memory_order_relaxed) != key) continue;
+      if (j < i) first = false;
+      most = std::max(most, bytes_of(j));
+    }
+    if (first) sum += most;
+  }
   return sum;
 }
 

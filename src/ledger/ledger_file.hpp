@@ -69,7 +69,13 @@ struct alignas(64) Slot {
   // A strict wait (Ledger::acquire_in_turn): its place in the queue (Shared::ticket_serial when it
   // began), 0 when not waiting. Room goes to the occupied slot of the lowest ticket first.
   std::atomic<std::uint64_t> wait_ticket;
-  char reserved[56];
+  // What `bytes` are, where they are the same memory as another holder's (Ledger::set_shared_key):
+  // holders of one nonzero key count once, as the largest of them (the host tier: one model file's
+  // page cache, registered by every server of that file, is pinned once). 0: its own. Carved out
+  // of the reserved bytes, which creators zero, so that the layout and format stay; a process of an
+  // earlier build counts every holder (more, never less).
+  std::atomic<std::uint64_t> shared_key;
+  char reserved[48];
 };
 static_assert(sizeof(Slot) == 128, "two cache lines per holder");
 static_assert(std::atomic<std::uint64_t>::is_always_lock_free, "the ledger needs lock-free 64-bit atomics");
@@ -106,8 +112,9 @@ using Shared = Ledger::Shared;
 // and start time, and the sum of the reservations against the budget (which acquire() keeps).
 std::string check_table(const Shared& s);
 // The sum of the reservations of a table (`used` is never stored: a holder killed mid-update
-// leaves nothing to undo).
-std::uint64_t used_bytes(const Shared& s);
+// leaves nothing to undo); holders of one shared key count once, as the largest. `extra` is added
+// to slot `with` first (what the sum would be after it took `extra` more).
+std::uint64_t used_bytes(const Shared& s, std::uint32_t with = kMaxHolders, std::uint64_t extra = 0);
 // The ledger's locker word, read with pread (a mapping may not be touched without the lock).
 int locker_of(int fd);
 

@@ -86,9 +86,10 @@ std::vector<SharedBudgetInfo> list_shared_budgets() {
       const std::uint32_t ask = sl.ask.load(std::memory_order_relaxed);
       h.asked = ask != 0 && ask != kStopWord;
       h.waiting = sl.wait_ticket.load(std::memory_order_relaxed) != 0;
-      info.used += h.bytes;
+      h.shared_key = sl.shared_key.load(std::memory_order_relaxed);
       info.holders.push_back(h);
     }
+    info.used = used_bytes(*s);  // holders of one shared key (one model file's page cache) count once
     out.push_back(std::move(info));
   }
   ::closedir(d);

@@ -196,8 +196,9 @@ std::uint64_t Ledger::acquire(std::uint64_t bytes, std::int64_t now, Nanos wait,
   auto fit = [&](Lock& lock, bool final) {
     const Shared& s = lock.table();
     if (head_waiter(s) != kMaxHolders) return false;  // strict waits come first, in order of arrival
+    // (the sum after taking `bytes`: a holder that shares its key with a larger one adds nothing)
+    if (used_bytes(s, slot_, bytes) <= s.budget) return take(lock, bytes), true;
     const std::uint64_t used = used_bytes(s), free = used < s.budget ? s.budget - used : 0;
-    if (free >= bytes) return take(lock, bytes), true;
     if (final && partial && free > 0) return take(lock, free), true;
     return false;
   };
@@ -370,6 +371,14 @@ void Ledger::set_floor(std::uint64_t bytes) {
   Lock lock(fd_, local_, shm_, kUseLockWait);
   if (lock.corrupt() || !lock.ok() || !own_slot_sound(lock.table())) return;  // a hint: the next change writes it
   lock.put(lock.table().slots[slot_].floor_mib, mib);
+}
+
+void Ledger::set_shared_key(std::uint64_t key) {
+  if (!shm_ || detached_ || !mine() || !usable()) return;
+  Lock lock(fd_, local_, shm_, kUseLockWait);
+  if (lock.corrupt() || !lock.ok() || !own_slot_sound(lock.table())) return;
+  lock.put(lock.table().slots[slot_].shared_key, key);
+  bump(lock);  // the sum may have fallen: waiters look again
 }
 
 void Ledger::release(std::uint64_t bytes) {

@@ -37,6 +37,7 @@ std::uint64_t Ledger::ask_to_free(std::uint64_t, std::int64_t, Nanos, Nanos, boo
 std::uint64_t Ledger::over_budget() const { return 0; }
 bool Ledger::repay_turn() { return false; }
 void Ledger::set_floor(std::uint64_t) {}
+void Ledger::set_shared_key(std::uint64_t) {}
 std::uint64_t Ledger::take_over_budget(std::uint64_t) { return 0; }
 std::string Ledger::problem() const { return {}; }
 bool Ledger::usable() const { return false; }

@@ -87,14 +87,14 @@ class FakeBackend : public Backend {
     std::lock_guard<std::recursive_mutex> l(mu);
     return static_cast<bool>(host_gate.reserve);
   }
-  bool register_file(std::uint64_t bytes, bool may_wait) {
+  bool register_file(std::uint64_t bytes, bool may_wait, std::uint64_t file = 0) {
     HostGate g;
     {
       std::lock_guard<std::recursive_mutex> l(mu);
       g = host_gate;
     }
-    if (g.reserve && !g.reserve(bytes, may_wait)) return false;
-    if (may_wait && g.reserve && !g.reserve(bytes, false)) return false;  // the room made ahead, taken
+    if (g.reserve && !g.reserve(bytes, may_wait, file)) return false;
+    if (may_wait && g.reserve && !g.reserve(bytes, false, file)) return false;  // the room made ahead, taken
     registered_files.fetch_add(bytes);
     return true;
   }

@@ -539,9 +539,8 @@ TEST(HostBudgetParse, FormsAndTheDeviceManagersResolution) {
   c.host_budget = *off;
   EXPECT_FALSE(c.for_device_memory("GPU-x").host_budget.budget);
 
-  auto env = Config::from_env([](const char* k) -> const char* {
-    return std::string(k) == "RESIDENCY_HOST_BUDGET" ? "nonsense" : nullptr;
-  });
+  auto env = Config::from_env(
+      [](const char* k) -> const char* { return std::string(k) == "RESIDENCY_HOST_BUDGET" ? "nonsense" : nullptr; });
   ASSERT_FALSE(env);
   EXPECT_NE(env.message().find("RESIDENCY_HOST_BUDGET"), std::string::npos) << env.message();
 }

@@ -92,6 +92,25 @@ TEST_F(HostTierTest, ARegistrationThatDoesNotFitIsRefusedAndOneThatMayWaitTakesT
   EXPECT_FALSE(ledger_exists()) << "the last holder removes the ledger";
 }
 
+// Servers of one model file (llama.cpp's router with one GGUF under several names, or several
+// servers of one model) register the same page cache: the budget counts it once. A model of another
+// file then needs room, and gets it only once every server of the shared file gave way.
+TEST_F(HostTierTest, ServersOfOneFileCountItOnceAndAllOfThemGiveWayForAnother) {
+  Device c;
+  start(a, budget(100 * kMiB));
+  start(b, budget(100 * kMiB));
+  start(c, budget(100 * kMiB));
+  constexpr std::uint64_t kFile = 0x1234, kOther = 0x5678;
+  ASSERT_TRUE(a.fake->register_file(70 * kMiB, false, kFile));
+  ASSERT_TRUE(b.fake->register_file(70 * kMiB, false, kFile)) << "the same pages: nothing more is pinned";
+  EXPECT_EQ(ledger_used(), 70 * kMiB);
+  EXPECT_FALSE(c.fake->register_file(70 * kMiB, false, kOther));
+  ASSERT_TRUE(c.fake->register_file(70 * kMiB, true, kOther)) << "a and b are asked, and both give way";
+  EXPECT_EQ(a.fake->registered_files.load() + b.fake->registered_files.load(), 0u);
+  EXPECT_EQ(ledger_used(), 70 * kMiB);
+  c.m.reset();
+}
+
 TEST_F(HostTierTest, AHolderThatCannotGetRoomStaysUnregisteredAndSaysSo) {
   start(a, budget(100 * kMiB));
   start(b, budget(100 * kMiB));

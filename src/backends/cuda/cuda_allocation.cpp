@@ -601,15 +601,17 @@ void CudaBackend::run_host_room() {
   room_runs_.fetch_add(1);
   const std::uint64_t wakes = wakes_.load(), drops = drops_.load();
   HostGate gate;
-  std::uint64_t want = 0;
+  std::uint64_t want = 0, file = 0;
   {
     MutexLock lock(mu_);
     gate = host_gate_;
     want = files_.unregistered_bytes();
+    const std::vector<BackingFile*> files = files_.unregistered();
+    if (files.size() == 1) file = files.front()->key();  // several: 0, the bytes are this holder's own
   }
   if (!gate.reserve || want == 0) return;
   const SteadyClock::time_point t0 = SteadyClock::now();
-  if (!gate.reserve(want, /*may_wait=*/true)) return;  // the tier says so; the next sleep tries again
+  if (!gate.reserve(want, /*may_wait=*/true, file)) return;  // the tier says so; the next sleep tries again
   room_granted_.fetch_add(1);
   const double room_ms = ms_since(t0);
   const Say tell = [this](const std::string& line) { say(line); };

@@ -55,6 +55,9 @@ struct BackingFile {
   bool unchanged() const;
   // Whether every piece of the mapping is registered.
   bool whole() const;
+  // The host tier's key of this file (device and inode, never 0): the servers of one file share
+  // its page cache, and the host budget counts it once.
+  std::uint64_t key() const;
 };
 
 // The file mapping is registered in pieces of this many bytes: about 10 ms of pinning each.
@@ -120,6 +123,8 @@ class StagingRing {
  public:
   static constexpr std::size_t kBuffers = 2;
   static constexpr std::size_t kBufferBytes = std::size_t{64} << 20;
+  // Host threads that read one buffer from the file, each a slice.
+  static constexpr std::size_t kReaders = 4;
   // Copies `len` bytes at `file_off` of `f` to device address `dst`, buffer by buffer. Returns
   // CUDA_SUCCESS, or the failing call's result (a read that fails or comes back short:
   // CUDA_ERROR_OPERATING_SYSTEM, its errno in `read_errno`). The last copies may still run: the
@@ -134,6 +139,7 @@ class StagingRing {
 
  private:
   CUresult make(const DeviceLink& link);
+  static int read_into(int fd, char* p, std::size_t n, std::uint64_t off);
   struct Buffer {
     char* p = nullptr;
     CUevent done = nullptr;  // recorded after the buffer's last copy
