@@ -350,6 +350,10 @@ Result<std::unique_ptr<Manager>> Manager::create(ManagerOptions o) {
   if (m.host) {
     Impl* raw = &m;
     m.backend->set_host_gate(m.host->gate());
+    {
+      MutexLock g(m.mu);  // the report is guarded by it
+      m.report.set_host_budget(m.host->name());
+    }
     m.host->listen([raw](int asker) { raw->on_host_asked(asker); });
     m.log(LogLevel::info, "host tier: the model files kept registered for fast wakes count against the host budget " +
                               m.host->name() + " (" + core::mib(m.host->budget()) +

@@ -136,6 +136,7 @@ void ManagerReport::publish() {
   if (const std::uint64_t pinned = backend_.pinned_host_bytes()) num("pinned_host_bytes", pinned);
   if (const std::uint64_t filed = backend_.file_backed_bytes()) num("file_backed_bytes", filed);
   if (const std::uint64_t registered = backend_.registered_file_bytes()) num("registered_file_bytes", registered);
+  if (!host_budget_.empty()) put("host_budget", host_budget_);
   if (const BudgetShare* shared = adm_.share()) {
     put("shared_budget", shared->name());
     num("shared_budget_size", shared->budget());

@@ -52,6 +52,9 @@ class ManagerReport {
 
   Stats stats() const;
   void set_scheduler(const KeepAliveScheduler* s) { scheduler_ = s; }
+  // The host tier's ledger this manager's registered model files count against (docs/design.md,
+  // "The host tier"): `residency stat` finds the holder's own account under that budget too.
+  void set_host_budget(std::string name) { host_budget_ = std::move(name); }
 
  private:
   const Config& config_;
@@ -63,6 +66,7 @@ class ManagerReport {
   const Admission& adm_;
   const ResidencyCycle& cycle_;
   const KeepAliveScheduler* scheduler_ = nullptr;
+  std::string host_budget_;
   std::string pressure_src_;
   std::unique_ptr<StateFile> state_;
   bool dirty_ = false;

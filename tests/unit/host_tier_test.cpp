@@ -12,6 +12,7 @@
 #include <filesystem>
 #include <string>
 
+#include "core/state_file.hpp"
 #include "residency/shared_budget.hpp"
 #include "support/manager_fixture.hpp"
 #include "support/state_files.hpp"
@@ -38,13 +39,13 @@ class HostTierTest : public ::testing::Test {
     static std::atomic<int> n{0};
     return n;
   }
-  void start(Device& d, HostBudget host) {
+  void start(Device& d, HostBudget host, bool state_file = false) {
     d.fake->registers_files = true;
     ManagerOptions o;
     o.config.keep_alive = KeepAlive::after(10s);
     o.config.layout = Layout::per_buffer;
     o.config.host_budget = std::move(host);
-    o.config.state_file = false;
+    o.config.state_file = state_file;
     o.backend = d.fake;
     o.clock = &clock;
     o.log = d.logs.callback();
@@ -109,6 +110,24 @@ TEST_F(HostTierTest, ServersOfOneFileCountItOnceAndAllOfThemGiveWayForAnother) {
   EXPECT_EQ(a.fake->registered_files.load() + b.fake->registered_files.load(), 0u);
   EXPECT_EQ(ledger_used(), 70 * kMiB);
   c.m.reset();
+}
+
+// `residency stat` lists the host tier's ledger with its holders' own account: the state file names
+// that budget, and says the registered bytes.
+TEST_F(HostTierTest, TheStateFileNamesTheHostBudgetAndTheRegisteredBytes) {
+  remove_state_files_of(::getpid());
+  a.fake->registered_files = 30 * kMiB;  // what the backend says it keeps registered
+  start(a, budget(100 * kMiB), /*state_file=*/true);
+  std::string named, registered;
+  for (const auto& f : core::read_state_files(::getpid(), ::geteuid(), core::process_start_time(::getpid())))
+    if (f.fields.count("host_budget") != 0) {
+      named = f.fields.at("host_budget");
+      registered = f.fields.count("registered_file_bytes") != 0 ? f.fields.at("registered_file_bytes") : "absent";
+    }
+  EXPECT_EQ(named, name);
+  EXPECT_EQ(registered, std::to_string(30 * kMiB));
+  a.m.reset();
+  remove_state_files_of(::getpid());
 }
 
 TEST_F(HostTierTest, AHolderThatCannotGetRoomStaysUnregisteredAndSaysSo) {

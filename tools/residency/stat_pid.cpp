@@ -535,7 +535,8 @@ HolderFacts holder_facts(int pid, const std::string& budget) {
       const auto it = s.fields.find(k);
       return it == s.fields.end() ? std::string() : it->second;
     };
-    if (!s.error.empty() || s.stale || field("shared_budget") != budget) continue;
+    // A device manager holds the GPU's budget and, for its registered model files, the host tier's.
+    if (!s.error.empty() || s.stale || (field("shared_budget") != budget && field("host_budget") != budget)) continue;
     f.state = state_word(field("backend"), field("resident") == "1");
     f.switches = field("rewires");
     f.last_switch_ms = field("last_rewire_ms");
