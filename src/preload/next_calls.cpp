@@ -11,6 +11,8 @@
 
 #include <link.h>
 
+#include "platform/symbol_lookup.hpp"
+
 namespace residency::preload {
 
 namespace {
@@ -93,51 +95,15 @@ const void* self_base() noexcept {
   return base;
 }
 
-bool in_self(const void* p) noexcept {
-  Dl_info info{};
-  return p != nullptr && ::dladdr(p, &info) != 0 && info.dli_fbase == self_base();
-}
+bool in_self(const void* p) noexcept { return p != nullptr && platform::object_base(p) == self_base(); }
 
-// dlsym in the local scope of the loaded object at `path` (the object and its dependencies),
-// which is kept loaded when the symbol is found there: the caller caches the pointer.
+const void* self() noexcept { return reinterpret_cast<const void*>(&resolve_symbol); }
+
 void* find_in_object(const char* path, const char* name) noexcept {
-  if (path == nullptr || *path == '\0') return nullptr;
-  void* handle = ::dlopen(path, RTLD_NOLOAD | RTLD_LAZY);
-  if (handle == nullptr) return nullptr;
-  void* f = ::dlsym(handle, name);
-  if (f == nullptr || in_self(f)) {
-    ::dlclose(handle);  // not here: the reference we took goes back
-    return nullptr;
-  }
-  return f;
+  return platform::find_in_object(path, name, self());
 }
-
-void* find_near(const char* name, const void* near) noexcept {
-  Dl_info info{};
-  if (near == nullptr || ::dladdr(near, &info) == 0 || info.dli_fbase == self_base()) return nullptr;
-  return find_in_object(info.dli_fname, name);
-}
-
-// Every loaded object but the preload, in load order (dlopen cannot run inside dl_iterate_phdr's
-// callback, which holds the loader's lock: the names are collected first).
-void* find_anywhere(const char* name) noexcept {
-  constexpr int kMaxObjects = 512;
-  struct Names {
-    const char* path[kMaxObjects];
-    int n = 0;
-  } names;
-  ::dl_iterate_phdr(
-      [](dl_phdr_info* info, std::size_t, void* data) -> int {
-        auto& v = *static_cast<Names*>(data);
-        if (info->dlpi_name != nullptr && info->dlpi_name[0] != '\0' && v.n < kMaxObjects)
-          v.path[v.n++] = info->dlpi_name;
-        return 0;
-      },
-      &names);
-  for (int i = 0; i < names.n; ++i)
-    if (void* f = find_in_object(names.path[i], name)) return f;
-  return nullptr;
-}
+void* find_near(const char* name, const void* near) noexcept { return platform::find_near(name, near, self()); }
+void* find_anywhere(const char* name) noexcept { return platform::find_anywhere(name, self()); }
 
 }  // namespace
 

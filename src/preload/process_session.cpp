@@ -17,7 +17,7 @@
 #include "platform/thread_annotations.hpp"
 #include "residency/backends.hpp"
 #if RESIDENCY_PRELOAD_CUDA
-#include "residency/backends/cuda.hpp"
+#include "cudapreload/device_backend.hpp"
 #endif
 
 // Exported (exports.map): the first copy of the preload in the lookup order is the one that works.
@@ -72,37 +72,13 @@ void synchronize_context(void* ctx) noexcept {
   if (const SynchronizeFn sync = next_llama_synchronize(nullptr)) sync(static_cast<llama_context*>(ctx));
 }
 
-#if RESIDENCY_PRELOAD_CUDA
-// The backend's form of Config::cuda_backup (RESIDENCY_CUDA_BACKUP; Config::for_device_memory()
-// decides what `automatic` means).
-CudaBackendOptions::Backup backup_mode(CudaBackup configured) noexcept {
-  return configured == CudaBackup::at_first_sleep ? CudaBackendOptions::Backup::at_first_sleep
-                                                  : CudaBackendOptions::Backup::after_allocation;
-}
-#endif
-
 // The real backends: llama.cpp's host buffers are host memory, which the posix backend locks,
 // also on a machine with a GPU (there "auto" would be the cuda backend, which pins instead); each
 // GPU's memory goes through the cuda backend on that device.
 Result<std::shared_ptr<Backend>> real_backend(int where, const Config& device_config) {
   if (where == EngineSession::kHost) return make_backend("posix");
 #if RESIDENCY_PRELOAD_CUDA
-  CudaBackendOptions co;
-  co.device = where;
-  co.backup = backup_mode(device_config.cuda_backup);
-  // Where weights cannot sleep in their model file: one warning, as the session's own lines.
-  co.notice = [log = SessionLog(device_config.log_level, device_config.log_time), where](const std::string& line) {
-    log.warn("cuda:" + std::to_string(where) + ": " + line);
-  };
-  co.info = [log = SessionLog(device_config.log_level, device_config.log_time), where](const std::string& line) {
-    log.info("cuda:" + std::to_string(where) + ": " + line);
-  };
-  // RESIDENCY_LOG=debug: each wake's timeline (its time measured only then).
-  if (device_config.log_level >= LogLevel::debug)
-    co.trace = [log = SessionLog(device_config.log_level, device_config.log_time), where](const std::string& line) {
-      log.debug("cuda:" + std::to_string(where) + ": timeline: " + line);
-    };
-  return make_cuda_backend(co);
+  return cuda_device_backend(where, device_config);
 #else
   (void)device_config;
   return make_backend("cuda:" + std::to_string(where));  // an error naming the backends this build has

@@ -1,0 +1,282 @@
+// SPDX-License-Identifier: MIT
+// The CUDA preload's driver wrappers, as a program obtains them through cuGetProcAddress
+// (wrap_driver), in front of a ProgramSession over the real cuda backend and HostGpu (one device
+// emulated in host memory: unmapped device memory faults, copies to it fail). The "real" functions
+// behind the wrappers are HostGpu's, or a test's own where HostGpu has none (launches). What is
+// asserted is what the program would see: its allocation at the same address with the same bytes
+// after a sleep, the device range mapped when its launch or copy runs, the device memory given back
+// while asleep, and what a sleep copies.
+#include <gtest/gtest.h>
+
+#include <cudaTypedefs.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "backends/cuda/cuda_backend.hpp"
+#include "cudapreload/cuda_hooks.hpp"
+#include "support/fake_backend.hpp"
+#include "support/host_gpu.hpp"
+
+namespace residency::cudapreload {
+namespace {
+
+using cuda::ContextScope;
+using cuda::CudaBackend;
+using cuda::testing::HostGpu;
+
+constexpr std::size_t kMiB = std::size_t{1} << 20;
+constexpr int kVersion = 12080;  // what a CUDA 12.8 runtime asks for
+
+HostGpu& gpu() { return HostGpu::instance(); }
+
+// The test's session, and what the "real" functions saw (the wrappers are process-wide: the same
+// real functions in every test).
+ProgramSession* g_session = nullptr;
+std::atomic<int> g_real_allocs{0};
+std::atomic<std::uint64_t> g_mapped_at_launch{0};
+CUdeviceptr g_launch_reads = 0;
+std::size_t g_launch_bytes = 0;
+std::atomic<int> g_ipc_calls{0};
+
+CUresult CUDAAPI real_alloc(CUdeviceptr* p, size_t n) {
+  ++g_real_allocs;
+  return gpu().driver().cuMemAlloc(p, n);
+}
+// A kernel that reads its buffer: what of it the device maps when it runs.
+CUresult CUDAAPI real_launch(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, CUstream,
+                             void**, void**) {
+  g_mapped_at_launch = gpu().mapped_bytes(g_launch_reads, g_launch_bytes);
+  return CUDA_SUCCESS;
+}
+CUresult CUDAAPI real_graph_launch(CUgraphExec, CUstream) {
+  g_mapped_at_launch = gpu().mapped_bytes(g_launch_reads, g_launch_bytes);
+  return CUDA_SUCCESS;
+}
+CUresult CUDAAPI real_managed(CUdeviceptr*, size_t, unsigned) { return CUDA_ERROR_NOT_SUPPORTED; }
+CUresult CUDAAPI real_ipc(CUipcMemHandle*, CUdeviceptr) {
+  ++g_ipc_calls;
+  return CUDA_SUCCESS;
+}
+
+class CudaHooksTest : public ::testing::Test {
+ protected:
+  ManualClock clock{Nanos(std::chrono::hours(1))};
+  std::shared_ptr<CudaBackend> backend;
+  std::unique_ptr<ProgramSession> session;
+  testing::LogCapture logs;
+
+  void SetUp() override {
+    gpu().reset();
+    g_real_allocs = 0;
+    g_ipc_calls = 0;
+    CudaBackendOptions o;
+    o.chunk_bytes = 8 * kMiB;
+    auto made = CudaBackend::create(o, gpu().driver());
+    ASSERT_TRUE(made) << made.message();
+    backend = *made;
+    ProgramSession::Options so;
+    so.config.keep_alive = KeepAlive::after(std::chrono::seconds(10));
+    so.config.release_on_pressure = false;
+    so.config.log_level = LogLevel::debug;
+    so.backends = [this](int, const Config&) -> Result<std::shared_ptr<Backend>> {
+      return std::shared_ptr<Backend>(backend);
+    };
+    so.clock = &clock;
+    so.log = [this](LogLevel l, std::string_view line) { logs.callback()(l, line); };
+    so.start_schedulers = false;
+    session = std::make_unique<ProgramSession>(std::move(so));
+    g_session = session.get();
+    HookEnv env;
+    env.session = []() noexcept { return g_session; };
+    env.driver_device = []() noexcept { return 0; };
+    env.warn_once = [](int, const char* line) noexcept { g_session->log().warn(line); };
+    set_hook_env(env);
+  }
+  void TearDown() override {
+    set_hook_env(HookEnv{});
+    session.reset();
+    g_session = nullptr;
+    backend.reset();
+    EXPECT_EQ(gpu().live(), "") << "everything the backend made is given back";
+  }
+
+  template <class Fn>
+  static Fn wrapped(const char* name, Fn real) {
+    return reinterpret_cast<Fn>(wrap_driver(name, kVersion, false, reinterpret_cast<void*>(real)));
+  }
+  // The keep-alive runs out.
+  void idle() {
+    clock.advance(std::chrono::seconds(11));
+    session->manager(0)->run_due();
+  }
+  ContextScope context() { return ContextScope(gpu().driver(), backend->context()); }
+
+  static std::vector<char> pattern(std::size_t n, char seed) {
+    std::vector<char> v(n);
+    for (std::size_t i = 0; i < n; ++i) v[i] = static_cast<char>(seed + static_cast<char>(i * 131 % 251));
+    return v;
+  }
+};
+
+TEST_F(CudaHooksTest, OnlyTheHookedFunctionsAtTheirAbiAreWrapped) {
+  const auto real = reinterpret_cast<void*>(&real_alloc);
+  EXPECT_NE(wrap_driver("cuMemAlloc", kVersion, false, real), real);
+  EXPECT_EQ(wrap_driver("cuMemAlloc", 3010, false, real), real) << "before 3.2 it had another ABI (32-bit sizes)";
+  EXPECT_EQ(wrap_driver("cuCtxCreate", kVersion, false, real), real) << "not hooked";
+  EXPECT_EQ(wrap_driver(nullptr, kVersion, false, real), real);
+  EXPECT_EQ(wrap_driver("cuMemAlloc", kVersion, false, nullptr), nullptr);
+  EXPECT_TRUE(hooks_driver_function("cuLaunchKernel"));
+  EXPECT_TRUE(hooks_driver_function("cuGraphLaunch"));
+  EXPECT_FALSE(hooks_driver_function("cuMemAlloc_v2")) << "cuGetProcAddress names functions without the suffix";
+  EXPECT_FALSE(session->stood_aside());
+}
+
+TEST_F(CudaHooksTest, AnAllocationSleepsAndWakesAtItsAddressWithItsBytesWhenTheProgramCopiesFromIt) {
+  const auto alloc = wrapped("cuMemAlloc", &real_alloc);
+  const auto free_ = wrapped("cuMemFree", gpu().driver().cuMemFree);
+  const auto htod = wrapped("cuMemcpyHtoD", gpu().driver().cuMemcpyHtoD);
+  const auto dtoh = wrapped("cuMemcpyDtoH", gpu().driver().cuMemcpyDtoH);
+  const std::size_t n = 24 * kMiB;
+  CUdeviceptr p = 0;
+  ASSERT_EQ(alloc(&p, n), CUDA_SUCCESS);
+  EXPECT_EQ(g_real_allocs, 0) << "routed: the driver's own cuMemAlloc was not called";
+  EXPECT_EQ(gpu().mapped_bytes(p, n), n);
+  const auto bytes = pattern(n, 3);
+  {
+    auto c = context();
+    ASSERT_EQ(htod(p, bytes.data(), n), CUDA_SUCCESS);
+  }
+  const std::uint64_t used_awake = gpu().used();
+  idle();
+  EXPECT_EQ(gpu().mapped_bytes(p, n), 0u) << "asleep: nothing mapped at its address";
+  EXPECT_LE(gpu().used() + n, used_awake) << "the device memory went back to the driver";
+
+  std::vector<char> back(n);
+  {
+    auto c = context();
+    ASSERT_EQ(dtoh(back.data(), p, n), CUDA_SUCCESS) << "the copy woke the memory first";
+  }
+  EXPECT_EQ(gpu().mapped_bytes(p, n), n);
+  EXPECT_TRUE(back == bytes) << "the same bytes at the same address";
+
+  {
+    auto c = context();
+    CUdeviceptr small = 0;
+    ASSERT_EQ(alloc(&small, kMiB), CUDA_SUCCESS);
+    EXPECT_EQ(g_real_allocs, 1) << "below 2 MiB: the driver's";
+    EXPECT_EQ(free_(small), CUDA_SUCCESS);
+  }
+  EXPECT_EQ(free_(p), CUDA_SUCCESS);
+  EXPECT_EQ(session->routed_bytes(), 0u);
+}
+
+TEST_F(CudaHooksTest, ALaunchWhileAsleepRunsOnMappedMemory) {
+  const auto alloc = wrapped("cuMemAlloc", &real_alloc);
+  const auto launch = wrapped("cuLaunchKernel", &real_launch);
+  const auto graph = wrapped("cuGraphLaunch", &real_graph_launch);
+  const std::size_t n = 16 * kMiB;
+  CUdeviceptr p = 0;
+  ASSERT_EQ(alloc(&p, n), CUDA_SUCCESS);
+  g_launch_reads = p;
+  g_launch_bytes = n;
+  idle();
+  ASSERT_EQ(gpu().mapped_bytes(p, n), 0u);
+  ASSERT_EQ(launch(nullptr, 1, 1, 1, 1, 1, 1, 0, nullptr, nullptr, nullptr), CUDA_SUCCESS);
+  EXPECT_EQ(g_mapped_at_launch, n) << "the kernel ran on mapped memory";
+  idle();
+  ASSERT_EQ(gpu().mapped_bytes(p, n), 0u);
+  g_mapped_at_launch = 0;
+  ASSERT_EQ(graph(nullptr, nullptr), CUDA_SUCCESS);
+  EXPECT_EQ(g_mapped_at_launch, n) << "a graph launch wakes it first too";
+  ASSERT_EQ(session->free(reinterpret_cast<void*>(p)), true);
+}
+
+TEST_F(CudaHooksTest, AWeightsRegionIsCopiedAtItsFirstSleepThenOnlyWhereTheProgramWrote) {
+  const auto alloc = wrapped("cuMemAlloc", &real_alloc);
+  const auto htod = wrapped("cuMemcpyHtoD", gpu().driver().cuMemcpyHtoD);
+  const auto memset8 = wrapped("cuMemsetD8", gpu().driver().cuMemsetD8);
+  const auto dtoh = wrapped("cuMemcpyDtoH", gpu().driver().cuMemcpyDtoH);
+  const std::size_t n = 32 * kMiB;  // four 8 MiB chunks
+  CUdeviceptr w = 0, k = 0;
+  ASSERT_TRUE(push_region(Tag::weights));
+  ASSERT_EQ(alloc(&w, n), CUDA_SUCCESS);
+  ASSERT_TRUE(pop_region());
+  ASSERT_EQ(alloc(&k, n), CUDA_SUCCESS);  // no region: its writes cannot be known
+  auto bytes = pattern(n, 9);
+  {
+    auto c = context();
+    ASSERT_EQ(htod(w, bytes.data(), n), CUDA_SUCCESS);
+    ASSERT_EQ(htod(k, bytes.data(), n), CUDA_SUCCESS);
+  }
+  std::uint64_t before = backend->bytes_copied_to_host();
+  idle();
+  EXPECT_EQ(backend->bytes_copied_to_host() - before, 2 * n) << "the first sleep copies both";
+
+  {
+    auto c = context();
+    ASSERT_EQ(memset8(w + 9 * kMiB, 0x5a, 4096), CUDA_SUCCESS);  // wakes both; writes one chunk of w
+  }
+  std::memset(bytes.data() + 9 * kMiB, 0x5a, 4096);
+  before = backend->bytes_copied_to_host();
+  idle();
+  EXPECT_EQ(backend->bytes_copied_to_host() - before, n + 8 * kMiB)
+      << "the untagged allocation whole, of the weights only the chunk the memset wrote";
+
+  std::vector<char> back(n);
+  {
+    auto c = context();
+    ASSERT_EQ(dtoh(back.data(), w, n), CUDA_SUCCESS);
+  }
+  EXPECT_TRUE(back == bytes) << "the weights after two sleeps, the memset's bytes included";
+  EXPECT_TRUE(session->free(reinterpret_cast<void*>(w)));
+  EXPECT_TRUE(session->free(reinterpret_cast<void*>(k)));
+}
+
+TEST_F(CudaHooksTest, AnIpcExportOfManagedMemoryStandsAsideAndTheCallGoesThrough) {
+  const auto alloc = wrapped("cuMemAlloc", &real_alloc);
+  const auto ipc = wrapped("cuIpcGetMemHandle", &real_ipc);
+  CUdeviceptr p = 0, q = 0;
+  ASSERT_EQ(alloc(&p, 8 * kMiB), CUDA_SUCCESS);
+  CUipcMemHandle h{};
+  int outside = 0;
+  EXPECT_EQ(ipc(&h, reinterpret_cast<CUdeviceptr>(&outside)), CUDA_SUCCESS);
+  EXPECT_FALSE(session->stood_aside()) << "memory the preload does not manage: nothing to say";
+  idle();
+  EXPECT_EQ(ipc(&h, p), CUDA_SUCCESS);
+  EXPECT_EQ(g_ipc_calls, 2) << "forwarded both times";
+  EXPECT_TRUE(session->stood_aside());
+  EXPECT_TRUE(logs.contains(LogLevel::warn, "over CUDA IPC (cuIpcGetMemHandle)"));
+  EXPECT_EQ(gpu().mapped_bytes(p, 8 * kMiB), 8 * kMiB) << "woken, and held from then on";
+  idle();
+  EXPECT_EQ(gpu().mapped_bytes(p, 8 * kMiB), 8 * kMiB);
+  {
+    auto c = context();
+    ASSERT_EQ(alloc(&q, 8 * kMiB), CUDA_SUCCESS);
+    EXPECT_EQ(g_real_allocs, 1) << "new allocations are the driver's";
+    EXPECT_EQ(gpu().driver().cuMemFree(q), CUDA_SUCCESS);
+  }
+  EXPECT_TRUE(session->free(reinterpret_cast<void*>(p)));
+}
+
+TEST_F(CudaHooksTest, AFunctionOfANewerCudaThanThePreloadKnowsIsNotWrappedAndTheSessionStandsAside) {
+  const auto real = reinterpret_cast<void*>(&real_launch);
+  EXPECT_EQ(wrap_driver("cuLaunchKernel", 99000, false, real), real);
+  EXPECT_TRUE(session->stood_aside());
+  EXPECT_TRUE(logs.contains(LogLevel::warn, "cuLaunchKernel of CUDA 99.0, newer than this preload knows"));
+}
+
+TEST_F(CudaHooksTest, ManagedMemoryAndTheProgramsOwnMappingsAreSaidOnceAndForwarded) {
+  const auto managed = wrapped("cuMemAllocManaged", &real_managed);
+  CUdeviceptr p = 0;
+  EXPECT_EQ(managed(&p, 4 * kMiB, CU_MEM_ATTACH_GLOBAL), CUDA_ERROR_NOT_SUPPORTED) << "the driver's answer, as it is";
+  EXPECT_TRUE(logs.contains(LogLevel::warn, "managed (unified) memory (cuMemAllocManaged)"));
+  EXPECT_FALSE(session->stood_aside());
+}
+
+}  // namespace
+}  // namespace residency::cudapreload
