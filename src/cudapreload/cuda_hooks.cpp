@@ -35,6 +35,12 @@ bool pop_region() noexcept {
 }
 Tag current_region() noexcept { return t_depth > 0 ? t_regions[t_depth - 1] : Tag::unknown; }
 
+bool may_route(std::size_t size) noexcept {
+  if (size < ProgramRules::kMinRoutedBytes) return false;
+  const ProgramSession* s = session();
+  return s != nullptr && s->routes();
+}
+
 ProgramSession::Allocation route_allocation(int device, std::size_t size) noexcept {
   if (size < ProgramRules::kMinRoutedBytes || device < 0) return {};
   ProgramSession* s = session();
@@ -63,7 +69,8 @@ void ipc_export(const void* ptr, const char* call) noexcept {
 }
 
 void unmanaged_memory(int key, const char* call) noexcept {
-  if (g_env.warn_once == nullptr) return;
+  const ProgramSession* s = session();
+  if (g_env.warn_once == nullptr || s == nullptr || !s->routes()) return;  // residency is off: nothing to say
   try {
     std::string line;
     if (key == kManagedMemory)
@@ -73,8 +80,7 @@ void unmanaged_memory(int key, const char* call) noexcept {
       line = std::string("the program maps physical device memory itself (") + call +
              ", as PyTorch's expandable_segments does): that memory stays on the GPU (no sleep) and counts "
              "against no budget; without expandable_segments its allocations are managed";
-    else
-      line = std::string(call);
+    else line = std::string(call);
     g_env.warn_once(key, line.c_str());
   } catch (...) {
   }
@@ -85,12 +91,37 @@ namespace {
 // ---- The driver's functions the preload wraps ----
 
 enum Index : int {
-  kMemAlloc, kMemFree, kMemAllocAsync, kMemFreeAsync,
-  kLaunchKernel, kLaunchKernelEx, kLaunchCooperativeKernel, kGraphLaunch,
-  kMemcpy, kMemcpyAsync, kMemcpyHtoD, kMemcpyHtoDAsync, kMemcpyDtoH, kMemcpyDtoHAsync, kMemcpyDtoD, kMemcpyDtoDAsync,
-  kMemcpy2D, kMemcpy2DAsync, kMemcpy3D, kMemcpy3DAsync, kMemcpyPeer, kMemcpyPeerAsync,
-  kMemsetD8, kMemsetD8Async, kMemsetD16, kMemsetD16Async, kMemsetD32, kMemsetD32Async,
-  kIpcGetMemHandle, kMemCreate, kMemAllocManaged,
+  kMemAlloc,
+  kMemFree,
+  kMemAllocAsync,
+  kMemFreeAsync,
+  kLaunchKernel,
+  kLaunchKernelEx,
+  kLaunchCooperativeKernel,
+  kGraphLaunch,
+  kMemcpy,
+  kMemcpyAsync,
+  kMemcpyHtoD,
+  kMemcpyHtoDAsync,
+  kMemcpyDtoH,
+  kMemcpyDtoHAsync,
+  kMemcpyDtoD,
+  kMemcpyDtoDAsync,
+  kMemcpy2D,
+  kMemcpy2DAsync,
+  kMemcpy3D,
+  kMemcpy3DAsync,
+  kMemcpyPeer,
+  kMemcpyPeerAsync,
+  kMemsetD8,
+  kMemsetD8Async,
+  kMemsetD16,
+  kMemsetD16Async,
+  kMemsetD32,
+  kMemsetD32Async,
+  kIpcGetMemHandle,
+  kMemCreate,
+  kMemAllocManaged,
   kCount
 };
 
@@ -114,11 +145,13 @@ struct Span {
   std::size_t bytes = 0;
 };
 Span dst_of(const CUDA_MEMCPY2D* p) noexcept {
-  if (p == nullptr || (p->dstMemoryType != CU_MEMORYTYPE_DEVICE && p->dstMemoryType != CU_MEMORYTYPE_UNIFIED)) return {};
+  if (p == nullptr || (p->dstMemoryType != CU_MEMORYTYPE_DEVICE && p->dstMemoryType != CU_MEMORYTYPE_UNIFIED))
+    return {};
   return {p->dstDevice + p->dstY * p->dstPitch + p->dstXInBytes, p->Height * std::max(p->dstPitch, p->WidthInBytes)};
 }
 Span dst_of(const CUDA_MEMCPY3D* p) noexcept {
-  if (p == nullptr || (p->dstMemoryType != CU_MEMORYTYPE_DEVICE && p->dstMemoryType != CU_MEMORYTYPE_UNIFIED)) return {};
+  if (p == nullptr || (p->dstMemoryType != CU_MEMORYTYPE_DEVICE && p->dstMemoryType != CU_MEMORYTYPE_UNIFIED))
+    return {};
   const std::size_t pitch = std::max(p->dstPitch, p->WidthInBytes);
   const std::size_t rows = std::max(p->dstHeight, p->Height);
   return {p->dstDevice + (p->dstZ * rows + p->dstY) * pitch + p->dstXInBytes, p->Depth * rows * pitch};
@@ -128,7 +161,7 @@ template <bool PT>
 struct Wrap {
   // Allocation and free.
   static CUresult CUDAAPI MemAlloc(CUdeviceptr* dptr, size_t bytes) {
-    if (dptr != nullptr) {
+    if (dptr != nullptr && may_route(bytes)) {
       const auto a = route_allocation(current_driver_device(), bytes);
       if (a.outcome == ProgramSession::Allocation::Outcome::routed) return *dptr = as_dptr(a.ptr), CUDA_SUCCESS;
       if (a.outcome == ProgramSession::Allocation::Outcome::out_of_memory) return CUDA_ERROR_OUT_OF_MEMORY;
@@ -142,7 +175,7 @@ struct Wrap {
   // Stream-ordered: a routed allocation is usable at once, which is all a stream order promises; a
   // routed free waits for the device first.
   static CUresult CUDAAPI MemAllocAsync(CUdeviceptr* dptr, size_t bytes, CUstream s) {
-    if (dptr != nullptr) {
+    if (dptr != nullptr && may_route(bytes)) {
       const auto a = route_allocation(current_driver_device(), bytes);
       if (a.outcome == ProgramSession::Allocation::Outcome::routed) return *dptr = as_dptr(a.ptr), CUDA_SUCCESS;
       if (a.outcome == ProgramSession::Allocation::Outcome::out_of_memory) return CUDA_ERROR_OUT_OF_MEMORY;
@@ -306,8 +339,10 @@ struct Hooked {
   void* wrapper[2];
 };
 
-#define RESIDENCY_HOOKED(name, since, fn) \
-  { name, since, k##fn, {reinterpret_cast<void*>(&Wrap<false>::fn), reinterpret_cast<void*>(&Wrap<true>::fn)} }
+#define RESIDENCY_HOOKED(name, since, fn)                                                                       \
+  {                                                                                                             \
+    name, since, k##fn, { reinterpret_cast<void*>(&Wrap<false>::fn), reinterpret_cast<void*>(&Wrap<true>::fn) } \
+  }
 const Hooked kHooked[] = {
     RESIDENCY_HOOKED("cuMemAlloc", 3020, MemAlloc),
     RESIDENCY_HOOKED("cuMemFree", 3020, MemFree),
@@ -374,12 +409,12 @@ void* wrap_driver(const char* name, int cuda_version, bool per_thread, void* rea
   const int first = per_thread ? 1 : 0;
   for (const int v : {first, 1 - first}) {
     void* expected = nullptr;
-    if (g_real[v][h->index].compare_exchange_strong(expected, real_fn, std::memory_order_acq_rel) ||
-        expected == real_fn)
+    if (g_real[v][h->index].compare_exchange_strong(expected, real_fn, std::memory_order_acq_rel) || expected == real_fn)
       return h->wrapper[v];
   }
   if (ProgramSession* s = session())
-    s->stand_aside(std::string("a third variant of the driver's ") + name + " was asked for, which this preload cannot wrap");
+    s->stand_aside(std::string("a third variant of the driver's ") + name +
+                   " was asked for, which this preload cannot wrap");
   return real_fn;
 }
 

@@ -40,6 +40,8 @@ const HookEnv& hook_env() noexcept;
 
 // ---- The actions, shared by the runtime's and the driver's hooks ----
 
+// Whether an allocation of `size` bytes may be routed (asked before the current device is).
+bool may_route(std::size_t size) noexcept;
 // An allocation of `size` bytes on `device`, with the tag of the region open on this thread.
 ProgramSession::Allocation route_allocation(int device, std::size_t size) noexcept;
 // A free: true when `ptr` was routed (the session let it go).

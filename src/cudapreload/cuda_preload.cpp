@@ -77,20 +77,23 @@ ProgramSession* make_session() noexcept {
     auto config = Config::from_env();
     if (!config) {
       std::string msg = config.message();
-      for (std::size_t p = msg.find('\n'); p != std::string::npos; p = msg.find('\n', p)) msg.replace(p, 1, kWithout + std::string("; "));
+      for (std::size_t p = msg.find('\n'); p != std::string::npos; p = msg.find('\n', p))
+        msg.replace(p, 1, kWithout + std::string("; "));
       warn(msg + kWithout);
       return nullptr;
     }
     const preload::SessionLog log(config->log_level, config->log_time);
-    if (const void* first = ::dlsym(RTLD_DEFAULT, "residency_cuda_preload_instance"); first != nullptr && !is_this_copy(first)) {
+    if (const void* first = ::dlsym(RTLD_DEFAULT, "residency_cuda_preload_instance");
+        first != nullptr && !is_this_copy(first)) {
       log.warn("a second copy of the CUDA preload is loaded; this copy stays out of the way");
       return nullptr;
     }
     // The llama.cpp preload manages a llama.cpp program's device memory itself (its buffers, its
     // decodes): one of them, never both.
     if (::dlsym(RTLD_DEFAULT, "residency_preload_instance") != nullptr) {
-      log.warn("libresidency_preload.so is loaded too and manages this program's device memory; the CUDA preload "
-               "(libresidency_cuda.so) stays out of the way");
+      log.warn(
+          "libresidency_preload.so is loaded too and manages this program's device memory; the CUDA preload "
+          "(libresidency_cuda.so) stays out of the way");
       return nullptr;
     }
     if (const int err = ::pthread_atfork(nullptr, nullptr, &on_fork_child); err != 0) {
@@ -168,16 +171,16 @@ int runtime_device(const void* caller) noexcept {
 namespace rc = residency::cudapreload;
 
 // The real function of the exported `sym` (type `Fn`), or return `missing` from the hook.
-#define RESIDENCY_NEXT(Fn, sym, missing)                                                          \
-  static std::atomic<void*> next_##sym{nullptr};                                                 \
+#define RESIDENCY_NEXT(Fn, sym, missing)                                                                    \
+  static std::atomic<void*> next_##sym{nullptr};                                                            \
   const auto next = reinterpret_cast<Fn>(rc::next_function(next_##sym, #sym, __builtin_return_address(0))); \
   if (next == nullptr) return missing
 
 // ---- The driver API by symbol (programs and libraries linked with -lcuda) ----
 // Each goes through the same wrapper cuGetProcAddress hands out, at this build's CUDA version.
-#define RESIDENCY_DRIVER_EXPORT(sym, base, Fn, params, args)                                        \
-  RESIDENCY_CUDA_EXPORT CUresult CUDAAPI sym params {                                             \
-    RESIDENCY_NEXT(Fn, sym, CUDA_ERROR_NOT_INITIALIZED);                                          \
+#define RESIDENCY_DRIVER_EXPORT(sym, base, Fn, params, args)                                                     \
+  RESIDENCY_CUDA_EXPORT CUresult CUDAAPI sym params {                                                            \
+    RESIDENCY_NEXT(Fn, sym, CUDA_ERROR_NOT_INITIALIZED);                                                         \
     return reinterpret_cast<Fn>(rc::wrap_driver(base, CUDA_VERSION, false, reinterpret_cast<void*>(next))) args; \
   }
 
@@ -200,15 +203,16 @@ RESIDENCY_DRIVER_EXPORT(cuGraphLaunch, "cuGraphLaunch", PFN_cuGraphLaunch_v10000
 RESIDENCY_DRIVER_EXPORT(cuMemcpy, "cuMemcpy", PFN_cuMemcpy_v4000, (CUdeviceptr d, CUdeviceptr s, size_t n), (d, s, n))
 RESIDENCY_DRIVER_EXPORT(cuMemcpyAsync, "cuMemcpyAsync", PFN_cuMemcpyAsync_v4000,
                         (CUdeviceptr d, CUdeviceptr s, size_t n, CUstream st), (d, s, n, st))
-RESIDENCY_DRIVER_EXPORT(cuMemcpyHtoD_v2, "cuMemcpyHtoD", PFN_cuMemcpyHtoD_v3020, (CUdeviceptr d, const void* s, size_t n),
-                        (d, s, n))
+RESIDENCY_DRIVER_EXPORT(cuMemcpyHtoD_v2, "cuMemcpyHtoD", PFN_cuMemcpyHtoD_v3020,
+                        (CUdeviceptr d, const void* s, size_t n), (d, s, n))
 RESIDENCY_DRIVER_EXPORT(cuMemcpyHtoDAsync_v2, "cuMemcpyHtoDAsync", PFN_cuMemcpyHtoDAsync_v3020,
                         (CUdeviceptr d, const void* s, size_t n, CUstream st), (d, s, n, st))
-RESIDENCY_DRIVER_EXPORT(cuMemcpyDtoH_v2, "cuMemcpyDtoH", PFN_cuMemcpyDtoH_v3020, (void* d, CUdeviceptr s, size_t n), (d, s, n))
+RESIDENCY_DRIVER_EXPORT(cuMemcpyDtoH_v2, "cuMemcpyDtoH", PFN_cuMemcpyDtoH_v3020, (void* d, CUdeviceptr s, size_t n),
+                        (d, s, n))
 RESIDENCY_DRIVER_EXPORT(cuMemcpyDtoHAsync_v2, "cuMemcpyDtoHAsync", PFN_cuMemcpyDtoHAsync_v3020,
                         (void* d, CUdeviceptr s, size_t n, CUstream st), (d, s, n, st))
-RESIDENCY_DRIVER_EXPORT(cuMemcpyDtoD_v2, "cuMemcpyDtoD", PFN_cuMemcpyDtoD_v3020, (CUdeviceptr d, CUdeviceptr s, size_t n),
-                        (d, s, n))
+RESIDENCY_DRIVER_EXPORT(cuMemcpyDtoD_v2, "cuMemcpyDtoD", PFN_cuMemcpyDtoD_v3020,
+                        (CUdeviceptr d, CUdeviceptr s, size_t n), (d, s, n))
 RESIDENCY_DRIVER_EXPORT(cuMemcpyDtoDAsync_v2, "cuMemcpyDtoDAsync", PFN_cuMemcpyDtoDAsync_v3020,
                         (CUdeviceptr d, CUdeviceptr s, size_t n, CUstream st), (d, s, n, st))
 RESIDENCY_DRIVER_EXPORT(cuMemcpy2D_v2, "cuMemcpy2D", PFN_cuMemcpy2D_v3020, (const CUDA_MEMCPY2D* p), (p))
@@ -226,8 +230,8 @@ RESIDENCY_DRIVER_EXPORT(cuMemsetD8_v2, "cuMemsetD8", PFN_cuMemsetD8_v3020, (CUde
                         (d, v, n))
 RESIDENCY_DRIVER_EXPORT(cuMemsetD8Async, "cuMemsetD8Async", PFN_cuMemsetD8Async_v3020,
                         (CUdeviceptr d, unsigned char v, size_t n, CUstream st), (d, v, n, st))
-RESIDENCY_DRIVER_EXPORT(cuMemsetD16_v2, "cuMemsetD16", PFN_cuMemsetD16_v3020, (CUdeviceptr d, unsigned short v, size_t n),
-                        (d, v, n))
+RESIDENCY_DRIVER_EXPORT(cuMemsetD16_v2, "cuMemsetD16", PFN_cuMemsetD16_v3020,
+                        (CUdeviceptr d, unsigned short v, size_t n), (d, v, n))
 RESIDENCY_DRIVER_EXPORT(cuMemsetD16Async, "cuMemsetD16Async", PFN_cuMemsetD16Async_v3020,
                         (CUdeviceptr d, unsigned short v, size_t n, CUstream st), (d, v, n, st))
 RESIDENCY_DRIVER_EXPORT(cuMemsetD32_v2, "cuMemsetD32", PFN_cuMemsetD32_v3020, (CUdeviceptr d, unsigned int v, size_t n),
@@ -255,7 +259,7 @@ void* hand_out(const char* symbol, void* real, int cuda_version, std::uint64_t f
 }  // namespace residency::cudapreload
 
 RESIDENCY_CUDA_EXPORT CUresult CUDAAPI cuGetProcAddress_v2(const char* symbol, void** pfn, int cuda_version,
-                                                          cuuint64_t flags, CUdriverProcAddressQueryResult* found) {
+                                                           cuuint64_t flags, CUdriverProcAddressQueryResult* found) {
   RESIDENCY_NEXT(PFN_cuGetProcAddress_v12000, cuGetProcAddress_v2, CUDA_ERROR_NOT_INITIALIZED);
   const CUresult r = next(symbol, pfn, cuda_version, flags, found);
   if (r == CUDA_SUCCESS && pfn != nullptr) *pfn = rc::hand_out(symbol, *pfn, cuda_version, flags);
@@ -264,9 +268,9 @@ RESIDENCY_CUDA_EXPORT CUresult CUDAAPI cuGetProcAddress_v2(const char* symbol, v
 
 // The CUDA 11.3-11.8 form ("cuGetProcAddress" without _v2; <cuda.h> renames the name itself).
 extern "C" CUresult CUDAAPI residency_cuGetProcAddress_v1(const char* symbol, void** pfn, int cuda_version,
-                                                         cuuint64_t flags) __asm__("cuGetProcAddress");
+                                                          cuuint64_t flags) __asm__("cuGetProcAddress");
 RESIDENCY_CUDA_EXPORT CUresult CUDAAPI residency_cuGetProcAddress_v1(const char* symbol, void** pfn, int cuda_version,
-                                                                    cuuint64_t flags) {
+                                                                     cuuint64_t flags) {
   RESIDENCY_NEXT(PFN_cuGetProcAddress_v11030, cuGetProcAddress, CUDA_ERROR_NOT_INITIALIZED);
   const CUresult r = next(symbol, pfn, cuda_version, flags);
   if (r == CUDA_SUCCESS && pfn != nullptr) *pfn = rc::hand_out(symbol, *pfn, cuda_version, flags);
@@ -291,19 +295,20 @@ void* hand_out(const char* symbol, void* real, int cuda_version, std::uint64_t f
 
 // cudaGetDriverEntryPoint (the runtime's version) and ...ByVersion: the same hand-out.
 RESIDENCY_CUDA_EXPORT rc::cudaError_t cudaGetDriverEntryPointByVersion(const char* symbol, void** fn, unsigned version,
-                                                                      unsigned long long flags, int* status) {
-  RESIDENCY_NEXT(rc::cudaError_t (*)(const char*, void**, unsigned, unsigned long long, int*),
+                                                                       unsigned long long flags, int* status) {
+  RESIDENCY_NEXT(rc::cudaError_t(*)(const char*, void**, unsigned, unsigned long long, int*),
                  cudaGetDriverEntryPointByVersion, rc::kCudaErrorInitialization);
   const rc::cudaError_t r = next(symbol, fn, version, flags, status);
   // cudaEnablePerThreadDefaultStream is 2 (driver_types.h)
   if (r == rc::kCudaSuccess && fn != nullptr)
-    *fn = rc::hand_out(symbol, *fn, static_cast<int>(version), (flags & 2U) != 0 ? CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM : 0);
+    *fn = rc::hand_out(symbol, *fn, static_cast<int>(version),
+                       (flags & 2U) != 0 ? CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM : 0);
   return r;
 }
 
 RESIDENCY_CUDA_EXPORT rc::cudaError_t cudaGetDriverEntryPoint(const char* symbol, void** fn, unsigned long long flags,
-                                                             int* status) {
-  RESIDENCY_NEXT(rc::cudaError_t (*)(const char*, void**, unsigned long long, int*), cudaGetDriverEntryPoint,
+                                                              int* status) {
+  RESIDENCY_NEXT(rc::cudaError_t(*)(const char*, void**, unsigned long long, int*), cudaGetDriverEntryPoint,
                  rc::kCudaErrorInitialization);
   const rc::cudaError_t r = next(symbol, fn, flags, status);
   if (r != rc::kCudaSuccess || fn == nullptr) return r;
@@ -323,7 +328,7 @@ namespace {
 
 template <class Real>
 rc::cudaError_t runtime_alloc(void** p, size_t n, const void* caller, Real real) noexcept {
-  if (p != nullptr && n >= rc::ProgramRules::kMinRoutedBytes) {
+  if (p != nullptr && rc::may_route(n)) {
     const auto a = rc::route_allocation(rc::runtime_device(caller), n);
     if (a.outcome == rc::ProgramSession::Allocation::Outcome::routed) return *p = a.ptr, rc::kCudaSuccess;
     if (a.outcome == rc::ProgramSession::Allocation::Outcome::out_of_memory) return rc::kCudaErrorMemoryAllocation;
@@ -334,36 +339,36 @@ rc::cudaError_t runtime_alloc(void** p, size_t n, const void* caller, Real real)
 }  // namespace
 
 RESIDENCY_CUDA_EXPORT rc::cudaError_t cudaMalloc(void** p, size_t n) {
-  RESIDENCY_NEXT(rc::cudaError_t (*)(void**, size_t), cudaMalloc, rc::kCudaErrorInitialization);
+  RESIDENCY_NEXT(rc::cudaError_t(*)(void**, size_t), cudaMalloc, rc::kCudaErrorInitialization);
   return runtime_alloc(p, n, __builtin_return_address(0), [&] { return next(p, n); });
 }
 RESIDENCY_CUDA_EXPORT rc::cudaError_t cudaFree(void* p) {
-  RESIDENCY_NEXT(rc::cudaError_t (*)(void*), cudaFree, rc::kCudaErrorInitialization);
+  RESIDENCY_NEXT(rc::cudaError_t(*)(void*), cudaFree, rc::kCudaErrorInitialization);
   return rc::route_free(p) ? rc::kCudaSuccess : next(p);
 }
 RESIDENCY_CUDA_EXPORT rc::cudaError_t cudaMallocAsync(void** p, size_t n, CUstream s) {
-  RESIDENCY_NEXT(rc::cudaError_t (*)(void**, size_t, CUstream), cudaMallocAsync, rc::kCudaErrorInitialization);
+  RESIDENCY_NEXT(rc::cudaError_t(*)(void**, size_t, CUstream), cudaMallocAsync, rc::kCudaErrorInitialization);
   return runtime_alloc(p, n, __builtin_return_address(0), [&] { return next(p, n, s); });
 }
 RESIDENCY_CUDA_EXPORT rc::cudaError_t cudaMallocAsync_ptsz(void** p, size_t n, CUstream s) {
-  RESIDENCY_NEXT(rc::cudaError_t (*)(void**, size_t, CUstream), cudaMallocAsync_ptsz, rc::kCudaErrorInitialization);
+  RESIDENCY_NEXT(rc::cudaError_t(*)(void**, size_t, CUstream), cudaMallocAsync_ptsz, rc::kCudaErrorInitialization);
   return runtime_alloc(p, n, __builtin_return_address(0), [&] { return next(p, n, s); });
 }
 RESIDENCY_CUDA_EXPORT rc::cudaError_t cudaFreeAsync(void* p, CUstream s) {
-  RESIDENCY_NEXT(rc::cudaError_t (*)(void*, CUstream), cudaFreeAsync, rc::kCudaErrorInitialization);
+  RESIDENCY_NEXT(rc::cudaError_t(*)(void*, CUstream), cudaFreeAsync, rc::kCudaErrorInitialization);
   return rc::route_free(p) ? rc::kCudaSuccess : next(p, s);
 }
 RESIDENCY_CUDA_EXPORT rc::cudaError_t cudaFreeAsync_ptsz(void* p, CUstream s) {
-  RESIDENCY_NEXT(rc::cudaError_t (*)(void*, CUstream), cudaFreeAsync_ptsz, rc::kCudaErrorInitialization);
+  RESIDENCY_NEXT(rc::cudaError_t(*)(void*, CUstream), cudaFreeAsync_ptsz, rc::kCudaErrorInitialization);
   return rc::route_free(p) ? rc::kCudaSuccess : next(p, s);
 }
 RESIDENCY_CUDA_EXPORT rc::cudaError_t cudaMallocManaged(void** p, size_t n, unsigned flags) {
-  RESIDENCY_NEXT(rc::cudaError_t (*)(void**, size_t, unsigned), cudaMallocManaged, rc::kCudaErrorInitialization);
+  RESIDENCY_NEXT(rc::cudaError_t(*)(void**, size_t, unsigned), cudaMallocManaged, rc::kCudaErrorInitialization);
   rc::unmanaged_memory(rc::kManagedMemory, "cudaMallocManaged");
   return next(p, n, flags);
 }
 RESIDENCY_CUDA_EXPORT rc::cudaError_t cudaIpcGetMemHandle(void* handle, void* p) {
-  RESIDENCY_NEXT(rc::cudaError_t (*)(void*, void*), cudaIpcGetMemHandle, rc::kCudaErrorInitialization);
+  RESIDENCY_NEXT(rc::cudaError_t(*)(void*, void*), cudaIpcGetMemHandle, rc::kCudaErrorInitialization);
   rc::ipc_export(p, "cudaIpcGetMemHandle");
   return next(handle, p);
 }
@@ -371,12 +376,12 @@ RESIDENCY_CUDA_EXPORT rc::cudaError_t cudaIpcGetMemHandle(void* handle, void* p)
 // ---- The runtime API: uses (each also in its per-thread default stream form) ----
 
 // A use around the call; `dst, bytes`: what it writes on the device (checked against routed memory).
-#define RESIDENCY_RUNTIME_USE(sym, params, args, dst, bytes)                                                   \
-  RESIDENCY_CUDA_EXPORT rc::cudaError_t sym params {                                                           \
-    RESIDENCY_NEXT(rc::cudaError_t(*) params, sym, rc::kCudaErrorInitialization);                             \
-    const auto use = rc::use_device();                                                                         \
-    rc::device_written(dst, bytes);                                                                            \
-    return next args;                                                                                          \
+#define RESIDENCY_RUNTIME_USE(sym, params, args, dst, bytes)                      \
+  RESIDENCY_CUDA_EXPORT rc::cudaError_t sym params {                              \
+    RESIDENCY_NEXT(rc::cudaError_t(*) params, sym, rc::kCudaErrorInitialization); \
+    const auto use = rc::use_device();                                            \
+    rc::device_written(dst, bytes);                                               \
+    return next args;                                                             \
   }
 #define RESIDENCY_RUNTIME_USE2(sym, params, args, dst, bytes) \
   RESIDENCY_RUNTIME_USE(sym, params, args, dst, bytes)        \
@@ -385,8 +390,7 @@ RESIDENCY_CUDA_EXPORT rc::cudaError_t cudaIpcGetMemHandle(void* handle, void* p)
   RESIDENCY_RUNTIME_USE(sym, params, args, dst, bytes)             \
   RESIDENCY_RUNTIME_USE(sym##_ptds, params, args, dst, bytes)
 
-RESIDENCY_RUNTIME_USE2(cudaLaunchKernel,
-                       (const void* f, rc::Dim3 g, rc::Dim3 b, void** a, size_t shmem, CUstream s),
+RESIDENCY_RUNTIME_USE2(cudaLaunchKernel, (const void* f, rc::Dim3 g, rc::Dim3 b, void** a, size_t shmem, CUstream s),
                        (f, g, b, a, shmem, s), nullptr, 0)
 RESIDENCY_RUNTIME_USE2(cudaLaunchKernelExC, (const void* config, const void* f, void** a), (config, f, a), nullptr, 0)
 RESIDENCY_RUNTIME_USE2(cudaLaunchCooperativeKernel,
@@ -394,13 +398,13 @@ RESIDENCY_RUNTIME_USE2(cudaLaunchCooperativeKernel,
                        (f, g, b, a, shmem, s), nullptr, 0)
 RESIDENCY_RUNTIME_USE2(cudaGraphLaunch, (CUgraphExec g, CUstream s), (g, s), nullptr, 0)
 RESIDENCY_RUNTIME_USE2_PTDS(cudaMemcpy, (void* d, const void* s, size_t n, int kind), (d, s, n, kind), d, n)
-RESIDENCY_RUNTIME_USE2(cudaMemcpyAsync, (void* d, const void* s, size_t n, int kind, CUstream st), (d, s, n, kind, st), d, n)
-RESIDENCY_RUNTIME_USE2_PTDS(cudaMemcpy2D,
-                            (void* d, size_t dp, const void* s, size_t sp, size_t w, size_t h, int kind),
-                            (d, dp, s, sp, w, h, kind), d, h * (dp > w ? dp : w))
+RESIDENCY_RUNTIME_USE2(cudaMemcpyAsync, (void* d, const void* s, size_t n, int kind, CUstream st), (d, s, n, kind, st),
+                       d, n)
+RESIDENCY_RUNTIME_USE2_PTDS(cudaMemcpy2D, (void* d, size_t dp, const void* s, size_t sp, size_t w, size_t h, int kind),
+                            (d, dp, s, sp, w, h, kind), d, h*(dp > w ? dp : w))
 RESIDENCY_RUNTIME_USE2(cudaMemcpy2DAsync,
                        (void* d, size_t dp, const void* s, size_t sp, size_t w, size_t h, int kind, CUstream st),
-                       (d, dp, s, sp, w, h, kind, st), d, h * (dp > w ? dp : w))
+                       (d, dp, s, sp, w, h, kind, st), d, h*(dp > w ? dp : w))
 RESIDENCY_RUNTIME_USE2_PTDS(cudaMemset, (void* d, int v, size_t n), (d, v, n), d, n)
 RESIDENCY_RUNTIME_USE2(cudaMemsetAsync, (void* d, int v, size_t n, CUstream st), (d, v, n, st), d, n)
 RESIDENCY_RUNTIME_USE(cudaMemcpyPeer, (void* d, int dd, const void* s, int sd, size_t n), (d, dd, s, sd, n), d, n)

@@ -13,7 +13,7 @@ Result<std::shared_ptr<Backend>> cuda_device_backend(int device, const Config& d
   co.device = device;
   // Config::for_device_memory() decided what RESIDENCY_CUDA_BACKUP=auto means.
   co.backup = device_config.cuda_backup == CudaBackup::at_first_sleep ? CudaBackendOptions::Backup::at_first_sleep
-                                                                       : CudaBackendOptions::Backup::after_allocation;
+                                                                      : CudaBackendOptions::Backup::after_allocation;
   const std::string prefix = "cuda:" + std::to_string(device) + ": ";
   const SessionLog log(device_config.log_level, device_config.log_time);
   // Where weights cannot sleep in their model file: one warning, as the session's own lines.

@@ -58,11 +58,11 @@ class ProgramSession {
   using BackendFactory = std::function<Result<std::shared_ptr<Backend>>(int device, const Config& device_config)>;
 
   struct Options {
-    Config config;                       // RESIDENCY_* as read at start-up
-    BackendFactory backends;             // required
-    Clock* clock = nullptr;              // required; must outlive the session
-    preload::SessionLog::Sink log;       // default: stderr
-    bool start_schedulers = true;        // false: managers run nothing on their own (tests)
+    Config config;                  // RESIDENCY_* as read at start-up
+    BackendFactory backends;        // required
+    Clock* clock = nullptr;         // required; must outlive the session
+    preload::SessionLog::Sink log;  // default: stderr
+    bool start_schedulers = true;   // false: managers run nothing on their own (tests)
   };
 
   struct Allocation {
@@ -130,6 +130,12 @@ class ProgramSession {
   // the process's life) and new allocations are the runtime's.
   void stand_aside(const std::string& why) noexcept RESIDENCY_EXCLUDES(mu_);
   bool stood_aside() const noexcept { return aside_.load(std::memory_order_acquire); }
+  // Whether an allocation may be routed now (residency on, not stood aside, not a forked child):
+  // the hooks ask before they ask the runtime which device is current.
+  bool routes() const noexcept {
+    return options_.config.keep_alive.manages() && !aside_.load(std::memory_order_acquire) &&
+           !forked_.load(std::memory_order_relaxed);
+  }
   // In a forked child: everything passes through (the parent's managers are not the child's).
   void forked() noexcept { forked_.store(true, std::memory_order_relaxed); }
 

@@ -144,9 +144,9 @@ TEST_F(ProgramSessionTest, WritesAreReportedOnlyForWeightsAndOnlyInsideThem) {
   EXPECT_EQ(b.tracked, (std::set<char*>{static_cast<char*>(w.ptr)})) << "only weights are tracked";
   const auto wb = reinterpret_cast<std::uintptr_t>(w.ptr);
   s->written(w.ptr, 100);
-  s->written(reinterpret_cast<void*>(wb - 50), 60);              // across its start: clipped
+  s->written(reinterpret_cast<void*>(wb - 50), 60);             // across its start: clipped
   s->written(reinterpret_cast<void*>(wb + 8 * kMiB - 5), 100);  // across its end: clipped
-  s->written(k.ptr, 4096);                                       // kv: copied whole at each sleep anyway
+  s->written(k.ptr, 4096);                                      // kv: copied whole at each sleep anyway
   s->written(u.ptr, 4096);
   const std::vector<std::pair<std::uintptr_t, std::size_t>> want{{wb, 100}, {wb, 10}, {wb + 8 * kMiB - 5, 5}};
   EXPECT_EQ(b.writes, want);
@@ -215,8 +215,9 @@ TEST_F(ProgramSessionTest, OffAForkedChildAndABackendThatCannotStartPassThrough)
   auto s = make();
   EXPECT_EQ(s->allocate(0, 64 * kMiB).outcome, Outcome::pass_through);
   EXPECT_EQ(s->allocate(0, 64 * kMiB).outcome, Outcome::pass_through);
-  EXPECT_TRUE(logs.contains(LogLevel::warn, "CUDA device 0: cuda: no NVIDIA driver here; its device memory stays the "
-                                            "CUDA runtime's (no sleep)"));
+  EXPECT_TRUE(logs.contains(LogLevel::warn,
+                            "CUDA device 0: cuda: no NVIDIA driver here; its device memory stays the "
+                            "CUDA runtime's (no sleep)"));
   const auto u = s->use();
   EXPECT_TRUE(u.status()) << "no manager: a use is a no-op";
 }

@@ -1,0 +1,107 @@
+// SPDX-License-Identifier: MIT
+// libresidency_cuda.so in a real process: fake_cuda_host loads libfakeext.so with RTLD_LOCAL (as
+// Python loads PyTorch's extension), whose CUDA runtime (libfakecudart.so) is then in no global
+// scope. Run with and without the preload, the program must get exactly the same answers and the
+// runtime must see exactly the same calls: every export found the runtime's definition through its
+// caller's scope and forwarded the call. CUDA_VISIBLE_DEVICES is empty, so the preload has no
+// device to manage on any machine (a GPU's would be real device memory the fake runtime cannot
+// copy into): it says so once and passes everything through.
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+
+#include <cstdio>
+#include <fstream>
+#include <sstream>
+#include <string>
+
+namespace {
+
+struct Outcome {
+  int status = -1;
+  std::string out, err;
+};
+
+std::string slurp(const std::string& path) {
+  std::ifstream f(path);
+  std::stringstream s;
+  s << f.rdbuf();
+  return s.str();
+}
+
+Outcome run(const std::string& env) {
+  const std::string err = ::testing::TempDir() + "cuda_preload_test.err";
+  const std::string cmd = "env -u LD_PRELOAD CUDA_VISIBLE_DEVICES= " + env + " '" RESIDENCY_FAKE_CUDA_HOST "' '" +
+                          RESIDENCY_FAKE_EXT "' 2>'" + err + "'";
+  Outcome r;
+  FILE* p = ::popen(cmd.c_str(), "r");
+  if (p == nullptr) return r;
+  char buf[1024];
+  while (std::fgets(buf, sizeof buf, p) != nullptr) r.out += buf;
+  r.status = ::pclose(p);
+  r.err = slurp(err);
+  std::remove(err.c_str());
+  return r;
+}
+
+std::size_t count(const std::string& s, const std::string& needle) {
+  std::size_t n = 0;
+  for (auto at = s.find(needle); at != std::string::npos; at = s.find(needle, at + 1)) ++n;
+  return n;
+}
+
+// The byte sum fake_ext's kernel computes over its 64 MiB of (i * 7) mod 256.
+unsigned long long expected_sum() {
+  unsigned long long s = 0;
+  for (std::size_t i = 0; i < (std::size_t{64} << 20); ++i) s += static_cast<unsigned char>(i * 7);
+  return s;
+}
+
+const std::string kPreload = std::string("LD_PRELOAD=") + RESIDENCY_CUDA_PRELOAD;
+
+TEST(CudaPreload, EveryCallReachesTheRuntimeInTheCallersScopeAndTheProgramGetsWhatItWould) {
+  const Outcome plain = run("");
+  ASSERT_EQ(plain.status, 0) << plain.err;
+  ASSERT_NE(plain.out.find("malloc=0 htod=0 launch=0 dtoh=0 sum=" + std::to_string(expected_sum()) + " "),
+            std::string::npos)
+      << plain.out;
+  const Outcome pre = run(kPreload + " RESIDENCY_LOG=info");
+  EXPECT_EQ(pre.status, 0) << pre.err;
+  // The preload asks the runtime once which device is current (the first count: cudaGetDevice) when
+  // it would route an allocation; every other count is the program's calls.
+  const auto program_calls = [](const std::string& out) {
+    const auto at = out.find("calls=");
+    return at == std::string::npos ? out : out.substr(0, at) + out.substr(out.find(',', at));
+  };
+  EXPECT_EQ(program_calls(pre.out), program_calls(plain.out))
+      << "the same answers and the same calls seen by the runtime; stderr: " << pre.err;
+}
+
+TEST(CudaPreload, WithNoDeviceToManageItSaysWhyOnceAndWhatItNeverManages) {
+  const Outcome pre = run(kPreload);
+  EXPECT_EQ(pre.status, 0);
+  EXPECT_EQ(count(pre.err, "CUDA device 0: "), 1u) << pre.err;
+  EXPECT_EQ(count(pre.err, "its device memory stays the CUDA runtime's (no sleep)"), 1u) << pre.err;
+  EXPECT_EQ(count(pre.err, "managed (unified) memory (cudaMallocManaged)"), 1u) << pre.err;
+  EXPECT_EQ(pre.err.find("CUDA IPC"), std::string::npos) << "nothing it manages was exported: " << pre.err;
+}
+
+TEST(CudaPreload, ABadVariableIsNamedAndTheProgramRunsWithoutResidency) {
+  const Outcome plain = run("");
+  const Outcome pre = run(kPreload + " RESIDENCY_KEEP_ALIVE=soon");
+  EXPECT_EQ(pre.status, 0);
+  EXPECT_EQ(pre.out, plain.out);
+  EXPECT_NE(pre.err.find("RESIDENCY_KEEP_ALIVE"), std::string::npos) << pre.err;
+  EXPECT_NE(pre.err.find("the program runs without residency"), std::string::npos) << pre.err;
+  EXPECT_EQ(pre.err.find("CUDA device 0"), std::string::npos) << "no session, no backend: " << pre.err;
+  EXPECT_EQ(pre.err.find("managed (unified)"), std::string::npos) << "nothing more is said: " << pre.err;
+}
+
+TEST(CudaPreload, OffPassesEverythingThroughSilently) {
+  const Outcome plain = run("");
+  const Outcome pre = run(kPreload + " RESIDENCY_KEEP_ALIVE=off");
+  EXPECT_EQ(pre.status, 0);
+  EXPECT_EQ(pre.out, plain.out);
+  EXPECT_EQ(pre.err.find("CUDA device"), std::string::npos) << pre.err;
+}
+
+}  // namespace
