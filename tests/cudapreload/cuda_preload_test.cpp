@@ -61,8 +61,7 @@ const std::string kPreload = std::string("LD_PRELOAD=") + RESIDENCY_CUDA_PRELOAD
 TEST(CudaPreload, EveryCallReachesTheRuntimeInTheCallersScopeAndTheProgramGetsWhatItWould) {
   const Outcome plain = run("");
   ASSERT_EQ(plain.status, 0) << plain.err;
-  ASSERT_NE(plain.out.find("malloc=0 htod=0 launch=0 dtoh=0 sum=" + std::to_string(expected_sum()) + " "),
-            std::string::npos)
+  ASSERT_NE(plain.out.find("malloc=0 htod=0 launch=0 dtoh=0 sum=" + std::to_string(expected_sum()) + " "), std::string::npos)
       << plain.out;
   const Outcome pre = run(kPreload + " RESIDENCY_LOG=info");
   EXPECT_EQ(pre.status, 0) << pre.err;

@@ -36,8 +36,7 @@ __attribute__((visibility("default"))) int cudaMemcpy(void* d, const void* s, st
   return 0;
 }
 // The "kernel" is a host function of the program's, called with its arguments.
-__attribute__((visibility("default"))) int cudaLaunchKernel(const void* f, Dim3 g, Dim3 b, void** args, std::size_t,
-                                                           void*) {
+__attribute__((visibility("default"))) int cudaLaunchKernel(const void* f, Dim3 g, Dim3 b, void** args, std::size_t, void*) {
   ++g_calls[4];
   if (g.x != 3 || b.x != 32) return 1;  // the launch shape arrived as the program gave it
   reinterpret_cast<void (*)(void**)>(const_cast<void*>(f))(args);
