@@ -19,6 +19,7 @@
 
 #include "backends/cuda/cuda_backend.hpp"
 #include "cudapreload/cuda_hooks.hpp"
+#include "residency/shared_budget.hpp"
 #include "support/fake_backend.hpp"
 #include "support/host_gpu.hpp"
 
@@ -276,6 +277,96 @@ TEST_F(CudaHooksTest, ManagedMemoryAndTheProgramsOwnMappingsAreSaidOnceAndForwar
   EXPECT_EQ(managed(&p, 4 * kMiB, CU_MEM_ATTACH_GLOBAL), CUDA_ERROR_NOT_SUPPORTED) << "the driver's answer, as it is";
   EXPECT_TRUE(logs.contains(LogLevel::warn, "managed (unified) memory (cuMemAllocManaged)"));
   EXPECT_FALSE(session->stood_aside());
+}
+
+// One GPU budget across engines (DESIGN: "different engines share one byte budget"): the program's
+// session and another engine's device manager (a llama-server's, as the llama.cpp preload makes it:
+// Config::for_device_memory of the same RESIDENCY_GPU_BUDGET) on one emulated GPU, each with a
+// backend of its own. The budget holds one of the two 24 MiB models: whichever is used asks the
+// other to give way, both ways, and the ledger lists them side by side as `residency stat` reads it.
+TEST_F(CudaHooksTest, AProgramAndAnotherEngineShareOneGpuBudgetAndAskEachOtherBothWays) {
+  const std::string name = "unit-cuda-hooks-" + std::to_string(::getpid());
+  Config shared;
+  shared.keep_alive = KeepAlive::after(std::chrono::seconds(10));
+  shared.release_on_pressure = false;
+  shared.host_budget.off = true;
+  shared.budget_wait = std::chrono::seconds(5);
+  shared.gpu_budget = SharedBudget{name, WiredLimit{false, 40 * kMiB, 0}, ""};
+
+  // The program's session, made again with the budget.
+  session.reset();
+  ProgramSession::Options so;
+  so.config = shared;
+  so.backends = [this](int, const Config&) -> Result<std::shared_ptr<Backend>> {
+    return std::shared_ptr<Backend>(backend);
+  };
+  so.clock = &clock;
+  so.log = [this](LogLevel l, std::string_view line) { logs.callback()(l, line); };
+  so.start_schedulers = false;
+  session = std::make_unique<ProgramSession>(std::move(so));
+  g_session = session.get();
+
+  // The other engine: its own backend on the same GPU, and a device manager under the same budget.
+  CudaBackendOptions eo;
+  eo.chunk_bytes = 8 * kMiB;
+  auto other_backend = CudaBackend::create(eo, gpu().driver());
+  ASSERT_TRUE(other_backend) << other_backend.message();
+  ManagerOptions mo;
+  mo.backend = *other_backend;
+  mo.clock = &clock;
+  mo.start_scheduler = false;
+  mo.config = shared.for_device_memory((*other_backend)->capabilities().device_uuid);
+  ASSERT_TRUE(mo.config.shared_budget) << "the GPU's budget, named by its UUID";
+  auto engine = Manager::create(std::move(mo));
+  ASSERT_TRUE(engine) << engine.message();
+  Manager& other = **engine;
+  auto theirs = other.allocate(24 * kMiB);
+  ASSERT_TRUE(theirs) << theirs.message();
+  const auto their_va = reinterpret_cast<CUdeviceptr>(theirs->ptr);
+  ASSERT_EQ(gpu().mapped_bytes(their_va, 24 * kMiB), 24 * kMiB);
+
+  // The program allocates: the other engine is asked and gives way.
+  const auto alloc = wrapped("cuMemAlloc", &real_alloc);
+  const auto htod = wrapped("cuMemcpyHtoD", gpu().driver().cuMemcpyHtoD);
+  CUdeviceptr mine = 0;
+  ASSERT_EQ(alloc(&mine, 24 * kMiB), CUDA_SUCCESS);
+  EXPECT_EQ(g_real_allocs, 0);
+  EXPECT_EQ(gpu().mapped_bytes(their_va, 24 * kMiB), 0u) << "the other engine slept to make room";
+  EXPECT_EQ(gpu().mapped_bytes(mine, 24 * kMiB), 24 * kMiB);
+
+  bool listed = false;
+  for (const SharedBudgetInfo& info : list_shared_budgets()) {
+    if (info.name.rfind(name + ".", 0) != 0) continue;
+    listed = true;
+    EXPECT_EQ(info.holders.size(), 2u) << "side by side: the program and the other engine";
+    EXPECT_LE(info.used, 40 * kMiB);
+  }
+  EXPECT_TRUE(listed) << "the GPU's ledger is listed as residency stat lists it";
+
+  // The other engine is used again: the program is asked and gives way, its bytes kept.
+  const auto bytes = pattern(24 * kMiB, 5);
+  {
+    auto c = context();
+    ASSERT_EQ(htod(mine, bytes.data(), bytes.size()), CUDA_SUCCESS);
+  }
+  other.begin_call();
+  EXPECT_EQ(gpu().mapped_bytes(their_va, 24 * kMiB), 24 * kMiB);
+  EXPECT_EQ(gpu().mapped_bytes(mine, 24 * kMiB), 0u) << "the program slept to make room";
+  other.end_call();
+
+  // And the program's next copy asks back.
+  const auto dtoh = wrapped("cuMemcpyDtoH", gpu().driver().cuMemcpyDtoH);
+  std::vector<char> back(bytes.size());
+  {
+    auto c = context();
+    ASSERT_EQ(dtoh(back.data(), mine, back.size()), CUDA_SUCCESS);
+  }
+  EXPECT_TRUE(back == bytes);
+  EXPECT_EQ(gpu().mapped_bytes(their_va, 24 * kMiB), 0u) << "the other engine gave way again";
+  EXPECT_TRUE(session->free(reinterpret_cast<void*>(mine)));
+  EXPECT_TRUE(other.deallocate(theirs->ptr));
+  engine->reset();
+  other_backend->reset();
 }
 
 }  // namespace
