@@ -110,6 +110,7 @@ Manager* ProgramSession::device_locked(int device) {
   }
   Manager* raw = owners_.back().get();
   managers_[i].store(raw, std::memory_order_release);
+  started_[static_cast<std::size_t>(active_.load(std::memory_order_relaxed))] = device;
   active_.fetch_add(1, std::memory_order_release);
   return raw;
 }
@@ -121,9 +122,11 @@ Manager* ProgramSession::manager(int device) const noexcept {
 
 template <typename F>
 void ProgramSession::for_each_device(F&& f) noexcept {
-  if (active_.load(std::memory_order_acquire) == 0) return;
-  for (std::size_t i = 0; i < managers_.size(); ++i)
-    if (Manager* m = managers_[i].load(std::memory_order_acquire)) f(static_cast<int>(i), *m);
+  const int n = active_.load(std::memory_order_acquire);
+  for (int k = 0; k < n; ++k) {
+    const int device = started_[static_cast<std::size_t>(k)];
+    if (Manager* m = managers_[static_cast<std::size_t>(device)].load(std::memory_order_acquire)) f(device, *m);
+  }
 }
 
 ProgramSession::Allocation ProgramSession::allocate(int device, std::size_t size, Tag tag) noexcept {

@@ -165,6 +165,9 @@ class ProgramSession {
   // Per device: its manager (null until the first routed allocation there), and whether starting
   // one failed (then that device passes through, said once).
   std::array<std::atomic<Manager*>, ProgramRules::kMaxDevices> managers_{};
+  // The started devices in order, the first active_ of them (written before active_ is raised): a
+  // use walks these, not every device index.
+  std::array<int, ProgramRules::kMaxDevices> started_{};
   std::array<bool, ProgramRules::kMaxDevices> failed_ RESIDENCY_GUARDED_BY(mu_){};
   std::atomic<int> active_{0};
   std::atomic<int> tagged_weights_{0};  // routed allocations tagged weights
