@@ -16,6 +16,7 @@
 #include <cuda.h>
 #include <cudaTypedefs.h>
 
+#include <array>
 #include <atomic>
 #include <cerrno>
 #include <cstring>
@@ -41,15 +42,52 @@ const void* self() noexcept { return reinterpret_cast<const void*>(&this_copy_ma
 
 bool is_this_copy(const void* p) noexcept { return platform::object_base(p) == platform::object_base(self()); }
 
-// The real `name`: past the preload in the global scope, else in the scope of the caller's library,
-// else in any loaded library; cached once found (a miss is looked for again next time).
-void* next_function(std::atomic<void*>& cache, const char* name, const void* caller) noexcept {
-  if (void* f = cache.load(std::memory_order_acquire)) return f;
+// Bumped around every dlclose (the preload's hook below): a library unloaded may leave a cached
+// target pointing into its code, or another library may load where it was.
+constinit std::atomic<std::uint64_t> g_generation{1};
+
+// One export's real functions, one per calling object: a process may hold two CUDA runtimes (one
+// library's own next to PyTorch's), each the target of its own callers, as the dynamic linker
+// would have bound them. Constant-initialized: a static in each export.
+struct CallerTargets {
+  static constexpr std::size_t kCallers = 8;  // more calling objects resolve on every call
+  struct Entry {
+    std::atomic<std::uintptr_t> begin{0};  // the calling object's span; 0: free, 1: being filled
+    std::atomic<std::uintptr_t> end{0};
+    std::atomic<void*> fn{nullptr};
+  };
+  std::array<Entry, kCallers> entries{};
+  std::atomic<std::uint64_t> generation{0};
+};
+
+// The real `name` for a call from `caller`: past the preload in the global scope, else in the scope
+// of the caller's own object, else in any loaded object. Lock-free once cached.
+void* next_function(CallerTargets& t, const char* name, const void* caller) noexcept {
+  const std::uint64_t gen = g_generation.load(std::memory_order_acquire);
+  if (t.generation.load(std::memory_order_acquire) != gen) {
+    for (auto& e : t.entries) e.begin.store(0, std::memory_order_release);
+    t.generation.store(gen, std::memory_order_release);
+  }
+  const auto at = reinterpret_cast<std::uintptr_t>(caller);
+  for (auto& e : t.entries) {
+    const std::uintptr_t b = e.begin.load(std::memory_order_acquire);
+    if (b > 1 && b <= at && at < e.end.load(std::memory_order_relaxed)) return e.fn.load(std::memory_order_relaxed);
+  }
+  platform::ObjectSpan span;
+  const bool known = caller != nullptr && platform::object_span(caller, span);
   void* f = ::dlsym(RTLD_NEXT, name);
   if (f != nullptr && is_this_copy(f)) f = nullptr;
-  if (f == nullptr) f = platform::find_near(name, caller, self());
+  if (f == nullptr && known) f = platform::find_in_object(span.path, name, self());
   if (f == nullptr) f = platform::find_anywhere(name, self());
-  if (f != nullptr) cache.store(f, std::memory_order_release);
+  if (f == nullptr || !known || g_generation.load(std::memory_order_acquire) != gen) return f;
+  for (auto& e : t.entries) {
+    std::uintptr_t expected = 0;
+    if (!e.begin.compare_exchange_strong(expected, 1, std::memory_order_acq_rel)) continue;
+    e.fn.store(f, std::memory_order_relaxed);
+    e.end.store(span.end, std::memory_order_relaxed);
+    e.begin.store(span.begin, std::memory_order_release);
+    break;
+  }
   return f;
 }
 
@@ -127,7 +165,7 @@ ProgramSession* session() noexcept {
 }
 
 int driver_device() noexcept {
-  static std::atomic<void*> next{nullptr};
+  static CallerTargets next;
   const auto get = reinterpret_cast<PFN_cuCtxGetDevice_v2000>(next_function(next, "cuCtxGetDevice", nullptr));
   CUdevice d = -1;
   return get != nullptr && get(&d) == CUDA_SUCCESS ? static_cast<int>(d) : -1;
@@ -158,7 +196,7 @@ struct Dim3 {
 };
 
 int runtime_device(const void* caller) noexcept {
-  static std::atomic<void*> next{nullptr};
+  static CallerTargets next;
   const auto get = reinterpret_cast<cudaError_t (*)(int*)>(next_function(next, "cudaGetDevice", caller));
   int d = -1;
   return get != nullptr && get(&d) == kCudaSuccess ? d : -1;
@@ -172,7 +210,7 @@ namespace rc = residency::cudapreload;
 
 // The real function of the exported `sym` (type `Fn`), or return `missing` from the hook.
 #define RESIDENCY_NEXT(Fn, sym, missing)                                                                    \
-  static std::atomic<void*> next_##sym{nullptr};                                                            \
+  static rc::CallerTargets next_##sym;                                                                      \
   const auto next = reinterpret_cast<Fn>(rc::next_function(next_##sym, #sym, __builtin_return_address(0))); \
   if (next == nullptr) return missing
 
@@ -313,7 +351,7 @@ RESIDENCY_CUDA_EXPORT rc::cudaError_t cudaGetDriverEntryPoint(const char* symbol
   const rc::cudaError_t r = next(symbol, fn, flags, status);
   if (r != rc::kCudaSuccess || fn == nullptr) return r;
   // The ABI given is the runtime's own version's.
-  static std::atomic<void*> next_version{nullptr};
+  static rc::CallerTargets next_version;
   const auto version_of = reinterpret_cast<rc::cudaError_t (*)(int*)>(
       rc::next_function(next_version, "cudaRuntimeGetVersion", __builtin_return_address(0)));
   int version = 0;

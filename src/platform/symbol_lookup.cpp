@@ -22,6 +22,44 @@ bool in_object_of(const void* p, const void* self) noexcept {
 
 }  // namespace
 
+bool object_span(const void* addr, ObjectSpan& out) noexcept {
+#if defined(__GLIBC__) && (__GLIBC__ > 2 || (__GLIBC__ == 2 && __GLIBC_MINOR__ >= 35))
+  dl_find_object found{};
+  if (::_dl_find_object(const_cast<void*>(addr), &found) != 0 || found.dlfo_link_map == nullptr) return false;
+  out.begin = reinterpret_cast<std::uintptr_t>(found.dlfo_map_start);
+  out.end = reinterpret_cast<std::uintptr_t>(found.dlfo_map_end);
+  out.path = found.dlfo_link_map->l_name;
+  return out.begin < out.end;
+#else
+  Dl_info info{};
+  if (::dladdr(addr, &info) == 0) return false;
+  struct Ctx {
+    const void* base;
+    ObjectSpan* span;
+  } ctx{info.dli_fbase, &out};
+  out = ObjectSpan{0, 0, info.dli_fname};
+  ::dl_iterate_phdr(
+      [](dl_phdr_info* pi, std::size_t, void* data) -> int {
+        auto& c = *static_cast<Ctx*>(data);
+        bool mine = false;
+        for (ElfW(Half) i = 0; i < pi->dlpi_phnum; ++i) {
+          const ElfW(Phdr)& ph = pi->dlpi_phdr[i];
+          if (ph.p_type != PT_LOAD) continue;
+          const std::uintptr_t b = pi->dlpi_addr + ph.p_vaddr, e = b + ph.p_memsz;
+          if (reinterpret_cast<std::uintptr_t>(c.base) >= b && reinterpret_cast<std::uintptr_t>(c.base) < e)
+            mine = true;
+          if (c.span->begin == 0 || b < c.span->begin) c.span->begin = b;
+          if (e > c.span->end) c.span->end = e;
+        }
+        if (mine) return 1;
+        c.span->begin = c.span->end = 0;
+        return 0;
+      },
+      &ctx);
+  return out.begin < out.end;
+#endif
+}
+
 void* find_in_object(const char* path, const char* name, const void* self) noexcept {
   if (path == nullptr || *path == '\0') return nullptr;
   void* handle = ::dlopen(path, RTLD_NOLOAD | RTLD_LAZY);

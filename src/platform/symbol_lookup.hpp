@@ -6,7 +6,19 @@
 // is an address inside the preload asking (its definitions are the hooks).
 #pragma once
 
+#include <cstdint>
+
 namespace residency::platform {
+
+// The loaded object that holds an address: its segments' span and its path ("" for the main
+// program).
+struct ObjectSpan {
+  std::uintptr_t begin = 0, end = 0;
+  const char* path = nullptr;
+};
+// False when no loaded object holds `addr`. Lock-free where glibc has _dl_find_object (2.35);
+// before it, dladdr and the object's program headers.
+bool object_span(const void* addr, ObjectSpan& out) noexcept;
 
 // The load address of the object that holds `addr` (null when none does).
 const void* object_base(const void* addr) noexcept;

@@ -9,6 +9,7 @@
 #include <cstring>
 
 #include "next_calls.hpp"
+#include "platform/symbol_lookup.hpp"
 
 namespace residency::preload {
 
@@ -18,50 +19,9 @@ namespace {
 // is good while it has not changed. Constant-initialized.
 constinit std::atomic<std::uint64_t> g_generation{1};
 
-struct Span {
-  std::uintptr_t begin = 0, end = 0;
-  const char* path = nullptr;  // the object's path ("" for the main program)
-};
+using Span = platform::ObjectSpan;
 
-// The loaded object that holds `addr`: its segments' span and its path. _dl_find_object is
-// lock-free (glibc 2.35); before it, dladdr and the object's program headers.
-bool object_of(const void* addr, Span& out) noexcept {
-#if defined(__GLIBC__) && (__GLIBC__ > 2 || (__GLIBC__ == 2 && __GLIBC_MINOR__ >= 35))
-  dl_find_object found{};
-  if (::_dl_find_object(const_cast<void*>(addr), &found) != 0 || found.dlfo_link_map == nullptr) return false;
-  out.begin = reinterpret_cast<std::uintptr_t>(found.dlfo_map_start);
-  out.end = reinterpret_cast<std::uintptr_t>(found.dlfo_map_end);
-  out.path = found.dlfo_link_map->l_name;
-  return out.begin < out.end;
-#else
-  Dl_info info{};
-  if (::dladdr(addr, &info) == 0) return false;
-  struct Ctx {
-    const void* base;
-    Span* span;
-  } ctx{info.dli_fbase, &out};
-  out = Span{0, 0, info.dli_fname};
-  ::dl_iterate_phdr(
-      [](dl_phdr_info* pi, std::size_t, void* data) -> int {
-        auto& c = *static_cast<Ctx*>(data);
-        bool mine = false;
-        for (ElfW(Half) i = 0; i < pi->dlpi_phnum; ++i) {
-          const ElfW(Phdr)& ph = pi->dlpi_phdr[i];
-          if (ph.p_type != PT_LOAD) continue;
-          const std::uintptr_t b = pi->dlpi_addr + ph.p_vaddr, e = b + ph.p_memsz;
-          if (reinterpret_cast<std::uintptr_t>(c.base) >= b && reinterpret_cast<std::uintptr_t>(c.base) < e)
-            mine = true;
-          if (c.span->begin == 0 || b < c.span->begin) c.span->begin = b;
-          if (e > c.span->end) c.span->end = e;
-        }
-        if (mine) return 1;
-        c.span->begin = c.span->end = 0;
-        return 0;
-      },
-      &ctx);
-  return out.begin < out.end;
-#endif
-}
+bool object_of(const void* addr, Span& out) noexcept { return platform::object_span(addr, out); }
 
 // The loaded libllamas (objects that define llama_decode themselves), by path, for the
 // generation they were listed at.

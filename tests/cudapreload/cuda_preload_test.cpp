@@ -28,10 +28,10 @@ std::string slurp(const std::string& path) {
   return s.str();
 }
 
-Outcome run(const std::string& env) {
+Outcome run(const std::string& env, const std::string& libs = "'" RESIDENCY_FAKE_EXT "'") {
   const std::string err = ::testing::TempDir() + "cuda_preload_test.err";
-  const std::string cmd = "env -u LD_PRELOAD CUDA_VISIBLE_DEVICES= " + env + " '" RESIDENCY_FAKE_CUDA_HOST "' '" +
-                          RESIDENCY_FAKE_EXT "' 2>'" + err + "'";
+  const std::string cmd = "env -u LD_PRELOAD CUDA_VISIBLE_DEVICES= " + env + " '" RESIDENCY_FAKE_CUDA_HOST "' " + libs +
+                          " 2>'" + err + "'";
   Outcome r;
   FILE* p = ::popen(cmd.c_str(), "r");
   if (p == nullptr) return r;
@@ -73,6 +73,28 @@ TEST(CudaPreload, EveryCallReachesTheRuntimeInTheCallersScopeAndTheProgramGetsWh
   };
   EXPECT_EQ(program_calls(pre.out), program_calls(plain.out))
       << "the same answers and the same calls seen by the runtime; stderr: " << pre.err;
+}
+
+// Two libraries, each with a CUDA runtime of its own, both loaded RTLD_LOCAL: each runtime sees its
+// own library's calls and no other's, with the preload as without it (a target cached for one
+// calling library is never another's).
+TEST(CudaPreload, TwoRuntimesInOneProcessEachGetTheirOwnCallersCalls) {
+  const std::string both = "'" RESIDENCY_FAKE_EXT "' '" RESIDENCY_FAKE_EXT2 "'";
+  const Outcome plain = run("", both);
+  ASSERT_EQ(plain.status, 0) << plain.err;
+  ASSERT_NE(plain.out.find("runtime 1: "), std::string::npos);
+  ASSERT_NE(plain.out.find("\nruntime 2: "), std::string::npos);
+  const Outcome pre = run(kPreload + " RESIDENCY_KEEP_ALIVE=off", both);
+  EXPECT_EQ(pre.status, 0) << pre.err;
+  EXPECT_EQ(pre.out, plain.out) << pre.err;
+  const Outcome managed = run(kPreload, both);
+  EXPECT_EQ(managed.status, 0) << managed.err;
+  const auto lines_without_device_queries = [](std::string out) {
+    for (std::size_t at = out.find("calls="); at != std::string::npos; at = out.find("calls=", at + 1))
+      out.erase(at + 6, out.find(',', at) - (at + 6));
+    return out;
+  };
+  EXPECT_EQ(lines_without_device_queries(managed.out), lines_without_device_queries(plain.out)) << managed.err;
 }
 
 TEST(CudaPreload, WithNoDeviceToManageItSaysWhyOnceAndWhatItNeverManages) {

@@ -1,24 +1,28 @@
 // SPDX-License-Identifier: MIT
-// A program that loads libfakeext.so (path: argv[1]) with RTLD_LOCAL and prints what its
-// run_program() reports: what tests/cudapreload runs with and without the CUDA preload.
+// A program that loads each libfakeext*.so named (each with RTLD_LOCAL, each with a runtime of its
+// own) and prints what their run_program() reports, one line each, in turn: what tests/cudapreload
+// runs with and without the CUDA preload.
 #include <dlfcn.h>
 
 #include <cstdio>
 
 int main(int argc, char** argv) {
-  if (argc != 2) {
-    std::fprintf(stderr, "usage: fake_cuda_host LIBFAKEEXT\n");
+  if (argc < 2) {
+    std::fprintf(stderr, "usage: fake_cuda_host LIBFAKEEXT...\n");
     return 2;
   }
-  void* h = ::dlopen(argv[1], RTLD_NOW | RTLD_LOCAL);
-  if (h == nullptr) {
-    std::fprintf(stderr, "fake_cuda_host: %s\n", ::dlerror());
-    return 1;
+  int rc = 0;
+  for (int i = 1; i < argc; ++i) {
+    void* h = ::dlopen(argv[i], RTLD_NOW | RTLD_LOCAL);
+    if (h == nullptr) {
+      std::fprintf(stderr, "fake_cuda_host: %s\n", ::dlerror());
+      return 1;
+    }
+    auto run = reinterpret_cast<int (*)(char*, std::size_t)>(::dlsym(h, "run_program"));
+    if (run == nullptr) return 1;
+    char out[512];
+    rc |= run(out, sizeof out);
+    std::printf("%s\n", out);
   }
-  auto run = reinterpret_cast<int (*)(char*, std::size_t)>(::dlsym(h, "run_program"));
-  if (run == nullptr) return 1;
-  char out[512];
-  const int rc = run(out, sizeof out);
-  std::printf("%s\n", out);
   return rc;
 }

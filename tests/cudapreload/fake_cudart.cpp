@@ -53,4 +53,6 @@ __attribute__((visibility("default"))) int cudaIpcGetMemHandle(void* h, void* p)
   return 0;
 }
 __attribute__((visibility("default"))) int fake_cudart_calls(int i) { return i >= 0 && i < 8 ? g_calls[i] : -1; }
+// Which copy of the runtime this is (two are built: a process may hold two CUDA runtimes).
+__attribute__((visibility("default"))) int fake_cudart_id() { return FAKE_CUDART_ID; }
 }

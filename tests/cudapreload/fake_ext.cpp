@@ -21,6 +21,7 @@ int cudaLaunchKernel(const void*, Dim3, Dim3, void**, std::size_t, void*);
 int cudaMallocManaged(void**, std::size_t, unsigned);
 int cudaIpcGetMemHandle(void*, void*);
 int fake_cudart_calls(int);
+int fake_cudart_id();
 }
 
 namespace {
@@ -37,7 +38,7 @@ void sum_kernel(void** args) {
 }  // namespace
 
 extern "C" __attribute__((visibility("default"))) int run_program(char* out, std::size_t out_bytes) {
-  std::string r;
+  std::string r = "runtime " + std::to_string(fake_cudart_id()) + ": ";
   const std::size_t n = std::size_t{64} << 20;
   void* d = nullptr;
   r += "malloc=" + std::to_string(cudaMalloc(&d, n));
