@@ -57,6 +57,13 @@ ProgramSession::Use use_device() noexcept {
   return s != nullptr ? s->use() : ProgramSession::Use{};
 }
 
+void capture_began(const void* stream) noexcept {
+  if (ProgramSession* s = session()) s->capture_began(stream);
+}
+void capture_ended(const void* stream) noexcept {
+  if (ProgramSession* s = session()) s->capture_ended(stream);
+}
+
 void device_written(const void* dst, std::size_t bytes) noexcept {
   if (ProgramSession* s = session()) s->written(dst, bytes);
 }
@@ -122,6 +129,11 @@ enum Index : int {
   kIpcGetMemHandle,
   kMemCreate,
   kMemAllocManaged,
+  kStreamBeginCapture,
+  kStreamBeginCaptureToGraph,
+  kStreamEndCapture,
+  kPointerGetAttribute,
+  kPointerGetAttributes,
   kCount
 };
 
@@ -313,6 +325,36 @@ struct Wrap {
     return real<PT, PFN_cuMemsetD32Async_v3020>(kMemsetD32Async)(dst, v, n, s);
   }
 
+  // Stream capture: everything awake and held from its beginning to its end.
+  static CUresult CUDAAPI StreamBeginCapture(CUstream s, CUstreamCaptureMode mode) {
+    capture_began(s);
+    const CUresult r = real<PT, PFN_cuStreamBeginCapture_v10010>(kStreamBeginCapture)(s, mode);
+    if (r != CUDA_SUCCESS) capture_ended(s);
+    return r;
+  }
+  static CUresult CUDAAPI StreamBeginCaptureToGraph(CUstream s, CUgraph g, const CUgraphNode* deps,
+                                                    const CUgraphEdgeData* edges, size_t n, CUstreamCaptureMode mode) {
+    capture_began(s);
+    const CUresult r = real<PT, PFN_cuStreamBeginCaptureToGraph_v12030>(kStreamBeginCaptureToGraph)(s, g, deps, edges,
+                                                                                                    n, mode);
+    if (r != CUDA_SUCCESS) capture_ended(s);
+    return r;
+  }
+  static CUresult CUDAAPI StreamEndCapture(CUstream s, CUgraph* g) {
+    const CUresult r = real<PT, PFN_cuStreamEndCapture_v10000>(kStreamEndCapture)(s, g);
+    capture_ended(s);
+    return r;
+  }
+  // A pointer's attributes: asleep, its range has no memory behind it to describe.
+  static CUresult CUDAAPI PointerGetAttribute(void* data, CUpointer_attribute a, CUdeviceptr p) {
+    const auto u = use_device();
+    return real<PT, PFN_cuPointerGetAttribute_v4000>(kPointerGetAttribute)(data, a, p);
+  }
+  static CUresult CUDAAPI PointerGetAttributes(unsigned n, CUpointer_attribute* a, void** data, CUdeviceptr p) {
+    const auto u = use_device();
+    return real<PT, PFN_cuPointerGetAttributes_v7000>(kPointerGetAttributes)(n, a, data, p);
+  }
+
   // What the preload cannot serve, or does not manage: said, then forwarded.
   static CUresult CUDAAPI IpcGetMemHandle(CUipcMemHandle* h, CUdeviceptr dptr) {
     ipc_export(as_ptr(dptr), "cuIpcGetMemHandle");
@@ -375,6 +417,11 @@ const Hooked kHooked[] = {
     RESIDENCY_HOOKED("cuIpcGetMemHandle", 4010, IpcGetMemHandle),
     RESIDENCY_HOOKED("cuMemCreate", 10020, MemCreate),
     RESIDENCY_HOOKED("cuMemAllocManaged", 6000, MemAllocManaged),
+    RESIDENCY_HOOKED("cuStreamBeginCapture", 10010, StreamBeginCapture),
+    RESIDENCY_HOOKED("cuStreamBeginCaptureToGraph", 12030, StreamBeginCaptureToGraph),
+    RESIDENCY_HOOKED("cuStreamEndCapture", 10000, StreamEndCapture),
+    RESIDENCY_HOOKED("cuPointerGetAttribute", 4000, PointerGetAttribute),
+    RESIDENCY_HOOKED("cuPointerGetAttributes", 7000, PointerGetAttributes),
 };
 #undef RESIDENCY_HOOKED
 

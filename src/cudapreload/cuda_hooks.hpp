@@ -48,6 +48,9 @@ ProgramSession::Allocation route_allocation(int device, std::size_t size) noexce
 bool route_free(void* ptr) noexcept;
 // Open for the time a launch, copy or memset is enqueued (wakes first where asleep).
 ProgramSession::Use use_device() noexcept;
+// A stream capture begins (before the call) or ended (after it) on `stream`.
+void capture_began(const void* stream) noexcept;
+void capture_ended(const void* stream) noexcept;
 // A copy or memset is about to write [dst, dst + bytes).
 void device_written(const void* dst, std::size_t bytes) noexcept;
 // The program exports [ptr, ...) over CUDA IPC: where it is routed, the session stands aside (the

@@ -284,6 +284,18 @@ RESIDENCY_DRIVER_EXPORT(cuMemCreate, "cuMemCreate", PFN_cuMemCreate_v10020,
                         (h, n, prop, flags))
 RESIDENCY_DRIVER_EXPORT(cuMemAllocManaged, "cuMemAllocManaged", PFN_cuMemAllocManaged_v6000,
                         (CUdeviceptr * p, size_t n, unsigned int flags), (p, n, flags))
+RESIDENCY_DRIVER_EXPORT(cuStreamBeginCapture_v2, "cuStreamBeginCapture", PFN_cuStreamBeginCapture_v10010,
+                        (CUstream s, CUstreamCaptureMode mode), (s, mode))
+RESIDENCY_DRIVER_EXPORT(cuStreamBeginCaptureToGraph, "cuStreamBeginCaptureToGraph", PFN_cuStreamBeginCaptureToGraph_v12030,
+                        (CUstream s, CUgraph g, const CUgraphNode* deps, const CUgraphEdgeData* edges, size_t n,
+                         CUstreamCaptureMode mode),
+                        (s, g, deps, edges, n, mode))
+RESIDENCY_DRIVER_EXPORT(cuStreamEndCapture, "cuStreamEndCapture", PFN_cuStreamEndCapture_v10000,
+                        (CUstream s, CUgraph* g), (s, g))
+RESIDENCY_DRIVER_EXPORT(cuPointerGetAttribute, "cuPointerGetAttribute", PFN_cuPointerGetAttribute_v4000,
+                        (void* data, CUpointer_attribute a, CUdeviceptr p), (data, a, p))
+RESIDENCY_DRIVER_EXPORT(cuPointerGetAttributes, "cuPointerGetAttributes", PFN_cuPointerGetAttributes_v7000,
+                        (unsigned n, CUpointer_attribute* a, void** data, CUdeviceptr p), (n, a, data, p))
 #undef RESIDENCY_DRIVER_EXPORT
 
 // ---- Entry points handed out: the wrapper instead of each hooked function ----
@@ -452,7 +464,60 @@ RESIDENCY_RUNTIME_USE(cudaMemcpyPeerAsync, (void* d, int dd, const void* s, int 
 #undef RESIDENCY_RUNTIME_USE2
 #undef RESIDENCY_RUNTIME_USE
 
-// ---- The program's own calls (python/residency.py's cuda_* functions, through ctypes) ----
+// ---- The runtime API: stream capture (everything held awake while a graph is recorded) ----
+
+#define RESIDENCY_RUNTIME_BEGIN_CAPTURE(sym, params, args)                        \
+  RESIDENCY_CUDA_EXPORT rc::cudaError_t sym params {                              \
+    RESIDENCY_NEXT(rc::cudaError_t(*) params, sym, rc::kCudaErrorInitialization); \
+    rc::capture_began(s);                                                         \
+    const rc::cudaError_t r = next args;                                          \
+    if (r != rc::kCudaSuccess) rc::capture_ended(s);                              \
+    return r;                                                                     \
+  }
+RESIDENCY_RUNTIME_BEGIN_CAPTURE(cudaStreamBeginCapture, (CUstream s, int mode), (s, mode))
+RESIDENCY_RUNTIME_BEGIN_CAPTURE(cudaStreamBeginCapture_ptsz, (CUstream s, int mode), (s, mode))
+RESIDENCY_RUNTIME_BEGIN_CAPTURE(cudaStreamBeginCaptureToGraph,
+                                (CUstream s, CUgraph g, const void* deps, const void* edges, size_t n, int mode),
+                                (s, g, deps, edges, n, mode))
+RESIDENCY_RUNTIME_BEGIN_CAPTURE(cudaStreamBeginCaptureToGraph_ptsz,
+                                (CUstream s, CUgraph g, const void* deps, const void* edges, size_t n, int mode),
+                                (s, g, deps, edges, n, mode))
+#undef RESIDENCY_RUNTIME_BEGIN_CAPTURE
+#define RESIDENCY_RUNTIME_END_CAPTURE(sym)                                                      \
+  RESIDENCY_CUDA_EXPORT rc::cudaError_t sym(CUstream s, CUgraph* g) {                           \
+    RESIDENCY_NEXT(rc::cudaError_t (*)(CUstream, CUgraph*), sym, rc::kCudaErrorInitialization); \
+    const rc::cudaError_t r = next(s, g);                                                       \
+    rc::capture_ended(s);                                                                       \
+    return r;                                                                                   \
+  }
+RESIDENCY_RUNTIME_END_CAPTURE(cudaStreamEndCapture)
+RESIDENCY_RUNTIME_END_CAPTURE(cudaStreamEndCapture_ptsz)
+#undef RESIDENCY_RUNTIME_END_CAPTURE
+
+// A pointer's attributes: asleep, its range has no memory behind it to describe.
+RESIDENCY_CUDA_EXPORT rc::cudaError_t cudaPointerGetAttributes(void* attributes, const void* p) {
+  RESIDENCY_NEXT(rc::cudaError_t(*)(void*, const void*), cudaPointerGetAttributes, rc::kCudaErrorInitialization);
+  const auto use = rc::use_device();
+  return next(attributes, p);
+}
+
+// ---- dlclose: a library unloaded invalidates the cached targets (forwarded as it came) ----
+
+RESIDENCY_CUDA_EXPORT int dlclose(void* handle) {
+  static std::atomic<void*> real{nullptr};
+  auto fn = reinterpret_cast<int (*)(void*)>(real.load(std::memory_order_acquire));
+  if (fn == nullptr) {
+    fn = reinterpret_cast<int (*)(void*)>(::dlsym(RTLD_NEXT, "dlclose"));
+    if (fn == nullptr) return -1;
+    real.store(reinterpret_cast<void*>(fn), std::memory_order_release);
+  }
+  rc::g_generation.fetch_add(1, std::memory_order_acq_rel);
+  const int r = fn(handle);
+  rc::g_generation.fetch_add(1, std::memory_order_acq_rel);
+  return r;
+}
+
+// ---- The program's own calls (python/residency_cuda.py's, through ctypes) ----
 
 // 0, or -1 with errno EINVAL (unknown tag) or E2BIG (regions nested deeper than kMaxRegionDepth).
 RESIDENCY_CUDA_EXPORT int residency_cuda_region_push(const char* tag) {

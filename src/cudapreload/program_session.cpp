@@ -55,6 +55,7 @@ ProgramSession::~ProgramSession() {
   {
     MutexLock lock(mu_);
     held_.clear();
+    captures_.clear();
     for (auto& m : managers_) m.store(nullptr, std::memory_order_release);
     active_.store(0, std::memory_order_release);
     owners.swap(owners_);
@@ -222,6 +223,36 @@ void ProgramSession::end_use(std::uint64_t begun) noexcept {
   for_each_device([&](int device, Manager& m) {
     if ((begun >> device) & 1U) m.end_call();
   });
+}
+
+void ProgramSession::capture_began(const void* stream) noexcept {
+  if (forked_.load(std::memory_order_relaxed) || active_.load(std::memory_order_acquire) == 0) return;
+  try {
+    std::vector<Manager*> managers;
+    for_each_device([&](int, Manager& m) { managers.push_back(&m); });
+    // Woken outside the lock (a wake takes a copy's time; allocations and frees go on meanwhile).
+    std::vector<UseScope> scopes;
+    scopes.reserve(managers.size());
+    for (Manager* m : managers) scopes.push_back(m->use());
+    MutexLock lock(mu_);
+    captures_.emplace_back(stream, std::move(scopes));
+  } catch (...) {
+    // out of memory: the capture goes ahead unheld
+  }
+}
+
+void ProgramSession::capture_ended(const void* stream) noexcept {
+  std::vector<UseScope> ended;
+  {
+    MutexLock lock(mu_);
+    for (auto it = captures_.begin(); it != captures_.end(); ++it) {
+      if (it->first != stream) continue;
+      ended = std::move(it->second);
+      captures_.erase(it);
+      break;
+    }
+  }
+  ended.clear();  // outside the lock: under keep-alive 0 an end releases
 }
 
 void ProgramSession::written(const void* dst, std::size_t bytes) noexcept {

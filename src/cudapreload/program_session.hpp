@@ -112,6 +112,12 @@ class ProgramSession {
   };
   Use use() noexcept;
 
+  // A stream capture (a CUDA graph being recorded) began on `stream`: everything is woken now and
+  // held until capture_ended(stream), so that no sleep or wake (whose copies and synchronizations
+  // a capture forbids) falls inside it. Either may come on any thread.
+  void capture_began(const void* stream) noexcept RESIDENCY_EXCLUDES(mu_);
+  void capture_ended(const void* stream) noexcept RESIDENCY_EXCLUDES(mu_);
+
   // A copy or memset wrote [dst, dst + bytes): reported to the backend where it lands in memory
   // tagged weights (whose other bytes are not copied again at a sleep). Lock-free when nothing is.
   void written(const void* dst, std::size_t bytes) noexcept RESIDENCY_EXCLUDES(mu_);
@@ -162,6 +168,8 @@ class ProgramSession {
   std::map<std::uintptr_t, Routed> routed_ RESIDENCY_GUARDED_BY(mu_);  // by base address
   std::vector<std::unique_ptr<Manager>> owners_ RESIDENCY_GUARDED_BY(mu_);
   std::vector<UseScope> held_ RESIDENCY_GUARDED_BY(mu_);  // after stand_aside(): held for good
+  // Captures in progress, by stream, each with the scopes that hold every device awake.
+  std::vector<std::pair<const void*, std::vector<UseScope>>> captures_ RESIDENCY_GUARDED_BY(mu_);
   // Per device: its manager (null until the first routed allocation there), and whether starting
   // one failed (then that device passes through, said once).
   std::array<std::atomic<Manager*>, ProgramRules::kMaxDevices> managers_{};

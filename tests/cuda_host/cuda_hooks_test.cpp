@@ -58,6 +58,11 @@ CUresult CUDAAPI real_graph_launch(CUgraphExec, CUstream) {
   g_mapped_at_launch = gpu().mapped_bytes(g_launch_reads, g_launch_bytes);
   return CUDA_SUCCESS;
 }
+CUresult CUDAAPI real_begin_capture(CUstream, CUstreamCaptureMode) {
+  g_mapped_at_launch = gpu().mapped_bytes(g_launch_reads, g_launch_bytes);
+  return CUDA_SUCCESS;
+}
+CUresult CUDAAPI real_end_capture(CUstream, CUgraph*) { return CUDA_SUCCESS; }
 CUresult CUDAAPI real_managed(CUdeviceptr*, size_t, unsigned) { return CUDA_ERROR_NOT_SUPPORTED; }
 CUresult CUDAAPI real_ipc(CUipcMemHandle*, CUdeviceptr) {
   ++g_ipc_calls;
@@ -195,6 +200,30 @@ TEST_F(CudaHooksTest, ALaunchWhileAsleepRunsOnMappedMemory) {
   ASSERT_EQ(graph(nullptr, nullptr), CUDA_SUCCESS);
   EXPECT_EQ(g_mapped_at_launch, n) << "a graph launch wakes it first too";
   ASSERT_EQ(session->free(reinterpret_cast<void*>(p)), true);
+}
+
+TEST_F(CudaHooksTest, AGraphCaptureBeginsOnMappedMemoryAndNothingSleepsUntilItEnds) {
+  const auto alloc = wrapped("cuMemAlloc", &real_alloc);
+  const auto begin = wrapped("cuStreamBeginCapture", &real_begin_capture);
+  const auto end = wrapped("cuStreamEndCapture", &real_end_capture);
+  const std::size_t n = 16 * kMiB;
+  CUdeviceptr p = 0;
+  ASSERT_EQ(alloc(&p, n), CUDA_SUCCESS);
+  g_launch_reads = p;
+  g_launch_bytes = n;
+  idle();
+  ASSERT_EQ(gpu().mapped_bytes(p, n), 0u);
+  g_mapped_at_launch = 0;
+  auto* stream = reinterpret_cast<CUstream>(std::uintptr_t{0x5e});
+  ASSERT_EQ(begin(stream, CU_STREAM_CAPTURE_MODE_GLOBAL), CUDA_SUCCESS);
+  EXPECT_EQ(g_mapped_at_launch, n) << "awake when the capture begins";
+  idle();
+  EXPECT_EQ(gpu().mapped_bytes(p, n), n) << "nothing sleeps during the capture";
+  CUgraph graph = nullptr;
+  ASSERT_EQ(end(stream, &graph), CUDA_SUCCESS);
+  idle();
+  EXPECT_EQ(gpu().mapped_bytes(p, n), 0u) << "after it, the keep-alive again";
+  EXPECT_TRUE(session->free(reinterpret_cast<void*>(p)));
 }
 
 TEST_F(CudaHooksTest, AWeightsRegionIsCopiedAtItsFirstSleepThenOnlyWhereTheProgramWrote) {

@@ -97,6 +97,21 @@ TEST(CudaPreload, TwoRuntimesInOneProcessEachGetTheirOwnCallersCalls) {
   EXPECT_EQ(lines_without_device_queries(managed.out), lines_without_device_queries(plain.out)) << managed.err;
 }
 
+// Libraries closed between their runs, each with a runtime of its own (without the preload the
+// third lands where the second was): each call reaches its own library's runtime, and the program
+// gets the same answers. Under the preload a library whose scope served a call stays loaded (a
+// cached target must never dangle), so none lands on another's span; a dlclose also drops the
+// caches, for the targets found in the global scope.
+TEST(CudaPreload, LibrariesClosedBetweenRunsEachReachTheirOwnRuntime) {
+  const std::string three = "--close '" RESIDENCY_FAKE_EXT "' '" RESIDENCY_FAKE_EXT2 "' '" RESIDENCY_FAKE_EXT3 "'";
+  const Outcome plain = run("", three);
+  ASSERT_EQ(plain.status, 0) << plain.err;
+  ASSERT_NE(plain.out.find("\nruntime 3: "), std::string::npos);
+  const Outcome pre = run(kPreload + " RESIDENCY_KEEP_ALIVE=off", three);
+  EXPECT_EQ(pre.status, 0) << pre.err;
+  EXPECT_EQ(pre.out, plain.out) << pre.err;
+}
+
 TEST(CudaPreload, WithNoDeviceToManageItSaysWhyOnceAndWhatItNeverManages) {
   const Outcome pre = run(kPreload);
   EXPECT_EQ(pre.status, 0);

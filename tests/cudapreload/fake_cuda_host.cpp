@@ -5,14 +5,17 @@
 #include <dlfcn.h>
 
 #include <cstdio>
+#include <cstring>
 
 int main(int argc, char** argv) {
   if (argc < 2) {
     std::fprintf(stderr, "usage: fake_cuda_host LIBFAKEEXT...\n");
     return 2;
   }
+  // --close: each library is closed after it ran (the next may load where it was).
+  const bool close_each = std::strcmp(argv[1], "--close") == 0;
   int rc = 0;
-  for (int i = 1; i < argc; ++i) {
+  for (int i = close_each ? 2 : 1; i < argc; ++i) {
     void* h = ::dlopen(argv[i], RTLD_NOW | RTLD_LOCAL);
     if (h == nullptr) {
       std::fprintf(stderr, "fake_cuda_host: %s\n", ::dlerror());
@@ -23,6 +26,7 @@ int main(int argc, char** argv) {
     char out[512];
     rc |= run(out, sizeof out);
     std::printf("%s\n", out);
+    if (close_each && ::dlclose(h) != 0) return 1;
   }
   return rc;
 }

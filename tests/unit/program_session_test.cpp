@@ -173,6 +173,29 @@ TEST_F(ProgramSessionTest, ATagGivenLaterCoversOnlyAllocationsWhollyInsideTheRan
   EXPECT_EQ(g.writes.size(), 1u);
 }
 
+// A CUDA graph being captured must see no sleep and no wake (a capture forbids their copies and
+// synchronizations): a capture wakes everything first and holds it to its end.
+TEST_F(ProgramSessionTest, AStreamCaptureWakesEverythingFirstAndHoldsItToItsEnd) {
+  auto s = make();
+  ASSERT_EQ(s->allocate(0, 8 * kMiB).outcome, Outcome::routed);
+  ASSERT_EQ(s->allocate(1, 8 * kMiB).outcome, Outcome::routed);
+  idle(*s);
+  ASSERT_EQ(resident(0) + resident(1), 0u);
+  int stream_a = 0, stream_b = 0;
+  s->capture_began(&stream_a);
+  EXPECT_EQ(resident(0) + resident(1), 16 * kMiB) << "awake before the capture begins";
+  s->capture_began(&stream_b);
+  idle(*s, std::chrono::seconds(3600));
+  EXPECT_EQ(resident(0) + resident(1), 16 * kMiB) << "held while captures last";
+  s->capture_ended(&stream_a);
+  idle(*s, std::chrono::seconds(3600));
+  EXPECT_EQ(resident(0) + resident(1), 16 * kMiB) << "the other capture still holds it";
+  s->capture_ended(&stream_b);
+  s->capture_ended(&stream_b);  // an end without its begin changes nothing
+  idle(*s);
+  EXPECT_EQ(resident(0) + resident(1), 0u);
+}
+
 TEST_F(ProgramSessionTest, AnExplicitSleepAndWakeActAtOnce) {
   auto s = make(KeepAlive::forever());
   ASSERT_EQ(s->allocate(0, 16 * kMiB).outcome, Outcome::routed);
