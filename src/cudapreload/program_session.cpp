@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <utility>
 
+#include "preload/manager_start.hpp"
 #include "residency/text.hpp"
 
 namespace residency::cudapreload {
@@ -65,33 +66,8 @@ ProgramSession::~ProgramSession() {
 }
 
 std::unique_ptr<Manager> ProgramSession::start_manager(int device) {
-  const std::string who = device_name(device) + ": ";
-  try {
-    auto backend = options_.backends(device, options_.config.for_device_memory());
-    if (!backend) {
-      log_.warn(who + backend.message() + kWithoutDevice);
-      return nullptr;
-    }
-    ManagerOptions mo;
-    mo.backend = *backend;
-    mo.clock = options_.clock;
-    mo.start_scheduler = options_.start_schedulers;
-    // A GPU's budget is named by its UUID (the same GPU has other indices in other processes).
-    const std::string uuid = (*backend)->capabilities().device_uuid;
-    if (options_.config.gpu_budget && uuid.empty())
-      log_.warn(who + "its UUID is unknown, so RESIDENCY_GPU_BUDGET=" + options_.config.gpu_budget->to_string() +
-                " cannot name its budget; its memory is not budgeted");
-    mo.config = options_.config.for_device_memory(uuid);
-    mo.log = log_.for_manager("cuda:" + std::to_string(device) + ": ");
-    auto manager = Manager::create(std::move(mo));
-    if (!manager) {
-      log_.warn(who + manager.message() + kWithoutDevice);
-      return nullptr;
-    }
-    return std::move(*manager);
-  } catch (...) {
-    return nullptr;  // out of memory while starting: pass through
-  }
+  return preload::start_session_manager(device, options_.config, options_.backends, options_.clock,
+                                        options_.start_schedulers, log_, kWithoutDevice);
 }
 
 Manager* ProgramSession::device_locked(int device) {

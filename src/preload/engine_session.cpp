@@ -17,6 +17,7 @@
 #include <cstring>
 #include <utility>
 
+#include "manager_start.hpp"
 #include "platform/proc_stat.hpp"
 
 #include "residency/text.hpp"
@@ -115,40 +116,9 @@ EngineSession::~EngineSession() {
 
 std::unique_ptr<Manager> EngineSession::start_manager(int where) {
   const bool host = where == kHost;
-  const std::string who = host ? std::string() : device_name(where) + ": ";
-  const char* without = host ? kWithout : kWithoutDevice;
-  try {
-    if (!host && !options_.config.keep_alive.manages()) return nullptr;  // residency off: no device to manage
-    auto backend = options_.backends(where, host ? options_.config : options_.config.for_device_memory());
-    if (!backend) {
-      log_.warn(who + backend.message() + without);
-      return nullptr;
-    }
-    ManagerOptions mo;
-    mo.backend = *backend;
-    mo.clock = options_.clock;
-    mo.start_scheduler = options_.start_schedulers;
-    if (host) {
-      mo.config = options_.config;
-      mo.log = log_.for_manager("");
-    } else {
-      // A GPU's budget is named by its UUID (the same GPU has other indices in other processes).
-      const std::string uuid = (*backend)->capabilities().device_uuid;
-      if (options_.config.gpu_budget && uuid.empty())
-        log_.warn(who + "its UUID is unknown, so RESIDENCY_GPU_BUDGET=" + options_.config.gpu_budget->to_string() +
-                  " cannot name its budget; its memory is not budgeted");
-      mo.config = options_.config.for_device_memory(uuid);
-      mo.log = log_.for_manager("cuda:" + std::to_string(where) + ": ");  // which device a line is about
-    }
-    auto manager = Manager::create(std::move(mo));
-    if (!manager) {
-      log_.warn(who + manager.message() + without);
-      return nullptr;
-    }
-    return std::move(*manager);
-  } catch (...) {
-    return nullptr;  // out of memory while starting: pass through
-  }
+  if (!host && !options_.config.keep_alive.manages()) return nullptr;  // residency off: no device to manage
+  return start_session_manager(where, options_.config, options_.backends, options_.clock, options_.start_schedulers,
+                               log_, host ? kWithout : kWithoutDevice);
 }
 
 EngineSession::Host* EngineSession::host_locked() {
