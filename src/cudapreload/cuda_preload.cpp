@@ -165,8 +165,15 @@ ProgramSession* session() noexcept {
 }
 
 int driver_device() noexcept {
-  static CallerTargets next;
-  const auto get = reinterpret_cast<PFN_cuCtxGetDevice_v2000>(next_function(next, "cuCtxGetDevice", nullptr));
+  // One driver per process: found once, wherever it is (no caller of the program's to follow).
+  static std::atomic<void*> found{nullptr};
+  void* f = found.load(std::memory_order_acquire);
+  if (f == nullptr) {
+    static CallerTargets next;
+    f = next_function(next, "cuCtxGetDevice", nullptr);
+    found.store(f, std::memory_order_release);
+  }
+  const auto get = reinterpret_cast<PFN_cuCtxGetDevice_v2000>(f);
   CUdevice d = -1;
   return get != nullptr && get(&d) == CUDA_SUCCESS ? static_cast<int>(d) : -1;
 }
