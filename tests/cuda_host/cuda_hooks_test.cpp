@@ -63,6 +63,11 @@ CUresult CUDAAPI real_begin_capture(CUstream, CUstreamCaptureMode) {
   return CUDA_SUCCESS;
 }
 CUresult CUDAAPI real_end_capture(CUstream, CUgraph*) { return CUDA_SUCCESS; }
+// Three functions of one ABI, as the driver's default-stream and per-thread variants are two.
+// (cuLaunchKernelEx: no other test of this process binds it)
+CUresult CUDAAPI variant_a(const CUlaunchConfig*, CUfunction, void**, void**) { return CUDA_SUCCESS; }
+CUresult CUDAAPI variant_b(const CUlaunchConfig*, CUfunction, void**, void**) { return CUDA_ERROR_NOT_READY; }
+CUresult CUDAAPI variant_c(const CUlaunchConfig*, CUfunction, void**, void**) { return CUDA_ERROR_NOT_FOUND; }
 CUresult CUDAAPI real_managed(CUdeviceptr*, size_t, unsigned) { return CUDA_ERROR_NOT_SUPPORTED; }
 CUresult CUDAAPI real_ipc(CUipcMemHandle*, CUdeviceptr) {
   ++g_ipc_calls;
@@ -291,6 +296,27 @@ TEST_F(CudaHooksTest, AnIpcExportOfManagedMemoryStandsAsideAndTheCallGoesThrough
     EXPECT_EQ(gpu().driver().cuMemFree(q), CUDA_SUCCESS);
   }
   EXPECT_TRUE(session->free(reinterpret_cast<void*>(p)));
+}
+
+TEST_F(CudaHooksTest, TheDefaultAndPerThreadVariantsEachGetAWrapperOfTheirOwnAndAThirdStandsAside) {
+  const auto a = reinterpret_cast<void*>(&variant_a);
+  const auto b = reinterpret_cast<void*>(&variant_b);
+  void* wa = wrap_driver("cuGraphLaunchKernelNode", kVersion, false, a);
+  EXPECT_EQ(wa, a) << "not hooked";
+  wa = wrap_driver("cuLaunchKernelEx", kVersion, false, a);
+  void* wb = wrap_driver("cuLaunchKernelEx", kVersion, true, b);
+  ASSERT_NE(wa, a);
+  ASSERT_NE(wb, b);
+  EXPECT_NE(wa, wb);
+  EXPECT_EQ(wrap_driver("cuLaunchKernelEx", kVersion, false, a), wa) << "the same function, the same wrapper";
+  using Fn = CUresult(CUDAAPI*)(const CUlaunchConfig*, CUfunction, void**, void**);
+  EXPECT_EQ(reinterpret_cast<Fn>(wa)(nullptr, nullptr, nullptr, nullptr), CUDA_SUCCESS) << "each calls its own";
+  EXPECT_EQ(reinterpret_cast<Fn>(wb)(nullptr, nullptr, nullptr, nullptr), CUDA_ERROR_NOT_READY);
+  EXPECT_FALSE(session->stood_aside());
+  const auto c = reinterpret_cast<void*>(&variant_c);
+  EXPECT_EQ(wrap_driver("cuLaunchKernelEx", kVersion, false, c), c);
+  EXPECT_TRUE(session->stood_aside()) << "a third function of one name cannot be wrapped: nothing may sleep unseen";
+  EXPECT_TRUE(logs.contains(LogLevel::warn, "a third variant of the driver's cuLaunchKernelEx"));
 }
 
 TEST_F(CudaHooksTest, AFunctionOfANewerCudaThanThePreloadKnowsIsNotWrappedAndTheSessionStandsAside) {
