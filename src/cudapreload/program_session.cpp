@@ -49,7 +49,11 @@ const char* to_string(Tag t) noexcept {
 }
 
 ProgramSession::ProgramSession(Options options)
-    : options_(std::move(options)), log_(options_.config.log_level, options_.config.log_time, options_.log) {}
+    : options_(std::move(options)), log_(options_.config.log_level, options_.config.log_time, options_.log) {
+  // The host tier bounds registered model files (docs/design.md, "The host tier"); a program's
+  // memory sleeps in pinned backups only, so there is nothing for it to bound.
+  options_.config.host_budget.off = true;
+}
 
 ProgramSession::~ProgramSession() {
   std::vector<std::unique_ptr<Manager>> owners;

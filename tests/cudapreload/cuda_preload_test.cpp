@@ -140,4 +140,37 @@ TEST(CudaPreload, OffPassesEverythingThroughSilently) {
   EXPECT_EQ(pre.err.find("CUDA device"), std::string::npos) << pre.err;
 }
 
+// The whole chain on an emulated GPU: fake_gpu_program over a fake runtime over a fake libcuda.so.1
+// (HostGpu: unmapped device memory faults), the preload's own cuda backend in the process. Under
+// a keep-alive shorter than the program's idle pause the "GPU" maps nothing while it idles, and
+// the kernel after the pause finds its memory woken, with its bytes.
+TEST(CudaPreload, AProgramsMemorySleepsWhileItIdlesAndItsNextKernelFindsItAwakeWithItsBytes) {
+  const std::string program = std::string("'") + RESIDENCY_FAKE_GPU_PROGRAM + "' 1500";
+  const std::string libcuda = std::string("LD_LIBRARY_PATH='") + RESIDENCY_FAKE_LIBCUDA_DIR + "'";
+  const auto exec = [&](const std::string& env) {
+    const std::string err = ::testing::TempDir() + "cuda_preload_gpu.err";
+    Outcome r;
+    FILE* p = ::popen(("env -u LD_PRELOAD " + libcuda + " " + env + " " + program + " 2>'" + err + "'").c_str(), "r");
+    if (p == nullptr) return r;
+    char buf[512];
+    while (std::fgets(buf, sizeof buf, p) != nullptr) r.out += buf;
+    r.status = ::pclose(p);
+    r.err = slurp(err);
+    std::remove(err.c_str());
+    return r;
+  };
+  const std::string sums = "sum=8556380160 again=8556380160 same_bytes=1 mapped_awake=67108864 ";
+  const Outcome plain = exec("");
+  ASSERT_EQ(plain.status, 0) << plain.err;
+  EXPECT_NE(plain.out.find(sums + "mapped_idle=67108864 mapped_after=67108864"), std::string::npos) << plain.out;
+
+  const Outcome pre = exec(kPreload + " RESIDENCY_KEEP_ALIVE=500ms RESIDENCY_LOG=info");
+  ASSERT_EQ(pre.status, 0) << pre.out << pre.err;
+  EXPECT_NE(pre.out.find(sums + "mapped_idle=0 mapped_after=67108864"), std::string::npos) << pre.out << pre.err;
+  EXPECT_NE(pre.err.find("released 64.00 MiB"), std::string::npos) << pre.err;
+  EXPECT_NE(pre.err.find("re-wired 64.00 MiB"), std::string::npos) << pre.err;
+  EXPECT_EQ(pre.err.find("host tier"), std::string::npos) << "no model files here: " << pre.err;
+  EXPECT_EQ(pre.err.find("warn"), std::string::npos) << pre.err;
+}
+
 }  // namespace

@@ -1,0 +1,68 @@
+// SPDX-License-Identifier: MIT
+// A CUDA program over the fake runtime and driver (libfakegpuruntime.so, the fake libcuda.so.1):
+// 64 MiB allocated and filled, a kernel sums it, the program idles for argv[1] ms, a kernel sums it
+// again. It prints both sums and how much of the allocation the "GPU" mapped while awake, while
+// idle, and after the second kernel: under libresidency_cuda.so with a shorter keep-alive the idle
+// figure is 0 and the second kernel must find its memory woken (on unmapped memory it would fault).
+#include <unistd.h>
+
+#include <cstddef>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+
+struct Dim3 {
+  unsigned x, y, z;
+};
+extern "C" {
+int cudaMalloc(void**, std::size_t);
+int cudaFree(void*);
+int cudaMemcpy(void*, const void*, std::size_t, int);
+int cudaLaunchKernel(const void*, Dim3, Dim3, void**, std::size_t, void*);
+unsigned long long fake_gpu_mapped(const void*, unsigned long long);
+}
+
+namespace {
+
+// Sums the buffer's bytes into *out (runs on the device memory's host addresses).
+void sum_kernel(void** args) {
+  const auto* buf = *static_cast<const unsigned char**>(args[0]);
+  const std::size_t n = *static_cast<std::size_t*>(args[1]);
+  auto* out = *static_cast<unsigned long long**>(args[2]);
+  unsigned long long s = 0;
+  for (std::size_t i = 0; i < n; ++i) s += buf[i];
+  *out = s;
+}
+
+unsigned long long launch_sum(void* d, std::size_t n) {
+  unsigned long long s = 0;
+  unsigned long long* out = &s;
+  void* args[] = {&d, &n, &out};
+  if (cudaLaunchKernel(reinterpret_cast<const void*>(&sum_kernel), Dim3{1, 1, 1}, Dim3{1, 1, 1}, args, 0, nullptr) != 0)
+    std::exit(1);
+  return s;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const int idle_ms = argc > 1 ? std::atoi(argv[1]) : 0;
+  const std::size_t n = std::size_t{64} << 20;
+  void* d = nullptr;
+  if (cudaMalloc(&d, n) != 0) return 1;
+  std::vector<unsigned char> host(n);
+  for (std::size_t i = 0; i < n; ++i) host[i] = static_cast<unsigned char>(i * 13 + 5);
+  if (cudaMemcpy(d, host.data(), n, 1) != 0) return 1;
+  const unsigned long long first = launch_sum(d, n);
+  const unsigned long long awake = fake_gpu_mapped(d, n);
+  ::usleep(static_cast<useconds_t>(idle_ms) * 1000);
+  const unsigned long long idle = fake_gpu_mapped(d, n);
+  const unsigned long long second = launch_sum(d, n);
+  const unsigned long long after = fake_gpu_mapped(d, n);
+  std::vector<unsigned char> back(n);
+  if (cudaMemcpy(back.data(), d, n, 2) != 0) return 1;
+  std::printf("sum=%llu again=%llu same_bytes=%d mapped_awake=%llu mapped_idle=%llu mapped_after=%llu\n", first,
+              second, std::memcmp(back.data(), host.data(), n) == 0 ? 1 : 0, awake, idle, after);
+  return cudaFree(d) == 0 ? 0 : 1;
+}
