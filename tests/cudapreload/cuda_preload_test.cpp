@@ -8,11 +8,15 @@
 // copy into): it says so once and passes everything through.
 #include <gtest/gtest.h>
 #include <sys/wait.h>
+#include <unistd.h>
 
 #include <cstdio>
 #include <fstream>
 #include <sstream>
 #include <string>
+
+#include "residency/shared_budget.hpp"
+#include "support/child_process.hpp"
 
 namespace {
 
@@ -171,6 +175,66 @@ TEST(CudaPreload, AProgramsMemorySleepsWhileItIdlesAndItsNextKernelFindsItAwakeW
   EXPECT_NE(pre.err.find("re-wired 64.00 MiB"), std::string::npos) << pre.err;
   EXPECT_EQ(pre.err.find("host tier"), std::string::npos) << "no model files here: " << pre.err;
   EXPECT_EQ(pre.err.find("warn"), std::string::npos) << pre.err;
+}
+
+// One GPU budget across processes: two programs under the preload on their emulated GPUs (one
+// UUID, so one ledger), a budget for one of their two 64 MiB allocations. The second's allocation
+// asks the first to sleep; `residency ps` lists both side by side; the first's next kernel wakes it
+// and asks the second to sleep; each gets its own sums back.
+TEST(CudaPreload, TwoProgramsShareOneGpuBudgetAskEachOtherAndPsListsBoth) {
+  const std::string name = "unit-cuda-pre-" + std::to_string(::getpid());
+  const auto spec = [&](const std::string& who) {
+    residency::testing::ChildSpec c;
+    c.argv = {RESIDENCY_FAKE_GPU_PROGRAM, "wait"};
+    c.env = {std::string("LD_LIBRARY_PATH=") + RESIDENCY_FAKE_LIBCUDA_DIR,
+             std::string("LD_PRELOAD=") + RESIDENCY_CUDA_PRELOAD,
+             "RESIDENCY_KEEP_ALIVE=10m",
+             "RESIDENCY_GPU_BUDGET=" + name + ":100MiB",
+             "RESIDENCY_LOG=info",
+             "RESIDENCY_BUDGET_WAIT=20s"};
+    c.drop_env_prefixes = {"LD_PRELOAD=", "RESIDENCY_", "CUDA_VISIBLE_DEVICES="};
+    c.stdin_pipe = true;
+    c.stderr_path = ::testing::TempDir() + "cuda_preload_" + who + ".err";
+    return c;
+  };
+  const auto a_spec = spec("a"), b_spec = spec("b");
+  residency::testing::ChildProcess a(a_spec);
+  ASSERT_TRUE(a.wait_for("ready", 60)) << slurp(a_spec.stderr_path);
+  residency::testing::ChildProcess b(b_spec);
+  ASSERT_TRUE(b.wait_for("ready", 60)) << slurp(b_spec.stderr_path);
+
+  const std::string ps = std::string("'") + RESIDENCY_TOOL_PATH + "' ps 2>&1";
+  std::string listing;
+  if (FILE* p = ::popen(ps.c_str(), "r")) {
+    char buf[1024];
+    while (std::fgets(buf, sizeof buf, p) != nullptr) listing += buf;
+    ::pclose(p);
+  }
+  EXPECT_NE(listing.find(std::to_string(a.pid())), std::string::npos) << listing;
+  EXPECT_NE(listing.find(std::to_string(b.pid())), std::string::npos) << listing;
+
+  ASSERT_TRUE(a.send_line("go"));
+  const auto a_out = a.wait_for("sum=", 60);
+  ASSERT_TRUE(a_out) << slurp(a_spec.stderr_path);
+  EXPECT_NE(a_out->find("sum=8556380160 again=8556380160 same_bytes=1 mapped_awake=67108864 mapped_idle=0 "
+                        "mapped_after=67108864"),
+            std::string::npos)
+      << *a_out << "\n"
+      << slurp(a_spec.stderr_path);
+  ASSERT_TRUE(b.send_line("go"));
+  const auto b_out = b.wait_for("sum=", 60);
+  ASSERT_TRUE(b_out) << slurp(b_spec.stderr_path);
+  EXPECT_NE(b_out->find("sum=8556380160 again=8556380160 same_bytes=1 mapped_awake=67108864 mapped_idle=0 "
+                        "mapped_after=67108864"),
+            std::string::npos)
+      << "the first's wake asked the second to sleep: " << *b_out << "\n"
+      << slurp(b_spec.stderr_path);
+  EXPECT_EQ(a.finish(60), 0);
+  EXPECT_EQ(b.finish(60), 0);
+  for (const auto& info : residency::list_shared_budgets())
+    if (info.name.rfind(name + ".", 0) == 0) std::remove(info.path.c_str());
+  std::remove(a_spec.stderr_path.c_str());
+  std::remove(b_spec.stderr_path.c_str());
 }
 
 }  // namespace

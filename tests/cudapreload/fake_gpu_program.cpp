@@ -4,6 +4,7 @@
 // again. It prints both sums and how much of the allocation the "GPU" mapped while awake, while
 // idle, and after the second kernel: under libresidency_cuda.so with a shorter keep-alive the idle
 // figure is 0 and the second kernel must find its memory woken (on unmapped memory it would fault).
+// With argv[1] "wait" it idles until a line comes on stdin instead, after saying "ready".
 #include <unistd.h>
 
 #include <cstddef>
@@ -47,7 +48,8 @@ unsigned long long launch_sum(void* d, std::size_t n) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  const int idle_ms = argc > 1 ? std::atoi(argv[1]) : 0;
+  const bool wait = argc > 1 && std::strcmp(argv[1], "wait") == 0;
+  const int idle_ms = argc > 1 && !wait ? std::atoi(argv[1]) : 0;
   const std::size_t n = std::size_t{64} << 20;
   void* d = nullptr;
   if (cudaMalloc(&d, n) != 0) return 1;
@@ -56,13 +58,20 @@ int main(int argc, char** argv) {
   if (cudaMemcpy(d, host.data(), n, 1) != 0) return 1;
   const unsigned long long first = launch_sum(d, n);
   const unsigned long long awake = fake_gpu_mapped(d, n);
-  ::usleep(static_cast<useconds_t>(idle_ms) * 1000);
+  if (wait) {
+    std::printf("ready\n");
+    std::fflush(stdout);
+    char line[16];
+    if (std::fgets(line, sizeof line, stdin) == nullptr) return 1;
+  } else {
+    ::usleep(static_cast<useconds_t>(idle_ms) * 1000);
+  }
   const unsigned long long idle = fake_gpu_mapped(d, n);
   const unsigned long long second = launch_sum(d, n);
   const unsigned long long after = fake_gpu_mapped(d, n);
   std::vector<unsigned char> back(n);
   if (cudaMemcpy(back.data(), d, n, 2) != 0) return 1;
-  std::printf("sum=%llu again=%llu same_bytes=%d mapped_awake=%llu mapped_idle=%llu mapped_after=%llu\n", first,
-              second, std::memcmp(back.data(), host.data(), n) == 0 ? 1 : 0, awake, idle, after);
+  std::printf("sum=%llu again=%llu same_bytes=%d mapped_awake=%llu mapped_idle=%llu mapped_after=%llu\n", first, second,
+              std::memcmp(back.data(), host.data(), n) == 0 ? 1 : 0, awake, idle, after);
   return cudaFree(d) == 0 ? 0 : 1;
 }

@@ -69,8 +69,7 @@ __attribute__((visibility("default"))) int cudaMemcpy(void* dst, const void* src
   if (kind == 2) r = dtoh(dst, reinterpret_cast<CUdeviceptr>(src), n);
   return r == CUDA_SUCCESS ? 0 : 1;
 }
-__attribute__((visibility("default"))) int cudaLaunchKernel(const void* f, Dim3, Dim3, void** args, std::size_t,
-                                                           void*) {
+__attribute__((visibility("default"))) int cudaLaunchKernel(const void* f, Dim3, Dim3, void** args, std::size_t, void*) {
   if (int e = on_device()) return e;
   reinterpret_cast<void (*)(void**)>(const_cast<void*>(f))(args);
   return 0;
