@@ -265,7 +265,8 @@ constexpr ConfigKey kKeys[] = {
     {nullptr,
      "RESIDENCY_GPU_BUDGET",
      {},
-     "the preload only (CUDA builds): one budget per GPU shared by the llama.cpp processes naming it; a wake that "
+     "the preloads only (CUDA builds): one budget per GPU shared by the processes naming it (llama.cpp and other "
+     "CUDA programs); a wake that "
      "does not fit first asks the idlest holder to sleep",
      "`NAME:SIZE` or `NAME:SIZE:GROUP` as `RESIDENCY_SHARED_BUDGET`, NAME up to 31 characters, SIZE bytes or a "
      "percent of each GPU's memory; the ledger of a GPU is `NAME.GPU-UUID`",
