@@ -129,6 +129,12 @@ enum Index : int {
   kIpcGetMemHandle,
   kMemCreate,
   kMemAllocManaged,
+  kMemRelease,
+  kMemMap,
+  kMemUnmap,
+  kMemSetAccess,
+  kMemExportToShareableHandle,
+  kMemGetAllocationPropertiesFromHandle,
   kStreamBeginCapture,
   kStreamBeginCaptureToGraph,
   kStreamEndCapture,
@@ -150,6 +156,31 @@ int current_driver_device() noexcept { return g_env.driver_device != nullptr ? g
 
 CUdeviceptr as_dptr(const void* p) noexcept { return reinterpret_cast<CUdeviceptr>(p); }
 const void* as_ptr(CUdeviceptr d) noexcept { return reinterpret_cast<const void*>(d); }
+
+// ---- The program's own mappings (cuMemCreate, cuMemMap: PyTorch's expandable_segments) ----
+
+// The mapping backends handed out so far, by device: the ones that may know a handle.
+constinit std::atomic<cuda::ProgramMappings*> g_mappings[ProgramRules::kMaxDevices]{};
+
+cuda::ProgramMappings* mappings_for(int device) noexcept {
+  if (device < 0 || device >= ProgramRules::kMaxDevices || g_env.mappings == nullptr) return nullptr;
+  auto& slot = g_mappings[static_cast<std::size_t>(device)];
+  if (cuda::ProgramMappings* pm = slot.load(std::memory_order_acquire)) return pm;
+  cuda::ProgramMappings* pm = g_env.mappings(device);
+  slot.store(pm, std::memory_order_release);
+  return pm;
+}
+
+// The backend that knows the program's `handle`, and its device.
+cuda::ProgramMappings* mappings_of(CUmemGenericAllocationHandle handle, int* device = nullptr) noexcept {
+  for (int d = 0; d < ProgramRules::kMaxDevices; ++d) {
+    cuda::ProgramMappings* pm = g_mappings[static_cast<std::size_t>(d)].load(std::memory_order_acquire);
+    if (pm == nullptr || !pm->properties(handle)) continue;
+    if (device != nullptr) *device = d;
+    return pm;
+  }
+  return nullptr;
+}
 
 // Where a 2D or 3D copy writes, at most: from its first destination byte over every pitch-wide row.
 struct Span {
@@ -360,10 +391,80 @@ struct Wrap {
     ipc_export(as_ptr(dptr), "cuIpcGetMemHandle");
     return real<PT, PFN_cuIpcGetMemHandle_v4010>(kIpcGetMemHandle)(h, dptr);
   }
+  // The program's own physical memory: known to the device's mapping backend from its creation, so
+  // that a mapping of all of it can sleep (the program keeps its handle as the memory's name).
   static CUresult CUDAAPI MemCreate(CUmemGenericAllocationHandle* h, size_t size, const CUmemAllocationProp* prop,
                                     unsigned long long flags) {
-    unmanaged_memory(kOwnMappings, "cuMemCreate");
-    return real<PT, PFN_cuMemCreate_v10020>(kMemCreate)(h, size, prop, flags);
+    const CUresult r = real<PT, PFN_cuMemCreate_v10020>(kMemCreate)(h, size, prop, flags);
+    if (r != CUDA_SUCCESS || h == nullptr || prop == nullptr) return r;
+    const ProgramSession* s = session();
+    cuda::ProgramMappings* pm = nullptr;
+    if (s != nullptr && s->routes() && prop->type == CU_MEM_ALLOCATION_TYPE_PINNED &&
+        prop->location.type == CU_MEM_LOCATION_TYPE_DEVICE)
+      pm = mappings_for(prop->location.id);
+    if (pm != nullptr) pm->created(*h, size, *prop);
+    else unmanaged_memory(kOwnMappings, "cuMemCreate");
+    return r;
+  }
+  static CUresult CUDAAPI MemRelease(CUmemGenericAllocationHandle h) {
+    if (cuda::ProgramMappings* pm = mappings_of(h)) {
+      const CUmemGenericAllocationHandle now = pm->released(h);
+      if (now == 0) return CUDA_SUCCESS;  // asleep: its physical memory is given back already
+      return real<PT, PFN_cuMemRelease_v10020>(kMemRelease)(now);
+    }
+    return real<PT, PFN_cuMemRelease_v10020>(kMemRelease)(h);
+  }
+  static CUresult CUDAAPI MemMap(CUdeviceptr va, size_t size, size_t offset, CUmemGenericAllocationHandle h,
+                                 unsigned long long flags) {
+    const auto u = use_device();
+    int device = -1;
+    cuda::ProgramMappings* pm = mappings_of(h, &device);
+    const CUresult r = real<PT, PFN_cuMemMap_v10020>(kMemMap)(va, size, offset, pm != nullptr ? pm->real_handle(h) : h,
+                                                              flags);
+    if (r == CUDA_SUCCESS && pm != nullptr && pm->mapped(va, size, offset, h))
+      if (ProgramSession* s = session(); s == nullptr || !s->mapping_made(device, const_cast<void*>(as_ptr(va)), size))
+        (void)pm->unmapped(va, size);  // not managed after all: forgotten, left as the program made it
+    return r;
+  }
+  static CUresult CUDAAPI MemUnmap(CUdeviceptr va, size_t size) {
+    const auto u = use_device();  // awake first: the program unmaps what it mapped
+    for (auto& slot : g_mappings) {
+      cuda::ProgramMappings* pm = slot.load(std::memory_order_acquire);
+      if (pm == nullptr) continue;
+      for (const CUdeviceptr gone : pm->unmapped(va, size))
+        if (ProgramSession* s = session()) s->mapping_gone(const_cast<void*>(as_ptr(gone)));
+    }
+    return real<PT, PFN_cuMemUnmap_v10020>(kMemUnmap)(va, size);
+  }
+  static CUresult CUDAAPI MemSetAccess(CUdeviceptr va, size_t size, const CUmemAccessDesc* desc, size_t count) {
+    const auto u = use_device();
+    const CUresult r = real<PT, PFN_cuMemSetAccess_v10020>(kMemSetAccess)(va, size, desc, count);
+    if (r == CUDA_SUCCESS)
+      for (auto& slot : g_mappings)
+        if (cuda::ProgramMappings* pm = slot.load(std::memory_order_acquire)) pm->access_set(va, size, desc, count);
+    return r;
+  }
+  static CUresult CUDAAPI MemExportToShareableHandle(void* out, CUmemGenericAllocationHandle h,
+                                                     CUmemAllocationHandleType type, unsigned long long flags) {
+    if (cuda::ProgramMappings* pm = mappings_of(h)) {
+      if (ProgramSession* s = session())
+        s->stand_aside(
+            "the program exports device memory it mapped itself (cuMemExportToShareableHandle), which "
+            "another process could not use once it slept");
+      h = pm->real_handle(h);  // awake now, and held
+    }
+    return real<PT, PFN_cuMemExportToShareableHandle_v10020>(kMemExportToShareableHandle)(out, h, type, flags);
+  }
+  static CUresult CUDAAPI MemGetAllocationPropertiesFromHandle(CUmemAllocationProp* prop, CUmemGenericAllocationHandle h) {
+    if (cuda::ProgramMappings* pm = mappings_of(h)) {
+      const CUmemGenericAllocationHandle now = pm->real_handle(h);
+      if (now == 0 && prop != nullptr) {  // asleep: as it was made
+        *prop = *pm->properties(h);
+        return CUDA_SUCCESS;
+      }
+      h = now;
+    }
+    return real<PT, PFN_cuMemGetAllocationPropertiesFromHandle_v10020>(kMemGetAllocationPropertiesFromHandle)(prop, h);
   }
   static CUresult CUDAAPI MemAllocManaged(CUdeviceptr* dptr, size_t bytes, unsigned int flags) {
     unmanaged_memory(kManagedMemory, "cuMemAllocManaged");
@@ -417,6 +518,12 @@ const Hooked kHooked[] = {
     RESIDENCY_HOOKED("cuIpcGetMemHandle", 4010, IpcGetMemHandle),
     RESIDENCY_HOOKED("cuMemCreate", 10020, MemCreate),
     RESIDENCY_HOOKED("cuMemAllocManaged", 6000, MemAllocManaged),
+    RESIDENCY_HOOKED("cuMemRelease", 10020, MemRelease),
+    RESIDENCY_HOOKED("cuMemMap", 10020, MemMap),
+    RESIDENCY_HOOKED("cuMemUnmap", 10020, MemUnmap),
+    RESIDENCY_HOOKED("cuMemSetAccess", 10020, MemSetAccess),
+    RESIDENCY_HOOKED("cuMemExportToShareableHandle", 10020, MemExportToShareableHandle),
+    RESIDENCY_HOOKED("cuMemGetAllocationPropertiesFromHandle", 10020, MemGetAllocationPropertiesFromHandle),
     RESIDENCY_HOOKED("cuStreamBeginCapture", 10010, StreamBeginCapture),
     RESIDENCY_HOOKED("cuStreamBeginCaptureToGraph", 12030, StreamBeginCaptureToGraph),
     RESIDENCY_HOOKED("cuStreamEndCapture", 10000, StreamEndCapture),

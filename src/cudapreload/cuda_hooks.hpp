@@ -21,6 +21,7 @@
 
 #include <cstddef>
 
+#include "backends/cuda/program_mappings.hpp"
 #include "program_session.hpp"
 
 namespace residency::cudapreload {
@@ -34,6 +35,9 @@ struct HookEnv {
   int (*driver_device)() noexcept = nullptr;
   // One line, said once per `key` (a warning about a call the preload does not manage).
   void (*warn_once)(int key, const char* line) noexcept = nullptr;
+  // (optional) The backend of the memory the program maps itself on `device` (the one the
+  // session's mapping manager holds), made on first need; null: such memory is not managed.
+  cuda::ProgramMappings* (*mappings)(int device) noexcept = nullptr;
 };
 void set_hook_env(const HookEnv& env) noexcept;
 const HookEnv& hook_env() noexcept;

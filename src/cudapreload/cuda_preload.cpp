@@ -22,6 +22,7 @@
 #include <cstring>
 #include <string>
 
+#include "backends/cuda/cuda_process.hpp"
 #include "cudapreload/cuda_hooks.hpp"
 #include "cudapreload/device_backend.hpp"
 #include "platform/symbol_lookup.hpp"
@@ -110,6 +111,8 @@ void warn(const std::string& line) noexcept {
   else preload::SessionLog().warn(line);
 }
 
+Result<std::shared_ptr<Backend>> mapping_backend(int device, const Config&);
+
 ProgramSession* make_session() noexcept {
   try {
     auto config = Config::from_env();
@@ -141,6 +144,7 @@ ProgramSession* make_session() noexcept {
     ProgramSession::Options o;
     o.config = *config;
     o.backends = &preload::cuda_device_backend;
+    o.mapping_backends = &mapping_backend;
     // Never destroyed, like the session: a scheduler thread may read it while exit() runs.
     o.clock = new SteadyClock;
     auto* s = new ProgramSession(std::move(o));
@@ -178,6 +182,35 @@ int driver_device() noexcept {
   return get != nullptr && get(&d) == CUDA_SUCCESS ? static_cast<int>(d) : -1;
 }
 
+// The backend of each device's memory the program maps itself: one per device, made on first
+// need and kept for the process's life (the session's mapping manager and the hooks share it).
+constinit Mutex g_mappings_mu;
+std::shared_ptr<cuda::ProgramMappings> g_mapping_backends[ProgramRules::kMaxDevices];
+
+Result<std::shared_ptr<Backend>> mapping_backend(int device, const Config&) {
+  if (device < 0 || device >= ProgramRules::kMaxDevices)
+    return Status(ErrorCode::invalid_argument, "cuda: no device " + std::to_string(device));
+  MutexLock lock(g_mappings_mu);
+  auto& pm = g_mapping_backends[static_cast<std::size_t>(device)];
+  if (!pm) {
+    auto driver = cuda::CudaProcess::instance().driver();
+    if (!driver) return driver.status();
+    auto made = cuda::ProgramMappings::create(**driver, device);
+    if (!made) return made.status();
+    pm = *made;
+  }
+  return std::shared_ptr<Backend>(pm);
+}
+
+cuda::ProgramMappings* mappings_of_device(int device) noexcept {
+  try {
+    auto b = mapping_backend(device, Config{});
+    return b ? static_cast<cuda::ProgramMappings*>(b->get()) : nullptr;
+  } catch (...) {
+    return nullptr;
+  }
+}
+
 void warn_once(int key, const char* line) noexcept {
   const unsigned bit = 1U << (static_cast<unsigned>(key) & 31U);
   if ((g_warned.fetch_or(bit, std::memory_order_relaxed) & bit) == 0) warn(line);
@@ -189,6 +222,7 @@ void warn_once(int key, const char* line) noexcept {
   env.session = &session;
   env.driver_device = &driver_device;
   env.warn_once = &warn_once;
+  env.mappings = &mappings_of_device;
   set_hook_env(env);
 }
 
@@ -291,6 +325,20 @@ RESIDENCY_DRIVER_EXPORT(cuMemCreate, "cuMemCreate", PFN_cuMemCreate_v10020,
                         (h, n, prop, flags))
 RESIDENCY_DRIVER_EXPORT(cuMemAllocManaged, "cuMemAllocManaged", PFN_cuMemAllocManaged_v6000,
                         (CUdeviceptr * p, size_t n, unsigned int flags), (p, n, flags))
+RESIDENCY_DRIVER_EXPORT(cuMemRelease, "cuMemRelease", PFN_cuMemRelease_v10020, (CUmemGenericAllocationHandle h), (h))
+RESIDENCY_DRIVER_EXPORT(cuMemMap, "cuMemMap", PFN_cuMemMap_v10020,
+                        (CUdeviceptr va, size_t n, size_t off, CUmemGenericAllocationHandle h, unsigned long long f),
+                        (va, n, off, h, f))
+RESIDENCY_DRIVER_EXPORT(cuMemUnmap, "cuMemUnmap", PFN_cuMemUnmap_v10020, (CUdeviceptr va, size_t n), (va, n))
+RESIDENCY_DRIVER_EXPORT(cuMemSetAccess, "cuMemSetAccess", PFN_cuMemSetAccess_v10020,
+                        (CUdeviceptr va, size_t n, const CUmemAccessDesc* d, size_t c), (va, n, d, c))
+RESIDENCY_DRIVER_EXPORT(cuMemExportToShareableHandle, "cuMemExportToShareableHandle",
+                        PFN_cuMemExportToShareableHandle_v10020,
+                        (void* out, CUmemGenericAllocationHandle h, CUmemAllocationHandleType t, unsigned long long f),
+                        (out, h, t, f))
+RESIDENCY_DRIVER_EXPORT(cuMemGetAllocationPropertiesFromHandle, "cuMemGetAllocationPropertiesFromHandle",
+                        PFN_cuMemGetAllocationPropertiesFromHandle_v10020,
+                        (CUmemAllocationProp * p, CUmemGenericAllocationHandle h), (p, h))
 RESIDENCY_DRIVER_EXPORT(cuStreamBeginCapture_v2, "cuStreamBeginCapture", PFN_cuStreamBeginCapture_v10010,
                         (CUstream s, CUstreamCaptureMode mode), (s, mode))
 RESIDENCY_DRIVER_EXPORT(cuStreamBeginCaptureToGraph, "cuStreamBeginCaptureToGraph", PFN_cuStreamBeginCaptureToGraph_v12030,
@@ -557,5 +605,5 @@ RESIDENCY_CUDA_EXPORT int residency_cuda_wake(void) {
 // Bytes of device memory the preload manages now (awake or asleep); 0 when it manages none.
 RESIDENCY_CUDA_EXPORT unsigned long long residency_cuda_managed_bytes(void) {
   rc::ProgramSession* s = rc::session();
-  return s != nullptr ? s->routed_bytes() : 0;
+  return s != nullptr ? s->routed_bytes() + s->mapping_bytes() : 0;
 }

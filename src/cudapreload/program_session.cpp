@@ -61,6 +61,7 @@ ProgramSession::~ProgramSession() {
     MutexLock lock(mu_);
     held_.clear();
     captures_.clear();
+    mapped_.clear();
     for (auto& m : managers_) m.store(nullptr, std::memory_order_release);
     active_.store(0, std::memory_order_release);
     owners.swap(owners_);
@@ -69,16 +70,19 @@ ProgramSession::~ProgramSession() {
   owners.clear();  // outside the lock: a manager's teardown wakes nothing, but may wait for its threads
 }
 
-std::unique_ptr<Manager> ProgramSession::start_manager(int device) {
-  return preload::start_session_manager(device, options_.config, options_.backends, options_.clock,
-                                        options_.start_schedulers, log_, kWithoutDevice);
+std::unique_ptr<Manager> ProgramSession::start_manager(int slot) {
+  const bool mappings = slot >= ProgramRules::kMaxDevices;
+  const int device = mappings ? slot - ProgramRules::kMaxDevices : slot;
+  if (mappings && !options_.mapping_backends) return nullptr;
+  return preload::start_session_manager(device, options_.config, mappings ? options_.mapping_backends : options_.backends,
+                                        options_.clock, options_.start_schedulers, log_, kWithoutDevice);
 }
 
-Manager* ProgramSession::device_locked(int device) {
-  const auto i = static_cast<std::size_t>(device);
+Manager* ProgramSession::slot_locked(int slot) {
+  const auto i = static_cast<std::size_t>(slot);
   if (Manager* m = managers_[i].load(std::memory_order_relaxed)) return m;
   if (failed_[i]) return nullptr;
-  std::unique_ptr<Manager> m = start_manager(device);
+  std::unique_ptr<Manager> m = start_manager(slot);
   if (!m) {
     failed_[i] = true;
     return nullptr;
@@ -91,22 +95,30 @@ Manager* ProgramSession::device_locked(int device) {
   }
   Manager* raw = owners_.back().get();
   managers_[i].store(raw, std::memory_order_release);
-  started_[static_cast<std::size_t>(active_.load(std::memory_order_relaxed))] = device;
+  started_[static_cast<std::size_t>(active_.load(std::memory_order_relaxed))] = slot;
   active_.fetch_add(1, std::memory_order_release);
   return raw;
 }
+
+Manager* ProgramSession::device_locked(int device) { return slot_locked(device); }
 
 Manager* ProgramSession::manager(int device) const noexcept {
   if (device < 0 || device >= ProgramRules::kMaxDevices) return nullptr;
   return managers_[static_cast<std::size_t>(device)].load(std::memory_order_acquire);
 }
 
+Manager* ProgramSession::mapping_manager(int device) const noexcept {
+  if (device < 0 || device >= ProgramRules::kMaxDevices) return nullptr;
+  return managers_[static_cast<std::size_t>(device + ProgramRules::kMaxDevices)].load(std::memory_order_acquire);
+}
+
+// Every started manager, with its slot.
 template <typename F>
 void ProgramSession::for_each_device(F&& f) noexcept {
   const int n = active_.load(std::memory_order_acquire);
   for (int k = 0; k < n; ++k) {
-    const int device = started_[static_cast<std::size_t>(k)];
-    if (Manager* m = managers_[static_cast<std::size_t>(device)].load(std::memory_order_acquire)) f(device, *m);
+    const int slot = started_[static_cast<std::size_t>(k)];
+    if (Manager* m = managers_[static_cast<std::size_t>(slot)].load(std::memory_order_acquire)) f(slot, *m);
   }
 }
 
@@ -171,6 +183,45 @@ bool ProgramSession::routed(const void* ptr, std::size_t bytes) const noexcept {
   return it != routed_.end() && it->first < b + bytes;
 }
 
+bool ProgramSession::mapping_made(int device, void* va, std::size_t size) noexcept {
+  if (forked_.load(std::memory_order_relaxed) || aside_.load(std::memory_order_acquire) || va == nullptr || size == 0 ||
+      device < 0 || device >= ProgramRules::kMaxDevices || !options_.config.keep_alive.manages())
+    return false;
+  MutexLock lock(mu_);
+  Manager* m = slot_locked(device + ProgramRules::kMaxDevices);
+  if (m == nullptr) return false;
+  // Memory the program filled: kept across a sleep, all of it each time (its writes are unknown).
+  if (auto r = m->register_region(va, size, RegionClass::weights); !r) {
+    log_.warn(device_name(device) + ": a mapping of the program's own (" + format_size(size) +
+              ") is not managed: " + r.message());
+    return false;
+  }
+  try {
+    mapped_[reinterpret_cast<std::uintptr_t>(va)] = Mapped{size, device};
+  } catch (...) {
+    (void)m->unregister_address(va);
+    return false;
+  }
+  return true;
+}
+
+void ProgramSession::mapping_gone(void* va) noexcept {
+  MutexLock lock(mu_);
+  const auto it = mapped_.find(reinterpret_cast<std::uintptr_t>(va));
+  if (it == mapped_.end()) return;
+  Manager* m = managers_[static_cast<std::size_t>(it->second.device + ProgramRules::kMaxDevices)].load(
+      std::memory_order_relaxed);
+  mapped_.erase(it);
+  if (m != nullptr) (void)m->unregister_address(va);
+}
+
+std::uint64_t ProgramSession::mapping_bytes() const noexcept {
+  MutexLock lock(mu_);
+  std::uint64_t n = 0;
+  for (const auto& [base, r] : mapped_) n += r.size;
+  return n;
+}
+
 std::uint64_t ProgramSession::routed_bytes() const noexcept {
   MutexLock lock(mu_);
   std::uint64_t n = 0;
@@ -182,10 +233,10 @@ ProgramSession::Use ProgramSession::use() noexcept {
   Use u;
   if (forked_.load(std::memory_order_relaxed) || active_.load(std::memory_order_acquire) == 0) return u;
   u.s_ = this;
-  for_each_device([&](int device, Manager& m) {
+  for_each_device([&](int slot, Manager& m) {
     const bool asleep = !m.wants_resident();
     m.begin_call();  // lock-free while resident; wakes first when asleep
-    u.begun_ |= std::uint64_t{1} << device;
+    u.begun_[static_cast<std::size_t>(slot / 64)] |= std::uint64_t{1} << (slot % 64);
     if (!asleep || !u.status_) return;
     if (Status st = m.unwired_status(); !st) u.status_ = st;
   });
@@ -199,9 +250,9 @@ ProgramSession::Use::~Use() {
   if (s_ != nullptr) s_->end_use(begun_);
 }
 
-void ProgramSession::end_use(std::uint64_t begun) noexcept {
-  for_each_device([&](int device, Manager& m) {
-    if ((begun >> device) & 1U) m.end_call();
+void ProgramSession::end_use(const std::array<std::uint64_t, 2>& begun) noexcept {
+  for_each_device([&](int slot, Manager& m) {
+    if ((begun[static_cast<std::size_t>(slot / 64)] >> (slot % 64)) & 1U) m.end_call();
   });
 }
 

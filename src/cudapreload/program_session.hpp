@@ -58,8 +58,11 @@ class ProgramSession {
   using BackendFactory = std::function<Result<std::shared_ptr<Backend>>(int device, const Config& device_config)>;
 
   struct Options {
-    Config config;                  // RESIDENCY_* as read at start-up
-    BackendFactory backends;        // required
+    Config config;            // RESIDENCY_* as read at start-up
+    BackendFactory backends;  // required
+    // (optional) The backend for the memory a program maps itself on a device (cuMemCreate and
+    // cuMemMap: ProgramMappings); without it such memory is never managed.
+    BackendFactory mapping_backends;
     Clock* clock = nullptr;         // required; must outlive the session
     preload::SessionLog::Sink log;  // default: stderr
     bool start_schedulers = true;   // false: managers run nothing on their own (tests)
@@ -88,6 +91,12 @@ class ProgramSession {
   // The program frees `ptr`: true when it was routed (the backend let it go, after the device
   // finished with it), false when it is the runtime's to free.
   bool free(void* ptr) noexcept RESIDENCY_EXCLUDES(mu_);
+  // The program mapped [va, va + size) on `device` itself, in a way its mapping backend can put to
+  // sleep: registered with that device's second manager (started on first need), so that the
+  // keep-alive, the budget and every use cover it as they cover routed memory. False: not managed.
+  bool mapping_made(int device, void* va, std::size_t size) noexcept RESIDENCY_EXCLUDES(mu_);
+  // The program unmapped the mapping at `va` (it was awake: an unmap is a use).
+  void mapping_gone(void* va) noexcept RESIDENCY_EXCLUDES(mu_);
   // Whether [ptr, ptr + bytes) touches routed memory.
   bool routed(const void* ptr, std::size_t bytes = 1) const noexcept RESIDENCY_EXCLUDES(mu_);
 
@@ -107,7 +116,7 @@ class ProgramSession {
    private:
     friend class ProgramSession;
     ProgramSession* s_ = nullptr;
-    std::uint64_t begun_ = 0;  // the devices whose manager this use opened a call on
+    std::array<std::uint64_t, 2> begun_{};  // the managers (by slot) this use opened a call on
     Status status_;
   };
   Use use() noexcept;
@@ -147,8 +156,12 @@ class ProgramSession {
 
   // The manager of `device`, null when none was started (tests and the tool's figures).
   Manager* manager(int device) const noexcept;
-  // Bytes routed now (allocated through the backend, awake or asleep).
+  // Bytes routed now (allocated through the backend, awake or asleep), and bytes of the program's
+  // own mappings managed now.
   std::uint64_t routed_bytes() const noexcept RESIDENCY_EXCLUDES(mu_);
+  std::uint64_t mapping_bytes() const noexcept RESIDENCY_EXCLUDES(mu_);
+  // The manager of the program's own mappings on `device`, null when none was started.
+  Manager* mapping_manager(int device) const noexcept;
 
  private:
   struct Routed {
@@ -157,10 +170,14 @@ class ProgramSession {
     Tag tag = Tag::unknown;
   };
   Manager* device_locked(int device) RESIDENCY_REQUIRES(mu_);
-  std::unique_ptr<Manager> start_manager(int device);
+  // A device's managers have slots: `device` for routed allocations, `device + kMaxDevices` for
+  // the program's own mappings.
+  static constexpr int kSlots = 2 * ProgramRules::kMaxDevices;
+  Manager* slot_locked(int slot) RESIDENCY_REQUIRES(mu_);
+  std::unique_ptr<Manager> start_manager(int slot);
   template <typename F>
   void for_each_device(F&& f) noexcept;
-  void end_use(std::uint64_t begun) noexcept;
+  void end_use(const std::array<std::uint64_t, 2>& begun) noexcept;
 
   Options options_;
   preload::SessionLog log_;
@@ -170,13 +187,18 @@ class ProgramSession {
   std::vector<UseScope> held_ RESIDENCY_GUARDED_BY(mu_);  // after stand_aside(): held for good
   // Captures in progress, by stream, each with the scopes that hold every device awake.
   std::vector<std::pair<const void*, std::vector<UseScope>>> captures_ RESIDENCY_GUARDED_BY(mu_);
-  // Per device: its manager (null until the first routed allocation there), and whether starting
-  // one failed (then that device passes through, said once).
-  std::array<std::atomic<Manager*>, ProgramRules::kMaxDevices> managers_{};
-  // The started devices in order, the first active_ of them (written before active_ is raised): a
-  // use walks these, not every device index.
-  std::array<int, ProgramRules::kMaxDevices> started_{};
-  std::array<bool, ProgramRules::kMaxDevices> failed_ RESIDENCY_GUARDED_BY(mu_){};
+  // Per slot: its manager (null until first needed), and whether starting one failed (then that
+  // slot passes through, said once).
+  std::array<std::atomic<Manager*>, kSlots> managers_{};
+  // The started slots in order, the first active_ of them (written before active_ is raised): a
+  // use walks these, not every slot.
+  std::array<int, kSlots> started_{};
+  std::array<bool, kSlots> failed_ RESIDENCY_GUARDED_BY(mu_){};
+  struct Mapped {
+    std::size_t size = 0;
+    int device = 0;
+  };
+  std::map<std::uintptr_t, Mapped> mapped_ RESIDENCY_GUARDED_BY(mu_);  // the program's own mappings
   std::atomic<int> active_{0};
   std::atomic<int> tagged_weights_{0};  // routed allocations tagged weights
   std::atomic<bool> aside_{false};

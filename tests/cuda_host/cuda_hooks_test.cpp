@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "backends/cuda/cuda_backend.hpp"
+#include "backends/cuda/program_mappings.hpp"
 #include "cudapreload/cuda_hooks.hpp"
 #include "residency/shared_budget.hpp"
 #include "support/fake_backend.hpp"
@@ -38,6 +39,7 @@ HostGpu& gpu() { return HostGpu::instance(); }
 // The test's session, and what the "real" functions saw (the wrappers are process-wide: the same
 // real functions in every test).
 ProgramSession* g_session = nullptr;
+cuda::ProgramMappings* g_mappings = nullptr;
 std::atomic<int> g_real_allocs{0};
 std::atomic<std::uint64_t> g_mapped_at_launch{0};
 CUdeviceptr g_launch_reads = 0;
@@ -78,6 +80,7 @@ class CudaHooksTest : public ::testing::Test {
  protected:
   ManualClock clock{Nanos(std::chrono::hours(1))};
   std::shared_ptr<CudaBackend> backend;
+  std::shared_ptr<cuda::ProgramMappings> mappings;
   std::unique_ptr<ProgramSession> session;
   testing::LogCapture logs;
 
@@ -90,6 +93,10 @@ class CudaHooksTest : public ::testing::Test {
     auto made = CudaBackend::create(o, gpu().driver());
     ASSERT_TRUE(made) << made.message();
     backend = *made;
+    auto pm = cuda::ProgramMappings::create(gpu().driver(), 0);
+    ASSERT_TRUE(pm) << pm.message();
+    mappings = *pm;
+    g_mappings = mappings.get();
     ProgramSession::Options so;
     so.config.keep_alive = KeepAlive::after(std::chrono::seconds(10));
     so.config.release_on_pressure = false;
@@ -97,12 +104,16 @@ class CudaHooksTest : public ::testing::Test {
     so.backends = [this](int, const Config&) -> Result<std::shared_ptr<Backend>> {
       return std::shared_ptr<Backend>(backend);
     };
+    so.mapping_backends = [this](int, const Config&) -> Result<std::shared_ptr<Backend>> {
+      return std::shared_ptr<Backend>(mappings);
+    };
     so.clock = &clock;
     so.log = [this](LogLevel l, std::string_view line) { logs.callback()(l, line); };
     so.start_schedulers = false;
     session = std::make_unique<ProgramSession>(std::move(so));
     g_session = session.get();
     HookEnv env;
+    env.mappings = [](int) noexcept { return g_mappings; };
     env.session = []() noexcept { return g_session; };
     env.driver_device = []() noexcept { return 0; };
     env.warn_once = [](int, const char* line) noexcept { g_session->log().warn(line); };
@@ -112,6 +123,8 @@ class CudaHooksTest : public ::testing::Test {
     set_hook_env(HookEnv{});
     session.reset();
     g_session = nullptr;
+    mappings.reset();
+    g_mappings = nullptr;
     backend.reset();
     EXPECT_EQ(gpu().live(), "") << "everything the backend made is given back";
   }
@@ -229,6 +242,72 @@ TEST_F(CudaHooksTest, AGraphCaptureBeginsOnMappedMemoryAndNothingSleepsUntilItEn
   idle();
   EXPECT_EQ(gpu().mapped_bytes(p, n), 0u) << "after it, the keep-alive again";
   EXPECT_TRUE(session->free(reinterpret_cast<void*>(p)));
+}
+
+// PyTorch's expandable segments: the program reserves a range, creates physical memory, maps it and
+// sets its access itself. Its mapping sleeps (the physical memory given back to the device) and
+// wakes at the same address with the same bytes, through the program's own handle; its unmap and
+// release, awake or after the release of a handle still mapped while asleep, leave nothing behind.
+TEST_F(CudaHooksTest, MemoryTheProgramMapsItselfSleepsAndWakesAtItsAddressUnderItsHandle) {
+  const auto create = wrapped("cuMemCreate", gpu().driver().cuMemCreate);
+  const auto map = wrapped("cuMemMap", gpu().driver().cuMemMap);
+  const auto set_access = wrapped("cuMemSetAccess", gpu().driver().cuMemSetAccess);
+  const auto unmap = wrapped("cuMemUnmap", gpu().driver().cuMemUnmap);
+  const auto release = wrapped("cuMemRelease", gpu().driver().cuMemRelease);
+  const auto htod = wrapped("cuMemcpyHtoD", gpu().driver().cuMemcpyHtoD);
+  const auto dtoh = wrapped("cuMemcpyDtoH", gpu().driver().cuMemcpyDtoH);
+  const std::size_t n = 20 * kMiB;
+  CUdeviceptr va = 0;
+  ASSERT_EQ(gpu().driver().cuMemAddressReserve(&va, 2 * n, 0, 0, 0), CUDA_SUCCESS);
+  CUmemAllocationProp prop{};
+  prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+  prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  prop.location.id = 0;
+  CUmemAccessDesc access{};
+  access.location = prop.location;
+  access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+  CUmemGenericAllocationHandle h1 = 0, h2 = 0;
+  const auto bytes = pattern(n, 7);
+  {
+    auto c = context();
+    ASSERT_EQ(create(&h1, n, &prop, 0), CUDA_SUCCESS);
+    ASSERT_EQ(create(&h2, n, &prop, 0), CUDA_SUCCESS);
+    ASSERT_EQ(map(va, n, 0, h1, 0), CUDA_SUCCESS);
+    ASSERT_EQ(map(va + n, n, 0, h2, 0), CUDA_SUCCESS);
+    ASSERT_EQ(set_access(va, 2 * n, &access, 1), CUDA_SUCCESS);
+    ASSERT_EQ(htod(va, bytes.data(), n), CUDA_SUCCESS);
+    ASSERT_EQ(htod(va + n, bytes.data(), n), CUDA_SUCCESS);
+  }
+  EXPECT_EQ(session->mapping_bytes(), 2 * n);
+  const std::uint64_t used_awake = gpu().used();
+  clock.advance(std::chrono::seconds(11));
+  session->mapping_manager(0)->run_due();
+  EXPECT_EQ(gpu().mapped_bytes(va, 2 * n), 0u) << "asleep: nothing mapped at the program's addresses";
+  EXPECT_LE(gpu().used() + 2 * n, used_awake) << "its physical memory went back to the device";
+  EXPECT_EQ(mappings->asleep(), 2u);
+
+  // The program releases one handle while its mapping sleeps (as it may while mapped).
+  EXPECT_EQ(release(h2), CUDA_SUCCESS);
+  std::vector<char> back(n);
+  {
+    auto c = context();
+    ASSERT_EQ(dtoh(back.data(), va, n), CUDA_SUCCESS) << "the copy woke it first";
+  }
+  EXPECT_TRUE(back == bytes) << "the same bytes at the same address";
+  EXPECT_EQ(gpu().mapped_bytes(va, 2 * n), 2 * n);
+  {
+    auto c = context();
+    ASSERT_EQ(dtoh(back.data(), va + n, n), CUDA_SUCCESS);
+  }
+  EXPECT_TRUE(back == bytes) << "the released-while-mapped handle's memory too, until its unmap";
+  {
+    auto c = context();
+    ASSERT_EQ(unmap(va, 2 * n), CUDA_SUCCESS);
+    ASSERT_EQ(release(h1), CUDA_SUCCESS);
+  }
+  EXPECT_EQ(session->mapping_bytes(), 0u);
+  ASSERT_EQ(gpu().driver().cuMemAddressFree(va, 2 * n), CUDA_SUCCESS);
+  EXPECT_EQ(gpu().used(), used_awake - 2 * n) << "both physical handles are gone, none twice";
 }
 
 TEST_F(CudaHooksTest, AWeightsRegionIsCopiedAtItsFirstSleepThenOnlyWhereTheProgramWrote) {

@@ -54,18 +54,7 @@ Result<std::shared_ptr<CudaBackend>> CudaBackend::create(const CudaBackendOption
   CUdevice dev = 0;
   r = d.cuDeviceGet(&dev, o.device);
   if (r != CUDA_SUCCESS) return d.error(r, "opening device " + std::to_string(o.device), "cuDeviceGet");
-  std::string uuid;  // as nvidia-smi names the device; empty if the driver does not say
-  CUuuid u{};
-  if (d.cuDeviceGetUuid != nullptr && d.cuDeviceGetUuid(&u, dev) == CUDA_SUCCESS) {
-    static constexpr char kHex[] = "0123456789abcdef";
-    uuid = "GPU-";
-    for (int i = 0; i < 16; ++i) {
-      if (i == 4 || i == 6 || i == 8 || i == 10) uuid += '-';
-      const auto byte = static_cast<unsigned char>(u.bytes[i]);
-      uuid += kHex[byte >> 4];
-      uuid += kHex[byte & 15];
-    }
-  }
+  const std::string uuid = device_uuid(d, dev);  // as nvidia-smi names the device; empty if unknown
   int vmm = 0;
   r = d.cuDeviceGetAttribute(&vmm, CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, dev);
   if (r != CUDA_SUCCESS || vmm == 0) {

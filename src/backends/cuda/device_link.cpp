@@ -31,4 +31,20 @@ CUmemAllocationProp device_prop(CUdevice dev) {
   return prop;
 }
 
+std::string device_uuid(const Driver& d, CUdevice dev) {
+  std::string uuid;
+  CUuuid u{};
+  if (d.cuDeviceGetUuid != nullptr && d.cuDeviceGetUuid(&u, dev) == CUDA_SUCCESS) {
+    static constexpr char kHex[] = "0123456789abcdef";
+    uuid = "GPU-";
+    for (int i = 0; i < 16; ++i) {
+      if (i == 4 || i == 6 || i == 8 || i == 10) uuid += '-';
+      const auto byte = static_cast<unsigned char>(u.bytes[i]);
+      uuid += kHex[byte >> 4];
+      uuid += kHex[byte & 15];
+    }
+  }
+  return uuid;
+}
+
 }  // namespace residency::cuda

@@ -38,5 +38,7 @@ std::string hex(std::uintptr_t p);
 std::size_t round_up(std::size_t v, std::size_t unit);
 // Physical memory of the device, pinned (cuMemCreate).
 CUmemAllocationProp device_prop(CUdevice dev);
+// The device's UUID as nvidia-smi names it ("GPU-f4ce0000-..."); empty when the driver does not say.
+std::string device_uuid(const Driver& d, CUdevice dev);
 
 }  // namespace residency::cuda
