@@ -148,8 +148,14 @@ TEST(CudaPreload, OffPassesEverythingThroughSilently) {
 // (HostGpu: unmapped device memory faults), the preload's own cuda backend in the process. Under
 // a keep-alive shorter than the program's idle pause the "GPU" maps nothing while it idles, and
 // the kernel after the pause finds its memory woken, with its bytes.
-TEST(CudaPreload, AProgramsMemorySleepsWhileItIdlesAndItsNextKernelFindsItAwakeWithItsBytes) {
-  const std::string program = std::string("'") + RESIDENCY_FAKE_GPU_PROGRAM + "' 1500";
+// The same, with the program's memory mapped by the program itself (PyTorch's expandable
+// segments: reserve, cuMemCreate, cuMemMap, cuMemSetAccess through the runtime's driver entry
+// points): "vmm".
+class CudaPreloadGpu : public ::testing::TestWithParam<const char*> {};
+INSTANTIATE_TEST_SUITE_P(Memory, CudaPreloadGpu, ::testing::Values("malloc", "vmm"));
+
+TEST_P(CudaPreloadGpu, AProgramsMemorySleepsWhileItIdlesAndItsNextKernelFindsItAwakeWithItsBytes) {
+  const std::string program = std::string("'") + RESIDENCY_FAKE_GPU_PROGRAM + "' 1500 " + GetParam();
   const std::string libcuda = std::string("LD_LIBRARY_PATH='") + RESIDENCY_FAKE_LIBCUDA_DIR + "'";
   const auto exec = [&](const std::string& env) {
     const std::string err = ::testing::TempDir() + "cuda_preload_gpu.err";

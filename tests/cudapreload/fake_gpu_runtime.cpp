@@ -69,6 +69,14 @@ __attribute__((visibility("default"))) int cudaMemcpy(void* dst, const void* src
   if (kind == 2) r = dtoh(dst, reinterpret_cast<CUdeviceptr>(src), n);
   return r == CUDA_SUCCESS ? 0 : 1;
 }
+// The driver's entry points, as libcudart hands them out (PyTorch's expandable segments get theirs so).
+__attribute__((visibility("default"))) int cudaGetDriverEntryPointByVersion(const char* symbol, void** fn, unsigned,
+                                                                            unsigned long long, int* status) {
+  if (int e = on_device()) return e;
+  *fn = entry<void*>(symbol);
+  if (status != nullptr) *status = *fn != nullptr ? 0 : 1;
+  return *fn != nullptr ? 0 : 500;
+}
 __attribute__((visibility("default"))) int cudaLaunchKernel(const void* f, Dim3, Dim3, void** args, std::size_t, void*) {
   if (int e = on_device()) return e;
   reinterpret_cast<void (*)(void**)>(const_cast<void*>(f))(args);
