@@ -191,7 +191,7 @@ Status ProgramMappings::wake_locked(CUdeviceptr va, Mapping& m) {
 
 Capabilities ProgramMappings::capabilities() const {
   Capabilities c;
-  c.name = "cuda-mappings";
+  c.name = "cuda";  // GPU memory, as `residency ps` and `stat` show it (the program maps it itself)
   c.needs_refresh = false;
   c.max_sets = 0;
   c.device_uuid = uuid_;
