@@ -257,7 +257,11 @@ std::uint64_t Ledger::acquire_in_turn(std::uint64_t bytes, std::int64_t now, Nan
     const std::int64_t left = deadline - monotonic_ns();
     const int r = ask_until(fit, now + (monotonic_ns() - start),
                             Nanos(std::min<std::int64_t>(left, kRoundWait.count())), min_idle, /*as_head=*/true);
-    if (r != 0) return r > 0 ? got : 0;
+    if (r > 0) return got;
+    // The ledger given up (corrupt, removed, this holder gone) ends the wait; its lock busy for
+    // longer than kUseLockWait (another holder inside its section, a loaded machine) does not: the
+    // wait is for room within `wait`, and the next round takes the lock again.
+    if (r < 0 && (!usable() || detached_ || !mine())) return 0;
     if (monotonic_ns() >= deadline || g_joins_cancelled.load(std::memory_order_acquire)) return 0;
     const std::int64_t pause = std::min<std::int64_t>(deadline - monotonic_ns(), kRoundPause.count());
     if (pause > 0) {
