@@ -184,8 +184,10 @@ int driver_device() noexcept {
 
 // The backend of each device's memory the program maps itself: one per device, made on first
 // need and kept for the process's life (the session's mapping manager and the hooks share it).
+// Never destroyed, like the session: at exit the driver may be gone before a destructor runs.
 constinit Mutex g_mappings_mu;
-std::shared_ptr<cuda::ProgramMappings> g_mapping_backends[ProgramRules::kMaxDevices];
+std::shared_ptr<cuda::ProgramMappings>* const g_mapping_backends =
+    new std::shared_ptr<cuda::ProgramMappings>[ProgramRules::kMaxDevices];
 
 Result<std::shared_ptr<Backend>> mapping_backend(int device, const Config&) {
   if (device < 0 || device >= ProgramRules::kMaxDevices)
@@ -481,12 +483,13 @@ RESIDENCY_CUDA_EXPORT rc::cudaError_t cudaIpcGetMemHandle(void* handle, void* p)
 // ---- The runtime API: uses (each also in its per-thread default stream form) ----
 
 // A use around the call; `dst, bytes`: what it writes on the device (checked against routed memory).
-#define RESIDENCY_RUNTIME_USE(sym, params, args, dst, bytes)                      \
-  RESIDENCY_CUDA_EXPORT rc::cudaError_t sym params {                              \
-    RESIDENCY_NEXT(rc::cudaError_t(*) params, sym, rc::kCudaErrorInitialization); \
-    const auto use = rc::use_device();                                            \
-    rc::device_written(dst, bytes);                                               \
-    return next args;                                                             \
+#define RESIDENCY_RUNTIME_USE(sym, params, args, dst, bytes)                                          \
+  RESIDENCY_CUDA_EXPORT rc::cudaError_t sym params {                                                  \
+    RESIDENCY_NEXT(rc::cudaError_t(*) params, sym, rc::kCudaErrorInitialization);                     \
+    const auto use = rc::use_device();                                                                \
+    if (!use.status()) return rc::kCudaErrorMemoryAllocation; /* never on memory that is not there */ \
+    rc::device_written(dst, bytes);                                                                   \
+    return next args;                                                                                 \
   }
 #define RESIDENCY_RUNTIME_USE2(sym, params, args, dst, bytes) \
   RESIDENCY_RUNTIME_USE(sym, params, args, dst, bytes)        \

@@ -242,7 +242,7 @@ ProgramSession::Use ProgramSession::use() noexcept {
   });
   if (!u.status_ && !warned_wake_.exchange(true, std::memory_order_relaxed))
     log_.warn("device memory could not be woken for a launch or copy (" + u.status_.message() +
-              "); the call goes ahead on it as it is");
+              "); such a call fails with out of memory instead of running on memory that is not there");
   return u;
 }
 

@@ -110,7 +110,8 @@ class ProgramSession {
     Use(const Use&) = delete;
     Use& operator=(const Use&) = delete;
     ~Use();
-    // ok, or why device memory could not be woken (the call then goes ahead on it as it is).
+    // ok, or why device memory could not be woken: the hooks then fail the call with out of
+    // memory rather than run it on memory that is not there.
     const Status& status() const { return status_; }
 
    private:

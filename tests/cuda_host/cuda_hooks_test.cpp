@@ -51,8 +51,10 @@ CUresult CUDAAPI real_alloc(CUdeviceptr* p, size_t n) {
   return gpu().driver().cuMemAlloc(p, n);
 }
 // A kernel that reads its buffer: what of it the device maps when it runs.
+std::atomic<int> g_launches{0};
 CUresult CUDAAPI real_launch(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, CUstream,
                              void**, void**) {
+  ++g_launches;
   g_mapped_at_launch = gpu().mapped_bytes(g_launch_reads, g_launch_bytes);
   return CUDA_SUCCESS;
 }
@@ -84,8 +86,11 @@ class CudaHooksTest : public ::testing::Test {
   std::unique_ptr<ProgramSession> session;
   testing::LogCapture logs;
 
+  std::uint64_t device_bytes_ = std::uint64_t{4} << 30;  // HostGpu's default
   void SetUp() override {
-    gpu().reset();
+    HostGpu::Config gc;
+    gc.capacity = device_bytes_;
+    gpu().reset(gc);
     g_real_allocs = 0;
     g_ipc_calls = 0;
     CudaBackendOptions o;
@@ -218,6 +223,43 @@ TEST_F(CudaHooksTest, ALaunchWhileAsleepRunsOnMappedMemory) {
   ASSERT_EQ(graph(nullptr, nullptr), CUDA_SUCCESS);
   EXPECT_EQ(g_mapped_at_launch, n) << "a graph launch wakes it first too";
   ASSERT_EQ(session->free(reinterpret_cast<void*>(p)), true);
+}
+
+// A wake the device cannot serve (it is full of another program's memory): the launch fails with
+// out of memory, and never reaches the driver on memory that is not there (on a GPU: an illegal
+// address, which ruins the context for good).
+class CudaHooksSmallGpuTest : public CudaHooksTest {
+ protected:
+  void SetUp() override {
+    device_bytes_ = std::uint64_t{96} << 20;  // room for one 64 MiB allocation, not two
+    CudaHooksTest::SetUp();
+  }
+};
+
+TEST_F(CudaHooksSmallGpuTest, ALaunchWhoseWakeFailsIsRefusedWithOutOfMemoryNotRunUnmapped) {
+  const auto alloc = wrapped("cuMemAlloc", &real_alloc);
+  const auto launch = wrapped("cuLaunchKernel", &real_launch);
+  const std::size_t n = 64 * kMiB;
+  CUdeviceptr p = 0;
+  ASSERT_EQ(alloc(&p, n), CUDA_SUCCESS);
+  idle();
+  ASSERT_EQ(gpu().mapped_bytes(p, n), 0u);
+  CUdeviceptr other = 0;  // another program takes the device's memory meanwhile
+  {
+    auto c = context();
+    ASSERT_EQ(gpu().driver().cuMemAlloc(&other, 64 * kMiB), CUDA_SUCCESS);
+  }
+  g_launches = 0;
+  EXPECT_EQ(launch(nullptr, 1, 1, 1, 1, 1, 1, 0, nullptr, nullptr, nullptr), CUDA_ERROR_OUT_OF_MEMORY);
+  EXPECT_EQ(g_launches, 0) << "the kernel was not launched on unmapped memory";
+  EXPECT_TRUE(logs.contains(LogLevel::warn, "fails with out of memory instead of running on memory that is not there"));
+  {
+    auto c = context();
+    ASSERT_EQ(gpu().driver().cuMemFree(other), CUDA_SUCCESS);
+  }
+  EXPECT_EQ(launch(nullptr, 1, 1, 1, 1, 1, 1, 0, nullptr, nullptr, nullptr), CUDA_SUCCESS) << "room again: it wakes";
+  EXPECT_EQ(g_launches, 1);
+  EXPECT_TRUE(session->free(reinterpret_cast<void*>(p)));
 }
 
 TEST_F(CudaHooksTest, AGraphCaptureBeginsOnMappedMemoryAndNothingSleepsUntilItEnds) {
@@ -405,7 +447,7 @@ TEST_F(CudaHooksTest, AFunctionOfANewerCudaThanThePreloadKnowsIsNotWrappedAndThe
   EXPECT_TRUE(logs.contains(LogLevel::warn, "cuLaunchKernel of CUDA 99.0, newer than this preload knows"));
 }
 
-TEST_F(CudaHooksTest, ManagedMemoryAndTheProgramsOwnMappingsAreSaidOnceAndForwarded) {
+TEST_F(CudaHooksTest, ManagedMemoryIsSaidOnceAndForwarded) {
   const auto managed = wrapped("cuMemAllocManaged", &real_managed);
   CUdeviceptr p = 0;
   EXPECT_EQ(managed(&p, 4 * kMiB, CU_MEM_ATTACH_GLOBAL), CUDA_ERROR_NOT_SUPPORTED) << "the driver's answer, as it is";

@@ -196,7 +196,8 @@ TEST(CudaPreload, TwoProgramsShareOneGpuBudgetAskEachOtherAndPsListsBoth) {
              std::string("LD_PRELOAD=") + RESIDENCY_CUDA_PRELOAD,
              "RESIDENCY_KEEP_ALIVE=10m",
              "RESIDENCY_GPU_BUDGET=" + name + ":100MiB",
-             "RESIDENCY_LOG=info",
+             "RESIDENCY_LOG=debug",
+             "RESIDENCY_LOG_TIME=1",
              "RESIDENCY_BUDGET_WAIT=20s"};
     c.drop_env_prefixes = {"LD_PRELOAD=", "RESIDENCY_", "CUDA_VISIBLE_DEVICES="};
     c.stdin_pipe = true;
@@ -207,7 +208,7 @@ TEST(CudaPreload, TwoProgramsShareOneGpuBudgetAskEachOtherAndPsListsBoth) {
   residency::testing::ChildProcess a(a_spec);
   ASSERT_TRUE(a.wait_for("ready", 60)) << slurp(a_spec.stderr_path);
   residency::testing::ChildProcess b(b_spec);
-  ASSERT_TRUE(b.wait_for("ready", 60)) << slurp(b_spec.stderr_path);
+  ASSERT_TRUE(b.wait_for("ready", 60)) << "exit " << b.finish(10) << ": " << slurp(b_spec.stderr_path);
 
   const std::string ps = std::string("'") + RESIDENCY_TOOL_PATH + "' ps 2>&1";
   std::string listing;
