@@ -32,8 +32,14 @@ std::string slurp(const std::string& path) {
   return s.str();
 }
 
+// A file name of this test process's own: ctest runs this binary's tests in parallel processes.
+std::string own_temp(const std::string& what) {
+  static int serial = 0;
+  return ::testing::TempDir() + "cuda_preload_" + std::to_string(::getpid()) + "_" + std::to_string(serial++) + "_" + what;
+}
+
 Outcome run(const std::string& env, const std::string& libs = "'" RESIDENCY_FAKE_EXT "'") {
-  const std::string err = ::testing::TempDir() + "cuda_preload_test.err";
+  const std::string err = own_temp("run.err");
   const std::string cmd = "env -u LD_PRELOAD CUDA_VISIBLE_DEVICES= " + env + " '" RESIDENCY_FAKE_CUDA_HOST "' " + libs +
                           " 2>'" + err + "'";
   Outcome r;
@@ -158,7 +164,7 @@ TEST_P(CudaPreloadGpu, AProgramsMemorySleepsWhileItIdlesAndItsNextKernelFindsItA
   const std::string program = std::string("'") + RESIDENCY_FAKE_GPU_PROGRAM + "' 1500 " + GetParam();
   const std::string libcuda = std::string("LD_LIBRARY_PATH='") + RESIDENCY_FAKE_LIBCUDA_DIR + "'";
   const auto exec = [&](const std::string& env) {
-    const std::string err = ::testing::TempDir() + "cuda_preload_gpu.err";
+    const std::string err = own_temp("gpu.err");
     Outcome r;
     FILE* p = ::popen(("env -u LD_PRELOAD " + libcuda + " " + env + " " + program + " 2>'" + err + "'").c_str(), "r");
     if (p == nullptr) return r;
@@ -201,7 +207,7 @@ TEST(CudaPreload, TwoProgramsShareOneGpuBudgetAskEachOtherAndPsListsBoth) {
              "RESIDENCY_BUDGET_WAIT=20s"};
     c.drop_env_prefixes = {"LD_PRELOAD=", "RESIDENCY_", "CUDA_VISIBLE_DEVICES="};
     c.stdin_pipe = true;
-    c.stderr_path = ::testing::TempDir() + "cuda_preload_" + who + ".err";
+    c.stderr_path = own_temp(who + ".err");
     return c;
   };
   const auto a_spec = spec("a"), b_spec = spec("b");
