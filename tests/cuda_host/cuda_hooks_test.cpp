@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "backends/cuda/cuda_backend.hpp"
+#include "backends/cuda/cuda_process.hpp"
 #include "backends/cuda/program_mappings.hpp"
 #include "cudapreload/cuda_hooks.hpp"
 #include "residency/shared_budget.hpp"
@@ -321,12 +322,16 @@ TEST_F(CudaHooksTest, MemoryTheProgramMapsItselfSleepsAndWakesAtItsAddressUnderI
     ASSERT_EQ(htod(va + n, bytes.data(), n), CUDA_SUCCESS);
   }
   EXPECT_EQ(session->mapping_bytes(), 2 * n);
+  auto& process = cuda::CudaProcess::instance();
+  const std::uint64_t books_awake = process.mapped(0);  // what a GPU budget counts as the backends'
+  EXPECT_GE(books_awake, 2 * n) << "the program's mappings are in the backends' books, not 'unmanaged'";
   const std::uint64_t used_awake = gpu().used();
   clock.advance(std::chrono::seconds(11));
   session->mapping_manager(0)->run_due();
   EXPECT_EQ(gpu().mapped_bytes(va, 2 * n), 0u) << "asleep: nothing mapped at the program's addresses";
   EXPECT_LE(gpu().used() + 2 * n, used_awake) << "its physical memory went back to the device";
   EXPECT_EQ(mappings->asleep(), 2u);
+  EXPECT_EQ(process.mapped(0), books_awake - 2 * n);
 
   // The program releases one handle while its mapping sleeps (as it may while mapped).
   EXPECT_EQ(release(h2), CUDA_SUCCESS);
@@ -348,6 +353,7 @@ TEST_F(CudaHooksTest, MemoryTheProgramMapsItselfSleepsAndWakesAtItsAddressUnderI
     ASSERT_EQ(release(h1), CUDA_SUCCESS);
   }
   EXPECT_EQ(session->mapping_bytes(), 0u);
+  EXPECT_EQ(process.mapped(0), books_awake - 2 * n) << "unmapped: out of the books";
   ASSERT_EQ(gpu().driver().cuMemAddressFree(va, 2 * n), CUDA_SUCCESS);
   EXPECT_EQ(gpu().used(), used_awake - 2 * n) << "both physical handles are gone, none twice";
 }

@@ -3,6 +3,7 @@
 
 #include <utility>
 
+#include "backends/cuda/cuda_process.hpp"
 #include "backends/cuda/device_link.hpp"
 
 namespace residency::cuda {
@@ -67,6 +68,9 @@ bool ProgramMappings::mapped(CUdeviceptr va, std::size_t size, std::size_t offse
   m = Mapping{};
   m.size = size;
   m.handle = handle;
+  // Mapped by this backend's books from now on: a GPU budget counts it as this holder's, not as the
+  // process's memory outside its allocations (NVML's figure less what the backends map).
+  CudaProcess::instance().note_mapped(dev_, size, true);
   return true;
 }
 
@@ -82,6 +86,7 @@ std::vector<CUdeviceptr> ProgramMappings::unmapped(CUdeviceptr va, std::size_t s
   std::vector<CUdeviceptr> gone;
   for (auto it = mappings_.lower_bound(va); it != mappings_.end() && it->first < va + size;) {
     if (it->second.backup != nullptr) (void)d_.cuMemFreeHost(it->second.backup);
+    if (it->second.awake) CudaProcess::instance().note_mapped(dev_, it->second.size, false);
     gone.push_back(it->first);
     it = mappings_.erase(it);
   }
@@ -150,6 +155,7 @@ Status ProgramMappings::sleep_locked(CUdeviceptr va, Mapping& m) {
   m.backup = backup;
   m.awake = false;
   bytes_slept_ += m.size;
+  CudaProcess::instance().note_mapped(dev_, m.size, false);
   return {};
 }
 
@@ -178,6 +184,7 @@ Status ProgramMappings::wake_locked(CUdeviceptr va, Mapping& m) {
   (void)d_.cuMemFreeHost(m.backup);
   m.backup = nullptr;
   m.awake = true;
+  CudaProcess::instance().note_mapped(dev_, m.size, true);
   if (h->second.released_by_program) {
     (void)d_.cuMemRelease(fresh);  // as the program left it: gone with its mapping
     h->second.real = 0;
