@@ -210,6 +210,14 @@ TEST(CudaPreload, TwoProgramsShareOneGpuBudgetAskEachOtherAndPsListsBoth) {
     c.stderr_path = own_temp(who + ".err");
     return c;
   };
+  // The GPU's ledger goes at the end, passed or failed (after the programs: declared first).
+  struct Ledgers {
+    std::string prefix;
+    ~Ledgers() {
+      for (const auto& info : residency::list_shared_budgets())
+        if (info.name.rfind(prefix, 0) == 0) std::remove(info.path.c_str());
+    }
+  } ledgers{name + "."};
   const auto a_spec = spec("a"), b_spec = spec("b");
   residency::testing::ChildProcess a(a_spec);
   ASSERT_TRUE(a.wait_for("ready", 60)) << slurp(a_spec.stderr_path);
@@ -244,8 +252,6 @@ TEST(CudaPreload, TwoProgramsShareOneGpuBudgetAskEachOtherAndPsListsBoth) {
       << slurp(b_spec.stderr_path);
   EXPECT_EQ(a.finish(60), 0);
   EXPECT_EQ(b.finish(60), 0);
-  for (const auto& info : residency::list_shared_budgets())
-    if (info.name.rfind(name + ".", 0) == 0) std::remove(info.path.c_str());
   std::remove(a_spec.stderr_path.c_str());
   std::remove(b_spec.stderr_path.c_str());
 }
