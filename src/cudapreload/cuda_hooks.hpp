@@ -5,8 +5,8 @@
 // A program reaches the driver in three ways, and each is covered:
 //   - by symbol (a program or library linked with -lcuda): the preload exports the functions
 //     (cuda_preload.cpp), each forwarding to the next definition;
-//   - through cuGetProcAddress (how the runtime, Triton and PyTorch's driver calls get their entry
-//     points) and cudaGetDriverEntryPoint[ByVersion]: the preload hands out its wrapper of the
+//   - through cuGetProcAddress and cudaGetDriverEntryPoint[ByVersion] (how recent PyTorch gets its
+//     driver entry points, expandable segments included): the preload hands out its wrapper of the
 //     function asked for, bound to the real function the driver gave (wrap_driver below);
 //   - through the runtime (libcudart as a shared library, as PyTorch loads it): the preload exports
 //     cudaMalloc, cudaLaunchKernel and the others (cuda_preload.cpp), which call the actions below.
