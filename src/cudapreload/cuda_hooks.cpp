@@ -200,6 +200,17 @@ Span dst_of(const CUDA_MEMCPY3D* p) noexcept {
   return {p->dstDevice + (p->dstZ * rows + p->dstY) * pitch + p->dstXInBytes, p->Depth * rows * pitch};
 }
 
+// What a launch, copy or memset does around the real call: opens a use (a wake first, where the
+// memory sleeps), refuses with out of memory when the memory could not be woken (never run on
+// memory that is not there), reports the bytes the call writes, and makes the call.
+template <class Call>
+CUresult enqueue(const void* dst, std::size_t bytes, Call&& call) {
+  const auto u = use_device();
+  if (!u.status()) return CUDA_ERROR_OUT_OF_MEMORY;
+  device_written(dst, bytes);
+  return call();
+}
+
 template <bool PT>
 struct Wrap {
   // Allocation and free.
@@ -233,151 +244,95 @@ struct Wrap {
   // Launches: a use.
   static CUresult CUDAAPI LaunchKernel(CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
                                        unsigned bz, unsigned shmem, CUstream s, void** params, void** extra) {
-    const auto u = use_device();
-    if (!u.status()) return CUDA_ERROR_OUT_OF_MEMORY;  // never run on memory that is not there
-    return real<PT, PFN_cuLaunchKernel_v4000>(kLaunchKernel)(f, gx, gy, gz, bx, by, bz, shmem, s, params, extra);
+    return enqueue(nullptr, 0, [&] {
+      return real<PT, PFN_cuLaunchKernel_v4000>(kLaunchKernel)(f, gx, gy, gz, bx, by, bz, shmem, s, params, extra);
+    });
   }
   static CUresult CUDAAPI LaunchKernelEx(const CUlaunchConfig* config, CUfunction f, void** params, void** extra) {
-    const auto u = use_device();
-    if (!u.status()) return CUDA_ERROR_OUT_OF_MEMORY;  // never run on memory that is not there
-    return real<PT, PFN_cuLaunchKernelEx_v11060>(kLaunchKernelEx)(config, f, params, extra);
+    return enqueue(nullptr, 0,
+                   [&] { return real<PT, PFN_cuLaunchKernelEx_v11060>(kLaunchKernelEx)(config, f, params, extra); });
   }
   static CUresult CUDAAPI LaunchCooperativeKernel(CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx,
                                                   unsigned by, unsigned bz, unsigned shmem, CUstream s, void** params) {
-    const auto u = use_device();
-    if (!u.status()) return CUDA_ERROR_OUT_OF_MEMORY;  // never run on memory that is not there
-    return real<PT, PFN_cuLaunchCooperativeKernel_v9000>(kLaunchCooperativeKernel)(f, gx, gy, gz, bx, by, bz, shmem, s,
-                                                                                   params);
+    return enqueue(nullptr, 0, [&] {
+      return real<PT, PFN_cuLaunchCooperativeKernel_v9000>(kLaunchCooperativeKernel)(f, gx, gy, gz, bx, by, bz, shmem,
+                                                                                     s, params);
+    });
   }
   static CUresult CUDAAPI GraphLaunch(CUgraphExec g, CUstream s) {
-    const auto u = use_device();
-    if (!u.status()) return CUDA_ERROR_OUT_OF_MEMORY;  // never run on memory that is not there
-    return real<PT, PFN_cuGraphLaunch_v10000>(kGraphLaunch)(g, s);
+    return enqueue(nullptr, 0, [&] { return real<PT, PFN_cuGraphLaunch_v10000>(kGraphLaunch)(g, s); });
   }
 
   // Copies and memsets: a use, and a write where the destination is on the device.
   static CUresult CUDAAPI Memcpy(CUdeviceptr dst, CUdeviceptr src, size_t n) {
-    const auto u = use_device();
-    if (!u.status()) return CUDA_ERROR_OUT_OF_MEMORY;  // never run on memory that is not there
-    device_written(as_ptr(dst), n);
-    return real<PT, PFN_cuMemcpy_v4000>(kMemcpy)(dst, src, n);
+    return enqueue(as_ptr(dst), n, [&] { return real<PT, PFN_cuMemcpy_v4000>(kMemcpy)(dst, src, n); });
   }
   static CUresult CUDAAPI MemcpyAsync(CUdeviceptr dst, CUdeviceptr src, size_t n, CUstream s) {
-    const auto u = use_device();
-    if (!u.status()) return CUDA_ERROR_OUT_OF_MEMORY;  // never run on memory that is not there
-    device_written(as_ptr(dst), n);
-    return real<PT, PFN_cuMemcpyAsync_v4000>(kMemcpyAsync)(dst, src, n, s);
+    return enqueue(as_ptr(dst), n, [&] { return real<PT, PFN_cuMemcpyAsync_v4000>(kMemcpyAsync)(dst, src, n, s); });
   }
   static CUresult CUDAAPI MemcpyHtoD(CUdeviceptr dst, const void* src, size_t n) {
-    const auto u = use_device();
-    if (!u.status()) return CUDA_ERROR_OUT_OF_MEMORY;  // never run on memory that is not there
-    device_written(as_ptr(dst), n);
-    return real<PT, PFN_cuMemcpyHtoD_v3020>(kMemcpyHtoD)(dst, src, n);
+    return enqueue(as_ptr(dst), n, [&] { return real<PT, PFN_cuMemcpyHtoD_v3020>(kMemcpyHtoD)(dst, src, n); });
   }
   static CUresult CUDAAPI MemcpyHtoDAsync(CUdeviceptr dst, const void* src, size_t n, CUstream s) {
-    const auto u = use_device();
-    if (!u.status()) return CUDA_ERROR_OUT_OF_MEMORY;  // never run on memory that is not there
-    device_written(as_ptr(dst), n);
-    return real<PT, PFN_cuMemcpyHtoDAsync_v3020>(kMemcpyHtoDAsync)(dst, src, n, s);
+    return enqueue(as_ptr(dst), n,
+                   [&] { return real<PT, PFN_cuMemcpyHtoDAsync_v3020>(kMemcpyHtoDAsync)(dst, src, n, s); });
   }
   static CUresult CUDAAPI MemcpyDtoH(void* dst, CUdeviceptr src, size_t n) {
-    const auto u = use_device();
-    if (!u.status()) return CUDA_ERROR_OUT_OF_MEMORY;  // never run on memory that is not there
-    return real<PT, PFN_cuMemcpyDtoH_v3020>(kMemcpyDtoH)(dst, src, n);
+    return enqueue(nullptr, 0, [&] { return real<PT, PFN_cuMemcpyDtoH_v3020>(kMemcpyDtoH)(dst, src, n); });
   }
   static CUresult CUDAAPI MemcpyDtoHAsync(void* dst, CUdeviceptr src, size_t n, CUstream s) {
-    const auto u = use_device();
-    if (!u.status()) return CUDA_ERROR_OUT_OF_MEMORY;  // never run on memory that is not there
-    return real<PT, PFN_cuMemcpyDtoHAsync_v3020>(kMemcpyDtoHAsync)(dst, src, n, s);
+    return enqueue(nullptr, 0, [&] { return real<PT, PFN_cuMemcpyDtoHAsync_v3020>(kMemcpyDtoHAsync)(dst, src, n, s); });
   }
   static CUresult CUDAAPI MemcpyDtoD(CUdeviceptr dst, CUdeviceptr src, size_t n) {
-    const auto u = use_device();
-    if (!u.status()) return CUDA_ERROR_OUT_OF_MEMORY;  // never run on memory that is not there
-    device_written(as_ptr(dst), n);
-    return real<PT, PFN_cuMemcpyDtoD_v3020>(kMemcpyDtoD)(dst, src, n);
+    return enqueue(as_ptr(dst), n, [&] { return real<PT, PFN_cuMemcpyDtoD_v3020>(kMemcpyDtoD)(dst, src, n); });
   }
   static CUresult CUDAAPI MemcpyDtoDAsync(CUdeviceptr dst, CUdeviceptr src, size_t n, CUstream s) {
-    const auto u = use_device();
-    if (!u.status()) return CUDA_ERROR_OUT_OF_MEMORY;  // never run on memory that is not there
-    device_written(as_ptr(dst), n);
-    return real<PT, PFN_cuMemcpyDtoDAsync_v3020>(kMemcpyDtoDAsync)(dst, src, n, s);
+    return enqueue(as_ptr(dst), n,
+                   [&] { return real<PT, PFN_cuMemcpyDtoDAsync_v3020>(kMemcpyDtoDAsync)(dst, src, n, s); });
   }
   static CUresult CUDAAPI Memcpy2D(const CUDA_MEMCPY2D* p) {
-    const auto u = use_device();
-    if (!u.status()) return CUDA_ERROR_OUT_OF_MEMORY;  // never run on memory that is not there
     const Span w = dst_of(p);
-    device_written(as_ptr(w.at), w.bytes);
-    return real<PT, PFN_cuMemcpy2D_v3020>(kMemcpy2D)(p);
+    return enqueue(as_ptr(w.at), w.bytes, [&] { return real<PT, PFN_cuMemcpy2D_v3020>(kMemcpy2D)(p); });
   }
   static CUresult CUDAAPI Memcpy2DAsync(const CUDA_MEMCPY2D* p, CUstream s) {
-    const auto u = use_device();
-    if (!u.status()) return CUDA_ERROR_OUT_OF_MEMORY;  // never run on memory that is not there
     const Span w = dst_of(p);
-    device_written(as_ptr(w.at), w.bytes);
-    return real<PT, PFN_cuMemcpy2DAsync_v3020>(kMemcpy2DAsync)(p, s);
+    return enqueue(as_ptr(w.at), w.bytes, [&] { return real<PT, PFN_cuMemcpy2DAsync_v3020>(kMemcpy2DAsync)(p, s); });
   }
   static CUresult CUDAAPI Memcpy3D(const CUDA_MEMCPY3D* p) {
-    const auto u = use_device();
-    if (!u.status()) return CUDA_ERROR_OUT_OF_MEMORY;  // never run on memory that is not there
     const Span w = dst_of(p);
-    device_written(as_ptr(w.at), w.bytes);
-    return real<PT, PFN_cuMemcpy3D_v3020>(kMemcpy3D)(p);
+    return enqueue(as_ptr(w.at), w.bytes, [&] { return real<PT, PFN_cuMemcpy3D_v3020>(kMemcpy3D)(p); });
   }
   static CUresult CUDAAPI Memcpy3DAsync(const CUDA_MEMCPY3D* p, CUstream s) {
-    const auto u = use_device();
-    if (!u.status()) return CUDA_ERROR_OUT_OF_MEMORY;  // never run on memory that is not there
     const Span w = dst_of(p);
-    device_written(as_ptr(w.at), w.bytes);
-    return real<PT, PFN_cuMemcpy3DAsync_v3020>(kMemcpy3DAsync)(p, s);
+    return enqueue(as_ptr(w.at), w.bytes, [&] { return real<PT, PFN_cuMemcpy3DAsync_v3020>(kMemcpy3DAsync)(p, s); });
   }
   static CUresult CUDAAPI MemcpyPeer(CUdeviceptr dst, CUcontext dc, CUdeviceptr src, CUcontext sc, size_t n) {
-    const auto u = use_device();
-    if (!u.status()) return CUDA_ERROR_OUT_OF_MEMORY;  // never run on memory that is not there
-    device_written(as_ptr(dst), n);
-    return real<PT, PFN_cuMemcpyPeer_v4000>(kMemcpyPeer)(dst, dc, src, sc, n);
+    return enqueue(as_ptr(dst), n, [&] { return real<PT, PFN_cuMemcpyPeer_v4000>(kMemcpyPeer)(dst, dc, src, sc, n); });
   }
   static CUresult CUDAAPI MemcpyPeerAsync(CUdeviceptr dst, CUcontext dc, CUdeviceptr src, CUcontext sc, size_t n,
                                           CUstream s) {
-    const auto u = use_device();
-    if (!u.status()) return CUDA_ERROR_OUT_OF_MEMORY;  // never run on memory that is not there
-    device_written(as_ptr(dst), n);
-    return real<PT, PFN_cuMemcpyPeerAsync_v4000>(kMemcpyPeerAsync)(dst, dc, src, sc, n, s);
+    return enqueue(as_ptr(dst), n,
+                   [&] { return real<PT, PFN_cuMemcpyPeerAsync_v4000>(kMemcpyPeerAsync)(dst, dc, src, sc, n, s); });
   }
   static CUresult CUDAAPI MemsetD8(CUdeviceptr dst, unsigned char v, size_t n) {
-    const auto u = use_device();
-    if (!u.status()) return CUDA_ERROR_OUT_OF_MEMORY;  // never run on memory that is not there
-    device_written(as_ptr(dst), n);
-    return real<PT, PFN_cuMemsetD8_v3020>(kMemsetD8)(dst, v, n);
+    return enqueue(as_ptr(dst), n, [&] { return real<PT, PFN_cuMemsetD8_v3020>(kMemsetD8)(dst, v, n); });
   }
   static CUresult CUDAAPI MemsetD8Async(CUdeviceptr dst, unsigned char v, size_t n, CUstream s) {
-    const auto u = use_device();
-    if (!u.status()) return CUDA_ERROR_OUT_OF_MEMORY;  // never run on memory that is not there
-    device_written(as_ptr(dst), n);
-    return real<PT, PFN_cuMemsetD8Async_v3020>(kMemsetD8Async)(dst, v, n, s);
+    return enqueue(as_ptr(dst), n, [&] { return real<PT, PFN_cuMemsetD8Async_v3020>(kMemsetD8Async)(dst, v, n, s); });
   }
   static CUresult CUDAAPI MemsetD16(CUdeviceptr dst, unsigned short v, size_t n) {
-    const auto u = use_device();
-    if (!u.status()) return CUDA_ERROR_OUT_OF_MEMORY;  // never run on memory that is not there
-    device_written(as_ptr(dst), 2 * n);
-    return real<PT, PFN_cuMemsetD16_v3020>(kMemsetD16)(dst, v, n);
+    return enqueue(as_ptr(dst), 2 * n, [&] { return real<PT, PFN_cuMemsetD16_v3020>(kMemsetD16)(dst, v, n); });
   }
   static CUresult CUDAAPI MemsetD16Async(CUdeviceptr dst, unsigned short v, size_t n, CUstream s) {
-    const auto u = use_device();
-    if (!u.status()) return CUDA_ERROR_OUT_OF_MEMORY;  // never run on memory that is not there
-    device_written(as_ptr(dst), 2 * n);
-    return real<PT, PFN_cuMemsetD16Async_v3020>(kMemsetD16Async)(dst, v, n, s);
+    return enqueue(as_ptr(dst), 2 * n,
+                   [&] { return real<PT, PFN_cuMemsetD16Async_v3020>(kMemsetD16Async)(dst, v, n, s); });
   }
   static CUresult CUDAAPI MemsetD32(CUdeviceptr dst, unsigned int v, size_t n) {
-    const auto u = use_device();
-    if (!u.status()) return CUDA_ERROR_OUT_OF_MEMORY;  // never run on memory that is not there
-    device_written(as_ptr(dst), 4 * n);
-    return real<PT, PFN_cuMemsetD32_v3020>(kMemsetD32)(dst, v, n);
+    return enqueue(as_ptr(dst), 4 * n, [&] { return real<PT, PFN_cuMemsetD32_v3020>(kMemsetD32)(dst, v, n); });
   }
   static CUresult CUDAAPI MemsetD32Async(CUdeviceptr dst, unsigned int v, size_t n, CUstream s) {
-    const auto u = use_device();
-    if (!u.status()) return CUDA_ERROR_OUT_OF_MEMORY;  // never run on memory that is not there
-    device_written(as_ptr(dst), 4 * n);
-    return real<PT, PFN_cuMemsetD32Async_v3020>(kMemsetD32Async)(dst, v, n, s);
+    return enqueue(as_ptr(dst), 4 * n,
+                   [&] { return real<PT, PFN_cuMemsetD32Async_v3020>(kMemsetD32Async)(dst, v, n, s); });
   }
 
   // Stream capture: everything awake and held from its beginning to its end.

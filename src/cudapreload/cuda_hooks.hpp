@@ -64,7 +64,7 @@ void ipc_export(const void* ptr, const char* call) noexcept;
 // Memory the preload does not manage, said once per kind: managed (unified) memory, physical
 // memory the program maps itself (cuMemCreate: PyTorch's expandable_segments).
 void unmanaged_memory(int key, const char* call) noexcept;
-enum UnmanagedKey : int { kManagedMemory = 1, kOwnMappings = 2, kIpc = 3, kUnknownEntryPoint = 4 };
+enum UnmanagedKey : int { kManagedMemory = 1, kOwnMappings = 2 };
 
 // The region open on this thread (residency_cuda_region_push/pop): the tag of the allocations it
 // makes meanwhile. Nested regions stack (up to kMaxRegionDepth; deeper pushes are refused).
@@ -80,7 +80,7 @@ Tag current_region() noexcept;
 // forwarding to `real` (what the driver gave for that request). `real` itself where the preload does
 // not hook `name` at that ABI, or where a different function was bound to the same wrapper already.
 void* wrap_driver(const char* name, int cuda_version, bool per_thread, void* real) noexcept;
-// The names wrap_driver() hooks (tests, and the preload's exports).
+// Whether wrap_driver() hooks `name` (tests).
 bool hooks_driver_function(const char* name) noexcept;
 
 }  // namespace residency::cudapreload
